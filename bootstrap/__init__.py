@@ -1,0 +1,3 @@
+"""executor-bootstrap: LLM executor creation as an async pipeline of explicit, traced stages."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,51 @@
+"""The backend protocol: what the stages call, one method per piece of device work.
+
+Stages stay thin: they decide *what* to build (sizes, retries, adaptations) and a backend does
+the building. Every method that allocates receives an ``Undo`` and registers, right after each
+allocation, the action that releases it; the pipeline runs those actions when an attempt fails
+(rollback), when a later stage consumes the artifact, or when the run is cancelled.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from bootstrap.artifacts import EstimationBuild, FinalBuild, LoadedModel, ResolvedClasses
+from bootstrap.capacity import CapacityPlan, MemoryProfile, PoolBudgets
+from bootstrap.config import BootstrapConfig
+from bootstrap.devices import Device
+from bootstrap.undo import Undo
+
+
+class Backend(Protocol):
+    name: str
+    device: Device
+
+    def load_model(self, config: BootstrapConfig, resolved: ResolvedClasses, undo: Undo) -> LoadedModel:
+        """Load target (and draft) weights onto ``device``, and the tokenizer."""
+
+    def build_estimation(
+        self, loaded: LoadedModel, resolved: ResolvedClasses, probe_tokens: int, config: BootstrapConfig, undo: Undo
+    ) -> EstimationBuild:
+        """Allocate probe KV pools of ``probe_tokens`` tokens and a temporary executor on them."""
+
+    def profile(
+        self, estimation: EstimationBuild, loaded: LoadedModel, max_num_tokens: int, config: BootstrapConfig, undo: Undo
+    ) -> MemoryProfile:
+        """Run dummy requests filling ``max_num_tokens`` through the probe; measure memory."""
+
+    def build_final(
+        self, loaded: LoadedModel, resolved: ResolvedClasses, budgets: PoolBudgets, undo: Undo
+    ) -> FinalBuild:
+        """Allocate the final KV pools exactly as ``budgets`` says."""
+
+    def start_executor(
+        self,
+        loaded: LoadedModel,
+        resolved: ResolvedClasses,
+        final: FinalBuild,
+        plan: CapacityPlan,
+        config: BootstrapConfig,
+        undo: Undo,
+    ) -> Any:
+        """Create scheduler and sampler, wire and start the executor, serve one smoke request."""

@@ -1,0 +1,75 @@
+"""The one validated configuration of a bootstrap run.
+
+It is validated once, at the edge (CLI, server, Python caller), and is frozen afterwards: stages
+never mutate it. A stage that must change a value (a retry lowering ``max_num_tokens``, say)
+derives a new copy with ``model_copy(update=...)`` and records the change on its span.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+KvDtype = Literal["auto", "float32", "bfloat16", "float16", "fp8"]
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range; the message names the field and the allowed range."""
+
+
+class BootstrapConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = Field(
+        "smollm2-135m-instruct",
+        description="checkpoint dir, config.json, GGUF file, preset name, or random:<preset|config.json>",
+    )
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto, cpu, cuda or cuda:N")
+    dtype: Dtype = "auto"
+    kv_cache_dtype: KvDtype = "auto"
+    max_batch_size: int = Field(32, ge=1, le=4096, description="requests in one forward step")
+    max_num_tokens: int = Field(2048, ge=16, le=1_048_576, description="tokens in one forward step")
+    max_seq_len: int | None = Field(None, ge=2, le=4_194_304, description="prompt + output tokens per request")
+    tokens_per_block: int = Field(32, ge=1, le=1024, description="tokens per KV cache block")
+    free_gpu_memory_fraction: float = Field(
+        0.9, gt=0.0, le=1.0, description="share of the memory left after the measured peak given to KV"
+    )
+    max_kv_bytes: int | None = Field(None, ge=1, description="explicit cap on the KV pool, in bytes")
+    max_kv_tokens: int | None = Field(None, ge=1, description="explicit cap on KV capacity, in tokens")
+    host_cache_bytes: int = Field(0, ge=0, description="host (CPU) KV tier size in bytes, 0 for none")
+    draft_model: str | None = Field(None, description="two-model speculative decoding draft")
+    cross_kv_cache_fraction: float | None = Field(
+        None, gt=0.0, lt=1.0, description="share of the KV budget for cross attention (encoder-decoder)"
+    )
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    plan_cache: Path | None = Field(None, description="directory of cached capacity plans; None disables it")
+
+    @model_validator(mode="after")
+    def _check_relations(self) -> BootstrapConfig:
+        if self.max_batch_size > self.max_num_tokens:
+            raise ValueError(
+                f"max_batch_size ({self.max_batch_size}) must be <= max_num_tokens ({self.max_num_tokens}): "
+                "every request in a step needs at least one token"
+            )
+        if self.tokens_per_block & (self.tokens_per_block - 1):
+            raise ValueError(f"tokens_per_block must be a power of two in [1, 1024], got {self.tokens_per_block}")
+        return self
+
+    @classmethod
+    def parse(cls, **values: object) -> BootstrapConfig:
+        """Validate ``values``; raise ``ConfigError`` with one line per bad field."""
+        try:
+            return cls(**values)
+        except ValidationError as exc:
+            raise ConfigError(describe_validation_error(exc)) from None
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "config"
+        lines.append(f"{field}: {err['msg']} (got {err.get('input')!r})")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
