@@ -1,0 +1,189 @@
+"""Sampling: per-request parameters, a batched device sampler, and stop checks.
+
+The sampler handles a whole batch in a few tensor operations: greedy rows take the argmax,
+sampled rows are scaled by their temperature, cut by their own top-k and top-p, and drawn
+with the exponential-race trick (``argmax(p / E)`` with ``E ~ Exp(1)``), which is an exact
+categorical draw. Each seeded request fills its own row of noise from its own
+``torch.Generator``, so a seeded request gives the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+MAX_SEED = 2**63 - 1
+
+
+def _fail(name: str, allowed: str, value: object) -> None:
+    raise ValueError(f"SamplingParams.{name} must be {allowed}, got {value!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one request, and when to stop it.
+
+    ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` switch those filters off.
+    ``stop_token_ids`` and ``stop`` (strings) end the request with reason ``"stop"``, as does
+    an EOS token unless ``ignore_eos``. Lists given for the tuple fields are stored as tuples.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        self._check_numbers()
+        self._check_stops()
+
+    def _check_numbers(self) -> None:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            _fail("max_tokens", "an integer >= 1", self.max_tokens)
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            _fail("temperature", "a finite number >= 0 (0 = greedy)", t)
+        if not _is_int(self.top_k) or self.top_k < 0:
+            _fail("top_k", "an integer >= 0 (0 = off)", self.top_k)
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            _fail("top_p", "a number in (0, 1] (1 = off)", p)
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            _fail("seed", f"None or an integer in [0, {MAX_SEED}]", self.seed)
+
+    def _check_stops(self) -> None:
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            _fail("stop_token_ids", "a tuple of integers >= 0", self.stop_token_ids)
+        if not all(isinstance(s, str) and s for s in self.stop):
+            _fail("stop", "a tuple of non-empty strings", self.stop)
+        if not isinstance(self.ignore_eos, bool):
+            _fail("ignore_eos", "a bool", self.ignore_eos)
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request takes the most likely token every step."""
+        return self.temperature == 0
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+    """A generator on ``device`` seeded with ``seed``, or None (use the global RNG)."""
+    if seed is None:
+        return None
+    return torch.Generator(device=torch.device(device)).manual_seed(seed)
+
+
+class Sampler:
+    """Turns a batch of logits into one token id per row, each row by its own parameters."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> torch.Tensor:
+        """Token ids ``[B]`` (long) for ``logits [B, V]``; one params and generator per row."""
+        self._check_batch(logits, params, generators)
+        tokens = logits.argmax(dim=-1)
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if rows:
+            index = torch.tensor(rows, device=logits.device)
+            drawn = self._draw(
+                logits.index_select(0, index).float(),
+                [params[i] for i in rows],
+                [generators[i] for i in rows],
+            )
+            tokens = tokens.index_copy(0, index, drawn)
+        return tokens.long()
+
+    @staticmethod
+    def _check_batch(logits: torch.Tensor, params: Sequence, generators: Sequence) -> None:
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
+        if not len(params) == len(generators) == logits.shape[0]:
+            raise ValueError(
+                f"need one SamplingParams and one generator per logits row: rows="
+                f"{logits.shape[0]}, params={len(params)}, generators={len(generators)}"
+            )
+
+    def _draw(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> torch.Tensor:
+        temps = self._column([p.temperature for p in params], logits)
+        logits = logits / temps
+        if any(p.top_k > 0 or p.top_p < 1 for p in params):
+            logits = self._filter(logits, params)
+        probs = torch.softmax(logits, dim=-1)
+        noise = self._exponential_noise(probs, generators)
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _column(values: list, like: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+
+    def _filter(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """Mask (to -inf) what falls outside each row's top-k and top-p."""
+        vocab = logits.shape[-1]
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ks = self._column([p.top_k if p.top_k > 0 else vocab for p in params], logits)
+        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+        sorted_logits = sorted_logits.masked_fill(ranks >= ks, float("-inf"))
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        top_ps = self._column([p.top_p for p in params], logits)
+        outside = (mass_before >= top_ps) & (top_ps < 1)
+        sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
+        return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+    @staticmethod
+    def _exponential_noise(
+        probs: torch.Tensor, generators: Sequence[torch.Generator | None]
+    ) -> torch.Tensor:
+        noise = torch.empty_like(probs).exponential_()
+        for row, gen in enumerate(generators):
+            if gen is not None:
+                noise[row].exponential_(generator=gen)
+        return noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # a 0 would divide 0 into NaN
+
+
+def stop_reason(
+    token_ids: list[int], text: str, params: SamplingParams, eos_token_ids: set[int]
+) -> str | None:
+    """Why a request with these generated tokens and text should finish, or None to go on.
+
+    ``"stop"`` for a stop token, EOS (unless ``ignore_eos``) or a stop string anywhere in
+    ``text``; otherwise ``"length"`` once ``max_tokens`` tokens were generated.
+    """
+    if token_ids:
+        last = token_ids[-1]
+        if last in params.stop_token_ids or (not params.ignore_eos and last in eos_token_ids):
+            return "stop"
+    if any(s in text for s in params.stop):
+        return "stop"
+    if len(token_ids) >= params.max_tokens:
+        return "length"
+    return None
+
+
+def trim_stop_text(text: str, params: SamplingParams) -> str:
+    """``text`` cut just before the earliest stop string in it (OpenAI semantics)."""
+    cuts = [i for i in (text.find(s) for s in params.stop) if i >= 0]
+    return text[: min(cuts)] if cuts else text
