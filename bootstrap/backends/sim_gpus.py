@@ -1,0 +1,110 @@
+"""Simulated GPUs: memory presets for the dry-run planner and stage tests.
+
+``total_bytes`` is what ``torch.cuda.mem_get_info()[1]`` (equivalently
+``torch.cuda.get_device_properties(i).total_memory``) reports, which is *less* than the
+``memory.total`` of ``nvidia-smi``: the driver keeps a few hundred MiB out of reach. Sources:
+
+- h200: measured on this project's H200 machine (torch 2.11.0+cu130, driver 580.159):
+  ``mem_get_info`` total = 150,109,880,320 B (143,155.5 MiB; nvidia-smi shows 143,771 MiB).
+- h100-80gb: ``_CudaDeviceProperties(name='NVIDIA H100 80GB HBM3', total_memory=81089MB)`` as
+  printed by torch in public bug reports (81,082-81,090 MiB seen, by driver; nvidia-smi 81,559).
+  Torch prints ``total_memory // 2**20`` with the unit "MB": the figures are MiB.
+- a100-80gb: OOM messages "GPU 0 has a total capacity of 79.15 GiB" on A100-SXM4-80GB
+  (about 81,050 MiB; nvidia-smi 81,920).
+- a100-40gb: ``total_memory=40536MB`` for A100-SXM4-40GB (nvidia-smi 40,960).
+- l40s: ``total_memory=45589MB`` (nvidia-smi 46,068).
+- rtx-4090: ``total_memory=24563MB`` (nvidia-smi 24,564).
+
+``non_torch_bytes`` is memory a process holds outside torch's caching allocator once it has run
+a matrix product: CUDA context, kernel images, cuBLAS/cuBLASLt handles and workspaces. Measured
+on the H200 (same setup): 552,402,944 B after context creation, 623,706,112 B (595 MiB) after the
+first bf16 and fp32 matmuls. That figure is used for every preset; it depends mostly on the CUDA
+version and the loaded libraries, little on the card's memory size.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from bootstrap.devices import FakeDevice
+
+MiB = 1024**2
+#: Non-torch memory after CUDA init + first cuBLAS matmuls, measured on an H200 (see above).
+CUDA_CONTEXT_BYTES = 623_706_112
+
+
+@dataclass(frozen=True)
+class SimGpu:
+    name: str
+    total_bytes: int
+    non_torch_bytes: int = CUDA_CONTEXT_BYTES
+    source: str = ""
+
+    def device(self) -> FakeDevice:
+        """A fresh ``FakeDevice`` with this GPU's capacity and context overhead already taken."""
+        return FakeDevice(total=self.total_bytes, name=self.name, non_torch=self.non_torch_bytes)
+
+
+SIM_GPUS: dict[str, SimGpu] = {
+    g.name: g
+    for g in (
+        SimGpu("h200", 150_109_880_320, source="measured here: torch.cuda.mem_get_info on NVIDIA H200"),
+        SimGpu("h100-80gb", 81_089 * MiB, source="torch total_memory of NVIDIA H100 80GB HBM3"),
+        SimGpu("a100-80gb", 81_050 * MiB, source="torch OOM message 'total capacity of 79.15 GiB'"),
+        SimGpu("a100-40gb", 40_536 * MiB, source="torch total_memory of A100-SXM4-40GB"),
+        SimGpu("l40s", 45_589 * MiB, source="torch total_memory of NVIDIA L40S"),
+        SimGpu("rtx-4090", 24_563 * MiB, source="torch total_memory of NVIDIA GeForce RTX 4090"),
+    )
+}
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+}  # fmt: skip
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """``"80GiB"`` → 85899345920; ``"80GB"`` is decimal (8e10); a bare number is bytes."""
+    match = _SIZE.match(text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(
+            f"cannot read {text!r} as a byte count: use an integer number of bytes or a number "
+            f"with one of the units {', '.join(u for u in _UNITS if u)} (e.g. '80GiB')"
+        )
+    nbytes = int(float(match.group(1)) * _UNITS[unit])
+    if nbytes <= 0:
+        raise ValueError(f"a simulated GPU needs a positive size, got {text!r}")
+    return nbytes
+
+
+def resolve_sim_gpu(gpu: str) -> SimGpu:
+    """A preset by name (case-insensitive), or a custom size: ``custom:80GiB``, ``80GiB``, ``85899345920``."""
+    key = gpu.strip().lower()
+    if key in SIM_GPUS:
+        return SIM_GPUS[key]
+    size = key.removeprefix("custom:")
+    if not size[:1].isdigit():
+        presets = ", ".join(SIM_GPUS)
+        raise ValueError(
+            f"unknown simulated GPU {gpu!r}: use a preset ({presets}) or a size such as "
+            "'custom:80GiB', '80GiB' or a byte count"
+        )
+    try:
+        total = parse_bytes(size)
+    except ValueError as exc:
+        raise ValueError(f"simulated GPU {gpu!r}: {exc}") from None
+    if total <= CUDA_CONTEXT_BYTES:
+        raise ValueError(
+            f"simulated GPU {gpu!r} has {total} bytes, not more than the {CUDA_CONTEXT_BYTES} bytes a "
+            "CUDA context takes"
+        )
+    return SimGpu(f"custom-{total}", total, source="custom size")
+
+
+def sim_device(gpu: str) -> FakeDevice:
+    """A fresh ``FakeDevice`` for a preset name or a custom size (see ``resolve_sim_gpu``)."""
+    return resolve_sim_gpu(gpu).device()
