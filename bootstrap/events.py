@@ -1,0 +1,98 @@
+"""Progress: stage events as an async stream, and the per-stage status they add up to.
+
+Every consumer (CLI table, HTTP server, tests) subscribes to its own stream; a slow consumer
+never blocks the pipeline (its buffer is unbounded, events are small and few).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import anyio
+from anyio.streams.memory import MemoryObjectSendStream
+
+EventKind = Literal["started", "attempt_failed", "retrying", "done", "skipped", "failed", "cancelled"]
+StageState = Literal["pending", "running", "done", "skipped", "failed", "cancelled"]
+
+_STATE_AFTER: dict[EventKind, StageState] = {
+    "started": "running",
+    "attempt_failed": "running",
+    "retrying": "running",
+    "done": "done",
+    "skipped": "skipped",
+    "failed": "failed",
+    "cancelled": "cancelled",
+}
+
+
+@dataclass(frozen=True)
+class StageEvent:
+    stage: str
+    kind: EventKind
+    attempt: int = 0
+    message: str = ""
+    figures: dict[str, int | float | str] = field(default_factory=dict)
+    at: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class StageStatus:
+    """What ``GET /v1/bootstrap`` and the CLI table show for one stage."""
+
+    stage: str
+    state: StageState = "pending"
+    attempts: int = 0
+    started_at: float | None = None
+    duration_s: float | None = None
+    error: str | None = None
+    figures: dict[str, int | float | str] = field(default_factory=dict)
+
+    def after(self, event: StageEvent) -> StageStatus:
+        state = _STATE_AFTER[event.kind]
+        started = event.at if event.kind == "started" else self.started_at
+        ended = state in ("done", "skipped", "failed", "cancelled")
+        return replace(
+            self,
+            state=state,
+            attempts=max(self.attempts, event.attempt),
+            started_at=started,
+            duration_s=(event.at - started) if ended and started is not None else self.duration_s,
+            error=event.message if state in ("failed", "cancelled") else self.error,
+            figures={**self.figures, **event.figures},
+        )
+
+
+class EventHub:
+    """Fan-out of stage events to every subscriber, plus the running status table."""
+
+    def __init__(self, stage_ids: list[str]) -> None:
+        self.status: dict[str, StageStatus] = {s: StageStatus(s) for s in stage_ids}
+        self._subscribers: list[MemoryObjectSendStream[StageEvent]] = []
+        self.history: list[StageEvent] = []
+
+    def publish(self, event: StageEvent) -> None:
+        self.status[event.stage] = self.status[event.stage].after(event)
+        self.history.append(event)
+        for send in list(self._subscribers):
+            try:
+                send.send_nowait(event)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                self._subscribers.remove(send)
+
+    async def subscribe(self) -> AsyncIterator[StageEvent]:
+        """Every event so far, then new ones as they come, until ``close()``."""
+        send, receive = anyio.create_memory_object_stream[StageEvent](max_buffer_size=float("inf"))
+        for event in self.history:  # no await between replay and registration: nothing is missed
+            send.send_nowait(event)
+        self._subscribers.append(send)
+        async with receive:
+            async for event in receive:
+                yield event
+
+    def close(self) -> None:
+        for send in self._subscribers:
+            send.close()
+        self._subscribers.clear()

@@ -1,0 +1,207 @@
+"""The stage runner: graph, attempts, rollback, resume, cancellation, events and spans.
+
+``Pipeline(stages, inputs)`` orders the stages by the artifacts they need and provide and runs
+each one as soon as its inputs exist, independent ones concurrently. Each stage attempt gets a
+span and an ``Undo``; a retryable failure runs the undo (rollback), lets the stage ``adapt`` its
+inputs, and tries again under the stage's tenacity policy. A stage that gives up raises
+``StageFailed``; every artifact made so far is kept, and ``retry()`` resumes from there.
+Cancelling ``run()`` releases every completed stage, newest first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+import anyio
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Span, Status, StatusCode
+
+from bootstrap.device_thread import DeviceThread
+from bootstrap.devices import Device
+from bootstrap.events import EventHub, StageEvent, StageStatus
+from bootstrap.graph import check_graph, topological_order
+from bootstrap.stage import Stage
+from bootstrap.stage_run import StageRun
+from bootstrap.telemetry import ROOT_SPAN, TRACER_NAME
+from bootstrap.undo import Undo
+
+
+class StageFailed(RuntimeError):
+    """A stage gave up. Earlier artifacts are kept; ``Pipeline.retry()`` resumes from ``stage``."""
+
+    def __init__(self, stage: str, attempts: int, cause: BaseException) -> None:
+        self.stage, self.attempts, self.cause = stage, attempts, cause
+        tries = "attempt" if attempts == 1 else "attempts"
+        super().__init__(
+            f"stage {stage!r} failed after {attempts} {tries}: {type(cause).__name__}: {cause}"
+        )
+
+
+class Pipeline:
+    def __init__(
+        self,
+        stages: Sequence[Stage],
+        inputs: Mapping[str, Any],
+        *,
+        tracer_provider: trace.TracerProvider | None = None,
+        device: Device | None = None,
+        thread: DeviceThread | None = None,
+    ) -> None:
+        check_graph(stages, inputs.keys())
+        self.stages = topological_order(stages)
+        self.artifacts: dict[str, Any] = dict(inputs)
+        self.device = device
+        self.hub = EventHub([s.id for s in self.stages])
+        self._tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer(TRACER_NAME)
+        self._thread = thread or DeviceThread()
+        self._owns_thread = thread is None
+        self._undos: dict[str, Undo] = {}  # completed stage -> releases of its artifact
+        self._finished: list[str] = []  # completion order, for reverse release
+        self._ready: dict[str, anyio.Event] = {}
+
+    # -- public API ------------------------------------------------------------------------
+
+    @property
+    def status(self) -> dict[str, StageStatus]:
+        return self.hub.status
+
+    def events(self) -> AsyncIterator[StageEvent]:
+        return self.hub.subscribe()
+
+    async def run(self) -> dict[str, Any]:
+        """Run every stage not yet done; return all artifacts. Raises ``StageFailed``."""
+        pending = [s for s in self.stages if self.status[s.id].state not in ("done", "skipped")]
+        with self._tracer.start_as_current_span(ROOT_SPAN) as root:
+            root.set_attribute("bootstrap.stages", [s.id for s in pending])
+            try:
+                await self._run_graph(pending, root)
+            except BaseException as exc:
+                await self._on_abort(exc, root)
+                raise self._unwrap(exc) from None
+            root.set_attribute("bootstrap.outcome", "ok")
+            root.set_status(Status(StatusCode.OK))
+        return self.artifacts
+
+    async def retry(self, stage_id: str | None = None) -> dict[str, Any]:
+        """Resume after ``StageFailed``: rerun the failed stage (or ``stage_id``) and the rest."""
+        if stage_id is not None:
+            await self._reset(stage_id)
+        return await self.run()
+
+    async def aclose(self) -> None:
+        """Release every completed stage's artifact, newest first, and stop the device thread."""
+        with anyio.CancelScope(shield=True):
+            await self._release_completed()
+            if self._owns_thread:
+                self._thread.close()
+        self.hub.close()
+
+    # -- running ---------------------------------------------------------------------------
+
+    async def _run_graph(self, pending: list[Stage], root: Span) -> None:
+        self._ready = {s.provides: anyio.Event() for s in pending}
+        ctx = trace.set_span_in_context(root)
+        async with anyio.create_task_group() as tg:
+            for stage in pending:
+                tg.start_soon(self._run_when_ready, stage, ctx)
+
+    async def _run_when_ready(self, stage: Stage, ctx: otel_context.Context) -> None:
+        for name in stage.requires:
+            if name in self._ready:
+                await self._ready[name].wait()
+        run = StageRun(stage, self._inputs(stage), self._tracer, self.hub, self._thread, self.device)
+        token = otel_context.attach(ctx)
+        try:
+            artifact, undo = await run.execute()
+        except anyio.get_cancelled_exc_class():
+            raise
+        except BaseException as exc:
+            raise StageFailed(stage.id, run.attempts, exc) from exc
+        finally:
+            otel_context.detach(token)
+        await self._complete(stage, artifact, undo)
+
+    def _inputs(self, stage: Stage) -> dict[str, Any]:
+        return {name: self.artifacts[name] for name in stage.requires}
+
+    async def _complete(self, stage: Stage, artifact: Any, undo: Undo) -> None:
+        self.artifacts[stage.provides] = artifact
+        self._undos[stage.id] = undo
+        self._finished.append(stage.id)
+        for name in stage.consumes:
+            await self._release(self._producer(name))
+            self.artifacts.pop(name, None)
+        self._ready[stage.provides].set()
+
+    # -- release and abort -----------------------------------------------------------------
+
+    def _producer(self, artifact: str) -> str | None:
+        return next((s.id for s in self.stages if s.provides == artifact), None)
+
+    async def _release(self, stage_id: str | None) -> None:
+        undo = self._undos.pop(stage_id, None) if stage_id else None
+        if undo is not None and len(undo):
+            await self._thread.run(undo.run)
+
+    async def _release_completed(self) -> None:
+        while self._finished:
+            await self._release(self._finished.pop())
+
+    async def _on_abort(self, exc: BaseException, root: Span) -> None:
+        failure = self._unwrap(exc)
+        cancelled = not isinstance(failure, StageFailed)
+        root.set_attribute("bootstrap.outcome", "cancelled" if cancelled else "failed")
+        root.set_status(Status(StatusCode.ERROR, str(failure) or type(failure).__name__))
+        if isinstance(failure, StageFailed):
+            root.set_attribute("bootstrap.failed_stage", failure.stage)
+            return  # keep earlier artifacts for retry()
+        with anyio.CancelScope(shield=True):
+            await self._release_completed()
+        for stage in self.stages:
+            if self.status[stage.id].state != "cancelled":
+                self.hub.publish(StageEvent(stage.id, "cancelled", message="pipeline cancelled; rolled back"))
+        self.artifacts = {k: v for k, v in self.artifacts.items() if self._producer(k) is None}
+
+    @staticmethod
+    def _unwrap(exc: BaseException) -> BaseException:
+        """The first StageFailed inside (nested) exception groups, else the exception itself."""
+        while isinstance(exc, BaseExceptionGroup):
+            failures = [e for e in exc.exceptions if isinstance(e, StageFailed | BaseExceptionGroup)]
+            exc = failures[0] if failures else exc.exceptions[0]
+        return exc
+
+    async def _reset(self, stage_id: str) -> None:
+        """Make ``stage_id``, what depends on it, and producers of inputs it lost pending again."""
+        ids = [s.id for s in self.stages]
+        if stage_id not in ids:
+            raise ValueError(f"unknown stage {stage_id!r}; stages are: {', '.join(ids)}")
+        stale = self._downstream(stage_id)
+        stale |= self._lost_upstream(stale)
+        for sid in [s for s in reversed(self._finished) if s in stale]:
+            await self._release(sid)
+            self._finished.remove(sid)
+        for stage in self.stages:
+            if stage.id in stale:
+                self.artifacts.pop(stage.provides, None)
+                self.hub.status[stage.id] = StageStatus(stage.id)
+
+    def _downstream(self, stage_id: str) -> set[str]:
+        stale = {stage_id}
+        for stage in self.stages:  # topological order: one pass suffices
+            if {self._producer(n) for n in stage.requires} & stale:
+                stale.add(stage.id)
+        return stale
+
+    def _lost_upstream(self, stale: set[str]) -> set[str]:
+        """Producers whose artifact a stale stage needs but a consumer already released."""
+        lost: set[str] = set()
+        for stage in reversed(self.stages):
+            if stage.id not in stale | lost:
+                continue
+            for name in stage.requires:
+                producer = self._producer(name)
+                if producer and name not in self.artifacts:
+                    lost.add(producer)
+        return lost

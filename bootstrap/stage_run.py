@@ -1,0 +1,166 @@
+"""One stage's run: its span, its attempts under tenacity, rollback and adaptation between them."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
+import anyio
+from opentelemetry import context as otel_context
+from opentelemetry.trace import Span, Status, StatusCode, Tracer
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential, wait_none
+
+from bootstrap.device_thread import DeviceThread
+from bootstrap.devices import Device
+from bootstrap.events import EventHub, StageEvent
+from bootstrap.stage import Skip, Stage
+from bootstrap.telemetry import attempt_span, stage_span
+from bootstrap.undo import Undo
+
+
+class StageRun:
+    def __init__(
+        self,
+        stage: Stage,
+        inputs: Mapping[str, Any],
+        tracer: Tracer,
+        hub: EventHub,
+        thread: DeviceThread,
+        device: Device | None,
+    ) -> None:
+        self.stage, self.inputs = stage, dict(inputs)
+        self._tracer, self._hub, self._thread, self._device = tracer, hub, thread, device
+        self.attempts = 0
+        self._changes: Mapping[str, str] = {}
+        self._span: Span | None = None
+
+    async def execute(self) -> tuple[Any, Undo]:
+        """Run the stage to success, skip, or failure (re-raised after the span records it)."""
+        with self._tracer.start_as_current_span(stage_span(self.stage.id), record_exception=False) as span:
+            self._span = span
+            span.set_attribute("bootstrap.stage", self.stage.id)
+            await self._record_free(span, "before")
+            self._publish("started")
+            try:
+                artifact, undo, outcome = await self._skip_or_attempts()
+            except BaseException as exc:
+                self._record_failure(span, exc)
+                raise
+            finally:
+                span.set_attribute("bootstrap.attempts", self.attempts)
+                with anyio.CancelScope(shield=True):
+                    await self._record_free(span, "after")
+            self._record_success(span, artifact, outcome)
+            return artifact, undo
+
+    async def _skip_or_attempts(self) -> tuple[Any, Undo, str]:
+        skip = self.stage.skip(**self.inputs) if self.stage.skip else None
+        if isinstance(skip, Skip):
+            self._span.set_attribute("bootstrap.skip_reason", skip.reason)
+            return skip.artifact, Undo(), "skipped"
+        artifact, undo = await self._attempts()
+        return artifact, undo, "ok"
+
+    async def _attempts(self) -> tuple[Any, Undo]:
+        policy = self.stage.retry
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(policy.attempts),
+            wait=wait_exponential(multiplier=policy.backoff_s, max=policy.max_backoff_s)
+            if policy.backoff_s
+            else wait_none(),
+            retry=retry_if_exception(lambda e: isinstance(e, Exception) and policy.retry_on(e)),
+            before_sleep=self._before_retry,
+            sleep=anyio.sleep,
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                result = await self._attempt()
+        return result
+
+    async def _attempt(self) -> tuple[Any, Undo]:
+        self.attempts += 1
+        undo = Undo()
+        name = attempt_span(self.stage.id)
+        with self._tracer.start_as_current_span(name, record_exception=False, set_status_on_exception=False) as span:
+            span.set_attribute("bootstrap.stage", self.stage.id)
+            span.set_attribute("bootstrap.attempt", self.attempts)
+            for key, change in self._changes.items():
+                span.set_attribute(f"bootstrap.adapt.{key}", change)
+            try:
+                artifact = await self._call(undo)
+            except BaseException as exc:
+                await self._rollback(span, undo, exc)
+                raise
+            span.set_attribute("bootstrap.outcome", "ok")
+            span.set_status(Status(StatusCode.OK))
+        return artifact, undo
+
+    async def _call(self, undo: Undo) -> Any:
+        fn = partial(self.stage.fn, **self.inputs, **({"undo": undo} if self.stage.wants_undo else {}))
+        if not self.stage.blocking:
+            result = fn()
+            return await result if inspect.isawaitable(result) else result
+        ctx = otel_context.get_current()
+        return await self._thread.run(_in_context, ctx, fn)
+
+    async def _rollback(self, span: Span, undo: Undo, exc: BaseException) -> None:
+        cancelled = isinstance(exc, anyio.get_cancelled_exc_class())
+        span.set_attribute("bootstrap.outcome", "cancelled" if cancelled else "failed")
+        span.set_attribute("bootstrap.rollback.actions", len(undo))
+        _mark_error(span, exc)
+        with anyio.CancelScope(shield=True):
+            errors = await self._thread.run(undo.run)
+        if errors:
+            span.set_attribute("bootstrap.rollback.errors", [repr(e) for e in errors])
+        if not cancelled:
+            self._publish("attempt_failed", f"{type(exc).__name__}: {exc}")
+
+    def _before_retry(self, state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        adaptation = self.stage.adapt(exc, self.inputs) if self.stage.adapt and exc else None
+        self._changes = dict(adaptation.changes) if adaptation else {}
+        if adaptation:
+            self.inputs = {**self.inputs, **adaptation.inputs}
+            self._span.add_event("bootstrap.adapt", {f"bootstrap.adapt.{k}": v for k, v in self._changes.items()})
+        note = ", ".join(f"{k}: {v}" for k, v in self._changes.items())
+        self._publish("retrying", note or "retrying unchanged")
+
+    async def _record_free(self, span: Span, when: str) -> None:
+        if self._device is not None:
+            span.set_attribute(f"bootstrap.device.free_bytes.{when}", await self._thread.run(self._device.free_bytes))
+
+    def _record_success(self, span: Span, artifact: Any, outcome: str) -> None:
+        figures = dict(self.stage.figures(artifact)) if self.stage.figures and artifact is not None else {}
+        for key, value in figures.items():
+            span.set_attribute(key, value)
+        span.set_attribute("bootstrap.outcome", outcome)
+        span.set_status(Status(StatusCode.OK))
+        kind = "skipped" if outcome == "skipped" else "done"
+        self._publish(kind, span.attributes.get("bootstrap.skip_reason", ""), figures)
+
+    def _record_failure(self, span: Span, exc: BaseException) -> None:
+        cancelled = isinstance(exc, anyio.get_cancelled_exc_class())
+        span.set_attribute("bootstrap.outcome", "cancelled" if cancelled else "failed")
+        _mark_error(span, exc)
+        self._publish("cancelled" if cancelled else "failed", f"{type(exc).__name__}: {exc}")
+
+    def _publish(self, kind: str, message: str = "", figures: Mapping[str, Any] | None = None) -> None:
+        self._hub.publish(StageEvent(self.stage.id, kind, self.attempts, message, dict(figures or {})))
+
+
+def _in_context(ctx: otel_context.Context, fn: Any) -> Any:
+    """Run ``fn`` in the device thread under the caller's trace context (for nested spans)."""
+    token = otel_context.attach(ctx)
+    try:
+        return fn()
+    finally:
+        otel_context.detach(token)
+
+
+def _mark_error(span: Span, exc: BaseException) -> None:
+    span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+    span.record_exception(exc)
+    span.set_attribute("error.type", type(exc).__qualname__)
