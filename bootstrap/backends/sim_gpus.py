@@ -86,7 +86,7 @@ def resolve_sim_gpu(gpu: str) -> SimGpu:
     key = gpu.strip().lower()
     if key in SIM_GPUS:
         return SIM_GPUS[key]
-    size = key.removeprefix("custom:")
+    size = gpu.strip()[len("custom:") :] if key.startswith("custom:") else gpu.strip()
     if not size[:1].isdigit():
         presets = ", ".join(SIM_GPUS)
         raise ValueError(
