@@ -1,0 +1,375 @@
+"""`ModelShape`: a Hugging Face ``config.json`` normalized to the figures capacity math needs.
+
+Pure (no torch import). Supported families: Llama, Mistral, Mixtral (MoE), Qwen2, Qwen3,
+Gemma, Gemma2 (alternating sliding windows), DeepSeek-V2/V3 (MLA + MoE with shared experts and
+dense-first layers) and Jamba (hybrid attention / Mamba layers, the source of recurrent state).
+A config with ``layer_types`` ("full_attention" / "sliding_attention") sets the windows directly.
+
+Normalization rules worth knowing:
+- a sliding window at least as long as ``max_position_embeddings`` is full attention (None);
+- Qwen2/Qwen3 windows apply only with ``use_sliding_window`` (layers >= ``max_window_layers``);
+- Gemma2 without ``layer_types``: even layers slide, odd layers are global (as transformers does);
+- recurrent state per Mamba layer and sequence = conv state ``d_inner * (d_conv - 1)`` plus SSM
+  state ``d_inner * d_state`` elements (the vLLM / TensorRT-LLM layout; transformers keeps a
+  ``d_conv``-wide conv buffer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MHA, GQA, MQA, MLA = "mha", "gqa", "mqa", "mla"
+ATTENTION, RECURRENT = "attention", "recurrent"
+
+# model_type -> (tie_word_embeddings default, norms per layer, qkv bias, qk norm)
+_FAMILIES: dict[str, tuple[bool, int, bool, bool]] = {
+    "llama": (False, 2, False, False),
+    "mistral": (False, 2, False, False),
+    "mixtral": (False, 2, False, False),
+    "qwen2": (False, 2, True, False),
+    "qwen3": (False, 2, False, True),
+    "gemma": (True, 2, False, False),
+    "gemma2": (True, 4, False, False),
+    "deepseek_v2": (False, 2, False, False),
+    "deepseek_v3": (False, 2, False, False),
+    "jamba": (False, 2, False, False),
+}
+SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))
+
+
+class ModelConfigError(ValueError):
+    """A config.json is unsupported or lacks / mistypes a field; the message names both."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Normalized model geometry. Per-layer tuples have one entry per decoder layer."""
+
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    torch_dtype: str | None
+    layer_kinds: tuple[str, ...]  # "attention" | "recurrent"
+    layer_windows: tuple[int | None, ...]  # sliding window of each layer; None: full (or recurrent)
+    moe_layers: tuple[bool, ...] = ()  # True where the MLP is a mixture of experts
+    attention_bias: bool = False  # bias on q/k/v/o projections (Llama-style attention_bias)
+    qkv_bias: bool = False  # bias on q/k/v only (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    mlp_bias: bool = False
+    norms_per_layer: int = 2
+    # MLA (DeepSeek-V2/V3); None elsewhere
+    kv_lora_rank: int | None = None
+    q_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+    qk_nope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    # MoE; num_experts == 0 for dense models
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    num_shared_experts: int = 0
+    shared_expert_intermediate_size: int = 0
+    expert_score_bias: bool = False  # DeepSeek-V3 noaux_tc routing keeps a per-expert bias
+    # recurrent (Mamba) layers
+    recurrent_state_elements: int = 0  # per recurrent layer and sequence
+    mamba_d_inner: int = 0
+    mamba_d_state: int = 0
+    mamba_d_conv: int = 0
+    mamba_dt_rank: int = 0
+    mamba_conv_bias: bool = False
+    mamba_proj_bias: bool = False
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelShape:
+        """Normalize a parsed config.json; raise ``ModelConfigError`` naming the bad field."""
+        if not isinstance(cfg, dict):
+            raise ModelConfigError(f"config must be a JSON object, got {type(cfg).__name__}")
+        model_type = cfg.get("model_type")
+        if model_type not in _FAMILIES:
+            raise ModelConfigError(
+                f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        return _Parser(cfg, model_type).shape()
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> ModelShape:
+        """Read a config.json file, or the config.json inside a checkpoint directory."""
+        file = Path(path).expanduser()
+        if file.is_dir():
+            file = file / "config.json"
+        if not file.is_file():
+            raise ModelConfigError(f"no config.json at {file}")
+        try:
+            cfg = json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ModelConfigError(f"cannot read {file}: {exc}") from None
+        return cls.from_hf_config(cfg)
+
+    @property
+    def attention_kind(self) -> str:
+        """"mla", or "mha" / "gqa" / "mqa" by the ratio of KV heads to query heads."""
+        if self.kv_lora_rank is not None:
+            return MLA
+        if self.num_kv_heads == self.num_heads:
+            return MHA
+        return MQA if self.num_kv_heads == 1 else GQA
+
+    @property
+    def num_attention_layers(self) -> int:
+        return self.layer_kinds.count(ATTENTION)
+
+    @property
+    def num_recurrent_layers(self) -> int:
+        return self.layer_kinds.count(RECURRENT)
+
+    @property
+    def attention_windows(self) -> tuple[int | None, ...]:
+        """Window of each attention layer (None: full attention), recurrent layers left out."""
+        return tuple(w for k, w in zip(self.layer_kinds, self.layer_windows) if k == ATTENTION)
+
+    def recurrent_state_bytes(self, dtype_bytes: float) -> int:
+        """Recurrent state of one sequence over all recurrent layers."""
+        return math.ceil(self.num_recurrent_layers * self.recurrent_state_elements * dtype_bytes)
+
+    def parameter_count(self) -> int:
+        """Parameters as the checkpoint stores them (embeddings, layers, norms, untied lm_head)."""
+        embeddings = self.vocab_size * self.hidden_size
+        lm_head = 0 if self.tie_word_embeddings else embeddings
+        layers = sum(self._layer_params(i) for i in range(self.num_layers))
+        return embeddings + layers + self.hidden_size + lm_head
+
+    def weight_bytes(self, dtype_bytes: float) -> int:
+        """Bytes of all parameters at ``dtype_bytes`` per parameter."""
+        return math.ceil(self.parameter_count() * dtype_bytes)
+
+    def fingerprint(self) -> str:
+        """Stable sha256 of the normalized shape (same shape, same hash, whatever the key order)."""
+        blob = json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    def _layer_params(self, index: int) -> int:
+        mixer = self._attention_params() if self.layer_kinds[index] == ATTENTION else self._mamba_params()
+        mlp = self._moe_params() if self.moe_layers[index] else _mlp(self.hidden_size, self.intermediate_size, self.mlp_bias)
+        return mixer + mlp + self.norms_per_layer * self.hidden_size
+
+    def _attention_params(self) -> int:
+        if self.kv_lora_rank is not None:
+            return self._mla_params()
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        params = 2 * h * q + 2 * h * kv
+        if self.attention_bias:
+            params += q + 2 * kv + h
+        elif self.qkv_bias:
+            params += q + 2 * kv
+        return params + (2 * self.head_dim if self.qk_norm else 0)
+
+    def _mla_params(self) -> int:
+        h, heads, rope, rank = self.hidden_size, self.num_heads, self.qk_rope_head_dim, self.kv_lora_rank
+        qk_head = self.qk_nope_head_dim + rope
+        bias = self.attention_bias
+        if self.q_lora_rank is None:
+            query = h * heads * qk_head
+        else:
+            query = h * self.q_lora_rank + bias * self.q_lora_rank + self.q_lora_rank * (1 + heads * qk_head)
+        kv = h * (rank + rope) + bias * (rank + rope) + rank + rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+        return query + kv + heads * self.v_head_dim * h + bias * h
+
+    def _moe_params(self) -> int:
+        h = self.hidden_size
+        router = self.num_experts * h + (self.num_experts if self.expert_score_bias else 0)
+        experts = self.num_experts * 3 * h * self.moe_intermediate_size
+        shared = _mlp(h, self.shared_expert_intermediate_size, False) if self.num_shared_experts else 0
+        return router + experts + shared
+
+    def _mamba_params(self) -> int:
+        h, d, n, r, k = self.hidden_size, self.mamba_d_inner, self.mamba_d_state, self.mamba_dt_rank, self.mamba_d_conv
+        proj_bias = self.mamba_proj_bias
+        in_proj = h * 2 * d + proj_bias * 2 * d
+        conv = d * k + (d if self.mamba_conv_bias else 0)
+        x_proj, dt_proj = d * (r + 2 * n), r * d + d
+        ssm = d * n + d  # A_log, D
+        out_proj = d * h + proj_bias * h
+        return in_proj + conv + x_proj + dt_proj + ssm + out_proj + r + 2 * n  # + dt/B/C norms
+
+
+def _mlp(hidden: int, inner: int, bias: bool) -> int:
+    return 3 * hidden * inner + ((2 * inner + hidden) if bias else 0)
+
+
+class _Parser:
+    """Reads one config dict; every getter names the field and model_type on failure."""
+
+    def __init__(self, cfg: dict[str, Any], model_type: str) -> None:
+        self.cfg, self.model_type = cfg, model_type
+
+    def get_int(self, key: str, default: int | None = None, *, minimum: int = 1) -> int:
+        value = self.cfg.get(key, default)
+        if value is None:
+            raise ModelConfigError(f"{self.model_type} config.json: missing required field {key!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ModelConfigError(
+                f"{self.model_type} config.json: field {key!r} must be an integer >= {minimum}, got {value!r}"
+            )
+        return value
+
+    def get_opt_int(self, key: str) -> int | None:
+        return None if self.cfg.get(key) is None else self.get_int(key)
+
+    def get_flag(self, key: str, default: bool) -> bool:
+        value = self.cfg.get(key, default)
+        if not isinstance(value, bool):
+            raise ModelConfigError(f"{self.model_type} config.json: field {key!r} must be true/false, got {value!r}")
+        return value
+
+    def shape(self) -> ModelShape:
+        tie_default, norms, qkv_bias, qk_norm = _FAMILIES[self.model_type]
+        layers, heads, hidden = self.get_int("num_hidden_layers"), self.get_int("num_attention_heads"), self.get_int("hidden_size")
+        kv_heads = self.get_int("num_key_value_heads", heads)
+        if heads % kv_heads:
+            raise ModelConfigError(
+                f"{self.model_type} config.json: num_attention_heads ({heads}) is not a multiple of "
+                f"num_key_value_heads ({kv_heads})"
+            )
+        kinds = self._layer_kinds(layers)
+        fields: dict[str, Any] = dict(
+            architecture=self._architecture(),
+            model_type=self.model_type,
+            vocab_size=self.get_int("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=self.get_int("intermediate_size"),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=self._head_dim(hidden, heads),
+            max_position_embeddings=self.get_int("max_position_embeddings", 262144 if self.model_type == "jamba" else None),
+            tie_word_embeddings=self.get_flag("tie_word_embeddings", tie_default),
+            torch_dtype=self.cfg.get("torch_dtype", self.cfg.get("dtype")),
+            layer_kinds=kinds,
+            attention_bias=self.get_flag("attention_bias", False),
+            qkv_bias=qkv_bias,
+            qk_norm=qk_norm,
+            mlp_bias=self.get_flag("mlp_bias", False),
+            norms_per_layer=norms,
+        )
+        fields["layer_windows"] = self._windows(kinds, fields["max_position_embeddings"])
+        fields.update(self._mla())
+        fields.update(self._moe(layers))
+        fields.update(self._mamba(hidden))
+        return ModelShape(**fields)
+
+    def _architecture(self) -> str:
+        archs = self.cfg.get("architectures")
+        if archs is None:
+            return self.model_type
+        if not isinstance(archs, list) or not archs or not all(isinstance(a, str) for a in archs):
+            raise ModelConfigError(f"{self.model_type} config.json: field 'architectures' must be a list of names")
+        return archs[0]
+
+    def _head_dim(self, hidden: int, heads: int) -> int:
+        if self.cfg.get("head_dim") is not None:
+            return self.get_int("head_dim")
+        if hidden % heads:
+            raise ModelConfigError(
+                f"{self.model_type} config.json: no 'head_dim' and hidden_size ({hidden}) is not a multiple of "
+                f"num_attention_heads ({heads})"
+            )
+        return hidden // heads
+
+    def _layer_kinds(self, layers: int) -> tuple[str, ...]:
+        if self.model_type != "jamba":
+            return (ATTENTION,) * layers
+        period, offset = self.get_int("attn_layer_period", 8), self.get_int("attn_layer_offset", 4, minimum=0)
+        return tuple(ATTENTION if i % period == offset else RECURRENT for i in range(layers))
+
+    def _windows(self, kinds: tuple[str, ...], max_pos: int) -> tuple[int | None, ...]:
+        sliding = self._sliding_layers(len(kinds))
+        window = self.get_opt_int("sliding_window") if any(sliding) else None
+        if window is not None and window >= max_pos:
+            window = None
+        return tuple(window if s and k == ATTENTION else None for s, k in zip(sliding, kinds))
+
+    def _sliding_layers(self, layers: int) -> list[bool]:
+        types = self.cfg.get("layer_types")
+        if types is not None:
+            if not isinstance(types, list) or len(types) != layers:
+                raise ModelConfigError(
+                    f"{self.model_type} config.json: field 'layer_types' must list one entry per layer ({layers})"
+                )
+            return [t == "sliding_attention" for t in types]
+        if self.model_type in ("mistral", "mixtral"):
+            return [True] * layers
+        if self.model_type in ("qwen2", "qwen3"):
+            start = self.get_int("max_window_layers", layers, minimum=0)
+            return [self.get_flag("use_sliding_window", False) and i >= start for i in range(layers)]
+        if self.model_type == "gemma2":
+            return [i % 2 == 0 for i in range(layers)]
+        return [False] * layers
+
+    def _mla(self) -> dict[str, Any]:
+        if not self.model_type.startswith("deepseek"):
+            return {}
+        return dict(
+            kv_lora_rank=self.get_int("kv_lora_rank"),
+            q_lora_rank=self.get_opt_int("q_lora_rank"),
+            qk_rope_head_dim=self.get_int("qk_rope_head_dim"),
+            qk_nope_head_dim=self.get_int("qk_nope_head_dim"),
+            v_head_dim=self.get_int("v_head_dim"),
+        )
+
+    def _moe(self, layers: int) -> dict[str, Any]:
+        if self.model_type.startswith("deepseek") and self.cfg.get("n_routed_experts"):
+            first_dense, freq = self.get_int("first_k_dense_replace", 0, minimum=0), self.get_int("moe_layer_freq", 1)
+            inner, shared = self.get_int("moe_intermediate_size"), self.get_int("n_shared_experts", 0, minimum=0)
+            return dict(
+                moe_layers=tuple(i >= first_dense and i % freq == 0 for i in range(layers)),
+                num_experts=self.get_int("n_routed_experts"),
+                experts_per_token=self.get_int("num_experts_per_tok"),
+                moe_intermediate_size=inner,
+                num_shared_experts=shared,
+                shared_expert_intermediate_size=inner * shared,
+                expert_score_bias=self.cfg.get("topk_method") == "noaux_tc",
+            )
+        if self.model_type in ("mixtral", "jamba"):
+            experts = self.get_int("num_local_experts" if self.model_type == "mixtral" else "num_experts", 16)
+            period, offset = (1, 0) if self.model_type == "mixtral" else self._expert_period()
+            return dict(
+                moe_layers=tuple(experts > 1 and i % period == offset for i in range(layers)),
+                num_experts=experts if experts > 1 else 0,
+                experts_per_token=self.get_int("num_experts_per_tok", 2),
+                moe_intermediate_size=self.get_int("intermediate_size"),
+            )
+        return dict(moe_layers=(False,) * layers)
+
+    def _expert_period(self) -> tuple[int, int]:
+        return self.get_int("expert_layer_period", 2), self.get_int("expert_layer_offset", 1, minimum=0)
+
+    def _mamba(self, hidden: int) -> dict[str, Any]:
+        if self.model_type != "jamba":
+            return {}
+        d_inner = self.get_int("mamba_expand", 2) * hidden
+        d_state, d_conv = self.get_int("mamba_d_state", 16), self.get_int("mamba_d_conv", 4)
+        rank = self.cfg.get("mamba_dt_rank", "auto")
+        rank = math.ceil(hidden / 16) if rank == "auto" else self.get_int("mamba_dt_rank")
+        return dict(
+            recurrent_state_elements=d_inner * (d_conv - 1) + d_inner * d_state,
+            mamba_d_inner=d_inner,
+            mamba_d_state=d_state,
+            mamba_d_conv=d_conv,
+            mamba_dt_rank=rank,
+            mamba_conv_bias=self.get_flag("mamba_conv_bias", True),
+            mamba_proj_bias=self.get_flag("mamba_proj_bias", False),
+        )
