@@ -1,0 +1,325 @@
+"""Pure capacity math: KV bytes per token, the probe size, and profile -> KV budget.
+
+No torch import. The formulas follow TensorRT-LLM's PyTorch backend (see
+``shared/reference/tensorrt-llm-executor-creation.md`` §3); where this module differs on
+purpose, the docstring says so. Every infeasible case raises `CapacityError` with the figures
+(GiB with two decimals and exact bytes) and the config field to change.
+
+The budget split between pools lives in `bootstrap.budget_split` and is re-exported here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from bootstrap.models.shape import ModelShape
+
+GIB = 1024**3
+
+_KV_DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
+
+
+class CapacityError(ValueError):
+    """The configuration cannot fit; the message gives the figures and the knob to turn."""
+
+
+def fmt_bytes(n: int | float) -> str:
+    """``12.34 GiB (13,249,974,108 bytes)``: both the readable and the exact figure."""
+    return f"{n / GIB:.2f} GiB ({int(n):,} bytes)"
+
+
+def _ceil_to(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _check_positive(**values: int | float) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"{name} must be a positive number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CacheCost:
+    """KV cost of a pool: ``bytes(tokens) = slope * tokens + intercept``.
+
+    ``slope`` is bytes per cached token; ``intercept`` is fixed bytes that do not grow with
+    tokens (sliding-window and recurrent state for ``max_batch_size`` sequences).
+    """
+
+    slope: int
+    intercept: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("slope", "intercept"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"CacheCost.{name} must be an integer >= 0, got {value!r}")
+
+    def bytes_for_tokens(self, tokens: int) -> int:
+        if tokens < 0:
+            raise ValueError(f"tokens must be >= 0, got {tokens}")
+        return self.slope * tokens + self.intercept
+
+    def tokens_for_budget(self, budget: int) -> int:
+        """Tokens a budget holds after the intercept: ``max((budget - intercept) // slope, 0)``."""
+        if self.slope == 0:
+            raise CapacityError("a KV pool with no per-token cost (slope 0) has no token capacity")
+        return max((budget - self.intercept) // self.slope, 0)
+
+    def __add__(self, other: CacheCost) -> CacheCost:
+        if not isinstance(other, CacheCost):
+            return NotImplemented
+        return CacheCost(self.slope + other.slope, self.intercept + other.intercept)
+
+
+def kv_dtype_bytes(name: str) -> int | float:
+    """Bytes per KV element for a resolved ``kv_cache_dtype`` (not "auto")."""
+    try:
+        return _KV_DTYPE_BYTES[name]
+    except KeyError:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(_KV_DTYPE_BYTES)}, got {name!r}") from None
+
+
+def _kv_heads_per_rank(kv_heads: int, tp: int) -> int:
+    """KV heads one rank caches: ``ceil(kv_heads / tp)``.
+
+    With fewer KV heads than ranks each head is replicated, so every rank still holds one head
+    (TensorRT-LLM divides ``kv_heads / tp`` as a float, which under-counts that case).
+    """
+    return -(-kv_heads // tp)
+
+
+def mha_cost(*, layers: int, kv_heads: int, head_dim: int, dtype_bytes: int | float, tp: int = 1) -> CacheCost:
+    """MHA/GQA/MQA on one rank: ``2 * layers * ceil(kv_heads / tp) * head_dim * dtype_bytes``."""
+    _check_positive(layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes, tp=tp)
+    return CacheCost(math.ceil(2 * layers * _kv_heads_per_rank(kv_heads, tp) * head_dim * dtype_bytes))
+
+
+def mla_cost(*, layers: int, kv_lora_rank: int, rope_dim: int, dtype_bytes: int | float) -> CacheCost:
+    """MLA latent cache: ``layers * (kv_lora_rank + rope_dim) * dtype_bytes`` (K only, no TP split)."""
+    _check_positive(layers=layers, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, dtype_bytes=dtype_bytes)
+    return CacheCost(math.ceil(layers * (kv_lora_rank + rope_dim) * dtype_bytes))
+
+
+def _layer_bytes_per_token(shape: ModelShape, dtype_bytes: int | float, tp: int) -> int:
+    if shape.kv_lora_rank is not None:
+        return mla_cost(layers=1, kv_lora_rank=shape.kv_lora_rank, rope_dim=shape.qk_rope_head_dim,
+                        dtype_bytes=dtype_bytes).slope
+    return mha_cost(layers=1, kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+                    dtype_bytes=dtype_bytes, tp=tp).slope
+
+
+def model_cost(
+    shape: ModelShape, *, kv_dtype_bytes: int | float, tp: int, max_batch_size: int, tokens_per_block: int
+) -> CacheCost:
+    """Cost of a model's KV cache on one rank.
+
+    Full-attention layers go to the slope. Each sliding-window layer adds
+    ``max_batch_size * ceil(window / tpb) * tpb * layer_bytes`` to the intercept (TensorRT-LLM V2's
+    ``gen_swa_req``; its context-phase SWA term is left out: windows are priced at full length,
+    which already bounds a request). When *every* attention layer is windowed the layers are
+    priced as full attention instead, so the slope stays positive and errs on the safe side.
+    Recurrent state adds ``max_batch_size * ceil(state_elements / tp) * layers * dtype_bytes``
+    (the state shards with the Mamba inner dimension; it uses the KV dtype).
+    """
+    _check_positive(tp=tp, max_batch_size=max_batch_size, tokens_per_block=tokens_per_block)
+    if shape.num_heads % tp:
+        raise CapacityError(
+            f"tensor_parallel_size ({tp}) must divide the {shape.num_heads} attention heads of "
+            f"{shape.architecture}; choose a divisor of {shape.num_heads}"
+        )
+    per_layer = _layer_bytes_per_token(shape, kv_dtype_bytes, tp)
+    windows = shape.attention_windows
+    sliding = [w for w in windows if w is not None]
+    if len(sliding) == len(windows):
+        sliding = []
+    slope = (len(windows) - len(sliding)) * per_layer
+    window_bytes = sum(_ceil_to(w, tokens_per_block) * per_layer for w in sliding)
+    state = shape.num_recurrent_layers * math.ceil(
+        -(-shape.recurrent_state_elements // tp) * kv_dtype_bytes
+    )
+    return CacheCost(slope, max_batch_size * (window_bytes + state))
+
+
+def dummy_request_lengths(max_num_tokens: int, max_seq_len: int) -> list[int]:
+    """Prompt lengths of the profiling dummies: ``max_num_tokens`` cut into requests of
+    ``min(max_num_tokens, max_seq_len - 1)`` tokens, the remainder last (reference §3.1)."""
+    _check_positive(max_num_tokens=max_num_tokens)
+    if max_seq_len < 2:
+        raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
+    length = min(max_num_tokens, max_seq_len - 1)
+    full, rest = divmod(max_num_tokens, length)
+    return [length] * full + ([rest] if rest else [])
+
+
+def estimation_tokens(*, max_num_tokens: int, max_seq_len: int, max_batch_size: int, tokens_per_block: int) -> int:
+    """Probe KV capacity in tokens (reference §3.1, one pool group, beam width 1).
+
+    Each dummy needs ``ceil((len + 1) / tpb)`` blocks (one generated token); at least one full
+    ``max_seq_len`` request plus one block for each other batch slot. Block aligned.
+    """
+    _check_positive(max_batch_size=max_batch_size, tokens_per_block=tokens_per_block)
+    lengths = dummy_request_lengths(max_num_tokens, max_seq_len)
+    blocks = sum(-(-(n + 1) // tokens_per_block) for n in lengths)
+    floor = -(-(max_seq_len + 1) // tokens_per_block) + max_batch_size - 1
+    return max(blocks, floor) * tokens_per_block
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """What the profiling run measured, in bytes (``used_bytes`` = total - free after the run)."""
+
+    total_bytes: int
+    free_before_bytes: int
+    model_bytes: int
+    torch_peak_bytes: int
+    torch_used_bytes: int
+    used_bytes: int
+    probe_kv_bytes: int
+    max_num_tokens: int
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"MemoryProfile.{name} must be an integer >= 0, got {value!r}")
+        if self.total_bytes == 0 or self.max_num_tokens == 0:
+            raise ValueError("MemoryProfile.total_bytes and max_num_tokens must be positive")
+
+    @property
+    def peak_bytes(self) -> int:
+        """Torch peak plus memory used outside torch (NCCL, CUDA context, other processes)."""
+        return self.torch_peak_bytes + max(self.used_bytes - self.torch_used_bytes, 0)
+
+    @property
+    def activation_bytes(self) -> int:
+        """Torch peak less weights and probe KV: the forward pass's working memory."""
+        return max(self.torch_peak_bytes - self.model_bytes - self.probe_kv_bytes, 0)
+
+    def to_dict(self) -> dict[str, int]:
+        return {**asdict(self), "peak_bytes": self.peak_bytes, "activation_bytes": self.activation_bytes}
+
+
+LIMITS = ("memory", "max_kv_bytes", "max_kv_tokens")
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    """The KV budget and token capacity derived from a profile; input to the budget split."""
+
+    total_bytes: int
+    peak_bytes: int
+    kv_budget_bytes: int
+    kv_tokens: int
+    cost: CacheCost
+    tokens_per_block: int
+    max_seq_len: int
+    max_batch_size: int
+    max_num_tokens: int
+    max_concurrent_requests: int
+    limited_by: str
+    fraction: float
+
+    @property
+    def kv_blocks(self) -> int:
+        return self.kv_tokens // self.tokens_per_block
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["cost"] = {"slope": self.cost.slope, "intercept": self.cost.intercept}
+        out["kv_blocks"] = self.kv_blocks
+        return out
+
+
+def plan_capacity(
+    profile: MemoryProfile,
+    *,
+    cost: CacheCost,
+    fraction: float,
+    max_seq_len: int,
+    max_batch_size: int,
+    tokens_per_block: int,
+    max_kv_bytes: int | None = None,
+    max_kv_tokens: int | None = None,
+) -> CapacityPlan:
+    """KV budget from a profile: ``int((total - peak + probe_kv) * fraction)`` capped by the
+    explicit limits, then block-aligned tokens (reference §3.2).
+
+    Differs from TensorRT-LLM: both caps apply to bytes here (TRT's V2 passes ``max_tokens`` on
+    to the manager), and the plan fails now, with figures, when one ``max_seq_len`` request
+    cannot fit, instead of at the first long request.
+    """
+    if not 0 < fraction <= 1:
+        raise CapacityError(f"free_gpu_memory_fraction must be in (0, 1], got {fraction}")
+    _check_positive(max_seq_len=max_seq_len, max_batch_size=max_batch_size, tokens_per_block=tokens_per_block)
+    budget, limited_by = _capped_budget(profile, cost, fraction, max_kv_bytes, max_kv_tokens)
+    kv_tokens = cost.tokens_for_budget(budget) // tokens_per_block * tokens_per_block if budget > 0 else 0
+    if kv_tokens < tokens_per_block:
+        raise CapacityError(_too_small(profile, cost, fraction, budget, limited_by, tokens_per_block, "one KV block"))
+    per_request = -(-max_seq_len // tokens_per_block)
+    concurrent = kv_tokens // tokens_per_block // per_request
+    if concurrent < 1:
+        what = f"one request of max_seq_len={max_seq_len} ({per_request} blocks)"
+        raise CapacityError(_too_small(profile, cost, fraction, budget, limited_by, per_request * tokens_per_block, what))
+    return CapacityPlan(
+        total_bytes=profile.total_bytes, peak_bytes=profile.peak_bytes, kv_budget_bytes=budget,
+        kv_tokens=kv_tokens, cost=cost, tokens_per_block=tokens_per_block, max_seq_len=max_seq_len,
+        max_batch_size=max_batch_size, max_num_tokens=profile.max_num_tokens,
+        max_concurrent_requests=concurrent, limited_by=limited_by, fraction=fraction,
+    )
+
+
+def _capped_budget(
+    profile: MemoryProfile, cost: CacheCost, fraction: float, max_kv_bytes: int | None, max_kv_tokens: int | None
+) -> tuple[int, str]:
+    budget = int((profile.total_bytes - profile.peak_bytes + profile.probe_kv_bytes) * fraction)
+    limited_by = "memory"
+    if max_kv_tokens is not None and cost.bytes_for_tokens(max_kv_tokens) < budget:
+        budget, limited_by = cost.bytes_for_tokens(max_kv_tokens), "max_kv_tokens"
+    if max_kv_bytes is not None and max_kv_bytes < budget:
+        budget, limited_by = max_kv_bytes, "max_kv_bytes"
+    return budget, limited_by
+
+
+def _too_small(
+    profile: MemoryProfile, cost: CacheCost, fraction: float, budget: int, limited_by: str, tokens: int, what: str
+) -> str:
+    need = cost.bytes_for_tokens(tokens)
+    lines = [
+        f"the KV cache budget cannot hold {what}: budget {fmt_bytes(budget)} (limited by {limited_by}), "
+        f"needed {fmt_bytes(need)} = {cost.slope:,} bytes/token x {tokens:,} tokens + {fmt_bytes(cost.intercept)} "
+        "fixed per-sequence state",
+        f"memory: total {fmt_bytes(profile.total_bytes)}, measured peak {fmt_bytes(profile.peak_bytes)} "
+        f"(weights {fmt_bytes(profile.model_bytes)}, activations {fmt_bytes(profile.activation_bytes)}, "
+        f"non-torch {fmt_bytes(profile.peak_bytes - profile.torch_peak_bytes)}), probe KV added back "
+        f"{fmt_bytes(profile.probe_kv_bytes)}, free_gpu_memory_fraction {fraction}",
+    ]
+    if limited_by != "memory":
+        lines.append(f"fix: raise {limited_by} (it caps the budget below what memory allows)")
+    else:
+        lines.append(
+            "fix: lower max_seq_len, raise free_gpu_memory_fraction, lower max_num_tokens or max_batch_size "
+            f"(activations and fixed state; profiled max_num_tokens={profile.max_num_tokens}), use a smaller "
+            "kv_cache_dtype, or use more tensor_parallel_size"
+        )
+    return "\n  ".join(lines)
+
+
+_SPLIT_NAMES = ("PoolBudget", "PoolBudgets", "split_budgets", "split_cross", "split_draft")
+
+
+def __getattr__(name: str) -> Any:
+    """Re-export the budget split (lazily: `bootstrap.budget_split` imports this module)."""
+    if name in _SPLIT_NAMES:
+        from bootstrap import budget_split
+
+        return getattr(budget_split, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "GIB", "CacheCost", "CapacityError", "CapacityPlan", "MemoryProfile", *_SPLIT_NAMES,
+    "dummy_request_lengths", "estimation_tokens", "fmt_bytes", "kv_dtype_bytes", "mha_cost", "mla_cost",
+    "model_cost", "plan_capacity",
+]
