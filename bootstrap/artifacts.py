@@ -58,6 +58,7 @@ class EstimationBuild:
     handle: Any
     probe_tokens: int
     probe_kv_bytes: int
+    max_num_tokens: int  # the dummy workload this probe was sized for
 
 
 @dataclass(frozen=True)

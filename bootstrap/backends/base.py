@@ -8,18 +8,27 @@ allocation, the action that releases it; the pipeline runs those actions when an
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from bootstrap.artifacts import EstimationBuild, FinalBuild, LoadedModel, ResolvedClasses
 from bootstrap.capacity import CapacityPlan, MemoryProfile, PoolBudgets
 from bootstrap.config import BootstrapConfig
 from bootstrap.devices import Device
+from bootstrap.models.shape import ModelShape
 from bootstrap.undo import Undo
 
 
 class Backend(Protocol):
     name: str
     device: Device
+    classes: Mapping[str, str]  # class names chosen for "kv_manager", "scheduler", "sampler"
+
+    def model_shape(self, spec: str) -> ModelShape:
+        """The shape of the model ``spec`` names, read from its config alone (no weights)."""
+
+    def default_dtype(self, shape: ModelShape) -> str:
+        """The weight dtype ``dtype="auto"`` means on this backend's device."""
 
     def load_model(self, config: BootstrapConfig, resolved: ResolvedClasses, undo: Undo) -> LoadedModel:
         """Load target (and draft) weights onto ``device``, and the tokenizer."""

@@ -1,0 +1,87 @@
+"""Plan cache: a measured memory profile, stored under a fingerprint of everything it depends on.
+
+A later start with the same fingerprint skips ``estimation_build`` and ``profiling`` when the
+device has room for the plan now: free memory covers the activation peak plus the KV budget.
+It never demands equality with a fluctuating figure such as free memory at the last start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+from importlib import metadata
+from pathlib import Path
+
+from bootstrap.artifacts import ResolvedClasses
+from bootstrap.capacity import CapacityPlan, MemoryProfile
+from bootstrap.config import BootstrapConfig
+from bootstrap.devices import Device
+
+# Config fields that change the profile or the plan; the rest (plan_cache, device spelling) do not.
+FINGERPRINT_FIELDS = (
+    "dtype", "kv_cache_dtype", "max_batch_size", "max_num_tokens", "max_seq_len", "tokens_per_block",
+    "free_gpu_memory_fraction", "max_kv_bytes", "max_kv_tokens", "host_cache_bytes",
+    "cross_kv_cache_fraction", "tensor_parallel_size",
+)  # fmt: skip
+LIBRARIES = ("executor-bootstrap", "torch", "transformers")
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def fingerprint(config: BootstrapConfig, resolved: ResolvedClasses, device: Device, backend: str) -> str:
+    parts = {
+        "model": resolved.shape.fingerprint(),
+        "draft": resolved.draft_shape.fingerprint() if resolved.draft_shape else None,
+        "resolved_dtype": [resolved.dtype, resolved.kv_dtype, resolved.max_seq_len],
+        "device": [device.name, device.total_bytes()],
+        "backend": backend,
+        "libraries": {d: _version(d) for d in LIBRARIES},
+        "config": {f: getattr(config, f) for f in FINGERPRINT_FIELDS},
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedPlan:
+    profile: MemoryProfile
+    kv_budget_bytes: int
+
+    def needed_after_load(self) -> int:
+        """Bytes a start needs once weights are loaded: activation and non-torch peak, plus KV."""
+        p = self.profile
+        return max(p.peak_bytes - p.model_bytes - p.probe_kv_bytes, 0) + self.kv_budget_bytes
+
+    def fits(self, free_bytes: int) -> bool:
+        return free_bytes >= self.needed_after_load()
+
+
+class PlanCache:
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory).expanduser()
+
+    def load(self, key: str) -> CachedPlan | None:
+        path = self.directory / f"{key}.json"
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            return CachedPlan(MemoryProfile(**data["profile"]), int(data["kv_budget_bytes"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # missing or unreadable: profile again
+
+    def store(self, key: str, profile: MemoryProfile, plan: CapacityPlan) -> Path:
+        """Write atomically, so a concurrent or killed start never reads half a file."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        data = {"profile": dataclasses.asdict(profile), "kv_budget_bytes": plan.kv_budget_bytes}
+        fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1)
+        path = self.directory / f"{key}.json"
+        os.replace(tmp, path)
+        return path

@@ -1,0 +1,54 @@
+"""Per-stage rows for people (a rich table) and programs (``--json``), read from the spans."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from opentelemetry.sdk.trace import ReadableSpan
+from rich.table import Table
+
+from bootstrap.devices import GiB
+
+PREFIX = "bootstrap.stage."
+
+
+def stage_rows(spans: Iterable[ReadableSpan]) -> list[dict[str, Any]]:
+    """One row per stage span, in start order: id, outcome, attempts, duration, free memory."""
+    rows = []
+    stage_spans = [s for s in spans if s.name.startswith(PREFIX) and not s.name.endswith(".attempt")]
+    for span in sorted(stage_spans, key=lambda s: s.start_time or 0):
+        attrs = span.attributes or {}
+        rows.append(
+            {
+                "id": attrs.get("bootstrap.stage", span.name.removeprefix(PREFIX)),
+                "outcome": attrs.get("bootstrap.outcome"),
+                "attempts": attrs.get("bootstrap.attempts", 0),
+                "duration_s": round(((span.end_time or 0) - (span.start_time or 0)) / 1e9, 6),
+                "free_bytes_before": attrs.get("bootstrap.device.free_bytes.before"),
+                "free_bytes_after": attrs.get("bootstrap.device.free_bytes.after"),
+                "skip_reason": attrs.get("bootstrap.skip_reason"),
+                "error": span.status.description if span.status.description else None,
+            }
+        )
+    return rows
+
+
+def _gib(value: int | None) -> str:
+    return "-" if value is None else f"{value / GiB:.2f}"
+
+
+def stage_table(rows: list[dict[str, Any]], title: str = "bootstrap stages") -> Table:
+    table = Table(title=title)
+    for column, justify in [("stage", "left"), ("outcome", "left"), ("attempts", "right"),
+                            ("duration", "right"), ("free before GiB", "right"), ("free after GiB", "right")]:  # fmt: skip
+        table.add_column(column, justify=justify)
+    for row in rows:
+        outcome = row["outcome"] or "-"
+        if row["skip_reason"]:
+            outcome += f" ({row['skip_reason']})"
+        table.add_row(
+            row["id"], outcome, str(row["attempts"]), f"{row['duration_s'] * 1000:.1f} ms",
+            _gib(row["free_bytes_before"]), _gib(row["free_bytes_after"]),
+        )  # fmt: skip
+    return table

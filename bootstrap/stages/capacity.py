@@ -1,0 +1,49 @@
+"""Stage 5, ``capacity``: pure arithmetic from the memory profile and the config to a KV byte
+budget and token capacity. Infeasible plans raise ``CapacityError`` with the figures and the
+knob to turn. A measured (not cached) profile is stored in the plan cache here."""
+
+from __future__ import annotations
+
+from bootstrap.artifacts import ResolvedClasses
+from bootstrap.backends.base import Backend
+from bootstrap.capacity import CapacityPlan, MemoryProfile, plan_capacity
+from bootstrap.config import BootstrapConfig
+from bootstrap.plan_cache import PlanCache, fingerprint
+from bootstrap.stage import Stage
+
+
+def capacity(
+    config: BootstrapConfig,
+    resolved: ResolvedClasses,
+    profile: MemoryProfile,
+    backend: Backend,
+    plan_cache: PlanCache | None,
+) -> CapacityPlan:
+    plan = plan_capacity(
+        profile,
+        cost=resolved.total_cost,
+        fraction=config.free_gpu_memory_fraction,
+        max_seq_len=resolved.max_seq_len,
+        max_batch_size=config.max_batch_size,
+        tokens_per_block=config.tokens_per_block,
+        max_kv_bytes=config.max_kv_bytes,
+        max_kv_tokens=config.max_kv_tokens,
+    )
+    if plan_cache is not None:
+        plan_cache.store(fingerprint(config, resolved, backend.device, backend.name), profile, plan)
+    return plan
+
+
+STAGE = Stage(
+    "capacity",
+    capacity,
+    provides="plan",
+    blocking=False,
+    figures=lambda p: {
+        "bootstrap.kv.budget_bytes": p.kv_budget_bytes,
+        "bootstrap.kv.max_tokens": p.kv_tokens,
+        "bootstrap.kv.max_concurrent_requests": p.max_concurrent_requests,
+        "bootstrap.kv.limited_by": p.limited_by,
+        "bootstrap.max_num_tokens": p.max_num_tokens,
+    },
+)

@@ -1,0 +1,50 @@
+"""Stage 7, ``final_build``: allocate the final KV pools from the budgets. OOM: the attempt's
+pools are released, every budget shrinks by one step (10 %), retry."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from bootstrap.artifacts import FinalBuild, LoadedModel, ResolvedClasses
+from bootstrap.backends.base import Backend
+from bootstrap.capacity import PoolBudget, PoolBudgets
+from bootstrap.config import BootstrapConfig
+from bootstrap.stage import Adaptation, Stage, on_oom
+from bootstrap.undo import Undo
+
+SHRINK_STEP = 0.9
+
+
+def final_build(
+    config: BootstrapConfig, resolved: ResolvedClasses, loaded: LoadedModel, budgets: PoolBudgets, backend: Backend, undo: Undo
+) -> FinalBuild:
+    return backend.build_final(loaded, resolved, budgets, undo)
+
+
+def shrink_budgets(exc: BaseException, inputs: Mapping[str, Any]) -> Adaptation:
+    budgets: PoolBudgets = inputs["budgets"]
+    tpb = inputs["config"].tokens_per_block
+    smaller = PoolBudgets(**{name: _shrink(getattr(budgets, name), tpb) for name in ("target", "draft", "cross")})
+    changes = {f"{p.name}_bytes": f"{p.gpu_bytes} -> {q.gpu_bytes}" for p, q in zip(budgets.pools(), smaller.pools())}
+    return Adaptation({"budgets": smaller}, changes)
+
+
+def _shrink(pool: PoolBudget | None, tokens_per_block: int) -> PoolBudget | None:
+    if pool is None:
+        return None
+    gpu = int(pool.gpu_bytes * SHRINK_STEP)
+    tokens = pool.cost.tokens_for_budget(gpu) // tokens_per_block * tokens_per_block
+    return dataclasses.replace(pool, gpu_bytes=gpu, tokens=tokens)
+
+
+STAGE = Stage(
+    "final_build",
+    final_build,
+    provides="final",
+    retry=on_oom(attempts=3),
+    adapt=shrink_budgets,
+    figures=lambda f: {f"bootstrap.kv.pool_bytes.{k}": v for k, v in f.pool_bytes.items()}
+    | {f"bootstrap.kv.pool_tokens.{k}": v for k, v in f.pool_tokens.items()},
+)

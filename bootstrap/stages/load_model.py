@@ -1,0 +1,29 @@
+"""Stage 2, ``load_model``: weights (and draft weights) onto the device, and the tokenizer.
+Retries transient I/O errors; an OOM here is final (the weights do not fit at all)."""
+
+from __future__ import annotations
+
+from bootstrap.artifacts import LoadedModel, ResolvedClasses
+from bootstrap.backends.base import Backend
+from bootstrap.config import BootstrapConfig
+from bootstrap.stage import RetryPolicy, Stage
+from bootstrap.undo import Undo
+
+
+def load_model(config: BootstrapConfig, resolved: ResolvedClasses, backend: Backend, undo: Undo) -> LoadedModel:
+    return backend.load_model(config, resolved, undo)
+
+
+def is_transient_io(exc: BaseException) -> bool:
+    return isinstance(exc, TimeoutError | ConnectionError) or (
+        isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError | PermissionError | IsADirectoryError)
+    )
+
+
+STAGE = Stage(
+    "load_model",
+    load_model,
+    provides="loaded",
+    retry=RetryPolicy(attempts=3, retry_on=is_transient_io, backoff_s=0.5),
+    figures=lambda m: {"bootstrap.model.weight_bytes": m.weight_bytes},
+)

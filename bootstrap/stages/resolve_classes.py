@@ -1,0 +1,75 @@
+"""Stage 1, ``resolve_classes``: validate the config against the model's config.json and pick
+the KV layout, its per-token cost, and the classes; config errors fail here, before any load."""
+
+from __future__ import annotations
+
+from bootstrap.artifacts import ResolvedClasses
+from bootstrap.backends.base import Backend
+from bootstrap.capacity import CacheCost, kv_dtype_bytes, model_cost
+from bootstrap.config import BootstrapConfig, ConfigError
+from bootstrap.models.shape import ModelShape
+from bootstrap.stage import Stage
+
+
+def resolve_classes(config: BootstrapConfig, backend: Backend) -> ResolvedClasses:
+    shape = backend.model_shape(config.model)
+    draft = backend.model_shape(config.draft_model) if config.draft_model else None
+    _check_config(config, shape, draft)
+    dtype = config.dtype if config.dtype != "auto" else backend.default_dtype(shape)
+    kv_dtype = config.kv_cache_dtype if config.kv_cache_dtype != "auto" else dtype
+    return ResolvedClasses(
+        shape=shape,
+        draft_shape=draft,
+        kv_layout=kv_layout(shape),
+        cost=_cost(shape, config, kv_dtype),
+        draft_cost=_cost(draft, config, kv_dtype) if draft else None,
+        cross_cost=None,
+        max_seq_len=config.max_seq_len or shape.max_position_embeddings,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        kv_manager=backend.classes["kv_manager"],
+        scheduler=backend.classes["scheduler"],
+        sampler=backend.classes["sampler"],
+    )
+
+
+def kv_layout(shape: ModelShape) -> str:
+    """e.g. "gqa", "mla", "gqa+swa" (some sliding-window layers), "gqa+recurrent" (hybrid)."""
+    layout = shape.attention_kind
+    if any(w is not None for w in shape.attention_windows):
+        layout += "+swa"
+    if shape.num_recurrent_layers:
+        layout += "+recurrent"
+    return layout
+
+
+def _cost(shape: ModelShape, config: BootstrapConfig, kv_dtype: str) -> CacheCost:
+    return model_cost(
+        shape,
+        kv_dtype_bytes=kv_dtype_bytes(kv_dtype),
+        tp=config.tensor_parallel_size,
+        max_batch_size=config.max_batch_size,
+        tokens_per_block=config.tokens_per_block,
+    )
+
+
+def _check_config(config: BootstrapConfig, shape: ModelShape, draft: ModelShape | None) -> None:
+    limit = shape.max_position_embeddings
+    if config.max_seq_len is not None and config.max_seq_len > limit:
+        raise ConfigError(f"max_seq_len: {config.max_seq_len} exceeds the model's max_position_embeddings; allowed 2..{limit}")
+    if config.cross_kv_cache_fraction is not None:
+        raise ConfigError(
+            f"cross_kv_cache_fraction: set to {config.cross_kv_cache_fraction}, but {shape.model_type} is a "
+            "decoder-only model with no cross-attention cache; leave it unset"
+        )
+    if draft is not None and draft.vocab_size != shape.vocab_size:
+        raise ConfigError(
+            f"draft_model: its vocab_size ({draft.vocab_size}) differs from the target's ({shape.vocab_size}); "
+            "a draft model must share the target's tokenizer"
+        )
+    tp = config.tensor_parallel_size
+    if shape.num_heads % tp:
+        raise ConfigError(f"tensor_parallel_size: {tp} does not divide the model's {shape.num_heads} attention heads")
+
+
+STAGE = Stage("resolve_classes", resolve_classes, provides="resolved", blocking=False)

@@ -1,0 +1,29 @@
+"""Stage 8, ``scheduler_sampler``: create the scheduler (capacity + micro-batch) and the
+sampler, wire and start the executor, serve one smoke request. No retry: a started executor
+is not retry-safe; a failure shuts it down (rollback) and fails the stage."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bootstrap.artifacts import FinalBuild, LoadedModel, ResolvedClasses
+from bootstrap.backends.base import Backend
+from bootstrap.capacity import CapacityPlan
+from bootstrap.config import BootstrapConfig
+from bootstrap.stage import Stage
+from bootstrap.undo import Undo
+
+
+def scheduler_sampler(
+    config: BootstrapConfig,
+    resolved: ResolvedClasses,
+    loaded: LoadedModel,
+    final: FinalBuild,
+    plan: CapacityPlan,
+    backend: Backend,
+    undo: Undo,
+) -> Any:
+    return backend.start_executor(loaded, resolved, final, plan, config, undo)
+
+
+STAGE = Stage("scheduler_sampler", scheduler_sampler, provides="executor")
