@@ -1,0 +1,312 @@
+"""Capacity math: hand-computed examples, every CapacityError path, and split properties."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bootstrap.capacity import (
+    GIB,
+    CacheCost,
+    CapacityError,
+    MemoryProfile,
+    dummy_request_lengths,
+    estimation_tokens,
+    kv_dtype_bytes,
+    mha_cost,
+    mla_cost,
+    model_cost,
+    plan_capacity,
+    split_budgets,
+    split_cross,
+    split_draft,
+)
+from bootstrap.models.presets import preset_shape
+
+MIB = 1024**2
+
+
+def profile(total=80 * GIB, peak=20 * GIB, probe=2 * GIB, model=16 * GIB, tokens=2048, non_torch=0) -> MemoryProfile:
+    return MemoryProfile(
+        total_bytes=total, free_before_bytes=total - model, model_bytes=model, torch_peak_bytes=peak - non_torch,
+        torch_used_bytes=peak - non_torch, used_bytes=peak, probe_kv_bytes=probe, max_num_tokens=tokens,
+    )
+
+
+def plan(cost=CacheCost(131072), fraction=0.9, max_seq_len=4096, prof=None, **kw):
+    return plan_capacity(prof or profile(), cost=cost, fraction=fraction, max_seq_len=max_seq_len,
+                         max_batch_size=8, tokens_per_block=32, **kw)
+
+
+# --- costs -----------------------------------------------------------------------------------
+
+
+def test_llama_3_1_8b_bf16_costs_128_kib_per_token():
+    # 2 (K,V) * 32 layers * 8 KV heads * 128 head_dim * 2 bytes
+    cost = model_cost(preset_shape("llama-3.1-8b"), kv_dtype_bytes=2, tp=1, max_batch_size=8, tokens_per_block=32)
+    assert cost == CacheCost(131072, 0)
+
+
+def test_tensor_parallel_divides_kv_heads():
+    shape = preset_shape("llama-3.1-8b")
+    assert model_cost(shape, kv_dtype_bytes=2, tp=4, max_batch_size=1, tokens_per_block=32).slope == 131072 // 4
+    # 8 KV heads on 16 ranks: each rank still holds one (replicated) head
+    assert mha_cost(layers=32, kv_heads=8, head_dim=128, dtype_bytes=2, tp=16).slope == 2 * 32 * 1 * 128 * 2
+
+
+def test_tensor_parallel_must_divide_heads():
+    with pytest.raises(CapacityError, match="tensor_parallel_size"):
+        model_cost(preset_shape("llama-3.1-8b"), kv_dtype_bytes=2, tp=3, max_batch_size=1, tokens_per_block=32)
+
+
+def test_mla_caches_latent_and_rope_only_without_tp_split():
+    shape = preset_shape("deepseek-v2-lite")
+    expected = 27 * (512 + 64) * 2
+    assert mla_cost(layers=27, kv_lora_rank=512, rope_dim=64, dtype_bytes=2).slope == expected
+    assert model_cost(shape, kv_dtype_bytes=2, tp=1, max_batch_size=4, tokens_per_block=64) == CacheCost(expected)
+    assert model_cost(shape, kv_dtype_bytes=2, tp=2, max_batch_size=4, tokens_per_block=64).slope == expected
+
+
+def test_gemma2_sliding_layers_go_to_the_intercept():
+    cost = model_cost(preset_shape("gemma-2-9b"), kv_dtype_bytes=2, tp=1, max_batch_size=8, tokens_per_block=32)
+    layer = 2 * 8 * 256 * 2  # bytes per token per layer
+    assert cost.slope == 21 * layer  # 21 global layers
+    assert cost.intercept == 8 * 21 * 4096 * layer  # 21 window layers x 4096 tokens x 8 sequences
+
+
+def test_window_rounds_up_to_whole_blocks():
+    base = preset_shape("gemma-2-9b")
+    shape = dataclasses.replace(base, layer_windows=tuple(1000 if w else None for w in base.layer_windows))
+    cost = model_cost(shape, kv_dtype_bytes=1, tp=1, max_batch_size=2, tokens_per_block=64)
+    assert cost.intercept == 2 * 21 * 1024 * (2 * 8 * 256)  # ceil(1000 / 64) * 64 = 1024
+
+
+def test_all_windowed_layers_are_priced_as_full_attention():
+    base = preset_shape("mistral-7b")
+    shape = dataclasses.replace(base, layer_windows=(4096,) * base.num_layers)
+    assert model_cost(shape, kv_dtype_bytes=2, tp=1, max_batch_size=8, tokens_per_block=32) == CacheCost(131072)
+
+
+def test_recurrent_state_goes_to_the_intercept():
+    from bootstrap.models.shape import ModelShape
+
+    shape = ModelShape.from_hf_config(JAMBA_TINY)
+    cost = model_cost(shape, kv_dtype_bytes=2, tp=1, max_batch_size=3, tokens_per_block=16)
+    d_inner = 2 * 64
+    state = d_inner * (4 - 1) + d_inner * 16
+    assert cost.slope == 2 * 1 * 2 * 16 * 2  # one attention layer, 2 KV heads, head_dim 16
+    assert cost.intercept == 3 * 7 * state * 2  # 7 Mamba layers
+
+
+JAMBA_TINY = {
+    "model_type": "jamba", "architectures": ["JambaForCausalLM"], "vocab_size": 100, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "num_experts": 4, "num_experts_per_tok": 2, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2,
+}
+
+
+def test_kv_dtype_bytes():
+    assert [kv_dtype_bytes(n) for n in ("float32", "bfloat16", "float16", "fp8")] == [4, 2, 2, 1]
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        kv_dtype_bytes("auto")
+
+
+# --- probe size ------------------------------------------------------------------------------
+
+
+def test_dummy_requests_split_max_num_tokens():
+    assert dummy_request_lengths(8192, 3000) == [2999, 2999, 2194]
+    assert dummy_request_lengths(2048, 8192) == [2048]
+    assert sum(dummy_request_lengths(8192, 3000)) == 8192
+
+
+def test_estimation_tokens_by_hand():
+    # dummies [2999, 2999, 2194]: ceil(3000/32)=94, 94, ceil(2195/32)=69 -> 257 blocks
+    assert estimation_tokens(max_num_tokens=8192, max_seq_len=3000, max_batch_size=8, tokens_per_block=32) == 257 * 32
+    # one short dummy: the floor is one max_seq_len request + a block per other slot
+    # ceil(8193/32)=257 + 63 = 320 blocks
+    assert estimation_tokens(max_num_tokens=256, max_seq_len=8192, max_batch_size=64, tokens_per_block=32) == 320 * 32
+
+
+# --- plan ------------------------------------------------------------------------------------
+
+
+def test_plan_budget_by_hand():
+    p = plan(prof=profile(non_torch=GIB))  # peak 20 GiB (1 GiB outside torch), probe 2 GiB back
+    assert p.peak_bytes == 20 * GIB
+    assert p.kv_budget_bytes == int(62 * GIB * 0.9)
+    assert p.kv_tokens == p.kv_budget_bytes // 131072 // 32 * 32
+    assert p.max_concurrent_requests == p.kv_tokens // 32 // 128
+    assert p.limited_by == "memory"
+    assert json.loads(json.dumps(p.to_dict()))["cost"] == {"slope": 131072, "intercept": 0}
+
+
+def test_memory_profile_peak_counts_non_torch_memory():
+    prof = MemoryProfile(total_bytes=100, free_before_bytes=90, model_bytes=10, torch_peak_bytes=40,
+                         torch_used_bytes=30, used_bytes=45, probe_kv_bytes=5, max_num_tokens=16)
+    assert prof.peak_bytes == 40 + 15
+    assert prof.activation_bytes == 40 - 10 - 5
+
+
+def test_caps_limit_the_budget():
+    by_tokens = plan(max_kv_tokens=10_000)
+    assert by_tokens.limited_by == "max_kv_tokens" and by_tokens.kv_budget_bytes == 10_000 * 131072
+    assert by_tokens.kv_tokens == 10_000 // 32 * 32
+    by_bytes = plan(max_kv_bytes=GIB, max_kv_tokens=10_000)
+    assert by_bytes.limited_by == "max_kv_bytes" and by_bytes.kv_budget_bytes == GIB
+
+
+def test_no_memory_left_names_the_knobs():
+    with pytest.raises(CapacityError) as err:
+        plan(prof=profile(peak=81 * GIB, probe=0))
+    msg = str(err.value)
+    assert "free_gpu_memory_fraction" in msg and "max_num_tokens" in msg and "tensor_parallel_size" in msg
+    assert "GiB" in msg and "bytes" in msg
+
+
+def test_budget_below_one_block_names_the_cap():
+    with pytest.raises(CapacityError, match="max_kv_bytes"):
+        plan(max_kv_bytes=131072 * 31)
+
+
+def test_one_long_request_must_fit():
+    with pytest.raises(CapacityError, match="max_seq_len") as err:
+        plan(max_seq_len=1_000_000)
+    assert "lower max_seq_len" in str(err.value)
+
+
+def test_fraction_out_of_range():
+    with pytest.raises(CapacityError, match="free_gpu_memory_fraction"):
+        plan(fraction=0.0)
+
+
+# --- splits: examples ------------------------------------------------------------------------
+
+
+def test_draft_split_by_hand():
+    # var = 1000 - 15 = 985; draft = 5 + 985 * 50 // 150 = 5 + 328
+    assert split_draft(1000, CacheCost(100, 10), CacheCost(50, 5)) == (667, 333)
+    assert split_draft(1000, CacheCost(100, 10), CacheCost(50, 5), on_gpu=False) == (667, 333)
+    assert split_draft(12, CacheCost(100, 10), CacheCost(50, 5), on_gpu=False) == (8, 4)
+
+
+def test_draft_split_without_room_for_intercepts():
+    with pytest.raises(CapacityError, match="max_batch_size"):
+        split_draft(14, CacheCost(100, 10), CacheCost(50, 5))
+    assert split_draft(0, CacheCost(100, 10), CacheCost(50, 5), on_gpu=False) == (0, 0)
+
+
+def test_cross_split():
+    assert split_cross(1000, 0.25) == (750, 250)
+    with pytest.raises(CapacityError, match="cross_kv_cache_fraction"):
+        split_cross(1000, 1.0)
+
+
+def test_split_budgets_cross_then_draft():
+    target, draft, cross = CacheCost(131072), CacheCost(32768), CacheCost(65536)
+    p = plan(cost=target + draft + cross)
+    pools = split_budgets(p, target_cost=target, draft_cost=draft, cross_cost=cross, cross_fraction=0.2,
+                          host_bytes=10 * GIB)
+    assert pools.cross.gpu_bytes == int(p.kv_budget_bytes * 0.2)
+    self_bytes = p.kv_budget_bytes - pools.cross.gpu_bytes
+    assert pools.draft.gpu_bytes == self_bytes * 32768 // (131072 + 32768)
+    assert sum(x.gpu_bytes for x in pools.pools()) == p.kv_budget_bytes
+    assert sum(x.host_bytes for x in pools.pools()) == 10 * GIB
+    assert [x.name for x in pools.pools()] == ["target", "draft", "cross"]
+    assert set(pools.to_dict()) == {"target", "draft", "cross"}
+
+
+def test_split_budgets_errors_name_the_knob():
+    p = plan(cost=CacheCost(131072) + CacheCost(1000))
+    with pytest.raises(CapacityError, match="cross_kv_cache_fraction"):
+        split_budgets(p, target_cost=CacheCost(131072), cross_cost=CacheCost(1000))
+    with pytest.raises(CapacityError, match="cross_kv_cache_fraction"):
+        split_budgets(plan(), target_cost=CacheCost(131072), cross_fraction=0.5)
+    with pytest.raises(ValueError, match="sized for"):
+        split_budgets(plan(), target_cost=CacheCost(1))
+    tight = plan(cost=CacheCost(131072) + CacheCost(1000), max_seq_len=4096, max_kv_tokens=4096)
+    with pytest.raises(CapacityError, match="cross_kv_cache_fraction"):
+        split_budgets(tight, target_cost=CacheCost(131072), cross_cost=CacheCost(1000), cross_fraction=0.5)
+
+
+# --- properties ------------------------------------------------------------------------------
+
+costs = st.builds(CacheCost, st.integers(1, 10**7), st.integers(0, 10**10))
+budgets = st.integers(0, 2**45)
+
+
+@given(costs, st.integers(0, 10**8))
+def test_tokens_bytes_round_trip(cost, tokens):
+    assert cost.tokens_for_budget(cost.bytes_for_tokens(tokens)) == tokens
+
+
+@given(costs, budgets)
+def test_tokens_for_budget_never_overspends(cost, budget):
+    tokens = cost.tokens_for_budget(budget)
+    assert tokens >= 0
+    if tokens:
+        assert cost.bytes_for_tokens(tokens) <= budget < cost.bytes_for_tokens(tokens + 1)
+
+
+@given(costs, costs, budgets, st.booleans())
+def test_draft_split_conserves_and_is_non_negative(target, draft, budget, on_gpu):
+    try:
+        t, d = split_draft(budget, target, draft, on_gpu=on_gpu)
+    except CapacityError:
+        assert on_gpu and budget <= target.intercept + draft.intercept
+        return
+    assert t + d == budget and t >= 0 and d >= 0
+    if on_gpu:
+        assert t >= target.intercept and d >= draft.intercept
+
+
+@given(costs, costs, budgets, st.integers(1, 2**30), st.booleans())
+def test_draft_split_is_monotonic_in_budget(target, draft, budget, extra, on_gpu):
+    floor = target.intercept + draft.intercept + 1 if on_gpu else 0
+    low = split_draft(max(budget, floor), target, draft, on_gpu=on_gpu)
+    high = split_draft(max(budget, floor) + extra, target, draft, on_gpu=on_gpu)
+    assert high[0] >= low[0] and high[1] >= low[1]
+
+
+@given(budgets, st.floats(0.001, 0.999), st.integers(1, 2**30))
+def test_cross_split_conserves_and_is_monotonic(budget, fraction, extra):
+    s, c = split_cross(budget, fraction)
+    s2, c2 = split_cross(budget + extra, fraction)
+    assert s + c == budget and s >= 0 and c >= 0
+    assert s2 >= s and c2 >= c
+
+
+@settings(max_examples=60)
+@given(st.integers(4 * 1024, 64 * 1024), st.integers(1, 4 * 1024), st.integers(1, 4 * 1024),
+       st.sampled_from([16, 32, 64]), st.integers(0, 10**9))
+def test_pool_tokens_are_block_aligned(t_slope, d_slope, x_slope, tpb, host):
+    target, draft, cross = CacheCost(t_slope), CacheCost(d_slope), CacheCost(x_slope)
+    total = target + draft + cross
+    p = plan_capacity(profile(), cost=total, fraction=0.5, max_seq_len=512, max_batch_size=4, tokens_per_block=tpb)
+    assert p.kv_tokens % tpb == 0
+    pools = split_budgets(p, target_cost=target, draft_cost=draft, cross_cost=cross, cross_fraction=0.3,
+                          host_bytes=host)
+    assert sum(x.gpu_bytes for x in pools.pools()) == p.kv_budget_bytes
+    assert sum(x.host_bytes for x in pools.pools()) == host
+    for pool in pools.pools():
+        assert pool.tokens % tpb == 0 and pool.tokens >= 512
+        assert pool.cost.bytes_for_tokens(pool.tokens) <= pool.gpu_bytes
+
+
+@settings(max_examples=60)
+@given(st.integers(1, 80 * GIB), st.integers(0, 4 * GIB), st.floats(0.05, 1.0))
+def test_plan_is_monotonic_in_free_memory(peak, probe, fraction):
+    cost = CacheCost(131072)
+    results = []
+    for total in (81 * GIB, 100 * GIB):
+        try:
+            results.append(plan(cost=cost, fraction=fraction, prof=profile(total=total, peak=peak, probe=probe)))
+        except CapacityError:
+            results.append(None)
+    low, high = results
+    if low is not None:
+        assert high is not None and high.kv_tokens >= low.kv_tokens
