@@ -1,0 +1,150 @@
+"""``bootstrap plan``: the whole pipeline on a simulated GPU, a dry-run capacity planner.
+
+Exit status: 0 ready; 1 a stage failed (one paragraph on stderr, no traceback); 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from rich.console import Console
+
+from bootstrap.capacity import CapacityError
+from bootstrap.config import BootstrapConfig, ConfigError
+from bootstrap.devices import GiB
+from bootstrap.graph import GraphError
+from bootstrap.models.shape import ModelConfigError
+from bootstrap.pipeline import StageFailed
+from bootstrap.report import stage_rows, stage_table
+from bootstrap.runner import make_pipeline, plan_summary
+from bootstrap.stages import STAGE_IDS
+from bootstrap.telemetry import make_tracer_provider
+
+FAULTABLE = ("load_model", "estimation_build", "profiling", "final_build", "scheduler_sampler")
+INPUT_ERRORS = (ConfigError, ModelConfigError, CapacityError, GraphError, ValueError)
+
+
+def _config_args(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--model", required=True, help="preset name, config.json, or checkpoint dir")
+    add("--draft-model", help="draft model for two-model speculative decoding")
+    add("--tp", dest="tensor_parallel_size", type=int, default=1, help="tensor-parallel size")
+    add("--dtype", default="auto", help="weights: auto, float32, bfloat16, float16")
+    add("--kv-cache-dtype", default="auto", help="KV cache: auto, float32, bfloat16, float16, fp8")
+    add("--max-batch-size", type=int, default=BootstrapConfig.model_fields["max_batch_size"].default)
+    add("--max-num-tokens", type=int, default=BootstrapConfig.model_fields["max_num_tokens"].default)
+    add("--max-seq-len", type=int, help="default: the model's max_position_embeddings")
+    add("--tokens-per-block", type=int, default=BootstrapConfig.model_fields["tokens_per_block"].default)
+    add("--free-gpu-memory-fraction", type=float, default=0.9)
+    add("--max-kv-bytes", type=int)
+    add("--max-kv-tokens", type=int)
+    add("--host-cache-bytes", type=int, default=0)
+    add("--plan-cache", type=Path, help="directory of cached plans (off by default)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="bootstrap", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    plan = sub.add_parser("plan", help="run all eight stages on a simulated GPU and print the KV plan")
+    _config_args(plan)
+    plan.add_argument("--gpu", required=True, help="h100-80gb, h200, a100-80gb, a100-40gb, l40s, rtx-4090, or bytes (80GiB)")
+    plan.add_argument("--trace-file", type=Path, help="write finished spans as JSON Lines")
+    plan.add_argument("--otlp", action="store_true", help="also export spans over OTLP (needs the otlp extra)")
+    plan.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    plan.add_argument("--fault", action="append", default=[], metavar="STAGE:oom[:N]",
+                      help="make the first N attempts of STAGE raise a simulated OOM (repeatable)")  # fmt: skip
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> BootstrapConfig:
+    fields = set(BootstrapConfig.model_fields) - {"device"}
+    return BootstrapConfig.parse(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
+
+
+def parse_fault(text: str) -> tuple[str, int]:
+    """``STAGE:oom[:N]`` to (stage, N); errors name the allowed stages."""
+    parts = text.split(":")
+    if len(parts) not in (2, 3) or parts[1] != "oom":
+        raise ValueError(f"--fault {text!r}: expected STAGE:oom or STAGE:oom:N")
+    if parts[0] not in FAULTABLE:
+        kind = "allocates no device memory" if parts[0] in STAGE_IDS else "is not a stage"
+        raise ValueError(f"--fault {text!r}: {parts[0]!r} {kind}; allowed stages: {', '.join(FAULTABLE)}")
+    count = parts[2] if len(parts) == 3 else "1"
+    if not count.isdigit() or int(count) < 1:
+        raise ValueError(f"--fault {text!r}: N must be an integer >= 1, got {count!r}")
+    return parts[0], int(count)
+
+
+async def run_plan(args: argparse.Namespace) -> dict[str, Any]:
+    from bootstrap.backends.sim import SimBackend
+    from bootstrap.backends.sim_gpus import sim_device
+
+    config = config_from_args(args)
+    faults = [parse_fault(f) for f in args.fault]
+    device = sim_device(args.gpu)
+    for stage, count in faults:
+        device.inject_oom(stage, count)
+    memory = InMemorySpanExporter()
+    provider = make_tracer_provider(trace_file=args.trace_file, otlp=args.otlp, memory=memory)
+    pipeline = make_pipeline(config, SimBackend(device), tracer_provider=provider)
+    error: StageFailed | None = None
+    try:
+        await pipeline.run()
+    except StageFailed as exc:
+        error = exc
+    summary = plan_summary(pipeline.artifacts)
+    await pipeline.aclose()
+    provider.shutdown()
+    return {
+        "stages": stage_rows(memory.get_finished_spans()),
+        "plan": summary,
+        "device": {"name": device.name, "total_bytes": device.total, "leaked_bytes": sum(device.live().values())},
+        "error": _error_paragraph(error) if error else None,
+    }
+
+
+def _error_paragraph(exc: StageFailed) -> str:
+    hint = " Earlier stages' artifacts were kept; fix the cause and retry from this stage." if exc.stage else ""
+    return f"bootstrap failed at stage {exc.stage!r} after {exc.attempts} attempt(s): {exc.cause}.{hint}"
+
+
+def print_plan(result: dict[str, Any], console: Console) -> None:
+    console.print(stage_table(result["stages"]))
+    plan = result["plan"]
+    if plan:
+        console.print(
+            f"KV budget {plan['kv_budget_bytes'] / GiB:.2f} GiB ({plan['kv_budget_bytes']} bytes): "
+            f"{plan['kv_tokens']} tokens, {plan['max_concurrent_requests']} concurrent requests "
+            f"of {plan['max_seq_len']} tokens (limited by {plan['limited_by']})"
+        )
+        for name, pool in plan.get("pools", {}).items():
+            share = plan.get(f"{name}_share", 0.0)
+            console.print(f"  {name}: {pool['gpu_bytes'] / GiB:.2f} GiB, {pool['tokens']} tokens ({share:.1%})")
+    console.print(f"device {result['device']['name']}: leaked bytes after teardown: {result['device']['leaked_bytes']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        result = anyio.run(run_plan, args)
+    except INPUT_ERRORS as exc:
+        print(f"bootstrap: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_plan(result, Console())
+    if result["error"]:
+        print(result["error"], file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,278 @@
+"""Pipeline semantics on small stage graphs with a FakeDevice: order, concurrency, retry,
+rollback, adaptation, resume, consumption, cancellation, events and spans."""
+
+from __future__ import annotations
+
+import threading
+
+import anyio
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from bootstrap.devices import FakeDevice
+from bootstrap.graph import GraphError
+from bootstrap.pipeline import Pipeline, StageFailed
+from bootstrap.stage import Adaptation, Stage, on_oom
+from bootstrap.telemetry import make_tracer_provider
+
+
+def alloc(device: FakeDevice, undo, nbytes: int, tag: str) -> None:
+    handle = device.allocate(nbytes, tag)
+    undo.push(device.free, handle)
+
+
+def make(stages, device, **inputs):
+    memory = InMemorySpanExporter()
+    pipeline = Pipeline(stages, inputs, tracer_provider=make_tracer_provider(memory=memory), device=device)
+    return pipeline, memory
+
+
+def spans(memory, name):
+    return [s for s in memory.get_finished_spans() if s.name == name]
+
+
+@pytest.fixture
+def device():
+    return FakeDevice(total=10_000)
+
+
+def chain(device):
+    def first(seed, undo):
+        alloc(device, undo, 100, "first")
+        return seed + 1
+
+    def second(a, undo):
+        alloc(device, undo, 200, "second")
+        return a * 10
+
+    return [Stage("second", second, "b", retry=on_oom(3)), Stage("first", first, "a")]
+
+
+async def test_order_comes_from_inputs_not_list_order(device):
+    pipeline, _ = make(chain(device), device, seed=1)
+    assert [s.id for s in pipeline.stages] == ["first", "second"]
+    artifacts = await pipeline.run()
+    assert artifacts["b"] == 20
+    assert device.live() == {"first": 100, "second": 200}
+    await pipeline.aclose()
+    assert device.live() == {}
+
+
+async def test_oom_retry_rolls_back_the_failed_attempt(device):
+    device.inject_oom("second", 2)
+    pipeline, memory = make(chain(device), device, seed=1)
+    await pipeline.run()
+    attempts = spans(memory, "bootstrap.stage.second.attempt")
+    assert [a.attributes["bootstrap.attempt"] for a in attempts] == [1, 2, 3]
+    assert [a.status.status_code.name for a in attempts] == ["ERROR", "ERROR", "OK"]
+    assert attempts[0].attributes["error.type"] == "DeviceOutOfMemory"
+    (stage_span,) = spans(memory, "bootstrap.stage.second")
+    assert stage_span.attributes["bootstrap.attempts"] == 3
+    assert device.live() == {"first": 100, "second": 200}
+    await pipeline.aclose()
+
+
+async def test_rollback_releases_what_the_attempt_allocated_before_failing(device):
+    def greedy(seed, undo):
+        alloc(device, undo, 300, "greedy/a")
+        alloc(device, undo, 300, "greedy/b")  # fails on the first attempt, after greedy/a
+        return seed
+
+    device.inject_oom("greedy/b", 1)
+    observed = []
+    stage = Stage("greedy", greedy, "g", retry=on_oom(2), adapt=lambda e, i: observed.append(dict(device.live())))
+    pipeline, _ = make([stage], device, seed=0)
+    await pipeline.run()
+    assert observed == [{}]  # by the time adapt runs, the failed attempt's 300 bytes are back
+    await pipeline.aclose()
+    assert device.live() == {}
+
+
+async def test_adaptation_changes_inputs_and_is_recorded(device):
+    seen = []
+
+    def sized(size, undo):
+        seen.append(size)
+        alloc(device, undo, size, "sized")
+        return size
+
+    def halve(exc, inputs):
+        return Adaptation({"size": inputs["size"] // 2}, {"size": f"{inputs['size']} -> {inputs['size'] // 2}"})
+
+    pipeline, memory = make([Stage("sized", sized, "out", retry=on_oom(4), adapt=halve)], device, size=80_000)
+    artifacts = await pipeline.run()
+    assert seen == [80_000, 40_000, 20_000, 10_000]
+    assert artifacts["out"] == 10_000
+    attempts = spans(memory, "bootstrap.stage.sized.attempt")
+    assert "bootstrap.adapt.size" not in attempts[0].attributes
+    assert attempts[1].attributes["bootstrap.adapt.size"] == "80000 -> 40000"
+    assert attempts[3].attributes["bootstrap.adapt.size"] == "20000 -> 10000"
+    await pipeline.aclose()
+
+
+async def test_non_retryable_error_fails_at_once_and_keeps_earlier_artifacts(device):
+    calls = []
+
+    def broken(a):
+        calls.append(a)
+        if len(calls) == 1:
+            raise ValueError("bad value")
+        return "fixed"
+
+    stages = [chain(device)[1], Stage("broken", broken, "c", retry=on_oom(3))]
+    pipeline, memory = make(stages, device, seed=1)
+    with pytest.raises(StageFailed) as info:
+        await pipeline.run()
+    assert (info.value.stage, info.value.attempts) == ("broken", 1)
+    assert isinstance(info.value.cause, ValueError) and "bad value" in str(info.value)
+    assert pipeline.artifacts["a"] == 2 and device.live() == {"first": 100}
+    assert pipeline.status["broken"].state == "failed"
+    (root,) = spans(memory, "bootstrap.pipeline")
+    assert root.status.status_code.name == "ERROR"
+    artifacts = await pipeline.retry()
+    assert artifacts["c"] == "fixed" and calls == [2, 2]
+    assert len(spans(memory, "bootstrap.stage.first")) == 1  # not run again on resume
+    await pipeline.aclose()
+
+
+async def test_exhausted_retries_raise_stage_failed_and_retry_resumes(device):
+    device.inject_oom("second", 3)
+    pipeline, _ = make(chain(device), device, seed=1)
+    with pytest.raises(StageFailed) as info:
+        await pipeline.run()
+    assert info.value.attempts == 3 and device.live() == {"first": 100}
+    artifacts = await pipeline.retry("second")
+    assert artifacts["b"] == 20
+    assert pipeline.status["first"].attempts == 1
+    await pipeline.aclose()
+    assert device.live() == {}
+
+
+async def test_independent_stages_run_concurrently(device):
+    barrier = threading.Barrier(2, timeout=5)
+
+    def left(seed):
+        barrier.wait()  # both must be inside at once, else this times out
+        return "l"
+
+    def right(seed):
+        barrier.wait()
+        return "r"
+
+    # non-blocking stages run on the event loop; these await their own threads, so both are
+    # in flight at once only if the pipeline starts them concurrently
+    stages = [
+        Stage("left", lambda seed: anyio.to_thread.run_sync(left, seed), "l", blocking=False),
+        Stage("right", lambda seed: anyio.to_thread.run_sync(right, seed), "r", blocking=False),
+    ]
+    pipeline, _ = make(stages, device, seed=0)
+    artifacts = await pipeline.run()
+    assert (artifacts["l"], artifacts["r"]) == ("l", "r")
+
+
+async def test_blocking_stages_share_one_device_thread(device):
+    names = []
+
+    def where(seed):
+        names.append(threading.current_thread().name)
+        return seed
+
+    stages = [Stage("one", where, "x"), Stage("two", lambda x: where(x), "y")]
+    pipeline, _ = make(stages, device, seed=0)
+    await pipeline.run()
+    assert len(set(names)) == 1 and names[0].startswith("bootstrap-device")
+    assert threading.current_thread().name not in names
+
+
+async def test_consumed_artifact_is_released_when_consumer_succeeds(device):
+    def probe(seed, undo):
+        alloc(device, undo, 500, "probe")
+        return "probe"
+
+    def measure(p):
+        return dict(device.live())
+
+    stages = [Stage("probe", probe, "p"), Stage("measure", measure, "m", consumes=("p",))]
+    pipeline, _ = make(stages, device, seed=0)
+    artifacts = await pipeline.run()
+    assert artifacts["m"] == {"probe": 500} and device.live() == {} and "p" not in artifacts
+
+
+async def test_retry_of_a_consumer_rebuilds_what_it_consumed(device):
+    built = []
+
+    def probe(seed, undo):
+        built.append(1)
+        alloc(device, undo, 500, "probe")
+        return "probe"
+
+    stages = [Stage("probe", probe, "p"), Stage("measure", lambda p: p, "m", consumes=("p",))]
+    pipeline, _ = make(stages, device, seed=0)
+    await pipeline.run()
+    await pipeline.retry("measure")
+    assert len(built) == 2 and device.live() == {}
+
+
+async def test_cancellation_rolls_back_completed_stages_in_reverse_order(device):
+    released = []
+    started = anyio.Event()
+
+    def a(seed, undo):
+        alloc(device, undo, 100, "a")
+        undo.push(released.append, "a")
+        return "a"
+
+    def b(a_out, undo):
+        alloc(device, undo, 100, "b")
+        undo.push(released.append, "b")
+        return "b"
+
+    async def hang(b_out):
+        started.set()
+        await anyio.sleep_forever()
+
+    stages = [Stage("a", a, "a_out"), Stage("b", b, "b_out"), Stage("c", hang, "c_out", blocking=False)]
+    pipeline, memory = make(stages, device, seed=0)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(pipeline.run)
+        await started.wait()
+        tg.cancel_scope.cancel()
+    assert released == ["b", "a"]
+    assert device.live() == {}
+    assert {s.state for s in pipeline.status.values()} == {"cancelled"}
+    (c_span,) = spans(memory, "bootstrap.stage.c")
+    assert c_span.attributes["bootstrap.outcome"] == "cancelled"
+
+
+async def test_events_stream_reports_progress(device):
+    device.inject_oom("second", 1)
+    pipeline, _ = make(chain(device), device, seed=1)
+    seen = []
+
+    async def consume():
+        async for event in pipeline.events():
+            seen.append((event.stage, event.kind))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(consume)
+        await pipeline.run()
+        await pipeline.aclose()
+    assert seen == [
+        ("first", "started"), ("first", "done"),
+        ("second", "started"), ("second", "attempt_failed"), ("second", "retrying"), ("second", "done"),
+    ]  # fmt: skip
+    assert pipeline.status["second"].attempts == 2 and pipeline.status["second"].duration_s >= 0
+
+
+@pytest.mark.parametrize(
+    "stages, message",
+    [
+        ([Stage("x", lambda missing: 1, "x")], "needs ['missing']"),
+        ([Stage("x", lambda seed: 1, "o"), Stage("x", lambda seed: 1, "p")], "duplicate stage id"),
+        ([Stage("x", lambda y: 1, "x_out"), Stage("y", lambda x_out: 1, "y")], "cycle"),
+        ([Stage("x", lambda seed: 1, "o", consumes=("seed2",))], "consumes 'seed2' without requiring it"),
+    ],
+)
+def test_bad_graphs_are_rejected_up_front(stages, message, device):
+    with pytest.raises(GraphError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        Pipeline(stages, {"seed": 0})
