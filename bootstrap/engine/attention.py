@@ -1,0 +1,188 @@
+"""Paged attention, plugged into transformers through its ``AttentionInterface``.
+
+Importing this module registers ``paged_attention`` under the name ``"bootstrap_paged"``; a model
+set to ``attn_implementation="bootstrap_paged"`` then calls it from every attention layer, with
+no model code copied. transformers builds no attention mask for a name it has no mask function
+for, so the forward stays cheap; the mask is ours, built from per-step metadata.
+
+A step runs a ragged batch flattened into ``[1, total_tokens]``: request ``b`` contributes
+``query_lens[b]`` new tokens (a prefill chunk or one decode token) and, after the step, holds
+``context_lens[b]`` tokens in the cache. The metadata (slot of every new token, block tables,
+lengths) reaches the attention function through a thread-local set by ``use_metadata``. Each
+layer writes the new keys and values into their slots, gathers every request's cached keys and
+values through its block table, and runs one padded, masked ``scaled_dot_product_attention``
+(causal, grouped-query, with the layer's sliding window when it has one).
+
+Every tensor in the metadata is derived with device operations of static shape from the block
+tables, the lengths and two integers (``max_query_len``, ``kv_blocks``), so a decode step can
+later be captured as a CUDA graph over static-width block tables.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from bootstrap.engine.kv_cache import PagedKVCache
+
+ATTN_IMPLEMENTATION = "bootstrap_paged"
+
+_local = threading.local()
+
+
+@dataclass
+class AttentionMetadata:
+    """What one forward step needs to find its keys and values; see the module docstring."""
+
+    kv_cache: PagedKVCache
+    slot_mapping: torch.Tensor  # [T] long: flat cache slot of each new token
+    block_tables: torch.Tensor  # [B, W] long: block ids, padded with any valid block id
+    context_lens: torch.Tensor  # [B] long: tokens cached per request after this step
+    query_lens: torch.Tensor  # [B] long: new tokens per request in this step
+    max_query_len: int
+    kv_blocks: int  # block-table columns gathered per request (<= W)
+    token_index: torch.Tensor = field(init=False)  # [T]: row of each new token in [B * Qmax]
+    query_index: torch.Tensor = field(init=False)  # [B, Qmax]: token feeding each padded row
+    kv_slots: torch.Tensor = field(init=False)  # [B, kv_blocks * tpb]: slots to gather
+    query_pos: torch.Tensor = field(init=False)  # [B, Qmax]: position of each padded query row
+    _masks: dict[int | None, torch.Tensor] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        batch, q_max = self.query_lens.shape[0], self.max_query_len
+        device = self.query_lens.device
+        starts = torch.cumsum(self.query_lens, 0) - self.query_lens
+        rows = torch.arange(q_max, device=device).unsqueeze(0)
+        last = (self.query_lens - 1).unsqueeze(1)
+        self.query_index = starts.unsqueeze(1) + torch.minimum(rows, last)
+        total = self.slot_mapping.shape[0]
+        owner = torch.repeat_interleave(torch.arange(batch, device=device), self.query_lens, output_size=total)
+        self.token_index = owner * q_max + torch.arange(total, device=device) - starts[owner]
+        self.query_pos = (self.context_lens - self.query_lens).unsqueeze(1) + torch.minimum(rows, last)
+        self.kv_slots = self._gather_slots()
+
+    def _gather_slots(self) -> torch.Tensor:
+        tpb = self.kv_cache.tokens_per_block
+        tables = self.block_tables[:, : self.kv_blocks]
+        offsets = torch.arange(tpb, device=tables.device)
+        return (tables.unsqueeze(-1) * tpb + offsets).reshape(tables.shape[0], -1)
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        """``[B, 1, Qmax, K]`` bool: causal over each request's own tokens, within the window."""
+        if sliding_window not in self._masks:
+            kv_pos = torch.arange(self.kv_slots.shape[1], device=self.kv_slots.device)
+            q_pos = self.query_pos.unsqueeze(-1)
+            allowed = kv_pos <= q_pos
+            if sliding_window is not None:
+                allowed &= kv_pos > q_pos - sliding_window
+            self._masks[sliding_window] = allowed.unsqueeze(1)
+        return self._masks[sliding_window]
+
+
+@contextmanager
+def use_metadata(metadata: AttentionMetadata) -> Iterator[AttentionMetadata]:
+    """Make ``metadata`` the one ``paged_attention`` reads in this thread, for one forward."""
+    previous = getattr(_local, "metadata", None)
+    _local.metadata = metadata
+    try:
+        yield metadata
+    finally:
+        _local.metadata = previous
+
+
+def current_metadata() -> AttentionMetadata:
+    metadata = getattr(_local, "metadata", None)
+    if metadata is None:
+        raise RuntimeError(
+            f"attention '{ATTN_IMPLEMENTATION}' was called outside a step: run the model through "
+            "ModelRunner (or inside use_metadata(...))"
+        )
+    return metadata
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: ``query [1, H, T, D]``, ``key/value [1, KVH, T, D]``.
+
+    Returns ``[1, T, H, D]``, as transformers' own attention functions do.
+    """
+    if kwargs.get("s_aux") is not None:
+        raise ValueError(f"attention sinks (s_aux) are not supported by '{ATTN_IMPLEMENTATION}'")
+    meta = current_metadata()
+    k_cache, v_cache = _layer_caches(module, meta.kv_cache)
+    _write(k_cache, v_cache, key, value, meta.slot_mapping)
+    q = _pad_queries(query, meta)
+    k = _gather(k_cache, meta.kv_slots, query.dtype)
+    v = _gather(v_cache, meta.kv_slots, query.dtype)
+    mask = meta.mask(sliding_window)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
+    else:
+        out = _softcapped_attention(q, k, v, mask, scaling, softcap)
+    batch, heads, q_max, head_dim = out.shape
+    flat = out.transpose(1, 2).reshape(batch * q_max, heads, head_dim)
+    return flat.index_select(0, meta.token_index).unsqueeze(0), None
+
+
+def _layer_caches(module: torch.nn.Module, cache: PagedKVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    layer = getattr(module, "layer_idx", None)
+    if layer is None:
+        raise ValueError(f"{type(module).__name__} has no layer_idx; '{ATTN_IMPLEMENTATION}' needs it to find its cache")
+    return cache.k_cache(layer), cache.v_cache(layer)
+
+
+def _write(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store the step's keys and values ``[1, KVH, T, D]`` at their flat slots."""
+    k_flat = k_cache.view(-1, *k_cache.shape[2:])
+    v_flat = v_cache.view(-1, *v_cache.shape[2:])
+    k_flat.index_copy_(0, slots, key[0].transpose(0, 1).to(k_flat.dtype))
+    v_flat.index_copy_(0, slots, value[0].transpose(0, 1).to(v_flat.dtype))
+
+
+def _pad_queries(query: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """``[1, H, T, D]`` to ``[B, H, Qmax, D]``; padded rows repeat a request's last token."""
+    tokens = query[0].transpose(0, 1)  # [T, H, D]
+    return tokens[meta.query_index].transpose(1, 2)
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, KVH, K, D]``: the cached tokens of every request, in position order."""
+    flat = cache.view(-1, *cache.shape[2:])
+    return flat[slots].transpose(1, 2).to(dtype)
+
+
+def _softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float | None, softcap: float
+) -> torch.Tensor:
+    """Attention with tanh logit soft-capping (Gemma 2), which SDPA does not offer."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)
+
+
+def register() -> None:
+    """Register ``paged_attention`` as ``"bootstrap_paged"`` (idempotent; done on import)."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
+
+
+register()

@@ -1,0 +1,252 @@
+"""Paged KV cache: one block pool for all layers of a model, and per-request block tables.
+
+The pool is one tensor ``[2, layers, blocks, tokens_per_block, kv_heads, head_dim]`` (index 0
+holds keys, 1 values), so ``k_cache(layer)`` and ``v_cache(layer)`` are views and ``release()``
+frees everything at once. A request owns a list of blocks (its block table) and a length (the
+tokens it holds); token ``p`` of a request lives in slot ``table[p // tpb] * tpb + p % tpb`` of
+the flattened ``[blocks * tpb, kv_heads, head_dim]`` view of a layer.
+
+The same class serves the small probe pool of the estimation stage, the final target pool and
+a separate draft pool: only the spec and the size differ.
+
+Byte figures in ``stats()``: ``total_bytes`` is the pool tensor, ``allocated_bytes`` the blocks
+handed to requests, ``used_bytes`` the tokens those requests hold (allocated minus the unfilled
+tail of each request's last block).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+class KVCacheFull(RuntimeError):
+    """Not enough free blocks for an allocation; the message gives the figures."""
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """The per-token shape of a model's KV cache: what sizes the pool."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"KVCacheSpec.{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise ValueError(f"KVCacheSpec.dtype must be a floating torch.dtype, got {self.dtype!r}")
+
+    @classmethod
+    def from_config(cls, config: Any, dtype: torch.dtype) -> KVCacheSpec:
+        """The spec of a transformers model config (its text config for multimodal models)."""
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        return cls(text.num_hidden_layers, kv_heads, head_dim, dtype)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return PagedKVCache.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+
+
+@dataclass(frozen=True)
+class KVCacheStats:
+    total_bytes: int
+    used_bytes: int
+    allocated_bytes: int
+    total_blocks: int
+    used_blocks: int
+    free_blocks: int
+    tokens_per_block: int
+    used_tokens: int
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.total_blocks * self.tokens_per_block
+
+
+def _check_positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+class PagedKVCache:
+    """A block pool with per-request block tables; see the module docstring for the layout."""
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, tokens_per_block: int, device: torch.device | str) -> None:
+        _check_positive("num_blocks", num_blocks)
+        _check_positive("tokens_per_block", tokens_per_block)
+        self.spec = spec
+        self.num_blocks = num_blocks
+        self.tokens_per_block = tokens_per_block
+        self.device = torch.device(device)
+        shape = (2, spec.num_layers, num_blocks, tokens_per_block, spec.num_kv_heads, spec.head_dim)
+        # Zeros, not empty: masked attention weights are exactly 0, and 0 * NaN garbage would be NaN.
+        self._kv: torch.Tensor | None = torch.zeros(shape, dtype=spec.dtype, device=self.device)
+        self._free: deque[int] = deque(range(num_blocks))
+        self._tables: dict[Any, list[int]] = {}
+        self._lengths: dict[Any, int] = {}
+
+    # ---- sizing -------------------------------------------------------------------------------
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Keys and values of one token over all layers: ``2 * layers * kv_heads * head_dim * itemsize``."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * num_kv_heads * head_dim * itemsize
+
+    @classmethod
+    def from_tokens(
+        cls, spec: KVCacheSpec, max_tokens: int, tokens_per_block: int, device: torch.device | str
+    ) -> PagedKVCache:
+        """A pool holding at least ``max_tokens`` tokens (rounded up to whole blocks)."""
+        _check_positive("max_tokens", max_tokens)
+        _check_positive("tokens_per_block", tokens_per_block)
+        return cls(spec, -(-max_tokens // tokens_per_block), tokens_per_block, device)
+
+    @classmethod
+    def from_bytes(
+        cls, spec: KVCacheSpec, budget_bytes: int, tokens_per_block: int, device: torch.device | str
+    ) -> PagedKVCache:
+        """The largest pool of whole blocks that fits in ``budget_bytes``."""
+        _check_positive("budget_bytes", budget_bytes)
+        _check_positive("tokens_per_block", tokens_per_block)
+        block_bytes = spec.bytes_per_token * tokens_per_block
+        if budget_bytes < block_bytes:
+            raise ValueError(
+                f"budget_bytes ({budget_bytes}) is below one block ({block_bytes} bytes = "
+                f"{tokens_per_block} tokens x {spec.bytes_per_token} bytes/token)"
+            )
+        return cls(spec, budget_bytes // block_bytes, tokens_per_block, device)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.spec.bytes_per_token * self.tokens_per_block
+
+    # ---- tensors ------------------------------------------------------------------------------
+
+    def k_cache(self, layer: int) -> torch.Tensor:
+        """Keys of ``layer``: ``[blocks, tokens_per_block, kv_heads, head_dim]``."""
+        return self._pool()[0, layer]
+
+    def v_cache(self, layer: int) -> torch.Tensor:
+        """Values of ``layer``: ``[blocks, tokens_per_block, kv_heads, head_dim]``."""
+        return self._pool()[1, layer]
+
+    def _pool(self) -> torch.Tensor:
+        if self._kv is None:
+            raise RuntimeError("this KV cache was released")
+        return self._kv
+
+    def release(self) -> None:
+        """Free the pool tensor and forget every request; safe to call twice."""
+        self._kv = None
+        self._tables.clear()
+        self._lengths.clear()
+        self._free.clear()
+
+    @property
+    def released(self) -> bool:
+        return self._kv is None
+
+    # ---- block tables -------------------------------------------------------------------------
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks a request of ``num_tokens`` tokens occupies."""
+        return -(-num_tokens // self.tokens_per_block)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        """True if a new request of ``num_tokens`` tokens fits in the free blocks now."""
+        return self.blocks_needed(num_tokens) <= len(self._free)
+
+    def allocate(self, request_id: Any, num_tokens: int) -> list[int]:
+        """Start a block table for ``request_id`` holding ``num_tokens`` tokens (may be 0)."""
+        self._pool()
+        if request_id in self._tables:
+            raise ValueError(f"request {request_id!r} already holds KV blocks; extend or free it")
+        if not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be an integer >= 0, got {num_tokens!r}")
+        self._take(self.blocks_needed(num_tokens), request_id)
+        self._tables[request_id] = [self._free.popleft() for _ in range(self.blocks_needed(num_tokens))]
+        self._lengths[request_id] = num_tokens
+        return self._tables[request_id]
+
+    def extend(self, request_id: Any, num_tokens: int) -> list[int]:
+        """Append ``num_tokens`` tokens to a request, adding blocks as its last one fills."""
+        length = self.num_tokens(request_id)
+        if not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be an integer >= 0, got {num_tokens!r}")
+        table = self._tables[request_id]
+        extra = self.blocks_needed(length + num_tokens) - len(table)
+        self._take(extra, request_id)
+        table.extend(self._free.popleft() for _ in range(extra))
+        self._lengths[request_id] = length + num_tokens
+        return table
+
+    def _take(self, count: int, request_id: Any) -> None:
+        if count > len(self._free):
+            raise KVCacheFull(
+                f"request {request_id!r} needs {count} more KV blocks but only {len(self._free)} of "
+                f"{self.num_blocks} are free ({self.tokens_per_block} tokens per block)"
+            )
+
+    def free(self, request_id: Any) -> None:
+        """Return a request's blocks to the pool; unknown ids are ignored (idempotent)."""
+        table = self._tables.pop(request_id, None)
+        self._lengths.pop(request_id, None)
+        if table and self._kv is not None:
+            self._free.extend(table)
+
+    def holds(self, request_id: Any) -> bool:
+        return request_id in self._tables
+
+    def block_table(self, request_id: Any) -> list[int]:
+        self.num_tokens(request_id)
+        return self._tables[request_id]
+
+    def num_tokens(self, request_id: Any) -> int:
+        """Tokens ``request_id`` holds."""
+        if request_id not in self._lengths:
+            raise KeyError(f"request {request_id!r} holds no KV blocks")
+        return self._lengths[request_id]
+
+    def slots(self, request_id: Any, start: int, end: int) -> torch.Tensor:
+        """Flat slot ids (long, on the CPU) of token positions ``[start, end)`` of a request."""
+        if not 0 <= start <= end <= self.num_tokens(request_id):
+            raise ValueError(
+                f"positions [{start}, {end}) out of range for request {request_id!r} "
+                f"holding {self.num_tokens(request_id)} tokens"
+            )
+        positions = torch.arange(start, end)
+        table = torch.tensor(self._tables[request_id], dtype=torch.long)
+        return table[positions // self.tokens_per_block] * self.tokens_per_block + positions % self.tokens_per_block
+
+    # ---- accounting ---------------------------------------------------------------------------
+
+    def stats(self) -> KVCacheStats:
+        used_blocks = sum(len(t) for t in self._tables.values())
+        used_tokens = sum(self._lengths.values())
+        total_blocks = 0 if self._kv is None else self.num_blocks
+        return KVCacheStats(
+            total_bytes=total_blocks * self.bytes_per_block,
+            used_bytes=used_tokens * self.spec.bytes_per_token,
+            allocated_bytes=used_blocks * self.bytes_per_block,
+            total_blocks=total_blocks,
+            used_blocks=used_blocks,
+            free_blocks=len(self._free),
+            tokens_per_block=self.tokens_per_block,
+            used_tokens=used_tokens,
+        )

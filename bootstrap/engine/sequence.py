@@ -1,0 +1,120 @@
+"""Per-request state as the engine sees it: tokens, progress, status and outcome.
+
+``token_ids`` holds the prompt followed by the generated tokens. ``num_computed`` counts the
+leading tokens whose keys and values are in the KV cache; the tokens after them are what the
+next step must run (a prefill chunk, or the one token sampled last step). A step that brings
+``num_computed`` up to ``len(token_ids)`` yields logits for a new token; a partial prefill chunk
+does not.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from bootstrap.engine.sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+def next_request_id() -> int:
+    """A process-wide unique request id."""
+    return next(_ids)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request inside the engine (``eq=False``: compared and hashed by identity)."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    is_warmup: bool = False
+    generator: torch.Generator | None = None
+    token_ids: list[int] = field(init=False)
+    num_computed: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    error: str | None = None
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens the next steps must run before a new token can be sampled."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < self.num_prompt_tokens
+
+    @property
+    def max_kv_tokens(self) -> int:
+        """KV slots the request can ever use: every token but the last generated one."""
+        return self.num_prompt_tokens + self.params.max_tokens - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.error = error
+
+
+class Detokenizer:
+    """Incremental detokenization: the text each new token adds, stable across token merges.
+
+    Decodes a short window (``ids[prefix:]`` against ``ids[prefix:read]``) instead of the whole
+    output, and holds text back while it ends in an incomplete UTF-8 character.
+    """
+
+    def __init__(self, tokenizer: object) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix = 0
+        self._read = 0
+
+    def add(self, token_id: int) -> str:
+        """Append ``token_id``; return the text it completes (possibly empty)."""
+        self.ids.append(token_id)
+        before = self._decode(self.ids[self._prefix : self._read])
+        after = self._decode(self.ids[self._prefix :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        delta = after[len(before) :]
+        self._prefix, self._read = self._read, len(self.ids)
+        self.text += delta
+        return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
