@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -148,6 +149,7 @@ class FakeDevice:
     _peak: int = 0
     _faults: list[_Fault] = field(default_factory=list, repr=False)
     _ids: itertools.count = field(default_factory=itertools.count, repr=False)
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)  # stages run on threads
 
     def total_bytes(self) -> int:
         return self.total
@@ -156,7 +158,8 @@ class FakeDevice:
         return self.total - self.non_torch - self.allocated_bytes()
 
     def allocated_bytes(self) -> int:
-        return sum(n for n, _ in self._allocs.values())
+        with self._lock:
+            return sum(n for n, _ in self._allocs.values())
 
     def peak_bytes(self) -> int:
         return self._peak
@@ -177,26 +180,29 @@ class FakeDevice:
     def allocate(self, nbytes: int, tag: str) -> int:
         if nbytes < 0:
             raise ValueError(f"allocation size must be >= 0, got {nbytes} for {tag!r}")
-        self._raise_injected(nbytes, tag)
-        if nbytes > self.free_bytes():
-            raise DeviceOutOfMemory(
-                f"out of memory allocating {nbytes / GiB:.2f} GiB for {tag!r} on {self.name}: "
-                f"{self.free_bytes() / GiB:.2f} GiB free of {self.total / GiB:.2f} GiB"
-            )
-        handle = next(self._ids)
-        self._allocs[handle] = (nbytes, tag)
-        self._peak = max(self._peak, self.allocated_bytes())
-        return handle
+        with self._lock:
+            self._raise_injected(nbytes, tag)
+            if nbytes > self.free_bytes():
+                raise DeviceOutOfMemory(
+                    f"out of memory allocating {nbytes / GiB:.2f} GiB for {tag!r} on {self.name}: "
+                    f"{self.free_bytes() / GiB:.2f} GiB free of {self.total / GiB:.2f} GiB"
+                )
+            handle = next(self._ids)
+            self._allocs[handle] = (nbytes, tag)
+            self._peak = max(self._peak, self.allocated_bytes())
+            return handle
 
     def free(self, handle: int) -> None:
-        if self._allocs.pop(handle, None) is None:
-            raise KeyError(f"double free or unknown allocation handle {handle}")
+        with self._lock:
+            if self._allocs.pop(handle, None) is None:
+                raise KeyError(f"double free or unknown allocation handle {handle}")
 
     def live(self) -> dict[str, int]:
         """Bytes still allocated, by tag: the leak account."""
         out: dict[str, int] = {}
-        for n, tag in self._allocs.values():
-            out[tag] = out.get(tag, 0) + n
+        with self._lock:
+            for n, tag in self._allocs.values():
+                out[tag] = out.get(tag, 0) + n
         return out
 
     def _raise_injected(self, nbytes: int, tag: str) -> None:

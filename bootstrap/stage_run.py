@@ -41,7 +41,7 @@ class StageRun:
         with self._tracer.start_as_current_span(stage_span(self.stage.id), record_exception=False) as span:
             self._span = span
             span.set_attribute("bootstrap.stage", self.stage.id)
-            await self._record_free(span, "before")
+            self._record_free(span, "before")
             self._publish("started")
             try:
                 artifact, undo, outcome = await self._skip_or_attempts()
@@ -50,8 +50,7 @@ class StageRun:
                 raise
             finally:
                 span.set_attribute("bootstrap.attempts", self.attempts)
-                with anyio.CancelScope(shield=True):
-                    await self._record_free(span, "after")
+                self._record_free(span, "after")
             self._record_success(span, artifact, outcome)
             return artifact, undo
 
@@ -128,9 +127,10 @@ class StageRun:
         note = ", ".join(f"{k}: {v}" for k, v in self._changes.items())
         self._publish("retrying", note or "retrying unchanged")
 
-    async def _record_free(self, span: Span, when: str) -> None:
+    def _record_free(self, span: Span, when: str) -> None:
+        """Read from the event loop: every Device is safe to query from any thread."""
         if self._device is not None:
-            span.set_attribute(f"bootstrap.device.free_bytes.{when}", await self._thread.run(self._device.free_bytes))
+            span.set_attribute(f"bootstrap.device.free_bytes.{when}", self._device.free_bytes())
 
     def _record_success(self, span: Span, artifact: Any, outcome: str) -> None:
         figures = dict(self.stage.figures(artifact)) if self.stage.figures and artifact is not None else {}
