@@ -261,7 +261,8 @@ def plan_capacity(
     concurrent = kv_tokens // tokens_per_block // per_request
     if concurrent < 1:
         what = f"one request of max_seq_len={max_seq_len} ({per_request} blocks)"
-        raise CapacityError(_too_small(profile, cost, fraction, budget, limited_by, per_request * tokens_per_block, what))
+        need = per_request * tokens_per_block
+        raise CapacityError(_too_small(profile, cost, fraction, budget, limited_by, need, what))
     return CapacityPlan(
         total_bytes=profile.total_bytes, peak_bytes=profile.peak_bytes, kv_budget_bytes=budget,
         kv_tokens=kv_tokens, cost=cost, tokens_per_block=tokens_per_block, max_seq_len=max_seq_len,

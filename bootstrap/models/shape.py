@@ -41,6 +41,7 @@ _FAMILIES: dict[str, tuple[bool, int, bool, bool]] = {
     "jamba": (False, 2, False, False),
 }
 SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))
+_DEFAULT_POSITIONS = {"jamba": 262144}  # Jamba has no positional embedding; transformers' default
 
 
 class ModelConfigError(ValueError):
@@ -163,7 +164,10 @@ class ModelShape:
 
     def _layer_params(self, index: int) -> int:
         mixer = self._attention_params() if self.layer_kinds[index] == ATTENTION else self._mamba_params()
-        mlp = self._moe_params() if self.moe_layers[index] else _mlp(self.hidden_size, self.intermediate_size, self.mlp_bias)
+        if self.moe_layers[index]:
+            mlp = self._moe_params()
+        else:
+            mlp = _mlp(self.hidden_size, self.intermediate_size, self.mlp_bias)
         return mixer + mlp + self.norms_per_layer * self.hidden_size
 
     def _attention_params(self) -> int:
@@ -237,7 +241,8 @@ class _Parser:
 
     def shape(self) -> ModelShape:
         tie_default, norms, qkv_bias, qk_norm = _FAMILIES[self.model_type]
-        layers, heads, hidden = self.get_int("num_hidden_layers"), self.get_int("num_attention_heads"), self.get_int("hidden_size")
+        layers, heads = self.get_int("num_hidden_layers"), self.get_int("num_attention_heads")
+        hidden = self.get_int("hidden_size")
         kv_heads = self.get_int("num_key_value_heads", heads)
         if heads % kv_heads:
             raise ModelConfigError(
@@ -255,7 +260,7 @@ class _Parser:
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=self._head_dim(hidden, heads),
-            max_position_embeddings=self.get_int("max_position_embeddings", 262144 if self.model_type == "jamba" else None),
+            max_position_embeddings=self.get_int("max_position_embeddings", _DEFAULT_POSITIONS.get(self.model_type)),
             tie_word_embeddings=self.get_flag("tie_word_embeddings", tie_default),
             torch_dtype=self.cfg.get("torch_dtype", self.cfg.get("dtype")),
             layer_kinds=kinds,
