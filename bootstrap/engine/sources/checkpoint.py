@@ -1,0 +1,100 @@
+"""Local Hugging Face checkpoint directories and GGUF files, read without any network access.
+
+Also writes the fast-loading form of a GGUF-loaded model: transformers marks such a model as
+quantized and refuses ``save_pretrained`` on it, although its weights are plain tensors, so the
+state dict goes to safetensors directly, next to a cleaned ``config.json`` and the tokenizer.
+The directory is written under a temporary name and renamed into place, so an interrupted
+conversion never leaves a half-written cache behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_model
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+# config keys that describe the GGUF container, not the model
+_GGUF_ONLY_KEYS = ("quantization_config", "_name_or_path", "_model_name_or_path")
+
+
+def has_weights(path: Path) -> bool:
+    """True when ``path`` holds safetensors or PyTorch weight files."""
+    return any(any(path.glob(pattern)) for pattern in WEIGHT_PATTERNS)
+
+
+def _model_kwargs(dtype: torch.dtype | None, attn_implementation: str | None) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"local_files_only": True, "dtype": dtype or "auto"}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    return kwargs
+
+
+def load_checkpoint_dir(
+    path: Path, device: torch.device, dtype: torch.dtype | None, attn_implementation: str | None
+) -> tuple[torch.nn.Module, Any]:
+    """Model (eval mode, on ``device``) and tokenizer (None without tokenizer files)."""
+    model = AutoModelForCausalLM.from_pretrained(
+        path, device_map=device, **_model_kwargs(dtype, attn_implementation)
+    )
+    has_tokenizer = any((path / name).exists() for name in TOKENIZER_FILES)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True) if has_tokenizer else None
+    return model.eval(), tokenizer
+
+
+def load_gguf_file(
+    path: Path, device: torch.device, dtype: torch.dtype | None, attn_implementation: str | None
+) -> tuple[torch.nn.Module, Any]:
+    """Model dequantized from a GGUF file (eval mode, on ``device``) and its tokenizer."""
+    where = {"pretrained_model_name_or_path": path.parent, "gguf_file": path.name}
+    kwargs = _model_kwargs(dtype, attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(**where, **kwargs).to(device)
+    tokenizer = AutoTokenizer.from_pretrained(**where, local_files_only=True)
+    return model.eval(), tokenizer
+
+
+def gguf_config(path: Path) -> PretrainedConfig:
+    """The model config stored in a GGUF file's metadata, without the weights."""
+    return AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+
+
+def clean_config_dict(config: PretrainedConfig) -> dict[str, Any]:
+    """A copy of ``config`` as a dict, without the GGUF container's quantization marks."""
+    values = config.to_dict()
+    for key in _GGUF_ONLY_KEYS:
+        values.pop(key, None)
+    return values
+
+
+def convert_gguf(gguf_path: Path, target: Path) -> Path:
+    """Write a GGUF model as a plain checkpoint dir at ``target`` (atomic); return ``target``."""
+    model, tokenizer = load_gguf_file(gguf_path, torch.device("cpu"), None, None)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        save_model(model, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        config_text = json.dumps(clean_config_dict(model.config), indent=2, sort_keys=True)
+        (staging / "config.json").write_text(config_text + "\n")
+        model.generation_config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        publish(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def publish(staging: Path, target: Path) -> None:
+    """Rename ``staging`` (a dir or file) to ``target``; a concurrent writer that got there first wins."""
+    try:
+        os.rename(staging, target)
+    except OSError:
+        if not (target / "config.json").exists():
+            raise
