@@ -307,20 +307,8 @@ def _too_small(
     return "\n  ".join(lines)
 
 
-_SPLIT_NAMES = ("PoolBudget", "PoolBudgets", "split_budgets", "split_cross", "split_draft")
-
-
-def __getattr__(name: str) -> Any:
-    """Re-export the budget split (lazily: `bootstrap.budget_split` imports this module)."""
-    if name in _SPLIT_NAMES:
-        from bootstrap import budget_split
-
-        return getattr(budget_split, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = [
-    "GIB", "CacheCost", "CapacityError", "CapacityPlan", "MemoryProfile", *_SPLIT_NAMES,
+    "GIB", "CacheCost", "CapacityError", "CapacityPlan", "MemoryProfile",
     "dummy_request_lengths", "estimation_tokens", "fmt_bytes", "kv_dtype_bytes", "mha_cost", "mla_cost",
     "model_cost", "plan_capacity",
 ]

@@ -1,6 +1,7 @@
 """``bootstrap plan``: the whole pipeline on a simulated GPU, a dry-run capacity planner.
 
-Exit status: 0 ready; 1 a stage failed (one paragraph on stderr, no traceback); 2 bad input.
+Exit status: 0 ready; 1 a stage failed (one paragraph on stderr, no traceback); 2 bad input
+(an invalid or infeasible configuration, named with the field to change).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from bootstrap.stages import STAGE_IDS
 from bootstrap.telemetry import make_tracer_provider
 
 FAULTABLE = ("load_model", "estimation_build", "profiling", "final_build", "scheduler_sampler")
-INPUT_ERRORS = (ConfigError, ModelConfigError, CapacityError, GraphError, ValueError)
+BAD_INPUT = (ConfigError, ModelConfigError, CapacityError)  # exit 2, also when a stage finds it
+INPUT_ERRORS = (*BAD_INPUT, GraphError, ValueError)  # raised before the pipeline starts
 
 
 def _config_args(parser: argparse.ArgumentParser) -> None:
@@ -81,7 +83,7 @@ def parse_fault(text: str) -> tuple[str, int]:
     return parts[0], int(count)
 
 
-async def run_plan(args: argparse.Namespace) -> dict[str, Any]:
+async def run_plan(args: argparse.Namespace) -> tuple[dict[str, Any], StageFailed | None]:
     from bootstrap.backends.sim import SimBackend
     from bootstrap.backends.sim_gpus import sim_device
 
@@ -101,12 +103,13 @@ async def run_plan(args: argparse.Namespace) -> dict[str, Any]:
     summary = plan_summary(pipeline.artifacts)
     await pipeline.aclose()
     provider.shutdown()
-    return {
+    result = {
         "stages": stage_rows(memory.get_finished_spans()),
         "plan": summary,
         "device": {"name": device.name, "total_bytes": device.total, "leaked_bytes": sum(device.live().values())},
         "error": _error_paragraph(error) if error else None,
     }
+    return result, error
 
 
 def _error_paragraph(exc: StageFailed) -> str:
@@ -132,7 +135,7 @@ def print_plan(result: dict[str, Any], console: Console) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        result = anyio.run(run_plan, args)
+        result, error = anyio.run(run_plan, args)
     except INPUT_ERRORS as exc:
         print(f"bootstrap: {exc}", file=sys.stderr)
         return 2
@@ -140,10 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=2))
     else:
         print_plan(result, Console())
-    if result["error"]:
-        print(result["error"], file=sys.stderr)
-        return 1
-    return 0
+    if error is None:
+        return 0
+    print(result["error"], file=sys.stderr)
+    return 2 if isinstance(error.cause, BAD_INPUT) else 1
 
 
 if __name__ == "__main__":

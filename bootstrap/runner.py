@@ -8,7 +8,8 @@ from typing import Any
 from opentelemetry.trace import TracerProvider
 
 from bootstrap.backends.base import Backend
-from bootstrap.capacity import CapacityPlan, PoolBudgets
+from bootstrap.budget_split import PoolBudgets
+from bootstrap.capacity import CapacityPlan
 from bootstrap.config import BootstrapConfig
 from bootstrap.pipeline import Pipeline
 from bootstrap.plan_cache import PlanCache

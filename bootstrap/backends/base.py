@@ -12,7 +12,8 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from bootstrap.artifacts import EstimationBuild, FinalBuild, LoadedModel, ResolvedClasses
-from bootstrap.capacity import CapacityPlan, MemoryProfile, PoolBudgets
+from bootstrap.budget_split import PoolBudgets
+from bootstrap.capacity import CapacityPlan, MemoryProfile
 from bootstrap.config import BootstrapConfig
 from bootstrap.devices import Device
 from bootstrap.models.shape import ModelShape

@@ -4,7 +4,8 @@ pools, and the host tier by slope."""
 from __future__ import annotations
 
 from bootstrap.artifacts import ResolvedClasses
-from bootstrap.capacity import CapacityPlan, PoolBudgets, split_budgets
+from bootstrap.budget_split import PoolBudgets, split_budgets
+from bootstrap.capacity import CapacityPlan
 from bootstrap.config import BootstrapConfig
 from bootstrap.stage import Stage
 

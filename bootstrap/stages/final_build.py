@@ -9,7 +9,7 @@ from typing import Any
 
 from bootstrap.artifacts import FinalBuild, LoadedModel, ResolvedClasses
 from bootstrap.backends.base import Backend
-from bootstrap.capacity import PoolBudget, PoolBudgets
+from bootstrap.budget_split import PoolBudget, PoolBudgets
 from bootstrap.config import BootstrapConfig
 from bootstrap.stage import Adaptation, Stage, on_oom
 from bootstrap.undo import Undo

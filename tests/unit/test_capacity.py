@@ -21,10 +21,8 @@ from bootstrap.capacity import (
     mla_cost,
     model_cost,
     plan_capacity,
-    split_budgets,
-    split_cross,
-    split_draft,
 )
+from bootstrap.budget_split import split_budgets, split_cross, split_draft
 from bootstrap.models.presets import preset_shape
 
 MIB = 1024**2
