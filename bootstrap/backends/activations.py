@@ -1,0 +1,148 @@
+"""Analytic memory of one forward pass and of a started executor, for the simulated backend.
+
+Pure arithmetic on a ``ModelShape``; no torch. The figures are estimates of what torch's
+caching allocator would see at its peak, term by term, so that a simulated profile can be
+explained line by line. Notation (all per tensor-parallel rank):
+
+  T = max_num_tokens of the dummy step     b = weight dtype bytes    tp = tensor_parallel_size
+  h = hidden_size   nh, nkv = query / KV heads   d = head_dim   I = intermediate_size   V = vocab
+  R = number of dummy requests = len(dummy_request_lengths(T, max_seq_len))
+  shard(x) = ceil(x / tp): a tensor split across ranks (heads, MLP columns, experts' columns)
+
+One forward runs layer after layer and frees each layer's intermediates before the next, so the
+peak is the largest of the phases below, each on top of the residual stream:
+
+  residual     = T*h*b                 hidden states carried between layers
+  normed       = T*h*b                 RMSNorm output feeding the attention or the MLP
+  attention    = T*shard((nh + 2*nkv)*d)*b          q, k, v projections
+               + T*shard(nh*d)*b                    attention output (before o_proj)
+               + T*shard(nh)*4                      fp32 softmax log-sum-exp (flash attention)
+     MLA:        T*q_lora*b + T*(kv_lora + rope)*b  compressed q and kv latents (replicated)
+               + T*shard(nh*(nope + rope))*b        q after up-projection
+               + T*shard(nh*(nope + rope + v))*b    k and v decompressed for prefill
+               + T*shard(nh*v)*b + T*shard(nh)*4    attention output, log-sum-exp
+     Mamba:      T*shard(2*di)*b + 2*T*shard(di)*b  in_proj (x, z), conv and scan outputs
+               + T*(dt_rank + 2*d_state)*b          x_proj (B, C, dt)
+  dense MLP    = 3*T*shard(I)*b                     gate, up, act(gate)*up
+  MoE MLP      = T*E*4                              fp32 router logits (replicated)
+               + T*k*h*b                            routed copies of the tokens (k = experts_per_token)
+               + 3*T*k*shard(I_moe)*b               expert gate, up, act per routed copy
+               + 3*T*shard(I_shared)*b              shared experts, where the model has them
+  layer_peak   = residual + normed + max(attention phases, MLP phases)
+  head_peak    = residual + normed + R*V*4          fp32 logits of each request's last token only
+  workspace    = 32 MiB                             cuBLAS workspace (torch's Hopper default,
+                                                    ``:4096:8`` = 8 x 4 MiB, taken from the allocator)
+  peak         = max(layer_peak, head_peak) + workspace
+
+Every term is non-decreasing in T (R too), so the peak is monotonic in ``max_num_tokens``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bootstrap.capacity import dummy_request_lengths
+from bootstrap.models.shape import ATTENTION, RECURRENT, ModelShape
+
+MiB = 1024**2
+CUBLAS_WORKSPACE_BYTES = 32 * MiB
+FP32 = 4
+INT32 = 4
+INT64 = 8
+
+_WEIGHT_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def weight_dtype_bytes(dtype: str) -> int:
+    """Bytes per weight element for a resolved weight dtype (not "auto")."""
+    try:
+        return _WEIGHT_DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"weight dtype must be one of {', '.join(_WEIGHT_DTYPE_BYTES)}, got {dtype!r}") from None
+
+
+def _shard(n: int, tp: int) -> int:
+    return -(-n // tp)
+
+
+@dataclass(frozen=True)
+class ActivationEstimate:
+    """The peak extra bytes of one forward, and the terms it was built from (for spans/docs)."""
+
+    total: int
+    terms: dict[str, int]
+
+
+def activation_peak(
+    shape: ModelShape, *, max_num_tokens: int, max_seq_len: int, dtype_bytes: int, tp: int = 1
+) -> ActivationEstimate:
+    """The analytic peak of one forward over ``max_num_tokens`` tokens (see the module docstring)."""
+    if max_num_tokens < 1:
+        raise ValueError(f"max_num_tokens must be >= 1, got {max_num_tokens}")
+    if tp < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+    t, b, h = max_num_tokens, dtype_bytes, shape.hidden_size
+    requests = len(dummy_request_lengths(max_num_tokens, max_seq_len))
+    terms = {
+        "residual": t * h * b,
+        "normed": t * h * b,
+        "mixer": max(_mixer_phases(shape, t, b, tp)),
+        "mlp": max(_mlp_phases(shape, t, b, tp)),
+        "logits": requests * shape.vocab_size * FP32,
+        "workspace": CUBLAS_WORKSPACE_BYTES,
+    }
+    stream = terms["residual"] + terms["normed"]
+    peak = max(stream + max(terms["mixer"], terms["mlp"]), stream + terms["logits"]) + terms["workspace"]
+    return ActivationEstimate(peak, terms)
+
+
+def _mixer_phases(shape: ModelShape, t: int, b: int, tp: int) -> list[int]:
+    phases = [0]
+    if ATTENTION in shape.layer_kinds:
+        phases.append(_mla(shape, t, b, tp) if shape.kv_lora_rank is not None else _attention(shape, t, b, tp))
+    if RECURRENT in shape.layer_kinds:
+        phases.append(_mamba(shape, t, b, tp))
+    return phases
+
+
+def _attention(shape: ModelShape, t: int, b: int, tp: int) -> int:
+    nh, nkv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    qkv = t * _shard((nh + 2 * nkv) * d, tp) * b
+    return qkv + t * _shard(nh * d, tp) * b + t * _shard(nh, tp) * FP32
+
+
+def _mla(shape: ModelShape, t: int, b: int, tp: int) -> int:
+    nh, rope, nope, v = shape.num_heads, shape.qk_rope_head_dim, shape.qk_nope_head_dim, shape.v_head_dim
+    latents = t * ((shape.q_lora_rank or 0) + shape.kv_lora_rank + rope) * b
+    q = t * _shard(nh * (nope + rope), tp) * b
+    kv = t * _shard(nh * (nope + rope + v), tp) * b
+    return latents + q + kv + t * _shard(nh * v, tp) * b + t * _shard(nh, tp) * FP32
+
+
+def _mamba(shape: ModelShape, t: int, b: int, tp: int) -> int:
+    di = shape.mamba_d_inner
+    projections = t * _shard(2 * di, tp) * b + 2 * t * _shard(di, tp) * b
+    return projections + t * (shape.mamba_dt_rank + 2 * shape.mamba_d_state) * b
+
+
+def _mlp_phases(shape: ModelShape, t: int, b: int, tp: int) -> list[int]:
+    phases = [0]
+    if not all(shape.moe_layers):
+        phases.append(3 * t * _shard(shape.intermediate_size, tp) * b)
+    if any(shape.moe_layers):
+        k = shape.experts_per_token
+        routed = t * k * shape.hidden_size * b + 3 * t * k * _shard(shape.moe_intermediate_size, tp) * b
+        shared = 3 * t * _shard(shape.shared_expert_intermediate_size, tp) * b
+        phases.append(t * shape.num_experts * FP32 + routed + shared)
+    return phases
+
+
+def sampler_state_bytes(max_batch_size: int, vocab_size: int) -> int:
+    """Sampler buffers: per batch slot and vocab entry, fp32 logits, fp32 sorted probabilities
+    and int64 sort indices (top-k / top-p): ``max_batch_size * V * (4 + 4 + 8)``."""
+    return max_batch_size * vocab_size * (FP32 + FP32 + INT64)
+
+
+def block_table_bytes(max_batch_size: int, max_seq_len: int, tokens_per_block: int, pools: int) -> int:
+    """int32 block tables of every pool: ``pools * max_batch_size * ceil(max_seq_len / tpb) * 4``."""
+    return pools * max_batch_size * -(-max_seq_len // tokens_per_block) * INT32
