@@ -114,7 +114,7 @@ class Pipeline:
         run = StageRun(stage, self._inputs(stage), self._tracer, self.hub, self._thread, self.device)
         token = otel_context.attach(ctx)
         try:
-            artifact, undo = await run.execute()
+            artifact, undo = await run.execute(after_success=lambda: self._release_consumed(stage))
         except anyio.get_cancelled_exc_class():
             raise
         except BaseException as exc:
@@ -130,10 +130,12 @@ class Pipeline:
         self.artifacts[stage.provides] = artifact
         self._undos[stage.id] = undo
         self._finished.append(stage.id)
+        self._ready[stage.provides].set()
+
+    async def _release_consumed(self, stage: Stage) -> None:
         for name in stage.consumes:
             await self._release(self._producer(name))
             self.artifacts.pop(name, None)
-        self._ready[stage.provides].set()
 
     # -- release and abort -----------------------------------------------------------------
 

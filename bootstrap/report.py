@@ -35,14 +35,15 @@ def stage_rows(spans: Iterable[ReadableSpan]) -> list[dict[str, Any]]:
 
 
 def _gib(value: int | None) -> str:
-    return "-" if value is None else f"{value / GiB:.2f}"
+    return "-" if value is None else f"{value / GiB:.2f} GiB"
 
 
 def stage_table(rows: list[dict[str, Any]], title: str = "bootstrap stages") -> Table:
     table = Table(title=title)
-    for column, justify in [("stage", "left"), ("outcome", "left"), ("attempts", "right"),
-                            ("duration", "right"), ("free before GiB", "right"), ("free after GiB", "right")]:  # fmt: skip
-        table.add_column(column, justify=justify)
+    table.add_column("stage", no_wrap=True)
+    table.add_column("outcome", no_wrap=True)
+    for column in ("attempts", "duration", "free before", "free after"):
+        table.add_column(column, justify="right", no_wrap=True)
     for row in rows:
         outcome = row["outcome"] or "-"
         if row["skip_reason"]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from typing import Any
 
@@ -36,8 +36,12 @@ class StageRun:
         self._changes: Mapping[str, str] = {}
         self._span: Span | None = None
 
-    async def execute(self) -> tuple[Any, Undo]:
-        """Run the stage to success, skip, or failure (re-raised after the span records it)."""
+    async def execute(self, after_success: Callable[[], Awaitable[None]] | None = None) -> tuple[Any, Undo]:
+        """Run the stage to success, skip, or failure (re-raised after the span records it).
+
+        ``after_success`` runs inside the stage span (the pipeline releases consumed artifacts
+        there, so the span's free memory after includes that release).
+        """
         with self._tracer.start_as_current_span(stage_span(self.stage.id), record_exception=False) as span:
             self._span = span
             span.set_attribute("bootstrap.stage", self.stage.id)
@@ -45,6 +49,8 @@ class StageRun:
             self._publish("started")
             try:
                 artifact, undo, outcome = await self._skip_or_attempts()
+                if after_success is not None:
+                    await after_success()
             except BaseException as exc:
                 self._record_failure(span, exc)
                 raise

@@ -1,0 +1,93 @@
+"""``bootstrap plan`` end to end on the simulated GPU: JSON shape, trace file, faults, errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bootstrap.cli import main, parse_fault
+from bootstrap.stages import STAGE_IDS
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(["plan", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_json_plan_for_llama_on_h100(capsys):
+    code, out, err = run_cli(capsys, "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert [s["id"] for s in result["stages"]] == list(STAGE_IDS)
+    assert all(s["outcome"] == "ok" and s["attempts"] == 1 for s in result["stages"])
+    assert all(set(s) >= {"id", "outcome", "attempts", "duration_s"} for s in result["stages"])
+    plan = result["plan"]
+    assert plan["kv_budget_bytes"] > 40 * 1024**3  # ~64 GiB left after 15 GiB of weights
+    assert plan["kv_tokens"] == plan["kv_budget_bytes"] // 131072 // 32 * 32
+    assert plan["max_concurrent_requests"] == plan["kv_tokens"] // plan["max_seq_len"]
+    assert result["device"]["leaked_bytes"] == 0
+
+
+def test_profiling_fault_retries_and_traces(capsys, tmp_path):
+    trace = tmp_path / "t.jsonl"
+    code, _, err = run_cli(
+        capsys, "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--json",
+        "--fault", "profiling:oom:1", "--trace-file", str(trace),
+    )  # fmt: skip
+    assert code == 0, err
+    spans = [json.loads(line) for line in trace.read_text().splitlines()]
+    names = [s["name"] for s in spans]
+    assert names.count("bootstrap.pipeline") == 1
+    assert sorted(n for n in names if n.startswith("bootstrap.stage.") and not n.endswith(".attempt")) == sorted(
+        f"bootstrap.stage.{s}" for s in STAGE_IDS
+    )
+    attempts = [s for s in spans if s["name"] == "bootstrap.stage.profiling.attempt"]
+    assert [a["status"] for a in attempts] == ["ERROR", "OK"]
+    assert [a["attributes"]["bootstrap.attempt"] for a in attempts] == [1, 2]
+    root = next(s for s in spans if s["name"] == "bootstrap.pipeline")
+    assert root["parent_span_id"] is None
+    by_id = {s["span_id"]: s for s in spans}
+    assert all(by_id[a["parent_span_id"]]["name"] == "bootstrap.stage.profiling" for a in attempts)
+    assert {s["trace_id"] for s in spans} == {root["trace_id"]}
+    assert all(set(s) >= {"start_time_unix_nano", "end_time_unix_nano", "attributes", "events"} for s in spans)
+
+
+def test_final_build_fault_exhausted_is_a_clear_error(capsys):
+    code, out, err = run_cli(capsys, "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--fault", "final_build:oom:99")
+    assert code == 1
+    assert "final_build" in err and "3 attempt" in err and "out of memory" in err
+    assert "Traceback" not in err + out
+    assert "leaked bytes after teardown: 0" in out
+
+
+def test_bad_input_exits_2_naming_the_field(capsys):
+    code, _, err = run_cli(capsys, "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--max-batch-size", "0")
+    assert code == 2 and "max_batch_size" in err and "Traceback" not in err
+    code, _, err = run_cli(capsys, "--model", "no-such-model", "--gpu", "h100-80gb")
+    assert code == 2 and "llama-3.1-8b" in err  # lists the presets
+    code, _, err = run_cli(capsys, "--model", "llama-3.1-8b", "--gpu", "tpu-v9")
+    assert code == 2 and "h100-80gb" in err
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [("capacity:oom", "allocates no device memory"), ("nope:oom", "is not a stage"),
+     ("profiling:boom", "expected STAGE:oom"), ("profiling:oom:0", "N must be")],
+)  # fmt: skip
+def test_fault_spec_errors(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_fault(text)
+    assert parse_fault("profiling:oom:2") == ("profiling", 2)
+
+
+def test_console_script_is_installed():
+    result = subprocess.run(
+        [sys.executable, "-m", "bootstrap.cli", "plan", "--model", "mixtral-8x7b", "--gpu", "h200"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "KV budget" in result.stdout and "profiling" in result.stdout

@@ -1,0 +1,185 @@
+"""The eight default stages on the simulated backend (a FakeDevice GPU): success, each
+retryable failure, rollback to zero simulated bytes, adaptations recorded, resume, cancel."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from bootstrap.backends.sim import SimBackend
+from bootstrap.backends.sim_gpus import sim_device
+from bootstrap.capacity import CapacityError
+from bootstrap.config import BootstrapConfig, ConfigError
+from bootstrap.pipeline import StageFailed
+from bootstrap.runner import make_pipeline
+from bootstrap.stages import STAGE_IDS
+from bootstrap.telemetry import make_tracer_provider
+
+LLAMA = dict(model="llama-3.1-8b", max_seq_len=8192, max_num_tokens=8192, max_batch_size=64)
+
+
+def setup(gpu="h100-80gb", **overrides):
+    device = sim_device(gpu)
+    memory = InMemorySpanExporter()
+    config = BootstrapConfig.parse(**{**LLAMA, **overrides})
+    pipeline = make_pipeline(config, SimBackend(device), tracer_provider=make_tracer_provider(memory=memory))
+    return pipeline, device, memory
+
+
+def by_name(memory, name):
+    return [s for s in memory.get_finished_spans() if s.name == name]
+
+
+async def test_all_stages_succeed_and_release_everything():
+    pipeline, device, memory = setup()
+    artifacts = await pipeline.run()
+    assert [pipeline.status[s].state for s in STAGE_IDS] == ["done"] * 8
+    plan, final = artifacts["plan"], artifacts["final"]
+    assert plan.kv_tokens > 0 and plan.kv_tokens % 32 == 0
+    assert final.pool_bytes["target"] == artifacts["budgets"].target.gpu_bytes
+    assert "estimation_build/probe_kv" not in device.live()  # consumed by profiling
+    assert device.free_bytes() >= 0
+    await pipeline.aclose()
+    assert device.live() == {}
+    assert len(by_name(memory, "bootstrap.pipeline")) == 1
+    for sid in STAGE_IDS:
+        (span,) = by_name(memory, f"bootstrap.stage.{sid}")
+        assert span.attributes["bootstrap.outcome"] == "ok"
+        assert "bootstrap.device.free_bytes.before" in span.attributes
+
+
+@pytest.mark.parametrize("stage", ["estimation_build", "profiling"])
+async def test_oom_halves_max_num_tokens_and_the_plan_records_it(stage):
+    pipeline, device, memory = setup()
+    device.inject_oom(stage, 1)
+    artifacts = await pipeline.run()
+    attempts = by_name(memory, f"bootstrap.stage.{stage}.attempt")
+    assert [a.status.status_code.name for a in attempts] == ["ERROR", "OK"]
+    assert attempts[1].attributes["bootstrap.adapt.max_num_tokens"] == "8192 -> 4096"
+    assert artifacts["plan"].max_num_tokens == 4096
+    await pipeline.aclose()
+    assert device.live() == {}
+
+
+async def test_final_build_oom_shrinks_the_budget_a_step():
+    pipeline, device, memory = setup()
+    device.inject_oom("final_build", 1)
+    artifacts = await pipeline.run()
+    planned = artifacts["budgets"].target.gpu_bytes
+    assert artifacts["final"].pool_bytes["target"] == int(planned * 0.9)
+    second = by_name(memory, "bootstrap.stage.final_build.attempt")[1]
+    assert second.attributes["bootstrap.adapt.target_bytes"] == f"{planned} -> {int(planned * 0.9)}"
+    await pipeline.aclose()
+    assert device.live() == {}
+
+
+async def test_exhausted_final_build_keeps_weights_and_retry_resumes():
+    pipeline, device, _ = setup()
+    device.inject_oom("final_build", 3)
+    with pytest.raises(StageFailed) as info:
+        await pipeline.run()
+    assert (info.value.stage, info.value.attempts) == ("final_build", 3)
+    live = device.live()
+    assert "load_model/weights" in live and not any(t.startswith("final_build") for t in live)
+    weights_loads = pipeline.status["load_model"].attempts
+    artifacts = await pipeline.retry()
+    assert artifacts["executor"].is_running
+    assert pipeline.status["load_model"].attempts == weights_loads  # weights were not reloaded
+    await pipeline.aclose()
+    assert device.live() == {}
+
+
+async def test_load_model_oom_is_not_retried():
+    pipeline, device, _ = setup()
+    device.inject_oom("load_model", 1)
+    with pytest.raises(StageFailed) as info:
+        await pipeline.run()
+    assert (info.value.stage, info.value.attempts) == ("load_model", 1)
+    await pipeline.aclose()
+    assert device.live() == {}
+
+
+async def test_config_errors_fail_in_resolve_classes_before_any_allocation():
+    pipeline, device, _ = setup(max_seq_len=1_000_000)
+    with pytest.raises(StageFailed) as info:
+        await pipeline.run()
+    assert info.value.stage == "resolve_classes" and isinstance(info.value.cause, ConfigError)
+    assert "max_seq_len" in str(info.value) and "131072" in str(info.value)
+    assert device.live() == {} and device.peak_bytes() == 0
+
+
+async def test_infeasible_plan_names_the_knob():
+    pipeline, device, _ = setup(gpu="rtx-4090", model="llama-3.1-70b")
+    with pytest.raises(StageFailed) as info:
+        await pipeline.run()
+    # 70B weights cannot load on 24 GiB: the OOM is reported at load_model, not later
+    assert info.value.stage == "load_model"
+    pipeline, device, _ = setup(gpu="rtx-4090", max_seq_len=131072)
+    with pytest.raises(StageFailed) as info:
+        await pipeline.run()
+    assert info.value.stage == "capacity" and isinstance(info.value.cause, CapacityError)
+    assert "max_seq_len" in str(info.value.cause)
+    await pipeline.aclose()
+    assert device.live() == {}
+
+
+async def test_draft_model_split_and_pools():
+    pipeline, device, _ = setup(draft_model="smollm2-135m", model="llama-3.1-8b")
+    with pytest.raises(StageFailed) as info:
+        await pipeline.run()  # SmolLM2's vocab differs from Llama 3's: rejected up front
+    assert info.value.stage == "resolve_classes" and "vocab_size" in str(info.value)
+    pipeline, device, _ = setup(model="llama-3.1-70b", draft_model="llama-3.1-8b", tensor_parallel_size=4)
+    artifacts = await pipeline.run()
+    budgets = artifacts["budgets"]
+    assert budgets.target.gpu_bytes + budgets.draft.gpu_bytes == artifacts["plan"].kv_budget_bytes
+    assert set(artifacts["final"].pool_bytes) == {"target", "draft"}
+    await pipeline.aclose()
+    assert device.live() == {}
+
+
+async def test_cancellation_mid_pipeline_rolls_everything_back():
+    pipeline, device, _ = setup()
+    reached = anyio.Event()
+
+    async def watch():
+        async for event in pipeline.events():
+            if event.stage == "capacity" and event.kind == "started":
+                reached.set()
+
+    with anyio.move_on_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch)
+            tg.start_soon(pipeline.run)
+            await reached.wait()
+            tg.cancel_scope.cancel()
+    assert device.live() == {}
+    assert all(s.state == "cancelled" for s in pipeline.status.values())
+
+
+async def test_plan_cache_skips_estimation_and_profiling(tmp_path):
+    first, device1, _ = setup(plan_cache=tmp_path)
+    planned = (await first.run())["plan"]
+    await first.aclose()
+    second, device2, memory = setup(plan_cache=tmp_path)
+    artifacts = await second.run()
+    for sid in ("estimation_build", "profiling"):
+        (span,) = by_name(memory, f"bootstrap.stage.{sid}")
+        assert span.attributes["bootstrap.outcome"] == "skipped"
+        assert span.attributes["bootstrap.skip_reason"] == "plan-cache"
+    assert artifacts["plan"] == planned
+    assert not any(t.startswith(("estimation_build", "profiling")) for t in device2.live())
+    await second.aclose()
+    assert device2.live() == {}
+
+
+async def test_plan_cache_is_not_used_when_the_device_lacks_room(tmp_path):
+    first, _, _ = setup(plan_cache=tmp_path)
+    await first.run()
+    await first.aclose()
+    second, device, memory = setup(plan_cache=tmp_path)
+    device.non_torch += 20 * 1024**3  # another process took 20 GiB since the plan was made
+    await second.run()
+    (span,) = by_name(memory, "bootstrap.stage.profiling")
+    assert span.attributes["bootstrap.outcome"] == "ok"
+    await second.aclose()
