@@ -33,11 +33,15 @@ def make_pipeline(
 
 
 def plan_summary(artifacts: dict[str, Any]) -> dict[str, Any]:
-    """The ``plan`` object of ``--json``: budget, tokens, concurrency, and per-pool shares."""
+    """The ``plan`` object of ``--json``: budget, tokens, concurrency, the profile it came from,
+    and per-pool shares."""
     plan: CapacityPlan | None = artifacts.get("plan")
     if plan is None:
         return {}
     out = plan.to_dict()
+    profile = artifacts.get("profile")
+    if profile is not None:
+        out["profile"] = profile.to_dict()
     budgets: PoolBudgets | None = artifacts.get("budgets")
     if budgets is not None:
         out["pools"] = budgets.to_dict()
