@@ -153,7 +153,7 @@ def load_model(
     return LoadedWeights(
         model=model,
         tokenizer=tokenizer,
-        hf_config=model.config,
+        hf_config=checkpoint.without_gguf_marks(model.config) if resolved.kind == GGUF else model.config,
         source=resolved.text,
         weight_bytes=weight_bytes(model),
         eos_token_ids=eos_token_ids(model, tokenizer),

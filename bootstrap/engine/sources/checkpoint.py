@@ -9,6 +9,7 @@ conversion never leaves a half-written cache behind.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -72,6 +73,14 @@ def clean_config_dict(config: PretrainedConfig) -> dict[str, Any]:
     for key in _GGUF_ONLY_KEYS:
         values.pop(key, None)
     return values
+
+
+def without_gguf_marks(config: PretrainedConfig) -> PretrainedConfig:
+    """A copy of a GGUF-loaded model's config without the quantization marks (weights are plain)."""
+    clean = copy.deepcopy(config)
+    if hasattr(clean, "quantization_config"):
+        delattr(clean, "quantization_config")
+    return clean
 
 
 def convert_gguf(gguf_path: Path, target: Path) -> Path:

