@@ -4,8 +4,8 @@ Callers ``enqueue`` token ids from any thread and get a request id back at once;
 can never run (empty, too long for ``max_seq_len``, larger than the KV pool, token ids outside
 the vocabulary) is answered right away with an error instead of being queued. The worker thread
 (``start_worker``) repeats one step: admit and schedule, run the model, sample, append, detect
-stops, free what finished. An exception inside a step fails that step's requests (their
-responses carry the error) and the loop goes on. Without a worker, ``await_response``,
+stops, free what finished. When a step raises, its requests are run again one by one, and only
+those that fail alone get the error on their response; the loop goes on. Without a worker, ``await_response``,
 ``stream`` and ``generate`` drive the steps in the calling thread, so nothing ever waits on a
 loop that is not running.
 
@@ -261,17 +261,32 @@ class PyExecutor:
                 self._complete(handle, "cancelled")
 
     def step(self) -> None:
-        """Schedule, run, sample and update once; a failure fails only this step's requests."""
+        """Schedule, run, sample and update once.
+
+        If the step raises, each of its requests is run again alone, so only the requests that
+        fail by themselves get an error; the loop goes on either way.
+        """
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return
+        alone = len(batch.seqs) == 1
+        if self._run(batch, fail=alone) or alone:
+            return
+        log.warning("a step of %d requests failed; running them one by one", len(batch.seqs))
+        for part in batch.split():
+            self._run(part, fail=True)
+
+    def _run(self, batch: ScheduledBatch, fail: bool) -> bool:
+        """Run one batch; on an exception fail its requests if ``fail``, and return False."""
         try:
             tokens = self._forward_and_sample(batch)
         except Exception as exc:
-            log.exception("step of %d requests failed", len(batch.seqs))
-            self._fail(batch.seqs, exc)
-            return
+            if fail:
+                log.exception("step of %d requests failed", len(batch.seqs))
+                self._fail(batch.seqs, exc)
+            return False
         self._update(batch, tokens)
+        return True
 
     def _forward_and_sample(self, batch: ScheduledBatch) -> list[int]:
         logits = self.runner.run(batch)
@@ -325,7 +340,10 @@ class PyExecutor:
     def _complete(self, handle: _Handle, reason: str, error: str | None = None, token: int | None = None) -> None:
         seq = handle.seq
         seq.finish(reason, error)
-        full = handle.detokenizer.text if handle.detokenizer is not None else ""
+        full = ""
+        if handle.detokenizer is not None:
+            handle.detokenizer.flush()
+            full = handle.detokenizer.text
         delta = self._release_text(handle, full, final=True)
         text = trim_stop_text(full, seq.params)
         handle.response = Response(

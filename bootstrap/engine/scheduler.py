@@ -56,6 +56,10 @@ class ScheduledBatch:
         """True when every request runs exactly its one last sampled token."""
         return all(n == 1 and not s.in_prefill for s, n in zip(self.seqs, self.num_new_tokens))
 
+    def split(self) -> list[ScheduledBatch]:
+        """One single-request batch per request, same tokens."""
+        return [ScheduledBatch([s], [n]) for s, n in zip(self.seqs, self.num_new_tokens)]
+
     def samples(self) -> list[bool]:
         """Per request: does this step complete its pending tokens, so a token gets sampled?"""
         return [s.num_computed + n == s.num_tokens for s, n in zip(self.seqs, self.num_new_tokens)]

@@ -116,5 +116,12 @@ class Detokenizer:
         self.text += delta
         return delta
 
+    def flush(self) -> str:
+        """At the end of a request: the text still held back (an incomplete character)."""
+        delta = self._decode(self.ids[self._prefix :])[len(self._decode(self.ids[self._prefix : self._read])) :]
+        self._prefix = self._read = len(self.ids)
+        self.text += delta
+        return delta
+
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""

@@ -1,0 +1,125 @@
+"""paged_attention against a direct float64 computation, on a ragged batch that mixes a
+continued prefill chunk, a fresh prefill and a decode token, with blocks scattered in the pool."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from bootstrap.engine.attention import AttentionMetadata, paged_attention, use_metadata
+from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
+
+HEADS, KV_HEADS, DIM, TPB = 4, 2, 8, 4
+# (tokens already cached, new tokens this step) per request
+REQUESTS = [(5, 3), (0, 6), (9, 1), (3, 1)]
+
+
+class Layer(torch.nn.Module):
+    layer_idx = 1
+
+
+def reference(q, k, v, cached, window, softcap, scale):
+    """q [n, H, D] at positions cached..cached+n-1; k, v [cached + n, KVH, D]."""
+    q, k, v = q.double(), k.double(), v.double()
+    k = k.repeat_interleave(HEADS // KV_HEADS, dim=1)
+    v = v.repeat_interleave(HEADS // KV_HEADS, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    q_pos = torch.arange(cached, cached + q.shape[0]).unsqueeze(1)
+    k_pos = torch.arange(k.shape[0]).unsqueeze(0)
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def setup(requests, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(0)
+    cache = PagedKVCache(KVCacheSpec(2, KV_HEADS, DIM, dtype), num_blocks=32, tokens_per_block=TPB, device="cpu")
+    cache.allocate("filler", 5)  # so request blocks do not start at 0
+    full_k, full_v = [], []
+    for i, (cached, new) in enumerate(requests):
+        k = torch.randn(cached + new, KV_HEADS, DIM, generator=gen)
+        v = torch.randn(cached + new, KV_HEADS, DIM, generator=gen)
+        cache.allocate(i, cached)
+        slots = cache.slots(i, 0, cached)
+        cache.k_cache(1).view(-1, KV_HEADS, DIM)[slots] = k[:cached].to(dtype)
+        cache.v_cache(1).view(-1, KV_HEADS, DIM)[slots] = v[:cached].to(dtype)
+        cache.extend(i, new)
+        cache.allocate(f"gap{i}", 3)  # interleave other requests' blocks
+        full_k.append(k)
+        full_v.append(v)
+    return cache, full_k, full_v
+
+
+def metadata(cache, requests):
+    tables = [cache.block_table(i) for i in range(len(requests))]
+    width = max(map(len, tables))
+    slots = torch.cat([cache.slots(i, c, c + n) for i, (c, n) in enumerate(requests)])
+    return AttentionMetadata(
+        kv_cache=cache,
+        slot_mapping=slots,
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        context_lens=torch.tensor([c + n for c, n in requests]),
+        query_lens=torch.tensor([n for _, n in requests]),
+        max_query_len=max(n for _, n in requests),
+        kv_blocks=width,
+    )
+
+
+@pytest.mark.parametrize("window, softcap", [(None, None), (4, None), (None, 2.0), (3, 1.5)])
+def test_ragged_paged_attention_matches_direct_computation(window, softcap):
+    requests = REQUESTS
+    cache, full_k, full_v = setup(requests)
+    gen = torch.Generator().manual_seed(1)
+    total = sum(n for _, n in requests)
+    query = torch.randn(1, HEADS, total, DIM, generator=gen)
+    key = torch.cat([k[c:] for k, (c, _) in zip(full_k, requests)]).transpose(0, 1).unsqueeze(0)
+    value = torch.cat([v[c:] for v, (c, _) in zip(full_v, requests)]).transpose(0, 1).unsqueeze(0)
+    scale = 0.3
+    with use_metadata(metadata(cache, requests)):
+        out, _ = paged_attention(Layer(), query, key, value, None, scaling=scale, sliding_window=window, softcap=softcap)
+    assert out.shape == (1, total, HEADS, DIM)
+    start = 0
+    for i, (cached, new) in enumerate(requests):
+        q = query[0, :, start : start + new].transpose(0, 1)
+        want = reference(q, full_k[i], full_v[i], cached, window, softcap, scale)
+        torch.testing.assert_close(out[0, start : start + new].double(), want, atol=1e-5, rtol=1e-5)
+        start += new
+
+
+def test_new_keys_and_values_land_in_their_slots():
+    requests = [(2, 3)]
+    cache, full_k, full_v = setup(requests)
+    key = full_k[0][2:].transpose(0, 1).unsqueeze(0)
+    value = full_v[0][2:].transpose(0, 1).unsqueeze(0)
+    query = torch.zeros(1, HEADS, 3, DIM)
+    with use_metadata(metadata(cache, requests)):
+        paged_attention(Layer(), query, key, value, None, scaling=1 / math.sqrt(DIM))
+    slots = cache.slots(0, 0, 5)
+    torch.testing.assert_close(cache.k_cache(1).view(-1, KV_HEADS, DIM)[slots], full_k[0])
+    torch.testing.assert_close(cache.v_cache(1).view(-1, KV_HEADS, DIM)[slots], full_v[0])
+    assert cache.k_cache(0).abs().sum() == 0  # layer 0 untouched
+
+
+def test_bfloat16_cache_with_float32_queries():
+    requests = [(6, 2), (0, 3)]
+    cache, full_k, full_v = setup(requests, dtype=torch.bfloat16)
+    query = torch.randn(1, HEADS, 5, DIM, generator=torch.Generator().manual_seed(2))
+    key = torch.cat([full_k[0][6:], full_k[1]]).transpose(0, 1).unsqueeze(0)
+    value = torch.cat([full_v[0][6:], full_v[1]]).transpose(0, 1).unsqueeze(0)
+    with use_metadata(metadata(cache, requests)):
+        out, _ = paged_attention(Layer(), query, key, value, None, scaling=0.35)
+    want = reference(query[0, :, :2].transpose(0, 1), full_k[0], full_v[0], 6, None, None, 0.35)
+    torch.testing.assert_close(out[0, :2].double(), want, atol=3e-2, rtol=3e-2)
+
+
+def test_calling_outside_a_step_is_a_clear_error():
+    q = torch.zeros(1, HEADS, 1, DIM)
+    k = torch.zeros(1, KV_HEADS, 1, DIM)
+    with pytest.raises(RuntimeError, match="outside a step"):
+        paged_attention(Layer(), q, k, k, None)

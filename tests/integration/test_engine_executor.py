@@ -1,0 +1,265 @@
+"""PyExecutor behaviour on a tiny random Llama: rejections, failures, streaming, text, stops,
+warm-up, cancellation, async use and shutdown."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import anyio
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
+from bootstrap.engine.sequence import Detokenizer
+
+VOCAB = 256
+POISON = 13  # a token id the fault-injection hook refuses
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(99)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, eos_token_id=None, bos_token_id=None,
+    )
+    llama = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for param in llama.parameters():
+            param.mul_(4.0) if param.dim() > 1 else None
+    return llama
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """Token i is the single character chr(0x100 + i); decoding concatenates them."""
+    vocab = {chr(0x100 + i): i for i in range(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=chr(0x100)))
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def make(model, *, kv_tokens=1024, tokens_per_block=4, batch=8, num_tokens=64, seq_len=128, tokenizer=None, eos=None):
+    spec = KVCacheSpec.from_config(model.config, torch.float32)
+    cache = PagedKVCache.from_tokens(spec, kv_tokens, tokens_per_block, "cpu")
+    config = SchedulerConfig(batch, num_tokens, seq_len)
+    return create_executor(copy.deepcopy(model), cache, config, tokenizer, eos, start=False)
+
+
+def expected(model, prompt, max_tokens):
+    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_tokens, eos_token_id=None)
+    return out[0, len(prompt) :].tolist()
+
+
+def poison(executor) -> None:
+    """Make the executor's model raise on any step that contains the POISON token."""
+
+    def hook(module, args):
+        if (args[0] == POISON).any():
+            raise RuntimeError("poisoned token in the batch")
+
+    executor.runner.model.model.embed_tokens.register_forward_pre_hook(hook)
+
+
+@pytest.mark.parametrize(
+    "prompt, params, message",
+    [
+        ([1] * 100, SamplingParams(max_tokens=29), "exceeds max_seq_len (128)"),
+        ([], SamplingParams(), "prompt is empty"),
+        ([1, 2, VOCAB], SamplingParams(), "must be integers in [0, 256)"),
+        ([1, -1], SamplingParams(), "must be integers in [0, 256)"),
+        ([1] * 60, SamplingParams(max_tokens=10), "needs 18 KV blocks"),
+        ([1, 2], SamplingParams(stop=("x",)), "stop strings need a tokenizer"),
+    ],
+)
+def test_requests_that_can_never_run_are_answered_with_an_error(model, prompt, params, message):
+    ex = make(model, kv_tokens=64)  # 16 blocks of 4 tokens
+    ex.start_worker()
+    response = ex.await_response(ex.enqueue(prompt, params), timeout=30)
+    assert response.finish_reason == "error" and not response.ok
+    assert message in response.error and response.error.startswith("request rejected")
+    ok = ex.await_response(ex.enqueue([5, 6, 7], SamplingParams(max_tokens=3)), timeout=30)
+    assert ok.ok and ok.token_ids == expected(model, [5, 6, 7], 3)
+    ex.shutdown()
+
+
+def test_a_failing_request_does_not_fail_its_batch_or_the_loop(model):
+    ex = make(model)
+    poison(ex)
+    ex.start_worker()
+    healthy = [[3, 4, 5, 6, 7], [9, 10]]
+    ids = [ex.enqueue(healthy[0], SamplingParams(max_tokens=4)),
+           ex.enqueue([1, 2, POISON, 4], SamplingParams(max_tokens=4)),
+           ex.enqueue(healthy[1], SamplingParams(max_tokens=4))]
+    first, bad, second = (ex.await_response(i, timeout=60) for i in ids)
+    assert bad.finish_reason == "error" and "poisoned token" in bad.error
+    assert first.token_ids == expected(model, healthy[0], 4) and first.ok
+    assert second.token_ids == expected(model, healthy[1], 4) and second.ok
+    assert ex.worker_running
+    later = ex.await_response(ex.enqueue([20, 21], SamplingParams(max_tokens=2)), timeout=60)
+    assert later.token_ids == expected(model, [20, 21], 2)
+    assert ex.scheduler.kv_cache.stats().used_blocks == 0
+    ex.shutdown()
+
+
+def test_shutdown_joins_worker_cancels_pending_and_releases_pool(model):
+    ex = make(model, batch=1, num_tokens=16)
+    ex.start_worker()
+    worker = ex._worker
+    ids = [ex.enqueue([1, 2, 3], SamplingParams(max_tokens=100)) for _ in range(3)]
+    ex.shutdown()
+    assert not worker.is_alive()
+    responses = [ex.await_response(i, timeout=5) for i in ids]
+    assert all(r.finish_reason in ("cancelled", "length") for r in responses)
+    assert any(r.finish_reason == "cancelled" for r in responses)
+    cache = ex.runner.kv_cache
+    assert cache.released and cache.stats().total_bytes == 0
+    ex.shutdown()  # idempotent
+    with pytest.raises(RuntimeError, match="shut down"):
+        ex.enqueue([1], SamplingParams())
+
+
+def test_stream_yields_each_token_then_the_finish(model):
+    ex = make(model, tokenizer=char_tokenizer())
+    ex.start_worker()
+    prompt = [40, 41, 42, 43, 44, 45]
+    request = ex.enqueue(prompt, SamplingParams(max_tokens=7))
+    events = list(ex.stream(request))
+    assert [e.token_id for e in events] == expected(model, prompt, 7)
+    assert [e.finished for e in events] == [False] * 6 + [True]
+    assert events[-1].finish_reason == "length"
+    assert "".join(e.text for e in events) == "".join(chr(0x100 + t) for t in expected(model, prompt, 7))
+    with pytest.raises(KeyError, match="unknown request id"):
+        ex.await_response(request)  # the stream took the response
+    ex.shutdown()
+
+
+def test_stop_string_ends_the_request_and_is_cut_from_text_and_stream(model):
+    tokenizer = char_tokenizer()
+    ex = make(model, tokenizer=tokenizer)
+    prompt = [7, 8, 9, 10]
+    full = ex.generate([prompt], SamplingParams(max_tokens=12))[0].text
+    cut = next(k for k in range(1, 10) if full.find(full[k : k + 2]) == k)  # first occurs at k
+    stop = full[cut : cut + 2]
+    request = ex.enqueue(prompt, SamplingParams(max_tokens=12, stop=(stop,)))
+    streamed = list(ex.stream(request))
+    text = "".join(e.text for e in streamed)
+    assert text == full[:cut] and streamed[-1].finish_reason == "stop"
+    response = ex.generate([prompt], SamplingParams(max_tokens=12, stop=(stop,)))[0]
+    assert response.text == full[:cut] and len(response.token_ids) == cut + 2
+    ex.shutdown()
+
+
+def test_stop_token_and_eos(model):
+    prompt = [11, 12, 13 + 1]
+    tokens = expected(model, prompt, 8)
+    stop_at = tokens[3]
+    first = tokens.index(stop_at)
+    ex = make(model, eos={stop_at})
+    by_eos = ex.generate([prompt], SamplingParams(max_tokens=8))[0]
+    assert by_eos.token_ids == tokens[: first + 1] and by_eos.finish_reason == "stop"
+    ignoring = ex.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert ignoring.token_ids == tokens and ignoring.finish_reason == "length"
+    by_stop_id = ex.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True, stop_token_ids=(stop_at,)))[0]
+    assert by_stop_id.token_ids == tokens[: first + 1]
+    ex.shutdown()
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(model):
+    ex = make(model)
+    params = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=1234)
+    alone = ex.generate([[1, 2, 3]], params)[0].token_ids
+    crowd = ex.generate([[9] * 20, [1, 2, 3], [4, 5]], [SamplingParams(max_tokens=5, temperature=1.0), params, params])
+    assert crowd[1].token_ids == alone
+    ex.shutdown()
+
+
+def test_warmup_requests_run_without_text(model):
+    ex = make(model, tokenizer=char_tokenizer(), num_tokens=32)
+    responses = ex.run_warmup(num_tokens=40, num_requests=3, max_tokens=2)
+    assert [len(r.prompt_token_ids) for r in responses] == [14, 13, 13]
+    assert all(r.is_warmup and r.ok and r.text == "" and len(r.token_ids) == 2 for r in responses)
+    assert ex.scheduler.kv_cache.stats().used_blocks == 0
+    with pytest.raises(ValueError, match="num_requests"):
+        ex.run_warmup(num_tokens=2, num_requests=3)
+    ex.shutdown()
+
+
+def test_cancel_finishes_a_running_request(model):
+    ex = make(model)
+    ex.start_worker()
+    request = ex.enqueue([1, 2, 3], SamplingParams(max_tokens=120 - 3, ignore_eos=True))
+    stream = ex.stream(request)
+    next(stream)
+    ex.cancel(request)
+    events = list(stream)
+    assert events[-1].finish_reason == "cancelled"
+    assert len(events) < 116
+    assert ex.scheduler.kv_cache.stats().used_blocks == 0
+    ex.shutdown()
+
+
+async def test_async_stream_and_await(model):
+    ex = make(model)
+    ex.start_worker()
+    prompt = [30, 31, 32]
+    tokens = [e.token_id async for e in ex.stream_async(ex.enqueue(prompt, SamplingParams(max_tokens=5)))]
+    assert tokens == expected(model, prompt, 5)
+    with anyio.fail_after(60):
+        response = await ex.await_response_async(ex.enqueue(prompt, SamplingParams(max_tokens=5)))
+    assert response.token_ids == tokens
+    ex.shutdown()
+
+
+def test_enqueue_from_many_threads(model):
+    ex = make(model, batch=8)
+    ex.start_worker()
+    prompts = [[i + 1, i + 2, i + 3] for i in range(16)]
+    ids: dict[int, int] = {}
+
+    def submit(i: int) -> None:
+        ids[i] = ex.enqueue(prompts[i], SamplingParams(max_tokens=3))
+
+    threads = [threading.Thread(target=submit, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, prompt in enumerate(prompts):
+        assert ex.await_response(ids[i], timeout=60).token_ids == expected(model, prompt, 3)
+    ex.shutdown()
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's map of the 256 byte values to printable characters."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """GPT-2 style byte-level tokenizer with no merges: token id == byte value."""
+    vocab = {char: byte for byte, char in bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def test_detokenizer_holds_back_incomplete_utf8():
+    text = "héllo wörld 🙂!"
+    detok = Detokenizer(byte_tokenizer())
+    deltas = [detok.add(b) for b in text.encode()]
+    assert "".join(deltas) == text == detok.text
+    assert not any("\ufffd" in d for d in deltas)
+    assert deltas[1:3] == ["", "é"] and deltas[-5:] == ["", "", "", "🙂", "!"]
+
+
+def test_detokenizer_flushes_a_trailing_partial_character():
+    detok = Detokenizer(byte_tokenizer())
+    for b in "ok🙂".encode()[:-1]:
+        detok.add(b)
+    assert detok.text == "ok"
+    detok.flush()
+    assert detok.text == byte_tokenizer().decode(list("ok🙂".encode()[:-1]))
