@@ -167,9 +167,27 @@ def estimation_tokens(*, max_num_tokens: int, max_seq_len: int, max_batch_size: 
     return max(blocks, floor) * tokens_per_block
 
 
+def cap_probe_tokens(tokens: int, *, cost: CacheCost, free_bytes: int, fraction: float, tokens_per_block: int) -> int:
+    """The probe size actually allocated: ``tokens`` capped to what ``fraction`` of the memory
+    free now holds, block aligned, at least one block (TensorRT-LLM V1, reference §3.1).
+
+    The probe is added back to the budget, so a smaller probe changes no figure of the plan; it
+    only has to leave room for the dummy forward.
+    """
+    _check_positive(tokens=tokens, tokens_per_block=tokens_per_block)
+    fits = cost.tokens_for_budget(int(free_bytes * fraction)) // tokens_per_block
+    blocks = -(-tokens // tokens_per_block)
+    return max(min(blocks, fits), 1) * tokens_per_block
+
+
 @dataclass(frozen=True)
 class MemoryProfile:
-    """What the profiling run measured, in bytes (``used_bytes`` = total - free after the run)."""
+    """What the profiling run measured, in bytes (``used_bytes`` = total - free after the run).
+
+    ``model_bytes`` is what torch held before the dummy forward *less the probe KV pool*:
+    weights plus the probe executor's state. ``probe_kv_bytes`` is counted separately, so every
+    backend must measure ``model_bytes`` this way for ``activation_bytes`` to be the forward's.
+    """
 
     total_bytes: int
     free_before_bytes: int
@@ -309,6 +327,6 @@ def _too_small(
 
 __all__ = [
     "GIB", "CacheCost", "CapacityError", "CapacityPlan", "MemoryProfile",
-    "dummy_request_lengths", "estimation_tokens", "fmt_bytes", "kv_dtype_bytes", "mha_cost", "mla_cost",
+    "cap_probe_tokens", "dummy_request_lengths", "estimation_tokens", "fmt_bytes", "kv_dtype_bytes", "mha_cost", "mla_cost",
     "model_cost", "plan_capacity",
 ]

@@ -157,21 +157,16 @@ class SimBackend:
     def build_estimation(
         self, loaded: LoadedModel, resolved: ResolvedClasses, probe_tokens: int, config: BootstrapConfig, undo: Undo
     ) -> EstimationBuild:
-        """Probe pool of ``probe_tokens`` (block aligned), capped to what fits in
-        ``free_gpu_memory_fraction`` of the memory free now, as TensorRT-LLM's V1 estimation does
-        (``min(T_est, tokens_for_budget(F * free))``): the probe is added back to the budget, so
-        its size only has to leave room for the dummy forward. ``probe_tokens`` reports the cap.
-        """
+        """Probe pool of exactly ``probe_tokens`` (the stage sizes and caps it) and the
+        temporary executor's state."""
         if probe_tokens < 1:
             raise ValueError(f"probe_tokens must be >= 1, got {probe_tokens}")
-        tpb, cost = config.tokens_per_block, resolved.total_cost
         workspace = allocate(self.device, executor_state_bytes(resolved, config), "estimation_build/workspace", undo)
-        fits = cost.tokens_for_budget(int(self.device.free_bytes() * config.free_gpu_memory_fraction))
-        tokens = max(min(-(-probe_tokens // tpb), fits // tpb), 1) * tpb
-        probe = allocate(self.device, cost.bytes_for_tokens(tokens), "estimation_build/probe_kv", undo)
+        nbytes = resolved.total_cost.bytes_for_tokens(probe_tokens)
+        probe = allocate(self.device, nbytes, "estimation_build/probe_kv", undo)
         return EstimationBuild(
             handle=SimBuild((workspace, probe)),
-            probe_tokens=tokens,
+            probe_tokens=probe_tokens,
             probe_kv_bytes=probe.nbytes,
             max_num_tokens=config.max_num_tokens,
         )

@@ -1,12 +1,13 @@
 """Stage 3, ``estimation_build``: probe KV pools sized for the dummy workload, and a temporary
-executor on them. OOM: the attempt's pools are released, ``max_num_tokens`` halves, retry.
+executor on them; the probe is capped to what the free memory holds. OOM: the attempt's pools
+are released, ``max_num_tokens`` halves, retry.
 Skipped (reason ``plan-cache``) when a cached plan matches and the device has room for it."""
 
 from __future__ import annotations
 
 from bootstrap.artifacts import EstimationBuild, LoadedModel, ResolvedClasses
 from bootstrap.backends.base import Backend
-from bootstrap.capacity import estimation_tokens
+from bootstrap.capacity import cap_probe_tokens, estimation_tokens
 from bootstrap.config import BootstrapConfig
 from bootstrap.plan_cache import CachedPlan, PlanCache, fingerprint
 from bootstrap.stage import Skip, Stage, on_oom
@@ -22,10 +23,17 @@ def estimation_build(
     plan_cache: PlanCache | None,
     undo: Undo,
 ) -> EstimationBuild:
-    probe_tokens = estimation_tokens(
+    wanted = estimation_tokens(
         max_num_tokens=config.max_num_tokens,
         max_seq_len=resolved.max_seq_len,
         max_batch_size=config.max_batch_size,
+        tokens_per_block=config.tokens_per_block,
+    )
+    probe_tokens = cap_probe_tokens(
+        wanted,
+        cost=resolved.total_cost,
+        free_bytes=backend.device.free_bytes(),
+        fraction=config.free_gpu_memory_fraction,
         tokens_per_block=config.tokens_per_block,
     )
     return backend.build_estimation(loaded, resolved, probe_tokens, config, undo)

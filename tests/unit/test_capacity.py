@@ -21,6 +21,7 @@ from bootstrap.capacity import (
     mla_cost,
     model_cost,
     plan_capacity,
+    cap_probe_tokens,
 )
 from bootstrap.budget_split import split_budgets, split_cross, split_draft
 from bootstrap.models.presets import preset_shape
@@ -308,3 +309,12 @@ def test_plan_is_monotonic_in_free_memory(peak, probe, fraction):
     low, high = results
     if low is not None:
         assert high is not None and high.kv_tokens >= low.kv_tokens
+
+
+def test_probe_is_capped_to_what_the_free_memory_fraction_holds():
+    cost = CacheCost(slope=1000)
+    # 10 blocks of 32 wanted; 0.5 x 200,000 free bytes hold 100 tokens = 3 whole blocks
+    assert cap_probe_tokens(320, cost=cost, free_bytes=200_000, fraction=0.5, tokens_per_block=32) == 96
+    assert cap_probe_tokens(320, cost=cost, free_bytes=10**9, fraction=0.9, tokens_per_block=32) == 320
+    assert cap_probe_tokens(300, cost=cost, free_bytes=10**9, fraction=0.9, tokens_per_block=32) == 320  # aligned up
+    assert cap_probe_tokens(320, cost=cost, free_bytes=0, fraction=0.9, tokens_per_block=32) == 32  # one block minimum

