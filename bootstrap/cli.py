@@ -113,8 +113,9 @@ async def run_plan(args: argparse.Namespace) -> tuple[dict[str, Any], StageFaile
 
 
 def _error_paragraph(exc: StageFailed) -> str:
-    hint = " Earlier stages' artifacts were kept; fix the cause and retry from this stage." if exc.stage else ""
-    return f"bootstrap failed at stage {exc.stage!r} after {exc.attempts} attempt(s): {exc.cause}.{hint}"
+    tries = "attempt" if exc.attempts == 1 else "attempts"
+    text = f"bootstrap failed at stage {exc.stage!r} after {exc.attempts} {tries}: {exc.cause}"
+    return f"{text}. {exc.advice}" if exc.advice else text
 
 
 def print_plan(result: dict[str, Any], console: Console) -> None:

@@ -19,7 +19,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode
 
 from bootstrap.device_thread import DeviceThread
-from bootstrap.devices import Device
+from bootstrap.devices import Device, is_oom
 from bootstrap.events import EventHub, StageEvent, StageStatus
 from bootstrap.graph import check_graph, topological_order
 from bootstrap.stage import Stage
@@ -31,12 +31,11 @@ from bootstrap.undo import Undo
 class StageFailed(RuntimeError):
     """A stage gave up. Earlier artifacts are kept; ``Pipeline.retry()`` resumes from ``stage``."""
 
-    def __init__(self, stage: str, attempts: int, cause: BaseException) -> None:
-        self.stage, self.attempts, self.cause = stage, attempts, cause
+    def __init__(self, stage: str, attempts: int, cause: BaseException, advice: str = "") -> None:
+        self.stage, self.attempts, self.cause, self.advice = stage, attempts, cause, advice
         tries = "attempt" if attempts == 1 else "attempts"
-        super().__init__(
-            f"stage {stage!r} failed after {attempts} {tries}: {type(cause).__name__}: {cause}"
-        )
+        message = f"stage {stage!r} failed after {attempts} {tries}: {type(cause).__name__}: {cause}"
+        super().__init__(f"{message}. {advice}" if advice else message)
 
 
 class Pipeline:
@@ -118,7 +117,8 @@ class Pipeline:
         except anyio.get_cancelled_exc_class():
             raise
         except BaseException as exc:
-            raise StageFailed(stage.id, run.attempts, exc) from exc
+            advice = stage.oom_advice if is_oom(exc) else ""
+            raise StageFailed(stage.id, run.attempts, exc, advice) from exc
         finally:
             otel_context.detach(token)
         await self._complete(stage, artifact, undo)

@@ -65,6 +65,7 @@ class Stage:
     consumes: tuple[str, ...] = ()  # artifacts released once this stage succeeds
     blocking: bool = True  # run fn in the device thread
     figures: Callable[[Any], Mapping[str, int | float | str]] | None = None  # span attributes
+    oom_advice: str = ""  # what to change when this stage runs out of memory for good
     description: str = field(default="", compare=False)
 
     @property

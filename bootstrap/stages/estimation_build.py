@@ -66,6 +66,7 @@ STAGE = Stage(
     retry=on_oom(attempts=3),
     adapt=halve_max_num_tokens,
     skip=skip_if_cached,
+    oom_advice="The probe KV pool does not fit: lower max_num_tokens, max_batch_size or max_seq_len.",
     figures=lambda e: {
         "bootstrap.kv.probe_tokens": e.probe_tokens,
         "bootstrap.kv.probe_bytes": e.probe_kv_bytes,

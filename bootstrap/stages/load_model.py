@@ -26,4 +26,5 @@ STAGE = Stage(
     provides="loaded",
     retry=RetryPolicy(attempts=3, retry_on=is_transient_io, backoff_s=0.5),
     figures=lambda m: {"bootstrap.model.weight_bytes": m.weight_bytes},
+    oom_advice="The weights alone do not fit: raise tensor_parallel_size, use a smaller dtype, or a larger device.",
 )

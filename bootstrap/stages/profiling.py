@@ -56,6 +56,7 @@ STAGE = Stage(
     adapt=halve_max_num_tokens,
     skip=skip_with_cached_profile,
     consumes=("estimation",),
+    oom_advice="The dummy forward does not fit: lower max_num_tokens or max_batch_size.",
     figures=lambda p: {
         "bootstrap.memory.peak_bytes": p.peak_bytes,
         "bootstrap.memory.model_bytes": p.model_bytes,

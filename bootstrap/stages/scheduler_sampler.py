@@ -26,4 +26,9 @@ def scheduler_sampler(
     return backend.start_executor(loaded, resolved, final, plan, config, undo)
 
 
-STAGE = Stage("scheduler_sampler", scheduler_sampler, provides="executor")
+STAGE = Stage(
+    "scheduler_sampler",
+    scheduler_sampler,
+    provides="executor",
+    oom_advice="The executor state does not fit beside the KV pools: lower max_batch_size or free_gpu_memory_fraction.",
+)
