@@ -141,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     except INPUT_ERRORS as exc:
         print(f"bootstrap: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the pipeline was cancelled and rolled every stage back
+        print("bootstrap: interrupted; completed stages were rolled back", file=sys.stderr)
+        return 130
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -59,7 +59,8 @@ def test_profiling_fault_retries_and_traces(capsys, tmp_path):
 def test_final_build_fault_exhausted_is_a_clear_error(capsys):
     code, out, err = run_cli(capsys, "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--fault", "final_build:oom:99")
     assert code == 1
-    assert "final_build" in err and "3 attempt" in err and "out of memory" in err
+    assert "final_build" in err and "3 attempts" in err and "out of memory" in err
+    assert "free_gpu_memory_fraction" in err  # the stage's advice names the knob
     assert "Traceback" not in err + out
     assert "leaked bytes after teardown: 0" in out
 
