@@ -37,43 +37,43 @@ _local = threading.local()
 
 
 @dataclass
-class AttentionMetadata:
-    """What one forward step needs to find its keys and values; see the module docstring."""
+class AttentionGroup:
+    """Requests attended together in one padded call: ``[b, Qmax]`` queries, ``[b, K]`` keys.
 
-    kv_cache: PagedKVCache
-    slot_mapping: torch.Tensor  # [T] long: flat cache slot of each new token
-    block_tables: torch.Tensor  # [B, W] long: block ids, padded with any valid block id
-    context_lens: torch.Tensor  # [B] long: tokens cached per request after this step
-    query_lens: torch.Tensor  # [B] long: new tokens per request in this step
+    ``query_starts[i]`` is where request ``i``'s new tokens begin among the step's ``T`` tokens.
+    """
+
+    block_tables: torch.Tensor  # [b, W] long: block ids, padded with any valid block id
+    context_lens: torch.Tensor  # [b] long: tokens cached per request after this step
+    query_lens: torch.Tensor  # [b] long: new tokens per request in this step
+    query_starts: torch.Tensor  # [b] long
+    num_tokens: int  # sum of query_lens
     max_query_len: int
     kv_blocks: int  # block-table columns gathered per request (<= W)
-    token_index: torch.Tensor = field(init=False)  # [T]: row of each new token in [B * Qmax]
-    query_index: torch.Tensor = field(init=False)  # [B, Qmax]: token feeding each padded row
-    kv_slots: torch.Tensor = field(init=False)  # [B, kv_blocks * tpb]: slots to gather
-    query_pos: torch.Tensor = field(init=False)  # [B, Qmax]: position of each padded query row
+    tokens_per_block: int
+    token_ids: torch.Tensor = field(init=False)  # [n]: the group's tokens among the T
+    rows: torch.Tensor = field(init=False)  # [n]: row of each of those tokens in [b * Qmax]
+    query_index: torch.Tensor = field(init=False)  # [b, Qmax]: token feeding each padded row
+    query_pos: torch.Tensor = field(init=False)  # [b, Qmax]: position of each padded row
+    kv_slots: torch.Tensor = field(init=False)  # [b, kv_blocks * tpb]: slots to gather
     _masks: dict[int | None, torch.Tensor] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
-        batch, q_max = self.query_lens.shape[0], self.max_query_len
-        device = self.query_lens.device
-        starts = torch.cumsum(self.query_lens, 0) - self.query_lens
-        rows = torch.arange(q_max, device=device).unsqueeze(0)
-        last = (self.query_lens - 1).unsqueeze(1)
-        self.query_index = starts.unsqueeze(1) + torch.minimum(rows, last)
-        total = self.slot_mapping.shape[0]
-        owner = torch.repeat_interleave(torch.arange(batch, device=device), self.query_lens, output_size=total)
-        self.token_index = owner * q_max + torch.arange(total, device=device) - starts[owner]
-        self.query_pos = (self.context_lens - self.query_lens).unsqueeze(1) + torch.minimum(rows, last)
-        self.kv_slots = self._gather_slots()
-
-    def _gather_slots(self) -> torch.Tensor:
-        tpb = self.kv_cache.tokens_per_block
+        lens, device = self.query_lens, self.query_lens.device
+        rows = torch.arange(self.max_query_len, device=device).unsqueeze(0)
+        clamped = torch.minimum(rows, (lens - 1).unsqueeze(1))  # padded rows repeat the last token
+        self.query_index = self.query_starts.unsqueeze(1) + clamped
+        self.query_pos = (self.context_lens - lens).unsqueeze(1) + clamped
+        owner = torch.repeat_interleave(torch.arange(lens.shape[0], device=device), lens, output_size=self.num_tokens)
+        local = torch.arange(self.num_tokens, device=device) - (torch.cumsum(lens, 0) - lens)[owner]
+        self.rows = owner * self.max_query_len + local
+        self.token_ids = self.query_starts[owner] + local
         tables = self.block_tables[:, : self.kv_blocks]
-        offsets = torch.arange(tpb, device=tables.device)
-        return (tables.unsqueeze(-1) * tpb + offsets).reshape(tables.shape[0], -1)
+        offsets = torch.arange(self.tokens_per_block, device=device)
+        self.kv_slots = (tables.unsqueeze(-1) * self.tokens_per_block + offsets).reshape(tables.shape[0], -1)
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
-        """``[B, 1, Qmax, K]`` bool: causal over each request's own tokens, within the window."""
+        """``[b, 1, Qmax, K]`` bool: causal over each request's own tokens, within the window."""
         if sliding_window not in self._masks:
             kv_pos = torch.arange(self.kv_slots.shape[1], device=self.kv_slots.device)
             q_pos = self.query_pos.unsqueeze(-1)
@@ -82,6 +82,38 @@ class AttentionMetadata:
                 allowed &= kv_pos > q_pos - sliding_window
             self._masks[sliding_window] = allowed.unsqueeze(1)
         return self._masks[sliding_window]
+
+
+@dataclass
+class AttentionMetadata:
+    """What one forward step needs: where the new tokens go, and the groups to attend.
+
+    Decode tokens and prefill chunks go in separate groups, so one-token queries are not padded
+    to the length of a prompt chunk. A single group always covers all ``T`` tokens in order.
+    """
+
+    kv_cache: PagedKVCache
+    slot_mapping: torch.Tensor  # [T] long: flat cache slot of each new token
+    groups: list[AttentionGroup]
+
+    @classmethod
+    def single(
+        cls,
+        kv_cache: PagedKVCache,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        query_lens: torch.Tensor,
+        max_query_len: int,
+        kv_blocks: int,
+    ) -> AttentionMetadata:
+        """All requests in one group, their tokens back to back in request order."""
+        starts = torch.cumsum(query_lens, 0) - query_lens
+        group = AttentionGroup(
+            block_tables, context_lens, query_lens, starts, slot_mapping.shape[0],
+            max_query_len, kv_blocks, kv_cache.tokens_per_block,
+        )  # fmt: skip
+        return cls(kv_cache, slot_mapping, [group])
 
 
 @contextmanager
@@ -126,17 +158,35 @@ def paged_attention(
     meta = current_metadata()
     k_cache, v_cache = _layer_caches(module, meta.kv_cache)
     _write(k_cache, v_cache, key, value, meta.slot_mapping)
-    q = _pad_queries(query, meta)
-    k = _gather(k_cache, meta.kv_slots, query.dtype)
-    v = _gather(v_cache, meta.kv_slots, query.dtype)
-    mask = meta.mask(sliding_window)
+    tokens = query[0].transpose(0, 1)  # [T, H, D]
+    if len(meta.groups) == 1:
+        return _attend(tokens, k_cache, v_cache, meta.groups[0], scaling, sliding_window, softcap).unsqueeze(0), None
+    out = torch.empty_like(tokens)
+    for group in meta.groups:
+        out.index_copy_(0, group.token_ids, _attend(tokens, k_cache, v_cache, group, scaling, sliding_window, softcap))
+    return out.unsqueeze(0), None
+
+
+def _attend(
+    tokens: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: AttentionGroup,
+    scaling: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Attention output ``[n, H, D]`` for the group's tokens, in the order of ``group.token_ids``."""
+    q = tokens[group.query_index].transpose(1, 2)  # [b, H, Qmax, D]
+    k = _gather(k_cache, group.kv_slots, q.dtype)
+    v = _gather(v_cache, group.kv_slots, q.dtype)
+    mask = group.mask(sliding_window)
     if softcap is None:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
     else:
         out = _softcapped_attention(q, k, v, mask, scaling, softcap)
     batch, heads, q_max, head_dim = out.shape
-    flat = out.transpose(1, 2).reshape(batch * q_max, heads, head_dim)
-    return flat.index_select(0, meta.token_index).unsqueeze(0), None
+    return out.transpose(1, 2).reshape(batch * q_max, heads, head_dim).index_select(0, group.rows)
 
 
 def _layer_caches(module: torch.nn.Module, cache: PagedKVCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,12 +202,6 @@ def _write(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, valu
     v_flat = v_cache.view(-1, *v_cache.shape[2:])
     k_flat.index_copy_(0, slots, key[0].transpose(0, 1).to(k_flat.dtype))
     v_flat.index_copy_(0, slots, value[0].transpose(0, 1).to(v_flat.dtype))
-
-
-def _pad_queries(query: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """``[1, H, T, D]`` to ``[B, H, Qmax, D]``; padded rows repeat a request's last token."""
-    tokens = query[0].transpose(0, 1)  # [T, H, D]
-    return tokens[meta.query_index].transpose(1, 2)
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

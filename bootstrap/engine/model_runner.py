@@ -15,11 +15,12 @@ tensors. Nothing here is CUDA-only; the CPU path runs as is.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
-from bootstrap.engine.attention import ATTN_IMPLEMENTATION, AttentionMetadata, use_metadata
+from bootstrap.engine.attention import ATTN_IMPLEMENTATION, AttentionGroup, AttentionMetadata, use_metadata
 from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
 from bootstrap.engine.scheduler import ScheduledBatch
 
@@ -48,16 +49,20 @@ class DecodeBuffers:
         self.block_tables = zeros(max_batch_size, max_blocks_per_seq)
 
     def fill(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]]) -> int:
-        """Copy one step's values into the first ``len(ids)`` rows; return that batch size."""
+        """Copy one step's values into the first ``len(ids)`` rows; return that batch size.
+
+        Only the block-table columns in use are written; later columns keep older block ids,
+        which are valid indices and lie past every request's length, so they are masked out.
+        """
         size = len(ids)
-        width = self.block_tables.shape[1]
+        width = max(len(table) for table in tables)
         padded = [table + [0] * (width - len(table)) for table in tables]
         host = torch.tensor([ids, positions, slots], dtype=torch.long)
         self.input_ids[:size].copy_(host[0], non_blocking=True)
         self.positions[:size].copy_(host[1], non_blocking=True)
         self.slot_mapping[:size].copy_(host[2], non_blocking=True)
         self.context_lens[:size].copy_(host[1] + 1, non_blocking=True)
-        self.block_tables[:size].copy_(torch.tensor(padded, dtype=torch.long), non_blocking=True)
+        self.block_tables[:size, :width].copy_(torch.tensor(padded, dtype=torch.long), non_blocking=True)
         return size
 
 
@@ -94,8 +99,8 @@ class ModelRunner:
         tables = [self.kv_cache.block_table(s.request_id) for s in seqs]
         slots = [self._slot(table, pos) for table, pos in zip(tables, positions)]
         size = buf.fill([s.token_ids[-1] for s in seqs], positions, slots, tables)
-        metadata = AttentionMetadata(
-            kv_cache=self.kv_cache,
+        metadata = AttentionMetadata.single(
+            self.kv_cache,
             slot_mapping=buf.slot_mapping[:size],
             block_tables=buf.block_tables[:size],
             context_lens=buf.context_lens[:size],
@@ -120,23 +125,39 @@ class ModelRunner:
             ids += seq.token_ids[start : start + count]
             positions += range(start, start + count)
             slots.append(self.kv_cache.slots(seq.request_id, start, start + count))
-        tables = [self.kv_cache.block_table(s.request_id) for s in batch.seqs]
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
         counts = torch.tensor(batch.num_new_tokens, dtype=torch.long)
         ends = torch.cumsum(counts, 0) - 1
         keep = ends[torch.tensor(batch.samples(), dtype=torch.bool)]
-        metadata = AttentionMetadata(
-            kv_cache=self.kv_cache,
-            slot_mapping=self._to_device(torch.cat(slots)),
-            block_tables=self._to_device(torch.tensor(padded, dtype=torch.long)),
-            context_lens=self._to_device(torch.tensor([s.num_computed + n for s, n in zip(batch.seqs, counts.tolist())])),
-            query_lens=self._to_device(counts),
-            max_query_len=max(batch.num_new_tokens),
-            kv_blocks=width,
-        )
+        metadata = AttentionMetadata(self.kv_cache, self._to_device(torch.cat(slots)), self._groups(batch))
         as_row = self._to_device(torch.tensor([ids, positions], dtype=torch.long))
         return StepInputs(as_row[0:1], as_row[1:2], self._to_device(keep), metadata)
+
+    def _groups(self, batch: ScheduledBatch) -> list[AttentionGroup]:
+        """One attention group for the one-token queries and one for the longer chunks."""
+        counts = batch.num_new_tokens
+        starts = [0, *itertools.accumulate(counts)][:-1]
+        short = [i for i, n in enumerate(counts) if n == 1]
+        long_ = [i for i, n in enumerate(counts) if n > 1]
+        if not short or not long_:
+            return [self._group(batch, list(range(len(counts))), starts)]
+        return [self._group(batch, short, starts), self._group(batch, long_, starts)]
+
+    def _group(self, batch: ScheduledBatch, members: list[int], starts: list[int]) -> AttentionGroup:
+        tables = [self.kv_cache.block_table(batch.seqs[i].request_id) for i in members]
+        width = max(len(t) for t in tables)
+        counts = [batch.num_new_tokens[i] for i in members]
+        lengths = [[batch.seqs[i].num_computed + batch.num_new_tokens[i] for i in members], counts, [starts[i] for i in members]]
+        context_lens, query_lens, query_starts = self._to_device(torch.tensor(lengths, dtype=torch.long))
+        return AttentionGroup(
+            block_tables=self._to_device(torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)),
+            context_lens=context_lens,
+            query_lens=query_lens,
+            query_starts=query_starts,
+            num_tokens=sum(counts),
+            max_query_len=max(counts),
+            kv_blocks=width,
+            tokens_per_block=self.kv_cache.tokens_per_block,
+        )
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.device, non_blocking=True)

@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 
-from bootstrap.engine.attention import AttentionMetadata, paged_attention, use_metadata
+from bootstrap.engine.attention import AttentionGroup, AttentionMetadata, paged_attention, use_metadata
 from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
 
 HEADS, KV_HEADS, DIM, TPB = 4, 2, 8, 4
 # (tokens already cached, new tokens this step) per request
-REQUESTS = [(5, 3), (0, 6), (9, 1), (3, 1)]
+REQUESTS = [(5, 3), (9, 1), (0, 6), (3, 1)]  # decode tokens between prefill chunks
 
 
 class Layer(torch.nn.Module):
@@ -60,8 +60,8 @@ def metadata(cache, requests):
     tables = [cache.block_table(i) for i in range(len(requests))]
     width = max(map(len, tables))
     slots = torch.cat([cache.slots(i, c, c + n) for i, (c, n) in enumerate(requests)])
-    return AttentionMetadata(
-        kv_cache=cache,
+    return AttentionMetadata.single(
+        cache,
         slot_mapping=slots,
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
         context_lens=torch.tensor([c + n for c, n in requests]),
@@ -71,8 +71,31 @@ def metadata(cache, requests):
     )
 
 
+def grouped_metadata(cache, requests):
+    """Two groups, one-token queries apart from longer ones, their tokens interleaved in T."""
+    counts = [n for _, n in requests]
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    groups = []
+    for members in ([i for i, n in enumerate(counts) if n == 1], [i for i, n in enumerate(counts) if n > 1]):
+        tables = [cache.block_table(i) for i in members]
+        width = max(map(len, tables))
+        groups.append(AttentionGroup(
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+            context_lens=torch.tensor([sum(requests[i]) for i in members]),
+            query_lens=torch.tensor([counts[i] for i in members]),
+            query_starts=torch.tensor([starts[i] for i in members]),
+            num_tokens=sum(counts[i] for i in members),
+            max_query_len=max(counts[i] for i in members),
+            kv_blocks=width,
+            tokens_per_block=TPB,
+        ))  # fmt: skip
+    slots = torch.cat([cache.slots(i, c, c + n) for i, (c, n) in enumerate(requests)])
+    return AttentionMetadata(cache, slots, groups)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("window, softcap", [(None, None), (4, None), (None, 2.0), (3, 1.5)])
-def test_ragged_paged_attention_matches_direct_computation(window, softcap):
+def test_ragged_paged_attention_matches_direct_computation(window, softcap, grouped):
     requests = REQUESTS
     cache, full_k, full_v = setup(requests)
     gen = torch.Generator().manual_seed(1)
@@ -81,7 +104,8 @@ def test_ragged_paged_attention_matches_direct_computation(window, softcap):
     key = torch.cat([k[c:] for k, (c, _) in zip(full_k, requests)]).transpose(0, 1).unsqueeze(0)
     value = torch.cat([v[c:] for v, (c, _) in zip(full_v, requests)]).transpose(0, 1).unsqueeze(0)
     scale = 0.3
-    with use_metadata(metadata(cache, requests)):
+    meta = grouped_metadata(cache, requests) if grouped else metadata(cache, requests)
+    with use_metadata(meta):
         out, _ = paged_attention(Layer(), query, key, value, None, scaling=scale, sliding_window=window, softcap=softcap)
     assert out.shape == (1, total, HEADS, DIM)
     start = 0
