@@ -1,0 +1,250 @@
+"""Native engine vs transformers ``generate()``: prefill and decode tokens/s, side by side.
+
+Both run the same weights (each loads its own copy: the engine switches its model to paged
+attention) on the same prompts in the same process, one batch size after another. Per batch
+size B, prompt length P and generation length G, for each side:
+
+- ``prefill_s``: wall time of a 1-token generation (prefill plus one sample), best of repeats;
+- ``total_s``: wall time of a G-token generation, best of repeats;
+- ``prefill_tok_s = B * P / prefill_s``; ``decode_tok_s = B * (G - 1) / (total_s - prefill_s)``;
+  ``total_tok_s = B * G / total_s`` (generated tokens per second, end to end).
+
+Generation is forced to G tokens (``ignore_eos`` / ``min_new_tokens``) with greedy sampling;
+``identical_outputs`` counts the requests whose token ids are the same on both sides. The
+sides alternate run by run, and the best of ``--repeats`` counts. Prints JSON and writes it to
+``--out``.
+
+    python benchmarks/engine_throughput.py --device cpu --batch-sizes 1,8,32 \
+        --prompt-len 64 --gen-len 16 --out bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import transformers
+
+from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
+from bootstrap.engine.executor import PyExecutor
+from bootstrap.engine.loader import DEFAULT_MODEL, LoadedWeights, load_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TOKENS_PER_BLOCK = 32
+
+Generate = Callable[[list[list[int]], int], list[list[int]]]
+
+
+def positive_ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def positive_int(text: str) -> int:
+    values = positive_ints(text)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"expected one integer >= 1, got {text!r}")
+    return values[0]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="any loader source, e.g. random:llama-3.1-8b")
+    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="auto: float32 on CPU, bfloat16 on CUDA")
+    parser.add_argument("--batch-sizes", type=positive_ints, default=[1, 8, 32], help="e.g. 1,8,32")
+    parser.add_argument("--prompt-len", type=positive_int, default=128, help="prompt tokens per request")
+    parser.add_argument("--gen-len", type=positive_int, default=32, help="generated tokens per request (>= 2)")
+    parser.add_argument("--repeats", type=positive_int, default=2, help="timed runs per figure; the best counts")
+    parser.add_argument("--cache-dir", type=Path, default=None, help="model cache (default ~/.cache/executor-bootstrap)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    args = parser.parse_args(argv)
+    if args.gen_len < 2:
+        parser.error("--gen-len must be >= 2: decode speed needs tokens after the first")
+    return args
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab, (batch, length), generator=gen).tolist()
+
+
+def build_engine(loaded: LoadedWeights, args: argparse.Namespace, device: torch.device) -> PyExecutor:
+    """An executor sized for the largest batch: every prompt prefills in one step."""
+    batch = max(args.batch_sizes)
+    seq_len = args.prompt_len + args.gen_len
+    spec = KVCacheSpec.from_config(loaded.hf_config, loaded.model.dtype)
+    cache = PagedKVCache.from_tokens(spec, batch * (seq_len + TOKENS_PER_BLOCK), TOKENS_PER_BLOCK, device)
+    config = SchedulerConfig(batch, max(batch * args.prompt_len, batch), seq_len)
+    return create_executor(loaded.model, cache, config, loaded.tokenizer, set(loaded.eos_token_ids), start=False)
+
+
+def engine_generate(executor: PyExecutor) -> Generate:
+    def run(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        responses = executor.generate(prompts, params)
+        failed = [r.error for r in responses if r.error is not None]
+        if failed:
+            raise RuntimeError(f"engine request failed: {failed[0]}")
+        return [r.token_ids for r in responses]
+
+    return run
+
+
+def hf_generate(model: torch.nn.Module, device: torch.device) -> Generate:
+    def run(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        ids = torch.tensor(prompts, device=device)
+        with torch.inference_mode():
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens, pad_token_id=0,
+            )
+        return out[:, ids.shape[1]:].tolist()
+
+    return run
+
+
+def timed(run: Generate, prompts: list[list[int]], max_tokens: int, device: torch.device):
+    """Seconds for one run, and its tokens."""
+    synchronize(device)
+    start = time.perf_counter()
+    tokens = run(prompts, max_tokens)
+    synchronize(device)
+    return time.perf_counter() - start, tokens
+
+
+def best_times(sides: dict[str, Generate], prompts, args, device) -> dict[str, dict]:
+    """Best prefill and total seconds per side; the sides alternate run by run, so a noisy
+    neighbour on a shared machine slows both rather than one."""
+    best = {name: {"prefill_s": float("inf"), "total_s": float("inf")} for name in sides}
+    tokens: dict[str, list[list[int]]] = {}
+    for _ in range(args.repeats):
+        for name, run in sides.items():
+            prefill_s, _ = timed(run, prompts, 1, device)
+            total_s, tokens[name] = timed(run, prompts, args.gen_len, device)
+            best[name]["prefill_s"] = min(best[name]["prefill_s"], prefill_s)
+            best[name]["total_s"] = min(best[name]["total_s"], total_s)
+    return {name: {**best[name], "tokens": tokens[name]} for name in sides}
+
+
+def figures(batch: int, args: argparse.Namespace, prefill_s: float, total_s: float) -> dict:
+    decode_s = total_s - prefill_s
+    return {
+        "prefill_s": round(prefill_s, 4),
+        "total_s": round(total_s, 4),
+        "prefill_tok_s": round(batch * args.prompt_len / prefill_s, 1),
+        # None when timing noise made the G-token run no slower than the 1-token run
+        "decode_tok_s": round(batch * (args.gen_len - 1) / decode_s, 1) if decode_s > 0 else None,
+        "total_tok_s": round(batch * args.gen_len / total_s, 1),
+    }
+
+
+def ratios(engine: dict, reference: dict) -> dict:
+    keys = ("prefill_tok_s", "decode_tok_s", "total_tok_s")
+    return {
+        k.removesuffix("_tok_s"): round(engine[k] / reference[k], 3) if engine[k] and reference[k] else None
+        for k in keys
+    }
+
+
+def run_batch_sizes(args, device, sides: dict[str, Generate], vocab: int) -> list[dict]:
+    results = []
+    for batch in args.batch_sizes:
+        prompts = make_prompts(batch, args.prompt_len, vocab, seed=batch)
+        best = best_times(sides, prompts, args, device)
+        row = {"batch_size": batch}
+        row.update({name: figures(batch, args, b["prefill_s"], b["total_s"]) for name, b in best.items()})
+        row["engine_over_transformers"] = ratios(row["engine"], row["transformers"])
+        same = sum(a == b for a, b in zip(best["engine"]["tokens"], best["transformers"]["tokens"]))
+        row["identical_outputs"] = f"{same}/{batch}"  # greedy; random prompts can hit near-ties
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        results.append(row)
+    return results
+
+
+def load_pair(args, device, dtype) -> tuple[LoadedWeights, LoadedWeights, float]:
+    """Two copies of the same weights (random sources use the same seed); the first load's time."""
+    start = time.perf_counter()
+    engine_side = load_model(args.model, device=device, dtype=dtype, cache_dir=args.cache_dir)
+    load_s = time.perf_counter() - start
+    reference = load_model(args.model, device=device, dtype=dtype, cache_dir=args.cache_dir)
+    return engine_side, reference, load_s
+
+
+def environment(device: torch.device) -> dict:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    return {
+        "device_name": name,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    engine_side, reference, load_s = load_pair(args, device, dtype)
+    vocab = engine_side.hf_config.get_text_config().vocab_size
+    executor = build_engine(engine_side, args, device)
+    sides = {"engine": engine_generate(executor), "transformers": hf_generate(reference.model, device)}
+    warm = make_prompts(1, min(args.prompt_len, 8), vocab)
+    for run in sides.values():
+        run(warm, 2)
+    try:
+        results = run_batch_sizes(args, device, sides, vocab)
+    finally:
+        executor.shutdown()
+    report = {
+        "benchmark": "engine_throughput",
+        "command": " ".join(["python", "benchmarks/engine_throughput.py", *(argv if argv is not None else sys.argv[1:])]),
+        "model": args.model,
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "prompt_len": args.prompt_len,
+        "gen_len": args.gen_len,
+        "repeats": args.repeats,
+        "load_s": round(load_s, 3),
+        "weight_bytes": engine_side.weight_bytes,
+        "environment": environment(device),
+        "results": results,
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()
