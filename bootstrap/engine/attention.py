@@ -9,13 +9,15 @@ A step runs a ragged batch flattened into ``[1, total_tokens]``: request ``b`` c
 ``query_lens[b]`` new tokens (a prefill chunk or one decode token) and, after the step, holds
 ``context_lens[b]`` tokens in the cache. The metadata (slot of every new token, block tables,
 lengths) reaches the attention function through a thread-local set by ``use_metadata``. Each
-layer writes the new keys and values into their slots, gathers every request's cached keys and
-values through its block table, and runs one padded, masked ``scaled_dot_product_attention``
-(causal, grouped-query, with the layer's sliding window when it has one).
+layer writes the new keys and values into their slots, then, per group of requests (decode
+tokens in one, prefill chunks in another), gathers every request's cached keys and values
+through its block table and runs one padded, masked ``scaled_dot_product_attention`` (causal,
+grouped-query, with the layer's sliding window when it has one; Gemma 2's logit soft-cap too).
+The scaling is the one the model passes in.
 
-Every tensor in the metadata is derived with device operations of static shape from the block
-tables, the lengths and two integers (``max_query_len``, ``kv_blocks``), so a decode step can
-later be captured as a CUDA graph over static-width block tables.
+Every tensor of a group is derived with device operations of static shape from the block
+tables, the lengths and three integers (``num_tokens``, ``max_query_len``, ``kv_blocks``), so a
+decode step can later be captured as a CUDA graph over static-width block tables.
 """
 
 from __future__ import annotations

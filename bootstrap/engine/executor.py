@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator, Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -28,42 +29,11 @@ from bootstrap.engine.kv_cache import PagedKVCache
 from bootstrap.engine.model_runner import ModelRunner
 from bootstrap.engine.sampling import Sampler, SamplingParams, make_generator, stop_reason, trim_stop_text
 from bootstrap.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from bootstrap.engine.sequence import Detokenizer, Sequence, next_request_id
+from bootstrap.engine.sequence import Detokenizer, Response, Sequence, StreamEvent, next_request_id
 
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05
-
-
-@dataclass(frozen=True)
-class Response:
-    """The outcome of one request. ``finish_reason``: stop, length, error or cancelled."""
-
-    request_id: int
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    error: str | None = None
-    is_warmup: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and self.finish_reason in ("stop", "length")
-
-
-@dataclass(frozen=True)
-class StreamEvent:
-    """One streamed step: the new token and the text it completes; the last one has ``finish_reason``."""
-
-    token_id: int | None
-    text: str
-    finish_reason: str | None = None
-    error: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass
@@ -201,7 +171,10 @@ class PyExecutor:
     def _wait(self, handle: _Handle, timeout: float | None) -> bool:
         if self.worker_running or handle.done.is_set():
             return handle.done.wait(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
         while not handle.done.is_set():
+            if deadline is not None and time.monotonic() > deadline:
+                return False
             self._step_here()
         return True
 

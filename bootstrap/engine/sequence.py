@@ -90,6 +90,37 @@ class Sequence:
         self.error = error
 
 
+@dataclass(frozen=True)
+class Response:
+    """The outcome of one request. ``finish_reason``: stop, length, error or cancelled."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    error: str | None = None
+    is_warmup: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.finish_reason in ("stop", "length")
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """One streamed step: the new token and the text it completes; the last one has ``finish_reason``."""
+
+    token_id: int | None
+    text: str
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
 class Detokenizer:
     """Incremental detokenization: the text each new token adds, stable across token merges.
 
