@@ -263,3 +263,14 @@ def test_detokenizer_flushes_a_trailing_partial_character():
     assert detok.text == "ok"
     detok.flush()
     assert detok.text == byte_tokenizer().decode(list("ok🙂".encode()[:-1]))
+
+
+def test_await_without_worker_drives_steps_and_honours_timeout(model):
+    ex = make(model)
+    request = ex.enqueue([1, 2, 3], SamplingParams(max_tokens=50))
+    with pytest.raises(TimeoutError, match=f"request {request}"):
+        ex.await_response(request, timeout=0)
+    response = ex.await_response(request)  # still there; this call runs the loop to the end
+    assert response.token_ids == expected(model, [1, 2, 3], 50)
+    assert not ex.worker_running
+    ex.shutdown()
