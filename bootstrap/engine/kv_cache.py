@@ -48,6 +48,11 @@ class KVCacheSpec:
     def from_config(cls, config: Any, dtype: torch.dtype) -> KVCacheSpec:
         """The spec of a transformers model config (its text config for multimodal models)."""
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        if getattr(text, "kv_lora_rank", None):
+            raise ValueError(
+                f"{type(text).__name__} uses multi-head latent attention (kv_lora_rank="
+                f"{text.kv_lora_rank}); the paged KV cache holds MHA/GQA/MQA keys and values only"
+            )
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads

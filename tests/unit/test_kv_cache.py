@@ -24,6 +24,13 @@ def test_spec_from_config_handles_gqa_and_default_head_dim():
     assert (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype) == (3, 2, 16, torch.float16)
 
 
+def test_spec_from_config_rejects_latent_attention():
+    from transformers import DeepseekV2Config
+
+    with pytest.raises(ValueError, match="multi-head latent attention"):
+        KVCacheSpec.from_config(DeepseekV2Config(kv_lora_rank=64), torch.bfloat16)
+
+
 def test_from_tokens_rounds_up_to_whole_blocks():
     cache = PagedKVCache.from_tokens(SPEC, 10, 4, "cpu")
     assert cache.num_blocks == 3
