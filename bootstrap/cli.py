@@ -25,11 +25,11 @@ from bootstrap.pipeline import StageFailed
 from bootstrap.report import stage_rows, stage_table
 from bootstrap.runner import make_pipeline, plan_summary
 from bootstrap.stages import STAGE_IDS
-from bootstrap.telemetry import make_tracer_provider
+from bootstrap.telemetry import MissingExtra, make_tracer_provider
 
 FAULTABLE = ("load_model", "estimation_build", "profiling", "final_build", "scheduler_sampler")
 BAD_INPUT = (ConfigError, ModelConfigError, CapacityError)  # exit 2, also when a stage finds it
-INPUT_ERRORS = (*BAD_INPUT, GraphError, ValueError)  # raised before the pipeline starts
+INPUT_ERRORS = (*BAD_INPUT, GraphError, MissingExtra, ValueError)  # raised before the pipeline starts
 
 
 def _config_args(parser: argparse.ArgumentParser) -> None:

@@ -69,12 +69,16 @@ class JsonLinesSpanExporter(SpanExporter):
             self._file.close()
 
 
+class MissingExtra(RuntimeError):
+    """An optional feature was asked for without the extra that provides it."""
+
+
 def otlp_exporter() -> SpanExporter:
     """OTLP over HTTP; needs the ``otlp`` extra. Endpoint settings follow the OTel SDK's own."""
     try:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     except ImportError as exc:
-        raise RuntimeError(
+        raise MissingExtra(
             "OTLP export needs the otlp extra: pip install 'executor-bootstrap[otlp]'"
         ) from exc
     return OTLPSpanExporter()

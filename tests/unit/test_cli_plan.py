@@ -74,6 +74,16 @@ def test_bad_input_exits_2_naming_the_field(capsys):
     assert code == 2 and "h100-80gb" in err
 
 
+def test_otlp_without_its_extra_says_how_to_install_it(capsys):
+    try:
+        import opentelemetry.exporter.otlp.proto.http  # noqa: F401
+    except ImportError:
+        code, _, err = run_cli(capsys, "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--otlp")
+        assert code == 2 and "executor-bootstrap[otlp]" in err and "Traceback" not in err
+    else:
+        pytest.skip("the otlp extra is installed here")
+
+
 @pytest.mark.parametrize(
     "text, message",
     [("capacity:oom", "allocates no device memory"), ("nope:oom", "is not a stage"),
