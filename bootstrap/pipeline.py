@@ -59,6 +59,8 @@ class Pipeline:
         self._undos: dict[str, Undo] = {}  # completed stage -> releases of its artifact
         self._finished: list[str] = []  # completion order, for reverse release
         self._ready: dict[str, anyio.Event] = {}
+        self._running = False
+        self._closed = False
 
     # -- public API ------------------------------------------------------------------------
 
@@ -71,17 +73,29 @@ class Pipeline:
 
     async def run(self) -> dict[str, Any]:
         """Run every stage not yet done; return all artifacts. Raises ``StageFailed``."""
+        if self._closed or self._running:
+            raise RuntimeError(f"this pipeline is {'closed' if self._closed else 'already running'}")
         pending = [s for s in self.stages if self.status[s.id].state not in ("done", "skipped")]
+        self._running = True
+        try:
+            await self._run_traced(pending)
+        finally:
+            self._running = False
+        return self.artifacts
+
+    async def _run_traced(self, pending: list[Stage]) -> None:
         with self._tracer.start_as_current_span(ROOT_SPAN) as root:
             root.set_attribute("bootstrap.stages", [s.id for s in pending])
             try:
                 await self._run_graph(pending, root)
             except BaseException as exc:
                 await self._on_abort(exc, root)
-                raise self._unwrap(exc) from None
+                failure = self._unwrap(exc)
+                if failure is exc:
+                    raise
+                raise failure  # out of the task group's exception group; its cause is kept
             root.set_attribute("bootstrap.outcome", "ok")
             root.set_status(Status(StatusCode.OK))
-        return self.artifacts
 
     async def retry(self, stage_id: str | None = None) -> dict[str, Any]:
         """Resume after ``StageFailed``: rerun the failed stage (or ``stage_id``) and the rest."""
@@ -91,6 +105,7 @@ class Pipeline:
 
     async def aclose(self) -> None:
         """Release every completed stage's artifact, newest first, and stop the device thread."""
+        self._closed = True
         with anyio.CancelScope(shield=True):
             await self._release_completed()
             if self._owns_thread:

@@ -244,6 +244,37 @@ async def test_cancellation_rolls_back_completed_stages_in_reverse_order(device)
     assert c_span.attributes["bootstrap.outcome"] == "cancelled"
 
 
+async def test_a_closed_or_running_pipeline_refuses_to_run(device):
+    started, release = anyio.Event(), anyio.Event()
+
+    async def slow(seed):
+        started.set()
+        await release.wait()
+        return seed
+
+    pipeline, _ = make([Stage("slow", slow, "out", blocking=False)], device, seed=1)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(pipeline.run)
+        await started.wait()
+        with pytest.raises(RuntimeError, match="already running"):
+            await pipeline.run()
+        release.set()
+    await pipeline.aclose()
+    with pytest.raises(RuntimeError, match="closed"):
+        await pipeline.run()
+
+
+async def test_stage_failed_keeps_the_original_traceback(device):
+    def broken(seed):
+        raise ValueError("deep cause")
+
+    pipeline, _ = make([Stage("broken", broken, "out")], device, seed=1)
+    with pytest.raises(StageFailed) as info:
+        await pipeline.run()
+    assert info.value.__cause__ is info.value.cause
+    assert info.value.cause.__traceback__ is not None
+
+
 async def test_events_stream_reports_progress(device):
     device.inject_oom("second", 1)
     pipeline, _ = make(chain(device), device, seed=1)
