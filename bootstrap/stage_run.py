@@ -35,6 +35,7 @@ class StageRun:
         self.attempts = 0
         self._changes: Mapping[str, str] = {}
         self._span: Span | None = None
+        self._skip_reason = ""
 
     async def execute(self, after_success: Callable[[], Awaitable[None]] | None = None) -> tuple[Any, Undo]:
         """Run the stage to success, skip, or failure (re-raised after the span records it).
@@ -64,6 +65,7 @@ class StageRun:
         skip = self.stage.skip(**self.inputs) if self.stage.skip else None
         if isinstance(skip, Skip):
             self._span.set_attribute("bootstrap.skip_reason", skip.reason)
+            self._skip_reason = skip.reason
             return skip.artifact, Undo(), "skipped"
         artifact, undo = await self._attempts()
         return artifact, undo, "ok"
@@ -145,7 +147,7 @@ class StageRun:
         span.set_attribute("bootstrap.outcome", outcome)
         span.set_status(Status(StatusCode.OK))
         kind = "skipped" if outcome == "skipped" else "done"
-        self._publish(kind, span.attributes.get("bootstrap.skip_reason", ""), figures)
+        self._publish(kind, self._skip_reason, figures)
 
     def _record_failure(self, span: Span, exc: BaseException) -> None:
         cancelled = isinstance(exc, anyio.get_cancelled_exc_class())

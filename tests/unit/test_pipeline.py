@@ -307,3 +307,17 @@ async def test_events_stream_reports_progress(device):
 def test_bad_graphs_are_rejected_up_front(stages, message, device):
     with pytest.raises(GraphError, match=message.replace("[", r"\[").replace("]", r"\]")):
         Pipeline(stages, {"seed": 0})
+
+
+async def test_runs_without_a_tracer_provider(device):
+    """No provider configured: spans are non-recording, everything else works the same."""
+    from bootstrap.stage import Skip
+
+    stages = [
+        Stage("skipped", lambda seed: None, "a", skip=lambda seed: Skip("cached", "plan-cache")),
+        Stage("counted", lambda a: len(a), "b", figures=lambda n: {"bootstrap.count": n}),
+    ]
+    pipeline = Pipeline(stages, {"seed": 0}, device=device)
+    assert (await pipeline.run())["b"] == 6
+    assert pipeline.status["skipped"].state == "skipped"
+    assert pipeline.status["counted"].figures == {"bootstrap.count": 6}

@@ -183,3 +183,43 @@ async def test_plan_cache_is_not_used_when_the_device_lacks_room(tmp_path):
     (span,) = by_name(memory, "bootstrap.stage.profiling")
     assert span.attributes["bootstrap.outcome"] == "ok"
     await second.aclose()
+
+
+class FlakyDisk(SimBackend):
+    """The sim backend whose first weight load dies half way with a transient I/O error."""
+
+    failures = 1
+
+    def load_model(self, config, resolved, undo):
+        loaded = super().load_model(config, resolved, undo)  # allocates the weights, then...
+        if self.failures:
+            self.failures -= 1
+            raise ConnectionResetError("connection reset while reading shard 3 of 4")
+        return loaded
+
+
+async def test_load_model_retries_transient_io_and_rolls_back_the_partial_load():
+    device = sim_device("h100-80gb")
+    memory = InMemorySpanExporter()
+    config = BootstrapConfig.parse(**LLAMA)
+    pipeline = make_pipeline(config, FlakyDisk(device), tracer_provider=make_tracer_provider(memory=memory))
+    await pipeline.run()
+    attempts = by_name(memory, "bootstrap.stage.load_model.attempt")
+    assert [a.status.status_code.name for a in attempts] == ["ERROR", "OK"]
+    assert attempts[0].attributes["error.type"] == "ConnectionResetError"
+    assert attempts[0].attributes["bootstrap.rollback.actions"] == 1
+    weights = [n for tag, n in device.live().items() if tag == "load_model/weights"]
+    assert weights == [16_060_522_496]  # one copy: the failed attempt's weights were released
+    await pipeline.aclose()
+    assert device.live() == {}
+
+
+async def test_missing_weights_file_is_not_retried():
+    class MissingFile(SimBackend):
+        def load_model(self, config, resolved, undo):
+            raise FileNotFoundError("model.safetensors not found")
+
+    pipeline = make_pipeline(BootstrapConfig.parse(**LLAMA), MissingFile(sim_device("h100-80gb")))
+    with pytest.raises(StageFailed) as info:
+        await pipeline.run()
+    assert (info.value.stage, info.value.attempts) == ("load_model", 1)
