@@ -14,11 +14,15 @@ import os
 import tempfile
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bootstrap.artifacts import ResolvedClasses
 from bootstrap.capacity import CapacityPlan, MemoryProfile
 from bootstrap.config import BootstrapConfig
 from bootstrap.devices import Device
+
+if TYPE_CHECKING:
+    from bootstrap.backends.base import Backend
 
 # Config fields that change the profile or the plan; the rest (plan_cache, device spelling) do not.
 FINGERPRINT_FIELDS = (
@@ -66,6 +70,15 @@ class CachedPlan:
 class PlanCache:
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory).expanduser()
+
+    def lookup(self, config: BootstrapConfig, resolved: ResolvedClasses, backend: Backend) -> CachedPlan | None:
+        """The cached plan for this exact setup on ``backend``'s device, if there is one."""
+        return self.load(fingerprint(config, resolved, backend.device, backend.name))
+
+    def remember(
+        self, config: BootstrapConfig, resolved: ResolvedClasses, backend: Backend, profile: MemoryProfile, plan: CapacityPlan
+    ) -> Path:
+        return self.store(fingerprint(config, resolved, backend.device, backend.name), profile, plan)
 
     def load(self, key: str) -> CachedPlan | None:
         path = self.directory / f"{key}.json"

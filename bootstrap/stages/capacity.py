@@ -8,7 +8,7 @@ from bootstrap.artifacts import ResolvedClasses
 from bootstrap.backends.base import Backend
 from bootstrap.capacity import CapacityPlan, MemoryProfile, plan_capacity
 from bootstrap.config import BootstrapConfig
-from bootstrap.plan_cache import PlanCache, fingerprint
+from bootstrap.plan_cache import PlanCache
 from bootstrap.stage import Stage
 
 
@@ -30,7 +30,7 @@ def capacity(
         max_kv_tokens=config.max_kv_tokens,
     )
     if plan_cache is not None:
-        plan_cache.store(fingerprint(config, resolved, backend.device, backend.name), profile, plan)
+        plan_cache.remember(config, resolved, backend, profile, plan)
     return plan
 
 

@@ -9,7 +9,7 @@ from bootstrap.artifacts import EstimationBuild, LoadedModel, ResolvedClasses
 from bootstrap.backends.base import Backend
 from bootstrap.capacity import cap_probe_tokens, estimation_tokens
 from bootstrap.config import BootstrapConfig
-from bootstrap.plan_cache import CachedPlan, PlanCache, fingerprint
+from bootstrap.plan_cache import CachedPlan, PlanCache
 from bootstrap.stage import Skip, Stage, on_oom
 from bootstrap.stages.shrink import halve_max_num_tokens
 from bootstrap.undo import Undo
@@ -45,7 +45,7 @@ def cached_plan(
     """The cached plan for this exact setup, if there is one and the device has room for it now."""
     if plan_cache is None:
         return None
-    cached = plan_cache.load(fingerprint(config, resolved, backend.device, backend.name))
+    cached = plan_cache.lookup(config, resolved, backend)
     return cached if cached is not None and cached.fits(backend.device.free_bytes()) else None
 
 

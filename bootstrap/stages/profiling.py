@@ -8,7 +8,7 @@ from bootstrap.artifacts import EstimationBuild, LoadedModel, ResolvedClasses
 from bootstrap.backends.base import Backend
 from bootstrap.capacity import MemoryProfile
 from bootstrap.config import BootstrapConfig
-from bootstrap.plan_cache import PlanCache, fingerprint
+from bootstrap.plan_cache import PlanCache
 from bootstrap.stage import Skip, Stage, on_oom
 from bootstrap.stages.shrink import halve_max_num_tokens
 from bootstrap.undo import Undo
@@ -42,7 +42,7 @@ def skip_with_cached_profile(
     """When the probe was skipped for a cached plan, its profile stands in for a measurement."""
     if estimation is not None:
         return None
-    cached = plan_cache.load(fingerprint(config, resolved, backend.device, backend.name)) if plan_cache else None
+    cached = plan_cache.lookup(config, resolved, backend) if plan_cache else None
     if cached is None:
         raise PlanCacheMiss("the cached plan disappeared between estimation_build and profiling; start again")
     return Skip(cached.profile, "plan-cache")
