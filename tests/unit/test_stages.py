@@ -11,6 +11,7 @@ from bootstrap.backends.sim import SimBackend
 from bootstrap.backends.sim_gpus import sim_device
 from bootstrap.capacity import CapacityError
 from bootstrap.config import BootstrapConfig, ConfigError
+from bootstrap.devices import DeviceOutOfMemory
 from bootstrap.pipeline import StageFailed
 from bootstrap.runner import make_pipeline
 from bootstrap.stages import STAGE_IDS
@@ -223,3 +224,15 @@ async def test_missing_weights_file_is_not_retried():
     with pytest.raises(StageFailed) as info:
         await pipeline.run()
     assert (info.value.stage, info.value.attempts) == ("load_model", 1)
+
+
+async def test_oom_at_the_max_num_tokens_floor_fails_with_the_reason():
+    pipeline, device, memory = setup(max_num_tokens=64, max_batch_size=64)  # already at its floor
+    device.inject_oom("profiling", 1)
+    with pytest.raises(StageFailed) as info:
+        await pipeline.run()
+    assert (info.value.stage, info.value.attempts) == ("profiling", 1)
+    assert "max_num_tokens is already 64" in str(info.value) and "max_batch_size" in str(info.value)
+    assert isinstance(info.value.cause.__cause__, DeviceOutOfMemory)
+    await pipeline.aclose()
+    assert device.live() == {}
