@@ -12,18 +12,29 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 
 MAX_SEED = 2**63 - 1
 
 
-def _fail(name: str, allowed: str, value: object) -> None:
+def _fail(name: str, allowed: str, value: object) -> NoReturn:
     raise ValueError(f"SamplingParams.{name} must be {allowed}, got {value!r}")
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _as_tuple(name: str, value: object) -> tuple:
+    """``value`` as a tuple; a lone string is one item, a non-iterable a clear error."""
+    if isinstance(value, str):
+        return (value,)
+    try:
+        return tuple(value)  # type: ignore[arg-type]
+    except TypeError:
+        _fail(name, "a list or tuple", value)
 
 
 @dataclass(frozen=True)
@@ -32,7 +43,8 @@ class SamplingParams:
 
     ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` switch those filters off.
     ``stop_token_ids`` and ``stop`` (strings) end the request with reason ``"stop"``, as does
-    an EOS token unless ``ignore_eos``. Lists given for the tuple fields are stored as tuples.
+    an EOS token unless ``ignore_eos``. Lists given for the tuple fields are stored as tuples;
+    a plain string for ``stop`` is one stop string (as in the OpenAI API), not its characters.
     """
 
     max_tokens: int = 16
@@ -45,8 +57,8 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", _as_tuple("stop_token_ids", self.stop_token_ids))
+        object.__setattr__(self, "stop", _as_tuple("stop", self.stop))
         self._check_numbers()
         self._check_stops()
 
@@ -127,8 +139,11 @@ class Sampler:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
     ) -> torch.Tensor:
-        temps = self._column([p.temperature for p in params], logits)
-        logits = logits / temps
+        # Shift each row's maximum to 0 before dividing, and keep temperatures above the float
+        # range's smallest normal, so a tiny temperature gives -inf (not inf - inf = NaN) away
+        # from the maximum: effectively greedy, as it should be.
+        temps = self._column([p.temperature for p in params], logits).clamp_(min=torch.finfo(logits.dtype).tiny)
+        logits = (logits - logits.amax(dim=-1, keepdim=True)) / temps
         if any(p.top_k > 0 or p.top_p < 1 for p in params):
             logits = self._filter(logits, params)
         probs = torch.softmax(logits, dim=-1)

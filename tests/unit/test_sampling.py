@@ -202,3 +202,22 @@ def test_trim_stop_text_cuts_at_the_earliest_stop():
     params = SamplingParams(stop=("B", "A"))
     assert trim_stop_text("xxAyyBzz", params) == "xx"
     assert trim_stop_text("plain", params) == "plain"
+
+
+def test_a_plain_string_stop_is_one_stop_string_not_its_characters():
+    params = SamplingParams(stop="\n\n")
+    assert params.stop == ("\n\n",)
+    assert stop_reason([5], "line one\nline two", params, set()) is None
+
+
+@pytest.mark.parametrize(("field", "value"), [("stop_token_ids", 5), ("stop", 3)])
+def test_a_non_sequence_for_a_tuple_field_names_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field} must be"):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-39, 1e-45])
+def test_a_tiny_temperature_is_effectively_greedy_not_token_zero(temperature):
+    logits = _logits(rows=4)
+    params = [SamplingParams(temperature=temperature, seed=i) for i in range(4)]
+    assert torch.equal(_sample(logits, params), logits.argmax(dim=-1))
