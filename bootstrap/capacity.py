@@ -112,10 +112,19 @@ def _layer_bytes_per_token(shape: ModelShape, dtype_bytes: int | float, tp: int)
 
 
 def model_cost(
-    shape: ModelShape, *, kv_dtype_bytes: int | float, tp: int, max_batch_size: int, tokens_per_block: int
+    shape: ModelShape,
+    *,
+    kv_dtype_bytes: int | float,
+    tp: int,
+    max_batch_size: int,
+    tokens_per_block: int,
+    max_seq_len: int | None = None,
 ) -> CacheCost:
-    """Cost of a model's KV cache on one rank.
+    """Cost of a model's KV cache on one rank, for requests of at most ``max_seq_len`` tokens
+    (default: the model's ``max_position_embeddings``).
 
+    A window of ``max_seq_len`` tokens or more never slides, so such a layer is priced as full
+    attention (TensorRT-LLM treats attention as SWA only when ``max_seq_len > min(window)``).
     Full-attention layers go to the slope. Each sliding-window layer adds
     ``max_batch_size * ceil(window / tpb) * tpb * layer_bytes`` to the intercept (TensorRT-LLM V2's
     ``gen_swa_req``; its context-phase SWA term is left out: windows are priced at full length,
@@ -131,8 +140,9 @@ def model_cost(
             f"{shape.architecture}; choose a divisor of {shape.num_heads}"
         )
     per_layer = _layer_bytes_per_token(shape, kv_dtype_bytes, tp)
+    longest = max_seq_len if max_seq_len is not None else shape.max_position_embeddings
     windows = shape.attention_windows
-    sliding = [w for w in windows if w is not None]
+    sliding = [w for w in windows if w is not None and w < longest]
     if len(sliding) == len(windows):
         sliding = []
     slope = (len(windows) - len(sliding)) * per_layer
@@ -169,15 +179,25 @@ def estimation_tokens(*, max_num_tokens: int, max_seq_len: int, max_batch_size: 
 
 def cap_probe_tokens(tokens: int, *, cost: CacheCost, free_bytes: int, fraction: float, tokens_per_block: int) -> int:
     """The probe size actually allocated: ``tokens`` capped to what ``fraction`` of the memory
-    free now holds, block aligned, at least one block (TensorRT-LLM V1, reference §3.1).
+    free now holds, block aligned (TensorRT-LLM V1, reference §3.1).
 
     The probe is added back to the budget, so a smaller probe changes no figure of the plan; it
-    only has to leave room for the dummy forward.
+    only has to leave room for the dummy forward. When not even one block fits beside the fixed
+    per-sequence state, no smaller ``max_num_tokens`` can help: that is a ``CapacityError``.
     """
     _check_positive(tokens=tokens, tokens_per_block=tokens_per_block)
-    fits = cost.tokens_for_budget(int(free_bytes * fraction)) // tokens_per_block
-    blocks = -(-tokens // tokens_per_block)
-    return max(min(blocks, fits), 1) * tokens_per_block
+    room = int(free_bytes * fraction)
+    fits = cost.tokens_for_budget(room) // tokens_per_block
+    if fits < 1:
+        raise CapacityError(
+            f"the KV cache cannot hold one block next to its fixed per-sequence state: "
+            f"{fmt_bytes(cost.bytes_for_tokens(tokens_per_block))} needed ({fmt_bytes(cost.intercept)} of "
+            f"sliding-window or recurrent state for every batch slot), {fmt_bytes(room)} available "
+            f"(free_gpu_memory_fraction {fraction} of {fmt_bytes(free_bytes)} free after loading the weights)"
+            "\n  fix: lower max_batch_size (the fixed state scales with it), use a smaller kv_cache_dtype, "
+            "raise free_gpu_memory_fraction, or use more tensor_parallel_size"
+        )
+    return min(-(-tokens // tokens_per_block), fits) * tokens_per_block
 
 
 @dataclass(frozen=True)
@@ -235,7 +255,8 @@ class CapacityPlan:
     max_seq_len: int
     max_batch_size: int
     max_num_tokens: int
-    max_concurrent_requests: int
+    max_concurrent_requests: int  # min(kv_requests, max_batch_size): what can run at once
+    kv_requests: int  # requests of max_seq_len the KV pool alone holds
     limited_by: str
     fraction: float
 
@@ -276,8 +297,8 @@ def plan_capacity(
     if kv_tokens < tokens_per_block:
         raise CapacityError(_too_small(profile, cost, fraction, budget, limited_by, tokens_per_block, "one KV block"))
     per_request = -(-max_seq_len // tokens_per_block)
-    concurrent = kv_tokens // tokens_per_block // per_request
-    if concurrent < 1:
+    kv_requests = kv_tokens // tokens_per_block // per_request
+    if kv_requests < 1:
         what = f"one request of max_seq_len={max_seq_len} ({per_request} blocks)"
         need = per_request * tokens_per_block
         raise CapacityError(_too_small(profile, cost, fraction, budget, limited_by, need, what))
@@ -285,7 +306,8 @@ def plan_capacity(
         total_bytes=profile.total_bytes, peak_bytes=profile.peak_bytes, kv_budget_bytes=budget,
         kv_tokens=kv_tokens, cost=cost, tokens_per_block=tokens_per_block, max_seq_len=max_seq_len,
         max_batch_size=max_batch_size, max_num_tokens=profile.max_num_tokens,
-        max_concurrent_requests=concurrent, limited_by=limited_by, fraction=fraction,
+        max_concurrent_requests=min(kv_requests, max_batch_size), kv_requests=kv_requests,
+        limited_by=limited_by, fraction=fraction,
     )
 
 

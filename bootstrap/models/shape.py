@@ -44,6 +44,10 @@ SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))
 _DEFAULT_POSITIONS = {"jamba": 262144}  # Jamba has no positional embedding; transformers' default
 
 
+MAX_CONFIG_INT = 1 << 31  # far above any real model's sizes; keeps a typo from exhausting memory
+MAX_LAYERS = 1 << 14  # per-layer tuples are built, so the layer count gets a tighter bound
+
+
 class ModelConfigError(ValueError):
     """A config.json is unsupported or lacks / mistypes a field; the message names both."""
 
@@ -220,13 +224,13 @@ class _Parser:
     def __init__(self, cfg: dict[str, Any], model_type: str) -> None:
         self.cfg, self.model_type = cfg, model_type
 
-    def get_int(self, key: str, default: int | None = None, *, minimum: int = 1) -> int:
+    def get_int(self, key: str, default: int | None = None, *, minimum: int = 1, maximum: int = MAX_CONFIG_INT) -> int:
         value = self.cfg.get(key, default)
         if value is None:
             raise ModelConfigError(f"{self.model_type} config.json: missing required field {key!r}")
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
             raise ModelConfigError(
-                f"{self.model_type} config.json: field {key!r} must be an integer >= {minimum}, got {value!r}"
+                f"{self.model_type} config.json: field {key!r} must be an integer in [{minimum}, {maximum}], got {value!r}"
             )
         return value
 
@@ -241,7 +245,7 @@ class _Parser:
 
     def shape(self) -> ModelShape:
         tie_default, norms, qkv_bias, qk_norm = _FAMILIES[self.model_type]
-        layers, heads = self.get_int("num_hidden_layers"), self.get_int("num_attention_heads")
+        layers, heads = self.get_int("num_hidden_layers", maximum=MAX_LAYERS), self.get_int("num_attention_heads")
         hidden = self.get_int("hidden_size")
         kv_heads = self.get_int("num_key_value_heads", heads)
         if heads % kv_heads:

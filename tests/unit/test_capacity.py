@@ -139,7 +139,8 @@ def test_plan_budget_by_hand():
     assert p.peak_bytes == 20 * GIB
     assert p.kv_budget_bytes == int(62 * GIB * 0.9)
     assert p.kv_tokens == p.kv_budget_bytes // 131072 // 32 * 32
-    assert p.max_concurrent_requests == p.kv_tokens // 32 // 128
+    assert p.kv_requests == p.kv_tokens // 32 // 128 > 8
+    assert p.max_concurrent_requests == 8  # the KV holds more, but a step runs max_batch_size at most
     assert p.limited_by == "memory"
     assert json.loads(json.dumps(p.to_dict()))["cost"] == {"slope": 131072, "intercept": 0}
 
@@ -317,4 +318,14 @@ def test_probe_is_capped_to_what_the_free_memory_fraction_holds():
     assert cap_probe_tokens(320, cost=cost, free_bytes=200_000, fraction=0.5, tokens_per_block=32) == 96
     assert cap_probe_tokens(320, cost=cost, free_bytes=10**9, fraction=0.9, tokens_per_block=32) == 320
     assert cap_probe_tokens(300, cost=cost, free_bytes=10**9, fraction=0.9, tokens_per_block=32) == 320  # aligned up
-    assert cap_probe_tokens(320, cost=cost, free_bytes=0, fraction=0.9, tokens_per_block=32) == 32  # one block minimum
+    with pytest.raises(CapacityError, match="lower max_batch_size"):  # not one block fits: no retry can help
+        cap_probe_tokens(320, cost=CacheCost(1000, 10**6), free_bytes=10**6, fraction=0.9, tokens_per_block=32)
+
+
+def test_windows_at_least_max_seq_len_are_priced_as_full_attention():
+    gemma = preset_shape("gemma-2-9b")  # 42 layers, every other one with a 4096-token window
+    layer = 2 * 8 * 256 * 2  # 8 KV heads x 256 head_dim, bf16
+    short = model_cost(gemma, kv_dtype_bytes=2, tp=1, max_batch_size=32, tokens_per_block=32, max_seq_len=512)
+    assert short == CacheCost(slope=42 * layer, intercept=0)  # a 4096 window never slides in 512 tokens
+    long = model_cost(gemma, kv_dtype_bytes=2, tp=1, max_batch_size=32, tokens_per_block=32, max_seq_len=8192)
+    assert long == CacheCost(slope=21 * layer, intercept=32 * 21 * 4096 * layer)

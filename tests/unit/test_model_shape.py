@@ -168,3 +168,9 @@ def test_parameter_count_matches_transformers(model_type):
     expected = sum(p.numel() for p in model.parameters())
     saved = config.to_dict()
     assert ModelShape.from_hf_config(saved).parameter_count() == expected
+
+
+def test_absurd_layer_counts_are_rejected_before_building_per_layer_tuples():
+    cfg = {**preset_config("llama-3.1-8b"), "num_hidden_layers": 10**12}
+    with pytest.raises(ModelConfigError, match="num_hidden_layers.*must be an integer in"):
+        ModelShape.from_hf_config(cfg)
