@@ -22,7 +22,7 @@ from bootstrap.device_thread import DeviceThread
 from bootstrap.devices import Device, is_oom
 from bootstrap.events import EventHub, StageEvent, StageStatus
 from bootstrap.graph import check_graph, topological_order
-from bootstrap.stage import Stage
+from bootstrap.stage import GiveUp, Stage
 from bootstrap.stage_run import StageRun
 from bootstrap.telemetry import ROOT_SPAN, TRACER_NAME
 from bootstrap.undo import Undo
@@ -132,7 +132,7 @@ class Pipeline:
         except anyio.get_cancelled_exc_class():
             raise
         except BaseException as exc:
-            advice = stage.oom_advice if is_oom(exc) else ""
+            advice = stage.oom_advice if is_oom(exc) and not isinstance(exc, GiveUp) else ""
             raise StageFailed(stage.id, run.attempts, exc, advice) from exc
         finally:
             otel_context.detach(token)

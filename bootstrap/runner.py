@@ -7,6 +7,7 @@ from typing import Any
 
 from opentelemetry.trace import TracerProvider
 
+from bootstrap.artifacts import FinalBuild
 from bootstrap.backends.base import Backend
 from bootstrap.budget_split import PoolBudgets
 from bootstrap.capacity import CapacityPlan
@@ -34,17 +35,40 @@ def make_pipeline(
 
 def plan_summary(artifacts: dict[str, Any]) -> dict[str, Any]:
     """The ``plan`` object of ``--json``: budget, tokens, concurrency, the profile it came from,
-    and per-pool shares."""
+    and per-pool shares. Once ``final_build`` ran, the figures are what it allocated (a retry may
+    have shrunk the pools); ``planned_kv_budget_bytes`` keeps what ``capacity`` planned."""
     plan: CapacityPlan | None = artifacts.get("plan")
     if plan is None:
         return {}
     out = plan.to_dict()
+    out["planned_kv_budget_bytes"] = plan.kv_budget_bytes
     profile = artifacts.get("profile")
     if profile is not None:
         out["profile"] = profile.to_dict()
     budgets: PoolBudgets | None = artifacts.get("budgets")
     if budgets is not None:
         out["pools"] = budgets.to_dict()
-        for pool in budgets.pools():
-            out[f"{pool.name}_share"] = round(pool.gpu_bytes / plan.kv_budget_bytes, 6) if plan.kv_budget_bytes else 0.0
+    final: FinalBuild | None = artifacts.get("final")
+    if final is not None:
+        out.update(_allocated(out, plan, final))
+    for name, pool in out.get("pools", {}).items():
+        out[f"{name}_share"] = round(pool["gpu_bytes"] / out["kv_budget_bytes"], 6) if out["kv_budget_bytes"] else 0.0
     return out
+
+
+def _allocated(out: dict[str, Any], plan: CapacityPlan, final: FinalBuild) -> dict[str, Any]:
+    tokens = final.pool_tokens.get("target", plan.kv_tokens)
+    kv_requests = tokens // plan.tokens_per_block // -(-plan.max_seq_len // plan.tokens_per_block)
+    pools = {
+        name: {**pool, "gpu_bytes": final.pool_bytes[name], "tokens": final.pool_tokens[name]}
+        for name, pool in out.get("pools", {}).items()
+        if name in final.pool_bytes
+    }
+    return {
+        "kv_budget_bytes": sum(final.pool_bytes.values()),
+        "kv_tokens": tokens,
+        "kv_blocks": tokens // plan.tokens_per_block,
+        "kv_requests": kv_requests,
+        "max_concurrent_requests": min(kv_requests, plan.max_batch_size),
+        "pools": pools,
+    }

@@ -38,6 +38,11 @@ def on_oom(attempts: int = 3, backoff_s: float = 0.0) -> RetryPolicy:
     return RetryPolicy(attempts=attempts, retry_on=is_oom, backoff_s=backoff_s)
 
 
+class GiveUp(RuntimeError):
+    """Raised by an ``adapt`` that finds nothing left to change: the stage fails with this
+    reason (the error that triggered the adaptation is its ``__cause__``), without retrying."""
+
+
 @dataclass(frozen=True)
 class Adaptation:
     """Inputs a stage changes for its next attempt, and a readable note of each change."""

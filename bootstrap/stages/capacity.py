@@ -1,8 +1,11 @@
 """Stage 5, ``capacity``: pure arithmetic from the memory profile and the config to a KV byte
 budget and token capacity. Infeasible plans raise ``CapacityError`` with the figures and the
-knob to turn. A measured (not cached) profile is stored in the plan cache here."""
+knob to turn. A measured profile is stored in the plan cache here, unless a retry lowered
+``max_num_tokens`` (one transient OOM must not halve every later start)."""
 
 from __future__ import annotations
+
+import logging
 
 from bootstrap.artifacts import ResolvedClasses
 from bootstrap.backends.base import Backend
@@ -10,6 +13,8 @@ from bootstrap.capacity import CapacityPlan, MemoryProfile, plan_capacity
 from bootstrap.config import BootstrapConfig
 from bootstrap.plan_cache import PlanCache
 from bootstrap.stage import Stage
+
+log = logging.getLogger(__name__)
 
 
 def capacity(
@@ -29,9 +34,20 @@ def capacity(
         max_kv_bytes=config.max_kv_bytes,
         max_kv_tokens=config.max_kv_tokens,
     )
-    if plan_cache is not None:
-        plan_cache.remember(config, resolved, backend, profile, plan)
+    if plan_cache is not None and profile.max_num_tokens == config.max_num_tokens:
+        remember(plan_cache, config, resolved, backend, profile, plan)
     return plan
+
+
+def remember(
+    plan_cache: PlanCache, config: BootstrapConfig, resolved: ResolvedClasses, backend: Backend,
+    profile: MemoryProfile, plan: CapacityPlan,
+) -> None:  # fmt: skip
+    """Store the plan; a failure to write costs the next start a profiling run, not this start."""
+    try:
+        plan_cache.remember(config, resolved, backend, profile, plan)
+    except OSError as exc:
+        log.warning("plan cache: could not store the plan in %s: %s", plan_cache.directory, exc)
 
 
 STAGE = Stage(

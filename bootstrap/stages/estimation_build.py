@@ -40,13 +40,14 @@ def estimation_build(
 
 
 def cached_plan(
-    config: BootstrapConfig, resolved: ResolvedClasses, backend: Backend, plan_cache: PlanCache | None
+    config: BootstrapConfig, resolved: ResolvedClasses, loaded: LoadedModel, backend: Backend, plan_cache: PlanCache | None
 ) -> CachedPlan | None:
     """The cached plan for this exact setup, if there is one and the device has room for it now."""
     if plan_cache is None:
         return None
     cached = plan_cache.lookup(config, resolved, backend)
-    return cached if cached is not None and cached.fits(backend.device.free_bytes()) else None
+    fits = cached is not None and cached.fits(backend.device.free_bytes(), loaded.weight_bytes)
+    return cached if fits else None
 
 
 def skip_if_cached(
@@ -56,7 +57,7 @@ def skip_if_cached(
     backend: Backend,
     plan_cache: PlanCache | None,
 ) -> Skip | None:
-    return Skip(None, "plan-cache") if cached_plan(config, resolved, backend, plan_cache) else None
+    return Skip(None, "plan-cache") if cached_plan(config, resolved, loaded, backend, plan_cache) else None
 
 
 STAGE = Stage(

@@ -11,7 +11,8 @@ from bootstrap.artifacts import FinalBuild, LoadedModel, ResolvedClasses
 from bootstrap.backends.base import Backend
 from bootstrap.budget_split import PoolBudget, PoolBudgets
 from bootstrap.config import BootstrapConfig
-from bootstrap.stage import Adaptation, Stage, on_oom
+from bootstrap.capacity import fmt_bytes
+from bootstrap.stage import Adaptation, GiveUp, Stage, on_oom
 from bootstrap.undo import Undo
 
 SHRINK_STEP = 0.9
@@ -24,18 +25,29 @@ def final_build(
 
 
 def shrink_budgets(exc: BaseException, inputs: Mapping[str, Any]) -> Adaptation:
+    """Every pool 10 % smaller, as long as each still holds one request of ``max_seq_len``."""
     budgets: PoolBudgets = inputs["budgets"]
-    tpb = inputs["config"].tokens_per_block
-    smaller = PoolBudgets(**{name: _shrink(getattr(budgets, name), tpb) for name in ("target", "draft", "cross")})
+    tpb, max_seq_len = inputs["config"].tokens_per_block, inputs["resolved"].max_seq_len
+    try:
+        smaller = PoolBudgets(**{n: _shrink(getattr(budgets, n), tpb, max_seq_len) for n in ("target", "draft", "cross")})
+    except GiveUp as give_up:
+        raise give_up from exc
     changes = {f"{p.name}_bytes": f"{p.gpu_bytes} -> {q.gpu_bytes}" for p, q in zip(budgets.pools(), smaller.pools())}
     return Adaptation({"budgets": smaller}, changes)
 
 
-def _shrink(pool: PoolBudget | None, tokens_per_block: int) -> PoolBudget | None:
+def _shrink(pool: PoolBudget | None, tokens_per_block: int, max_seq_len: int) -> PoolBudget | None:
     if pool is None:
         return None
     gpu = int(pool.gpu_bytes * SHRINK_STEP)
     tokens = pool.cost.tokens_for_budget(gpu) // tokens_per_block * tokens_per_block
+    need = -(-max_seq_len // tokens_per_block) * tokens_per_block
+    if tokens < need:
+        raise GiveUp(
+            f"the {pool.name} KV pool cannot shrink below {fmt_bytes(pool.gpu_bytes)}: at {fmt_bytes(gpu)} it would hold "
+            f"{tokens} tokens, less than one request of max_seq_len={max_seq_len}; lower max_seq_len or "
+            "max_batch_size, or free device memory"
+        )
     return dataclasses.replace(pool, gpu_bytes=gpu, tokens=tokens)
 
 

@@ -10,7 +10,7 @@ from bootstrap.capacity import MemoryProfile
 from bootstrap.config import BootstrapConfig
 from bootstrap.plan_cache import PlanCache
 from bootstrap.stage import Skip, Stage, on_oom
-from bootstrap.stages.shrink import halve_max_num_tokens
+from bootstrap.stages.shrink import effective_max_num_tokens, halve_max_num_tokens
 from bootstrap.undo import Undo
 
 
@@ -27,7 +27,7 @@ def profiling(
     plan_cache: PlanCache | None,
     undo: Undo,
 ) -> MemoryProfile:
-    max_num_tokens = min(config.max_num_tokens, estimation.max_num_tokens)
+    max_num_tokens = effective_max_num_tokens({"config": config, "estimation": estimation})
     return backend.profile(estimation, loaded, max_num_tokens, config, undo)
 
 

@@ -15,16 +15,17 @@ def resolve_classes(config: BootstrapConfig, backend: Backend) -> ResolvedClasse
     shape = backend.model_shape(config.model)
     draft = backend.model_shape(config.draft_model) if config.draft_model else None
     _check_config(config, shape, draft)
+    max_seq_len = config.max_seq_len or shape.max_position_embeddings
     dtype = config.dtype if config.dtype != "auto" else backend.default_dtype(shape)
     kv_dtype = config.kv_cache_dtype if config.kv_cache_dtype != "auto" else dtype
     return ResolvedClasses(
         shape=shape,
         draft_shape=draft,
         kv_layout=kv_layout(shape),
-        cost=_cost(shape, config, kv_dtype),
-        draft_cost=_cost(draft, config, kv_dtype) if draft else None,
+        cost=_cost(shape, config, kv_dtype, max_seq_len),
+        draft_cost=_cost(draft, config, kv_dtype, max_seq_len) if draft else None,
         cross_cost=None,
-        max_seq_len=config.max_seq_len or shape.max_position_embeddings,
+        max_seq_len=max_seq_len,
         dtype=dtype,
         kv_dtype=kv_dtype,
         kv_manager=backend.classes["kv_manager"],
@@ -43,18 +44,21 @@ def kv_layout(shape: ModelShape) -> str:
     return layout
 
 
-def _cost(shape: ModelShape, config: BootstrapConfig, kv_dtype: str) -> CacheCost:
+def _cost(shape: ModelShape, config: BootstrapConfig, kv_dtype: str, max_seq_len: int) -> CacheCost:
     return model_cost(
         shape,
         kv_dtype_bytes=kv_dtype_bytes(kv_dtype),
         tp=config.tensor_parallel_size,
         max_batch_size=config.max_batch_size,
         tokens_per_block=config.tokens_per_block,
+        max_seq_len=max_seq_len,
     )
 
 
 def _check_config(config: BootstrapConfig, shape: ModelShape, draft: ModelShape | None) -> None:
     limit = shape.max_position_embeddings
+    if limit < 2:
+        raise ConfigError(f"model: max_position_embeddings is {limit}; a served model needs at least 2 positions")
     if config.max_seq_len is not None and config.max_seq_len > limit:
         raise ConfigError(f"max_seq_len: {config.max_seq_len} exceeds the model's max_position_embeddings; allowed 2..{limit}")
     if config.cross_kv_cache_fraction is not None:
@@ -68,8 +72,12 @@ def _check_config(config: BootstrapConfig, shape: ModelShape, draft: ModelShape 
             "a draft model must share the target's tokenizer"
         )
     tp = config.tensor_parallel_size
-    if shape.num_heads % tp:
-        raise ConfigError(f"tensor_parallel_size: {tp} does not divide the model's {shape.num_heads} attention heads")
+    for field, model in (("model", shape), ("draft_model", draft)):
+        if model is not None and model.num_heads % tp:
+            raise ConfigError(
+                f"tensor_parallel_size: {tp} does not divide the {model.num_heads} attention heads of "
+                f"{field} ({model.architecture}); choose a divisor of {model.num_heads}"
+            )
 
 
 STAGE = Stage("resolve_classes", resolve_classes, provides="resolved", blocking=False)

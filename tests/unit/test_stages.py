@@ -236,3 +236,62 @@ async def test_oom_at_the_max_num_tokens_floor_fails_with_the_reason():
     assert isinstance(info.value.cause.__cause__, DeviceOutOfMemory)
     await pipeline.aclose()
     assert device.live() == {}
+
+
+async def test_final_build_gives_up_rather_than_shrink_below_one_request():
+    pipeline, device, memory = setup(max_kv_tokens=8192)  # exactly one max_seq_len request
+    device.inject_oom("final_build", 1)
+    with pytest.raises(StageFailed) as info:
+        await pipeline.run()
+    assert (info.value.stage, info.value.attempts) == ("final_build", 1)
+    assert "less than one request of max_seq_len=8192" in str(info.value)
+    assert "lower free_gpu_memory_fraction" not in str(info.value)  # no OOM advice contradicting the reason
+    await pipeline.aclose()
+    assert device.live() == {}
+
+
+async def test_profiling_retry_halves_what_actually_ran_after_estimation_adapted():
+    pipeline, device, memory = setup()
+    device.inject_oom("estimation_build", 1)  # 8192 -> 4096 for the probe
+    device.inject_oom("profiling", 1)  # must now go 4096 -> 2048, not 8192 -> 4096
+    artifacts = await pipeline.run()
+    second = by_name(memory, "bootstrap.stage.profiling.attempt")[1]
+    assert second.attributes["bootstrap.adapt.max_num_tokens"] == "4096 -> 2048"
+    assert artifacts["plan"].max_num_tokens == 2048
+    await pipeline.aclose()
+
+
+async def test_plan_cache_hits_at_fraction_one(tmp_path):
+    first, _, _ = setup(plan_cache=tmp_path, free_gpu_memory_fraction=1.0)
+    await first.run()
+    await first.aclose()
+    second, _, memory = setup(plan_cache=tmp_path, free_gpu_memory_fraction=1.0)
+    await second.run()
+    (span,) = by_name(memory, "bootstrap.stage.profiling")
+    assert span.attributes["bootstrap.outcome"] == "skipped"
+    await second.aclose()
+
+
+async def test_a_profile_taken_after_an_oom_adaptation_is_not_cached(tmp_path):
+    first, device, _ = setup(plan_cache=tmp_path)
+    device.inject_oom("profiling", 1)
+    assert (await first.run())["plan"].max_num_tokens == 4096
+    await first.aclose()
+    assert list(tmp_path.glob("*.json")) == []
+    second, _, memory = setup(plan_cache=tmp_path)
+    assert (await second.run())["plan"].max_num_tokens == 8192  # profiled afresh at full size
+    await second.aclose()
+
+
+async def test_tp_that_does_not_divide_the_draft_heads_names_the_draft(tmp_path):
+    draft = tmp_path / "config.json"
+    import json
+
+    from bootstrap.models.presets import preset_config
+
+    draft.write_text(json.dumps({**preset_config("llama-3.1-8b"), "num_attention_heads": 9, "num_key_value_heads": 9,
+                                 "hidden_size": 9 * 128, "head_dim": 128}))  # fmt: skip
+    pipeline, _, _ = setup(draft_model=str(draft), tensor_parallel_size=2)
+    with pytest.raises(StageFailed) as info:
+        await pipeline.run()
+    assert info.value.stage == "resolve_classes" and "draft_model" in str(info.value) and "9 attention heads" in str(info.value)
