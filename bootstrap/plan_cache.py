@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from bootstrap.artifacts import ResolvedClasses
 from bootstrap.capacity import CapacityPlan, MemoryProfile
-from bootstrap.config import BootstrapConfig
+from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.devices import Device
 
 if TYPE_CHECKING:
@@ -58,18 +58,30 @@ class CachedPlan:
     profile: MemoryProfile
     kv_budget_bytes: int
 
-    def needed_after_load(self) -> int:
-        """Bytes a start needs once weights are loaded: activation and non-torch peak, plus KV."""
-        p = self.profile
-        return max(p.peak_bytes - p.model_bytes - p.probe_kv_bytes, 0) + self.kv_budget_bytes
+    def needed_after_load(self, weight_bytes: int) -> int:
+        """Bytes a start needs once ``weight_bytes`` of weights are loaded: the rest of the
+        measured torch peak (executor state, activations) less the probe, plus the KV budget.
 
-    def fits(self, free_bytes: int) -> bool:
-        return free_bytes >= self.needed_after_load()
+        Memory outside torch (CUDA context, other processes) is left out: free memory read after
+        the load has already paid for it. At ``free_gpu_memory_fraction`` 1.0 on the same device
+        this equals the free memory of the original start, so an identical start still fits.
+        """
+        p = self.profile
+        return max(p.torch_peak_bytes - p.probe_kv_bytes - weight_bytes, 0) + self.kv_budget_bytes
+
+    def fits(self, free_bytes: int, weight_bytes: int) -> bool:
+        return free_bytes >= self.needed_after_load(weight_bytes)
 
 
 class PlanCache:
     def __init__(self, directory: Path) -> None:
+        """Checks at once that ``directory`` can be created and written (``ConfigError`` if not)."""
         self.directory = Path(directory).expanduser()
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=self.directory).close()
+        except OSError as exc:
+            raise ConfigError(f"plan_cache: cannot write to {self.directory}: {exc.strerror or exc}") from None
 
     def lookup(self, config: BootstrapConfig, resolved: ResolvedClasses, backend: Backend) -> CachedPlan | None:
         """The cached plan for this exact setup on ``backend``'s device, if there is one."""
@@ -90,7 +102,6 @@ class PlanCache:
 
     def store(self, key: str, profile: MemoryProfile, plan: CapacityPlan) -> Path:
         """Write atomically, so a concurrent or killed start never reads half a file."""
-        self.directory.mkdir(parents=True, exist_ok=True)
         data = {"profile": dataclasses.asdict(profile), "kv_budget_bytes": plan.kv_budget_bytes}
         fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
