@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="run all eight stages on a simulated GPU and print the KV plan")
     _config_args(plan)
     plan.add_argument("--gpu", required=True, help="h100-80gb, h200, a100-80gb, a100-40gb, l40s, rtx-4090, or bytes (80GiB)")
-    plan.add_argument("--trace-file", type=Path, help="write finished spans as JSON Lines")
+    plan.add_argument("--trace-file", type=Path, help="write finished spans as JSON Lines (overwrites the file)")
     plan.add_argument("--otlp", action="store_true", help="also export spans over OTLP (needs the otlp extra)")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     plan.add_argument("--fault", action="append", default=[], metavar="STAGE:oom[:N]",
@@ -94,15 +94,18 @@ async def run_plan(args: argparse.Namespace) -> tuple[dict[str, Any], StageFaile
         device.inject_oom(stage, count)
     memory = InMemorySpanExporter()
     provider = make_tracer_provider(trace_file=args.trace_file, otlp=args.otlp, memory=memory)
-    pipeline = make_pipeline(config, SimBackend(device), tracer_provider=provider)
     error: StageFailed | None = None
     try:
-        await pipeline.run()
-    except StageFailed as exc:
-        error = exc
-    summary = plan_summary(pipeline.artifacts)
-    await pipeline.aclose()
-    provider.shutdown()
+        pipeline = make_pipeline(config, SimBackend(device), tracer_provider=provider)
+        try:
+            await pipeline.run()
+        except StageFailed as exc:
+            error = exc
+        finally:
+            summary = plan_summary(pipeline.artifacts)
+            await pipeline.aclose()  # also after Ctrl-C: no device thread or bytes left behind
+    finally:
+        provider.shutdown()
     result = {
         "stages": stage_rows(memory.get_finished_spans()),
         "plan": summary,
@@ -139,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result, error = anyio.run(run_plan, args)
     except INPUT_ERRORS as exc:
+        if args.json:  # the same shape as every other answer, for programs
+            print(json.dumps({"stages": [], "plan": {}, "device": None, "error": str(exc)}, indent=2))
         print(f"bootstrap: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # the pipeline was cancelled and rolled every stage back

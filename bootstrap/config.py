@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 KvDtype = Literal["auto", "float32", "bfloat16", "float16", "fp8"]
@@ -21,7 +21,7 @@ class ConfigError(ValueError):
 
 
 class BootstrapConfig(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
 
     model: str = Field(
         "smollm2-135m-instruct",
@@ -47,16 +47,20 @@ class BootstrapConfig(BaseModel):
     tensor_parallel_size: int = Field(1, ge=1, le=64)
     plan_cache: Path | None = Field(None, description="directory of cached capacity plans; None disables it")
 
-    @model_validator(mode="after")
-    def _check_relations(self) -> BootstrapConfig:
-        if self.max_batch_size > self.max_num_tokens:
-            raise ValueError(
-                f"max_batch_size ({self.max_batch_size}) must be <= max_num_tokens ({self.max_num_tokens}): "
-                "every request in a step needs at least one token"
-            )
-        if self.tokens_per_block & (self.tokens_per_block - 1):
-            raise ValueError(f"tokens_per_block must be a power of two in [1, 1024], got {self.tokens_per_block}")
-        return self
+    @field_validator("max_num_tokens")
+    @classmethod
+    def _room_for_the_batch(cls, value: int, info: ValidationInfo) -> int:
+        batch = info.data.get("max_batch_size")
+        if batch is not None and value < batch:
+            raise ValueError(f"must be >= max_batch_size ({batch}): every request in a step needs a token")
+        return value
+
+    @field_validator("tokens_per_block")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError("must be a power of two in [1, 1024]")
+        return value
 
     @classmethod
     def parse(cls, **values: object) -> BootstrapConfig:
@@ -71,5 +75,6 @@ def describe_validation_error(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
         field = ".".join(str(p) for p in err["loc"]) or "config"
-        lines.append(f"{field}: {err['msg']} (got {err.get('input')!r})")
+        message = err["msg"].removeprefix("Value error, ")
+        lines.append(f"{field}: {message} (got {err.get('input')!r})")
     return "invalid configuration:\n  " + "\n  ".join(lines)

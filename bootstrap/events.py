@@ -57,7 +57,7 @@ class StageStatus:
         return replace(
             self,
             state=state,
-            attempts=max(self.attempts, event.attempt),
+            attempts=event.attempt if event.kind == "started" else max(self.attempts, event.attempt),
             started_at=started,
             duration_s=(event.at - started) if ended and started is not None else self.duration_s,
             error=event.message if state in ("failed", "cancelled") else self.error,
@@ -72,6 +72,7 @@ class EventHub:
         self.status: dict[str, StageStatus] = {s: StageStatus(s) for s in stage_ids}
         self._subscribers: list[MemoryObjectSendStream[StageEvent]] = []
         self.history: list[StageEvent] = []
+        self._closed = False
 
     def publish(self, event: StageEvent) -> None:
         self.status[event.stage] = self.status[event.stage].after(event)
@@ -87,12 +88,16 @@ class EventHub:
         send, receive = anyio.create_memory_object_stream[StageEvent](max_buffer_size=float("inf"))
         for event in self.history:  # no await between replay and registration: nothing is missed
             send.send_nowait(event)
-        self._subscribers.append(send)
+        if self._closed:
+            send.close()  # a late subscriber gets the history, then the end
+        else:
+            self._subscribers.append(send)
         async with receive:
             async for event in receive:
                 yield event
 
     def close(self) -> None:
+        self._closed = True
         for send in self._subscribers:
             send.close()
         self._subscribers.clear()

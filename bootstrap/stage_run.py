@@ -51,7 +51,8 @@ class StageRun:
             try:
                 artifact, undo, outcome = await self._skip_or_attempts()
                 if after_success is not None:
-                    await after_success()
+                    with anyio.CancelScope(shield=True):  # a half-done release would leak this undo
+                        await after_success()
             except BaseException as exc:
                 self._record_failure(span, exc)
                 raise

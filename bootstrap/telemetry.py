@@ -17,6 +17,8 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from bootstrap.config import ConfigError
+
 ROOT_SPAN = "bootstrap.pipeline"
 TRACER_NAME = "bootstrap"
 
@@ -52,9 +54,13 @@ class JsonLinesSpanExporter(SpanExporter):
     """Appends one JSON object per finished span to a file (the ``--trace-file`` contract)."""
 
     def __init__(self, path: Path) -> None:
+        """Creates missing parent directories; an existing file is overwritten (one run, one trace)."""
         self._path = Path(path)
-        self._path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: IO[str] = self._path.open("a", encoding="utf-8")
+        try:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            self._file: IO[str] = self._path.open("w", encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"trace_file: cannot write {self._path}: {exc.strerror or exc}") from None
         self._lock = threading.Lock()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:

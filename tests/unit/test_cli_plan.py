@@ -28,7 +28,7 @@ def test_json_plan_for_llama_on_h100(capsys):
     plan = result["plan"]
     assert plan["kv_budget_bytes"] > 40 * 1024**3  # ~64 GiB left after 15 GiB of weights
     assert plan["kv_tokens"] == plan["kv_budget_bytes"] // 131072 // 32 * 32
-    assert plan["max_concurrent_requests"] == plan["kv_tokens"] // plan["max_seq_len"]
+    assert plan["max_concurrent_requests"] == plan["kv_requests"] == plan["kv_tokens"] // plan["max_seq_len"]
     assert result["device"]["leaked_bytes"] == 0
 
 
@@ -102,3 +102,35 @@ def test_console_script_is_installed():
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "KV budget" in result.stdout and "profiling" in result.stdout
+
+
+@pytest.mark.parametrize("flag", ["--trace-file", "--plan-cache"])
+def test_unwritable_output_paths_are_input_errors(capsys, tmp_path, flag):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    code, out, err = run_cli(capsys, "--model", "llama-3.1-8b", "--gpu", "h100-80gb", flag, str(blocker / "x"), "--json")
+    assert code == 2 and flag.lstrip("-").replace("-", "_") in err and "Traceback" not in err
+    assert json.loads(out) == {"stages": [], "plan": {}, "device": None, "error": json.loads(out)["error"]}
+
+
+def test_json_plan_reports_what_final_build_allocated_after_a_shrink(capsys):
+    code, out, _ = run_cli(capsys, "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--fault", "final_build:oom:1", "--json")
+    plan = json.loads(out)["plan"]
+    assert code == 0
+    assert plan["kv_budget_bytes"] == int(plan["planned_kv_budget_bytes"] * 0.9)
+    assert plan["pools"]["target"]["gpu_bytes"] == plan["kv_budget_bytes"]
+    assert plan["kv_tokens"] == plan["pools"]["target"]["tokens"] < plan["planned_kv_budget_bytes"] // 131072
+
+
+def test_trace_file_is_overwritten_by_each_run(capsys, tmp_path):
+    trace = tmp_path / "t.jsonl"
+    for _ in range(2):
+        run_cli(capsys, "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--trace-file", str(trace))
+    names = [json.loads(line)["name"] for line in trace.read_text().splitlines()]
+    assert names.count("bootstrap.pipeline") == 1
+
+
+def test_sliding_window_state_beyond_memory_is_an_input_error(capsys):
+    code, _, err = run_cli(capsys, "--model", "gemma-2-9b", "--gpu", "h200", "--max-batch-size", "256",
+                           "--max-seq-len", "8192", "--max-num-tokens", "8192")  # fmt: skip
+    assert code == 2 and "estimation_build" in err and "lower max_batch_size" in err

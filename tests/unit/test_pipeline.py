@@ -321,3 +321,53 @@ async def test_runs_without_a_tracer_provider(device):
     assert (await pipeline.run())["b"] == 6
     assert pipeline.status["skipped"].state == "skipped"
     assert pipeline.status["counted"].figures == {"bootstrap.count": 6}
+
+
+async def test_a_late_subscriber_gets_the_history_and_then_the_end(device):
+    pipeline, _ = make(chain(device), device, seed=1)
+    await pipeline.run()
+    await pipeline.aclose()
+    with anyio.fail_after(5):
+        kinds = [event.kind async for event in pipeline.events()]
+    assert kinds == ["started", "done", "started", "done"]
+
+
+async def test_attempts_restart_at_one_when_a_stage_is_retried(device):
+    device.inject_oom("second", 3)
+    pipeline, _ = make(chain(device), device, seed=1)
+    with pytest.raises(StageFailed):
+        await pipeline.run()
+    assert pipeline.status["second"].attempts == 3
+    await pipeline.retry()
+    assert pipeline.status["second"].attempts == 1
+    await pipeline.aclose()
+
+
+async def test_cancel_during_a_consumed_release_still_releases_the_consumer(device):
+    release_started = threading.Event()
+
+    def probe(seed, undo):
+        alloc(device, undo, 100, "probe")
+        undo.push(lambda: (release_started.set(), __import__("time").sleep(0.2)))  # a slow release
+        return "p"
+
+    def scratch(seed, undo):
+        alloc(device, undo, 50, "scratch")
+        return "s"
+
+    def measure(p, s, undo):
+        alloc(device, undo, 200, "measure")
+        return "m"
+
+    async def never(m):
+        await anyio.sleep_forever()
+
+    stages = [Stage("probe", probe, "p"), Stage("scratch", scratch, "s"),
+              Stage("measure", measure, "m", consumes=("p", "s")), Stage("wait", never, "w", blocking=False)]  # fmt: skip
+    pipeline, _ = make(stages, device, seed=0)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(pipeline.run)
+        await anyio.to_thread.run_sync(release_started.wait)
+        tg.cancel_scope.cancel()  # lands while measure releases the first of the two it consumes
+    await pipeline.aclose()
+    assert device.live() == {}

@@ -1,0 +1,53 @@
+"""BootstrapConfig: bad values fail at the edge, each naming its field and the allowed range."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from bootstrap.config import BootstrapConfig, ConfigError
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"max_batch_size": 0}, "max_batch_size: Input should be greater than or equal to 1"),
+        ({"max_batch_size": 4096}, "max_num_tokens: must be >= max_batch_size (4096)"),
+        ({"tokens_per_block": 48}, "tokens_per_block: must be a power of two in [1, 1024] (got 48)"),
+        ({"free_gpu_memory_fraction": 0}, "free_gpu_memory_fraction: Input should be greater than 0"),
+        ({"free_gpu_memory_fraction": 1.5}, "free_gpu_memory_fraction: Input should be less than or equal to 1"),
+        ({"cross_kv_cache_fraction": 1.0}, "cross_kv_cache_fraction: Input should be less than 1"),
+        ({"device": "tpu"}, "device: String should match pattern"),
+        ({"dtype": "int4"}, "dtype: Input should be 'auto', 'float32', 'bfloat16' or 'float16'"),
+        ({"max_seq_len": 1}, "max_seq_len: Input should be greater than or equal to 2"),
+        ({"maxbatch": 3}, "maxbatch: Extra inputs are not permitted"),
+    ],
+)
+def test_bad_values_name_the_field_and_range(values, message):
+    with pytest.raises(ConfigError) as info:
+        BootstrapConfig.parse(**values)
+    assert message in str(info.value)
+
+
+def test_every_bad_field_is_reported_at_once():
+    with pytest.raises(ConfigError) as info:
+        BootstrapConfig.parse(max_batch_size=0, tokens_per_block=3)
+    assert "max_batch_size" in str(info.value) and "tokens_per_block" in str(info.value)
+
+
+def test_config_is_frozen_and_copies_do_not_touch_the_original():
+    config = BootstrapConfig.parse(max_num_tokens=4096)
+    with pytest.raises(Exception):
+        config.max_num_tokens = 1  # type: ignore[misc]
+    smaller = config.model_copy(update={"max_num_tokens": 2048})
+    assert (config.max_num_tokens, smaller.max_num_tokens) == (4096, 2048)
+
+
+@given(batch=st.integers(1, 4096), tokens=st.integers(16, 1 << 20))
+def test_batch_and_token_limits_are_consistent(batch, tokens):
+    if batch <= tokens:
+        assert BootstrapConfig.parse(max_batch_size=batch, max_num_tokens=tokens).max_batch_size == batch
+    else:
+        with pytest.raises(ConfigError, match="max_num_tokens"):
+            BootstrapConfig.parse(max_batch_size=batch, max_num_tokens=tokens)
