@@ -126,10 +126,10 @@ def print_plan(result: dict[str, Any], console: Console) -> None:
     plan = result["plan"]
     if plan:
         console.print(
-            f"KV budget {plan['kv_budget_bytes'] / GiB:.2f} GiB ({plan['kv_budget_bytes']} bytes): "
-            f"{plan['kv_tokens']} tokens, {plan['max_concurrent_requests']} concurrent requests "
-            f"of {plan['max_seq_len']} tokens (limited by {plan['limited_by']}); "
-            f"max_num_tokens {plan['max_num_tokens']}, max_batch_size {plan['max_batch_size']}"
+            f"KV budget {plan['kv_budget_bytes'] / GiB:.2f} GiB ({plan['kv_budget_bytes']} bytes, limited by "
+            f"{plan['limited_by']}): {plan['kv_tokens']} tokens, room for {plan['kv_requests']} requests of "
+            f"max_seq_len {plan['max_seq_len']}; {plan['max_concurrent_requests']} run at once "
+            f"(max_batch_size {plan['max_batch_size']}); max_num_tokens {plan['max_num_tokens']}"
         )
         for name, pool in plan.get("pools", {}).items():
             share = plan.get(f"{name}_share", 0.0)
