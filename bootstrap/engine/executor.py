@@ -10,7 +10,9 @@ those that fail alone get the error on their response; the loop goes on. Without
 loop that is not running.
 
 ``shutdown`` stops and joins the worker, answers every unfinished request with
-``finish_reason="cancelled"`` and releases the KV pool; it is idempotent.
+``finish_reason="cancelled"`` and releases the KV pool; it is idempotent. A worker that does not
+stop in time does that itself when its step ends. Steps run under one lock, so a caller driving
+the loop and a worker started meanwhile never step at once.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 
 from bootstrap.engine.kv_cache import PagedKVCache
 from bootstrap.engine.model_runner import ModelRunner
-from bootstrap.engine.sampling import Sampler, SamplingParams, make_generator, stop_reason, trim_stop_text
+from bootstrap.engine.sampling import Sampler, SamplingParams, make_generator, model_eos_ids, stop_reason, trim_stop_text
 from bootstrap.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from bootstrap.engine.sequence import Detokenizer, Response, Sequence, StreamEvent, next_request_id
 
@@ -49,19 +51,13 @@ class _Handle:
 class PyExecutor:
     """Scheduler, model runner and sampler wired into one loop; see the module docstring."""
 
-    def __init__(
-        self,
-        runner: ModelRunner,
-        scheduler: Scheduler,
-        sampler: Sampler,
-        tokenizer: object | None = None,
-        eos_token_ids: set[int] | None = None,
-    ) -> None:
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler,
+                 tokenizer: object | None = None, eos_token_ids: set[int] | None = None) -> None:  # fmt: skip
         self.runner = runner
         self.scheduler = scheduler
         self.sampler = sampler
         self.tokenizer = tokenizer
-        self.eos_token_ids = set(eos_token_ids) if eos_token_ids is not None else _eos_ids(runner.model)
+        self.eos_token_ids = set(eos_token_ids) if eos_token_ids is not None else model_eos_ids(runner.model)
         self._handles: dict[int, _Handle] = {}
         self._inbox: queue.Queue[Sequence | int | None] = queue.Queue()
         self._lock = threading.Lock()
@@ -169,23 +165,34 @@ class PyExecutor:
             self._handles.pop(request_id, None)
 
     def _wait(self, handle: _Handle, timeout: float | None) -> bool:
-        if self.worker_running or handle.done.is_set():
-            return handle.done.wait(timeout)
+        """Wait for ``handle``, checking the worker every round: it may start, die or outlive a
+        shutdown meanwhile, and while none runs this thread drives the loop itself."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not handle.done.is_set():
-            if deadline is not None and time.monotonic() > deadline:
+            left = _IDLE_WAIT_S if deadline is None else min(deadline - time.monotonic(), _IDLE_WAIT_S)
+            if left <= 0:
                 return False
-            self._step_here()
+            if self.worker_running:
+                handle.done.wait(left)
+            else:
+                self._step_here()
         return True
 
     def _next_event(self, handle: _Handle) -> StreamEvent:
-        while not self.worker_running and handle.events.empty():
-            self._step_here()
-        return handle.events.get()
+        """The next event of ``handle``, checking the worker every round as ``_wait`` does."""
+        while True:
+            while not self.worker_running and handle.events.empty():
+                self._step_here()
+            try:
+                return handle.events.get(timeout=_IDLE_WAIT_S)
+            except queue.Empty:
+                continue
 
     def _step_here(self) -> None:
-        """One loop iteration in the calling thread (no worker running)."""
+        """One loop iteration in the calling thread, unless a worker runs the loop."""
         with self._step_lock:
+            if self.worker_running:
+                return
             self._drain_inbox(block=False)
             if self.scheduler.has_work:
                 self.step()
@@ -205,12 +212,19 @@ class PyExecutor:
             self._worker.start()
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            self._drain_inbox(block=not self.scheduler.has_work)
-            if self._stop.is_set() or not self.scheduler.has_work:
-                continue
+        try:
+            while not self._stop.is_set():
+                self._iterate()
+        finally:  # also when shutdown() gave up waiting for this thread, or the thread died
+            self._teardown(None if self._stop.is_set() else RuntimeError("the executor worker stopped unexpectedly"))
+
+    def _iterate(self) -> None:
+        """One worker round, under the step lock shared with callers that drive the loop."""
+        with self._step_lock:
             try:
-                self.step()
+                self._drain_inbox(block=not self.scheduler.has_work)
+                if not self._stop.is_set() and self.scheduler.has_work:
+                    self.step()
             except Exception as exc:  # a bug outside the guarded step: fail what is queued, keep going
                 log.exception("executor step failed outside the model step")
                 self._fail(self.scheduler.drain(), exc)
@@ -312,11 +326,15 @@ class PyExecutor:
 
     def _complete(self, handle: _Handle, reason: str, error: str | None = None, token: int | None = None) -> None:
         seq = handle.seq
-        seq.finish(reason, error)
         full = ""
         if handle.detokenizer is not None:
-            handle.detokenizer.flush()
+            try:
+                handle.detokenizer.flush()
+            except Exception as exc:  # the response must still be delivered, or its waiter hangs
+                log.exception("request %d: detokenizing its last tokens failed", seq.request_id)
+                reason, error = "error", error or f"{type(exc).__name__}: {exc}"
             full = handle.detokenizer.text
+        seq.finish(reason, error)
         delta = self._release_text(handle, full, final=True)
         text = trim_stop_text(full, seq.params)
         handle.response = Response(
@@ -338,28 +356,26 @@ class PyExecutor:
         if self._worker is not None:
             self._worker.join(timeout)
             if self._worker.is_alive():
-                raise RuntimeError(f"the executor worker did not stop within {timeout} s")
-        self._drain_inbox(block=False)
-        for seq in self.scheduler.drain():
-            self._complete(self._handles[seq.request_id], "cancelled", "the executor was shut down")
-        self.runner.kv_cache.release()
+                raise RuntimeError(f"the executor worker did not stop within {timeout} s; it cancels "
+                                   "what is unfinished and releases the KV pool when its step ends")
+        self._teardown()
+
+    def _teardown(self, died: BaseException | None = None) -> None:
+        """Cancel every unfinished request and release the KV pool (idempotent); if the worker
+        ``died``, fail its requests with that error instead and keep the pool for callers."""
+        with self._step_lock:
+            self._drain_inbox(block=False)
+            if died is not None:
+                return self._fail(self.scheduler.drain(), died)
+            for seq in self.scheduler.drain():
+                self._complete(self._handles[seq.request_id], "cancelled", "the executor was shut down")
+            self.runner.kv_cache.release()
 
     def __enter__(self) -> PyExecutor:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
-
-
-def _eos_ids(model: torch.nn.Module) -> set[int]:
-    """EOS token ids from the model's generation config, else its config."""
-    generation = getattr(model, "generation_config", None)
-    value = getattr(generation, "eos_token_id", None)
-    if value is None:
-        value = getattr(model.config.get_text_config(), "eos_token_id", None)
-    if value is None:
-        return set()
-    return {value} if isinstance(value, int) else set(value)
 
 
 def create_executor(
@@ -370,10 +386,8 @@ def create_executor(
     eos_token_ids: set[int] | None = None,
     start: bool = True,
 ) -> PyExecutor:
-    """Wire a loaded model and a KV pool into a ``PyExecutor`` (worker started unless ``start=False``).
-
-    The model is switched to the paged attention implementation in place.
-    """
+    """Wire a loaded model (switched to paged attention in place) and a KV pool into a
+    ``PyExecutor``; its worker is started unless ``start=False``."""
     runner = ModelRunner(model, kv_cache, config.max_batch_size, config.max_seq_len)
     executor = PyExecutor(runner, Scheduler(kv_cache, config), Sampler(runner.device), tokenizer, eos_token_ids)
     if start:

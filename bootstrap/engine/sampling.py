@@ -198,6 +198,17 @@ def stop_reason(
     return None
 
 
+def model_eos_ids(model: object) -> set[int]:
+    """EOS token ids from a transformers model's generation config, else its config."""
+    generation = getattr(model, "generation_config", None)
+    value = getattr(generation, "eos_token_id", None)
+    if value is None:
+        value = getattr(model.config.get_text_config(), "eos_token_id", None)  # type: ignore[attr-defined]
+    if value is None:
+        return set()
+    return {value} if isinstance(value, int) else set(value)
+
+
 def trim_stop_text(text: str, params: SamplingParams) -> str:
     """``text`` cut just before the earliest stop string in it (OpenAI semantics)."""
     cuts = [i for i in (text.find(s) for s in params.stop) if i >= 0]

@@ -274,3 +274,85 @@ def test_await_without_worker_drives_steps_and_honours_timeout(model):
     assert response.token_ids == expected(model, [1, 2, 3], 50)
     assert not ex.worker_running
     ex.shutdown()
+
+
+class NarrowTokenizer:
+    """A tokenizer that knows only the first half of the model's vocabulary: decoding a higher
+    id raises, as a SentencePiece tokenizer does for a model with a padded vocabulary."""
+
+    def __init__(self) -> None:
+        self.inner = char_tokenizer()
+
+    def decode(self, ids, skip_special_tokens=False):
+        if any(i >= VOCAB // 2 for i in ids):
+            raise IndexError("piece id is out of range")
+        return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_a_request_whose_tokens_cannot_be_decoded_fails_alone(model):
+    candidates = [[i, i + 1, i + 2] for i in range(1, 120, 3)]
+    runs = {tuple(p): expected(model, p, 6) for p in candidates}
+    bad = next(p for p, out in runs.items() if max(out[1:]) >= VOCAB // 2 > out[0])
+    good = next(p for p, out in runs.items() if max(out) < VOCAB // 2)
+    ex = make(model, tokenizer=NarrowTokenizer())
+    ex.start_worker()
+    ids = [ex.enqueue(list(good), SamplingParams(max_tokens=6)), ex.enqueue(list(bad), SamplingParams(max_tokens=6))]
+    good_response, bad_response = (ex.await_response(i, timeout=30) for i in ids)
+    assert bad_response.finish_reason == "error" and "out of range" in bad_response.error
+    assert good_response.ok and good_response.token_ids == runs[good]
+    assert ex.worker_running and ex.scheduler.kv_cache.stats().used_blocks == 0
+    ex.shutdown()
+
+
+def test_a_shutdown_that_times_out_still_answers_every_request(model):
+    ex = make(model, batch=2, num_tokens=16)
+    ex.start_worker()
+    worker = ex._worker
+    ids = [ex.enqueue([1, 2, 3], SamplingParams(max_tokens=100, ignore_eos=True)) for _ in range(4)]
+    try:
+        ex.shutdown(timeout=0)  # the worker is mid-step or waiting: join gives up at once
+    except RuntimeError as exc:
+        assert "did not stop" in str(exc)
+    responses = [ex.await_response(i, timeout=30) for i in ids]
+    assert all(r.finish_reason in ("cancelled", "length") for r in responses)
+    worker.join(30)
+    assert not worker.is_alive() and ex.runner.kv_cache.released
+
+
+def test_starting_the_worker_while_a_caller_drives_the_loop_keeps_outputs_right(model):
+    ex = make(model, batch=4)
+    prompts = [[i, i + 1, i + 2] for i in range(1, 9)]
+    results: list = []
+    caller = threading.Thread(target=lambda: results.extend(ex.generate(prompts, SamplingParams(max_tokens=40))))
+    caller.start()
+    while not any(h.seq.output_token_ids for h in list(ex._handles.values())):
+        pass  # wait until the caller thread has run steps of its own
+    ex.start_worker()
+    caller.join(120)
+    assert [r.token_ids for r in results] == [expected(model, p, 40) for p in prompts]
+    assert all(r.ok for r in results)
+    assert ex.scheduler.kv_cache.stats().used_blocks == 0
+    ex.shutdown()
+
+
+class WorkerKiller(BaseException):
+    """Not an Exception: escapes every ``except Exception`` in the loop and ends the worker."""
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the death is reported
+def test_a_worker_that_dies_answers_its_requests_instead_of_leaving_waiters_hanging(model):
+    ex = make(model)
+
+    def hook(module, args):
+        if (args[0] == POISON).any():
+            raise WorkerKiller("worker killed")
+
+    ex.runner.model.model.embed_tokens.register_forward_pre_hook(hook)
+    ex.start_worker()
+    ids = [ex.enqueue([1, 2, POISON], SamplingParams(max_tokens=4)), ex.enqueue([5, 6], SamplingParams(max_tokens=4))]
+    responses = [ex.await_response(i, timeout=30) for i in ids]
+    assert all(r.finish_reason == "error" and "stopped unexpectedly" in r.error for r in responses)
+    assert ex.scheduler.kv_cache.stats().used_blocks == 0
+    later = ex.await_response(ex.enqueue([20, 21], SamplingParams(max_tokens=2)), timeout=30)
+    assert later.token_ids == expected(model, [20, 21], 2)  # callers now drive the loop themselves
+    ex.shutdown()
