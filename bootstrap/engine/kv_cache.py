@@ -16,6 +16,7 @@ tail of each request's last block).
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -100,6 +101,7 @@ class PagedKVCache:
         self._free: deque[int] = deque(range(num_blocks))
         self._tables: dict[Any, list[int]] = {}
         self._lengths: dict[Any, int] = {}
+        self._lock = threading.Lock()  # stats() may be read from another thread than the engine's
 
     # ---- sizing -------------------------------------------------------------------------------
 
@@ -154,10 +156,11 @@ class PagedKVCache:
 
     def release(self) -> None:
         """Free the pool tensor and forget every request; safe to call twice."""
-        self._kv = None
-        self._tables.clear()
-        self._lengths.clear()
-        self._free.clear()
+        with self._lock:
+            self._kv = None
+            self._tables.clear()
+            self._lengths.clear()
+            self._free.clear()
 
     @property
     def released(self) -> bool:
@@ -184,9 +187,10 @@ class PagedKVCache:
             raise ValueError(f"request {request_id!r} already holds KV blocks; extend or free it")
         if not isinstance(num_tokens, int) or num_tokens < 0:
             raise ValueError(f"num_tokens must be an integer >= 0, got {num_tokens!r}")
-        self._take(self.blocks_needed(num_tokens), request_id)
-        self._tables[request_id] = [self._free.popleft() for _ in range(self.blocks_needed(num_tokens))]
-        self._lengths[request_id] = num_tokens
+        with self._lock:
+            self._take(self.blocks_needed(num_tokens), request_id)
+            self._tables[request_id] = [self._free.popleft() for _ in range(self.blocks_needed(num_tokens))]
+            self._lengths[request_id] = num_tokens
         return self._tables[request_id]
 
     def extend(self, request_id: Any, num_tokens: int) -> list[int]:
@@ -196,9 +200,10 @@ class PagedKVCache:
             raise ValueError(f"num_tokens must be an integer >= 0, got {num_tokens!r}")
         table = self._tables[request_id]
         extra = self.blocks_needed(length + num_tokens) - len(table)
-        self._take(extra, request_id)
-        table.extend(self._free.popleft() for _ in range(extra))
-        self._lengths[request_id] = length + num_tokens
+        with self._lock:
+            self._take(extra, request_id)
+            table.extend(self._free.popleft() for _ in range(extra))
+            self._lengths[request_id] = length + num_tokens
         return table
 
     def _take(self, count: int, request_id: Any) -> None:
@@ -210,10 +215,11 @@ class PagedKVCache:
 
     def free(self, request_id: Any) -> None:
         """Return a request's blocks to the pool; unknown ids are ignored (idempotent)."""
-        table = self._tables.pop(request_id, None)
-        self._lengths.pop(request_id, None)
-        if table and self._kv is not None:
-            self._free.extend(table)
+        with self._lock:
+            table = self._tables.pop(request_id, None)
+            self._lengths.pop(request_id, None)
+            if table and self._kv is not None:
+                self._free.extend(table)
 
     def holds(self, request_id: Any) -> bool:
         return request_id in self._tables
@@ -242,16 +248,19 @@ class PagedKVCache:
     # ---- accounting ---------------------------------------------------------------------------
 
     def stats(self) -> KVCacheStats:
-        used_blocks = sum(len(t) for t in self._tables.values())
-        used_tokens = sum(self._lengths.values())
-        total_blocks = 0 if self._kv is None else self.num_blocks
+        """A consistent snapshot; safe to call from any thread."""
+        with self._lock:
+            used_blocks = sum(len(t) for t in self._tables.values())
+            used_tokens = sum(self._lengths.values())
+            free_blocks = len(self._free)
+            total_blocks = 0 if self._kv is None else self.num_blocks
         return KVCacheStats(
             total_bytes=total_blocks * self.bytes_per_block,
             used_bytes=used_tokens * self.spec.bytes_per_token,
             allocated_bytes=used_blocks * self.bytes_per_block,
             total_blocks=total_blocks,
             used_blocks=used_blocks,
-            free_blocks=len(self._free),
+            free_blocks=free_blocks,
             tokens_per_block=self.tokens_per_block,
             used_tokens=used_tokens,
         )

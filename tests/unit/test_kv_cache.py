@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import threading
+
 import pytest
 import torch
 from transformers import LlamaConfig
@@ -158,3 +161,29 @@ def test_separate_pools_are_independent():
     draft.allocate(7, 4)
     target.free(7)
     assert draft.num_tokens(7) == 4 and target.stats().used_blocks == 0
+
+
+def test_stats_from_another_thread_while_requests_come_and_go():
+    """A monitor thread reads stats() while the engine thread allocates and frees."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    cache = PagedKVCache(KVCacheSpec(1, 1, 4, torch.float32), 4096, 1, "cpu")
+    done = threading.Event()
+
+    def churn() -> None:
+        i = 0
+        while not done.is_set():
+            cache.allocate(i, 1)
+            cache.free(i - 2000)
+            i += 1
+
+    worker = threading.Thread(target=churn)
+    worker.start()
+    try:
+        readings = [cache.stats() for _ in range(3000)]
+    finally:
+        done.set()
+        worker.join()
+        sys.setswitchinterval(previous)
+    assert all(s.used_blocks + s.free_blocks == s.total_blocks for s in readings)
+    assert all(s.used_tokens == s.used_blocks for s in readings)  # one token per block here
