@@ -75,6 +75,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.vocab_size = model.config.get_text_config().vocab_size
         _check_cache_matches(model, kv_cache)
+        _check_positions(model, max_seq_len)
         _use_paged_attention(model)
         self.max_blocks_per_seq = kv_cache.blocks_needed(max_seq_len)
         self.decode_buffers = DecodeBuffers(max_batch_size, self.max_blocks_per_seq, self.device)
@@ -171,6 +172,16 @@ def _use_paged_attention(model: torch.nn.Module) -> None:
         raise ValueError(
             f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
             f"so '{ATTN_IMPLEMENTATION}' cannot be set on it; the native engine cannot run this model"
+        )
+
+
+def _check_positions(model: torch.nn.Module, max_seq_len: int) -> None:
+    """Refuse a ``max_seq_len`` past the model's positions (an index error deep in the model)."""
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if isinstance(limit, int) and max_seq_len > limit:
+        raise ValueError(
+            f"SchedulerConfig.max_seq_len ({max_seq_len}) exceeds the model's max_position_embeddings "
+            f"({limit}); use max_seq_len <= {limit}"
         )
 
 

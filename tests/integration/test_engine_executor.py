@@ -356,3 +356,16 @@ def test_a_worker_that_dies_answers_its_requests_instead_of_leaving_waiters_hang
     later = ex.await_response(ex.enqueue([20, 21], SamplingParams(max_tokens=2)), timeout=30)
     assert later.token_ids == expected(model, [20, 21], 2)  # callers now drive the loop themselves
     ex.shutdown()
+
+
+def test_max_seq_len_beyond_the_models_positions_is_a_clear_error():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)).eval()
+    cache = PagedKVCache.from_tokens(KVCacheSpec.from_config(gpt2.config, torch.float32), 256, 4, "cpu")
+    with pytest.raises(ValueError, match=r"max_seq_len \(64\) exceeds .* \(16\)"):
+        create_executor(gpt2, cache, SchedulerConfig(4, 64, 64), start=False)
+    ex = create_executor(gpt2, cache, SchedulerConfig(4, 16, 16), start=False)
+    response = ex.generate([[1] * 12], SamplingParams(max_tokens=4))[0]
+    assert response.ok and len(response.token_ids) == 4  # the longest request that fits runs
+    ex.shutdown()
