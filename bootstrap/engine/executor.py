@@ -31,7 +31,7 @@ from bootstrap.engine.kv_cache import PagedKVCache
 from bootstrap.engine.model_runner import ModelRunner
 from bootstrap.engine.sampling import Sampler, SamplingParams, make_generator, model_eos_ids, stop_reason, trim_stop_text
 from bootstrap.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from bootstrap.engine.sequence import Detokenizer, Response, Sequence, StreamEvent, next_request_id
+from bootstrap.engine.sequence import Detokenizer, Response, Sequence, StreamEvent, next_request_id, token_id_list
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +71,12 @@ class PyExecutor:
     def enqueue(
         self, prompt_token_ids: Seq[int], params: SamplingParams | None = None, *, is_warmup: bool = False
     ) -> int:
-        """Queue a request; return its id. Impossible requests are answered at once with an error."""
+        """Queue a request; return its id. Impossible requests are answered at once with an error;
+        arguments of the wrong type raise ``TypeError`` naming the argument."""
         params = params if params is not None else SamplingParams()
-        seq = Sequence(next_request_id(), list(prompt_token_ids), params, is_warmup=is_warmup)
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        seq = Sequence(next_request_id(), token_id_list(prompt_token_ids), params, is_warmup=is_warmup)
         detok = None if is_warmup or self.tokenizer is None else Detokenizer(self.tokenizer)
         handle = _Handle(seq, detok)
         reason = self._rejection(seq)
@@ -205,11 +208,12 @@ class PyExecutor:
 
     def start_worker(self) -> None:
         """Start the daemon worker thread running the loop (no-op if it is running)."""
-        if self._closed:
-            raise RuntimeError("the executor is shut down; build a new one")
-        if not self.worker_running:
-            self._worker = threading.Thread(target=self._loop, name="bootstrap-executor", daemon=True)
-            self._worker.start()
+        with self._lock:  # two callers at once still start one worker
+            if self._closed:
+                raise RuntimeError("the executor is shut down; build a new one")
+            if not self.worker_running:
+                self._worker = threading.Thread(target=self._loop, name="bootstrap-executor", daemon=True)
+                self._worker.start()
 
     def _loop(self) -> None:
         try:
@@ -393,3 +397,4 @@ def create_executor(
     if start:
         executor.start_worker()
     return executor
+

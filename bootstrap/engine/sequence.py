@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -156,3 +157,17 @@ class Detokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+
+
+def token_id_list(prompt_token_ids: object) -> list[int]:
+    """``prompt_token_ids`` as a list of Python ints (numpy and torch integers accepted)."""
+    if isinstance(prompt_token_ids, str | bytes | dict) or not hasattr(prompt_token_ids, "__iter__"):
+        raise TypeError(
+            f"prompt_token_ids must be a sequence of token ids, got {type(prompt_token_ids).__name__}; "
+            "tokenize first (e.g. apply_chat_template(..., return_dict=False))"
+        )
+    try:
+        return [operator.index(t) for t in prompt_token_ids]
+    except TypeError:
+        kinds = sorted({type(t).__name__ for t in prompt_token_ids})
+        raise TypeError(f"prompt_token_ids must hold integers, got {', '.join(kinds)}") from None

@@ -369,3 +369,18 @@ def test_max_seq_len_beyond_the_models_positions_is_a_clear_error():
     response = ex.generate([[1] * 12], SamplingParams(max_tokens=4))[0]
     assert response.ok and len(response.token_ids) == 4  # the longest request that fits runs
     ex.shutdown()
+
+
+def test_wrong_argument_types_raise_naming_the_argument(model):
+    ex = make(model)
+    with pytest.raises(TypeError, match="params must be a SamplingParams, got dict"):
+        ex.enqueue([1, 2, 3], {"max_tokens": 4})
+    with pytest.raises(TypeError, match="prompt_token_ids must be a sequence of token ids, got str"):
+        ex.enqueue("hello")
+    with pytest.raises(TypeError, match="prompt_token_ids must be a sequence of token ids, got NoneType"):
+        ex.enqueue(None)
+    with pytest.raises(TypeError, match="prompt_token_ids must hold integers, got float"):
+        ex.enqueue([1.5, 2.0])
+    tensor_ids = torch.tensor([3, 4, 5])  # tensor (and numpy) integers are accepted
+    assert ex.await_response(ex.enqueue(tensor_ids, SamplingParams(max_tokens=2))).ok
+    ex.shutdown()

