@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from bootstrap.devices import is_oom
@@ -71,7 +71,6 @@ class Stage:
     blocking: bool = True  # run fn in the device thread
     figures: Callable[[Any], Mapping[str, int | float | str]] | None = None  # span attributes
     oom_advice: str = ""  # what to change when this stage runs out of memory for good
-    description: str = field(default="", compare=False)
 
     @property
     def requires(self) -> tuple[str, ...]:
