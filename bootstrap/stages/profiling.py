@@ -27,7 +27,7 @@ def profiling(
     plan_cache: PlanCache | None,
     undo: Undo,
 ) -> MemoryProfile:
-    max_num_tokens = effective_max_num_tokens({"config": config, "estimation": estimation})
+    max_num_tokens = effective_max_num_tokens(config, estimation)
     return backend.profile(estimation, loaded, max_num_tokens, config, undo)
 
 

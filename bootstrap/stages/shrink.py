@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from bootstrap.artifacts import EstimationBuild
 from bootstrap.config import BootstrapConfig
 from bootstrap.stage import Adaptation, GiveUp
 
@@ -13,7 +14,7 @@ from bootstrap.stage import Adaptation, GiveUp
 def halve_max_num_tokens(exc: BaseException, inputs: Mapping[str, Any]) -> Adaptation:
     config: BootstrapConfig = inputs["config"]
     floor = max(config.max_batch_size, 16)
-    old = effective_max_num_tokens(inputs)
+    old = effective_max_num_tokens(config, inputs.get("estimation"))
     new = max(old // 2, floor)
     if new >= old:
         raise GiveUp(
@@ -23,8 +24,7 @@ def halve_max_num_tokens(exc: BaseException, inputs: Mapping[str, Any]) -> Adapt
     return Adaptation({"config": config.model_copy(update={"max_num_tokens": new})}, {"max_num_tokens": f"{old} -> {new}"})
 
 
-def effective_max_num_tokens(inputs: Mapping[str, Any]) -> int:
+def effective_max_num_tokens(config: BootstrapConfig, estimation: EstimationBuild | None) -> int:
     """The config's value, or the smaller one the probe was built for after its own retries."""
-    estimation = inputs.get("estimation")
-    limit = estimation.max_num_tokens if estimation is not None else inputs["config"].max_num_tokens
-    return min(inputs["config"].max_num_tokens, limit)
+    probe = estimation.max_num_tokens if estimation is not None else config.max_num_tokens
+    return min(config.max_num_tokens, probe)
