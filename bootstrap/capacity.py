@@ -11,6 +11,7 @@ The budget split between pools lives in `bootstrap.budget_split` and is re-expor
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -239,7 +240,7 @@ class MemoryProfile:
         return {**asdict(self), "peak_bytes": self.peak_bytes, "activation_bytes": self.activation_bytes}
 
 
-LIMITS = ("memory", "max_kv_bytes", "max_kv_tokens")
+LIMITS = ("memory", "max_kv_bytes", "max_kv_tokens")  # and the names of a backend's caps
 
 
 @dataclass(frozen=True)
@@ -281,9 +282,11 @@ def plan_capacity(
     tokens_per_block: int,
     max_kv_bytes: int | None = None,
     max_kv_tokens: int | None = None,
+    caps: Mapping[str, int] | None = None,
 ) -> CapacityPlan:
     """KV budget from a profile: ``int((total - peak + probe_kv) * fraction)`` capped by the
-    explicit limits, then block-aligned tokens (reference §3.2).
+    explicit limits and by the backend's ``caps`` (bytes by name), then block-aligned tokens
+    (reference §3.2). ``limited_by`` names the smallest of them.
 
     Differs from TensorRT-LLM: both caps apply to bytes here (TRT's V2 passes ``max_tokens`` on
     to the manager), and the plan fails now, with figures, when one ``max_seq_len`` request
@@ -293,6 +296,9 @@ def plan_capacity(
         raise CapacityError(f"free_gpu_memory_fraction must be in (0, 1], got {fraction}")
     _check_positive(max_seq_len=max_seq_len, max_batch_size=max_batch_size, tokens_per_block=tokens_per_block)
     budget, limited_by = _capped_budget(profile, cost, fraction, max_kv_bytes, max_kv_tokens)
+    for name, cap in (caps or {}).items():
+        if cap < budget:
+            budget, limited_by = cap, name
     kv_tokens = cost.tokens_for_budget(budget) // tokens_per_block * tokens_per_block if budget > 0 else 0
     if kv_tokens < tokens_per_block:
         raise CapacityError(_too_small(profile, cost, fraction, budget, limited_by, tokens_per_block, "one KV block"))

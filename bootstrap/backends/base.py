@@ -31,6 +31,12 @@ class Backend(Protocol):
     def default_dtype(self, shape: ModelShape) -> str:
         """The weight dtype ``dtype="auto"`` means on this backend's device."""
 
+    def check_config(self, config: BootstrapConfig, shape: ModelShape) -> None:
+        """Raise ``ConfigError`` for what this backend cannot run (before any weight is loaded)."""
+
+    def kv_caps(self, resolved: ResolvedClasses, config: BootstrapConfig) -> Mapping[str, int]:
+        """Caps on the KV budget in bytes beyond the config's, by the name ``limited_by`` shows."""
+
     def load_model(self, config: BootstrapConfig, resolved: ResolvedClasses, undo: Undo) -> LoadedModel:
         """Load target (and draft) weights onto ``device``, and the tokenizer."""
 

@@ -143,6 +143,12 @@ class SimBackend:
         """The checkpoint's 16-bit dtype; bfloat16 for float32 or unknown checkpoints (a GPU serves 16-bit)."""
         return shape.torch_dtype if shape.torch_dtype in ("bfloat16", "float16") else "bfloat16"
 
+    def check_config(self, config: BootstrapConfig, shape: ModelShape) -> None:
+        """The planner prices every layout it can parse."""
+
+    def kv_caps(self, resolved: ResolvedClasses, config: BootstrapConfig) -> Mapping[str, int]:
+        return {}  # a simulated GPU is filled, as TensorRT-LLM fills a real one
+
     def load_model(self, config: BootstrapConfig, resolved: ResolvedClasses, undo: Undo) -> LoadedModel:
         dtype_bytes, tp = weight_dtype_bytes(resolved.dtype), config.tensor_parallel_size
         weights = allocate(self.device, rank_weight_bytes(resolved.shape, dtype_bytes, tp), "load_model/weights", undo)
