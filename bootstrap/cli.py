@@ -195,7 +195,7 @@ def main_run(args: argparse.Namespace) -> int:
     emit(result, args.json)
     if error is None:
         return 0
-    return 2 if isinstance(error.cause, bad_input) else 1
+    return 2 if isinstance(getattr(error, "cause", error), bad_input) else 1
 
 
 def _engine_input_errors() -> tuple[type[BaseException], ...]:

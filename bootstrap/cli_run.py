@@ -24,6 +24,7 @@ from bootstrap.report import stage_table
 
 DEFAULT_PLAN_CACHE = Path.home() / ".cache" / "executor-bootstrap" / "plans"
 DEFAULT_MAX_TOKENS = 64
+DEFAULT_QUESTION = "What is the capital of France?"
 
 
 def add_run_args(run: argparse.ArgumentParser) -> None:
@@ -63,15 +64,19 @@ def sampling_params(args: argparse.Namespace) -> Any:
 
 
 def prompt_ids(args: argparse.Namespace, tokenizer: Any) -> list[int]:
-    """The prompt as token ids; a model without a tokenizer gets a one-token prompt."""
+    """The prompt as token ids. Neither ``--prompt`` nor ``--chat``: the default question, as a
+    chat where the tokenizer has a template; a model without a tokenizer gets one token."""
     if tokenizer is None:
         if args.prompt or args.chat:
             raise ConfigError("prompt: this model has no tokenizer (random weights); leave --prompt and --chat out")
         return [0]
-    if args.prompt is None:
-        chat = [{"role": "user", "content": args.chat or "What is the capital of France?"}]
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if args.chat is not None and not has_template:
+        raise ConfigError("chat: this model's tokenizer has no chat template; use --prompt")
+    if args.prompt is None and has_template:
+        chat = [{"role": "user", "content": args.chat or DEFAULT_QUESTION}]
         return list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False))
-    return list(tokenizer(args.prompt)["input_ids"])
+    return list(tokenizer(args.prompt or DEFAULT_QUESTION)["input_ids"])
 
 
 def check_length(ids: list[int], max_tokens: int, max_seq_len: int) -> None:
@@ -82,8 +87,9 @@ def check_length(ids: list[int], max_tokens: int, max_seq_len: int) -> None:
         )
 
 
-async def run_command(args: argparse.Namespace, config: Any) -> tuple[dict[str, Any], StageFailed | None]:
-    """Build, answer, release; returns the ``--json`` object and the failure, if any."""
+async def run_command(args: argparse.Namespace, config: Any) -> tuple[dict[str, Any], Exception | None]:
+    """Build, answer, release; returns the ``--json`` object and the failure, if any: a
+    ``StageFailed``, or a ``ConfigError`` for a prompt the ready executor cannot take."""
     from bootstrap.api import Bootstrap
 
     params = sampling_params(args)
@@ -106,7 +112,10 @@ async def run_command(args: argparse.Namespace, config: Any) -> tuple[dict[str, 
         report = boot.report()
         if progress is not None:
             print_ready(report, Console())
-        result.update(await generate(args, executor, params, report.plan["max_seq_len"]))
+        try:
+            result.update(await generate(args, executor, params, report.plan["max_seq_len"]))
+        except ConfigError as exc:
+            return {**result, **report.to_dict(), "error": str(exc)}, exc
         return {**result, **report.to_dict(), "error": None}, None
     finally:
         await boot.aclose()

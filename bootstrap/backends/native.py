@@ -8,7 +8,8 @@ device thread, and pushes the release of everything it allocates on the attempt'
   estimation_build  probe pools of the estimation token count (target and draft), a temporary
                     executor on each (no worker); released by shutting the executors down
   profiling         dummy requests filling ``max_num_tokens`` (cut by ``max_seq_len``) through the
-                    probe executors; every figure of the profile is read from the device port
+                    probe executors (``engine.warmup``: a failed step raises, it is never split);
+                    every figure of the profile is read from the device port
   final_build       the final pools, ``PagedKVCache.from_bytes`` of each pool's budget
   scheduler_sampler the ``PyExecutor`` on the target pool, its worker started, one smoke request
 
@@ -35,20 +36,20 @@ from bootstrap.artifacts import EstimationBuild, FinalBuild, LoadedModel, Resolv
 from bootstrap.budget_split import PoolBudgets
 from bootstrap.capacity import CapacityPlan, MemoryProfile, dummy_request_lengths
 from bootstrap.config import BootstrapConfig, ConfigError
-from bootstrap.devices import CpuDevice, CudaDevice, Device, GiB, is_oom
+from bootstrap.devices import CpuDevice, CudaDevice, Device, is_oom
 from bootstrap.engine.executor import PyExecutor, create_executor
 from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
 from bootstrap.engine.loader import LoadedWeights, ModelSourceError, load_hf_config, load_model
 from bootstrap.engine.sources.smollm2 import ModelFetchError
 from bootstrap.engine.sampling import SamplingParams
 from bootstrap.engine.scheduler import SchedulerConfig
+from bootstrap.engine.warmup import run_dummy_requests
 from bootstrap.models.shape import ModelConfigError, ModelShape
 from bootstrap.stages.load_model import is_transient_io
 from bootstrap.undo import Undo
 
 NATIVE_CLASSES: Mapping[str, str] = {"kv_manager": "PagedKVCache", "scheduler": "Scheduler", "sampler": "Sampler"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-CPU_KV_DEFAULT_BYTES = 4 * GiB  # like vLLM's CPU KV space default; --max-kv-bytes overrides it
 SMOKE_TIMEOUT_S = 300.0
 
 
@@ -132,15 +133,12 @@ class NativeBackend:
 
     def kv_caps(self, resolved: ResolvedClasses, config: BootstrapConfig) -> dict[str, int]:
         """Extra caps on the KV budget, in bytes, by name (``limited_by``). On the CPU: what
-        ``max_batch_size`` requests of ``max_seq_len`` can ever use, and a default space that
-        ``max_kv_bytes`` replaces, so a laptop is not filled with a cache nobody uses."""
+        ``max_batch_size`` requests of ``max_seq_len`` can ever use, so a laptop's memory is not
+        planned for a cache that no schedule could fill (a GPU is filled, as its peers do)."""
         if self.device.kind != "cpu":
             return {}
         blocks = -(-resolved.max_seq_len // config.tokens_per_block) * config.max_batch_size
-        caps = {"max_batch_size": resolved.total_cost.bytes_for_tokens(blocks * config.tokens_per_block)}
-        if config.max_kv_bytes is None:
-            caps["cpu_kv_default"] = CPU_KV_DEFAULT_BYTES
-        return caps
+        return {"max_batch_size": resolved.total_cost.bytes_for_tokens(blocks * config.tokens_per_block)}
 
     # ---- load_model ---------------------------------------------------------------------------
 
@@ -192,7 +190,7 @@ class NativeBackend:
         device.reset_peak()
         before, free_before = device.allocated_bytes(), device.free_bytes()
         for executor in build.executors.values():  # one after the other: the peak is the larger
-            run_dummies(executor, lengths)
+            run_dummy_requests(executor, lengths)
         device.synchronize()
         return MemoryProfile(
             total_bytes=device.total_bytes(),
@@ -267,17 +265,6 @@ def unreadable_as_source_error(source: str) -> Iterator[None]:
         if is_oom(exc) or is_transient_io(exc):
             raise
         raise ModelSourceError(f"model {source!r} cannot be read: {type(exc).__name__}: {exc}") from exc
-
-
-def run_dummies(executor: PyExecutor, lengths: list[int]) -> None:
-    """Warm-up requests of ``lengths`` prompt tokens, one generated token each, to completion;
-    a failed dummy raises (an out-of-memory error keeps its type, so the stage can retry)."""
-    vocab = executor.runner.vocab_size
-    params = SamplingParams(max_tokens=1, ignore_eos=True)
-    ids = [executor.enqueue([t % vocab for t in range(n)], params, is_warmup=True) for n in lengths]
-    for response in [executor.await_response(i) for i in ids]:
-        if response.finish_reason == "error":
-            raise RuntimeError(f"profiling dummy request failed: {response.error}")
 
 
 def serve_smoke_request(executor: PyExecutor) -> None:
