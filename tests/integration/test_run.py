@@ -90,7 +90,10 @@ def test_cpu_budget_is_capped_by_what_max_batch_size_requests_can_use(checkpoint
 
 
 def test_oom_in_the_profiling_forward_retries_with_a_lower_max_num_tokens(checkpoints, capsys, tmp_path, monkeypatch):
-    """A real torch OutOfMemoryError from the engine's first forward (the profiling dummy)."""
+    """A real torch OutOfMemoryError from the engine's first forward (the profiling dummies: five
+    requests, 4 x 63 + 4 tokens, in one step). The probe already is the size of that workload
+    (9 blocks; a larger probe would shrink first, see tests/unit/test_probe.py), so the retry
+    halves max_num_tokens."""
     real_run, calls = ModelRunner.run, []
 
     def first_call_runs_out(self, batch):
@@ -102,7 +105,8 @@ def test_oom_in_the_profiling_forward_retries_with_a_lower_max_num_tokens(checkp
     monkeypatch.setattr(ModelRunner, "run", first_call_runs_out)
     trace = tmp_path / "trace.jsonl"
     code, result = run_json(capsys, "--model", str(checkpoints["llama"]), "--prompt", PROMPT, "--max-tokens", "6",
-                            "--max-num-tokens", "256", "--no-plan-cache", "--trace-file", str(trace))  # fmt: skip
+                            "--max-num-tokens", "256", "--max-seq-len", "64", "--max-batch-size", "5",
+                            "--no-plan-cache", "--trace-file", str(trace))  # fmt: skip
     assert code == 0 and len(result["token_ids"]) == 6
     profiling = next(s for s in result["stages"] if s["id"] == "profiling")
     assert (profiling["outcome"], profiling["attempts"]) == ("ok", 2)
