@@ -16,6 +16,9 @@ Sources (public copies of the Hub files):
 - mixtral-8x7b: mistralai/Mixtral-8x7B-v0.1 config.json (TensorRT-LLM test_mixtral.py and others)
 - gemma-2-9b: google/gemma-2-9b config.json (a KQI benchmark script quoting Hub configs)
 - smollm2-135m: HuggingFaceTB/SmolLM2-135M(-Instruct) LlamaConfig dump (same architecture)
+- llama-3.2-1b: meta-llama/Llama-3.2-1B(-Instruct) config.json (kevinstephano/thunder_model_blocks
+  hf_llama/llama_config.py, quoting the Hub file with its commit hash)
+- qwen2.5-14b: Qwen/Qwen2.5-14B config.json (LLM-Prof, as above)
 """
 
 from __future__ import annotations
@@ -256,6 +259,58 @@ _PRESETS: dict[str, dict[str, Any]] = {
         "transformers_version": "4.42.0.dev0",
         "use_cache": True,
         "vocab_size": 256000,
+    },
+    "llama-3.2-1b": {
+        "architectures": ["LlamaForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 8192,
+        "max_position_embeddings": 131072,
+        "mlp_bias": False,
+        "model_type": "llama",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 16,
+        "num_key_value_heads": 8,
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {**_LLAMA31_ROPE, "factor": 32.0},
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.45.0.dev0",
+        "use_cache": True,
+        "vocab_size": 128256,
+    },
+    "qwen2.5-14b": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151643,
+        "hidden_act": "silu",
+        "hidden_size": 5120,
+        "initializer_range": 0.02,
+        "intermediate_size": 13824,
+        "max_position_embeddings": 131072,
+        "max_window_layers": 48,
+        "model_type": "qwen2",
+        "num_attention_heads": 40,
+        "num_hidden_layers": 48,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 1000000.0,
+        "sliding_window": 131072,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.43.1",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 152064,
     },
     "smollm2-135m": {
         "architectures": ["LlamaForCausalLM"],
