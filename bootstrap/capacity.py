@@ -41,6 +41,20 @@ def _check_positive(**values: int | float) -> None:
             raise ValueError(f"{name} must be a positive number, got {value!r}")
 
 
+def kv_share(left: int, fraction: float, headroom_bytes: int | None = None) -> int:
+    """The KV cache's share of ``left`` bytes (memory left after the measured peak): TensorRT-LLM's
+    ``int(left * free_gpu_memory_fraction)``, or, when ``headroom_bytes`` is given
+    (``kv_headroom_bytes``), everything but that many bytes (never below 0)."""
+    if headroom_bytes is None:
+        return int(left * fraction)
+    return max(left - headroom_bytes, 0)
+
+
+def memory_rule(fraction: float, headroom_bytes: int | None = None) -> str:
+    """The config field that shares memory with the KV cache, as error messages name it."""
+    return f"free_gpu_memory_fraction {fraction}" if headroom_bytes is None else f"kv_headroom_bytes {headroom_bytes:,}"
+
+
 @dataclass(frozen=True)
 class CacheCost:
     """KV cost of a pool: ``bytes(tokens) = slope * tokens + intercept``.
@@ -226,6 +240,7 @@ def cap_probe_tokens(
     max_kv_tokens: int | None = None,
     max_kv_bytes: int | None = None,
     plan_cost: CacheCost | None = None,
+    headroom_bytes: int | None = None,
 ) -> int:
     """The probe size actually allocated, block aligned (reference §3.1): ``tokens`` (aligned up),
     capped by ``max_kv_tokens`` (TensorRT-LLM's ``min(estimate, max_tokens)``, floored to a block,
@@ -238,14 +253,15 @@ def cap_probe_tokens(
     only has to leave room for the dummy forward. The room also bounds the final KV budget: when
     it cannot hold one block of the probe, or of ``plan_cost`` (the final pools, with their fixed
     per-sequence state), no plan exists and no retry can help: that is a ``CapacityError`` naming
-    what takes the room.
+    what takes the room. With ``headroom_bytes`` (``kv_headroom_bytes``) the room is the free memory
+    less that headroom instead of ``fraction`` of it (``kv_share``).
     """
     _check_positive(tokens=tokens, tokens_per_block=tokens_per_block)
-    memory = int((free_bytes - overhead_bytes) * fraction)
+    memory = kv_share(free_bytes - overhead_bytes, fraction, headroom_bytes)
     room = memory if max_kv_bytes is None else min(memory, max_kv_bytes)
     for need in (plan_cost, cost):
         if need is not None and need.tokens_for_budget(room) < tokens_per_block:
-            why = "max_kv_bytes" if room < memory else f"free_gpu_memory_fraction {fraction}"
+            why = "max_kv_bytes" if room < memory else memory_rule(fraction, headroom_bytes)
             raise CapacityError(_no_room(need, free_bytes, tokens_per_block, overhead_bytes, room, why))
     blocks = -(-tokens // tokens_per_block)
     if max_kv_tokens is not None:
@@ -331,6 +347,7 @@ class CapacityPlan:
     kv_requests: int  # requests of max_seq_len the KV pool alone holds
     limited_by: str
     fraction: float
+    headroom_bytes: int | None = None  # kv_headroom_bytes: replaces the fraction when set
 
     @property
     def kv_blocks(self) -> int:
@@ -354,6 +371,7 @@ def plan_capacity(
     max_kv_bytes: int | None = None,
     max_kv_tokens: int | None = None,
     caps: Mapping[str, int] | None = None,
+    headroom_bytes: int | None = None,
 ) -> CapacityPlan:
     """KV budget from a profile: ``int((total - peak + probe_kv) * fraction)`` capped by the
     explicit limits and by the backend's ``caps`` (bytes by name), then block-aligned tokens
@@ -362,36 +380,44 @@ def plan_capacity(
     Differs from TensorRT-LLM: both caps apply to bytes here (TRT's V2 passes ``max_tokens`` on
     to the manager), and the plan fails now, with figures, when one ``max_seq_len`` request
     cannot fit, instead of at the first long request.
+
+    ``headroom_bytes`` (``kv_headroom_bytes``, not in TensorRT-LLM): the budget is what is left
+    after the peak less that many bytes, ``total - peak + probe_kv - headroom_bytes``, instead
+    of ``fraction`` of it (``kv_share``); the caps apply the same way.
     """
     if not 0 < fraction <= 1:
         raise CapacityError(f"free_gpu_memory_fraction must be in (0, 1], got {fraction}")
+    if headroom_bytes is not None and headroom_bytes < 0:
+        raise CapacityError(f"kv_headroom_bytes must be >= 0, got {headroom_bytes}")
     _check_positive(max_seq_len=max_seq_len, max_batch_size=max_batch_size, tokens_per_block=tokens_per_block)
-    budget, limited_by = _capped_budget(profile, cost, fraction, max_kv_bytes, max_kv_tokens)
+    budget, limited_by = _capped_budget(profile, cost, fraction, max_kv_bytes, max_kv_tokens, headroom_bytes)
     for name, cap in (caps or {}).items():
         if cap < budget:
             budget, limited_by = cap, name
     kv_tokens = cost.tokens_for_budget(budget) // tokens_per_block * tokens_per_block if budget > 0 else 0
+    share = (fraction, headroom_bytes)
     if kv_tokens < tokens_per_block:
-        raise CapacityError(_too_small(profile, cost, fraction, budget, limited_by, tokens_per_block, "one KV block"))
+        raise CapacityError(_too_small(profile, cost, share, budget, limited_by, tokens_per_block, "one KV block"))
     per_request = -(-max_seq_len // tokens_per_block)
     kv_requests = kv_tokens // tokens_per_block // per_request
     if kv_requests < 1:
         what = f"one request of max_seq_len={max_seq_len} ({per_request} blocks)"
         need = per_request * tokens_per_block
-        raise CapacityError(_too_small(profile, cost, fraction, budget, limited_by, need, what))
+        raise CapacityError(_too_small(profile, cost, share, budget, limited_by, need, what))
     return CapacityPlan(
         total_bytes=profile.total_bytes, peak_bytes=profile.peak_bytes, kv_budget_bytes=budget,
         kv_tokens=kv_tokens, cost=cost, tokens_per_block=tokens_per_block, max_seq_len=max_seq_len,
         max_batch_size=max_batch_size, max_num_tokens=profile.max_num_tokens,
         max_concurrent_requests=min(kv_requests, max_batch_size), kv_requests=kv_requests,
-        limited_by=limited_by, fraction=fraction,
+        limited_by=limited_by, fraction=fraction, headroom_bytes=headroom_bytes,
     )
 
 
 def _capped_budget(
-    profile: MemoryProfile, cost: CacheCost, fraction: float, max_kv_bytes: int | None, max_kv_tokens: int | None
+    profile: MemoryProfile, cost: CacheCost, fraction: float, max_kv_bytes: int | None, max_kv_tokens: int | None,
+    headroom_bytes: int | None,
 ) -> tuple[int, str]:
-    budget = int((profile.total_bytes - profile.peak_bytes + profile.probe_kv_bytes) * fraction)
+    budget = kv_share(profile.total_bytes - profile.peak_bytes + profile.probe_kv_bytes, fraction, headroom_bytes)
     limited_by = "memory"
     if max_kv_tokens is not None and cost.bytes_for_tokens(max_kv_tokens) < budget:
         budget, limited_by = cost.bytes_for_tokens(max_kv_tokens), "max_kv_tokens"
@@ -401,8 +427,10 @@ def _capped_budget(
 
 
 def _too_small(
-    profile: MemoryProfile, cost: CacheCost, fraction: float, budget: int, limited_by: str, tokens: int, what: str
+    profile: MemoryProfile, cost: CacheCost, share: tuple[float, int | None], budget: int, limited_by: str, tokens: int,
+    what: str,
 ) -> str:
+    fraction, headroom = share
     need = cost.bytes_for_tokens(tokens)
     lines = [
         f"the KV cache budget cannot hold {what}: budget {fmt_bytes(budget)} (limited by {limited_by}), "
@@ -411,12 +439,12 @@ def _too_small(
         f"memory: total {fmt_bytes(profile.total_bytes)}, measured peak {fmt_bytes(profile.peak_bytes)} "
         f"(weights {fmt_bytes(profile.model_bytes)}, activations {fmt_bytes(profile.activation_bytes)}, "
         f"non-torch {fmt_bytes(profile.peak_bytes - profile.torch_peak_bytes)}), probe KV added back "
-        f"{fmt_bytes(profile.probe_kv_bytes)}, free_gpu_memory_fraction {fraction}",
+        f"{fmt_bytes(profile.probe_kv_bytes)}, {memory_rule(fraction, headroom)}",
     ]
     if limited_by != "memory":
         lines.append(f"fix: raise {limited_by} (it caps the budget below what memory allows)")
     else:
-        raise_fraction = "raise free_gpu_memory_fraction, " if fraction < 1 else ""  # 1.0 is its maximum
+        raise_fraction = _more_memory_advice(fraction, headroom)
         lines.append(
             f"fix: lower max_seq_len, {raise_fraction}lower max_num_tokens or max_batch_size "
             f"(activations and fixed state; profiled max_num_tokens={profile.max_num_tokens}), use a smaller "
@@ -425,8 +453,14 @@ def _too_small(
     return "\n  ".join(lines)
 
 
+def _more_memory_advice(fraction: float, headroom: int | None) -> str:
+    if headroom is not None:
+        return "lower kv_headroom_bytes, " if headroom > 0 else ""
+    return "raise free_gpu_memory_fraction, " if fraction < 1 else ""  # 1.0 is its maximum
+
+
 __all__ = [
     "GIB", "CacheCost", "CapacityError", "CapacityPlan", "MemoryProfile",
     "cap_probe_tokens", "dummy_request_lengths", "dummy_workload_tokens", "estimation_tokens", "fmt_bytes",
-    "kv_dtype_bytes", "mha_cost", "mla_cost", "model_cost", "plan_capacity", "probe_cost",
+    "kv_dtype_bytes", "kv_share", "memory_rule", "mha_cost", "mla_cost", "model_cost", "plan_capacity", "probe_cost",
 ]

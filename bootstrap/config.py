@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 KvDtype = Literal["auto", "float32", "bfloat16", "float16", "fp8"]
@@ -37,6 +37,10 @@ class BootstrapConfig(BaseModel):
     free_gpu_memory_fraction: float = Field(
         0.9, gt=0.0, le=1.0, description="share of the memory left after the measured peak given to KV"
     )
+    kv_headroom_bytes: int | None = Field(
+        None, ge=0, description="bytes kept free beyond the measured peak; when set, KV gets all the rest "
+        "instead of free_gpu_memory_fraction of it (give one or the other)"
+    )
     max_kv_bytes: int | None = Field(None, ge=1, description="explicit cap on the KV pool, in bytes")
     max_kv_tokens: int | None = Field(None, ge=1, description="explicit cap on KV capacity, in tokens")
     host_cache_bytes: int = Field(0, ge=0, description="host (CPU) KV tier size in bytes, 0 for none")
@@ -61,6 +65,15 @@ class BootstrapConfig(BaseModel):
         if value & (value - 1):
             raise ValueError("must be a power of two in [1, 1024]")
         return value
+
+    @model_validator(mode="after")
+    def _one_memory_rule(self) -> BootstrapConfig:
+        if self.kv_headroom_bytes is not None and "free_gpu_memory_fraction" in self.model_fields_set:
+            raise ValueError(
+                "kv_headroom_bytes and free_gpu_memory_fraction are two ways to share the memory left after the "
+                "measured peak; give one of them"
+            )
+        return self
 
     @classmethod
     def parse(cls, **values: object) -> BootstrapConfig:

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 # Config fields that change the profile or the plan; the rest (plan_cache, device spelling) do not.
 FINGERPRINT_FIELDS = (
     "dtype", "kv_cache_dtype", "max_batch_size", "max_num_tokens", "max_seq_len", "tokens_per_block",
-    "free_gpu_memory_fraction", "max_kv_bytes", "max_kv_tokens", "host_cache_bytes",
+    "free_gpu_memory_fraction", "kv_headroom_bytes", "max_kv_bytes", "max_kv_tokens", "host_cache_bytes",
     "cross_kv_cache_fraction", "tensor_parallel_size",
 )  # fmt: skip
 LIBRARIES = ("executor-bootstrap", "torch", "transformers")

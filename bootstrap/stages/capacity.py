@@ -34,6 +34,7 @@ def capacity(
         max_kv_bytes=config.max_kv_bytes,
         max_kv_tokens=config.max_kv_tokens,
         caps=backend.kv_caps(resolved, config),
+        headroom_bytes=config.kv_headroom_bytes,
     )
     if plan_cache is not None and profile.max_num_tokens == config.max_num_tokens:
         remember(plan_cache, config, resolved, backend, profile, plan)

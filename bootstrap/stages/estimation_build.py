@@ -65,6 +65,7 @@ def capped_probe_tokens(config: BootstrapConfig, resolved: ResolvedClasses, back
         max_kv_tokens=config.max_kv_tokens,
         max_kv_bytes=config.max_kv_bytes,
         plan_cost=resolved.total_cost,
+        headroom_bytes=config.kv_headroom_bytes,
     )
 
 

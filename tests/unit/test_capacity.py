@@ -391,3 +391,37 @@ def test_the_probe_prices_every_layer_at_full_length_and_keeps_recurrent_state()
     jamba = ModelShape.from_hf_config(JAMBA_TINY)  # recurrent state is per sequence slot, probe or not
     assert probe_cost([jamba], kv_dtype_bytes=2, tp=1, max_batch_size=3) == model_cost(
         jamba, kv_dtype_bytes=2, tp=1, max_batch_size=3, tokens_per_block=16)  # fmt: skip
+
+
+# --- kv_headroom_bytes: all but a fixed headroom instead of a fraction ----------------------------
+
+
+def test_headroom_budget_is_everything_left_but_the_headroom():
+    # total 80 GiB, peak 20 GiB, probe 2 GiB added back: 62 GiB left after the peak
+    p = plan(headroom_bytes=3 * GIB)
+    assert p.kv_budget_bytes == 59 * GIB and p.headroom_bytes == 3 * GIB and p.limited_by == "memory"
+    assert plan().kv_budget_bytes == int(62 * GIB * 0.9) and plan().headroom_bytes is None
+    assert plan(headroom_bytes=0).kv_budget_bytes == 62 * GIB
+
+
+def test_headroom_is_capped_by_explicit_limits_like_the_fraction():
+    assert plan(headroom_bytes=GIB, max_kv_bytes=10 * GIB).limited_by == "max_kv_bytes"
+    assert plan(headroom_bytes=GIB, max_kv_tokens=8192).kv_budget_bytes == 8192 * 131072
+
+
+def test_a_headroom_larger_than_what_is_left_names_it():
+    with pytest.raises(CapacityError) as info:
+        plan(headroom_bytes=62 * GIB)
+    assert "kv_headroom_bytes" in str(info.value) and "lower kv_headroom_bytes" in str(info.value)
+    with pytest.raises(CapacityError, match="kv_headroom_bytes must be >= 0"):
+        plan(headroom_bytes=-1)
+
+
+def test_probe_room_with_a_headroom_is_free_memory_less_the_headroom():
+    cost = CacheCost(1000)
+    tokens = cap_probe_tokens(10**9, cost=cost, free_bytes=10**8, fraction=0.9, tokens_per_block=10,
+                              overhead_bytes=10**6, headroom_bytes=9 * 10**6)  # fmt: skip
+    assert tokens == (10**8 - 10**6 - 9 * 10**6) // 1000
+    with pytest.raises(CapacityError, match="limited by kv_headroom_bytes 99,995,000"):  # room for 5 tokens
+        cap_probe_tokens(10**9, cost=cost, free_bytes=10**8, fraction=0.9, tokens_per_block=10,
+                         headroom_bytes=10**8 - 5_000)  # fmt: skip

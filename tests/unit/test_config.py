@@ -51,3 +51,12 @@ def test_batch_and_token_limits_are_consistent(batch, tokens):
     else:
         with pytest.raises(ConfigError, match="max_num_tokens"):
             BootstrapConfig.parse(max_batch_size=batch, max_num_tokens=tokens)
+
+
+def test_kv_headroom_bytes_replaces_the_fraction_and_both_at_once_is_an_error():
+    assert BootstrapConfig.parse().kv_headroom_bytes is None
+    assert BootstrapConfig.parse(kv_headroom_bytes=2**30).kv_headroom_bytes == 2**30
+    with pytest.raises(ConfigError, match="give one of them"):
+        BootstrapConfig.parse(kv_headroom_bytes=2**30, free_gpu_memory_fraction=0.9)
+    with pytest.raises(ConfigError, match="kv_headroom_bytes: Input should be greater than or equal to 0"):
+        BootstrapConfig.parse(kv_headroom_bytes=-1)
