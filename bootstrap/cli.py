@@ -30,6 +30,7 @@ from bootstrap.report import stage_rows, stage_table
 from bootstrap.runner import make_pipeline, plan_summary
 from bootstrap.stages import STAGE_IDS
 from bootstrap.telemetry import MissingExtra, make_tracer_provider
+from bootstrap.trace_view import add_trace_args, trace_command
 
 FAULTABLE = ("load_model", "estimation_build", "profiling", "final_build", "scheduler_sampler")
 BAD_INPUT = (ConfigError, ModelConfigError, CapacityError)  # exit 2, also when a stage finds it
@@ -71,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_args(run)
     cache = sub.add_parser("cache", help="manage the plan cache")
     add_cache_args(cache)
+    add_trace_args(sub.add_parser("trace", help="a timeline of stages and attempts from --trace-file files"))
     return parser
 
 
@@ -162,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         return clear_cache(args)
     if args.command == "run":
         return main_run(args)
+    if args.command == "trace":
+        return trace_command(args)
     try:
         result, error = anyio.run(run_plan, args)
     except INPUT_ERRORS as exc:
