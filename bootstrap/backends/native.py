@@ -9,7 +9,9 @@ device thread, and pushes the release of everything it allocates on the attempt'
                     executor on each (no worker); released by shutting the executors down
   profiling         dummy requests filling ``max_num_tokens`` (cut by ``max_seq_len``) through the
                     probe executors (``engine.warmup``: a failed step raises, it is never split);
-                    every figure of the profile is read from the device port
+                    every figure of the profile is read from the device port, free memory after
+                    torch's cached blocks are returned (else the activations' cached blocks would
+                    count again as non-torch memory, and the plan would set them aside twice)
   final_build       the final pools, ``PagedKVCache.from_bytes`` of each pool's budget
   scheduler_sampler the ``PyExecutor`` on the target pool, its worker started, one smoke request
 
@@ -199,12 +201,14 @@ class NativeBackend:
         for executor in build.executors.values():  # one after the other: the peak is the larger
             run_dummy_requests(executor, lengths)
         device.synchronize()
+        torch_peak, torch_used = device.peak_bytes(), device.allocated_bytes()
+        self._collect()  # torch's cached blocks back first: "used - torch_used" is memory outside torch
         return MemoryProfile(
             total_bytes=device.total_bytes(),
             free_before_bytes=free_before,
             model_bytes=max(before - estimation.probe_kv_bytes, 0),
-            torch_peak_bytes=device.peak_bytes(),
-            torch_used_bytes=device.allocated_bytes(),
+            torch_peak_bytes=torch_peak,
+            torch_used_bytes=torch_used,
             used_bytes=device.total_bytes() - device.free_bytes(),
             probe_kv_bytes=estimation.probe_kv_bytes,
             max_num_tokens=max_num_tokens,

@@ -1,0 +1,80 @@
+"""What the GPU benchmarks share: the environment record, device sync and memory release, output.
+
+The scripts put this directory on ``sys.path`` first, so this module imports the same whether a
+script runs as ``python benchmarks/<script>.py`` or is loaded by path in a test.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import gc
+import json
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto``: CUDA when torch sees one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def release_memory(device: torch.device) -> None:
+    """Collect garbage and hand torch's cached blocks back, so the next build starts clean."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """Device, memory, library versions and the date: what a result needs to be compared later."""
+    env: dict[str, Any] = {
+        "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": str(device),
+        "device_name": platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        env.update(device_name=torch.cuda.get_device_name(device), total_bytes=total, free_bytes_at_start=free,
+                   cuda=torch.version.cuda)  # fmt: skip
+    return env
+
+
+def command_line(script: str, argv: list[str] | None) -> str:
+    return " ".join(["python", f"benchmarks/{script}", *(argv if argv is not None else sys.argv[1:])])
+
+
+def emit(report: dict[str, Any], out: Path | None) -> None:
+    """Print the report as JSON and write it to ``out`` (parents created)."""
+    text = json.dumps(report, indent=2)
+    print(text)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return round(numerator / denominator, 3) if numerator is not None and denominator else None
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"expected an integer >= 1, got {text!r}")
+    return value

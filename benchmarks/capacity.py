@@ -1,0 +1,382 @@
+"""KV capacity against the physical limit, and the worst-case load it must survive.
+
+One process, one model, two starts through the native backend, side by side:
+
+- ``default``: ``free_gpu_memory_fraction`` 0.9 (TensorRT-LLM's default and semantics);
+- ``proposed``: ``kv_headroom_bytes`` = the headroom ``proposed_headroom`` derives from the
+  default start's measured profile (below).
+
+For each start, figures read at the ready executor, idle, with torch's cached blocks returned:
+
+- ``physical limit`` = total - (weights + executor state) - measured activation peak - non-torch
+  memory: the most any KV pool could hold with nothing else running;
+- the KV pool allocated, as a fraction of that limit;
+- on the same measurements, what TensorRT-LLM's default would give (0.9 of the memory left after
+  the peak) and vLLM's (``gpu_memory_utilization`` 0.9: 0.9 of total minus non-KV memory).
+
+Then the worst-case load: every KV block filled by concurrent requests of ``max_seq_len`` tokens
+(prompt plus output, so admission reserves whole requests), their prompt lengths staggered
+(``staggered_lengths``) so that the last full ``max_num_tokens`` prefill step runs while every
+other request decodes at nearly ``max_seq_len`` tokens of context. Counted honestly: requests
+that ended in an error (and how many of those were out of memory), steps that raised (the
+executor then reruns the requests one by one; an OOM there is counted even when the reruns
+succeed), requests unfinished at the deadline, and the device's peak allocated and reserved bytes.
+
+``proposed_headroom`` (the design this script measures): the memory the native engine may need
+beyond the measured peak, from the profile and the shape, all in bytes:
+
+- ``activation``: the measured activation peak once more (the profiling dummies run at shallow
+  context; allocator fragmentation);
+- ``gather``: one layer of the largest step's KV, ``min(left, max_batch_size * max_seq_len *
+  bytes_per_token) / layers``: paged attention gathers each request's cached keys and values
+  of one layer before attending (``engine/attention.py``);
+- ``mask``: one ``max_num_tokens`` chunk's mask against ``max_seq_len`` keys, as a bool and as
+  an additive bias: ``max_num_tokens * max_seq_len * (1 + 2 * dtype_bytes)``;
+- ``workspace``: 512 MiB for library workspaces created after profiling.
+
+    python benchmarks/capacity.py --device cuda --model random:llama-3.1-8b --max-seq-len 8192 \
+        --max-num-tokens 8192 --max-batch-size 256 --out capacity.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when loaded by path
+from bench_common import command_line, emit, environment, positive_int, ratio, release_memory, resolve_device  # noqa: E402
+
+from bootstrap.api import Bootstrap  # noqa: E402
+from bootstrap.backends.native import DTYPES  # noqa: E402
+from bootstrap.config import BootstrapConfig  # noqa: E402
+from bootstrap.devices import is_oom  # noqa: E402
+from bootstrap.engine.sampling import SamplingParams  # noqa: E402
+
+GIB = 1024**3
+WORKSPACE_BYTES = 512 * 1024**2
+TAIL_STEPS = 3  # decode-only steps at full occupancy after the last prefill
+GOALS = {"kv_fraction_of_physical": 0.97, "worst_case_ooms": 0, "defaults_for_comparison": 0.9}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add = parser.add_argument
+    add("--model", default="random:llama-3.1-8b", help="model source (random:<preset> at real shapes)")
+    add("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    add("--dtype", default="auto", choices=["auto", *DTYPES], help="weights and KV; auto: bfloat16 on CUDA")
+    add("--max-seq-len", type=positive_int, default=8192)
+    add("--max-num-tokens", type=positive_int, default=8192)
+    add("--max-batch-size", type=positive_int, default=256, help="at least the requests the pool holds")
+    add("--load-timeout-s", type=float, default=120.0, help="deadline of each worst-case load")
+    add("--headroom-bytes", type=int, default=None, help="measure this headroom instead of the proposed one")
+    add("--out", type=Path, default=None, help="also write the JSON here")
+    return parser.parse_args(argv)
+
+
+# ---- the proposal ---------------------------------------------------------------------------
+
+
+def proposed_headroom(profile: dict[str, int], *, layers: int, bytes_per_token: int, dtype_bytes: int,
+                      max_batch_size: int, max_seq_len: int, max_num_tokens: int) -> dict[str, int]:  # fmt: skip
+    """The terms of the proposed ``kv_headroom_bytes`` (module docstring) and their sum."""
+    left = profile["total_bytes"] - profile["peak_bytes"] + profile["probe_kv_bytes"]
+    terms = {
+        "activation": profile["activation_bytes"],
+        "gather": min(left, max_batch_size * max_seq_len * bytes_per_token) // layers,
+        "mask": max_num_tokens * max_seq_len * (1 + 2 * dtype_bytes),
+        "workspace": WORKSPACE_BYTES,
+    }
+    return {**terms, "total": sum(terms.values())}
+
+
+# ---- measurements ---------------------------------------------------------------------------
+
+
+def idle_reading(device: torch.device) -> dict[str, int]:
+    """Allocated, reserved and used bytes now, torch's cached blocks returned first."""
+    release_memory(device)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return {"total": total, "used": total - free, "allocated": torch.cuda.memory_allocated(device),
+                "reserved": torch.cuda.memory_reserved(device)}  # fmt: skip
+    import psutil
+
+    memory, rss = psutil.virtual_memory(), psutil.Process().memory_info().rss
+    return {"total": memory.total, "used": memory.total - memory.available, "allocated": rss, "reserved": rss}
+
+
+def physical_figures(plan: dict[str, Any], idle: dict[str, int]) -> dict[str, int]:
+    """The physical limit and what it is made of, from the profile and the idle executor."""
+    profile = plan["profile"]
+    weights_and_state = idle["allocated"] - plan["kv_budget_bytes"]
+    non_torch = max(idle["used"] - idle["reserved"], 0)
+    activation = profile["activation_bytes"]
+    return {
+        "total_bytes": idle["total"],
+        "weights_and_state_bytes": weights_and_state,
+        "activation_bytes": activation,
+        "non_torch_bytes": non_torch,
+        "non_torch_in_profile_bytes": profile["peak_bytes"] - profile["torch_peak_bytes"],
+        "physical_limit_bytes": idle["total"] - weights_and_state - activation - non_torch,
+    }
+
+
+def peer_rules(figures: dict[str, int], fraction: float = 0.9) -> dict[str, dict[str, Any]]:
+    """What TensorRT-LLM's and vLLM's defaults would allocate on the same measurements."""
+    limit, total = figures["physical_limit_bytes"], figures["total_bytes"]
+    trtllm = int(limit * fraction)  # fraction of what the peak leaves
+    vllm = int(total * fraction) - (total - limit)  # fraction of total, less all non-KV memory
+    return {
+        "trtllm_default": {"kv_bytes": trtllm, "fraction_of_physical": ratio(trtllm, limit)},
+        "vllm_default": {"kv_bytes": vllm, "fraction_of_physical": ratio(vllm, limit)},
+    }
+
+
+# ---- the worst-case load --------------------------------------------------------------------
+
+
+def simulate(prompts: list[int], outputs: list[int], max_num_tokens: int) -> tuple[list[int], list[int]]:
+    """Step at which each request finishes its prefill and its last token, under the engine's
+    micro-batch rule (every decode first, then prefill chunks in admission order)."""
+    done_prefill, pending = [0] * len(prompts), list(prompts)
+    generated, finished = [0] * len(prompts), [0] * len(prompts)
+    step = 0
+    while not all(finished):
+        step += 1
+        decoding = [i for i in range(len(prompts)) if not pending[i] and not finished[i]]
+        budget = max_num_tokens - len(decoding)
+        for i in decoding:
+            generated[i] += 1
+        for i in (i for i in range(len(prompts)) if pending[i]):
+            if budget <= 0:
+                break
+            chunk = min(pending[i], budget)
+            pending[i], budget = pending[i] - chunk, budget - chunk
+            if not pending[i]:
+                done_prefill[i], generated[i] = step, 1  # the step that completes a prompt samples
+        for i in range(len(prompts)):
+            if not finished[i] and generated[i] >= outputs[i]:
+                finished[i] = step
+    return done_prefill, finished
+
+
+def staggered_lengths(requests: int, max_seq_len: int, max_num_tokens: int, tail: int = TAIL_STEPS) -> list[tuple[int, int]]:
+    """(prompt, output) per request, each summing to ``max_seq_len``, so that every request
+    finishes about ``tail`` steps after the last prefill step (a few rounds of ``simulate``)."""
+    outputs = [1] * requests
+    for _ in range(6):
+        prompts = [max_seq_len - g for g in outputs]
+        done_prefill, _ = simulate(prompts, outputs, max_num_tokens)
+        last = max(done_prefill)
+        outputs = [min(max(last - d + tail, 1), max_seq_len - 1) for d in done_prefill]
+    return [(max_seq_len - g, g) for g in outputs]
+
+
+class StepFailures(logging.Handler):
+    """Counts the executor's failed steps (it logs each one), and which raised out of memory."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.failed_steps = self.oom_steps = 0
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "failed" not in record.getMessage():
+            return
+        self.failed_steps += 1
+        error = record.exc_info[1] if record.exc_info else None
+        self.oom_steps += bool(error is not None and is_oom(error))
+        if error is not None and len(self.messages) < 5:
+            self.messages.append(f"{type(error).__name__}: {str(error)[:300]}")
+
+
+def worst_case_load(executor: Any, plan: dict[str, Any], device: torch.device, timeout_s: float) -> dict[str, Any]:
+    """Fill every block with staggered ``max_seq_len`` requests; run them all; count errors."""
+    lengths = workload(plan)
+    requests = start_load(executor, lengths, device)
+    failures = StepFailures()
+    logging.getLogger("bootstrap.engine.executor").addHandler(failures)
+    started = time.perf_counter()
+    try:
+        responses = collect(executor, requests, started + timeout_s)
+    finally:
+        logging.getLogger("bootstrap.engine.executor").removeHandler(failures)
+    return load_report(lengths, responses, failures, plan, device, time.perf_counter() - started)
+
+
+def workload(plan: dict[str, Any]) -> list[tuple[int, int]]:
+    """Staggered full-length requests, as many as run at once, and one more for the blocks left."""
+    tpb, blocks = plan["tokens_per_block"], plan["kv_blocks"]
+    per_request = -(-plan["max_seq_len"] // tpb)
+    count = min(blocks // per_request, plan["max_batch_size"])
+    lengths = staggered_lengths(count, plan["max_seq_len"], plan["max_num_tokens"])
+    rest = (blocks - count * per_request) * tpb
+    if count < plan["max_batch_size"] and rest >= 2:
+        output = min(lengths[-1][1] if lengths else 1, rest - 1)
+        lengths.append((rest - output, output))
+    return lengths
+
+
+def start_load(executor: Any, lengths: list[tuple[int, int]], device: torch.device) -> list[int]:
+    vocab = executor.runner.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    ids = []
+    for prompt, output in lengths:
+        tokens = torch.randint(0, vocab, (prompt,), generator=generator).tolist()
+        ids.append(executor.enqueue(tokens, SamplingParams(max_tokens=output, ignore_eos=True)))
+    return ids
+
+
+def collect(executor: Any, requests: list[int], deadline: float) -> list[Any]:
+    """Every response; at the deadline the unfinished requests are cancelled (``cancelled``)."""
+    responses = []
+    for rid in requests:
+        try:
+            responses.append(executor.await_response(rid, max(deadline - time.perf_counter(), 0.001)))
+        except TimeoutError:
+            for other in requests:
+                executor.cancel(other)
+            responses.append(executor.await_response(rid, 60))
+    return responses
+
+
+def load_report(lengths: list[tuple[int, int]], responses: list[Any], failures: StepFailures,
+                plan: dict[str, Any], device: torch.device, seconds: float) -> dict[str, Any]:  # fmt: skip
+    errors = [r for r in responses if r.finish_reason == "error"]
+    tokens = sum(p + o for p, o in lengths)
+    report = {
+        "requests": len(lengths),
+        "kv_tokens_filled": tokens,
+        "kv_fill_fraction": ratio(tokens, plan["kv_tokens"]),
+        "completed": sum(r.finish_reason in ("length", "stop") for r in responses),
+        "unfinished_at_deadline": sum(r.finish_reason == "cancelled" for r in responses),
+        "requests_errored": len(errors),
+        "requests_errored_oom": sum("out of memory" in (r.error or "").lower() for r in errors),
+        "steps_failed": failures.failed_steps,
+        "steps_failed_oom": failures.oom_steps,
+        "error_samples": failures.messages + [r.error for r in errors[:2]],
+        "seconds": round(seconds, 2),
+    }
+    if device.type == "cuda":
+        report["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+        report["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+    return report
+
+
+# ---- one start ------------------------------------------------------------------------------
+
+
+def make_config(args: argparse.Namespace, headroom: int | None) -> BootstrapConfig:
+    extra = {} if headroom is None else {"kv_headroom_bytes": headroom}
+    return BootstrapConfig(
+        model=args.model, device=args.device, dtype=args.dtype, max_seq_len=args.max_seq_len,
+        max_num_tokens=args.max_num_tokens, max_batch_size=args.max_batch_size, **extra,
+    )  # fmt: skip
+
+
+async def one_start(label: str, config: BootstrapConfig, device: torch.device, timeout_s: float) -> dict[str, Any]:
+    """Build, read the idle figures, run the worst-case load, release."""
+    release_memory(device)
+    boot = Bootstrap(config)
+    try:
+        executor = await boot.build()
+        plan = boot.report().plan
+        figures = physical_figures(plan, idle_reading(device))
+        load = worst_case_load(executor, plan, device, timeout_s)
+        load.update(headroom_use(load, figures, plan))
+        print(f"capacity {label}: {load}", file=sys.stderr, flush=True)
+    finally:
+        await boot.aclose()
+    del boot
+    release_memory(device)
+    return {"label": label, "config": config_record(config), "plan": plan_record(plan), "figures": figures,
+            "kv_fraction_of_physical": ratio(plan["kv_budget_bytes"], figures["physical_limit_bytes"]), "load": load}  # fmt: skip
+
+
+def headroom_use(load: dict[str, Any], figures: dict[str, int], plan: dict[str, Any]) -> dict[str, Any]:
+    """How much of the memory beside the weights and the pool the load took at its peak."""
+    if "peak_reserved_bytes" not in load:
+        return {}
+    resident = figures["weights_and_state_bytes"] + plan["kv_budget_bytes"]
+    room = figures["total_bytes"] - figures["non_torch_bytes"] - resident
+    transient = load["peak_reserved_bytes"] - resident
+    return {"transient_peak_bytes": transient, "room_beside_pool_bytes": room, "room_used_fraction": ratio(transient, room)}
+
+
+def config_record(config: BootstrapConfig) -> dict[str, Any]:
+    keys = ("model", "dtype", "max_seq_len", "max_num_tokens", "max_batch_size", "free_gpu_memory_fraction", "kv_headroom_bytes")
+    return {k: getattr(config, k) for k in keys}
+
+
+def plan_record(plan: dict[str, Any]) -> dict[str, Any]:
+    keys = ("kv_budget_bytes", "planned_kv_budget_bytes", "kv_tokens", "kv_blocks", "kv_requests", "limited_by",
+            "headroom_bytes", "fraction", "profile")  # fmt: skip
+    return {k: plan.get(k) for k in keys}
+
+
+# ---- the run --------------------------------------------------------------------------------
+
+
+def shape_terms(model: str, dtype_bytes: int) -> dict[str, int]:
+    from bootstrap.engine.loader import load_hf_config
+    from bootstrap.models.shape import ModelShape
+
+    shape = ModelShape.from_hf_config(load_hf_config(model).to_dict())
+    per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * dtype_bytes
+    return {"layers": shape.num_layers, "bytes_per_token": per_token, "dtype_bytes": dtype_bytes}
+
+
+async def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    default = await one_start("default", make_config(args, None), device, args.load_timeout_s)
+    dtype_bytes = DTYPES[args.dtype].itemsize if args.dtype != "auto" else (2 if device.type == "cuda" else 4)
+    proposal = proposed_headroom(default["plan"]["profile"], **shape_terms(args.model, dtype_bytes),
+                                 max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
+                                 max_num_tokens=args.max_num_tokens)  # fmt: skip
+    headroom = args.headroom_bytes if args.headroom_bytes is not None else proposal["total"]
+    proposed = await one_start("proposed", make_config(args, headroom), device, args.load_timeout_s)
+    peers = peer_rules(default["figures"])
+    return {"summary": summary([default, proposed], peers), "proposed_headroom": proposal, "peers": peers,
+            "starts": [default, proposed]}  # fmt: skip
+
+
+def summary(starts: list[dict[str, Any]], peers: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The figures the README table shows: KV as a fraction of the physical limit, OOMs under load."""
+    out: dict[str, Any] = {name: {"kv_fraction_of_physical": rule["fraction_of_physical"]} for name, rule in peers.items()}
+    for start in starts:
+        load = start["load"]
+        out[start["label"]] = {
+            "kv_fraction_of_physical": start["kv_fraction_of_physical"],
+            "kv_bytes": start["plan"]["kv_budget_bytes"],
+            "worst_case_requests_errored": load["requests_errored"],
+            "worst_case_steps_failed_oom": load["steps_failed_oom"],
+            "worst_case_unfinished": load["unfinished_at_deadline"],
+            "worst_case_kv_fill": load["kv_fill_fraction"],
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    device = resolve_device(args.device)
+    report = {
+        "benchmark": "capacity",
+        "command": command_line("capacity.py", argv),
+        "environment": environment(device),
+        "goals": GOALS,
+        **anyio.run(measure, args, device),
+    }
+    emit(report, args.out)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Time to ready, per stage, cold and warm (plan cache), against the floor for the same model.
+
+For each model, in one process, ``--repeats`` rounds of three measurements, side by side:
+
+- ``cold``: the eight stages through the native backend with an empty plan cache: load the
+  weights, build and profile the probe, plan, allocate the final pool, start the executor and
+  serve one smoke request. Time from creating the ``Bootstrap`` to the ready executor.
+- ``warm``: the same start again with the plan the cold start cached: ``estimation_build`` and
+  ``profiling`` are skipped (reason ``plan-cache``).
+- ``floor``: the work no start can avoid, done directly with torch: materialize the same
+  weights (the same loader), run one forward of ``max_num_tokens`` tokens (transformers' own
+  attention, logits of the last token), allocate a pool of the bytes the cold start planned.
+
+Per model the best of the rounds counts (the first round also pays one-time costs such as
+importing the model's transformers module); every sample is kept. Ratios: ``cold / floor``,
+``warm / floor``, ``warm / cold``. Each start writes its trace file under ``--trace-dir``
+(render a pair with ``bootstrap trace COLD WARM --png OUT``).
+
+    python benchmarks/startup.py --device cuda --dtype bfloat16 \
+        --models random:llama-3.2-1b,random:llama-3.1-8b,random:qwen2.5-14b --out startup.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when loaded by path
+from bench_common import command_line, emit, environment, positive_int, ratio, release_memory, resolve_device, synchronize  # noqa: E402
+
+from bootstrap.api import Bootstrap  # noqa: E402
+from bootstrap.backends.native import DTYPES  # noqa: E402
+from bootstrap.config import BootstrapConfig  # noqa: E402
+from bootstrap.engine.kv_cache import zeros  # noqa: E402
+from bootstrap.engine.loader import load_hf_config, load_model  # noqa: E402
+from bootstrap.models.shape import ModelShape  # noqa: E402
+
+DEFAULT_MODELS = "random:llama-3.2-1b,random:llama-3.1-8b,random:qwen2.5-14b"
+GOALS = {"cold_over_floor": 1.3, "warm_over_cold": 0.6}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add = parser.add_argument
+    add("--models", default=DEFAULT_MODELS, help="comma-separated model sources (random:<preset> at real shapes)")
+    add("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    add("--dtype", default="auto", choices=["auto", *DTYPES], help="weights; auto: bfloat16 on CUDA, float32 on CPU")
+    add("--max-seq-len", type=positive_int, default=8192)
+    add("--max-num-tokens", type=positive_int, default=8192)
+    add("--max-batch-size", type=positive_int, default=64)
+    add("--repeats", type=positive_int, default=2, help="rounds of cold, warm and floor per model; the best counts")
+    add("--trace-dir", type=Path, default=None, help="write every start's trace file here")
+    add("--out", type=Path, default=None, help="also write the JSON here")
+    return parser.parse_args(argv)
+
+
+def make_config(source: str, args: argparse.Namespace, plan_cache: Path) -> BootstrapConfig:
+    return BootstrapConfig(
+        model=source, device=args.device, dtype=args.dtype, max_seq_len=args.max_seq_len,
+        max_num_tokens=args.max_num_tokens, max_batch_size=args.max_batch_size, plan_cache=plan_cache,
+    )  # fmt: skip
+
+
+async def timed_start(config: BootstrapConfig, device: torch.device, trace_file: Path | None) -> dict[str, Any]:
+    """One start to a ready executor, then released; its wall time, stages and plan."""
+    release_memory(device)
+    start = time.perf_counter()
+    boot = Bootstrap(config, trace_file=trace_file)
+    try:
+        await boot.build()
+        ready_s = time.perf_counter() - start
+        report = boot.report()
+    finally:
+        await boot.aclose()
+    del boot
+    release_memory(device)
+    return {
+        "ready_s": round(ready_s, 4),
+        "stages": {row["id"]: {"outcome": row["outcome"], "skip_reason": row["skip_reason"],
+                               "duration_s": round(row["duration_s"], 4)} for row in report.stages},  # fmt: skip
+        "plan": {k: report.plan[k] for k in ("kv_budget_bytes", "kv_tokens", "max_num_tokens", "limited_by")},
+        "trace_file": str(trace_file) if trace_file else None,
+    }
+
+
+def floor(source: str, args: argparse.Namespace, device: torch.device, pool_bytes: int) -> dict[str, Any]:
+    """Weights, one ``max_num_tokens`` forward, one pool of ``pool_bytes``: each timed, then freed."""
+    release_memory(device)
+    dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    start = time.perf_counter()
+    weights = load_model(source, device=device, dtype=dtype)
+    synchronize(device)
+    loaded = time.perf_counter()
+    ids = torch.arange(args.max_num_tokens, device=device).remainder(weights.hf_config.get_text_config().vocab_size)
+    with torch.inference_mode():
+        weights.model(input_ids=ids.unsqueeze(0), logits_to_keep=1, use_cache=False)
+    synchronize(device)
+    forward = time.perf_counter()
+    pool = zeros((pool_bytes,), torch.uint8, device)  # what PagedKVCache allocates, zeroed
+    synchronize(device)
+    done = time.perf_counter()
+    weight_bytes = weights.weight_bytes
+    del pool, weights
+    release_memory(device)
+    parts = {"weights_s": loaded - start, "forward_s": forward - loaded, "pool_s": done - forward, "floor_s": done - start}
+    return {**{k: round(v, 4) for k, v in parts.items()}, "weight_bytes": weight_bytes, "pool_bytes": pool_bytes}
+
+
+async def one_round(source: str, args: argparse.Namespace, device: torch.device, round_no: int) -> dict[str, Any]:
+    slug = source.removeprefix("random:").replace("/", "_")
+    trace = (lambda kind: args.trace_dir / f"{slug}_{kind}_r{round_no}.jsonl") if args.trace_dir else (lambda kind: None)
+    with tempfile.TemporaryDirectory(prefix="plans-") as cache:
+        config = make_config(source, args, Path(cache))
+        cold = await timed_start(config, device, trace("cold"))
+        warm = await timed_start(config, device, trace("warm"))
+    return {"round": round_no, "cold": cold, "warm": warm, "floor": floor(source, args, device, cold["plan"]["kv_budget_bytes"])}
+
+
+def shape_record(source: str) -> dict[str, Any]:
+    shape = ModelShape.from_hf_config(load_hf_config(source).to_dict())
+    return {
+        "architecture": shape.architecture, "parameters": shape.parameter_count(), "layers": shape.num_layers,
+        "heads": shape.num_heads, "kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
+    }  # fmt: skip
+
+
+def summarize(source: str, rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    cold = min(rounds, key=lambda r: r["cold"]["ready_s"])["cold"]
+    warm = min(rounds, key=lambda r: r["warm"]["ready_s"])["warm"]
+    best_floor = min(rounds, key=lambda r: r["floor"]["floor_s"])["floor"]
+    return {
+        "model": source,
+        "shape": shape_record(source),
+        "best": {"cold_s": cold["ready_s"], "warm_s": warm["ready_s"], "floor_s": best_floor["floor_s"]},
+        "ratios": {
+            "cold_over_floor": ratio(cold["ready_s"], best_floor["floor_s"]),
+            "warm_over_floor": ratio(warm["ready_s"], best_floor["floor_s"]),
+            "warm_over_cold": ratio(warm["ready_s"], cold["ready_s"]),
+        },
+        "cold": cold,
+        "warm": warm,
+        "floor": best_floor,
+        "rounds": rounds,
+    }
+
+
+async def measure(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
+    results = []
+    for source in [m.strip() for m in args.models.split(",") if m.strip()]:
+        rounds = [await one_round(source, args, device, n) for n in range(1, args.repeats + 1)]
+        results.append(summarize(source, rounds))
+        print(f"startup {source}: {results[-1]['best']} {results[-1]['ratios']}", file=sys.stderr, flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    device = resolve_device(args.device)
+    if args.trace_dir is not None:
+        args.trace_dir.mkdir(parents=True, exist_ok=True)
+    if device.type == "cuda":
+        torch.ones(8, 8, device=device).matmul(torch.ones(8, 8, device=device))  # CUDA context and cuBLAS, untimed
+    report = {
+        "benchmark": "startup",
+        "command": command_line("startup.py", argv),
+        "environment": environment(device),
+        "settings": {k: getattr(args, k) for k in ("dtype", "max_seq_len", "max_num_tokens", "max_batch_size", "repeats")},
+        "goals": GOALS,
+        "models": anyio.run(measure, args, device),
+    }
+    emit(report, args.out)
+    return report
+
+
+if __name__ == "__main__":
+    main()

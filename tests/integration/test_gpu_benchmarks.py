@@ -1,0 +1,91 @@
+"""The GPU benchmarks (startup, capacity) end to end on the CPU with a tiny random model: every
+figure they report is there and consistent with the others (no timing is asserted)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from bootstrap.cli import main as cli_main
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+TINY = {
+    "model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 128, "torch_dtype": "float32",
+}
+SHAPE = ["--device", "cpu", "--max-seq-len", "64", "--max-num-tokens", "64", "--max-batch-size", "4"]
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    config = tmp_path_factory.mktemp("tiny") / "config.json"
+    config.write_text(json.dumps(TINY))
+    return f"random:{config}"
+
+
+def test_startup_reports_cold_warm_and_floor_side_by_side(tiny, tmp_path, capsys):
+    out, traces = tmp_path / "startup.json", tmp_path / "traces"
+    report = load_script("startup").main(["--models", tiny, *SHAPE, "--repeats", "2", "--trace-dir", str(traces), "--out", str(out)])
+    assert json.loads(out.read_text()) == report
+    assert {"date_utc", "torch", "transformers", "device_name"} <= set(report["environment"])
+    [model] = report["models"]
+    assert model["shape"]["layers"] == 2 and len(model["rounds"]) == 2
+    cold, warm, floor, best = model["cold"], model["warm"], model["floor"], model["best"]
+    assert {s["outcome"] for s in cold["stages"].values()} == {"ok"}
+    assert {k: (s["outcome"], s["skip_reason"]) for k, s in warm["stages"].items() if s["outcome"] != "ok"} == {
+        "estimation_build": ("skipped", "plan-cache"), "profiling": ("skipped", "plan-cache")}
+    assert warm["plan"] == cold["plan"] and floor["pool_bytes"] == cold["plan"]["kv_budget_bytes"]
+    assert floor["floor_s"] == pytest.approx(floor["weights_s"] + floor["forward_s"] + floor["pool_s"], abs=1e-3)
+    assert best["cold_s"] == min(r["cold"]["ready_s"] for r in model["rounds"])
+    assert model["ratios"]["cold_over_floor"] == round(best["cold_s"] / best["floor_s"], 3)
+    assert model["ratios"]["warm_over_cold"] == round(best["warm_s"] / best["cold_s"], 3)
+    capsys.readouterr()
+    assert cli_main(["trace", cold["trace_file"], warm["trace_file"]]) == 0  # the traces render
+    assert "skipped" in capsys.readouterr().out
+
+
+def test_capacity_fills_every_block_and_counts_errors(tiny, tmp_path):
+    out = tmp_path / "capacity.json"
+    report = load_script("capacity").main(["--model", tiny, *SHAPE, "--out", str(out)])
+    assert json.loads(out.read_text()) == report
+    default, proposed = report["starts"]
+    assert default["config"]["kv_headroom_bytes"] is None and default["plan"]["fraction"] == 0.9
+    assert proposed["config"]["kv_headroom_bytes"] == report["proposed_headroom"]["total"]
+    terms = report["proposed_headroom"]
+    assert terms["total"] == terms["activation"] + terms["gather"] + terms["mask"] + terms["workspace"]
+    for start in (default, proposed):
+        load = start["load"]
+        assert load["kv_fill_fraction"] == 1.0  # the CPU pool holds max_batch_size full requests
+        assert load["requests"] == 4 and load["completed"] == 4
+        assert load["requests_errored"] == load["steps_failed"] == load["unfinished_at_deadline"] == 0
+    assert set(report["summary"]) == {"trtllm_default", "vllm_default", "default", "proposed"}
+    assert report["peers"]["trtllm_default"]["fraction_of_physical"] == 0.9
+
+
+def test_staggered_requests_are_full_length_and_finish_together():
+    capacity = load_script("capacity")
+    lengths = capacity.staggered_lengths(110, 8192, 8192)
+    assert all(p + o == 8192 and p >= 1 and o >= 1 for p, o in lengths)
+    done_prefill, finished = capacity.simulate([p for p, _ in lengths], [o for _, o in lengths], 8192)
+    assert set(finished) == {max(done_prefill) + capacity.TAIL_STEPS - 1}
+
+
+def test_proposed_headroom_terms_for_llama_8b_on_an_h200_profile():
+    capacity = load_script("capacity")
+    profile = {"total_bytes": 150_109_880_320, "peak_bytes": 20 * 2**30, "probe_kv_bytes": 2**30, "activation_bytes": 2**30}
+    terms = capacity.proposed_headroom(profile, layers=32, bytes_per_token=131072, dtype_bytes=2, max_batch_size=256,
+                                       max_seq_len=8192, max_num_tokens=8192)  # fmt: skip
+    left = 150_109_880_320 - 19 * 2**30  # the pool could not hold 256 requests of 8192 tokens: left bounds the gather
+    assert terms["gather"] == left // 32 and terms["mask"] == 8192 * 8192 * 5
+    assert terms["total"] == 2**30 + left // 32 + 8192 * 8192 * 5 + 512 * 2**20
