@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import traceback
 from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from typing import Any
@@ -119,6 +120,7 @@ class StageRun:
         span.set_attribute("bootstrap.outcome", "cancelled" if cancelled else "failed")
         span.set_attribute("bootstrap.rollback.actions", len(undo))
         _mark_error(span, exc)
+        drop_frame_locals(exc)
         with anyio.CancelScope(shield=True):
             errors = await self._thread.run(undo.run)
         if errors:
@@ -167,6 +169,21 @@ def _in_context(ctx: otel_context.Context, fn: Any) -> Any:
         return fn()
     finally:
         otel_context.detach(token)
+
+
+def drop_frame_locals(exc: BaseException | None) -> None:
+    """Clear the locals of the finished frames in the traceback of ``exc`` and of its causes.
+
+    A failed attempt's exception outlives it (tenacity keeps it for the next attempt's adaptation,
+    ``StageFailed`` for the caller), and so would every tensor its frames hold: after an
+    out-of-memory error in a forward, the activations allocated before the failure would still
+    take device memory while the retry runs. Clearing keeps each frame's file and line.
+    """
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)  # frames still running (this one) are skipped
+        exc = exc.__cause__ or exc.__context__
 
 
 def _mark_error(span: Span, exc: BaseException) -> None:
