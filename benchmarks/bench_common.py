@@ -60,13 +60,24 @@ def command_line(script: str, argv: list[str] | None) -> str:
     return " ".join(["python", f"benchmarks/{script}", *(argv if argv is not None else sys.argv[1:])])
 
 
-def emit(report: dict[str, Any], out: Path | None) -> None:
-    """Print the report as JSON and write it to ``out`` (parents created)."""
+def save(report: dict[str, Any], out: Path | None) -> str:
+    """Write the report as JSON to ``out`` (parents created), also part way through a run, so a
+    run stopped at its deadline still leaves what it measured; the JSON text."""
     text = json.dumps(report, indent=2)
-    print(text)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")
+    return text
+
+
+def emit(report: dict[str, Any], out: Path | None) -> None:
+    """Print the finished report as JSON and write it to ``out``."""
+    print(save(report, out))
+
+
+def failure(exc: BaseException) -> dict[str, str]:
+    """A measurement that could not be made, recorded instead of ending the run."""
+    return {"error": f"{type(exc).__name__}: {exc}"[:2000]}
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:

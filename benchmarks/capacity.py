@@ -51,7 +51,9 @@ import anyio
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when loaded by path
-from bench_common import command_line, emit, environment, positive_int, ratio, release_memory, resolve_device  # noqa: E402
+from bench_common import (  # noqa: E402
+    command_line, emit, environment, failure, positive_int, ratio, release_memory, resolve_device, save,
+)
 
 from bootstrap.api import Bootstrap  # noqa: E402
 from bootstrap.backends.native import DTYPES  # noqa: E402
@@ -335,23 +337,43 @@ def shape_terms(model: str, dtype_bytes: int) -> dict[str, int]:
     return {"layers": shape.num_layers, "bytes_per_token": per_token, "dtype_bytes": dtype_bytes}
 
 
-async def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    default = await one_start("default", make_config(args, None), device, args.load_timeout_s)
-    dtype_bytes = DTYPES[args.dtype].itemsize if args.dtype != "auto" else (2 if device.type == "cuda" else 4)
-    proposal = proposed_headroom(default["plan"]["profile"], **shape_terms(args.model, dtype_bytes),
-                                 max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
-                                 max_num_tokens=args.max_num_tokens)  # fmt: skip
+async def measure(args: argparse.Namespace, device: torch.device, report: dict[str, Any]) -> None:
+    """The default start, then the proposed one, into ``report`` (saved after each)."""
+    default = await guarded("default", make_config(args, None), device, args)
+    report["starts"].append(default)
+    save(report, args.out)
+    if "error" in default:
+        return
+    report["peers"] = peer_rules(default["figures"])
+    report["proposed_headroom"] = proposal = headroom_terms(args, default["plan"]["profile"], device)
     headroom = args.headroom_bytes if args.headroom_bytes is not None else proposal["total"]
-    proposed = await one_start("proposed", make_config(args, headroom), device, args.load_timeout_s)
-    peers = peer_rules(default["figures"])
-    return {"summary": summary([default, proposed], peers), "proposed_headroom": proposal, "peers": peers,
-            "starts": [default, proposed]}  # fmt: skip
+    report["starts"].append(await guarded("proposed", make_config(args, headroom), device, args))
+    report["summary"] = summary(report["starts"], report["peers"])
+
+
+async def guarded(label: str, config: BootstrapConfig, device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
+    """``one_start``, or its error: a start that fails is a result too."""
+    try:
+        return await one_start(label, config, device, args.load_timeout_s)
+    except Exception as exc:
+        release_memory(device)
+        print(f"capacity {label}: {exc}", file=sys.stderr, flush=True)
+        return {"label": label, "config": config_record(config), **failure(exc)}
+
+
+def headroom_terms(args: argparse.Namespace, profile: dict[str, int], device: torch.device) -> dict[str, int]:
+    dtype_bytes = DTYPES[args.dtype].itemsize if args.dtype != "auto" else (2 if device.type == "cuda" else 4)
+    return proposed_headroom(profile, **shape_terms(args.model, dtype_bytes), max_batch_size=args.max_batch_size,
+                             max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens)  # fmt: skip
 
 
 def summary(starts: list[dict[str, Any]], peers: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The figures the README table shows: KV as a fraction of the physical limit, OOMs under load."""
     out: dict[str, Any] = {name: {"kv_fraction_of_physical": rule["fraction_of_physical"]} for name, rule in peers.items()}
     for start in starts:
+        if "error" in start:
+            out[start["label"]] = {"error": start["error"]}
+            continue
         load = start["load"]
         out[start["label"]] = {
             "kv_fraction_of_physical": start["kv_fraction_of_physical"],
@@ -372,8 +394,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "command": command_line("capacity.py", argv),
         "environment": environment(device),
         "goals": GOALS,
-        **anyio.run(measure, args, device),
+        "starts": [],
     }
+    anyio.run(measure, args, device, report)
     emit(report, args.out)
     return report
 

@@ -33,7 +33,9 @@ import anyio
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when loaded by path
-from bench_common import command_line, emit, environment, positive_int, ratio, release_memory, resolve_device, synchronize  # noqa: E402
+from bench_common import (  # noqa: E402
+    command_line, emit, environment, failure, positive_int, ratio, release_memory, resolve_device, save, synchronize,
+)
 
 from bootstrap.api import Bootstrap  # noqa: E402
 from bootstrap.backends.native import DTYPES  # noqa: E402
@@ -151,13 +153,20 @@ def summarize(source: str, rounds: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-async def measure(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
-    results = []
+async def measure(args: argparse.Namespace, device: torch.device, report: dict[str, Any]) -> None:
+    """Every model in turn into ``report["models"]``, saved after each; a model that fails is
+    recorded with its error and the next one runs."""
     for source in [m.strip() for m in args.models.split(",") if m.strip()]:
-        rounds = [await one_round(source, args, device, n) for n in range(1, args.repeats + 1)]
-        results.append(summarize(source, rounds))
-        print(f"startup {source}: {results[-1]['best']} {results[-1]['ratios']}", file=sys.stderr, flush=True)
-    return results
+        try:
+            rounds = [await one_round(source, args, device, n) for n in range(1, args.repeats + 1)]
+            result = summarize(source, rounds)
+            print(f"startup {source}: {result['best']} {result['ratios']}", file=sys.stderr, flush=True)
+        except Exception as exc:  # one model's failure must not lose the others' figures
+            result = {"model": source, **failure(exc)}
+            print(f"startup {source}: {result['error']}", file=sys.stderr, flush=True)
+            release_memory(device)
+        report["models"].append(result)
+        save(report, args.out)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -173,8 +182,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "environment": environment(device),
         "settings": {k: getattr(args, k) for k in ("dtype", "max_seq_len", "max_num_tokens", "max_batch_size", "repeats")},
         "goals": GOALS,
-        "models": anyio.run(measure, args, device),
+        "models": [],
     }
+    anyio.run(measure, args, device, report)
     emit(report, args.out)
     return report
 

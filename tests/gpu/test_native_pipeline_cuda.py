@@ -92,7 +92,11 @@ def cuda_warm(ckpt):
 # ---- parity and a real-size model -------------------------------------------------------------
 
 
-async def test_tiny_float32_greedy_output_equals_transformers_generate_on_the_gpu(ckpt):
+def test_tiny_float32_greedy_output_equals_transformers_generate_on_the_gpu(ckpt):
+    anyio.run(_tiny_float32_greedy_output_equals_transformers_generate_on_the_gpu, ckpt)
+
+
+async def _tiny_float32_greedy_output_equals_transformers_generate_on_the_gpu(ckpt):
     matmul_tf32, cudnn_tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
@@ -103,7 +107,8 @@ async def test_tiny_float32_greedy_output_equals_transformers_generate_on_the_gp
             ex = await boot.build()
             responses = ex.generate(batch, SamplingParams(max_tokens=16))
             assert [row["outcome"] for row in boot.report().stages] == ["ok"] * len(STAGE_IDS)
-            assert next(ex.runner.model.parameters()).dtype == torch.float32 and ex.runner.device.type == torch.device(DEVICE).type
+            assert next(ex.runner.model.parameters()).dtype == torch.float32
+            assert ex.runner.device.type == torch.device(DEVICE).type
         finally:
             await boot.aclose()
         reference = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).to(DEVICE).eval()
@@ -119,7 +124,11 @@ def generate(model, prompt: list[int], max_tokens: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-async def test_8b_bf16_start_fills_the_gpu_as_planned_and_serves():
+def test_8b_bf16_start_fills_the_gpu_as_planned_and_serves():
+    anyio.run(_8b_bf16_start_fills_the_gpu_as_planned_and_serves)
+
+
+async def _8b_bf16_start_fills_the_gpu_as_planned_and_serves():
     before = settled_bytes()
     boot = Bootstrap(config(**LLAMA_8B))
     try:
@@ -152,9 +161,13 @@ def check_8b_plan(plan: dict, ex, before: int) -> None:
 # ---- a real out-of-memory error -------------------------------------------------------------
 
 
-async def test_a_real_oom_in_profiling_retries_with_half_max_num_tokens(tmp_path):
+def test_a_real_oom_in_profiling_retries_with_half_max_num_tokens(tmp_path):
     """Calibrated on this GPU: a first start measures what the forward of 16,384 tokens needs;
     then the process may reserve only halfway between that and what 8,192 tokens need."""
+    anyio.run(_a_real_oom_in_profiling_retries_with_half_max_num_tokens, tmp_path)
+
+
+async def _a_real_oom_in_profiling_retries_with_half_max_num_tokens(tmp_path):
     shape = dict(model="random:llama-3.2-1b", max_seq_len=2048, max_num_tokens=16384, max_batch_size=16)
     workload = dummy_workload_tokens(max_num_tokens=16384, max_seq_len=2048, tokens_per_block=32)
     cfg = config(**shape, max_kv_tokens=workload)  # probe = the dummy workload; the final pool as large
@@ -207,7 +220,11 @@ def check_oom_retry(trace: Path, plan: dict) -> None:
 # ---- plan cache -----------------------------------------------------------------------------
 
 
-async def test_second_start_finds_its_plan_in_the_cache(tmp_path):
+def test_second_start_finds_its_plan_in_the_cache(tmp_path):
+    anyio.run(_second_start_finds_its_plan_in_the_cache, tmp_path)
+
+
+async def _second_start_finds_its_plan_in_the_cache(tmp_path):
     cfg = config(**LLAMA_1B, plan_cache=tmp_path)
     first, first_plan = await start_and_report(cfg)
     second, second_plan = await start_and_report(cfg)
@@ -232,7 +249,11 @@ async def start_and_report(cfg: BootstrapConfig) -> tuple[list[dict], dict]:
 # ---- release after shutdown, failure and cancellation -----------------------------------------
 
 
-async def test_shutdown_releases_every_byte_and_thread():
+def test_shutdown_releases_every_byte_and_thread():
+    anyio.run(_shutdown_releases_every_byte_and_thread)
+
+
+async def _shutdown_releases_every_byte_and_thread():
     before = settled_bytes()
     ex, report = await bootstrap.build_executor(config(**LLAMA_1B))
     assert report.plan["kv_budget_bytes"] > GIB and bootstrap_threads() == ["bootstrap-executor"]
@@ -242,8 +263,12 @@ async def test_shutdown_releases_every_byte_and_thread():
     assert_released(before)
 
 
-async def test_a_failed_start_keeps_the_weights_for_retry_and_aclose_releases_them():
+def test_a_failed_start_keeps_the_weights_for_retry_and_aclose_releases_them():
     """A real failure after the weights and the profile: the plan cannot hold one request."""
+    anyio.run(_a_failed_start_keeps_the_weights_for_retry_and_aclose_releases_them)
+
+
+async def _a_failed_start_keeps_the_weights_for_retry_and_aclose_releases_them():
     before = settled_bytes()
     boot = Bootstrap(config(**{**LLAMA_1B, "max_num_tokens": 512, "max_kv_tokens": 1024}))
     with pytest.raises(StageFailed) as info:
@@ -255,7 +280,11 @@ async def test_a_failed_start_keeps_the_weights_for_retry_and_aclose_releases_th
     assert_released(before)
 
 
-async def test_cancellation_mid_start_rolls_everything_back():
+def test_cancellation_mid_start_rolls_everything_back():
+    anyio.run(_cancellation_mid_start_rolls_everything_back)
+
+
+async def _cancellation_mid_start_rolls_everything_back():
     before = settled_bytes()
     boot = Bootstrap(config(**LLAMA_1B))
 

@@ -89,3 +89,30 @@ def test_proposed_headroom_terms_for_llama_8b_on_an_h200_profile():
     left = 150_109_880_320 - 19 * 2**30  # the pool could not hold 256 requests of 8192 tokens: left bounds the gather
     assert terms["gather"] == left // 32 and terms["mask"] == 8192 * 8192 * 5
     assert terms["total"] == 2**30 + left // 32 + 8192 * 8192 * 5 + 512 * 2**20
+
+
+def test_a_start_that_fails_is_recorded_and_the_report_still_written(tiny, tmp_path):
+    out = tmp_path / "capacity.json"
+    report = load_script("capacity").main(["--model", tiny, *SHAPE, "--headroom-bytes", str(10**15), "--out", str(out)])
+    default, proposed = report["starts"]
+    assert "error" not in default and "kv_headroom_bytes" in proposed["error"]
+    assert report["summary"]["proposed"] == {"error": proposed["error"]} and json.loads(out.read_text()) == report
+
+
+def test_the_gpu_suite_script_runs_every_step_and_writes_every_result(tmp_path):
+    """``gpu_suite.sh --smoke``: the same steps on the CPU with tiny shapes (tests/gpu skip)."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "OUT": str(tmp_path / "out")}
+    proc = subprocess.run(["bash", str(BENCHMARKS / "gpu_suite.sh"), "--smoke"], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=BENCHMARKS.parent)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    out = tmp_path / "out"
+    expected = {"suite.log", "steps.jsonl", "gpu_tests.xml", "startup.json", "capacity.json",
+                "startup_8b_cold_warm.png", "traces.tar.gz"}  # fmt: skip
+    assert {p.name for p in out.iterdir()} == expected  # the device tool brings back at most 8 files
+    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == ["install_wheels", "environment", "gpu_tests", "startup", "capacity", "timeline_png"]
+    assert all(s["rc"] == 0 for s in steps)
+    assert "capacity: finished, exit 0" in (out / "suite.log").read_text()

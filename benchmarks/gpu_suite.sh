@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# The GPU suite in one command: tests/gpu, then benchmarks/startup.py and benchmarks/capacity.py,
+# then the cold-versus-warm timeline PNG. Every result goes under $OUT (default ./out):
+#
+#   suite.log        everything printed, with a progress line per step
+#   steps.jsonl      one line per step: name, exit status, seconds (124: stopped at its timeout)
+#   gpu_tests.xml    pytest's JUnit report of tests/gpu
+#   startup.json     benchmarks/startup.py (1B, 8B and 14B shapes, bfloat16)
+#   capacity.json    benchmarks/capacity.py (8B shape, bfloat16)
+#   startup_8b_cold_warm.png   bootstrap trace of the 8B cold and warm starts
+#   traces.tar.gz    every start's trace file
+#
+# Usage, from the repository root:  bash benchmarks/gpu_suite.sh [--smoke]
+#   --smoke: tiny shapes on the CPU, to check the script itself (tests/gpu then skip).
+# Missing Python packages travel as wheels in .whl/ (../shared/gpu/fetch-wheels writes them);
+# they are installed from there, never from an index. The whole suite keeps within
+# SUITE_BUDGET_S seconds: each step gets at most its own cap and what the budget has left.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+
+OUT=${OUT:-./out}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+WORK=$(mktemp -d)
+export OUT WORK
+: > "$OUT/suite.log"
+: > "$OUT/steps.jsonl"
+SUITE_BUDGET_S=520
+START=$(date +%s)
+SMOKE=0
+[ "${1:-}" = "--smoke" ] && SMOKE=1
+export SMOKE
+exec > >(tee -a "$OUT/suite.log") 2>&1
+
+say() { echo "[suite +$(( $(date +%s) - START ))s] $*"; }
+
+# run_step NAME CAP_S COMMAND...: run with a timeout of min(CAP_S, what the budget leaves).
+run_step() {
+  local name=$1 cap=$2
+  shift 2
+  local left=$(( SUITE_BUDGET_S - ($(date +%s) - START) - 5 ))
+  local limit=$(( cap < left ? cap : left ))
+  if [ "$limit" -lt 15 ]; then
+    say "$name: skipped, ${left}s left of the budget"
+    echo "{\"step\": \"$name\", \"rc\": null, \"seconds\": 0, \"skipped\": true}" >> "$OUT/steps.jsonl"
+    return 0
+  fi
+  say "$name: started (timeout ${limit}s)"
+  local t0=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@"
+  local rc=$?
+  say "$name: finished, exit $rc, $(( $(date +%s) - t0 ))s"
+  echo "{\"step\": \"$name\", \"rc\": $rc, \"seconds\": $(( $(date +%s) - t0 ))}" >> "$OUT/steps.jsonl"
+}
+
+install_wheels() {
+  if [ "$SMOKE" = 1 ]; then
+    echo "smoke run: using this machine's packages"
+    return 0
+  fi
+  if ! ls .whl/*.whl > /dev/null 2>&1; then
+    echo "no .whl/ here: using the packages already installed"
+    return 0
+  fi
+  python3 -m pip install -q --no-index --find-links .whl --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$WORK/site" .whl/*.whl
+}
+
+render_png() {  # the 8B start (else the first) whose cold and warm times startup.json reports
+  local files
+  files=$(python3 -c 'import json, sys
+models = [m for m in json.load(open(sys.argv[1]))["models"] if "cold" in m]
+pick = next((m for m in models if "8b" in m["model"]), models[0] if models else None)
+print(pick["cold"]["trace_file"], pick["warm"]["trace_file"]) if pick else sys.exit("no start to draw")' "$OUT/startup.json") || return 1
+  python3 -m bootstrap.cli trace $files --png "$OUT/startup_8b_cold_warm.png"
+}
+export -f install_wheels render_png
+
+if [ "$SMOKE" = 1 ]; then
+  cat > "$WORK/tiny.json" << 'EOF'
+{"model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+ "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128, "torch_dtype": "float32"}
+EOF
+  DEVICE=(--device cpu)
+  STARTUP=(--models "random:$WORK/tiny.json" --max-seq-len 64 --max-num-tokens 64 --max-batch-size 4 --repeats 1)
+  CAPACITY=(--model "random:$WORK/tiny.json" --max-seq-len 64 --max-num-tokens 64 --max-batch-size 4 --load-timeout-s 60)
+else
+  DEVICE=(--device cuda --dtype bfloat16)
+  STARTUP=(--models random:llama-3.2-1b,random:llama-3.1-8b,random:qwen2.5-14b --max-seq-len 8192
+           --max-num-tokens 8192 --max-batch-size 64 --repeats 2)
+  CAPACITY=(--model random:llama-3.1-8b --max-seq-len 8192 --max-num-tokens 8192 --max-batch-size 256
+            --load-timeout-s 100)
+fi
+
+say "results under $OUT"
+run_step install_wheels 90 bash -c install_wheels
+export PYTHONPATH="$WORK/site:$PWD"
+run_step environment 60 python3 -c "import torch, transformers, pydantic, opentelemetry.sdk, tenacity; \
+print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available(), \
+torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')"
+run_step gpu_tests 170 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml"
+run_step startup 150 python3 benchmarks/startup.py "${DEVICE[@]}" "${STARTUP[@]}" \
+  --trace-dir "$WORK/traces" --out "$OUT/startup.json"
+run_step capacity 260 python3 benchmarks/capacity.py "${DEVICE[@]}" "${CAPACITY[@]}" --out "$OUT/capacity.json"
+run_step timeline_png 30 bash -c render_png
+tar -czf "$OUT/traces.tar.gz" -C "$WORK" traces 2> /dev/null || say "no traces to pack"
+say "done; steps:"
+cat "$OUT/steps.jsonl"
+rm -rf "$WORK"
