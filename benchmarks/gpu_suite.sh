@@ -26,7 +26,7 @@ WORK=$(mktemp -d)
 export OUT WORK
 : > "$OUT/suite.log"
 : > "$OUT/steps.jsonl"
-SUITE_BUDGET_S=520
+SUITE_BUDGET_S=510
 START=$(date +%s)
 SMOKE=0
 [ "${1:-}" = "--smoke" ] && SMOKE=1
@@ -99,7 +99,7 @@ export PYTHONPATH="$WORK/site:$PWD"
 run_step environment 60 python3 -c "import torch, transformers, pydantic, opentelemetry.sdk, tenacity; \
 print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available(), \
 torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')"
-run_step gpu_tests 170 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml"
+run_step gpu_tests 170 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider -p no:asyncio --junitxml="$OUT/gpu_tests.xml"
 run_step startup 150 python3 benchmarks/startup.py "${DEVICE[@]}" "${STARTUP[@]}" \
   --trace-dir "$WORK/traces" --out "$OUT/startup.json"
 run_step capacity 260 python3 benchmarks/capacity.py "${DEVICE[@]}" "${CAPACITY[@]}" --out "$OUT/capacity.json"
