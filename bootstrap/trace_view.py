@@ -26,7 +26,7 @@ from bootstrap.telemetry import ROOT_SPAN, MissingExtra
 STAGE_PREFIX = "bootstrap.stage."
 ATTEMPT_SUFFIX = ".attempt"
 CONTRACT_KEYS = ("name", "span_id", "parent_span_id", "start_time_unix_nano", "end_time_unix_nano", "status", "attributes")
-COLORS = {"ok": "green", "failed": "red", "cancelled": "dark_orange", "skipped": "bright_black"}
+COLORS = {"ok": "green", "failed": "red", "cancelled": "dark_orange", "skipped": "bright_black", "unfinished": "blue"}
 PNG_COLORS = {"ok": "#2e7d32", "failed": "#c62828", "cancelled": "#ef6c00", "skipped": "#9e9e9e"}
 LABEL_COLUMNS = 72  # what the other columns of the table take, besides the bar and the note
 
@@ -91,11 +91,12 @@ def _parse_line(path: Path, number: int, line: str) -> dict[str, Any]:
 
 
 def timeline(spans: Sequence[dict[str, Any]], source: str = "") -> Timeline:
-    """Runs, stages and (when a stage took more than one) attempts, in start order."""
+    """Runs, stages and (when a stage took more than one) attempts, in start order. A run whose
+    root span is missing (the process ended before the run did) is shown as ``unfinished``."""
     t0 = min(s["start_time_unix_nano"] for s in spans)
     children = _by_parent(spans)
     bars: list[Bar] = []
-    for run_number, root in enumerate(_sorted(s for s in spans if s["name"] == ROOT_SPAN), 1):
+    for run_number, root in enumerate(_sorted([*_roots(spans), *_missing_roots(spans, children)]), 1):
         bars.append(_bar(root, t0, f"pipeline run {run_number}", 0))
         for stage in _sorted(s for s in children.get(root["span_id"], []) if _is_stage(s)):
             bars.append(_bar(stage, t0, stage["name"].removeprefix(STAGE_PREFIX), 1, _stage_note(stage)))
@@ -103,6 +104,22 @@ def timeline(spans: Sequence[dict[str, Any]], source: str = "") -> Timeline:
             if len(attempts) > 1:
                 bars += [_bar(a, t0, f"attempt {_attempt_number(a)}", 2, _attempt_note(a)) for a in _sorted(attempts)]
     return Timeline(source, bars)
+
+
+def _roots(spans: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [s for s in spans if s["name"] == ROOT_SPAN]
+
+
+def _missing_roots(spans: Sequence[dict[str, Any]], children: dict[str | None, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """A stand-in root for stage spans whose parent never reached the file, over their extent."""
+    known = {s["span_id"] for s in spans}
+    orphans = {s["parent_span_id"] for s in spans if _is_stage(s) and s["parent_span_id"] not in known}
+    return [
+        {"name": ROOT_SPAN, "span_id": parent, "status": "UNSET", "attributes": {"bootstrap.outcome": "unfinished"},
+         "start_time_unix_nano": min(s["start_time_unix_nano"] for s in children[parent]),
+         "end_time_unix_nano": max(s["end_time_unix_nano"] for s in children[parent])}
+        for parent in orphans
+    ]  # fmt: skip
 
 
 def _by_parent(spans: Iterable[dict[str, Any]]) -> dict[str | None, list[dict[str, Any]]]:

@@ -88,3 +88,12 @@ def test_unreadable_trace_files_exit_2_with_one_line(content, message, tmp_path,
     assert main(["trace", str(path)]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_run_cut_short_before_its_root_span_shows_as_unfinished(traces, tmp_path):
+    lines = [line for line in traces["cold"].read_text().splitlines() if '"bootstrap.pipeline"' not in line]
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text("\n".join(lines) + "\n")
+    bars = timeline(read_spans(cut)).bars
+    assert (bars[0].label, bars[0].outcome) == ("pipeline run 1", "unfinished")
+    assert [b.label for b in bars if b.level == 1] == list(STAGE_IDS)
