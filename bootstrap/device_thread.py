@@ -25,5 +25,6 @@ class DeviceThread:
         future = self._executor.submit(fn, *args)
         return await anyio.to_thread.run_sync(future.result)
 
-    def close(self) -> None:
-        self._executor.shutdown(wait=True)
+    async def aclose(self) -> None:
+        """Let the work already submitted finish, then stop the thread (the event loop stays free)."""
+        await anyio.to_thread.run_sync(self._executor.shutdown)
