@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from bootstrap.artifacts import ResolvedClasses
 from bootstrap.capacity import CapacityPlan, MemoryProfile
-from bootstrap.config import BootstrapConfig, ConfigError
+from bootstrap.config import BootstrapConfig, ConfigError, ensure_directory
 from bootstrap.devices import Device
 
 if TYPE_CHECKING:
@@ -76,9 +76,8 @@ class CachedPlan:
 class PlanCache:
     def __init__(self, directory: Path) -> None:
         """Checks at once that ``directory`` can be created and written (``ConfigError`` if not)."""
-        self.directory = Path(directory).expanduser()
+        self.directory = ensure_directory(Path(directory).expanduser(), "plan_cache")
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
             tempfile.TemporaryFile(dir=self.directory).close()
         except OSError as exc:
             raise ConfigError(f"plan_cache: cannot write to {self.directory}: {exc.strerror or exc}") from None
