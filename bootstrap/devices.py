@@ -28,7 +28,8 @@ def is_oom(exc: BaseException) -> bool:
         return True
     if type(exc).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError, without importing torch
         return True
-    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+    message = str(exc).lower()  # CPU: "DefaultCPUAllocator: can't allocate memory: you tried to ..."
+    return isinstance(exc, RuntimeError) and ("out of memory" in message or "can't allocate memory" in message)
 
 
 @runtime_checkable
