@@ -252,7 +252,10 @@ def test_hf_config_without_weights(tmp_path, tiny_model, tiny_config_path):
 def smollm2_cache() -> Path:
     """The default cache: the first session fetches and converts (about 30 s), later ones reuse it."""
     cache = smollm2.default_cache_dir()
-    smollm2.ensure_checkpoint(cache)
+    try:
+        smollm2.ensure_checkpoint(cache)
+    except smollm2.ModelFetchError as exc:  # offline, and not cached yet: nothing to test against
+        pytest.skip(f"SmolLM2 is not cached and cannot be fetched: {exc}")
     return cache
 
 
