@@ -69,4 +69,5 @@ def test_byte_counts_are_exact_not_rounded_through_float(text, expected):
 def test_byte_counts_outside_the_range_name_it(text):
     with pytest.raises(ValueError) as err:
         parse_bytes(text)
-    assert str(err.value) == f"a simulated GPU size must be in [1 byte, 16 TiB] ([1, 17592186044416] bytes), got {text!r}"
+    expected = f"a simulated GPU size must be in [1 byte, 16 TiB] ([1, 17592186044416] bytes), got {text!r}"
+    assert str(err.value) == expected
