@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from bootstrap.capacity import CacheCost
+from bootstrap.capacity import CacheCost, kv_dtype_bytes, probe_cost
 from bootstrap.models.shape import ModelShape
+from bootstrap.undo import Undo
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,12 @@ class ResolvedClasses:
                 total = total + extra
         return total
 
+    def probe_cost(self, *, tp: int, max_batch_size: int) -> CacheCost:
+        """KV bytes per token of the estimation probe for target and draft: every layer holds
+        every probe token, no per-sequence window state (``bootstrap.capacity.probe_cost``)."""
+        shapes = (self.shape, self.draft_shape)
+        return probe_cost(shapes, kv_dtype_bytes=kv_dtype_bytes(self.kv_dtype), tp=tp, max_batch_size=max_batch_size)
+
 
 @dataclass(frozen=True)
 class LoadedModel:
@@ -59,6 +66,10 @@ class EstimationBuild:
     probe_tokens: int
     probe_kv_bytes: int
     max_num_tokens: int  # the dummy workload this probe was sized for
+    # The releases of this build, set by the estimation_build stage. Profiling runs them to tear
+    # the probe down before it rebuilds a smaller one; running them again does nothing, so an
+    # empty ``release`` means the probe is gone. None: built outside the stage, not releasable early.
+    release: Undo | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

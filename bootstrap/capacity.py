@@ -11,6 +11,7 @@ The budget split between pools lives in `bootstrap.budget_split` and is re-expor
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -133,13 +134,7 @@ def model_cost(
     Recurrent state adds ``max_batch_size * ceil(state_elements / tp) * layers * dtype_bytes``
     (the state shards with the Mamba inner dimension; it uses the KV dtype).
     """
-    _check_positive(tp=tp, max_batch_size=max_batch_size, tokens_per_block=tokens_per_block)
-    if shape.num_heads % tp:
-        raise CapacityError(
-            f"tensor_parallel_size ({tp}) must divide the {shape.num_heads} attention heads of "
-            f"{shape.architecture}; choose a divisor of {shape.num_heads}"
-        )
-    per_layer = _layer_bytes_per_token(shape, kv_dtype_bytes, tp)
+    per_layer = _checked_layer_bytes(shape, kv_dtype_bytes, tp, max_batch_size, tokens_per_block)
     longest = max_seq_len if max_seq_len is not None else shape.max_position_embeddings
     windows = shape.attention_windows
     sliding = [w for w in windows if w is not None and w < longest]
@@ -147,10 +142,44 @@ def model_cost(
         sliding = []
     slope = (len(windows) - len(sliding)) * per_layer
     window_bytes = sum(_ceil_to(w, tokens_per_block) * per_layer for w in sliding)
-    state = shape.num_recurrent_layers * math.ceil(
-        -(-shape.recurrent_state_elements // tp) * kv_dtype_bytes
-    )
-    return CacheCost(slope, max_batch_size * (window_bytes + state))
+    return CacheCost(slope, max_batch_size * (window_bytes + _recurrent_state_bytes(shape, kv_dtype_bytes, tp)))
+
+
+def probe_cost(
+    shapes: Iterable[ModelShape | None], *, kv_dtype_bytes: int | float, tp: int, max_batch_size: int
+) -> CacheCost:
+    """Cost of the estimation probe of the models in ``shapes`` (target, draft; ``None`` skipped).
+
+    Every attention layer, windowed or not, holds every probe token: TensorRT-LLM's V1 estimation
+    managers give each window the same ``max_tokens // tpb`` blocks (``is_estimating_kv_cache``),
+    and its V1 cost per token counts every layer at full length. That bounds what the dummy
+    workload needs (a windowed layer keeps at most its window of each dummy request). The plan's
+    per-sequence window state (``model_cost``'s intercept, ``max_batch_size`` live sequences) is
+    left out: the dummies are a few requests, not ``max_batch_size`` windows. Recurrent state stays
+    (the V1 estimation managers keep ``max_batch_size`` state slots).
+    """
+    total = CacheCost(0)
+    for shape in (s for s in shapes if s is not None):
+        per_layer = _checked_layer_bytes(shape, kv_dtype_bytes, tp, max_batch_size, 1)
+        state = max_batch_size * _recurrent_state_bytes(shape, kv_dtype_bytes, tp)
+        total = total + CacheCost(len(shape.attention_windows) * per_layer, state)
+    return total
+
+
+def _checked_layer_bytes(shape: ModelShape, kv_dtype_bytes: int | float, tp: int, max_batch_size: int,
+                         tokens_per_block: int) -> int:  # fmt: skip
+    _check_positive(tp=tp, max_batch_size=max_batch_size, tokens_per_block=tokens_per_block)
+    if shape.num_heads % tp:
+        raise CapacityError(
+            f"tensor_parallel_size ({tp}) must divide the {shape.num_heads} attention heads of "
+            f"{shape.architecture}; choose a divisor of {shape.num_heads}"
+        )
+    return _layer_bytes_per_token(shape, kv_dtype_bytes, tp)
+
+
+def _recurrent_state_bytes(shape: ModelShape, kv_dtype_bytes: int | float, tp: int) -> int:
+    """One sequence's recurrent state on one rank, every recurrent layer."""
+    return shape.num_recurrent_layers * math.ceil(-(-shape.recurrent_state_elements // tp) * kv_dtype_bytes)
 
 
 def dummy_request_lengths(max_num_tokens: int, max_seq_len: int) -> list[int]:
@@ -164,40 +193,83 @@ def dummy_request_lengths(max_num_tokens: int, max_seq_len: int) -> list[int]:
     return [length] * full + ([rest] if rest else [])
 
 
+def dummy_workload_tokens(*, max_num_tokens: int, max_seq_len: int, tokens_per_block: int) -> int:
+    """KV tokens the profiling dummies occupy at once: ``sum(ceil((len + 1) / tpb)) * tpb`` over
+    ``dummy_request_lengths`` (one generated token each). The smallest probe that runs the dummy
+    workload of ``max_num_tokens`` in one step."""
+    _check_positive(tokens_per_block=tokens_per_block)
+    lengths = dummy_request_lengths(max_num_tokens, max_seq_len)
+    return sum(-(-(n + 1) // tokens_per_block) for n in lengths) * tokens_per_block
+
+
 def estimation_tokens(*, max_num_tokens: int, max_seq_len: int, max_batch_size: int, tokens_per_block: int) -> int:
     """Probe KV capacity in tokens (reference §3.1, one pool group, beam width 1).
 
-    Each dummy needs ``ceil((len + 1) / tpb)`` blocks (one generated token); at least one full
-    ``max_seq_len`` request plus one block for each other batch slot. Block aligned.
+    The dummy workload (``dummy_workload_tokens``), but at least one full ``max_seq_len`` request
+    plus one block for each other batch slot (TensorRT-LLM's CUDA-graph warm-up floor). Block aligned.
     """
     _check_positive(max_batch_size=max_batch_size, tokens_per_block=tokens_per_block)
-    lengths = dummy_request_lengths(max_num_tokens, max_seq_len)
-    blocks = sum(-(-(n + 1) // tokens_per_block) for n in lengths)
+    workload = dummy_workload_tokens(max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
+                                     tokens_per_block=tokens_per_block)  # fmt: skip
     floor = -(-(max_seq_len + 1) // tokens_per_block) + max_batch_size - 1
-    return max(blocks, floor) * tokens_per_block
+    return max(workload, floor * tokens_per_block)
 
 
-def cap_probe_tokens(tokens: int, *, cost: CacheCost, free_bytes: int, fraction: float, tokens_per_block: int) -> int:
-    """The probe size actually allocated: ``tokens`` capped to what ``fraction`` of the memory
-    free now holds, block aligned (TensorRT-LLM V1, reference §3.1).
+def cap_probe_tokens(
+    tokens: int,
+    *,
+    cost: CacheCost,
+    free_bytes: int,
+    fraction: float,
+    tokens_per_block: int,
+    overhead_bytes: int = 0,
+    max_kv_tokens: int | None = None,
+    max_kv_bytes: int | None = None,
+    plan_cost: CacheCost | None = None,
+) -> int:
+    """The probe size actually allocated, block aligned (reference §3.1): ``tokens`` (aligned up),
+    capped by ``max_kv_tokens`` (TensorRT-LLM's ``min(estimate, max_tokens)``, floored to a block,
+    at least one) and by what the room holds at the probe's ``cost`` (``probe_cost``). The room is
+    ``fraction`` of the free memory once ``overhead_bytes`` are allocated beside the probe
+    (TensorRT-LLM V1 reads free memory after its sampler exists), capped by ``max_kv_bytes``
+    (V2's estimation quota).
 
     The probe is added back to the budget, so a smaller probe changes no figure of the plan; it
-    only has to leave room for the dummy forward. When not even one block fits beside the fixed
-    per-sequence state, no smaller ``max_num_tokens`` can help: that is a ``CapacityError``.
+    only has to leave room for the dummy forward. The room also bounds the final KV budget: when
+    it cannot hold one block of the probe, or of ``plan_cost`` (the final pools, with their fixed
+    per-sequence state), no plan exists and no retry can help: that is a ``CapacityError`` naming
+    what takes the room.
     """
     _check_positive(tokens=tokens, tokens_per_block=tokens_per_block)
-    room = int(free_bytes * fraction)
-    fits = cost.tokens_for_budget(room) // tokens_per_block
-    if fits < 1:
-        raise CapacityError(
-            f"the KV cache cannot hold one block next to its fixed per-sequence state: "
-            f"{fmt_bytes(cost.bytes_for_tokens(tokens_per_block))} needed ({fmt_bytes(cost.intercept)} of "
-            f"sliding-window or recurrent state for every batch slot), {fmt_bytes(room)} available "
-            f"(free_gpu_memory_fraction {fraction} of {fmt_bytes(free_bytes)} free after loading the weights)"
-            "\n  fix: lower max_batch_size (the fixed state scales with it), use a smaller kv_cache_dtype, "
-            "raise free_gpu_memory_fraction, or use more tensor_parallel_size"
+    memory = int((free_bytes - overhead_bytes) * fraction)
+    room = memory if max_kv_bytes is None else min(memory, max_kv_bytes)
+    for need in (plan_cost, cost):
+        if need is not None and need.tokens_for_budget(room) < tokens_per_block:
+            why = "max_kv_bytes" if room < memory else f"free_gpu_memory_fraction {fraction}"
+            raise CapacityError(_no_room(need, free_bytes, tokens_per_block, overhead_bytes, room, why))
+    blocks = -(-tokens // tokens_per_block)
+    if max_kv_tokens is not None:
+        blocks = min(blocks, max(max_kv_tokens // tokens_per_block, 1))
+    return min(blocks, cost.tokens_for_budget(room) // tokens_per_block) * tokens_per_block
+
+
+def _no_room(cost: CacheCost, free_bytes: int, tokens_per_block: int, overhead_bytes: int, room: int, why: str) -> str:
+    if overhead_bytes >= free_bytes:
+        return (
+            f"the temporary executor's state ({fmt_bytes(overhead_bytes)}: sampler buffers and block tables) "
+            f"does not fit in the {fmt_bytes(free_bytes)} free after loading the weights, before any KV cache"
+            "\n  fix: lower max_batch_size (the sampler's buffers scale with it), lower max_seq_len (block "
+            "tables), or use more tensor_parallel_size"
         )
-    return min(-(-tokens // tokens_per_block), fits) * tokens_per_block
+    return (
+        f"the KV cache cannot hold one block next to its fixed per-sequence state: "
+        f"{fmt_bytes(cost.bytes_for_tokens(tokens_per_block))} needed ({fmt_bytes(cost.intercept)} of "
+        f"sliding-window or recurrent state for every batch slot), {fmt_bytes(room)} available (limited by {why}; "
+        f"{fmt_bytes(free_bytes)} free after loading the weights, {fmt_bytes(overhead_bytes)} of it for the "
+        "executor state)"
+        "\n  fix: lower max_batch_size (the fixed state scales with it), use a smaller kv_cache_dtype, "
+        "raise free_gpu_memory_fraction or max_kv_bytes, or use more tensor_parallel_size"
+    )
 
 
 @dataclass(frozen=True)
@@ -239,7 +311,7 @@ class MemoryProfile:
         return {**asdict(self), "peak_bytes": self.peak_bytes, "activation_bytes": self.activation_bytes}
 
 
-LIMITS = ("memory", "max_kv_bytes", "max_kv_tokens")
+LIMITS = ("memory", "max_kv_bytes", "max_kv_tokens")  # and the names of a backend's caps
 
 
 @dataclass(frozen=True)
@@ -281,9 +353,11 @@ def plan_capacity(
     tokens_per_block: int,
     max_kv_bytes: int | None = None,
     max_kv_tokens: int | None = None,
+    caps: Mapping[str, int] | None = None,
 ) -> CapacityPlan:
     """KV budget from a profile: ``int((total - peak + probe_kv) * fraction)`` capped by the
-    explicit limits, then block-aligned tokens (reference §3.2).
+    explicit limits and by the backend's ``caps`` (bytes by name), then block-aligned tokens
+    (reference §3.2). ``limited_by`` names the smallest of them.
 
     Differs from TensorRT-LLM: both caps apply to bytes here (TRT's V2 passes ``max_tokens`` on
     to the manager), and the plan fails now, with figures, when one ``max_seq_len`` request
@@ -293,6 +367,9 @@ def plan_capacity(
         raise CapacityError(f"free_gpu_memory_fraction must be in (0, 1], got {fraction}")
     _check_positive(max_seq_len=max_seq_len, max_batch_size=max_batch_size, tokens_per_block=tokens_per_block)
     budget, limited_by = _capped_budget(profile, cost, fraction, max_kv_bytes, max_kv_tokens)
+    for name, cap in (caps or {}).items():
+        if cap < budget:
+            budget, limited_by = cap, name
     kv_tokens = cost.tokens_for_budget(budget) // tokens_per_block * tokens_per_block if budget > 0 else 0
     if kv_tokens < tokens_per_block:
         raise CapacityError(_too_small(profile, cost, fraction, budget, limited_by, tokens_per_block, "one KV block"))
@@ -339,8 +416,9 @@ def _too_small(
     if limited_by != "memory":
         lines.append(f"fix: raise {limited_by} (it caps the budget below what memory allows)")
     else:
+        raise_fraction = "raise free_gpu_memory_fraction, " if fraction < 1 else ""  # 1.0 is its maximum
         lines.append(
-            "fix: lower max_seq_len, raise free_gpu_memory_fraction, lower max_num_tokens or max_batch_size "
+            f"fix: lower max_seq_len, {raise_fraction}lower max_num_tokens or max_batch_size "
             f"(activations and fixed state; profiled max_num_tokens={profile.max_num_tokens}), use a smaller "
             "kv_cache_dtype, or use more tensor_parallel_size"
         )
@@ -349,6 +427,6 @@ def _too_small(
 
 __all__ = [
     "GIB", "CacheCost", "CapacityError", "CapacityPlan", "MemoryProfile",
-    "cap_probe_tokens", "dummy_request_lengths", "estimation_tokens", "fmt_bytes", "kv_dtype_bytes", "mha_cost", "mla_cost",
-    "model_cost", "plan_capacity",
+    "cap_probe_tokens", "dummy_request_lengths", "dummy_workload_tokens", "estimation_tokens", "fmt_bytes",
+    "kv_dtype_bytes", "mha_cost", "mla_cost", "model_cost", "plan_capacity", "probe_cost",
 ]

@@ -1,4 +1,7 @@
-"""``bootstrap plan``: the whole pipeline on a simulated GPU, a dry-run capacity planner.
+"""``bootstrap plan | run | cache``: plan on a simulated GPU, run the real executor, clear cached plans.
+
+``plan`` runs the whole pipeline on a simulated GPU (a dry-run capacity planner); ``run`` builds
+the real executor through the same stages and answers one prompt (``bootstrap/cli_run.py``).
 
 Exit status: 0 ready; 1 a stage failed (one paragraph on stderr, no traceback); 2 bad input
 (an invalid or infeasible configuration, named with the field to change).
@@ -17,6 +20,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from rich.console import Console
 
 from bootstrap.capacity import CapacityError
+from bootstrap.cli_run import DEFAULT_PLAN_CACHE, add_cache_args, add_run_args, clear_cache, emit, run_command
 from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.devices import GiB
 from bootstrap.graph import GraphError
@@ -32,9 +36,10 @@ BAD_INPUT = (ConfigError, ModelConfigError, CapacityError)  # exit 2, also when 
 INPUT_ERRORS = (*BAD_INPUT, GraphError, MissingExtra, ValueError)  # raised before the pipeline starts
 
 
-def _config_args(parser: argparse.ArgumentParser) -> None:
+def _config_args(parser: argparse.ArgumentParser, model_help: str = "preset name, config.json, or checkpoint dir",
+                 default_model: str | None = None) -> None:  # fmt: skip
     add = parser.add_argument
-    add("--model", required=True, help="preset name, config.json, or checkpoint dir")
+    add("--model", required=default_model is None, default=default_model, help=model_help)
     add("--draft-model", help="draft model for two-model speculative decoding")
     add("--tp", dest="tensor_parallel_size", type=int, default=1, help="tensor-parallel size")
     add("--dtype", default="auto", help="weights: auto, float32, bfloat16, float16")
@@ -47,7 +52,7 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
     add("--max-kv-bytes", type=int)
     add("--max-kv-tokens", type=int)
     add("--host-cache-bytes", type=int, default=0)
-    add("--plan-cache", type=Path, help="directory of cached plans (off by default)")
+    add("--plan-cache", type=Path, help="directory of cached plans")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,12 +66,21 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     plan.add_argument("--fault", action="append", default=[], metavar="STAGE:oom[:N]",
                       help="make the first N attempts of STAGE raise a simulated OOM (repeatable)")  # fmt: skip
+    run = sub.add_parser("run", help="build the real executor through the stages and answer one prompt")
+    _config_args(run, "checkpoint dir, .gguf file, random:<preset|config.json>, or the default", "smollm2-135m-instruct")
+    add_run_args(run)
+    cache = sub.add_parser("cache", help="manage the plan cache")
+    add_cache_args(cache)
     return parser
 
 
 def config_from_args(args: argparse.Namespace) -> BootstrapConfig:
-    fields = set(BootstrapConfig.model_fields) - {"device"}
-    return BootstrapConfig.parse(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
+    values = {k: v for k, v in vars(args).items() if k in BootstrapConfig.model_fields and v is not None}
+    if getattr(args, "no_plan_cache", False):
+        values.pop("plan_cache", None)
+    elif args.command == "run":
+        values.setdefault("plan_cache", DEFAULT_PLAN_CACHE)
+    return BootstrapConfig.parse(**values)
 
 
 def parse_fault(text: str) -> tuple[str, int]:
@@ -121,24 +135,33 @@ def _error_paragraph(exc: StageFailed) -> str:
     return f"{text}. {exc.advice}" if exc.advice else text
 
 
+def plan_line(plan: dict[str, Any]) -> str:
+    """The plan in words, one line per pool after the first."""
+    lines = [
+        f"KV budget {plan['kv_budget_bytes'] / GiB:.2f} GiB ({plan['kv_budget_bytes']} bytes, limited by "
+        f"{plan['limited_by']}): {plan['kv_tokens']} tokens, room for {plan['kv_requests']} requests of "
+        f"max_seq_len {plan['max_seq_len']}; {plan['max_concurrent_requests']} run at once "
+        f"(max_batch_size {plan['max_batch_size']}); max_num_tokens {plan['max_num_tokens']}"
+    ]
+    for name, pool in plan.get("pools", {}).items():
+        share = plan.get(f"{name}_share", 0.0)
+        lines.append(f"  {name}: {pool['gpu_bytes'] / GiB:.2f} GiB, {pool['tokens']} tokens ({share:.1%})")
+    return "\n".join(lines)
+
+
 def print_plan(result: dict[str, Any], console: Console) -> None:
     console.print(stage_table(result["stages"]))
-    plan = result["plan"]
-    if plan:
-        console.print(
-            f"KV budget {plan['kv_budget_bytes'] / GiB:.2f} GiB ({plan['kv_budget_bytes']} bytes, limited by "
-            f"{plan['limited_by']}): {plan['kv_tokens']} tokens, room for {plan['kv_requests']} requests of "
-            f"max_seq_len {plan['max_seq_len']}; {plan['max_concurrent_requests']} run at once "
-            f"(max_batch_size {plan['max_batch_size']}); max_num_tokens {plan['max_num_tokens']}"
-        )
-        for name, pool in plan.get("pools", {}).items():
-            share = plan.get(f"{name}_share", 0.0)
-            console.print(f"  {name}: {pool['gpu_bytes'] / GiB:.2f} GiB, {pool['tokens']} tokens ({share:.1%})")
+    if result["plan"]:
+        console.print(plan_line(result["plan"]), highlight=False)
     console.print(f"device {result['device']['name']}: leaked bytes after teardown: {result['device']['leaked_bytes']}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "cache":
+        return clear_cache(args)
+    if args.command == "run":
+        return main_run(args)
     try:
         result, error = anyio.run(run_plan, args)
     except INPUT_ERRORS as exc:
@@ -157,6 +180,28 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(result["error"], file=sys.stderr)
     return 2 if isinstance(error.cause, BAD_INPUT) else 1
+
+
+def main_run(args: argparse.Namespace) -> int:
+    bad_input = (*BAD_INPUT, *_engine_input_errors())
+    try:
+        result, error = anyio.run(run_command, args, config_from_args(args))
+    except (*INPUT_ERRORS, *bad_input) as exc:
+        emit({"text": "", "token_ids": [], "stages": [], "plan": {}, "error": str(exc)}, args.json)
+        return 2
+    except KeyboardInterrupt:
+        print("bootstrap: interrupted; completed stages were rolled back", file=sys.stderr)
+        return 130
+    emit(result, args.json)
+    if error is None:
+        return 0
+    return 2 if isinstance(getattr(error, "cause", error), bad_input) else 1
+
+
+def _engine_input_errors() -> tuple[type[BaseException], ...]:
+    from bootstrap.engine.loader import ModelSourceError
+
+    return (ModelSourceError,)
 
 
 if __name__ == "__main__":

@@ -28,8 +28,8 @@ def is_oom(exc: BaseException) -> bool:
         return True
     if type(exc).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError, without importing torch
         return True
-    message = str(exc).lower()  # CPU: "DefaultCPUAllocator: can't allocate memory: you tried to ..."
-    return isinstance(exc, RuntimeError) and ("out of memory" in message or "can't allocate memory" in message)
+    text = str(exc).lower()  # the CPU allocator says "can't allocate memory"
+    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
 
 
 @runtime_checkable

@@ -125,6 +125,23 @@ class Pipeline:
                 await self._reset(stage_id)
         return await self._run_pending()
 
+    def detach(self) -> dict[str, Any]:
+        """Hand every artifact of a finished run to the caller, who owns them from now on (an
+        executor's ``shutdown`` releases its KV pool; the rest goes with the last reference); stop
+        the device thread. Nothing is released here, and the pipeline is closed afterwards."""
+        if self._closed or self._running:
+            raise RuntimeError(f"this pipeline is {'closed' if self._closed else 'still running'}")
+        unfinished = [s.id for s in self.stages if self.status[s.id].state not in ("done", "skipped")]
+        if unfinished:
+            raise RuntimeError(f"detach needs a finished run; not done: {', '.join(unfinished)}")
+        self._closed = True
+        self._undos.clear()
+        self._finished.clear()
+        if self._owns_thread:
+            self._thread.close()
+        self.hub.close()
+        return self.artifacts
+
     async def aclose(self) -> None:
         """Cancel a run in progress and wait for it to end (it raises ``PipelineClosed``), then
         release every completed stage's artifact, newest first, and stop the device thread.

@@ -31,13 +31,35 @@ class Backend(Protocol):
     def default_dtype(self, shape: ModelShape) -> str:
         """The weight dtype ``dtype="auto"`` means on this backend's device."""
 
+    def check_config(self, config: BootstrapConfig, shape: ModelShape) -> None:
+        """Raise ``ConfigError`` for what this backend cannot run (before any weight is loaded)."""
+
+    def kv_caps(self, resolved: ResolvedClasses, config: BootstrapConfig) -> Mapping[str, int]:
+        """Caps on the KV budget in bytes beyond the config's, by the name ``limited_by`` shows."""
+
     def load_model(self, config: BootstrapConfig, resolved: ResolvedClasses, undo: Undo) -> LoadedModel:
         """Load target (and draft) weights onto ``device``, and the tokenizer."""
+
+    def estimation_overhead_bytes(self, resolved: ResolvedClasses, config: BootstrapConfig) -> int:
+        """Device bytes ``build_estimation`` will allocate *besides* the probe KV pools, for this
+        ``config``: the temporary executor's sampler buffers, block tables, sequence slots, and
+        any workspace it takes before the dummy requests run. Must not allocate anything.
+
+        The stages call it before every probe build (and every rebuild after an OOM) and cap the
+        probe to ``free_gpu_memory_fraction * (free - overhead)`` of the probe's cost, so probe
+        and executor fit together (TensorRT-LLM reads its free memory after its sampler exists).
+        Over-estimating is safe: the probe is added back to the KV budget, so only the probe
+        shrinks. Under-estimating risks an OOM in ``estimation_build``. Memory the dummy forward
+        takes (activations, lazily captured graphs) is measured by ``profile``; leave it out.
+        """
 
     def build_estimation(
         self, loaded: LoadedModel, resolved: ResolvedClasses, probe_tokens: int, config: BootstrapConfig, undo: Undo
     ) -> EstimationBuild:
-        """Allocate probe KV pools of ``probe_tokens`` tokens and a temporary executor on them."""
+        """Allocate probe KV pools of ``probe_tokens`` tokens (every layer holds every probe token:
+        ``bootstrap.capacity.probe_cost``) and a temporary executor on them, whose state is what
+        ``estimation_overhead_bytes`` reported. May be called again after its undo ran (a smaller
+        rebuild after a profiling OOM)."""
 
     def profile(
         self, estimation: EstimationBuild, loaded: LoadedModel, max_num_tokens: int, config: BootstrapConfig, undo: Undo

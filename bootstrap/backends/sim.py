@@ -5,7 +5,7 @@ through ``device.allocate(nbytes, tag)`` with a tag that starts with the id of t
 makes it, so ``device.inject_oom("<stage id>", n)`` fails that stage's next ``n`` allocations:
 
   load_model/weights, load_model/draft_weights       weights on this rank (``weight_bytes / tp``)
-  estimation_build/probe_kv                          probe KV pool (all pools' cost per token)
+  estimation_build/probe_kv                          probe KV pool (``probe_cost``: every layer holds every token)
   estimation_build/workspace                         the temporary executor's sampler + block tables
   profiling/activations                              the forward's analytic peak, freed at once
   final_build/kv_target, kv_draft, kv_cross          the final KV pools, as the budgets say
@@ -143,6 +143,12 @@ class SimBackend:
         """The checkpoint's 16-bit dtype; bfloat16 for float32 or unknown checkpoints (a GPU serves 16-bit)."""
         return shape.torch_dtype if shape.torch_dtype in ("bfloat16", "float16") else "bfloat16"
 
+    def check_config(self, config: BootstrapConfig, shape: ModelShape) -> None:
+        """The planner prices every layout it can parse."""
+
+    def kv_caps(self, resolved: ResolvedClasses, config: BootstrapConfig) -> Mapping[str, int]:
+        return {}  # a simulated GPU is filled, as TensorRT-LLM fills a real one
+
     def load_model(self, config: BootstrapConfig, resolved: ResolvedClasses, undo: Undo) -> LoadedModel:
         dtype_bytes, tp = weight_dtype_bytes(resolved.dtype), config.tensor_parallel_size
         weights = allocate(self.device, rank_weight_bytes(resolved.shape, dtype_bytes, tp), "load_model/weights", undo)
@@ -154,15 +160,21 @@ class SimBackend:
         total = weights.nbytes + (draft.nbytes if draft else 0)
         return LoadedModel(handle=model, weight_bytes=total, draft_handle=draft)
 
+    def estimation_overhead_bytes(self, resolved: ResolvedClasses, config: BootstrapConfig) -> int:
+        """The temporary executor's state: what ``build_estimation`` allocates before the probe."""
+        return executor_state_bytes(resolved, config)
+
     def build_estimation(
         self, loaded: LoadedModel, resolved: ResolvedClasses, probe_tokens: int, config: BootstrapConfig, undo: Undo
     ) -> EstimationBuild:
-        """Probe pool of exactly ``probe_tokens`` (the stage sizes and caps it) and the
-        temporary executor's state."""
+        """The temporary executor's state, then a probe pool of exactly ``probe_tokens`` (the
+        stage sizes and caps it) priced by ``resolved.probe_cost``: every layer holds every probe token."""
         if probe_tokens < 1:
             raise ValueError(f"probe_tokens must be >= 1, got {probe_tokens}")
-        workspace = allocate(self.device, executor_state_bytes(resolved, config), "estimation_build/workspace", undo)
-        nbytes = resolved.total_cost.bytes_for_tokens(probe_tokens)
+        overhead = self.estimation_overhead_bytes(resolved, config)
+        workspace = allocate(self.device, overhead, "estimation_build/workspace", undo)
+        cost = resolved.probe_cost(tp=config.tensor_parallel_size, max_batch_size=config.max_batch_size)
+        nbytes = cost.bytes_for_tokens(probe_tokens)
         probe = allocate(self.device, nbytes, "estimation_build/probe_kv", undo)
         return EstimationBuild(
             handle=SimBuild((workspace, probe)),

@@ -9,6 +9,10 @@ the flattened ``[blocks * tpb, kv_heads, head_dim]`` view of a layer.
 The same class serves the small probe pool of the estimation stage, the final target pool and
 a separate draft pool: only the spec and the size differ.
 
+Freed blocks are reused first (last in, first out), so the blocks ever touched stay as few as
+the peak load needs; on the CPU the pool's pages are mapped zeroed on first touch (``zeros``),
+so an idle pool costs no resident memory.
+
 Byte figures in ``stats()``: ``total_bytes`` is the pool tensor, ``allocated_bytes`` the blocks
 handed to requests, ``used_bytes`` the tokens those requests hold (allocated minus the unfilled
 tail of each request's last block).
@@ -21,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+import numpy
 import torch
 
 
@@ -80,6 +85,17 @@ class KVCacheStats:
         return self.total_blocks * self.tokens_per_block
 
 
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.zeros``; on the CPU from ``calloc``-style memory (numpy), whose pages the kernel
+    maps zeroed on first touch: a large pool costs no time to allocate and no resident memory
+    until requests fill it, where ``torch.zeros`` writes every byte up front."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = numpy.zeros(shape, dtype=f"u{itemsize}")  # same bytes: all-zero bits are 0.0 in every float dtype
+    return torch.from_numpy(raw).view(dtype)
+
+
 def _check_positive(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -97,7 +113,7 @@ class PagedKVCache:
         self.device = torch.device(device)
         shape = (2, spec.num_layers, num_blocks, tokens_per_block, spec.num_kv_heads, spec.head_dim)
         # Zeros, not empty: masked attention weights are exactly 0, and 0 * NaN garbage would be NaN.
-        self._kv: torch.Tensor | None = torch.zeros(shape, dtype=spec.dtype, device=self.device)
+        self._kv: torch.Tensor | None = zeros(shape, spec.dtype, self.device)
         self._free: deque[int] = deque(range(num_blocks))
         self._tables: dict[Any, list[int]] = {}
         self._lengths: dict[Any, int] = {}
@@ -219,7 +235,7 @@ class PagedKVCache:
             table = self._tables.pop(request_id, None)
             self._lengths.pop(request_id, None)
             if table and self._kv is not None:
-                self._free.extend(table)
+                self._free.extendleft(reversed(table))  # LIFO: reuse what was touched last
 
     def holds(self, request_id: Any) -> bool:
         return request_id in self._tables

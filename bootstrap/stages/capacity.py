@@ -33,6 +33,7 @@ def capacity(
         tokens_per_block=config.tokens_per_block,
         max_kv_bytes=config.max_kv_bytes,
         max_kv_tokens=config.max_kv_tokens,
+        caps=backend.kv_caps(resolved, config),
     )
     if plan_cache is not None and profile.max_num_tokens == config.max_num_tokens:
         remember(plan_cache, config, resolved, backend, profile, plan)

@@ -1,9 +1,13 @@
 """Stage 3, ``estimation_build``: probe KV pools sized for the dummy workload, and a temporary
-executor on them; the probe is capped to what the free memory holds. OOM: the attempt's pools
-are released, ``max_num_tokens`` halves, retry.
+executor on them. The probe is TensorRT-LLM's estimation size capped by ``max_kv_tokens`` and by
+what ``free_gpu_memory_fraction`` of the free memory holds once the executor state beside it
+(``Backend.estimation_overhead_bytes``) is allocated. OOM: the attempt's pools are released and
+the probe shrinks, first to the dummy workload, then with ``max_num_tokens`` halved (``shrink``).
 Skipped (reason ``plan-cache``) when a cached plan matches and the device has room for it."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from bootstrap.artifacts import EstimationBuild, LoadedModel, ResolvedClasses
 from bootstrap.backends.base import Backend
@@ -11,7 +15,7 @@ from bootstrap.capacity import cap_probe_tokens, estimation_tokens
 from bootstrap.config import BootstrapConfig
 from bootstrap.plan_cache import CachedPlan, PlanCache
 from bootstrap.stage import Skip, Stage, on_oom
-from bootstrap.stages.shrink import halve_max_num_tokens
+from bootstrap.stages.shrink import probe_oom, shrink_probe
 from bootstrap.undo import Undo
 
 
@@ -22,21 +26,46 @@ def estimation_build(
     backend: Backend,
     plan_cache: PlanCache | None,
     undo: Undo,
+    probe_tokens: int | None = None,
 ) -> EstimationBuild:
-    wanted = estimation_tokens(
-        max_num_tokens=config.max_num_tokens,
-        max_seq_len=resolved.max_seq_len,
-        max_batch_size=config.max_batch_size,
-        tokens_per_block=config.tokens_per_block,
-    )
-    probe_tokens = cap_probe_tokens(
+    """``probe_tokens``: the size an OOM adaptation chose (still capped); None, the estimation formula."""
+    if probe_tokens is None:
+        probe_tokens = estimation_tokens(
+            max_num_tokens=config.max_num_tokens,
+            max_seq_len=resolved.max_seq_len,
+            max_batch_size=config.max_batch_size,
+            tokens_per_block=config.tokens_per_block,
+        )
+    return build_probe(config, resolved, loaded, backend, probe_tokens, undo)
+
+
+def build_probe(
+    config: BootstrapConfig, resolved: ResolvedClasses, loaded: LoadedModel, backend: Backend, wanted: int, undo: Undo
+) -> EstimationBuild:
+    """The probe of ``wanted`` tokens, capped (``capped_probe_tokens``), and its executor. Its
+    releases go on ``undo`` and on the artifact's ``release`` (profiling may run them early)."""
+    tokens = capped_probe_tokens(config, resolved, backend, wanted)
+    release = Undo()
+    undo.push(release.run)
+    with probe_oom("building the probe", max_num_tokens=config.max_num_tokens, probe_tokens=tokens):
+        build = backend.build_estimation(loaded, resolved, tokens, config, release)
+    return dataclasses.replace(build, release=release)
+
+
+def capped_probe_tokens(config: BootstrapConfig, resolved: ResolvedClasses, backend: Backend, wanted: int) -> int:
+    """``wanted`` capped by the KV limits and by the free memory left beside the executor state;
+    ``CapacityError`` when that room cannot hold one block of the final pools (no plan exists)."""
+    return cap_probe_tokens(
         wanted,
-        cost=resolved.total_cost,
+        cost=resolved.probe_cost(tp=config.tensor_parallel_size, max_batch_size=config.max_batch_size),
         free_bytes=backend.device.free_bytes(),
         fraction=config.free_gpu_memory_fraction,
         tokens_per_block=config.tokens_per_block,
+        overhead_bytes=backend.estimation_overhead_bytes(resolved, config),
+        max_kv_tokens=config.max_kv_tokens,
+        max_kv_bytes=config.max_kv_bytes,
+        plan_cost=resolved.total_cost,
     )
-    return backend.build_estimation(loaded, resolved, probe_tokens, config, undo)
 
 
 def cached_plan(
@@ -65,9 +94,13 @@ STAGE = Stage(
     estimation_build,
     provides="estimation",
     retry=on_oom(attempts=3),
-    adapt=halve_max_num_tokens,
+    adapt=shrink_probe,
     skip=skip_if_cached,
-    oom_advice="The probe KV pool does not fit: lower max_num_tokens, max_batch_size or max_seq_len.",
+    oom_advice=(
+        "The probe does not fit even after the retries shrank it (each attempt's span records the change): "
+        "start with max_num_tokens below the value above, lower max_batch_size or max_seq_len (the executor "
+        "state beside the probe) or free_gpu_memory_fraction, or free device memory."
+    ),
     figures=lambda e: {
         "bootstrap.kv.probe_tokens": e.probe_tokens,
         "bootstrap.kv.probe_bytes": e.probe_kv_bytes,

@@ -15,6 +15,9 @@ def resolve_classes(config: BootstrapConfig, backend: Backend) -> ResolvedClasse
     shape = backend.model_shape(config.model)
     draft = backend.model_shape(config.draft_model) if config.draft_model else None
     _check_config(config, shape, draft)
+    for model in (shape, draft):
+        if model is not None:
+            backend.check_config(config, model)
     max_seq_len = config.max_seq_len or shape.max_position_embeddings
     dtype = config.dtype if config.dtype != "auto" else backend.default_dtype(shape)
     kv_dtype = config.kv_cache_dtype if config.kv_cache_dtype != "auto" else dtype
@@ -80,4 +83,6 @@ def _check_config(config: BootstrapConfig, shape: ModelShape, draft: ModelShape 
             )
 
 
-STAGE = Stage("resolve_classes", resolve_classes, provides="resolved", blocking=False)
+# Blocking: a real backend reads config files (the default model may be fetched once) and
+# imports transformers; none of that may stall the event loop that answers health probes.
+STAGE = Stage("resolve_classes", resolve_classes, provides="resolved")

@@ -11,68 +11,9 @@ import copy
 
 import pytest
 import torch
-from transformers import (
-    Gemma2Config,
-    Gemma2ForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from tiny_models import BUILDERS, build
 
 from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
-
-SHAPE = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-)
-
-
-def _llama():
-    return LlamaForCausalLM(LlamaConfig(**SHAPE))
-
-
-def _mistral():  # a sliding window shorter than the prompts
-    return MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=8))
-
-
-def _qwen2():  # layer 0 full attention, layer 1 sliding: a hybrid model
-    return Qwen2ForCausalLM(Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=6, max_window_layers=1))
-
-
-def _gemma2():  # logit soft-capping that changes the output, explicit head_dim, alternating sliding layers
-    config = Gemma2Config(
-        **SHAPE, head_dim=16, query_pre_attn_scalar=16, sliding_window=8, attn_logit_softcapping=1.0, final_logit_softcapping=30.0
-    )
-    return Gemma2ForCausalLM(config)
-
-
-BUILDERS = {"llama": _llama, "mistral": _mistral, "qwen2": _qwen2, "gemma2": _gemma2}
-
-
-def build(name: str) -> torch.nn.Module:
-    """A seeded tiny model whose greedy output varies from token to token.
-
-    The default init is so small that greedy decoding repeats one token; scaling the matrices
-    up fixes that (for Gemma 2 only queries and keys, so attention scores reach the soft cap).
-    """
-    torch.manual_seed(1234)
-    model = BUILDERS[name]().eval()
-    with torch.no_grad():
-        for param_name, param in model.named_parameters():
-            if name != "gemma2" and param.dim() > 1:
-                param.mul_(4.0)
-            elif name == "gemma2" and ("q_proj" in param_name or "k_proj" in param_name):
-                param.mul_(8.0)
-    return model
-
 
 def reference(model: torch.nn.Module, prompt: list[int], max_tokens: int) -> list[int]:
     out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_tokens, attention_mask=None)

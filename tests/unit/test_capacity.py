@@ -15,6 +15,7 @@ from bootstrap.capacity import (
     CapacityError,
     MemoryProfile,
     dummy_request_lengths,
+    dummy_workload_tokens,
     estimation_tokens,
     kv_dtype_bytes,
     mha_cost,
@@ -22,6 +23,7 @@ from bootstrap.capacity import (
     model_cost,
     plan_capacity,
     cap_probe_tokens,
+    probe_cost,
 )
 from bootstrap.budget_split import split_budgets, split_cross, split_draft
 from bootstrap.models.presets import preset_shape
@@ -329,3 +331,63 @@ def test_windows_at_least_max_seq_len_are_priced_as_full_attention():
     assert short == CacheCost(slope=42 * layer, intercept=0)  # a 4096 window never slides in 512 tokens
     long = model_cost(gemma, kv_dtype_bytes=2, tp=1, max_batch_size=32, tokens_per_block=32, max_seq_len=8192)
     assert long == CacheCost(slope=21 * layer, intercept=32 * 21 * 4096 * layer)
+
+
+def test_dummy_workload_is_the_estimate_without_its_warm_up_floor():
+    # 8192 tokens at max_seq_len 8192: dummies of 8191 and 1 tokens, each + 1 generated: 256 + 1 blocks
+    assert dummy_workload_tokens(max_num_tokens=8192, max_seq_len=8192, tokens_per_block=32) == 257 * 32
+    # the estimate adds the floor of one max_seq_len request plus a block per other batch slot
+    assert estimation_tokens(max_num_tokens=8192, max_seq_len=8192, max_batch_size=64, tokens_per_block=32) == 320 * 32
+    assert dummy_workload_tokens(max_num_tokens=2048, max_seq_len=131072, tokens_per_block=32) == 65 * 32
+
+
+def test_probe_is_capped_by_max_kv_tokens_floored_to_a_block_and_never_below_one():
+    cost = CacheCost(slope=1000)
+    free = 10**9
+    assert cap_probe_tokens(320, cost=cost, free_bytes=free, fraction=0.9, tokens_per_block=32, max_kv_tokens=100) == 96
+    assert cap_probe_tokens(320, cost=cost, free_bytes=free, fraction=0.9, tokens_per_block=32, max_kv_tokens=5) == 32
+    assert cap_probe_tokens(320, cost=cost, free_bytes=free, fraction=0.9, tokens_per_block=32, max_kv_tokens=10**6) == 320
+
+
+def test_probe_room_is_the_fraction_of_free_memory_left_beside_the_overhead_and_max_kv_bytes():
+    cost = CacheCost(slope=1000)
+    # 0.5 x (400,000 - 200,000) holds 100 tokens = 3 blocks; without the overhead it would be 6
+    assert cap_probe_tokens(320, cost=cost, free_bytes=400_000, fraction=0.5, tokens_per_block=32) == 192
+    assert cap_probe_tokens(320, cost=cost, free_bytes=400_000, fraction=0.5, tokens_per_block=32,
+                            overhead_bytes=200_000) == 96  # fmt: skip
+    assert cap_probe_tokens(320, cost=cost, free_bytes=10**9, fraction=0.9, tokens_per_block=32, max_kv_bytes=64_000) == 64
+    with pytest.raises(CapacityError, match="max_kv_bytes") as info:
+        cap_probe_tokens(320, cost=cost, free_bytes=10**9, fraction=0.9, tokens_per_block=32, max_kv_bytes=31_999)
+    assert "limited by max_kv_bytes" in str(info.value)
+
+
+def test_executor_state_beyond_free_memory_names_max_batch_size():
+    with pytest.raises(CapacityError, match="temporary executor's state") as info:
+        cap_probe_tokens(320, cost=CacheCost(1000), free_bytes=10**6, fraction=0.9, tokens_per_block=32,
+                         overhead_bytes=2 * 10**6)  # fmt: skip
+    assert "lower max_batch_size" in str(info.value)
+
+
+def test_fixed_state_of_the_final_pools_beyond_the_room_fails_before_any_probe():
+    """The probe carries no window state, but the plan does: when its one block cannot fit in the
+    room (the most the final budget can be), no plan exists."""
+    probe, plan_cost = CacheCost(1000), CacheCost(1000, 10**6)
+    assert cap_probe_tokens(320, cost=probe, free_bytes=10**6, fraction=0.9, tokens_per_block=32) == 320
+    with pytest.raises(CapacityError, match="sliding-window or recurrent state"):
+        cap_probe_tokens(320, cost=probe, free_bytes=10**6, fraction=0.9, tokens_per_block=32, plan_cost=plan_cost)
+
+
+def test_the_probe_prices_every_layer_at_full_length_and_keeps_recurrent_state():
+    gemma = preset_shape("gemma-2-9b")  # 42 layers, 21 of them with a 4096-token window
+    layer = 2 * 8 * 256 * 2
+    assert probe_cost([gemma], kv_dtype_bytes=2, tp=1, max_batch_size=32) == CacheCost(slope=42 * layer)
+    llama = preset_shape("llama-3.1-8b")
+    plan_cost = model_cost(llama, kv_dtype_bytes=2, tp=1, max_batch_size=32, tokens_per_block=32)
+    assert probe_cost([llama, None], kv_dtype_bytes=2, tp=1, max_batch_size=32) == plan_cost  # no windows: equal
+    both = probe_cost([llama, llama], kv_dtype_bytes=2, tp=1, max_batch_size=32)
+    assert both == plan_cost + plan_cost  # target and draft probes add up
+    from bootstrap.models.shape import ModelShape
+
+    jamba = ModelShape.from_hf_config(JAMBA_TINY)  # recurrent state is per sequence slot, probe or not
+    assert probe_cost([jamba], kv_dtype_bytes=2, tp=1, max_batch_size=3) == model_cost(
+        jamba, kv_dtype_bytes=2, tp=1, max_batch_size=3, tokens_per_block=16)  # fmt: skip

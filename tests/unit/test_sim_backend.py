@@ -123,6 +123,30 @@ def test_estimation_allocates_block_aligned_probe_and_workspace():
     assert chain.device.live() == {}
 
 
+@pytest.mark.parametrize("overrides", [{}, {"max_batch_size": 1024, "max_seq_len": 2048},
+                                       {"model": "llama-3.1-70b", "draft_model": "llama-3.1-8b", "tensor_parallel_size": 4}])
+def test_estimation_overhead_is_what_the_build_allocates_beside_the_probe(overrides):
+    chain = Chain(**overrides)
+    chain.load()
+    live = chain.device.live()
+    overhead = chain.backend.estimation_overhead_bytes(chain.resolved, chain.config)
+    assert chain.device.live() == live  # reporting allocates nothing
+    chain.estimate()
+    assert chain.device.live()["estimation_build/workspace"] == overhead
+    chain.release_all()
+    assert chain.device.live() == {}
+
+
+def test_a_sliding_window_probe_is_priced_per_token_in_every_layer():
+    chain = Chain(model="gemma-2-9b", max_seq_len=8192, max_num_tokens=2048, max_batch_size=32)
+    chain.load()
+    est = chain.estimate()
+    probe = chain.resolved.probe_cost(tp=1, max_batch_size=32)
+    assert probe.intercept == 0 and chain.resolved.total_cost.intercept > 0
+    assert est.probe_kv_bytes == probe.bytes_for_tokens(est.probe_tokens) == 9216 * 42 * 8192
+    chain.release_all()
+
+
 def test_profile_reports_real_measurement_semantics():
     chain = Chain()
     chain.load()

@@ -3,6 +3,8 @@ retryable failure, rollback to zero simulated bytes, adaptations recorded, resum
 
 from __future__ import annotations
 
+import dataclasses
+
 import anyio
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -13,6 +15,7 @@ from bootstrap.capacity import CapacityError
 from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.devices import DeviceOutOfMemory
 from bootstrap.pipeline import StageFailed
+from bootstrap.stage import GiveUp
 from bootstrap.runner import make_pipeline
 from bootstrap.stages import STAGE_IDS
 from bootstrap.telemetry import make_tracer_provider
@@ -51,13 +54,15 @@ async def test_all_stages_succeed_and_release_everything():
 
 
 @pytest.mark.parametrize("stage", ["estimation_build", "profiling"])
-async def test_oom_halves_max_num_tokens_and_the_plan_records_it(stage):
+async def test_oom_shrinks_the_probe_then_halves_max_num_tokens_and_the_plan_records_it(stage):
     pipeline, device, memory = setup()
-    device.inject_oom(stage, 1)
+    device.inject_oom(stage, 2)
     artifacts = await pipeline.run()
     attempts = by_name(memory, f"bootstrap.stage.{stage}.attempt")
-    assert [a.status.status_code.name for a in attempts] == ["ERROR", "OK"]
-    assert attempts[1].attributes["bootstrap.adapt.max_num_tokens"] == "8192 -> 4096"
+    assert [a.status.status_code.name for a in attempts] == ["ERROR", "ERROR", "OK"]
+    assert "bootstrap.adapt.max_num_tokens" not in attempts[1].attributes  # the probe's slack goes first
+    assert attempts[1].attributes["bootstrap.adapt.probe_tokens"] == "10240 -> 8224"
+    assert attempts[2].attributes["bootstrap.adapt.max_num_tokens"] == "8192 -> 4096"
     assert artifacts["plan"].max_num_tokens == 4096
     await pipeline.aclose()
     assert device.live() == {}
@@ -242,10 +247,11 @@ async def test_missing_weights_file_is_not_retried():
 
 async def test_oom_at_the_max_num_tokens_floor_fails_with_the_reason():
     pipeline, device, memory = setup(max_num_tokens=64, max_batch_size=64)  # already at its floor
-    device.inject_oom("profiling", 1)
+    device.inject_oom("profiling", 2)  # the first one shrinks the probe to the dummy workload
     with pytest.raises(StageFailed) as info:
         await pipeline.run()
-    assert (info.value.stage, info.value.attempts) == ("profiling", 1)
+    assert (info.value.stage, info.value.attempts) == ("profiling", 2)
+    assert isinstance(info.value.cause, GiveUp)
     assert "max_num_tokens is already 64" in str(info.value) and "max_batch_size" in str(info.value)
     assert isinstance(info.value.cause.__cause__, DeviceOutOfMemory)
     await pipeline.aclose()
@@ -266,7 +272,7 @@ async def test_final_build_gives_up_rather_than_shrink_below_one_request():
 
 async def test_profiling_retry_halves_what_actually_ran_after_estimation_adapted():
     pipeline, device, memory = setup()
-    device.inject_oom("estimation_build", 1)  # 8192 -> 4096 for the probe
+    device.inject_oom("estimation_build", 2)  # a leaner probe, then 8192 -> 4096 for the probe
     device.inject_oom("profiling", 1)  # must now go 4096 -> 2048, not 8192 -> 4096
     artifacts = await pipeline.run()
     second = by_name(memory, "bootstrap.stage.profiling.attempt")[1]
@@ -288,12 +294,31 @@ async def test_plan_cache_hits_at_fraction_one(tmp_path):
 
 async def test_a_profile_taken_after_an_oom_adaptation_is_not_cached(tmp_path):
     first, device, _ = setup(plan_cache=tmp_path)
-    device.inject_oom("profiling", 1)
+    device.inject_oom("profiling", 2)
     assert (await first.run())["plan"].max_num_tokens == 4096
     await first.aclose()
     assert list(tmp_path.glob("*.json")) == []
     second, _, memory = setup(plan_cache=tmp_path)
     assert (await second.run())["plan"].max_num_tokens == 8192  # profiled afresh at full size
+    await second.aclose()
+
+
+async def test_a_profile_taken_on_a_leaner_probe_is_cached(tmp_path):
+    """The probe is added back to the budget: a retry that only shrank it measured the same plan."""
+    clean, _, _ = setup()
+    unfaulted = (await clean.run())["plan"]
+    await clean.aclose()
+    first, device, _ = setup(plan_cache=tmp_path)
+    device.inject_oom("profiling", 1)
+    planned = (await first.run())["plan"]
+    await first.aclose()
+    assert planned.peak_bytes < unfaulted.peak_bytes  # the peak holds the smaller probe, and
+    assert dataclasses.replace(planned, peak_bytes=unfaulted.peak_bytes) == unfaulted  # nothing else moves
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    second, _, memory = setup(plan_cache=tmp_path)
+    assert (await second.run())["plan"] == planned
+    (span,) = by_name(memory, "bootstrap.stage.profiling")
+    assert span.attributes["bootstrap.outcome"] == "skipped"
     await second.aclose()
 
 

@@ -1,0 +1,120 @@
+"""The Python API: build a real, started executor through the stages.
+
+    executor, report = await bootstrap.build_executor(config)   # you own the executor
+    async with bootstrap.executor(config) as ex: ...             # released on exit
+
+``Bootstrap`` is the object both (and the CLI and the server) use: one pipeline, its spans and
+its report. A failed build raises ``StageFailed`` and keeps every earlier artifact, so
+``await boot.retry()`` resumes without reloading the weights; ``aclose`` releases everything.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from bootstrap.backends.base import Backend
+from bootstrap.config import BootstrapConfig
+from bootstrap.events import StageEvent
+from bootstrap.pipeline import Pipeline
+from bootstrap.report import stage_rows
+from bootstrap.runner import make_pipeline, plan_summary
+from bootstrap.telemetry import ROOT_SPAN, make_tracer_provider
+
+
+@dataclass(frozen=True)
+class BootstrapReport:
+    """What a build did: one row per stage, the KV plan, the trace id and the time to ready."""
+
+    stages: list[dict[str, Any]]
+    plan: dict[str, Any]
+    trace_id: str | None
+    time_to_ready_s: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"stages": self.stages, "plan": self.plan, "trace_id": self.trace_id, "time_to_ready_s": self.time_to_ready_s}
+
+
+class Bootstrap:
+    """One executor build on ``backend`` (the native engine on ``config.device`` by default)."""
+
+    def __init__(
+        self, config: BootstrapConfig, *, backend: Backend | None = None, trace_file: Path | None = None, otlp: bool = False
+    ) -> None:
+        self.config = config
+        self.backend = backend if backend is not None else default_backend(config)
+        self._spans = InMemorySpanExporter()
+        self._provider = make_tracer_provider(trace_file=trace_file, otlp=otlp, memory=self._spans)
+        self.pipeline: Pipeline = make_pipeline(config, self.backend, tracer_provider=self._provider)
+        self._started: float | None = None
+        self._ready_s: float | None = None
+
+    def events(self) -> AsyncIterator[StageEvent]:
+        return self.pipeline.events()
+
+    async def build(self) -> Any:
+        """Run the stages; return the started executor. Raises ``StageFailed``."""
+        self._started = self._started or time.monotonic()
+        artifacts = await self.pipeline.run()
+        self._ready_s = time.monotonic() - self._started
+        return artifacts["executor"]
+
+    async def retry(self, stage_id: str | None = None) -> Any:
+        """Resume after ``StageFailed`` from the failed stage (or ``stage_id``); the executor."""
+        artifacts = await self.pipeline.retry(stage_id)
+        self._ready_s = time.monotonic() - (self._started or time.monotonic())
+        return artifacts["executor"]
+
+    def report(self) -> BootstrapReport:
+        spans = self._spans.get_finished_spans()
+        roots = [s for s in spans if s.name == ROOT_SPAN]
+        trace_id = f"{roots[-1].get_span_context().trace_id:032x}" if roots else None
+        return BootstrapReport(stage_rows(spans), plan_summary(self.pipeline.artifacts), trace_id, self._ready_s)
+
+    def detach(self) -> tuple[Any, BootstrapReport]:
+        """Hand the executor to the caller (see ``Pipeline.detach``) and flush the trace."""
+        report = self.report()
+        artifacts = self.pipeline.detach()
+        self._provider.shutdown()
+        return artifacts["executor"], report
+
+    async def aclose(self) -> None:
+        """Shut the executor down and release every pool and the weights; flush the trace."""
+        try:
+            await self.pipeline.aclose()
+        finally:
+            self._provider.shutdown()
+
+
+def default_backend(config: BootstrapConfig) -> Backend:
+    from bootstrap.backends.native import NativeBackend  # imports torch: only when asked for
+
+    return NativeBackend.for_config(config)
+
+
+async def build_executor(config: BootstrapConfig, **options: Any) -> tuple[Any, BootstrapReport]:
+    """Build and start an executor; the caller owns it (``executor.shutdown()`` releases its KV
+    pool and worker; weights go with the last reference). On failure nothing is left allocated."""
+    boot = Bootstrap(config, **options)
+    try:
+        await boot.build()
+    except BaseException:
+        await boot.aclose()
+        raise
+    return boot.detach()
+
+
+@asynccontextmanager
+async def executor(config: BootstrapConfig, **options: Any) -> AsyncIterator[Any]:
+    """``async with executor(config) as ex``: a started executor, everything released on exit."""
+    boot = Bootstrap(config, **options)
+    try:
+        yield await boot.build()
+    finally:
+        await boot.aclose()

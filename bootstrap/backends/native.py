@@ -1,0 +1,282 @@
+"""``NativeBackend``: the backend protocol over this package's own engine (``bootstrap.engine``).
+
+The stages decide sizes and retries; this module does the torch work, always on the pipeline's
+device thread, and pushes the release of everything it allocates on the attempt's ``Undo``:
+
+  load_model        weights (and draft weights) through the engine's loader; released by moving
+                    every parameter to the ``meta`` device, so no stray reference keeps them alive
+  estimation_build  probe pools of the estimation token count (target and draft), a temporary
+                    executor on each (no worker); released by shutting the executors down
+  profiling         dummy requests filling ``max_num_tokens`` (cut by ``max_seq_len``) through the
+                    probe executors (``engine.warmup``: a failed step raises, it is never split);
+                    every figure of the profile is read from the device port
+  final_build       the final pools, ``PagedKVCache.from_bytes`` of each pool's budget
+  scheduler_sampler the ``PyExecutor`` on the target pool, its worker started, one smoke request
+
+The draft model is loaded, profiled and given its own pool, which the started executor holds
+(``executor.draft``) and releases at shutdown; speculative decoding itself is not implemented.
+The native pool stores every layer at full length (sliding windows are applied as masks), so the
+model shape it reports carries no windows and the plan prices every layer for every token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gc
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bootstrap.artifacts import EstimationBuild, FinalBuild, LoadedModel, ResolvedClasses
+from bootstrap.budget_split import PoolBudgets
+from bootstrap.capacity import CapacityPlan, MemoryProfile, dummy_request_lengths
+from bootstrap.config import BootstrapConfig, ConfigError
+from bootstrap.devices import CpuDevice, CudaDevice, Device, is_oom
+from bootstrap.engine.executor import PyExecutor, create_executor
+from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
+from bootstrap.engine.loader import LoadedWeights, ModelSourceError, load_hf_config, load_model
+from bootstrap.engine.sources.smollm2 import ModelFetchError
+from bootstrap.engine.sampling import SamplingParams
+from bootstrap.engine.scheduler import SchedulerConfig
+from bootstrap.engine.warmup import run_dummy_requests
+from bootstrap.models.shape import ModelConfigError, ModelShape
+from bootstrap.stages.load_model import is_transient_io
+from bootstrap.undo import Undo
+
+NATIVE_CLASSES: Mapping[str, str] = {"kv_manager": "PagedKVCache", "scheduler": "Scheduler", "sampler": "Sampler"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SMOKE_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class NativeModels:
+    """``LoadedModel.handle``: the loaded target and draft, and the pool geometry they share."""
+
+    target: LoadedWeights
+    draft: LoadedWeights | None
+    tokens_per_block: int
+    max_seq_len: int
+
+    def by_name(self) -> dict[str, LoadedWeights]:
+        return {"target": self.target} | ({"draft": self.draft} if self.draft is not None else {})
+
+
+@dataclass(frozen=True)
+class NativeBuild:
+    """Handle of a probe or final build: one pool (and, for probes, one executor) per model."""
+
+    pools: Mapping[str, PagedKVCache]
+    executors: Mapping[str, PyExecutor] = dataclasses.field(default_factory=dict)
+
+
+def device_for(spec: str) -> tuple[Device, torch.device]:
+    """The memory port and torch device ``config.device`` names; a clear error when absent."""
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    if spec == "cpu":
+        return CpuDevice(), torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"device: {spec!r} asked for, but torch sees no CUDA device; allowed here: auto, cpu")
+    index = int(spec.partition(":")[2] or 0)
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise ConfigError(f"device: {spec!r} does not exist; allowed: cuda:0..cuda:{count - 1}, cuda, cpu, auto")
+    return CudaDevice(index), torch.device("cuda", index)
+
+
+class NativeBackend:
+    """The backend protocol over ``bootstrap.engine`` (see the module docstring)."""
+
+    name = "native"
+    classes = NATIVE_CLASSES
+
+    def __init__(self, device: Device, torch_device: torch.device, cache_dir: Path | None = None) -> None:
+        self.device = device
+        self.torch_device = torch_device
+        self.cache_dir = cache_dir
+
+    @classmethod
+    def for_config(cls, config: BootstrapConfig, cache_dir: Path | None = None) -> NativeBackend:
+        return cls(*device_for(config.device), cache_dir=cache_dir)
+
+    # ---- resolve_classes ----------------------------------------------------------------------
+
+    def model_shape(self, spec: str) -> ModelShape:
+        """The shape as the native pool stores it: every attention layer at full length."""
+        with unreadable_as_source_error(spec):
+            shape = ModelShape.from_hf_config(load_hf_config(spec, cache_dir=self.cache_dir).to_dict())
+        return dataclasses.replace(shape, layer_windows=(None,) * shape.num_layers)
+
+    def default_dtype(self, shape: ModelShape) -> str:
+        """float32 on the CPU (exact parity with transformers); the checkpoint's 16-bit dtype,
+        else bfloat16, on CUDA."""
+        if self.torch_device.type == "cpu":
+            return "float32"
+        return shape.torch_dtype if shape.torch_dtype in ("bfloat16", "float16") else "bfloat16"
+
+    def check_config(self, config: BootstrapConfig, shape: ModelShape) -> None:
+        """What the native engine cannot run, refused before any weight is loaded."""
+        if config.kv_cache_dtype == "fp8":
+            raise ConfigError("kv_cache_dtype: fp8 is not supported by the native engine; allowed: auto, float32, bfloat16, float16")
+        if config.tensor_parallel_size != 1:
+            raise ConfigError(f"tensor_parallel_size: {config.tensor_parallel_size}; the native engine runs on one device (allowed: 1)")
+        if config.host_cache_bytes:
+            raise ConfigError("host_cache_bytes: the native engine has no host KV tier; allowed: 0")
+        if shape.attention_kind == "mla" or shape.num_recurrent_layers:
+            kind = "multi-head latent attention" if shape.attention_kind == "mla" else "recurrent layers"
+            raise ConfigError(f"model: {shape.architecture} uses {kind}, which the native paged KV cache does not hold")
+
+    def kv_caps(self, resolved: ResolvedClasses, config: BootstrapConfig) -> dict[str, int]:
+        """Extra caps on the KV budget, in bytes, by name (``limited_by``). On the CPU: what
+        ``max_batch_size`` requests of ``max_seq_len`` can ever use, so a laptop's memory is not
+        planned for a cache that no schedule could fill (a GPU is filled, as its peers do)."""
+        if self.device.kind != "cpu":
+            return {}
+        blocks = -(-resolved.max_seq_len // config.tokens_per_block) * config.max_batch_size
+        return {"max_batch_size": resolved.total_cost.bytes_for_tokens(blocks * config.tokens_per_block)}
+
+    # ---- load_model ---------------------------------------------------------------------------
+
+    def load_model(self, config: BootstrapConfig, resolved: ResolvedClasses, undo: Undo) -> LoadedModel:
+        target = self._load(config.model, resolved.dtype, undo)
+        draft = self._load(config.draft_model, resolved.dtype, undo) if config.draft_model else None
+        total = target.weight_bytes + (draft.weight_bytes if draft else 0)
+        models = NativeModels(target, draft, config.tokens_per_block, resolved.max_seq_len)
+        return LoadedModel(models, total, draft_handle=draft, tokenizer=target.tokenizer)
+
+    def _load(self, source: str, dtype: str, undo: Undo) -> LoadedWeights:
+        with unreadable_as_source_error(source):
+            weights = load_model(source, device=self.torch_device, dtype=DTYPES[dtype], cache_dir=self.cache_dir)
+        undo.push(lambda: self._drop_weights(weights.model))
+        return weights
+
+    def _drop_weights(self, model: torch.nn.Module) -> None:
+        model.to(torch.device("meta"))  # frees the storage even if a reference to the model survives
+        self._collect()
+
+    def _collect(self) -> None:
+        gc.collect()
+        self.device.empty_cache()
+
+    # ---- estimation_build and profiling -------------------------------------------------------
+
+    def estimation_overhead_bytes(self, resolved: ResolvedClasses, config: BootstrapConfig) -> int:
+        """Each probe executor's decode buffers: six int64 rows of ``max_batch_size`` and the
+        static-width block tables (``ModelRunner``'s ``DecodeBuffers``); the sampler keeps none."""
+        models = 2 if resolved.draft_shape is not None else 1
+        blocks = -(-resolved.max_seq_len // config.tokens_per_block)
+        return models * 8 * config.max_batch_size * (6 + blocks)
+
+    def build_estimation(
+        self, loaded: LoadedModel, resolved: ResolvedClasses, probe_tokens: int, config: BootstrapConfig, undo: Undo
+    ) -> EstimationBuild:
+        models: NativeModels = loaded.handle
+        pools = self._pools({n: probe_tokens for n in models.by_name()}, models, resolved, undo, PagedKVCache.from_tokens)
+        scheduler = SchedulerConfig(config.max_batch_size, config.max_num_tokens, resolved.max_seq_len)
+        executors = {}
+        for name, weights in models.by_name().items():
+            executors[name] = create_executor(weights.model, pools[name], scheduler, weights.tokenizer,
+                                              set(weights.eos_token_ids), start=False)  # fmt: skip
+            undo.push(executors[name].shutdown)
+        probe_bytes = sum(p.stats().total_bytes for p in pools.values())
+        return EstimationBuild(NativeBuild(pools, executors), pools["target"].stats().capacity_tokens,
+                               probe_bytes, config.max_num_tokens)  # fmt: skip
+
+    def profile(
+        self, estimation: EstimationBuild, loaded: LoadedModel, max_num_tokens: int, config: BootstrapConfig, undo: Undo
+    ) -> MemoryProfile:
+        """Peak reset, the dummy requests through every probe executor, figures after."""
+        device, build = self.device, estimation.handle
+        lengths = dummy_request_lengths(max_num_tokens, loaded.handle.max_seq_len)
+        self._collect()
+        device.reset_peak()
+        before, free_before = device.allocated_bytes(), device.free_bytes()
+        for executor in build.executors.values():  # one after the other: the peak is the larger
+            run_dummy_requests(executor, lengths)
+        device.synchronize()
+        return MemoryProfile(
+            total_bytes=device.total_bytes(),
+            free_before_bytes=free_before,
+            model_bytes=max(before - estimation.probe_kv_bytes, 0),
+            torch_peak_bytes=device.peak_bytes(),
+            torch_used_bytes=device.allocated_bytes(),
+            used_bytes=device.total_bytes() - device.free_bytes(),
+            probe_kv_bytes=estimation.probe_kv_bytes,
+            max_num_tokens=max_num_tokens,
+        )
+
+    # ---- final_build and scheduler_sampler ----------------------------------------------------
+
+    def build_final(
+        self, loaded: LoadedModel, resolved: ResolvedClasses, budgets: PoolBudgets, undo: Undo
+    ) -> FinalBuild:
+        wanted = {p.name: p.gpu_bytes for p in budgets.pools()}
+        pools = self._pools(wanted, loaded.handle, resolved, undo, PagedKVCache.from_bytes)
+        return FinalBuild(
+            handle=NativeBuild(pools),
+            pool_bytes={n: p.stats().total_bytes for n, p in pools.items()},
+            pool_tokens={n: p.stats().capacity_tokens for n, p in pools.items()},
+        )
+
+    def start_executor(
+        self,
+        loaded: LoadedModel,
+        resolved: ResolvedClasses,
+        final: FinalBuild,
+        plan: CapacityPlan,
+        config: BootstrapConfig,
+        undo: Undo,
+    ) -> PyExecutor:
+        target = loaded.handle.target
+        scheduler = SchedulerConfig(config.max_batch_size, plan.max_num_tokens, resolved.max_seq_len)
+        executor = create_executor(target.model, final.handle.pools["target"], scheduler, target.tokenizer,
+                                   set(target.eos_token_ids), start=False)  # fmt: skip
+        undo.push(executor.shutdown)
+        executor.start_worker()
+        serve_smoke_request(executor)
+        return executor
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def _pools(self, sizes: Mapping[str, int], models: NativeModels, resolved: ResolvedClasses, undo: Undo,
+               make: Callable[..., PagedKVCache]) -> dict[str, PagedKVCache]:  # fmt: skip
+        """One pool per model, ``make(spec, sizes[name], ...)``; each release pushed at once."""
+        pools: dict[str, PagedKVCache] = {}
+        weights = models.by_name()
+        for name, size in sizes.items():
+            spec = KVCacheSpec.from_config(weights[name].hf_config, DTYPES[resolved.kv_dtype])
+            pools[name] = pool = make(spec, size, models.tokens_per_block, self.torch_device)
+            undo.push(functools.partial(self._release_pool, pool))
+        return pools
+
+    def _release_pool(self, pool: PagedKVCache) -> None:
+        pool.release()
+        self._collect()
+
+
+@contextmanager
+def unreadable_as_source_error(source: str) -> Iterator[None]:
+    """A file that is there but is not a model (corrupt weights, a GGUF that is not GGUF) is bad
+    input, reported in one line; out-of-memory, transient I/O and fetch errors pass unchanged
+    (the stage retries the first two; the last already says how to work offline)."""
+    try:
+        yield
+    except (ModelSourceError, ModelConfigError, ModelFetchError):
+        raise
+    except Exception as exc:
+        if is_oom(exc) or is_transient_io(exc):
+            raise
+        raise ModelSourceError(f"model {source!r} cannot be read: {type(exc).__name__}: {exc}") from exc
+
+
+def serve_smoke_request(executor: PyExecutor) -> None:
+    """One request through the started worker: prompt of one token, one token generated."""
+    rid = executor.enqueue([0], SamplingParams(max_tokens=1, ignore_eos=True), is_warmup=True)
+    response = executor.await_response(rid, SMOKE_TIMEOUT_S)
+    if response.finish_reason not in ("length", "stop"):
+        raise RuntimeError(f"the smoke request failed ({response.finish_reason}): {response.error}")
