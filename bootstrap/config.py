@@ -20,6 +20,18 @@ class ConfigError(ValueError):
     """A configuration value is out of range; the message names the field and the allowed range."""
 
 
+def ensure_directory(path: Path, field: str) -> Path:
+    """Create ``path`` and its parents, or raise ``ConfigError`` naming ``field`` and why: a file
+    in the way is reported as "<file> is not a directory" (``mkdir`` alone says "File exists")."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+        reason = f"{blocker} is not a directory" if blocker else exc.strerror or str(exc)
+        raise ConfigError(f"{field}: cannot write to {path}: {reason}") from None
+    return path
+
+
 class BootstrapConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
 

@@ -29,7 +29,10 @@ QUESTIONS = [
 @pytest.fixture(scope="module")
 def cache_dir():
     cache = smollm2.default_cache_dir()
-    smollm2.ensure_checkpoint(cache)
+    try:
+        smollm2.ensure_checkpoint(cache)
+    except smollm2.ModelFetchError as exc:  # offline, and not cached yet: nothing to test against
+        pytest.skip(f"SmolLM2 is not cached and cannot be fetched: {exc}")
     return cache
 
 
