@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -26,6 +27,10 @@ from bootstrap.report import stage_rows, stage_table
 from bootstrap.runner import make_pipeline, plan_summary
 from bootstrap.stages import STAGE_IDS
 from bootstrap.telemetry import MissingExtra, make_tracer_provider
+
+if TYPE_CHECKING:
+    from bootstrap.backends.base import Backend
+    from bootstrap.devices import Device
 
 FAULTABLE = ("load_model", "estimation_build", "profiling", "final_build", "scheduler_sampler")
 BAD_INPUT = (ConfigError, ModelConfigError, CapacityError)  # exit 2, also when a stage finds it
@@ -50,11 +55,32 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
     add("--plan-cache", type=Path, help="directory of cached plans (off by default)")
 
 
+def _backend_args(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--backend", choices=("native", "trtllm"), default="native",
+        help="whose executor and KV pricing: native, or trtllm (TensorRT-LLM's PyExecutor)")  # fmt: skip
+    add("--kv-manager", choices=("auto", "v1", "v2"), default="auto",
+        help="TensorRT-LLM KV cache manager (--backend trtllm): auto is what TensorRT-LLM picks (V1)")  # fmt: skip
+
+
+def select_backend(config: BootstrapConfig, device: Device, native: Callable[[Device], Backend]) -> Backend:
+    """The backend that builds a real executor for ``config.backend`` (for commands that start one).
+
+    ``trtllm`` needs TensorRT-LLM installed: without it, ``MissingExtra`` names the install command.
+    """
+    if config.backend == "trtllm":
+        from bootstrap.backends.trtllm import create_backend
+
+        return create_backend(device)
+    return native(device)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bootstrap", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     plan = sub.add_parser("plan", help="run all eight stages on a simulated GPU and print the KV plan")
     _config_args(plan)
+    _backend_args(plan)
     plan.add_argument("--gpu", required=True, help="h100-80gb, h200, a100-80gb, a100-40gb, l40s, rtx-4090, or bytes (80GiB)")
     plan.add_argument("--trace-file", type=Path, help="write finished spans as JSON Lines (overwrites the file)")
     plan.add_argument("--otlp", action="store_true", help="also export spans over OTLP (needs the otlp extra)")
@@ -110,9 +136,16 @@ async def run_plan(args: argparse.Namespace) -> tuple[dict[str, Any], StageFaile
         "stages": stage_rows(memory.get_finished_spans()),
         "plan": summary,
         "device": {"name": device.name, "total_bytes": device.total, "leaked_bytes": sum(device.live().values())},
+        "backend": _backend_summary(config, pipeline.artifacts.get("resolved")),
         "error": _error_paragraph(error) if error else None,
     }
     return result, error
+
+
+def _backend_summary(config: BootstrapConfig, resolved: Any) -> dict[str, Any]:
+    """Whose pricing the plan used: ``bootstrap plan`` always simulates the GPU; ``trtllm`` prices
+    the KV cache as TensorRT-LLM's chosen manager does."""
+    return {"name": config.backend, "kv_manager": resolved.kv_manager if resolved is not None else None}
 
 
 def _error_paragraph(exc: StageFailed) -> str:
@@ -134,6 +167,9 @@ def print_plan(result: dict[str, Any], console: Console) -> None:
         for name, pool in plan.get("pools", {}).items():
             share = plan.get(f"{name}_share", 0.0)
             console.print(f"  {name}: {pool['gpu_bytes'] / GiB:.2f} GiB, {pool['tokens']} tokens ({share:.1%})")
+    backend = result.get("backend") or {}
+    if backend.get("name") == "trtllm" and backend.get("kv_manager"):
+        console.print(f"KV priced as TensorRT-LLM's {backend['kv_manager']} allocates it (simulated GPU)")
     console.print(f"device {result['device']['name']}: leaked bytes after teardown: {result['device']['leaked_bytes']}")
 
 

@@ -28,9 +28,9 @@ if TYPE_CHECKING:
 FINGERPRINT_FIELDS = (
     "dtype", "kv_cache_dtype", "max_batch_size", "max_num_tokens", "max_seq_len", "tokens_per_block",
     "free_gpu_memory_fraction", "max_kv_bytes", "max_kv_tokens", "host_cache_bytes",
-    "cross_kv_cache_fraction", "tensor_parallel_size",
+    "cross_kv_cache_fraction", "tensor_parallel_size", "backend", "kv_manager",
 )  # fmt: skip
-LIBRARIES = ("executor-bootstrap", "torch", "transformers")
+LIBRARIES = ("executor-bootstrap", "torch", "transformers", "tensorrt-llm")
 
 
 def _version(dist: str) -> str | None:
