@@ -34,13 +34,13 @@ def user_llm_args(api: TrtllmApi, config: BootstrapConfig, resolved: ResolvedCla
         max_num_tokens=config.max_num_tokens,
         max_seq_len=resolved.max_seq_len,
         max_beam_width=1,
-        kv_cache_config=api.call("KvCacheConfig", **kv_cache_fields(api, config, resolved)),
+        kv_cache_config=api.call("KvCacheConfig", **kv_cache_fields(api, config, resolved, draft=spec is not None)),
         speculative_config=spec,
         disable_overlap_scheduler=spec is not None,  # TRT's own fallback for a non-chain two-model drafter
     )
 
 
-def kv_cache_fields(api: TrtllmApi, config: BootstrapConfig, resolved: ResolvedClasses) -> dict[str, Any]:
+def kv_cache_fields(api: TrtllmApi, config: BootstrapConfig, resolved: ResolvedClasses, *, draft: bool) -> dict[str, Any]:
     fields: dict[str, Any] = dict(
         free_gpu_memory_fraction=config.free_gpu_memory_fraction,
         max_tokens=config.max_kv_tokens,
@@ -48,17 +48,24 @@ def kv_cache_fields(api: TrtllmApi, config: BootstrapConfig, resolved: ResolvedC
         host_cache_size=config.host_cache_bytes,
         tokens_per_block=config.tokens_per_block,
         dtype="fp8" if resolved.kv_dtype == "fp8" else "auto",
-        max_attention_window=window_pattern(resolved),
+        max_attention_window=window_pattern(resolved, draft=draft),
     )
     if "use_kv_cache_manager_v2" in param_names(api, "KvCacheConfig"):  # main only
         fields["use_kv_cache_manager_v2"] = resolved.kv_manager == "KVCacheManagerV2"
     return fields
 
 
-def window_pattern(resolved: ResolvedClasses) -> list[int] | None:
-    """``max_attention_window``: one window per layer, ``None`` when no layer slides in ``max_seq_len``."""
+def window_pattern(resolved: ResolvedClasses, *, draft: bool) -> list[int] | None:
+    """``max_attention_window``: one window per layer, ``None`` when no layer slides in ``max_seq_len``.
+
+    Full-attention layers get the KV managers' ``max_seq_len`` (``max_seq_len`` + 1 for the overlap
+    scheduler, + the draft tokens with a draft model): the managers clamp windows to it, and V2
+    treats a window below it as sliding."""
     windows = attention_windows(resolved.shape, resolved.max_seq_len)
-    return list(windows) if len(set(windows)) > 1 else None
+    if len(set(windows)) < 2:
+        return None
+    manager_max_seq_len = resolved.max_seq_len + (DRAFT_LEN if draft else 1)
+    return [manager_max_seq_len if w == resolved.max_seq_len else w for w in windows]
 
 
 def param_names(api: TrtllmApi, symbol_id: str) -> set[str]:

@@ -188,5 +188,5 @@ class KVCacheManagerV2(_Manager):
             return 0
         context_limit = self.max_num_tokens * (full + ctx) + per_batch
         if quota <= context_limit:
-            return (quota - per_batch) / (full + ctx)
-        return self.max_num_tokens + (quota - context_limit) / full
+            return math.inf if full + ctx <= 0 else (quota - per_batch) / (full + ctx)
+        return math.inf if full <= 0 else self.max_num_tokens + (quota - context_limit) / full
