@@ -16,7 +16,7 @@ from bootstrap.backends.trtllm import final, load, probe
 from bootstrap.backends.trtllm.api import ImportModule, TrtllmApi
 from bootstrap.backends.trtllm.args import user_llm_args
 from bootstrap.backends.trtllm.handles import Build, Engines, TrtllmExecutor
-from bootstrap.backends.trtllm.teardown import release_build, release_engines, stop_executor
+from bootstrap.backends.trtllm.teardown import frames_dropped_on_error, release_build, release_engines, stop_executor
 from bootstrap.budget_split import PoolBudgets
 from bootstrap.capacity import CapacityPlan, MemoryProfile
 from bootstrap.config import BootstrapConfig, ConfigError
@@ -67,7 +67,8 @@ class TrtllmBackend:
         before = self.device.allocated_bytes()
         engines = Engines()
         undo.push(release_engines, self.device, engines)
-        load.load_engines(self.api, engines, pristine, config)
+        with frames_dropped_on_error():
+            load.load_engines(self.api, engines, pristine, config)
         return LoadedModel(handle=engines, weight_bytes=self.device.allocated_bytes() - before)
 
     def build_estimation(
@@ -75,22 +76,25 @@ class TrtllmBackend:
     ) -> EstimationBuild:
         build = Build()
         undo.push(release_build, self.api, self.device, loaded.handle, build)
-        probe.build_probe(self.api, loaded.handle, build, probe_tokens=probe_tokens, max_num_tokens=config.max_num_tokens)
+        with frames_dropped_on_error():
+            probe.build_probe(self.api, loaded.handle, build, probe_tokens=probe_tokens, max_num_tokens=config.max_num_tokens)
         return probe.estimation_artifact(self.api, build)
 
     def profile(
         self, estimation: EstimationBuild, loaded: LoadedModel, max_num_tokens: int, config: BootstrapConfig, undo: Undo
     ) -> MemoryProfile:
         """The probe is the estimation's to release (its undo runs once profiling consumes it)."""
-        return probe.profile_probe(self.api, self.device, loaded, estimation, max_num_tokens)
+        with frames_dropped_on_error():
+            return probe.profile_probe(self.api, self.device, loaded, estimation, max_num_tokens)
 
     def build_final(self, loaded: LoadedModel, resolved: ResolvedClasses, budgets: PoolBudgets, undo: Undo) -> FinalBuild:
         build = Build()
         undo.push(release_build, self.api, self.device, loaded.handle, build)
         user_max_tokens = self.api.get(self.api.get(loaded.handle.args, "TorchLlmArgs.kv_cache_config"), "KvCacheConfig.max_tokens")
-        final.build_pools(
-            self.api, loaded.handle, build, budgets, kv_manager=resolved.kv_manager, user_max_tokens=user_max_tokens
-        )  # fmt: skip
+        with frames_dropped_on_error():
+            final.build_pools(
+                self.api, loaded.handle, build, budgets, kv_manager=resolved.kv_manager, user_max_tokens=user_max_tokens
+            )  # fmt: skip
         return final.final_artifact(self.api, build, budgets)
 
     def start_executor(
@@ -104,6 +108,7 @@ class TrtllmBackend:
     ) -> TrtllmExecutor:
         build: Build = final_build.handle
         undo.push(stop_executor, self.api, build)
-        executor = final.start(self.api, loaded.handle, build, max_num_tokens=plan.max_num_tokens)
-        final.serve_smoke_request(self.api, executor)
+        with frames_dropped_on_error():
+            executor = final.start(self.api, loaded.handle, build, max_num_tokens=plan.max_num_tokens)
+            final.serve_smoke_request(self.api, executor)
         return TrtllmExecutor(executor, build, stop=lambda: stop_executor(self.api, build))

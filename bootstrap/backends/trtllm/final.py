@@ -17,7 +17,6 @@ from bootstrap.backends.trtllm.api import TrtllmApi
 from bootstrap.backends.trtllm.args import pool_kv_update, private_kv_config
 from bootstrap.backends.trtllm.handles import Build, Engines
 from bootstrap.backends.trtllm.probe import new_creator, new_executor, raise_on_error
-from bootstrap.backends.trtllm.teardown import frames_dropped_on_error
 from bootstrap.budget_split import PoolBudget, PoolBudgets
 
 POOL_KEYS = {"target": "KV_CACHE_MANAGER", "draft": "DRAFT_KV_CACHE_MANAGER"}
@@ -37,8 +36,7 @@ def build_pools(
         if pool.name not in POOL_KEYS:
             raise NotImplementedError(f"the trtllm backend builds target and draft pools only, not {pool.name!r}")
         update = pool_kv_update(pool, kv_manager=kv_manager, user_max_tokens=user_max_tokens)
-        with frames_dropped_on_error():
-            build.resources[api.constant(f"ResourceManagerType.{POOL_KEYS[pool.name]}")] = new_pool(api, engines, build, pool, update)
+        build.resources[api.constant(f"ResourceManagerType.{POOL_KEYS[pool.name]}")] = new_pool(api, engines, build, pool, update)
     build.resources.setdefault(api.constant("ResourceManagerType.DRAFT_KV_CACHE_MANAGER"), None)
 
 
@@ -75,8 +73,7 @@ def start(api: TrtllmApi, engines: Engines, build: Build, *, max_num_tokens: int
     if build.shut_down or not build.resources:
         raise FinalBuildGone("the final KV pools were shut down with a previous executor; retry from final_build")
     build.max_num_tokens = max_num_tokens
-    with frames_dropped_on_error():
-        build.executor = new_executor(api, engines, build)
+    build.executor = new_executor(api, engines, build)
     api.call("_adjust_torch_mem_fraction")
     api.invoke(build.executor, "PyExecutor.start_worker")
     build.started = True

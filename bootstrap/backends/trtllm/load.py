@@ -10,7 +10,6 @@ from typing import Any
 from bootstrap.backends.trtllm.api import TrtllmApi
 from bootstrap.backends.trtllm.args import DRAFT_LEN, attempt_args
 from bootstrap.backends.trtllm.handles import Engines
-from bootstrap.backends.trtllm.teardown import frames_dropped_on_error
 from bootstrap.config import BootstrapConfig
 
 
@@ -23,12 +22,11 @@ def load_engines(api: TrtllmApi, engines: Engines, pristine: Any, config: Bootst
     engines.dist = api.invoke(api.load("Distributed"), "Distributed.get", engines.mapping)
     engines.features = runtime_features(api, args, config)
     spec = api.get(args, "TorchLlmArgs.speculative_config")
-    with frames_dropped_on_error():
-        engines.engine = new_engine(api, engines, config.model, spec, is_draft=False)
-        if config.draft_model:
-            engines.draft = new_engine(api, engines, config.draft_model, spec, is_draft=True)
-        engines.max_seq_len = executor_max_seq_len(api, args, engines.engine, spec)
-        engines.sampler = new_sampler(api, engines, spec)
+    engines.engine = new_engine(api, engines, config.model, spec, is_draft=False)
+    if config.draft_model:
+        engines.draft = new_engine(api, engines, config.draft_model, spec, is_draft=True)
+    engines.max_seq_len = executor_max_seq_len(api, args, engines.engine, spec)
+    engines.sampler = new_sampler(api, engines, spec)
 
 
 def runtime_features(api: TrtllmApi, args: Any, config: BootstrapConfig) -> Any:

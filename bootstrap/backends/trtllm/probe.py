@@ -19,7 +19,7 @@ from bootstrap.artifacts import EstimationBuild, LoadedModel
 from bootstrap.backends.trtllm.api import TrtllmApi
 from bootstrap.backends.trtllm.args import private_kv_config
 from bootstrap.backends.trtllm.handles import Build, Engines
-from bootstrap.backends.trtllm.teardown import frames_dropped_on_error, kv_allocated_bytes, release_build, stop_executor
+from bootstrap.backends.trtllm.teardown import kv_allocated_bytes, release_build, stop_executor
 from bootstrap.capacity import MemoryProfile
 from bootstrap.devices import Device
 
@@ -42,10 +42,9 @@ def build_probe(api: TrtllmApi, engines: Engines, build: Build, *, probe_tokens:
         )
     build.probe_tokens = min(api.get(kv_config, "KvCacheConfig.max_tokens"), probe_tokens)
     api.put(kv_config, "KvCacheConfig.max_tokens", build.probe_tokens)
-    with frames_dropped_on_error():
-        api.invoke(creator, "KvCacheCreator.build_managers", resources=build.resources, estimating_kv_cache=True)
-        build.max_seq_len = api.get(creator, "KvCacheCreator._max_seq_len")
-        build.executor = new_executor(api, engines, build)
+    api.invoke(creator, "KvCacheCreator.build_managers", resources=build.resources, estimating_kv_cache=True)
+    build.max_seq_len = api.get(creator, "KvCacheCreator._max_seq_len")
+    build.executor = new_executor(api, engines, build)
 
 
 def new_creator(api: TrtllmApi, engines: Engines, kv_config: Any, *, max_num_tokens: int) -> Any:

@@ -72,9 +72,11 @@ def collect(device: Device) -> None:
 
 @contextmanager
 def frames_dropped_on_error() -> Iterator[None]:
-    """A TensorRT-LLM call that fails half-way keeps what it allocated in its frames' locals
-    (a first KV manager when the second one runs out of memory): clear those frames so the
-    rollback's ``gc.collect()`` can free it, instead of the traceback keeping it alive."""
+    """Around each stage's work: a TensorRT-LLM call that fails half-way keeps what it allocated
+    in the locals of its (finished) frames, and the exception's traceback keeps those frames for
+    as long as anyone holds the error (``StageFailed.cause``): a first KV manager when the
+    second runs out of memory, or a creator holding the engine. Clearing the frames lets the
+    rollback's ``gc.collect()`` free it."""
     try:
         yield
     except BaseException as exc:
