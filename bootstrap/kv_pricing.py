@@ -59,7 +59,9 @@ def kv_cost(
     """One pool's cost on one rank, priced as ``kv_manager`` would (``None``: native pricing)."""
     common = dict(kv_dtype_bytes=kv_dtype_bytes, tp=config.tensor_parallel_size, max_seq_len=max_seq_len)
     if kv_manager is None:
-        return model_cost(shape, max_batch_size=config.max_batch_size, tokens_per_block=config.tokens_per_block, **common)
+        return model_cost(
+            shape, max_batch_size=config.max_batch_size, tokens_per_block=config.tokens_per_block, **common
+        )  # fmt: skip
     if kv_manager == "v1":
         return trtllm_v1_cost(shape, **common)
     return trtllm_v2_cost(
@@ -73,7 +75,9 @@ def layer_bytes(shape: ModelShape, *, kv_dtype_bytes: int | float, tp: int) -> i
     if shape.kv_lora_rank is not None:
         return mla_cost(layers=1, kv_lora_rank=shape.kv_lora_rank, rope_dim=shape.qk_rope_head_dim,
                         dtype_bytes=kv_dtype_bytes).slope  # fmt: skip
-    return mha_cost(layers=1, kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, dtype_bytes=kv_dtype_bytes, tp=tp).slope
+    return mha_cost(
+        layers=1, kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, dtype_bytes=kv_dtype_bytes, tp=tp
+    ).slope  # fmt: skip
 
 
 def attention_windows(shape: ModelShape, max_seq_len: int) -> tuple[int, ...]:

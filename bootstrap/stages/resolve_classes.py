@@ -49,7 +49,9 @@ def kv_layout(shape: ModelShape) -> str:
     return layout
 
 
-def _cost(shape: ModelShape, config: BootstrapConfig, kv_dtype: str, max_seq_len: int, manager: str | None) -> CacheCost:
+def _cost(
+    shape: ModelShape, config: BootstrapConfig, kv_dtype: str, max_seq_len: int, manager: str | None
+) -> CacheCost:
     """Priced as the KV manager that will hold it counts (`bootstrap.kv_pricing`)."""
     return kv_cost(shape, config, kv_dtype_bytes=kv_dtype_bytes(kv_dtype), max_seq_len=max_seq_len, kv_manager=manager)
 

@@ -40,7 +40,9 @@ def user_llm_args(api: TrtllmApi, config: BootstrapConfig, resolved: ResolvedCla
     )
 
 
-def kv_cache_fields(api: TrtllmApi, config: BootstrapConfig, resolved: ResolvedClasses, *, draft: bool) -> dict[str, Any]:
+def kv_cache_fields(
+    api: TrtllmApi, config: BootstrapConfig, resolved: ResolvedClasses, *, draft: bool
+) -> dict[str, Any]:
     fields: dict[str, Any] = dict(
         free_gpu_memory_fraction=config.free_gpu_memory_fraction,
         max_tokens=config.max_kv_tokens,

@@ -25,7 +25,9 @@ from bootstrap.models.presets import resolve_model_shape
 from bootstrap.models.shape import ModelShape
 from bootstrap.undo import Undo
 
-TRTLLM_CLASSES: Mapping[str, str] = {"kv_manager": "KVCacheManager", "scheduler": "SimpleScheduler", "sampler": "TorchSampler"}
+TRTLLM_CLASSES: Mapping[str, str] = {
+    "kv_manager": "KVCacheManager", "scheduler": "SimpleScheduler", "sampler": "TorchSampler",
+}  # fmt: skip
 
 
 class TrtllmBackend:
@@ -34,7 +36,9 @@ class TrtllmBackend:
     name = "trtllm"
     classes = TRTLLM_CLASSES
 
-    def __init__(self, device: Device, *, import_module: ImportModule = importlib.import_module, llm_args: Any = None) -> None:
+    def __init__(
+        self, device: Device, *, import_module: ImportModule = importlib.import_module, llm_args: Any = None
+    ) -> None:
         self.device = device
         self.api = TrtllmApi(import_module)
         self._user_args = llm_args  # never handed to TensorRT-LLM: every attempt works on a deep copy
@@ -42,7 +46,7 @@ class TrtllmBackend:
     def check_config(self, config: BootstrapConfig, shape: ModelShape) -> None:
         """What this adapter cannot do, refused in ``resolve_classes`` before any load."""
         if config.backend != "trtllm":
-            raise ConfigError("backend: the TensorRT-LLM backend needs backend 'trtllm' (it prices KV as TRT allocates it)")
+            raise ConfigError("backend: the TensorRT-LLM backend needs backend 'trtllm' (KV priced as TRT allocates)")
         if config.tensor_parallel_size != 1:
             raise ConfigError(
                 f"tensor_parallel_size: {config.tensor_parallel_size}; the trtllm backend drives one rank (retries "
@@ -77,7 +81,9 @@ class TrtllmBackend:
         build = Build()
         undo.push(release_build, self.api, self.device, loaded.handle, build)
         with frames_dropped_on_error():
-            probe.build_probe(self.api, loaded.handle, build, probe_tokens=probe_tokens, max_num_tokens=config.max_num_tokens)
+            probe.build_probe(
+                self.api, loaded.handle, build, probe_tokens=probe_tokens, max_num_tokens=config.max_num_tokens
+            )  # fmt: skip
         return probe.estimation_artifact(self.api, build)
 
     def profile(
@@ -87,10 +93,13 @@ class TrtllmBackend:
         with frames_dropped_on_error():
             return probe.profile_probe(self.api, self.device, loaded, estimation, max_num_tokens)
 
-    def build_final(self, loaded: LoadedModel, resolved: ResolvedClasses, budgets: PoolBudgets, undo: Undo) -> FinalBuild:
+    def build_final(
+        self, loaded: LoadedModel, resolved: ResolvedClasses, budgets: PoolBudgets, undo: Undo
+    ) -> FinalBuild:
         build = Build()
         undo.push(release_build, self.api, self.device, loaded.handle, build)
-        user_max_tokens = self.api.get(self.api.get(loaded.handle.args, "TorchLlmArgs.kv_cache_config"), "KvCacheConfig.max_tokens")
+        user_kv_config = self.api.get(loaded.handle.args, "TorchLlmArgs.kv_cache_config")
+        user_max_tokens = self.api.get(user_kv_config, "KvCacheConfig.max_tokens")
         with frames_dropped_on_error():
             final.build_pools(
                 self.api, loaded.handle, build, budgets, kv_manager=resolved.kv_manager, user_max_tokens=user_max_tokens

@@ -28,7 +28,13 @@ class FinalBuildGone(RuntimeError):
 
 
 def build_pools(
-    api: TrtllmApi, engines: Engines, build: Build, budgets: PoolBudgets, *, kv_manager: str, user_max_tokens: int | None
+    api: TrtllmApi,
+    engines: Engines,
+    build: Build,
+    budgets: PoolBudgets,
+    *,
+    kv_manager: str,
+    user_max_tokens: int | None,
 ) -> None:
     build.max_num_tokens = engines.max_num_tokens
     build.max_seq_len = engines.max_seq_len
@@ -36,15 +42,19 @@ def build_pools(
         if pool.name not in POOL_KEYS:
             raise NotImplementedError(f"the trtllm backend builds target and draft pools only, not {pool.name!r}")
         update = pool_kv_update(pool, kv_manager=kv_manager, user_max_tokens=user_max_tokens)
-        build.resources[api.constant(f"ResourceManagerType.{POOL_KEYS[pool.name]}")] = new_pool(api, engines, build, pool, update)
+        key = api.constant(f"ResourceManagerType.{POOL_KEYS[pool.name]}")
+        build.resources[key] = new_pool(api, engines, build, pool, update)
     build.resources.setdefault(api.constant("ResourceManagerType.DRAFT_KV_CACHE_MANAGER"), None)
 
 
 def new_pool(api: TrtllmApi, engines: Engines, build: Build, pool: PoolBudget, update: dict[str, Any]) -> Any:
-    creator = new_creator(api, engines, private_kv_config(api, engines.args, update), max_num_tokens=build.max_num_tokens)
+    kv_config = private_kv_config(api, engines.args, update)
+    creator = new_creator(api, engines, kv_config, max_num_tokens=build.max_num_tokens)
     build.creators.append(creator)
     engine = engines.engine if pool.name == "target" else engines.draft
-    manager = api.invoke(creator, "KvCacheCreator._create_kv_cache_manager", model_engine=engine, estimating_kv_cache=False)
+    manager = api.invoke(
+        creator, "KvCacheCreator._create_kv_cache_manager", model_engine=engine, estimating_kv_cache=False
+    )  # fmt: skip
     if pool.name == "target":  # the target manager may shorten max_seq_len (sliding windows), as in TRT
         build.max_seq_len = api.get(creator, "KvCacheCreator._max_seq_len")
     return manager
