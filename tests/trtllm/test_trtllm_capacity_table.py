@@ -27,7 +27,6 @@ import json
 import math
 from pathlib import Path
 
-import pytest
 
 from bootstrap.backends.sim import SimBackend
 from bootstrap.backends.sim_gpus import sim_device
