@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 KvDtype = Literal["auto", "float32", "bfloat16", "float16", "fp8"]
+BackendName = Literal["native", "trtllm"]
+KvManager = Literal["auto", "v1", "v2"]
 
 
 class ConfigError(ValueError):
@@ -57,6 +59,10 @@ class BootstrapConfig(BaseModel):
         None, gt=0.0, lt=1.0, description="share of the KV budget for cross attention (encoder-decoder)"
     )
     tensor_parallel_size: int = Field(1, ge=1, le=64)
+    backend: BackendName = Field("native", description="whose executor the stages build and whose KV pricing plans use")
+    kv_manager: KvManager = Field(
+        "auto", description="TensorRT-LLM KV cache manager (backend trtllm only); auto picks what TensorRT-LLM picks"
+    )
     plan_cache: Path | None = Field(None, description="directory of cached capacity plans; None disables it")
 
     @field_validator("max_num_tokens")

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 # enter through their normalized shapes (a preset and its config.json are one model), the device
 # through its name and total memory; where plans are cached changes nothing.
 NOT_FINGERPRINTED = frozenset({"model", "draft_model", "device", "plan_cache"})
-LIBRARIES = ("executor-bootstrap", "torch", "transformers")
+LIBRARIES = ("executor-bootstrap", "torch", "transformers", "tensorrt-llm")
 
 
 def _version(dist: str) -> str | None:

@@ -34,7 +34,9 @@ CHANGED = {
     "max_kv_tokens": 100_000,
     "host_cache_bytes": 1024**3,
     "tensor_parallel_size": 2,
+    "backend": "trtllm",
 }
+ON_TRTLLM_ONLY = {"kv_manager": "v2"}  # refused with the native backend of BASE
 REJECTED_FOR_EVERY_PRESET = {"cross_kv_cache_fraction": 0.25}  # decoder-only models refuse it
 IRRELEVANT = {"device", "plan_cache"}  # the device enters by name and size; the cache's location changes nothing
 
@@ -55,7 +57,8 @@ def cache_warnings(caplog) -> list[str]:
 
 
 def test_every_config_field_is_either_tested_here_or_known_not_to_matter():
-    assert set(BootstrapConfig.model_fields) == set(CHANGED) | set(REJECTED_FOR_EVERY_PRESET) | IRRELEVANT
+    fields = set(CHANGED) | set(ON_TRTLLM_ONLY) | set(REJECTED_FOR_EVERY_PRESET) | IRRELEVANT
+    assert set(BootstrapConfig.model_fields) == fields
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +86,13 @@ async def test_a_cached_plan_is_not_found_for_a_field_no_preset_can_use(tmp_path
     assert cache.lookup(config, resolved, backend) is not None
     other = config.model_copy(update={field: REJECTED_FOR_EVERY_PRESET[field]})
     assert cache.lookup(other, resolved, backend) is None
+
+
+@pytest.mark.parametrize("field", sorted(ON_TRTLLM_ONLY))
+async def test_a_cached_trtllm_plan_is_not_reused_when_a_trtllm_field_changes(tmp_path, field):
+    assert await start(tmp_path, backend="trtllm") == "ok"
+    assert await start(tmp_path, backend="trtllm") == "skipped"
+    assert await start(tmp_path, backend="trtllm", **{field: ON_TRTLLM_ONLY[field]}) == "ok"
 
 
 def _truncate(text: str) -> bytes:
