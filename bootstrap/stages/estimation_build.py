@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from opentelemetry import trace
+
 from bootstrap.artifacts import EstimationBuild, LoadedModel, ResolvedClasses
 from bootstrap.backends.base import Backend
-from bootstrap.capacity import cap_probe_tokens, estimation_tokens
+from bootstrap.capacity import cap_probe_tokens, estimation_tokens, fmt_bytes
 from bootstrap.config import BootstrapConfig
 from bootstrap.plan_cache import CachedPlan, PlanCache
 from bootstrap.stage import Skip, Stage, on_oom
@@ -29,6 +31,9 @@ def estimation_build(
     probe_tokens: int | None = None,
 ) -> EstimationBuild:
     """``probe_tokens``: the size an OOM adaptation chose (still capped); None, the estimation formula."""
+    trace.get_current_span().set_attribute(
+        "bootstrap.plan_cache.miss", plan_cache_miss(config, resolved, loaded, backend, plan_cache)
+    )
     if probe_tokens is None:
         probe_tokens = estimation_tokens(
             max_num_tokens=config.max_num_tokens,
@@ -77,6 +82,20 @@ def cached_plan(
     cached = plan_cache.lookup(config, resolved, backend)
     fits = cached is not None and cached.fits(backend.device.free_bytes(), loaded.weight_bytes)
     return cached if fits else None
+
+
+def plan_cache_miss(
+    config: BootstrapConfig, resolved: ResolvedClasses, loaded: LoadedModel, backend: Backend, plan_cache: PlanCache | None
+) -> str:
+    """Why no cached plan stands in for the probe: the cache is off, holds nothing for this exact
+    setup, or its plan needs more memory than is free now (the figures say how much)."""
+    if plan_cache is None:
+        return "off"
+    cached = plan_cache.lookup(config, resolved, backend)
+    if cached is None:
+        return "no plan cached for this setup"
+    needed, free = cached.needed_after_load(loaded.weight_bytes), backend.device.free_bytes()
+    return f"no room: the cached plan needs {fmt_bytes(needed)} beside the weights, {fmt_bytes(free)} are free"
 
 
 def skip_if_cached(
