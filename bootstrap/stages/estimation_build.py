@@ -31,9 +31,6 @@ def estimation_build(
     probe_tokens: int | None = None,
 ) -> EstimationBuild:
     """``probe_tokens``: the size an OOM adaptation chose (still capped); None, the estimation formula."""
-    trace.get_current_span().set_attribute(
-        "bootstrap.plan_cache.miss", plan_cache_miss(config, resolved, loaded, backend, plan_cache)
-    )
     if probe_tokens is None:
         probe_tokens = estimation_tokens(
             max_num_tokens=config.max_num_tokens,
@@ -75,27 +72,19 @@ def capped_probe_tokens(config: BootstrapConfig, resolved: ResolvedClasses, back
 
 def cached_plan(
     config: BootstrapConfig, resolved: ResolvedClasses, loaded: LoadedModel, backend: Backend, plan_cache: PlanCache | None
-) -> CachedPlan | None:
-    """The cached plan for this exact setup, if there is one and the device has room for it now."""
+) -> tuple[CachedPlan | None, str]:
+    """The cached plan for this exact setup if the device has room for it now; else None and why
+    not: the cache is off, holds nothing for this setup, or lacks the room (with the figures)."""
     if plan_cache is None:
-        return None
-    cached = plan_cache.lookup(config, resolved, backend)
-    fits = cached is not None and cached.fits(backend.device.free_bytes(), loaded.weight_bytes)
-    return cached if fits else None
-
-
-def plan_cache_miss(
-    config: BootstrapConfig, resolved: ResolvedClasses, loaded: LoadedModel, backend: Backend, plan_cache: PlanCache | None
-) -> str:
-    """Why no cached plan stands in for the probe: the cache is off, holds nothing for this exact
-    setup, or its plan needs more memory than is free now (the figures say how much)."""
-    if plan_cache is None:
-        return "off"
+        return None, "off"
     cached = plan_cache.lookup(config, resolved, backend)
     if cached is None:
-        return "no plan cached for this setup"
-    needed, free = cached.needed_after_load(loaded.weight_bytes), backend.device.free_bytes()
-    return f"no room: the cached plan needs {fmt_bytes(needed)} beside the weights, {fmt_bytes(free)} are free"
+        return None, "no plan cached for this setup"
+    free = backend.device.free_bytes()
+    if not cached.fits(free, loaded.weight_bytes):
+        needed = cached.needed_after_load(loaded.weight_bytes)
+        return None, f"no room: the cached plan needs {fmt_bytes(needed)} beside the weights, {fmt_bytes(free)} are free"
+    return cached, ""
 
 
 def skip_if_cached(
@@ -105,7 +94,11 @@ def skip_if_cached(
     backend: Backend,
     plan_cache: PlanCache | None,
 ) -> Skip | None:
-    return Skip(None, "plan-cache") if cached_plan(config, resolved, loaded, backend, plan_cache) else None
+    """Skip for a cached plan that fits; otherwise the stage span says why the probe is built."""
+    cached, miss = cached_plan(config, resolved, loaded, backend, plan_cache)
+    if cached is None:
+        trace.get_current_span().set_attribute("bootstrap.plan_cache.miss", miss)
+    return Skip(None, "plan-cache") if cached else None
 
 
 STAGE = Stage(

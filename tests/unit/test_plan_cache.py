@@ -167,7 +167,7 @@ async def test_a_cached_plan_without_room_now_is_profiled_again_and_the_span_say
         pipeline = make_pipeline(config, SimBackend(device), tracer_provider=make_tracer_provider(memory=memory))
         await pipeline.run()
         await pipeline.aclose()
-        return next(s for s in memory.get_finished_spans() if s.name == "bootstrap.stage.estimation_build.attempt").attributes
+        return next(s for s in memory.get_finished_spans() if s.name == "bootstrap.stage.estimation_build").attributes
 
     first = await estimation_attempt(sim_device("h100-80gb"))
     assert first["bootstrap.plan_cache.miss"] == "no plan cached for this setup"
