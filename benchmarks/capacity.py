@@ -21,6 +21,7 @@ other request decodes at nearly ``max_seq_len`` tokens of context. Counted hones
 that ended in an error (and how many of those were out of memory), steps that raised (the
 executor then reruns the requests one by one; an OOM there is counted even when the reruns
 succeed), requests unfinished at the deadline, and the device's peak allocated and reserved bytes.
+Errors are counted by wrapping the executor's model runner and sampler for the load's duration.
 
 ``proposed_headroom`` (the design this script measures): the memory the native engine may need
 beyond the measured peak, from the profile and the shape, all in bytes:
@@ -41,9 +42,10 @@ beyond the measured peak, from the profile and the shape, all in bytes:
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -181,36 +183,48 @@ def staggered_lengths(requests: int, max_seq_len: int, max_num_tokens: int, tail
     return [(max_seq_len - g, g) for g in outputs]
 
 
-class StepFailures(logging.Handler):
-    """Counts the executor's failed steps (it logs each one), and which raised out of memory."""
+class StepErrors:
+    """Counts the forward and sampler calls that raise while the load runs, and which of them ran
+    out of memory. The executor reruns a failed step of several requests one request at a time,
+    so a step that fails is counted, and so is every rerun that fails again."""
 
     def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.failed_steps = self.oom_steps = 0
+        self.failed = self.oom = 0
         self.messages: list[str] = []
 
-    def emit(self, record: logging.LogRecord) -> None:
-        if "failed" not in record.getMessage():
-            return
-        self.failed_steps += 1
-        error = record.exc_info[1] if record.exc_info else None
-        self.oom_steps += bool(error is not None and is_oom(error))
-        if error is not None and len(self.messages) < 5:
-            self.messages.append(f"{type(error).__name__}: {str(error)[:300]}")
+    def wrap(self, call: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return call(*args, **kwargs)
+            except Exception as exc:
+                self.failed, self.oom = self.failed + 1, self.oom + is_oom(exc)
+                if len(self.messages) < 5:
+                    self.messages.append(f"{type(exc).__name__}: {str(exc)[:300]}")
+                raise
+
+        return counted
+
+
+@contextmanager
+def counting_step_errors(executor: Any) -> Iterator[StepErrors]:
+    """The executor's model runner and sampler, their calls counted (instance attributes shadow
+    the methods while the load runs; nothing else changes)."""
+    errors = StepErrors()
+    executor.runner.run = errors.wrap(executor.runner.run)
+    executor.sampler.sample = errors.wrap(executor.sampler.sample)
+    try:
+        yield errors
+    finally:
+        del executor.runner.run, executor.sampler.sample
 
 
 def worst_case_load(executor: Any, plan: dict[str, Any], device: torch.device, timeout_s: float) -> dict[str, Any]:
     """Fill every block with staggered ``max_seq_len`` requests; run them all; count errors."""
     lengths = workload(plan)
-    requests = start_load(executor, lengths, device)
-    failures = StepFailures()
-    logging.getLogger("bootstrap.engine.executor").addHandler(failures)
-    started = time.perf_counter()
-    try:
-        responses = collect(executor, requests, started + timeout_s)
-    finally:
-        logging.getLogger("bootstrap.engine.executor").removeHandler(failures)
-    return load_report(lengths, responses, failures, plan, device, time.perf_counter() - started)
+    with counting_step_errors(executor) as errors:
+        started = time.perf_counter()
+        responses = collect(executor, start_load(executor, lengths, device), started + timeout_s)
+    return load_report(lengths, responses, errors, plan, device, time.perf_counter() - started)
 
 
 def workload(plan: dict[str, Any]) -> list[tuple[int, int]]:
@@ -251,9 +265,9 @@ def collect(executor: Any, requests: list[int], deadline: float) -> list[Any]:
     return responses
 
 
-def load_report(lengths: list[tuple[int, int]], responses: list[Any], failures: StepFailures,
+def load_report(lengths: list[tuple[int, int]], responses: list[Any], errors: StepErrors,
                 plan: dict[str, Any], device: torch.device, seconds: float) -> dict[str, Any]:  # fmt: skip
-    errors = [r for r in responses if r.finish_reason == "error"]
+    errored = [r for r in responses if r.finish_reason == "error"]
     tokens = sum(p + o for p, o in lengths)
     report = {
         "requests": len(lengths),
@@ -261,11 +275,11 @@ def load_report(lengths: list[tuple[int, int]], responses: list[Any], failures: 
         "kv_fill_fraction": ratio(tokens, plan["kv_tokens"]),
         "completed": sum(r.finish_reason in ("length", "stop") for r in responses),
         "unfinished_at_deadline": sum(r.finish_reason == "cancelled" for r in responses),
-        "requests_errored": len(errors),
-        "requests_errored_oom": sum("out of memory" in (r.error or "").lower() for r in errors),
-        "steps_failed": failures.failed_steps,
-        "steps_failed_oom": failures.oom_steps,
-        "error_samples": failures.messages + [r.error for r in errors[:2]],
+        "requests_errored": len(errored),
+        "requests_errored_oom": sum("out of memory" in (r.error or "").lower() for r in errored),
+        "steps_failed": errors.failed,
+        "steps_failed_oom": errors.oom,
+        "error_samples": errors.messages + [r.error for r in errored[:2]],
         "seconds": round(seconds, 2),
     }
     if device.type == "cuda":

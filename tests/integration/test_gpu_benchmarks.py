@@ -116,3 +116,39 @@ def test_the_gpu_suite_script_runs_every_step_and_writes_every_result(tmp_path):
     assert [s["step"] for s in steps] == ["install_wheels", "environment", "gpu_tests", "startup", "capacity", "timeline_png"]
     assert all(s["rc"] == 0 for s in steps)
     assert "capacity: finished, exit 0" in (out / "suite.log").read_text()
+
+
+def test_an_oom_in_a_step_is_counted_even_when_the_reruns_succeed(tiny, monkeypatch):
+    """One forward of the load runs out of memory (torch's own exception class, raised once); the
+    executor reruns that step's requests one by one, they all finish, and the count says so."""
+    import anyio
+    import torch
+
+    from bootstrap.api import Bootstrap
+    from bootstrap.config import BootstrapConfig
+    from bootstrap.engine.model_runner import ModelRunner
+
+    capacity = load_script("capacity")
+    real_run, calls = ModelRunner.run, []
+
+    def third_step_runs_out(self, batch):
+        calls.append(len(batch.seqs))
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB")
+        return real_run(self, batch)
+
+    async def load() -> dict:
+        boot = Bootstrap(BootstrapConfig(model=tiny, device="cpu", max_seq_len=64, max_num_tokens=64, max_batch_size=4))
+        try:
+            executor = await boot.build()
+            monkeypatch.setattr(ModelRunner, "run", third_step_runs_out)
+            report = capacity.worst_case_load(executor, boot.report().plan, torch.device("cpu"), 120)
+            assert "run" not in vars(executor.runner) and "sample" not in vars(executor.sampler)  # unwrapped
+            return report
+        finally:
+            await boot.aclose()
+
+    report = anyio.run(load)
+    assert (report["steps_failed"], report["steps_failed_oom"]) == (1, 1) and calls[2] > 1
+    assert report["completed"] == report["requests"] == 4 and report["requests_errored"] == 0
+    assert "OutOfMemoryError: CUDA out of memory" in report["error_samples"][0]
