@@ -15,6 +15,8 @@
 # Missing Python packages travel as wheels in .whl/ (../shared/gpu/fetch-wheels writes them);
 # they are installed from there, never from an index. The whole suite keeps within
 # SUITE_BUDGET_S seconds: each step gets at most its own cap and what the budget has left.
+# Exit status 1 when a step failed, was stopped at its timeout or had no time left; every result
+# is written anyway.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -29,6 +31,7 @@ export OUT WORK
 SUITE_BUDGET_S=510
 START=$(date +%s)
 SMOKE=0
+FAILED=0
 [ "${1:-}" = "--smoke" ] && SMOKE=1
 export SMOKE
 exec > >(tee -a "$OUT/suite.log") 2>&1
@@ -43,6 +46,7 @@ run_step() {
   local limit=$(( cap < left ? cap : left ))
   if [ "$limit" -lt 15 ]; then
     say "$name: skipped, ${left}s left of the budget"
+    FAILED=1
     echo "{\"step\": \"$name\", \"rc\": null, \"seconds\": 0, \"skipped\": true}" >> "$OUT/steps.jsonl"
     return 0
   fi
@@ -50,6 +54,7 @@ run_step() {
   local t0=$(date +%s)
   timeout --kill-after=10 "$limit" "$@"
   local rc=$?
+  [ "$rc" = 0 ] || FAILED=1
   say "$name: finished, exit $rc, $(( $(date +%s) - t0 ))s"
   echo "{\"step\": \"$name\", \"rc\": $rc, \"seconds\": $(( $(date +%s) - t0 ))}" >> "$OUT/steps.jsonl"
 }
@@ -96,15 +101,16 @@ fi
 say "results under $OUT"
 run_step install_wheels 90 bash -c install_wheels
 export PYTHONPATH="$WORK/site:$PWD"
-run_step environment 60 python3 -c "import torch, transformers, pydantic, opentelemetry.sdk, tenacity; \
-print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available(), \
-torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')"
+run_step environment 60 python3 -c "import torch, transformers, pydantic, opentelemetry.sdk, tenacity, pytest; \
+print('torch', torch.__version__, 'transformers', transformers.__version__, 'pytest', pytest.__version__, \
+'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')"
 run_step gpu_tests 170 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider -p no:asyncio --junitxml="$OUT/gpu_tests.xml"
 run_step startup 150 python3 benchmarks/startup.py "${DEVICE[@]}" "${STARTUP[@]}" \
   --trace-dir "$WORK/traces" --out "$OUT/startup.json"
 run_step capacity 260 python3 benchmarks/capacity.py "${DEVICE[@]}" "${CAPACITY[@]}" --out "$OUT/capacity.json"
 run_step timeline_png 30 bash -c render_png
-tar -czf "$OUT/traces.tar.gz" -C "$WORK" traces 2> /dev/null || say "no traces to pack"
+tar -czf "$OUT/traces.tar.gz" -C "$WORK" traces 2> /dev/null || { rm -f "$OUT/traces.tar.gz"; say "no traces to pack"; }
 say "done; steps:"
 cat "$OUT/steps.jsonl"
 rm -rf "$WORK"
+exit "$FAILED"  # 1 when a step failed or ran out of time
