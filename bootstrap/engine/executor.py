@@ -36,8 +36,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence as Seq
-from typing import TypeVar
+from collections.abc import AsyncIterator, Iterator, Sequence as Seq
 
 import anyio
 import torch
@@ -48,10 +47,10 @@ from bootstrap.engine.requests import Claim, Handle, RequestStats, RequestTable
 from bootstrap.engine.sampling import Sampler, SamplingParams, make_generator, model_eos_ids, stop_reason, trim_stop_text
 from bootstrap.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from bootstrap.engine.sequence import Detokenizer, Response, Sequence, StreamEvent, next_request_id, token_id_list
+from bootstrap.engine.waiting import EventStream, Waiter
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 DEFAULT_MAX_UNCLAIMED = 1024
 
 
@@ -67,6 +66,7 @@ class PyExecutor:
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids) if eos_token_ids is not None else model_eos_ids(runner.model)
         self._requests = RequestTable(max_unclaimed)
+        self._waiter = Waiter(self._requests, self._step_here)
         self._lock = self._requests.lock  # also guards _closed and the worker's start
         self._inbox: queue.Queue[Sequence | None] = queue.Queue()
         self._step_lock = threading.Lock()
@@ -110,7 +110,7 @@ class PyExecutor:
         response = None
         try:
             deadline = None if timeout is None else time.monotonic() + timeout
-            response = self._wait(claim.handle, self._requests.take_response, deadline)
+            response = self._waiter.wait(claim.handle, self._requests.take_response, deadline)
             if response is None:
                 raise TimeoutError(f"request {request_id} did not finish within {timeout} s")
             return response
@@ -125,7 +125,7 @@ class PyExecutor:
         response = None
         try:
             with anyio.move_on_after(timeout):
-                response = await self._wait_async(claim.handle, self._requests.take_response)
+                response = await self._waiter.wait_async(claim.handle, self._requests.take_response)
             if response is None:
                 raise TimeoutError(f"request {request_id} did not finish within {timeout} s")
             return response
@@ -139,7 +139,7 @@ class PyExecutor:
         finished = False
         try:
             while not finished:
-                event = self._wait(claim.handle, self._requests.take_event, None)
+                event = self._waiter.wait(claim.handle, self._requests.take_event, None)
                 assert event is not None  # no deadline
                 finished = event.finished
                 yield event
@@ -149,7 +149,7 @@ class PyExecutor:
     def stream_async(self, request_id: int, *, cancel_on_abandon: bool = False) -> AsyncIterator[StreamEvent]:
         """``stream`` for async callers. A cancelled wait for the next event takes nothing and
         ends this iterator (it lets go of the request at once, even unclosed)."""
-        return _EventStream(self, request_id, cancel_on_abandon)
+        return EventStream(self._waiter, request_id, cancel_on_abandon)
 
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None) -> list[Response]:
         """Run ``prompts`` (token id lists) to completion; one response per prompt, in order.
@@ -217,53 +217,10 @@ class PyExecutor:
         claim = Claim("generate")
         handles = self._submit(seqs, claim)
         try:
-            return [self._wait(h, self._requests.take_response, None) for h in handles]  # type: ignore[misc]
+            return [self._waiter.wait(h, self._requests.take_response, None) for h in handles]  # type: ignore[misc]
         finally:
             for handle in handles:
                 self._requests.detach(handle, claim, give_up=True)
-
-    # ---- waiting ------------------------------------------------------------------------------
-
-    def _wait(self, handle: Handle, take: Callable[[Handle], T | None], deadline: float | None) -> T | None:
-        """What ``take`` hands over once it has something; None past ``deadline``. Sleeps on the
-        handle's condition while a worker runs, else drives the loop in this thread."""
-        stalled = False
-        while True:
-            with self._lock:
-                got = take(handle)
-                left = None if deadline is None else deadline - time.monotonic()
-                if got is not None or (left is not None and left <= 0):
-                    return got
-                if self._requests.worker_live:
-                    handle.changed.wait(left)
-                    continue
-            stalled = self._stalled(handle, self._step_here(), stalled)
-
-    async def _wait_async(self, handle: Handle, take: Callable[[Handle], T | None]) -> T:
-        """``_wait`` for a task: sleeps on a ``Waker`` while a worker runs, else runs one step at
-        a time in a worker thread (not abandoned on cancellation)."""
-        stalled = False
-        while True:
-            with self._lock:
-                got = take(handle)
-                if got is not None:
-                    return got
-                waker = self._requests.arm(handle) if self._requests.worker_live else None
-            if waker is None:
-                stalled = self._stalled(handle, await anyio.to_thread.run_sync(self._step_here), stalled)
-            else:
-                await waker.event.wait()
-
-    @staticmethod
-    def _stalled(handle: Handle, progressed: bool, stalled_before: bool) -> bool:
-        """After a step of our own: raise rather than spin when twice in a row there was nothing
-        to run and still nothing for us (an unfinished request is always in the inbox or the
-        scheduler, so this is a bug, not a state to wait out)."""
-        if progressed:
-            return False
-        if stalled_before:
-            raise RuntimeError(f"request {handle.request_id} cannot progress: the loop has nothing to run")
-        return True
 
     def _step_here(self) -> bool:
         """One loop iteration in the calling thread, unless a worker runs the loop. False when
@@ -477,50 +434,6 @@ class PyExecutor:
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
-
-
-class _EventStream:
-    """``stream_async``'s iterator: attached to its request from the first ``__anext__`` until
-    the final event, an exception (a cancelled wait included), ``aclose`` or garbage collection,
-    whichever comes first. Not an async generator, whose ``finally`` would wait for the event
-    loop to finalize it: this one lets go the moment it is unreachable."""
-
-    def __init__(self, executor: PyExecutor, request_id: int, cancel_on_abandon: bool) -> None:
-        self._executor = executor
-        self._request_id = request_id
-        self._cancel_on_abandon = cancel_on_abandon
-        self._claim: Claim | None = None
-        self._ended = False
-
-    def __aiter__(self) -> _EventStream:
-        return self
-
-    async def __anext__(self) -> StreamEvent:
-        if self._ended:
-            raise StopAsyncIteration
-        try:
-            if self._claim is None:
-                self._claim = self._executor._requests.attach(self._request_id, "stream_async")
-            event = await self._executor._wait_async(self._claim.handle, self._executor._requests.take_event)
-        except BaseException:
-            self._end(abandoned=True)
-            raise
-        if event.finished:
-            self._end(abandoned=False)
-        return event
-
-    async def aclose(self) -> None:
-        self._end(abandoned=True)
-
-    def __del__(self) -> None:
-        self._end(abandoned=True)
-
-    def _end(self, abandoned: bool) -> None:
-        self._ended = True
-        claim, self._claim = self._claim, None
-        if claim is not None:
-            give_up = abandoned and self._cancel_on_abandon
-            self._executor._requests.detach(claim.handle, claim, give_up)
 
 
 def create_executor(
