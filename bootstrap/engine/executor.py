@@ -14,10 +14,13 @@ polling; a request has at most one of them attached at a time (a second one rais
 ``RequestInUse``). A wait that is cancelled or times out takes nothing: the response and every
 event stay for the next wait, unless it was called with ``cancel_on_abandon=True``, which
 cancels and releases the request when the wait ends without its response (or a stream before
-its final event). Without a worker, the waits drive the loop themselves: sync waits step in the
-calling thread; async waits run one step at a time in an anyio worker thread and are not
-abandoned there (a cancellation takes effect when that step ends, at most one step later), so
-nothing runs on after them.
+its final event). Without a worker, the loop runs only inside the calls that drive it: sync
+waits step in the calling thread; async waits run one step at a time in an anyio worker thread
+and are not abandoned there (a cancellation takes effect when that step ends, at most one step
+later), so nothing runs on after them; ``generate`` and ``run_warmup`` wait as sync waits do;
+``cancel`` applies every pending cancellation before it returns. So without a worker, a request
+given up by an abandoned wait (``cancel_on_abandon``) is cancelled, and its KV blocks freed,
+the next time one of those runs.
 
 Retention (``bootstrap.engine.requests``): a request is held from ``enqueue`` until its response
 is taken (or final event streamed). ``cancel`` means the caller is done with it: it is released
@@ -397,7 +400,9 @@ class PyExecutor:
         seq.finish(reason, error)
         delta = self._release_text(handle, full, final=True)
         text = trim_stop_text(full, seq.params)
-        response = Response(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, text, reason, error, seq.is_warmup)
+        response = Response(
+            seq.request_id, seq.prompt_token_ids, seq.output_token_ids, text, reason, error, seq.is_warmup
+        )
         self._requests.publish(handle, StreamEvent(token, delta, reason, error), response)
 
     # ---- teardown -----------------------------------------------------------------------------

@@ -346,7 +346,8 @@ def test_starting_the_worker_while_a_caller_drives_the_loop_keeps_outputs_right(
     ex = make(model, batch=4)
     prompts = [[i, i + 1, i + 2] for i in range(1, 9)]
     results: list = []
-    caller = threading.Thread(target=lambda: results.extend(ex.generate(prompts, SamplingParams(max_tokens=40))))
+    run = lambda: results.extend(ex.generate(prompts, SamplingParams(max_tokens=40)))  # noqa: E731
+    caller = threading.Thread(target=run, daemon=True)  # daemon: a failure here must not hang the process
     caller.start()
     deadline = time.monotonic() + 60
     while ex.runner.kv_cache.stats().used_blocks == 0:  # until the caller thread steps on its own

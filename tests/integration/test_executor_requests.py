@@ -13,7 +13,7 @@ import threading
 import anyio
 import pytest
 
-from bootstrap.engine import SamplingParams
+from bootstrap.engine import RequestInUse, SamplingParams
 from tiny_llama import Throttle, build_model, cpu_seconds_over, make_executor, reference
 
 PROMPT = [5, 6, 7]
@@ -92,11 +92,11 @@ async def test_a_second_consumer_of_a_request_gets_a_clear_error(held):
     throttle.allow(1)
     with anyio.fail_after(10):
         assert (await first.__anext__()).token_id is not None
-        with pytest.raises(RuntimeError, match=f"request {rid} is already .* stream_async"):
+        with pytest.raises(RequestInUse, match=f"request {rid} is already .* stream_async"):
             await ex.stream_async(rid).__anext__()
-        with pytest.raises(RuntimeError, match=f"request {rid}"):
+        with pytest.raises(RequestInUse, match=f"request {rid}"):
             await ex.await_response_async(rid)
-        with pytest.raises(RuntimeError, match=f"request {rid}"):
+        with pytest.raises(RequestInUse, match=f"request {rid}"):
             ex.await_response(rid, timeout=0)
     throttle.open()
     with anyio.fail_after(10):
@@ -112,7 +112,7 @@ def test_two_threads_streaming_one_request_do_not_split_its_events(model, held):
     def consume(name: str) -> None:
         try:
             results[name] = [e.token_id for e in ex.stream(rid)]
-        except RuntimeError as exc:
+        except RequestInUse as exc:
             results[name] = exc
 
     threads = [threading.Thread(target=consume, args=(name,)) for name in "ab"]
@@ -122,8 +122,9 @@ def test_two_threads_streaming_one_request_do_not_split_its_events(model, held):
     for t in threads:
         t.join(10)
     assert not any(t.is_alive() for t in threads)
-    outcomes = sorted(results.values(), key=lambda r: isinstance(r, RuntimeError))
-    assert outcomes[0] == reference(model, PROMPT, 5) and isinstance(outcomes[1], RuntimeError) and "already" in str(outcomes[1])
+    outcomes = sorted(results.values(), key=lambda r: isinstance(r, RequestInUse))
+    assert outcomes[0] == reference(model, PROMPT, 5)
+    assert isinstance(outcomes[1], RequestInUse) and "already being consumed" in str(outcomes[1])
 
 
 async def test_cancel_on_abandon_releases_the_request(held):
@@ -142,6 +143,19 @@ async def test_cancel_on_abandon_releases_the_request(held):
     throttle.open()
     await _until(lambda: ex.stats().handles == 0)
     assert ex.scheduler.kv_cache.stats().used_blocks == 0
+
+
+async def test_without_a_worker_an_abandoned_wait_is_cancelled_when_the_loop_next_runs(model):
+    ex = make_executor(model)
+    rid = ex.enqueue(PROMPT, SamplingParams(max_tokens=100))
+    with anyio.move_on_after(0.05):  # steps run in a thread meanwhile; the one under way ends first
+        await ex.await_response_async(rid, cancel_on_abandon=True)
+    assert ex.runner.kv_cache.stats().used_blocks > 0 and not ex.worker_running
+    with pytest.raises(KeyError, match=f"unknown request id {rid}"):
+        await ex.await_response_async(rid)
+    [other] = ex.generate([PROMPT], SamplingParams(max_tokens=1))  # the loop runs again
+    assert other.ok and ex.stats().handles == 0 and ex.runner.kv_cache.stats().used_blocks == 0
+    ex.shutdown()
 
 
 async def _until(condition, timeout: float = 10.0) -> None:
@@ -210,7 +224,8 @@ def test_unclaimed_responses_are_kept_up_to_a_bound(model):
     for rid in ids[:5]:
         with pytest.raises(KeyError, match=f"unknown request id {rid}"):
             ex.await_response(rid)
-    assert [ex.await_response(rid).token_ids for rid in ids[5:]] == [reference(model, [i + 1, i + 2], 2) for i in range(5, 8)]
+    kept = [ex.await_response(rid).token_ids for rid in ids[5:]]
+    assert kept == [reference(model, [i + 1, i + 2], 2) for i in range(5, 8)]
     assert ex.stats().handles == 0
     ex.shutdown()
 
