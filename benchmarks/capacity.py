@@ -223,8 +223,8 @@ def worst_case_load(executor: Any, plan: dict[str, Any], device: torch.device, t
     lengths = workload(plan)
     with counting_step_errors(executor) as errors:
         started = time.perf_counter()
-        responses = collect(executor, start_load(executor, lengths, device), started + timeout_s)
-    return load_report(lengths, responses, errors, plan, device, time.perf_counter() - started)
+        responses, unfinished = collect(executor, start_load(executor, lengths, device), started + timeout_s)
+    return load_report(lengths, (responses, unfinished), errors, plan, device, time.perf_counter() - started)
 
 
 def workload(plan: dict[str, Any]) -> list[tuple[int, int]]:
@@ -252,21 +252,21 @@ def start_load(executor: Any, lengths: list[tuple[int, int]], device: torch.devi
     return ids
 
 
-def collect(executor: Any, requests: list[int], deadline: float) -> list[Any]:
-    """Every response; at the deadline the unfinished requests are cancelled (``cancelled``)."""
-    responses = []
+def collect(executor: Any, requests: list[int], deadline: float) -> tuple[list[Any], int]:
+    """Every response there is by the deadline, and how many requests had none: a wait that
+    times out cancels its request (``cancel_on_abandon``), which frees its blocks at once."""
+    responses, unfinished = [], 0
     for rid in requests:
         try:
-            responses.append(executor.await_response(rid, max(deadline - time.perf_counter(), 0.001)))
-        except TimeoutError:
-            for other in requests:
-                executor.cancel(other)
-            responses.append(executor.await_response(rid, 60))
-    return responses
+            responses.append(executor.await_response(rid, max(deadline - time.perf_counter(), 0.001), cancel_on_abandon=True))
+        except (TimeoutError, KeyError):  # KeyError: released unclaimed (more than max_unclaimed finished first)
+            unfinished += 1
+    return responses, unfinished
 
 
-def load_report(lengths: list[tuple[int, int]], responses: list[Any], errors: StepErrors,
+def load_report(lengths: list[tuple[int, int]], answered: tuple[list[Any], int], errors: StepErrors,
                 plan: dict[str, Any], device: torch.device, seconds: float) -> dict[str, Any]:  # fmt: skip
+    responses, unfinished = answered
     errored = [r for r in responses if r.finish_reason == "error"]
     tokens = sum(p + o for p, o in lengths)
     report = {
@@ -274,7 +274,7 @@ def load_report(lengths: list[tuple[int, int]], responses: list[Any], errors: St
         "kv_tokens_filled": tokens,
         "kv_fill_fraction": ratio(tokens, plan["kv_tokens"]),
         "completed": sum(r.finish_reason in ("length", "stop") for r in responses),
-        "unfinished_at_deadline": sum(r.finish_reason == "cancelled" for r in responses),
+        "unfinished_at_deadline": unfinished,
         "requests_errored": len(errored),
         "requests_errored_oom": sum("out of memory" in (r.error or "").lower() for r in errored),
         "steps_failed": errors.failed,

@@ -152,3 +152,29 @@ def test_an_oom_in_a_step_is_counted_even_when_the_reruns_succeed(tiny, monkeypa
     assert (report["steps_failed"], report["steps_failed_oom"]) == (1, 1) and calls[2] > 1
     assert report["completed"] == report["requests"] == 4 and report["requests_errored"] == 0
     assert "OutOfMemoryError: CUDA out of memory" in report["error_samples"][0]
+
+
+def test_at_the_deadline_the_unfinished_requests_are_counted_and_cancelled(tiny):
+    import anyio
+    import torch
+
+    from bootstrap.api import Bootstrap
+    from bootstrap.config import BootstrapConfig
+
+    capacity = load_script("capacity")
+
+    async def load() -> tuple[dict, int]:
+        boot = Bootstrap(BootstrapConfig(model=tiny, device="cpu", max_seq_len=64, max_num_tokens=64, max_batch_size=4))
+        try:
+            executor = await boot.build()
+            report = capacity.worst_case_load(executor, boot.report().plan, torch.device("cpu"), 0.0)
+            with anyio.move_on_after(30):  # the worker applies the cancellations in its next round
+                while executor.scheduler.kv_cache.stats().used_blocks:
+                    await anyio.sleep(0.05)
+            return report, executor.scheduler.kv_cache.stats().used_blocks
+        finally:
+            await boot.aclose()
+
+    report, used_blocks = anyio.run(load)
+    assert report["unfinished_at_deadline"] >= 1 and report["completed"] + report["unfinished_at_deadline"] == 4
+    assert used_blocks == 0  # the cancelled requests gave their blocks back
