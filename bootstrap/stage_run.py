@@ -15,7 +15,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_aft
 from bootstrap.device_thread import DeviceThread
 from bootstrap.devices import Device
 from bootstrap.events import EventHub, StageEvent
-from bootstrap.parallel import Collective, RankFailed, SingleRank, agree_attempt, failure_of
+from bootstrap.parallel import Collective, RankFailed, SingleRank, agree_attempt, failure_of, is_retryable
 from bootstrap.stage import Skip, Stage
 from bootstrap.telemetry import attempt_span, stage_span
 from bootstrap.undo import Undo
@@ -81,7 +81,7 @@ class StageRun:
             wait=wait_exponential(multiplier=policy.backoff_s, max=policy.max_backoff_s)
             if policy.backoff_s
             else wait_none(),
-            retry=retry_if_exception(lambda e: isinstance(e, Exception) and policy.retry_on(failure_of(e))),
+            retry=retry_if_exception(lambda e: isinstance(e, Exception) and is_retryable(e, policy.retry_on)),
             before_sleep=self._before_retry,
             sleep=anyio.sleep,
             reraise=True,

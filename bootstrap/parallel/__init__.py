@@ -38,12 +38,28 @@ class RankFailed(RuntimeError):
     (rebuilt from its pickle on the other ranks; a ``RuntimeError`` with its text when it does
     not pickle). Retry policies and adaptations look at ``error`` (``failure_of``)."""
 
-    def __init__(self, rank: int, error: BaseException) -> None:
-        self.rank, self.error = rank, error
-        super().__init__(f"rank {rank} failed: {type(error).__name__}: {error}")
+    def __init__(self, rank: int, error: BaseException, peers_lost: bool = False) -> None:
+        self.rank, self.error, self.peers_lost = rank, error, peers_lost
+        lost = "; a rank lost its peers mid-collective, so the attempt is not retried" if peers_lost else ""
+        super().__init__(f"rank {rank} failed: {type(error).__name__}: {error}{lost}")
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return RankFailed, (self.rank, self.error)
+        return RankFailed, (self.rank, self.error, self.peers_lost)
+
+
+def is_retryable(exc: BaseException, retry_on: Callable[[BaseException], bool]) -> bool:
+    """``retry_on`` of the error an agreed failure stands for; never when a rank lost its
+    peers inside a collective (they may be out of step: a retry could pair the wrong messages)."""
+    return not getattr(exc, "peers_lost", False) and retry_on(failure_of(exc))
+
+
+def is_comm_error(error: BaseException) -> bool:
+    """A collective that failed or timed out (torch's ``DistError`` family, gloo's messages)."""
+    names = {t.__name__ for t in type(error).__mro__}
+    text = str(error)
+    return bool(names & {"RankUnresponsive", "DistError", "DistBackendError", "DistNetworkError"}) or any(
+        mark in text for mark in ("Connection closed by peer", "Timed out waiting", "Connection reset by peer")
+    )
 
 
 def failure_of(exc: BaseException) -> BaseException:
@@ -87,11 +103,11 @@ def agree_attempt(
     shared = artifact if error is None and agree is not None else None
     mine = Outcome(collective.rank, shared, _pickled(error) if error is not None else None)
     outcomes: list[Outcome] = collective.all_gather(mine, f"stage {stage!r}")
-    failed = [o for o in outcomes if o.error is not None]
+    failed = {o.rank: error if o.rank == collective.rank else _unpickled(o.error) for o in outcomes if o.error}
     if failed:
-        first = failed[0]
-        cause = error if first.rank == collective.rank else _unpickled(first.error)
-        raise RankFailed(first.rank, cause)
+        lost = {r for r, e in failed.items() if is_comm_error(e)}
+        first = min(set(failed) - lost, default=min(failed))  # the cause, not a peer left waiting on it
+        raise RankFailed(first, failed[first], peers_lost=bool(lost))
     return agree([o.artifact for o in outcomes]) if agree is not None else artifact
 
 
