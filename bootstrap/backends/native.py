@@ -13,6 +13,9 @@ device thread, and pushes the release of everything it allocates on the attempt'
   final_build       the final pools, ``PagedKVCache.from_bytes`` of each pool's budget
   scheduler_sampler the ``PyExecutor`` on the target pool, its worker started, one smoke request
 
+Tensor parallelism (``collective`` of N ranks): each process is one rank; weights load as its
+shard through transformers' TP plan, and every pool holds ``kv_heads / N`` heads per token.
+
 The draft model is loaded, profiled and given its own pool, which the started executor holds
 (``executor.draft``) and releases at shutdown; speculative decoding itself is not implemented.
 The native pool stores every layer at full length (sliding windows are applied as masks), so the
