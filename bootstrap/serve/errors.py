@@ -41,15 +41,18 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 def describe_validation(exc: RequestValidationError) -> APIError:
     """One line per bad field: its dotted path, what is allowed, and what was sent."""
-    lines, params = [], []
+    lines: list[str] = []
+    params: list[str | None] = []
     for err in exc.errors():
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         field = ".".join(loc) or "body"
-        params.append(field)
         message = str(err.get("msg", "invalid")).removeprefix("Value error, ")
         if err.get("type") == "json_invalid":
+            params.append(None)
             lines.append(f"body: not valid JSON ({err.get('ctx', {}).get('error', message)})")
-        elif err.get("type") == "missing":
+            continue
+        params.append(field)
+        if err.get("type") == "missing":
             lines.append(f"{field}: required")
         else:
             lines.append(f"{field}: {message} (got {_short(err.get('input'))})")
