@@ -80,14 +80,16 @@ class Job:
 
     async def _cancel(self) -> None:
         self.executor.cancel(self.request_id)
-        await self._stream.aclose()
+        try:
+            await self._stream.aclose()
+        except RuntimeError:  # still running in another task: the await below does not need it
+            pass
         with anyio.move_on_after(CANCEL_WAIT_S):
             try:
                 response = await self.executor.await_response_async(self.request_id)
             except (KeyError, TimeoutError):  # already forgotten: nothing is left to collect
                 return
-            self.finish_reason = response.finish_reason
-        self.finish_reason = self.finish_reason or "cancelled"
+            self.finish_reason = response.finish_reason  # "cancelled", or how it ended just before
 
     def _record(self) -> None:
         reason = self.finish_reason or "cancelled"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -304,7 +305,8 @@ def _retry_resumes_without_reloading_weights(server: ServeProcess, checkpoint: P
 # ---- shutdown ---------------------------------------------------------------------------------
 
 
-def test_sigterm_during_the_bootstrap_rolls_back_and_exits_0(checkpoint, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_during_the_bootstrap_rolls_back_and_exits_0(sig, checkpoint, tmp_path):
     gate, trace = tmp_path / "gate", tmp_path / "trace.jsonl"
     os.mkfifo(gate)
     backend = plugin_module(tmp_path, gate=str(gate), gated="build_estimation")
@@ -312,7 +314,7 @@ def test_sigterm_during_the_bootstrap_rolls_back_and_exits_0(checkpoint, tmp_pat
                           "--trace-file", str(trace), pythonpath=(tmp_path,))  # fmt: skip
     try:
         server.wait_stage("estimation_build")
-        server.proc.send_signal(15)
+        server.proc.send_signal(sig)
         open_gate(gate)  # the stage's blocking call ends; then the pipeline rolls back
         assert server.proc.wait(120) == 0, server.log()
     finally:
