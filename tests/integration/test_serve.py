@@ -302,6 +302,15 @@ def _retry_resumes_without_reloading_weights(server: ServeProcess, checkpoint: P
     assert reply.usage.completion_tokens >= 1
 
 
+def test_a_backend_that_cannot_be_loaded_ends_the_server_with_exit_2(tmp_path):
+    server = ServeProcess(tmp_path / "serve.log", "--model", "random:smollm2-135m", "--backend", "no_such_module:backend")
+    try:
+        assert server.proc.wait(120) == 2
+    finally:
+        server.stop()
+    assert "cannot start the bootstrap: ModuleNotFoundError: No module named 'no_such_module'" in server.log()
+
+
 # ---- shutdown ---------------------------------------------------------------------------------
 
 

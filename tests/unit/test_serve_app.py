@@ -91,3 +91,12 @@ def test_lengths_beyond_max_seq_len_name_both_numbers():
     assert "prompt (10 tokens) + max_completion_tokens (60) = 70 exceeds max_seq_len (64)" in too_long.value.message
     with pytest.raises(APIError, match=r"prompt \(64 tokens\) leaves no room to generate within max_seq_len \(64\)"):
         check_length(64, None, "max_tokens", 64)
+
+
+def test_bad_config_flags_exit_2_before_the_port_opens(capsys):
+    from bootstrap.cli import main
+
+    assert main(["serve", "--model", "m", "--max-batch-size", "0", "--port", "0"]) == 2
+    assert "max_batch_size" in capsys.readouterr().err
+    assert main(["serve", "--model", "m", "--port", "99999"]) == 2
+    assert "port: must be in [0, 65535] (got 99999)" in capsys.readouterr().err
