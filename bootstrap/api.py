@@ -93,8 +93,14 @@ class Bootstrap:
 
 
 def default_backend(config: BootstrapConfig) -> Backend:
-    from bootstrap.backends.native import NativeBackend  # imports torch: only when asked for
+    """The backend ``config.backend`` names on ``config.device``; ``trtllm`` without TensorRT-LLM
+    installed raises ``MissingExtra`` naming the install command."""
+    from bootstrap.backends.native import NativeBackend, device_for  # imports torch: only when asked for
 
+    if config.backend == "trtllm":
+        from bootstrap.backends.trtllm import create_backend
+
+        return create_backend(device_for(config.device)[0])
     return NativeBackend.for_config(config)
 
 

@@ -57,11 +57,20 @@ def _config_args(parser: argparse.ArgumentParser, model_help: str = "preset name
     add("--plan-cache", type=Path, help="directory of cached plans")
 
 
+def _backend_args(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--backend", choices=("native", "trtllm"), default="native",
+        help="whose executor and KV pricing: native, or trtllm (TensorRT-LLM's PyExecutor)")  # fmt: skip
+    add("--kv-manager", choices=("auto", "v1", "v2"), default="auto",
+        help="TensorRT-LLM KV cache manager (--backend trtllm): auto is what TensorRT-LLM picks (V1)")  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bootstrap", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     plan = sub.add_parser("plan", help="run all eight stages on a simulated GPU and print the KV plan")
     _config_args(plan)
+    _backend_args(plan)
     plan.add_argument("--gpu", required=True, help="h100-80gb, h200, a100-80gb, a100-40gb, l40s, rtx-4090, or bytes (80GiB)")
     plan.add_argument("--trace-file", type=Path, help="write finished spans as JSON Lines (overwrites the file)")
     plan.add_argument("--otlp", action="store_true", help="also export spans over OTLP (needs the otlp extra)")
@@ -70,9 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="make the first N attempts of STAGE raise a simulated OOM (repeatable)")  # fmt: skip
     run = sub.add_parser("run", help="build the real executor through the stages and answer one prompt")
     _config_args(run, "checkpoint dir, .gguf file, random:<preset|config.json>, or the default", "smollm2-135m-instruct")
+    _backend_args(run)
     add_run_args(run)
     serve = sub.add_parser("serve", help="an OpenAI-compatible server; the port opens while the stages run")
     _config_args(serve, "checkpoint dir, .gguf file, random:<preset|config.json>, or the default", "smollm2-135m-instruct")
+    _backend_args(serve)
     add_serve_args(serve)
     cache = sub.add_parser("cache", help="manage the plan cache")
     add_cache_args(cache)
@@ -129,9 +140,16 @@ async def run_plan(args: argparse.Namespace) -> tuple[dict[str, Any], StageFaile
         "stages": stage_rows(memory.get_finished_spans()),
         "plan": summary,
         "device": {"name": device.name, "total_bytes": device.total, "leaked_bytes": sum(device.live().values())},
+        "backend": _backend_summary(config, pipeline.artifacts.get("resolved")),
         "error": _error_paragraph(error) if error else None,
     }
     return result, error
+
+
+def _backend_summary(config: BootstrapConfig, resolved: Any) -> dict[str, Any]:
+    """Whose pricing the plan used: ``bootstrap plan`` always simulates the GPU; ``trtllm`` prices
+    the KV cache as TensorRT-LLM's chosen manager does."""
+    return {"name": config.backend, "kv_manager": resolved.kv_manager if resolved is not None else None}
 
 
 def _error_paragraph(exc: StageFailed) -> str:
@@ -158,6 +176,9 @@ def print_plan(result: dict[str, Any], console: Console) -> None:
     console.print(stage_table(result["stages"]))
     if result["plan"]:
         console.print(plan_line(result["plan"]), highlight=False)
+    backend = result.get("backend") or {}
+    if backend.get("name") == "trtllm" and backend.get("kv_manager"):
+        console.print(f"KV priced as TensorRT-LLM's {backend['kv_manager']} allocates it (simulated GPU)")
     console.print(f"device {result['device']['name']}: leaked bytes after teardown: {result['device']['leaked_bytes']}")
 
 

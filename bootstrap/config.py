@@ -14,10 +14,24 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 KvDtype = Literal["auto", "float32", "bfloat16", "float16", "fp8"]
+BackendName = Literal["native", "trtllm"]
+KvManager = Literal["auto", "v1", "v2"]
 
 
 class ConfigError(ValueError):
     """A configuration value is out of range; the message names the field and the allowed range."""
+
+
+def ensure_directory(path: Path, field: str) -> Path:
+    """Create ``path`` and its parents, or raise ``ConfigError`` naming ``field`` and why: a file
+    in the way is reported as "<file> is not a directory" (``mkdir`` alone says "File exists")."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+        reason = f"{blocker} is not a directory" if blocker else exc.strerror or str(exc)
+        raise ConfigError(f"{field}: cannot write to {path}: {reason}") from None
+    return path
 
 
 class BootstrapConfig(BaseModel):
@@ -45,6 +59,10 @@ class BootstrapConfig(BaseModel):
         None, gt=0.0, lt=1.0, description="share of the KV budget for cross attention (encoder-decoder)"
     )
     tensor_parallel_size: int = Field(1, ge=1, le=64)
+    backend: BackendName = Field("native", description="whose executor the stages build and whose KV pricing plans use")
+    kv_manager: KvManager = Field(
+        "auto", description="TensorRT-LLM KV cache manager (backend trtllm only); auto picks what TensorRT-LLM picks"
+    )
     plan_cache: Path | None = Field(None, description="directory of cached capacity plans; None disables it")
 
     @field_validator("max_num_tokens")

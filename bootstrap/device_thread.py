@@ -26,4 +26,10 @@ class DeviceThread:
         return await anyio.to_thread.run_sync(future.result)
 
     def close(self) -> None:
+        """Stop the thread, blocking until the work in flight ends: for a thread with none left
+        (after a finished run); from async code with work that may still run, use ``aclose``."""
         self._executor.shutdown(wait=True)
+
+    async def aclose(self) -> None:
+        """Let the work already submitted finish, then stop the thread (the event loop stays free)."""
+        await anyio.to_thread.run_sync(self._executor.shutdown)

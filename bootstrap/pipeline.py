@@ -5,13 +5,15 @@ each one as soon as its inputs exist, independent ones concurrently. Each stage 
 span and an ``Undo``; a retryable failure runs the undo (rollback), lets the stage ``adapt`` its
 inputs, and tries again under the stage's tenacity policy. A stage that gives up raises
 ``StageFailed``; every artifact made so far is kept, and ``retry()`` resumes from there.
-Cancelling ``run()`` releases every completed stage, newest first.
+Cancelling ``run()`` releases every completed stage, newest first; so does ``aclose()`` during a
+run, which then raises ``PipelineClosed``. One run at a time: ``run()`` and ``retry()`` claim
+the pipeline before touching any state, and refuse while another run holds it.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import anyio
 from opentelemetry import context as otel_context
@@ -27,6 +29,8 @@ from bootstrap.stage_run import StageRun
 from bootstrap.telemetry import ROOT_SPAN, TRACER_NAME
 from bootstrap.undo import Undo
 
+T = TypeVar("T")
+
 
 class StageFailed(RuntimeError):
     """A stage gave up. Earlier artifacts are kept; ``Pipeline.retry()`` resumes from ``stage``."""
@@ -36,6 +40,11 @@ class StageFailed(RuntimeError):
         tries = "attempt" if attempts == 1 else "attempts"
         message = f"stage {stage!r} failed after {attempts} {tries}: {type(cause).__name__}: {cause}"
         super().__init__(f"{message}. {advice}" if advice else message)
+
+
+class PipelineClosed(RuntimeError):
+    """``aclose()`` was called while ``run()`` or ``retry()`` was in progress: the run was
+    cancelled and every completed stage rolled back; nothing it built is usable."""
 
 
 class Pipeline:
@@ -61,6 +70,9 @@ class Pipeline:
         self._ready: dict[str, anyio.Event] = {}
         self._running = False
         self._closed = False
+        self._closing = anyio.Lock()  # aclose() calls wait for each other
+        self._idle = anyio.Event()  # set when the current run() or retry() has ended
+        self._run_scope: anyio.CancelScope | None = None  # the current run's, for aclose() to cancel
 
     # -- public API ------------------------------------------------------------------------
 
@@ -72,15 +84,16 @@ class Pipeline:
         return self.hub.subscribe()
 
     async def run(self) -> dict[str, Any]:
-        """Run every stage not yet done; return all artifacts. Raises ``StageFailed``."""
-        if self._closed or self._running:
-            raise RuntimeError(f"this pipeline is {'closed' if self._closed else 'already running'}")
+        """Run every stage not yet done; return all artifacts.
+
+        Raises ``StageFailed``; ``PipelineClosed`` when ``aclose()`` comes before it returns;
+        ``RuntimeError`` at once, touching nothing, when the pipeline is closed or already running.
+        """
+        return await self._exclusively(self._run_pending)
+
+    async def _run_pending(self) -> dict[str, Any]:
         pending = [s for s in self.stages if self.status[s.id].state not in ("done", "skipped")]
-        self._running = True
-        try:
-            await self._run_traced(pending)
-        finally:
-            self._running = False
+        await self._run_traced(pending)
         return self.artifacts
 
     async def _run_traced(self, pending: list[Stage]) -> None:
@@ -98,10 +111,19 @@ class Pipeline:
             root.set_status(Status(StatusCode.OK))
 
     async def retry(self, stage_id: str | None = None) -> dict[str, Any]:
-        """Resume after ``StageFailed``: rerun the failed stage (or ``stage_id``) and the rest."""
+        """Resume after ``StageFailed``: rerun the failed stage (or ``stage_id``) and the rest.
+
+        Refused like ``run()``, before any artifact is released or any stage reset.
+        """
         if stage_id is not None:
-            await self._reset(stage_id)
-        return await self.run()
+            self._check_stage_id(stage_id)
+        return await self._exclusively(self._reset_and_run, stage_id)
+
+    async def _reset_and_run(self, stage_id: str | None) -> dict[str, Any]:
+        if stage_id is not None:
+            with anyio.CancelScope(shield=True):  # a half-done reset would leave stale artifacts
+                await self._reset(stage_id)
+        return await self._run_pending()
 
     def detach(self) -> dict[str, Any]:
         """Hand every artifact of a finished run to the caller, who owns them from now on (an
@@ -121,13 +143,38 @@ class Pipeline:
         return self.artifacts
 
     async def aclose(self) -> None:
-        """Release every completed stage's artifact, newest first, and stop the device thread."""
-        self._closed = True
+        """Cancel a run in progress and wait for it to end (it raises ``PipelineClosed``), then
+        release every completed stage's artifact, newest first, and stop the device thread.
+
+        Safe to call twice or concurrently: every call returns once everything is released.
+        """
+        self._closed = True  # before any await: no run can start from here on
         with anyio.CancelScope(shield=True):
-            await self._release_completed()
-            if self._owns_thread:
-                self._thread.close()
-        self.hub.close()
+            async with self._closing:
+                if self._running and self._run_scope is not None:
+                    self._run_scope.cancel()
+                    await self._idle.wait()
+                await self._release_completed()
+                if self._owns_thread:
+                    await self._thread.aclose()
+                self.hub.close()
+
+    async def _exclusively(self, body: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Claim the pipeline with no await before the claim, so a concurrent ``run``, ``retry``
+        or ``aclose`` cannot slip in between the check and the act; run ``body`` in a scope
+        ``aclose()`` can cancel."""
+        if self._closed or self._running:
+            raise RuntimeError(f"this pipeline is {'closed' if self._closed else 'already running'}")
+        self._running, self._idle, self._run_scope = True, anyio.Event(), anyio.CancelScope()
+        try:
+            with self._run_scope:
+                result = await body(*args)
+        finally:
+            self._running = False
+            self._idle.set()
+        if self._closed:  # cancelled by aclose(), or finished just as it came: not a success
+            raise PipelineClosed("the pipeline was closed while running; every completed stage was rolled back")
+        return result
 
     # -- running ---------------------------------------------------------------------------
 
@@ -206,11 +253,13 @@ class Pipeline:
             exc = failures[0] if failures else exc.exceptions[0]
         return exc
 
-    async def _reset(self, stage_id: str) -> None:
-        """Make ``stage_id``, what depends on it, and producers of inputs it lost pending again."""
+    def _check_stage_id(self, stage_id: str) -> None:
         ids = [s.id for s in self.stages]
         if stage_id not in ids:
             raise ValueError(f"unknown stage {stage_id!r}; stages are: {', '.join(ids)}")
+
+    async def _reset(self, stage_id: str) -> None:
+        """Make ``stage_id``, what depends on it, and producers of inputs it lost pending again."""
         stale = self._downstream(stage_id)
         stale |= self._lost_upstream(stale)
         for sid in [s for s in reversed(self._finished) if s in stale]:

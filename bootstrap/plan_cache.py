@@ -3,13 +3,17 @@
 A later start with the same fingerprint skips ``estimation_build`` and ``profiling`` when the
 device has room for the plan now: free memory covers the activation peak plus the KV budget.
 It never demands equality with a fluctuating figure such as free memory at the last start.
+An entry that cannot be used (unreadable, damaged, written for another fingerprint) is ignored
+with one warning, and the start profiles again; so is a store that fails.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import tempfile
 from importlib import metadata
@@ -18,19 +22,20 @@ from typing import TYPE_CHECKING
 
 from bootstrap.artifacts import ResolvedClasses
 from bootstrap.capacity import CapacityPlan, MemoryProfile
-from bootstrap.config import BootstrapConfig, ConfigError
+from bootstrap.config import BootstrapConfig, ConfigError, ensure_directory
 from bootstrap.devices import Device
 
 if TYPE_CHECKING:
     from bootstrap.backends.base import Backend
 
-# Config fields that change the profile or the plan; the rest (plan_cache, device spelling) do not.
-FINGERPRINT_FIELDS = (
-    "dtype", "kv_cache_dtype", "max_batch_size", "max_num_tokens", "max_seq_len", "tokens_per_block",
-    "free_gpu_memory_fraction", "max_kv_bytes", "max_kv_tokens", "host_cache_bytes",
-    "cross_kv_cache_fraction", "tensor_parallel_size",
-)  # fmt: skip
-LIBRARIES = ("executor-bootstrap", "torch", "transformers")
+log = logging.getLogger(__name__)
+
+# Config fields left out of the fingerprint; every other field is in it, so a field added later
+# invalidates cached plans rather than reusing one measured without it. The model and the draft
+# enter through their normalized shapes (a preset and its config.json are one model), the device
+# through its name and total memory; where plans are cached changes nothing.
+NOT_FINGERPRINTED = frozenset({"model", "draft_model", "device", "plan_cache"})
+LIBRARIES = ("executor-bootstrap", "torch", "transformers", "tensorrt-llm")
 
 
 def _version(dist: str) -> str | None:
@@ -48,7 +53,7 @@ def fingerprint(config: BootstrapConfig, resolved: ResolvedClasses, device: Devi
         "device": [device.name, device.total_bytes()],
         "backend": backend,
         "libraries": {d: _version(d) for d in LIBRARIES},
-        "config": {f: getattr(config, f) for f in FINGERPRINT_FIELDS},
+        "config": {f: getattr(config, f) for f in sorted(type(config).model_fields) if f not in NOT_FINGERPRINTED},
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
@@ -76,9 +81,8 @@ class CachedPlan:
 class PlanCache:
     def __init__(self, directory: Path) -> None:
         """Checks at once that ``directory`` can be created and written (``ConfigError`` if not)."""
-        self.directory = Path(directory).expanduser()
+        self.directory = ensure_directory(Path(directory).expanduser(), "plan_cache")
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
             tempfile.TemporaryFile(dir=self.directory).close()
         except OSError as exc:
             raise ConfigError(f"plan_cache: cannot write to {self.directory}: {exc.strerror or exc}") from None
@@ -93,19 +97,47 @@ class PlanCache:
         return self.store(fingerprint(config, resolved, backend.device, backend.name), profile, plan)
 
     def load(self, key: str) -> CachedPlan | None:
+        """The plan stored under ``key``; None if there is none, or (with one warning) if the
+        entry cannot be used: unreadable, truncated, not this format, or written for another key."""
         path = self.directory / f"{key}.json"
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            return CachedPlan(MemoryProfile(**data["profile"]), int(data["kv_budget_bytes"]))
-        except (OSError, ValueError, KeyError, TypeError):
-            return None  # missing or unreadable: profile again
+            blob = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            return _ignored(path, exc.strerror or str(exc))
+        try:
+            return _parse(blob, key)
+        except (ValueError, KeyError, TypeError, OverflowError) as exc:  # JSON and Unicode errors are ValueErrors
+            return _ignored(path, str(exc) if type(exc) is ValueError else f"{type(exc).__name__}: {exc}")
 
     def store(self, key: str, profile: MemoryProfile, plan: CapacityPlan) -> Path:
-        """Write atomically, so a concurrent or killed start never reads half a file."""
-        data = {"profile": dataclasses.asdict(profile), "kv_budget_bytes": plan.kv_budget_bytes}
+        """Write atomically, so a concurrent or killed start never reads half a file; a failed
+        write leaves no temporary file behind (and raises ``OSError``)."""
+        data = {"fingerprint": key, "profile": dataclasses.asdict(profile), "kv_budget_bytes": plan.kv_budget_bytes}
         fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1)
-        path = self.directory / f"{key}.json"
-        os.replace(tmp, path)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(data, f, indent=1)
+            path = self.directory / f"{key}.json"
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         return path
+
+
+def _parse(blob: bytes, key: str) -> CachedPlan:
+    data = json.loads(blob)
+    if not isinstance(data, dict) or data.get("fingerprint") != key:
+        raise ValueError("written for another setup, or by another version")
+    budget = data["kv_budget_bytes"]
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise ValueError(f"kv_budget_bytes must be an integer >= 0, got {budget!r}")
+    return CachedPlan(MemoryProfile(**data["profile"]), budget)
+
+
+def _ignored(path: Path, reason: str) -> None:
+    log.warning("plan cache: ignoring %s (%s); profiling again", path, reason)
+    return None

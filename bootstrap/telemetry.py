@@ -2,11 +2,17 @@
 
 Span names and attributes are a contract (DESIGN.md section 2); the names live here so the
 pipeline, the tests and the docs use one spelling.
+
+A trace destination never decides a run's outcome: each exporter is wrapped so that its first
+failure (a full disk, an unreachable collector) is one warning, and it gets no more spans in
+that run. The trace file is written as each span ends; OTLP is exported in batches from a
+background thread with a short timeout, so a slow or absent collector never slows a stage.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,13 +20,21 @@ from typing import IO
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    SimpleSpanProcessor,
+    SpanExporter,
+    SpanExportResult,
+)
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from bootstrap.config import ConfigError
+from bootstrap.config import ConfigError, ensure_directory
 
 ROOT_SPAN = "bootstrap.pipeline"
 TRACER_NAME = "bootstrap"
+OTLP_TIMEOUT_S = 2.0  # per export, retries included; the collector is local or near in practice
+
+log = logging.getLogger(__name__)
 
 
 def stage_span(stage_id: str) -> str:
@@ -56,11 +70,11 @@ class JsonLinesSpanExporter(SpanExporter):
     def __init__(self, path: Path) -> None:
         """Creates missing parent directories; an existing file is overwritten (one run, one trace)."""
         self._path = Path(path)
+        ensure_directory(self._path.parent, "trace_file")
         try:
-            self._path.parent.mkdir(parents=True, exist_ok=True)
             self._file: IO[str] = self._path.open("w", encoding="utf-8")
         except OSError as exc:
-            raise ConfigError(f"trace_file: cannot write {self._path}: {exc.strerror or exc}") from None
+            raise ConfigError(f"trace_file: cannot write to {self._path}: {exc.strerror or exc}") from None
         self._lock = threading.Lock()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
@@ -74,34 +88,93 @@ class JsonLinesSpanExporter(SpanExporter):
         with self._lock:
             self._file.close()
 
+    def __str__(self) -> str:
+        return f"trace file {self._path}"
+
+
+class WarnOnce(SpanExporter):
+    """Wraps an exporter so its failures never reach the run: the first failed export, flush or
+    shutdown (an exception or a FAILURE result) logs one warning naming the destination; from
+    then on the destination gets no more spans, and the wrapped exporter is still shut down."""
+
+    def __init__(self, exporter: SpanExporter, destination: str, why: str = "") -> None:
+        """``why`` explains a failure the exporter reports without an exception."""
+        self._exporter, self.destination, self._why = exporter, destination, why
+        self.failed = False
+        self._lock = threading.Lock()  # spans end on several threads: one warning, not one each
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        if self.failed:
+            return SpanExportResult.FAILURE
+        try:
+            result = self._exporter.export(spans)
+        except Exception as exc:  # whatever the exporter raises, the run goes on
+            return self._fail(exc)
+        return result if result is SpanExportResult.SUCCESS else self._fail(None)
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        try:
+            return self._exporter.force_flush(timeout_millis)
+        except Exception as exc:
+            self._fail(exc)
+            return False
+
+    def shutdown(self) -> None:
+        try:
+            self._exporter.shutdown()
+        except Exception as exc:
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException | None) -> SpanExportResult:
+        with self._lock:
+            first, self.failed = not self.failed, True
+        if first:
+            reason = self._why if exc is None else getattr(exc, "strerror", None) or str(exc)
+            log.warning("could not export spans to %s%s; the rest of this run's spans are not sent there",
+                        self.destination, f" ({reason})" if reason else "")  # fmt: skip
+        return SpanExportResult.FAILURE
+
 
 class MissingExtra(RuntimeError):
     """An optional feature was asked for without the extra that provides it."""
 
 
-def otlp_exporter() -> SpanExporter:
-    """OTLP over HTTP; needs the ``otlp`` extra. Endpoint settings follow the OTel SDK's own."""
+class _Drop(logging.Filter):
+    """Drops the OTLP exporter's own log lines (a traceback-free retry log per batch): its
+    ``WarnOnce`` wrapper reports the outcome in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return False
+
+
+_DROP = _Drop()
+
+
+def otlp_exporter() -> WarnOnce:
+    """OTLP over HTTP with a short timeout; needs the ``otlp`` extra. The endpoint and headers
+    follow the OTel SDK's settings (``OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT``, default
+    ``http://localhost:4318/v1/traces``); the timeout is ``OTLP_TIMEOUT_S``."""
     try:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     except ImportError as exc:
-        raise MissingExtra(
-            "OTLP export needs the otlp extra: pip install 'executor-bootstrap[otlp]'"
-        ) from exc
-    return OTLPSpanExporter()
+        raise MissingExtra("OTLP export needs the otlp extra: pip install 'executor-bootstrap[otlp]'") from exc
+    logging.getLogger(OTLPSpanExporter.__module__).addFilter(_DROP)  # idempotent: the same filter object
+    exporter = OTLPSpanExporter(timeout=OTLP_TIMEOUT_S)
+    why = f"no collector answered within {OTLP_TIMEOUT_S:g} s, or it refused the spans"
+    return WarnOnce(exporter, f"OTLP endpoint {exporter._endpoint}", why)
 
 
 def make_tracer_provider(
     *, trace_file: Path | None = None, otlp: bool = False, memory: InMemorySpanExporter | None = None
 ) -> TracerProvider:
-    """A provider exporting finished spans synchronously, so nothing is lost on exit."""
+    """A provider with the asked-for destinations. The trace file and the in-memory exporter get
+    each span as it ends; OTLP gets batches from a background thread (flushed by ``shutdown()``)."""
     provider = TracerProvider(resource=Resource.create({"service.name": "executor-bootstrap"}))
-    exporters: list[SpanExporter] = []
     if trace_file is not None:
-        exporters.append(JsonLinesSpanExporter(trace_file))
+        exporter = JsonLinesSpanExporter(trace_file)
+        provider.add_span_processor(SimpleSpanProcessor(WarnOnce(exporter, str(exporter))))
     if otlp:
-        exporters.append(otlp_exporter())
+        provider.add_span_processor(BatchSpanProcessor(otlp_exporter()))
     if memory is not None:
-        exporters.append(memory)
-    for exporter in exporters:
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        provider.add_span_processor(SimpleSpanProcessor(memory))
     return provider

@@ -26,8 +26,11 @@ class Undo:
     def run(self) -> list[BaseException]:
         """Run every action, newest first; return the errors they raised (logged, not raised)."""
         errors: list[BaseException] = []
-        while self._actions:
-            action = self._actions.pop()
+        while True:
+            try:
+                action = self._actions.pop()  # atomic: no check-then-pop race with another run()
+            except IndexError:
+                break
             try:
                 action()
             except Exception as exc:  # one failed release must not leak the rest

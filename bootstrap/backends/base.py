@@ -21,6 +21,10 @@ from bootstrap.undo import Undo
 
 
 class Backend(Protocol):
+    """Optional, not part of the protocol: ``check_config(config, shape) -> None``, raising
+    ``ConfigError`` for what this backend cannot do; ``resolve_classes`` calls it when a backend
+    defines it, before any load (the trtllm backend refuses multi-rank and V2 on 1.2.1 there)."""
+
     name: str
     device: Device
     classes: Mapping[str, str]  # class names chosen for "kv_manager", "scheduler", "sampler"

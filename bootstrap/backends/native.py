@@ -28,7 +28,6 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -150,6 +149,7 @@ class NativeBackend:
         return LoadedModel(models, total, draft_handle=draft, tokenizer=target.tokenizer)
 
     def _load(self, source: str, dtype: str, undo: Undo) -> LoadedWeights:
+        undo.push(self._collect)  # a load that fails half way leaves garbage for the allocator's cache
         with unreadable_as_source_error(source):
             weights = load_model(source, device=self.torch_device, dtype=DTYPES[dtype], cache_dir=self.cache_dir)
         undo.push(lambda: self._drop_weights(weights.model))
@@ -248,6 +248,7 @@ class NativeBackend:
         """One pool per model, ``make(spec, sizes[name], ...)``; each release pushed at once."""
         pools: dict[str, PagedKVCache] = {}
         weights = models.by_name()
+        undo.push(self._collect)  # last in the rollback: the allocator's cache goes back to the device
         for name, size in sizes.items():
             spec = KVCacheSpec.from_config(weights[name].hf_config, DTYPES[resolved.kv_dtype])
             pools[name] = pool = make(spec, size, models.tokens_per_block, self.torch_device)

@@ -26,10 +26,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from fractions import Fraction
 
 from bootstrap.devices import FakeDevice
 
 MiB = 1024**2
+#: The largest simulated GPU: far above any real one (the largest hold under 300 GB), low enough
+#: that a typo does not plan for an exabyte.
+MAX_SIM_BYTES = 16 * 1024**4
 #: Non-torch memory after CUDA init + first cuBLAS matmuls, measured on an H200 (see above).
 CUDA_CONTEXT_BYTES = 623_706_112
 
@@ -67,7 +71,11 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
 def parse_bytes(text: str) -> int:
-    """``"80GiB"`` → 85899345920; ``"80GB"`` is decimal (8e10); a bare number is bytes."""
+    """``"80GiB"`` → 85899345920; ``"80GB"`` is decimal (8e10); a bare number is bytes.
+
+    Exact (no float rounding: ``"123456789012345678901"`` stays that), floored to whole bytes,
+    and in ``[1, MAX_SIM_BYTES]``.
+    """
     match = _SIZE.match(text)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
@@ -75,9 +83,12 @@ def parse_bytes(text: str) -> int:
             f"cannot read {text!r} as a byte count: use an integer number of bytes or a number "
             f"with one of the units {', '.join(u for u in _UNITS if u)} (e.g. '80GiB')"
         )
-    nbytes = int(float(match.group(1)) * _UNITS[unit])
-    if nbytes <= 0:
-        raise ValueError(f"a simulated GPU needs a positive size, got {text!r}")
+    number = match.group(1).lstrip("0") or "0"
+    nbytes = int(Fraction(number) * _UNITS[unit]) if len(number) <= 40 else MAX_SIM_BYTES + 1
+    if not 0 < nbytes <= MAX_SIM_BYTES:
+        raise ValueError(
+            f"a simulated GPU size must be in [1 byte, 16 TiB] ([1, {MAX_SIM_BYTES}] bytes), got {text!r}"
+        )
     return nbytes
 
 

@@ -84,12 +84,22 @@ def _resolve_random(text: str) -> ModelSource:
             f"presets: {', '.join(random_init.preset_names())}"
         )
     try:
-        random_init.config_dict(spec)
-    except ValueError as exc:
+        values = random_init.config_dict(spec)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:  # ValueErrors too: caught first
+        detail = exc if isinstance(exc, json.JSONDecodeError) else f"not UTF-8 text: {exc}"
+        raise ModelSourceError(f"model source {text!r}: {_config_file(spec)} is not valid JSON ({detail})") from None
+    except (OSError, ValueError) as exc:
         raise ModelSourceError(str(exc)) from None
-    except json.JSONDecodeError as exc:
-        raise ModelSourceError(f"model source {text!r}: config is not valid JSON ({exc})") from None
+    if not isinstance(values, dict):
+        kind = type(values).__name__
+        raise ModelSourceError(f"model source {text!r}: {_config_file(spec)} must hold a JSON object, got {kind}")
     return ModelSource(RANDOM, text, random_spec=spec)
+
+
+def _config_file(spec: str) -> Path:
+    """The config.json a ``random:`` spec names (the file, or the one in the directory)."""
+    path = Path(spec).expanduser()
+    return path / "config.json" if path.is_dir() else path
 
 
 def _resolve_path(text: str) -> ModelSource:

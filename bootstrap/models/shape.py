@@ -44,6 +44,8 @@ SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))
 _DEFAULT_POSITIONS = {"jamba": 262144}  # Jamba has no positional embedding; transformers' default
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")  # what a supported family's layer_types may hold
+TORCH_DTYPES = ("float32", "float16", "bfloat16", "float64")  # a checkpoint's stored weight dtype
 MAX_CONFIG_INT = 1 << 31  # far above any real model's sizes; keeps a typo from exhausting memory
 MAX_LAYERS = 1 << 14  # per-layer tuples are built, so the layer count gets a tighter bound
 
@@ -266,7 +268,7 @@ class _Parser:
             head_dim=self._head_dim(hidden, heads),
             max_position_embeddings=self.get_int("max_position_embeddings", _DEFAULT_POSITIONS.get(self.model_type)),
             tie_word_embeddings=self.get_flag("tie_word_embeddings", tie_default),
-            torch_dtype=self.cfg.get("torch_dtype", self.cfg.get("dtype")),
+            torch_dtype=self._torch_dtype(),
             layer_kinds=kinds,
             attention_bias=self.get_flag("attention_bias", False),
             qkv_bias=qkv_bias,
@@ -279,6 +281,15 @@ class _Parser:
         fields.update(self._moe(layers))
         fields.update(self._mamba(hidden))
         return ModelShape(**fields)
+
+    def _torch_dtype(self) -> str | None:
+        key = "torch_dtype" if "torch_dtype" in self.cfg else "dtype"
+        value = self.cfg.get(key)
+        if value is not None and value not in TORCH_DTYPES:
+            raise ModelConfigError(
+                f"{self.model_type} config.json: field {key!r} must be one of {', '.join(TORCH_DTYPES)}, got {value!r}"
+            )
+        return value
 
     def _architecture(self) -> str:
         archs = self.cfg.get("architectures")
@@ -317,6 +328,12 @@ class _Parser:
             if not isinstance(types, list) or len(types) != layers:
                 raise ModelConfigError(
                     f"{self.model_type} config.json: field 'layer_types' must list one entry per layer ({layers})"
+                )
+            unknown = sorted({repr(t) for t in types} - {repr(t) for t in LAYER_TYPES})
+            if unknown:
+                raise ModelConfigError(
+                    f"{self.model_type} config.json: field 'layer_types' has {', '.join(unknown)}; "
+                    f"allowed: {', '.join(LAYER_TYPES)}"
                 )
             return [t == "sliding_attention" for t in types]
         if self.model_type in ("mistral", "mixtral"):

@@ -41,7 +41,9 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     add("--api-key", help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: env {ENV_API_KEY})")
     add("--served-model-name", help="the model id clients send (default: --model as given)")
     add("--shutdown-timeout", type=float, default=30.0, help="seconds requests in flight get after a signal")
-    add("--backend", default="native", help="native, or module:callable returning a Backend for a config")
+    add("--backend-factory", metavar="MODULE:CALLABLE",
+        help="build the backend with CALLABLE(config) from MODULE instead of --backend "
+             "(e.g. one wrapping the native engine)")  # fmt: skip
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -55,9 +57,11 @@ def serve_options(args: argparse.Namespace, config: Any) -> Any:
         raise ConfigError(f"shutdown_timeout: must be >= 0 seconds (got {args.shutdown_timeout})")
     key = args.api_key if args.api_key is not None else os.environ.get(ENV_API_KEY)
     if key is not None and not key.strip():
-        raise ConfigError(f"api_key: must not be empty (from {'--api-key' if args.api_key is not None else ENV_API_KEY})")
+        source = "--api-key" if args.api_key is not None else ENV_API_KEY
+        raise ConfigError(f"api_key: must not be empty (from {source})")
     return ServeOptions(model_id=args.served_model_name or config.model, api_key=key, trace_file=args.trace_file,
-                        otlp=args.otlp, backend=args.backend, shutdown_timeout_s=args.shutdown_timeout)  # fmt: skip
+                        otlp=args.otlp, backend_factory=args.backend_factory,
+                        shutdown_timeout_s=args.shutdown_timeout)  # fmt: skip
 
 
 def main_serve(args: argparse.Namespace) -> int:
@@ -72,7 +76,8 @@ def main_serve(args: argparse.Namespace) -> int:
     try:
         import fastapi, prometheus_client, uvicorn  # noqa: F401, E401
     except ImportError as exc:
-        print(f"bootstrap: serve needs the serve extra ({exc.name} is missing): pip install -e '.[serve]'", file=sys.stderr)
+        print(f"bootstrap: serve needs the serve extra ({exc.name} is missing): pip install -e '.[serve]'",
+              file=sys.stderr)  # fmt: skip
         return 2
     _configure_logging(args.log_level)
     try:

@@ -51,8 +51,8 @@ class StateCollector(Collector):
         for name in PHASES:
             phase.add_metric([name], float(state.phase == name))
         yield phase
-        duration = GaugeMetricFamily("bootstrap_stage_duration_seconds", "Duration of each stage (so far, while it runs)",
-                                     labels=["stage"])  # fmt: skip
+        duration = GaugeMetricFamily("bootstrap_stage_duration_seconds",
+                                     "Duration of each stage (so far, while it runs)", labels=["stage"])  # fmt: skip
         attempts = GaugeMetricFamily("bootstrap_stage_attempts", "Attempts of each stage", labels=["stage"])
         for status in _statuses(state):
             duration.add_metric([status.stage], _duration(status))
@@ -68,7 +68,8 @@ class StateCollector(Collector):
     def _engine(self, executor: Any) -> Iterator[Metric]:
         stats = executor.scheduler.kv_cache.stats()
         yield GaugeMetricFamily("bootstrap_kv_capacity_blocks", "KV cache blocks in the pool", value=stats.total_blocks)
-        yield GaugeMetricFamily("bootstrap_kv_capacity_tokens", "KV cache capacity in tokens", value=stats.capacity_tokens)
+        yield GaugeMetricFamily("bootstrap_kv_capacity_tokens", "KV cache capacity in tokens",
+                                value=stats.capacity_tokens)  # fmt: skip
         yield GaugeMetricFamily("bootstrap_kv_blocks_used", "KV cache blocks in use", value=stats.used_blocks)
         yield GaugeMetricFamily("bootstrap_requests_running", "Requests the engine is running",
                                 value=len(executor.scheduler.running))  # fmt: skip

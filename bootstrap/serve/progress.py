@@ -24,7 +24,8 @@ def stage_rows(state: ServeState) -> list[dict[str, Any]]:
     rows = []
     for status in state.boot.pipeline.status.values():
         event = last.get(status.stage)
-        shown = "retrying" if status.state == "running" and event is not None and event.kind in RETRYING else status.state
+        retrying = status.state == "running" and event is not None and event.kind in RETRYING
+        shown = "retrying" if retrying else status.state
         rows.append({
             "id": status.stage,
             "state": shown,

@@ -31,7 +31,8 @@ def completion_prompt_ids(tokenizer: Any, prompt: str | list[Any]) -> list[int]:
     """One prompt: text, or token ids; a list of one text or one id list is that prompt."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         if len(prompt) != 1:
-            raise bad_request(f"prompt: {len(prompt)} prompts sent; one prompt per request is supported", param="prompt")
+            message = f"prompt: {len(prompt)} prompts sent; one prompt per request is supported"
+            raise bad_request(message, param="prompt")
         prompt = prompt[0]
     if isinstance(prompt, list):
         return list(prompt)

@@ -22,19 +22,19 @@ log = logging.getLogger("bootstrap.serve")
 BackendFactory = Callable[[Any], Any]
 
 
-def load_backend_factory(spec: str) -> BackendFactory:
-    """``native`` (this package's engine) or ``module:callable``, a callable ``(config) ->
-    Backend``: a custom backend, e.g. one wrapping the native engine."""
-    if spec == "native":
+def load_backend_factory(spec: str | None) -> BackendFactory:
+    """None: the backend ``config.backend`` names (native or trtllm); else ``module:callable``,
+    a callable ``(config) -> Backend`` (a custom backend, e.g. one wrapping the native engine)."""
+    if spec is None:
         from bootstrap.api import default_backend
 
         return default_backend
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise ValueError(f"--backend {spec!r}: expected 'native' or 'module:callable'")
+        raise ValueError(f"--backend-factory {spec!r}: expected 'module:callable'")
     factory = getattr(importlib.import_module(module_name), attr, None)
     if not callable(factory):
-        raise ValueError(f"--backend {spec!r}: {module_name} has no callable {attr!r}")
+        raise ValueError(f"--backend-factory {spec!r}: {module_name} has no callable {attr!r}")
     return factory
 
 
@@ -43,7 +43,7 @@ def make_bootstrap(state: ServeState) -> None:
     Set here, not returned, so a cancel that lands as the thread ends cannot lose it."""
     from bootstrap.api import Bootstrap
 
-    backend = load_backend_factory(state.options.backend)(state.config)
+    backend = load_backend_factory(state.options.backend_factory)(state.config)
     state.boot = Bootstrap(state.config, backend=backend, trace_file=state.options.trace_file, otlp=state.options.otlp)
 
 

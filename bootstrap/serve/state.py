@@ -28,7 +28,7 @@ class ServeOptions:
     api_key: str | None = None
     trace_file: Path | None = None
     otlp: bool = False
-    backend: str = "native"
+    backend_factory: str | None = None  # "module:callable"; None: the backend config.backend names
     shutdown_timeout_s: float = 30.0
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from bootstrap.artifacts import ResolvedClasses
 from bootstrap.backends.base import Backend
-from bootstrap.capacity import CacheCost, kv_dtype_bytes, model_cost
+from bootstrap.capacity import CacheCost, kv_dtype_bytes
 from bootstrap.config import BootstrapConfig, ConfigError
+from bootstrap.kv_pricing import TRTLLM_KV_MANAGERS, kv_cost, resolve_kv_manager
 from bootstrap.models.shape import ModelShape
 from bootstrap.stage import Stage
 
@@ -18,6 +19,7 @@ def resolve_classes(config: BootstrapConfig, backend: Backend) -> ResolvedClasse
     for model in (shape, draft):
         if model is not None:
             backend.check_config(config, model)
+    manager = resolve_kv_manager(config, shape)
     max_seq_len = config.max_seq_len or shape.max_position_embeddings
     dtype = config.dtype if config.dtype != "auto" else backend.default_dtype(shape)
     kv_dtype = config.kv_cache_dtype if config.kv_cache_dtype != "auto" else dtype
@@ -25,13 +27,13 @@ def resolve_classes(config: BootstrapConfig, backend: Backend) -> ResolvedClasse
         shape=shape,
         draft_shape=draft,
         kv_layout=kv_layout(shape),
-        cost=_cost(shape, config, kv_dtype, max_seq_len),
-        draft_cost=_cost(draft, config, kv_dtype, max_seq_len) if draft else None,
+        cost=_cost(shape, config, kv_dtype, max_seq_len, manager),
+        draft_cost=_cost(draft, config, kv_dtype, max_seq_len, manager) if draft else None,
         cross_cost=None,
         max_seq_len=max_seq_len,
         dtype=dtype,
         kv_dtype=kv_dtype,
-        kv_manager=backend.classes["kv_manager"],
+        kv_manager=TRTLLM_KV_MANAGERS[manager] if manager else backend.classes["kv_manager"],
         scheduler=backend.classes["scheduler"],
         sampler=backend.classes["sampler"],
     )
@@ -47,15 +49,11 @@ def kv_layout(shape: ModelShape) -> str:
     return layout
 
 
-def _cost(shape: ModelShape, config: BootstrapConfig, kv_dtype: str, max_seq_len: int) -> CacheCost:
-    return model_cost(
-        shape,
-        kv_dtype_bytes=kv_dtype_bytes(kv_dtype),
-        tp=config.tensor_parallel_size,
-        max_batch_size=config.max_batch_size,
-        tokens_per_block=config.tokens_per_block,
-        max_seq_len=max_seq_len,
-    )
+def _cost(
+    shape: ModelShape, config: BootstrapConfig, kv_dtype: str, max_seq_len: int, manager: str | None
+) -> CacheCost:
+    """Priced as the KV manager that will hold it counts (`bootstrap.kv_pricing`)."""
+    return kv_cost(shape, config, kv_dtype_bytes=kv_dtype_bytes(kv_dtype), max_seq_len=max_seq_len, kv_manager=manager)
 
 
 def _check_config(config: BootstrapConfig, shape: ModelShape, draft: ModelShape | None) -> None:

@@ -1,4 +1,4 @@
-"""Test-only backends for ``bootstrap serve --backend module:callable``: the native engine with a
+"""Test-only backends for ``bootstrap serve --backend-factory module:callable``: the native engine with a
 gate that holds one stage until the test opens it, a stage that fails once, or slow steps.
 
 Nothing here is read from the environment: a test writes a two-line plugin module naming the
@@ -65,7 +65,7 @@ def factory(**options: Any) -> Any:
 
 
 def plugin_module(directory: Path, **options: Any) -> str:
-    """Write a plugin module into ``directory`` (put it on PYTHONPATH); return its --backend spec."""
+    """Write a plugin module into ``directory`` (put it on PYTHONPATH); return its --backend-factory spec."""
     name = f"serve_plugin_{uuid.uuid4().hex[:8]}"
     (directory / f"{name}.py").write_text(f"from serve_backends import factory\n\nbackend = factory(**{options!r})\n")
     return f"{name}:backend"

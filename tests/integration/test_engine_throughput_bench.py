@@ -38,7 +38,9 @@ def test_benchmark_reports_both_sides_for_every_batch_size(tmp_path):
         for side in ("engine", "transformers"):
             assert row[side]["prefill_tok_s"] > 0 and row[side]["total_tok_s"] > 0
         assert set(row["engine_over_transformers"]) == {"prefill", "decode", "total"}
-        assert row["identical_outputs"].endswith(f"/{row['batch_size']}")
+        # float32 on CPU: greedy output equals generate() token for token (near-ties aside, and
+        # this seeded tiny model has none), so every request must match
+        assert row["identical_outputs"] == f"{row['batch_size']}/{row['batch_size']}"
 
 
 @pytest.mark.parametrize("bad", [["--batch-sizes", "0,8"], ["--gen-len", "1"], ["--prompt-len", "x"]])

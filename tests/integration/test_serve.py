@@ -247,7 +247,7 @@ def test_ready_follows_a_held_stage_then_a_failure_then_a_retry(checkpoint, tmp_
     gate = tmp_path / "gate"
     os.mkfifo(gate)
     backend = plugin_module(tmp_path, gate=str(gate), gated="load_model", fail_once=("build_final",))
-    server = ServeProcess(tmp_path / "serve.log", "--model", str(checkpoint), "--no-plan-cache", "--backend", backend,
+    server = ServeProcess(tmp_path / "serve.log", "--model", str(checkpoint), "--no-plan-cache", "--backend-factory", backend,
                           pythonpath=(tmp_path,), env={"BOOTSTRAP_API_KEY": KEY})  # fmt: skip
     try:
         held = server.wait_stage("load_model")
@@ -303,7 +303,7 @@ def _retry_resumes_without_reloading_weights(server: ServeProcess, checkpoint: P
 
 
 def test_a_backend_that_cannot_be_loaded_ends_the_server_with_exit_2(tmp_path):
-    server = ServeProcess(tmp_path / "serve.log", "--model", "random:smollm2-135m", "--backend", "no_such_module:backend")
+    server = ServeProcess(tmp_path / "serve.log", "--model", "random:smollm2-135m", "--backend-factory", "no_such_module:backend")
     try:
         assert server.proc.wait(120) == 2
     finally:
@@ -319,7 +319,7 @@ def test_a_signal_during_the_bootstrap_rolls_back_and_exits_0(sig, checkpoint, t
     gate, trace = tmp_path / "gate", tmp_path / "trace.jsonl"
     os.mkfifo(gate)
     backend = plugin_module(tmp_path, gate=str(gate), gated="build_estimation")
-    server = ServeProcess(tmp_path / "serve.log", "--model", str(checkpoint), "--no-plan-cache", "--backend", backend,
+    server = ServeProcess(tmp_path / "serve.log", "--model", str(checkpoint), "--no-plan-cache", "--backend-factory", backend,
                           "--trace-file", str(trace), pythonpath=(tmp_path,))  # fmt: skip
     try:
         server.wait_stage("estimation_build")
@@ -342,7 +342,7 @@ def slow_server(checkpoint, tmp_path_factory):
     """A ready server whose every forward step sleeps 100 ms: requests stay in flight for seconds."""
     tmp = tmp_path_factory.mktemp("slow")
     backend = plugin_module(tmp, step_delay_s=0.1)
-    server = ServeProcess(tmp / "serve.log", "--model", str(checkpoint), "--no-plan-cache", "--backend", backend,
+    server = ServeProcess(tmp / "serve.log", "--model", str(checkpoint), "--no-plan-cache", "--backend-factory", backend,
                           "--shutdown-timeout", "4", pythonpath=(tmp,))  # fmt: skip
     server.wait_state("ready")
     yield server

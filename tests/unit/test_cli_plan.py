@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from bootstrap.cli import main, parse_fault
 from bootstrap.stages import STAGE_IDS
+
+ROOT = Path(__file__).resolve().parents[2]  # run the CLI of this checkout, whatever is installed
 
 
 def run_cli(capsys, *args: str) -> tuple[int, str, str]:
@@ -74,16 +77,6 @@ def test_bad_input_exits_2_naming_the_field(capsys):
     assert code == 2 and "h100-80gb" in err
 
 
-def test_otlp_without_its_extra_says_how_to_install_it(capsys):
-    try:
-        import opentelemetry.exporter.otlp.proto.http  # noqa: F401
-    except ImportError:
-        code, _, err = run_cli(capsys, "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--otlp")
-        assert code == 2 and "executor-bootstrap[otlp]" in err and "Traceback" not in err
-    else:
-        pytest.skip("the otlp extra is installed here")
-
-
 @pytest.mark.parametrize(
     "text, message",
     [("capacity:oom", "allocates no device memory"), ("nope:oom", "is not a stage"),
@@ -98,19 +91,44 @@ def test_fault_spec_errors(text, message):
 def test_console_script_is_installed():
     result = subprocess.run(
         [sys.executable, "-m", "bootstrap.cli", "plan", "--model", "mixtral-8x7b", "--gpu", "h200"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "KV budget" in result.stdout and "profiling" in result.stdout
 
 
-@pytest.mark.parametrize("flag", ["--trace-file", "--plan-cache"])
-def test_unwritable_output_paths_are_input_errors(capsys, tmp_path, flag):
+@pytest.mark.parametrize(
+    "flag, below, expected",
+    [
+        ("--trace-file", "x", "trace_file: cannot write to {blocker}: {blocker} is not a directory"),
+        ("--trace-file", "x/t.jsonl", "trace_file: cannot write to {blocker}/x: {blocker} is not a directory"),
+        ("--plan-cache", "", "plan_cache: cannot write to {blocker}: {blocker} is not a directory"),
+        ("--plan-cache", "x", "plan_cache: cannot write to {blocker}/x: {blocker} is not a directory"),
+    ],
+)
+def test_a_file_in_the_way_of_an_output_directory_is_an_input_error(capsys, tmp_path, flag, below, expected):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    code, out, err = run_cli(capsys, "--model", "llama-3.1-8b", "--gpu", "h100-80gb", flag, str(blocker / "x"), "--json")
-    assert code == 2 and flag.lstrip("-").replace("-", "_") in err and "Traceback" not in err
-    assert json.loads(out) == {"stages": [], "plan": {}, "device": None, "error": json.loads(out)["error"]}
+    path = blocker / below if below else blocker
+    code, out, err = run_cli(capsys, "--model", "llama-3.1-8b", "--gpu", "h100-80gb", flag, str(path), "--json")
+    message = expected.format(blocker=blocker)
+    assert code == 2 and "Traceback" not in err
+    assert json.loads(out) == {"stages": [], "plan": {}, "device": None, "error": message}
+    assert err == f"bootstrap: {message}\n"
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full, a file whose writes fail")
+def test_a_trace_file_on_a_full_disk_costs_one_stderr_line_not_the_run():
+    result = subprocess.run(
+        [sys.executable, "-m", "bootstrap.cli", "plan", "--model", "llama-3.1-8b", "--gpu", "h100-80gb",
+         "--trace-file", "/dev/full"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0 and "KV budget" in result.stdout
+    assert result.stderr.splitlines() == [
+        "could not export spans to trace file /dev/full (No space left on device); "
+        "the rest of this run's spans are not sent there"
+    ]
 
 
 def test_json_plan_reports_what_final_build_allocated_after_a_shrink(capsys):
@@ -134,3 +152,34 @@ def test_sliding_window_state_beyond_memory_is_an_input_error(capsys):
     code, _, err = run_cli(capsys, "--model", "gemma-2-9b", "--gpu", "h200", "--max-batch-size", "256",
                            "--max-seq-len", "8192", "--max-num-tokens", "8192")  # fmt: skip
     assert code == 2 and "estimation_build" in err and "lower max_batch_size" in err
+
+
+# The README's worked example, every figure of its derivation table (bytes).
+README_EXAMPLE = {
+    "plan": {"kv_budget_bytes": 61_199_703_244, "kv_tokens": 466_912, "kv_blocks": 14_591, "kv_requests": 3,
+             "max_concurrent_requests": 3, "max_seq_len": 131_072, "total_bytes": 85_027_979_264,
+             "peak_bytes": 34_342_395_904},
+    "profile": {"total_bytes": 85_027_979_264, "model_bytes": 16_060_522_496 + 66_191_360,
+                "probe_kv_bytes": 17_314_086_912, "activation_bytes": 277_889_024,
+                "torch_peak_bytes": 33_718_689_792, "peak_bytes": 34_342_395_904},
+}  # fmt: skip
+
+
+def test_the_readme_worked_example_holds(capsys):
+    code, out, err = run_cli(capsys, "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--json")
+    assert code == 0, err
+    plan = json.loads(out)["plan"]
+    assert {k: plan[k] for k in README_EXAMPLE["plan"]} == README_EXAMPLE["plan"]
+    assert {k: plan["profile"][k] for k in README_EXAMPLE["profile"]} == README_EXAMPLE["profile"]
+    non_torch = plan["profile"]["used_bytes"] - plan["profile"]["torch_used_bytes"]
+    assert non_torch == 623_706_112
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    for figure in [*README_EXAMPLE["plan"].values(), *README_EXAMPLE["profile"].values(), non_torch, 66_191_360]:
+        assert f"{figure:,}" in readme, f"{figure:,} is no longer in the README's worked example"
+
+
+def test_the_readme_example_at_max_seq_len_8192(capsys):
+    code, out, _ = run_cli(capsys, "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--max-seq-len", "8192", "--json")
+    plan = json.loads(out)["plan"]
+    assert code == 0 and f"{plan['kv_budget_bytes'] / 1024**3:.2f}" == "57.00"
+    assert (plan["kv_requests"], plan["max_concurrent_requests"]) == (56, 32)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from bootstrap.config import BootstrapConfig, ConfigError
 
@@ -36,10 +37,26 @@ def test_every_bad_field_is_reported_at_once():
     assert "max_batch_size" in str(info.value) and "tokens_per_block" in str(info.value)
 
 
-def test_config_is_frozen_and_copies_do_not_touch_the_original():
+VALID = {"model": "qwen3-8b", "device": "cpu", "dtype": "float16", "kv_cache_dtype": "fp8", "max_batch_size": 8,
+         "max_num_tokens": 2048, "max_seq_len": 1024, "tokens_per_block": 16, "free_gpu_memory_fraction": 0.5,
+         "max_kv_bytes": 1 << 30, "max_kv_tokens": 1000, "host_cache_bytes": 1 << 30, "draft_model": "smollm2-135m",
+         "cross_kv_cache_fraction": 0.5, "tensor_parallel_size": 2, "plan_cache": "/tmp/plans", "backend": "trtllm",
+         "kv_manager": "auto"}  # fmt: skip
+
+
+@pytest.mark.parametrize("field", sorted(BootstrapConfig.model_fields))
+def test_config_is_frozen_even_for_a_valid_value(field):
     config = BootstrapConfig.parse(max_num_tokens=4096)
-    with pytest.raises(Exception):
-        config.max_num_tokens = 1  # type: ignore[misc]
+    before = getattr(config, field)
+    BootstrapConfig.parse(**{field: VALID[field]})  # the value itself is valid
+    with pytest.raises(ValidationError) as info:
+        setattr(config, field, VALID[field])
+    assert [e["type"] for e in info.value.errors()] == ["frozen_instance"]
+    assert getattr(config, field) == before
+
+
+def test_copies_do_not_touch_the_original():
+    config = BootstrapConfig.parse(max_num_tokens=4096)
     smaller = config.model_copy(update={"max_num_tokens": 2048})
     assert (config.max_num_tokens, smaller.max_num_tokens) == (4096, 2048)
 

@@ -115,6 +115,30 @@ def test_bad_configs_name_the_field_and_model_type(change, field):
     assert ("llama" in str(err.value)) or field == "model_type"
 
 
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"layer_types": ["full_attention"] * 31 + ["chunked_attention"]},
+         "field 'layer_types' has 'chunked_attention'; allowed: full_attention, sliding_attention"),
+        ({"layer_types": ["full_attention"] * 31 + [None]}, "field 'layer_types' has None; allowed"),
+        ({"torch_dtype": 16}, "field 'torch_dtype' must be one of float32, float16, bfloat16, float64, got 16"),
+        ({"torch_dtype": ["bfloat16"]}, "field 'torch_dtype' must be one of"),
+        ({"torch_dtype": "int4"}, "got 'int4'"),
+    ],
+)  # fmt: skip
+def test_unknown_layer_types_and_dtypes_are_rejected_not_ignored(change, message):
+    with pytest.raises(ModelConfigError) as err:
+        ModelShape.from_hf_config({**preset_config("llama-3.1-8b"), **change})
+    assert str(err.value).startswith("llama config.json: ") and message in str(err.value)
+
+
+def test_the_newer_dtype_key_is_read_and_checked_too():
+    cfg = {k: v for k, v in preset_config("llama-3.1-8b").items() if k != "torch_dtype"}
+    assert ModelShape.from_hf_config({**cfg, "dtype": "float16"}).torch_dtype == "float16"
+    with pytest.raises(ModelConfigError, match="field 'dtype' must be one of"):
+        ModelShape.from_hf_config({**cfg, "dtype": True})
+
+
 def test_from_path_and_resolve(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(preset_config("smollm2-135m")))
     assert ModelShape.from_path(tmp_path) == preset_shape("smollm2-135m")

@@ -9,11 +9,13 @@ import anyio
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from bootstrap.device_thread import DeviceThread
 from bootstrap.devices import FakeDevice
 from bootstrap.graph import GraphError
-from bootstrap.pipeline import Pipeline, StageFailed
+from bootstrap.pipeline import Pipeline, PipelineClosed, StageFailed
 from bootstrap.stage import Adaptation, Stage, on_oom
 from bootstrap.telemetry import make_tracer_provider
+from bootstrap.undo import Undo
 
 
 def alloc(device: FakeDevice, undo, nbytes: int, tag: str) -> None:
@@ -371,3 +373,160 @@ async def test_cancel_during_a_consumed_release_still_releases_the_consumer(devi
         tg.cancel_scope.cancel()  # lands while measure releases the first of the two it consumes
     await pipeline.aclose()
     assert device.live() == {}
+
+
+def held_open(device):
+    """Two stages that allocate, then one that waits on ``gate`` (set it to let the run finish)."""
+    started, gate = anyio.Event(), anyio.Event()
+
+    def a(seed, undo):
+        alloc(device, undo, 100, "a")
+        return "a"
+
+    async def wait(a_out):
+        started.set()
+        await gate.wait()
+        return "w"
+
+    def b(w_out, undo):
+        alloc(device, undo, 200, "b")
+        return "b"
+
+    stages = [Stage("a", a, "a_out"), Stage("wait", wait, "w_out", blocking=False), Stage("b", b, "b_out")]
+    return stages, started, gate
+
+
+async def test_aclose_during_run_cancels_the_run_instead_of_a_false_success(device):
+    stages, started, _ = held_open(device)
+    pipeline, memory = make(stages, device, seed=0)
+    outcome = []
+
+    async def run():
+        try:
+            await pipeline.run()
+            outcome.append("success")
+        except PipelineClosed as exc:
+            outcome.append(exc)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            await started.wait()
+            await pipeline.aclose()
+            assert outcome and isinstance(outcome[0], PipelineClosed)  # the run ended before aclose returned
+    assert device.live() == {}
+    assert {s.state for s in pipeline.status.values()} == {"cancelled"}
+    (root,) = spans(memory, "bootstrap.pipeline")
+    assert root.attributes["bootstrap.outcome"] == "cancelled"
+
+
+async def test_aclose_right_after_the_last_stage_still_refuses_to_report_success(device):
+    stages, started, gate = held_open(device)
+    pipeline, _ = make(stages, device, seed=0)
+    outcome = []
+
+    async def run():
+        try:
+            outcome.append(await pipeline.run())
+        except PipelineClosed as exc:
+            outcome.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        await started.wait()
+        gate.set()  # the run can finish now, but aclose comes before run() has returned
+        await pipeline.aclose()
+    assert isinstance(outcome[0], PipelineClosed) and device.live() == {}
+
+
+@pytest.mark.parametrize("call", ["run", "retry", "retry_stage", "retry_unknown"])
+async def test_a_call_during_a_run_is_refused_before_touching_any_state(device, call):
+    stages, started, gate = held_open(device)
+    pipeline, _ = make(stages, device, seed=0)
+    attempt = {
+        "run": lambda: pipeline.run(),
+        "retry": lambda: pipeline.retry(),
+        "retry_stage": lambda: pipeline.retry("a"),
+        "retry_unknown": lambda: pipeline.retry("nope"),
+    }[call]
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(pipeline.run)
+        await started.wait()
+        before = (dict(device.live()), dict(pipeline.artifacts), dict(pipeline.status))
+        with pytest.raises((RuntimeError, ValueError), match="already running|unknown stage"):
+            await attempt()
+        assert (dict(device.live()), dict(pipeline.artifacts), dict(pipeline.status)) == before
+        gate.set()
+    assert device.live() == {"a": 100, "b": 200}  # the first run finished with what it made
+    assert {s.state for s in pipeline.status.values()} == {"done"}
+    await pipeline.aclose()
+    assert device.live() == {}
+
+
+async def test_two_acloses_at_once_both_return_after_everything_is_released(device):
+    pipeline, _ = make(chain(device), device, seed=1)
+    await pipeline.run()
+    seen = []
+
+    async def close():
+        await pipeline.aclose()
+        seen.append(dict(device.live()))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(close)
+        tg.start_soon(close)
+    assert seen == [{}, {}]
+
+
+async def test_a_failing_release_does_not_stop_the_rest_and_is_recorded(device):
+    def leaky(seed, undo):
+        alloc(device, undo, 100, "leaky/first")
+        undo.push(_raise, OSError("driver refused to free"))
+        alloc(device, undo, 100, "leaky/last")
+        raise ValueError("the attempt fails after three allocations")
+
+    pipeline, memory = make([Stage("leaky", leaky, "out")], device, seed=0)
+    with pytest.raises(StageFailed):
+        await pipeline.run()
+    assert device.live() == {}  # the releases before and after the failing one both ran
+    (attempt,) = spans(memory, "bootstrap.stage.leaky.attempt")
+    assert attempt.attributes["bootstrap.rollback.actions"] == 3
+    assert attempt.attributes["bootstrap.rollback.errors"] == ("OSError('driver refused to free')",)
+
+
+def _raise(exc):
+    raise exc
+
+
+def test_undo_runs_every_action_newest_first_and_returns_the_errors():
+    done = []
+    undo = Undo()
+    undo.push(done.append, "first")
+    undo.push(_raise, OSError("cannot free"))
+    undo.push(done.append, "last")
+    errors = undo.run()
+    assert done == ["last", "first"] and [str(e) for e in errors] == ["cannot free"]
+    assert len(undo) == 0 and undo.run() == []
+
+
+async def test_closing_the_device_thread_leaves_the_event_loop_free():
+    thread, gate, started = DeviceThread(), threading.Event(), threading.Event()
+    opened_by = []
+    timer = threading.Timer(10, lambda: (opened_by.append("timer"), gate.set()))  # only if the loop is stuck
+    timer.start()
+
+    def job():
+        started.set()
+        gate.wait()
+
+    async def open_gate():
+        opened_by.append("event loop")
+        gate.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(thread.run, job)
+        await anyio.to_thread.run_sync(started.wait)
+        tg.start_soon(thread.aclose)  # waits for the job; must not block the loop meanwhile
+        tg.start_soon(open_gate)
+    timer.cancel()
+    assert opened_by == ["event loop"]

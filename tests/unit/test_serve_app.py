@@ -60,7 +60,7 @@ async def test_the_api_key_guards_v1_routes_only():
 
 def args(**overrides: object) -> argparse.Namespace:
     values = dict(port=8000, shutdown_timeout=30.0, api_key=None, served_model_name=None, trace_file=None, otlp=False,
-                  backend="native")  # fmt: skip
+                  backend_factory=None)  # fmt: skip
     return argparse.Namespace(**{**values, **overrides})
 
 

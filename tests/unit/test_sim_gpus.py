@@ -54,3 +54,20 @@ def test_bad_gpu_names_are_rejected_with_the_presets(text):
 def test_parse_bytes_rejects_unknown_units():
     with pytest.raises(ValueError, match="GiB"):
         parse_bytes("12 parsecs")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("8.2MB", 8_200_000), ("16TiB", 16 * 1024**4), ("17592186044416", 16 * 1024**4),
+     ("1.000000000001TiB", 1024**4 + 1), ("0.000000000001TiB", 1)],
+)  # fmt: skip
+def test_byte_counts_are_exact_not_rounded_through_float(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["100000000000000000000000000000", "1" + "0" * 400, "16.001TiB", "0.5"])
+def test_byte_counts_outside_the_range_name_it(text):
+    with pytest.raises(ValueError) as err:
+        parse_bytes(text)
+    expected = f"a simulated GPU size must be in [1 byte, 16 TiB] ([1, 17592186044416] bytes), got {text!r}"
+    assert str(err.value) == expected

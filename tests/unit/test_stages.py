@@ -80,6 +80,20 @@ async def test_final_build_oom_shrinks_the_budget_a_step():
     assert device.live() == {}
 
 
+async def test_final_build_oom_shrinks_every_pool_not_only_the_target():
+    pipeline, device, memory = setup(model="llama-3.1-70b", draft_model="llama-3.1-8b", tensor_parallel_size=4)
+    device.inject_oom("final_build", 1)
+    artifacts = await pipeline.run()
+    planned = {p.name: p.gpu_bytes for p in artifacts["budgets"].pools()}
+    assert set(planned) == {"target", "draft"}
+    assert artifacts["final"].pool_bytes == {name: int(nbytes * 0.9) for name, nbytes in planned.items()}
+    second = by_name(memory, "bootstrap.stage.final_build.attempt")[1]
+    for name, nbytes in planned.items():
+        assert second.attributes[f"bootstrap.adapt.{name}_bytes"] == f"{nbytes} -> {int(nbytes * 0.9)}"
+    await pipeline.aclose()
+    assert device.live() == {}
+
+
 async def test_exhausted_final_build_keeps_weights_and_retry_resumes():
     pipeline, device, _ = setup()
     device.inject_oom("final_build", 3)
