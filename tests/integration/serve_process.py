@@ -18,7 +18,8 @@ STARTED = re.compile(r"Uvicorn running on (http://[\d.]+:\d+)")
 
 
 class ServeProcess:
-    def __init__(self, log: Path, *argv: str, pythonpath: tuple[Path, ...] = (), env: dict[str, str] | None = None) -> None:
+    def __init__(self, log: Path, *argv: str, pythonpath: tuple[Path, ...] = (),
+                 env: dict[str, str] | None = None) -> None:  # fmt: skip
         paths = [str(ROOT), str(Path(__file__).parent), *map(str, pythonpath)]
         environ = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(paths)}
         self.log_path = log

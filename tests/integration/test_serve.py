@@ -67,7 +67,8 @@ def test_chat_completion_through_the_openai_client(served, checkpoint):
 
 
 def test_streamed_chat_equals_the_whole_answer(served, checkpoint):
-    args = dict(model=str(checkpoint), messages=[{"role": "user", "content": CHAT}], max_completion_tokens=20, temperature=0)
+    messages = [{"role": "user", "content": CHAT}]
+    args = dict(model=str(checkpoint), messages=messages, max_completion_tokens=20, temperature=0)
     whole = client(served).chat.completions.create(**args)
     chunks = list(client(served).chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -125,7 +126,8 @@ def test_greedy_output_through_the_server_equals_bootstrap_run(served, checkpoin
 
 def post(server: ServeProcess, path: str, body: object, **kwargs) -> httpx.Response:
     content = body if isinstance(body, str) else json.dumps(body)
-    return httpx.post(f"{server.url}{path}", content=content, headers={"content-type": "application/json"}, timeout=30, **kwargs)
+    headers = {"content-type": "application/json"}
+    return httpx.post(f"{server.url}{path}", content=content, headers=headers, timeout=30, **kwargs)
 
 
 def error_of(response: httpx.Response) -> dict:
@@ -213,7 +215,8 @@ def test_64_concurrent_chat_requests_half_streaming_all_complete(served, checkpo
                                                        stream_options={"include_usage": True}, seed=i)  # fmt: skip
             chunks = [c async for c in stream]
             finish = next(c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason)
-            return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].usage.completion_tokens, finish
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            return text, chunks[-1].usage.completion_tokens, finish
         reply = await api.chat.completions.create(model=str(checkpoint), messages=messages, max_tokens=16, seed=i)
         return reply.choices[0].message.content, reply.usage.completion_tokens, reply.choices[0].finish_reason
 
@@ -227,8 +230,9 @@ def test_64_concurrent_chat_requests_half_streaming_all_complete(served, checkpo
     assert all(1 <= tokens <= 16 and finish in ("stop", "length") for _, tokens, finish in results)
     assert all(text for text, tokens, finish in results if finish == "length")
     page = httpx.get(f"{served.url}/metrics").text
-    ended = sum(metric(page, "bootstrap_requests_total", endpoint="chat", finish_reason=r) for r in ("stop", "length"))
-    ended_before = sum(_maybe(before, "bootstrap_requests_total", endpoint="chat", finish_reason=r) for r in ("stop", "length"))
+    ended = sum(_maybe(page, "bootstrap_requests_total", endpoint="chat", finish_reason=r) for r in ("stop", "length"))
+    ended_before = sum(_maybe(before, "bootstrap_requests_total", endpoint="chat", finish_reason=r)
+                       for r in ("stop", "length"))  # fmt: skip
     assert ended - ended_before == 64 and metric(page, "bootstrap_kv_blocks_used") == 0
     assert metric(page, "bootstrap_requests_in_flight") == metric(page, "bootstrap_requests_running") == 0
 
@@ -247,7 +251,8 @@ def test_ready_follows_a_held_stage_then_a_failure_then_a_retry(checkpoint, tmp_
     gate = tmp_path / "gate"
     os.mkfifo(gate)
     backend = plugin_module(tmp_path, gate=str(gate), gated="load_model", fail_once=("build_final",))
-    server = ServeProcess(tmp_path / "serve.log", "--model", str(checkpoint), "--no-plan-cache", "--backend-factory", backend,
+    server = ServeProcess(tmp_path / "serve.log", "--model", str(checkpoint), "--no-plan-cache",
+                          "--backend-factory", backend,
                           pythonpath=(tmp_path,), env={"BOOTSTRAP_API_KEY": KEY})  # fmt: skip
     try:
         held = server.wait_stage("load_model")
@@ -303,7 +308,8 @@ def _retry_resumes_without_reloading_weights(server: ServeProcess, checkpoint: P
 
 
 def test_a_backend_that_cannot_be_loaded_ends_the_server_with_exit_2(tmp_path):
-    server = ServeProcess(tmp_path / "serve.log", "--model", "random:smollm2-135m", "--backend-factory", "no_such_module:backend")
+    server = ServeProcess(tmp_path / "serve.log", "--model", "random:smollm2-135m",
+                          "--backend-factory", "no_such_module:backend")  # fmt: skip
     try:
         assert server.proc.wait(120) == 2
     finally:
@@ -319,7 +325,8 @@ def test_a_signal_during_the_bootstrap_rolls_back_and_exits_0(sig, checkpoint, t
     gate, trace = tmp_path / "gate", tmp_path / "trace.jsonl"
     os.mkfifo(gate)
     backend = plugin_module(tmp_path, gate=str(gate), gated="build_estimation")
-    server = ServeProcess(tmp_path / "serve.log", "--model", str(checkpoint), "--no-plan-cache", "--backend-factory", backend,
+    server = ServeProcess(tmp_path / "serve.log", "--model", str(checkpoint), "--no-plan-cache",
+                          "--backend-factory", backend,
                           "--trace-file", str(trace), pythonpath=(tmp_path,))  # fmt: skip
     try:
         server.wait_stage("estimation_build")
@@ -342,7 +349,8 @@ def slow_server(checkpoint, tmp_path_factory):
     """A ready server whose every forward step sleeps 100 ms: requests stay in flight for seconds."""
     tmp = tmp_path_factory.mktemp("slow")
     backend = plugin_module(tmp, step_delay_s=0.1)
-    server = ServeProcess(tmp / "serve.log", "--model", str(checkpoint), "--no-plan-cache", "--backend-factory", backend,
+    server = ServeProcess(tmp / "serve.log", "--model", str(checkpoint), "--no-plan-cache",
+                          "--backend-factory", backend,
                           "--shutdown-timeout", "4", pythonpath=(tmp,))  # fmt: skip
     server.wait_state("ready")
     yield server
@@ -390,7 +398,8 @@ def test_sigterm_during_generation_lets_short_requests_finish_and_cuts_long_ones
     for thread in threads:
         thread.join(60)
     finishes = {name: _finish(lines) for name, lines in results.items()}
-    assert finishes == {"short": "length", "long chat": "cancelled", "long completion": "cancelled", "whole": "cancelled"}
+    cut = {"long chat": "cancelled", "long completion": "cancelled", "whole": "cancelled"}
+    assert finishes == {"short": "length", **cut}
     assert all(lines[-1] == "data: [DONE]" for name, lines in results.items() if name != "whole")
     assert "no thread left" in slow_server.log()
 
@@ -404,4 +413,5 @@ def _finish(lines: list[str]) -> str | None:
     if len(lines) == 1 and not lines[0].startswith("data: "):  # a whole (non-streaming) answer
         return json.loads(lines[0])["choices"][0]["finish_reason"]
     chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
-    return next((c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]), None)
+    reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    return next((r for r in reasons if r), None)
