@@ -51,6 +51,9 @@ def serve_options(args: argparse.Namespace, config: Any) -> Any:
     from bootstrap.config import ConfigError
     from bootstrap.serve.state import ServeOptions
 
+    if config.backend != "native":
+        raise ConfigError(f"backend: {config.backend!r} is not served yet: the server answers through the native "
+                          "executor's request API (allowed: native; bootstrap run and plan take trtllm)")  # fmt: skip
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"port: must be in [0, 65535] (got {args.port})")
     if args.shutdown_timeout < 0:

@@ -100,3 +100,5 @@ def test_bad_config_flags_exit_2_before_the_port_opens(capsys):
     assert "max_batch_size" in capsys.readouterr().err
     assert main(["serve", "--model", "m", "--port", "99999"]) == 2
     assert "port: must be in [0, 65535] (got 99999)" in capsys.readouterr().err
+    assert main(["serve", "--model", "m", "--backend", "trtllm"]) == 2
+    assert "backend: 'trtllm' is not served yet" in capsys.readouterr().err
