@@ -17,10 +17,14 @@ RETRYING = ("attempt_failed", "retrying")
 
 def stage_rows(state: ServeState) -> list[dict[str, Any]]:
     """``id``, ``state`` (pending, running, retrying, done, skipped, failed, cancelled),
-    ``attempts``, ``duration_s`` (so far while it runs), ``error`` and ``skip_reason``."""
+    ``attempts``, ``duration_s`` (so far while it runs), ``error``, ``skip_reason``, and while
+    retrying the error of the attempt that failed and what the retry changes."""
     if state.boot is None:
         return []
-    last = {event.stage: event for event in state.stage_history()}
+    history = state.stage_history()
+    last = {event.stage: event for event in history}
+    attempt_errors = {e.stage: e.message for e in history if e.kind == "attempt_failed"}
+    retry_notes = {e.stage: e.message for e in history if e.kind == "retrying"}
     rows = []
     for status in state.boot.pipeline.status.values():
         event = last.get(status.stage)
@@ -32,7 +36,8 @@ def stage_rows(state: ServeState) -> list[dict[str, Any]]:
             "attempts": status.attempts,
             "duration_s": _duration(status),
             "error": status.error if status.state in ("failed", "cancelled") else None,
-            "last_attempt_error": event.message if shown == "retrying" else None,
+            "last_attempt_error": attempt_errors.get(status.stage) if shown == "retrying" else None,
+            "retry_change": retry_notes.get(status.stage) if shown == "retrying" else None,
             "skip_reason": event.message if status.state == "skipped" and event is not None else None,
             "figures": dict(status.figures),
         })  # fmt: skip

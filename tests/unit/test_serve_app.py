@@ -102,3 +102,28 @@ def test_bad_config_flags_exit_2_before_the_port_opens(capsys):
     assert "port: must be in [0, 65535] (got 99999)" in capsys.readouterr().err
     assert main(["serve", "--model", "m", "--backend", "trtllm"]) == 2
     assert "backend: 'trtllm' is not served yet" in capsys.readouterr().err
+
+
+def test_stage_rows_show_retrying_skipped_and_failed_stages():
+    from types import SimpleNamespace
+
+    from bootstrap.events import EventHub, StageEvent
+    from bootstrap.serve.progress import bootstrap_view, ready_view
+
+    hub = EventHub(["load_model", "estimation_build", "profiling", "final_build"])
+    events = [("load_model", "started", ""), ("load_model", "done", ""), ("estimation_build", "started", ""),
+              ("estimation_build", "skipped", "plan-cache"), ("profiling", "started", ""),
+              ("profiling", "attempt_failed", "OutOfMemoryError: x"), ("profiling", "retrying", "max_num_tokens: 2048 -> 1024")]
+    for stage, kind, message in events:
+        hub.publish(StageEvent(stage, kind, 1, message))
+    state = ServeState(BootstrapConfig(model="m"), ServeOptions(model_id="m"), phase="bootstrapping")
+    state.boot = SimpleNamespace(pipeline=SimpleNamespace(status=hub.status, hub=hub, artifacts={}))
+    rows = {row["id"]: row for row in bootstrap_view(state)["stages"]}
+    assert [rows[s]["state"] for s in rows] == ["done", "skipped", "retrying", "pending"]
+    assert rows["estimation_build"]["skip_reason"] == "plan-cache"
+    assert rows["profiling"]["last_attempt_error"] == "OutOfMemoryError: x" and rows["profiling"]["attempts"] == 1
+    assert rows["profiling"]["retry_change"] == "max_num_tokens: 2048 -> 1024"
+    ready = ready_view(state)
+    assert (ready["stage"], ready["stage_state"], ready["ready"]) == ("profiling", "retrying", False)
+    hub.publish(StageEvent("profiling", "failed", 2, "OutOfMemoryError: y"))
+    assert bootstrap_view(state)["current_stage"] == "profiling" and ready_view(state)["stage_state"] == "failed"
