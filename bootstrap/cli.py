@@ -28,8 +28,8 @@ from bootstrap.graph import GraphError
 from bootstrap.models.shape import ModelConfigError
 from bootstrap.pipeline import StageFailed
 from bootstrap.report import stage_rows, stage_table
-from bootstrap.serve.command import add_serve_args, main_serve
 from bootstrap.runner import make_pipeline, plan_summary
+from bootstrap.serve.command import add_serve_args, main_serve
 from bootstrap.stages import STAGE_IDS
 from bootstrap.telemetry import MissingExtra, make_tracer_provider
 
