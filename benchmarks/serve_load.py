@@ -83,8 +83,15 @@ class Server:
         raise RuntimeError(f"bootstrap serve exited:\n{Path(self.log.name).read_text()}")
 
     def stop(self) -> int:
+        """SIGTERM, wait; the server log is kept (and named on stderr) only when it did not exit 0."""
         self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(120)
+        code = self.proc.wait(120)
+        self.log.close()
+        if code == 0:
+            Path(self.log.name).unlink()
+        else:
+            print(f"bootstrap serve exited with {code}; its log: {self.log.name}", file=sys.stderr)
+        return code
 
 
 async def wait_ready(http: httpx.AsyncClient) -> dict:
