@@ -1,7 +1,8 @@
-"""``bootstrap plan | run | cache``: plan on a simulated GPU, run the real executor, clear cached plans.
+"""``bootstrap plan | run | serve | cache``: plan on a simulated GPU, run the real executor, serve it, clear cached plans.
 
 ``plan`` runs the whole pipeline on a simulated GPU (a dry-run capacity planner); ``run`` builds
-the real executor through the same stages and answers one prompt (``bootstrap/cli_run.py``).
+the real executor through the same stages and answers one prompt (``bootstrap/cli_run.py``);
+``serve`` answers OpenAI-compatible requests while the stages run behind it (``bootstrap/serve/``).
 
 Exit status: 0 ready; 1 a stage failed (one paragraph on stderr, no traceback); 2 bad input
 (an invalid or infeasible configuration, named with the field to change).
@@ -29,6 +30,7 @@ from bootstrap.models.shape import ModelConfigError
 from bootstrap.pipeline import StageFailed
 from bootstrap.report import stage_rows, stage_table
 from bootstrap.runner import make_pipeline, plan_summary
+from bootstrap.serve.command import add_serve_args, main_serve
 from bootstrap.stages import STAGE_IDS
 from bootstrap.telemetry import MissingExtra, make_tracer_provider
 from bootstrap.trace_view import add_trace_args, trace_command
@@ -81,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(run, "checkpoint dir, .gguf file, random:<preset|config.json>, or the default", "smollm2-135m-instruct")
     _backend_args(run)
     add_run_args(run)
+    serve = sub.add_parser("serve", help="an OpenAI-compatible server; the port opens while the stages run")
+    _config_args(serve, "checkpoint dir, .gguf file, random:<preset|config.json>, or the default", "smollm2-135m-instruct")
+    _backend_args(serve)
+    add_serve_args(serve)
     cache = sub.add_parser("cache", help="manage the plan cache")
     add_cache_args(cache)
     add_trace_args(sub.add_parser("trace", help="a timeline of stages and attempts from --trace-file files"))
@@ -91,7 +97,7 @@ def config_from_args(args: argparse.Namespace) -> BootstrapConfig:
     values = {k: v for k, v in vars(args).items() if k in BootstrapConfig.model_fields and v is not None}
     if getattr(args, "no_plan_cache", False):
         values.pop("plan_cache", None)
-    elif args.command == "run":
+    elif args.command in ("run", "serve"):
         values.setdefault("plan_cache", DEFAULT_PLAN_CACHE)
     return BootstrapConfig.parse(**values)
 
@@ -185,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         return clear_cache(args)
     if args.command == "run":
         return main_run(args)
+    if args.command == "serve":
+        return main_serve(args)
     if args.command == "trace":
         return trace_command(args)
     try:

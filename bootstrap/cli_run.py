@@ -27,19 +27,25 @@ DEFAULT_MAX_TOKENS = 64
 DEFAULT_QUESTION = "What is the capital of France?"
 
 
-def add_run_args(run: argparse.ArgumentParser) -> None:
-    add = run.add_argument
+def add_build_args(parser: argparse.ArgumentParser) -> None:
+    """What ``run`` and ``serve`` both take beyond the config: device, trace, plan cache."""
+    add = parser.add_argument
     add("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    add("--trace-file", type=Path, help="write finished spans as JSON Lines (overwrites the file)")
+    add("--otlp", action="store_true", help="also export spans over OTLP (needs the otlp extra)")
+    add("--no-plan-cache", action="store_true", help=f"profile every start (default cache: {DEFAULT_PLAN_CACHE})")
+
+
+def add_run_args(run: argparse.ArgumentParser) -> None:
+    add_build_args(run)
+    add = run.add_argument
     text = run.add_mutually_exclusive_group()
     text.add_argument("--prompt", help="plain text prompt")
     text.add_argument("--chat", help="one user message, formatted with the tokenizer's chat template")
     add("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="tokens to generate (>= 1)")
     add("--temperature", type=float, default=0.0, help="0 for greedy")
     add("--seed", type=int, help="sampling seed")
-    add("--trace-file", type=Path, help="write finished spans as JSON Lines (overwrites the file)")
-    add("--otlp", action="store_true", help="also export spans over OTLP (needs the otlp extra)")
     add("--json", action="store_true", help="print one JSON object instead of tables and text")
-    add("--no-plan-cache", action="store_true", help=f"profile every start (default cache: {DEFAULT_PLAN_CACHE})")
     add("--dist-timeout", type=float, default=600.0,
         help="with --tp N: seconds any collective waits for a rank before it names the rank that stopped answering")  # fmt: skip
 

@@ -76,11 +76,22 @@ def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="w0", bos_token="w1", eos_token="w2")
 
 
-def save_checkpoint(name: str, path: Path) -> Path:
-    """``build(name)`` saved as a checkpoint directory with its tokenizer; returns ``path``."""
+# Roles as words: w3 system, w4 user, w5 assistant (a generation prompt ends with w5).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ {'system': 'w3', 'user': 'w4', 'assistant': 'w5'}[m['role']] }} "
+    "{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w5{% endif %}"
+)
+
+
+def save_checkpoint(name: str, path: Path, chat_template: str | None = None) -> Path:
+    """``build(name)`` saved as a checkpoint directory with its tokenizer (and ``chat_template``,
+    e.g. ``CHAT_TEMPLATE``, if given); returns ``path``."""
     model = build(name)
     model.config.eos_token_id, model.config.bos_token_id = 2, 1
     model.generation_config.eos_token_id, model.generation_config.bos_token_id = 2, 1
     model.save_pretrained(path)
-    word_tokenizer(model.config.vocab_size).save_pretrained(path)
+    tokenizer = word_tokenizer(model.config.vocab_size)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(path)
     return path

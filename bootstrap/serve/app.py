@@ -1,0 +1,85 @@
+"""The app factory: routes, errors, key check, metrics, and the lifespan that owns the bootstrap.
+
+The lifespan starts the bootstrap in the background and returns at once, so the server binds
+its port while the stages run. On shutdown (``state.begin_shutdown``, from a signal) the drain
+task cancels a bootstrap in progress (the pipeline rolls back), lets requests in flight finish
+for ``shutdown_timeout_s``, then cancels the rest in the executor, whose streams end with a
+final chunk. When the server stops, everything is released: executor, KV pool, weights,
+device thread, trace.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import anyio
+from fastapi import FastAPI
+
+from bootstrap.serve import bootstrap_routes, openai_routes, runner
+from bootstrap.serve.auth import APIKeyMiddleware
+from bootstrap.serve.errors import install_handlers
+from bootstrap.serve.metrics import ServeMetrics
+from bootstrap.serve.state import ServeState
+
+log = logging.getLogger("bootstrap.serve")
+
+
+def create_app(state: ServeState, on_fatal: Callable[[], None] = lambda: None) -> FastAPI:
+    """A FastAPI app serving ``state``'s bootstrap; ``on_fatal`` runs when it cannot even start
+    (a backend that does not import, an unwritable trace file): the server should exit."""
+    app = FastAPI(title="executor-bootstrap", lifespan=_lifespan(state, on_fatal))
+    app.state.serve = state
+    app.state.metrics = ServeMetrics(state)
+    app.state.created = time.time()
+    install_handlers(app)
+    app.include_router(bootstrap_routes.router)
+    app.include_router(openai_routes.router)
+    if state.options.api_key:
+        app.add_middleware(APIKeyMiddleware, key=state.options.api_key)
+    return app
+
+
+def _lifespan(state: ServeState, on_fatal: Callable[[], None]):  # noqa: ANN202 (FastAPI's lifespan type)
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            async with anyio.create_task_group() as tg:
+                app.state.tasks = tg
+                tg.start_soon(runner.guarded, state, runner.run_bootstrap, tg, on_fatal)
+                tg.start_soon(drain_on_shutdown, state)
+                try:
+                    yield
+                finally:
+                    state.begin_shutdown()
+                    tg.cancel_scope.cancel()
+        finally:
+            await release(state)
+
+    return lifespan
+
+
+async def drain_on_shutdown(state: ServeState) -> None:
+    """Once shutdown begins: cancel the bootstrap, give requests in flight their grace period,
+    then cancel what is left in the executor (each stream then gets its final chunk)."""
+    await state.stopping.wait()
+    if state.build_scope is not None:
+        state.build_scope.cancel()
+    with anyio.move_on_after(state.options.shutdown_timeout_s):
+        await state.inflight.wait_idle()
+    left = list(state.inflight)
+    if left:
+        log.warning("shutdown: cancelling %d request(s) still running after %.1f s", len(left),
+                    state.options.shutdown_timeout_s)  # fmt: skip
+    for request_id in left:
+        state.executor.cancel(request_id)
+
+
+async def release(state: ServeState) -> None:
+    """Shut the executor down and release every stage's artifact; shielded, idempotent."""
+    with anyio.CancelScope(shield=True):
+        if state.boot is not None:
+            await state.boot.aclose()
+    log.info("bootstrap serve: executor shut down, everything released")

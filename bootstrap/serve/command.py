@@ -1,0 +1,178 @@
+"""``bootstrap serve``: the OpenAI-compatible server, with the bootstrap running behind it.
+
+The port opens at once; the stages run in the background (``GET /ready`` says where they are).
+SIGTERM or SIGINT: stop accepting connections, let requests in flight finish for
+``--shutdown-timeout`` seconds, cancel the rest (streams get a final chunk), shut the executor
+down, exit 0; during the bootstrap, the pipeline is cancelled and rolls back. A second SIGINT
+stops waiting for connections.
+
+Exit status: 0 after a signal; 2 bad input (before the port opens: the configuration; after it:
+a backend or trace file that cannot be used).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+ENV_API_KEY = "BOOTSTRAP_API_KEY"
+FORCE_AFTER_S = 10.0  # past the grace period: how long cancelled streams get to send their final chunk
+THREAD_JOIN_S = 5.0
+
+log = logging.getLogger("bootstrap.serve")
+
+
+def add_serve_args(serve: argparse.ArgumentParser) -> None:
+    from bootstrap.cli_run import add_build_args
+
+    add_build_args(serve)
+    add = serve.add_argument
+    add("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    add("--port", type=int, default=8000, help="port to bind (0: any free port)")
+    add("--api-key", help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: env {ENV_API_KEY})")
+    add("--served-model-name", help="the model id clients send (default: --model as given)")
+    add("--shutdown-timeout", type=float, default=30.0, help="seconds requests in flight get after a signal")
+    add("--backend-factory", metavar="MODULE:CALLABLE",
+        help="build the backend with CALLABLE(config) from MODULE instead of --backend "
+             "(e.g. one wrapping the native engine)")  # fmt: skip
+    add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def serve_options(args: argparse.Namespace, config: Any) -> Any:
+    from bootstrap.config import ConfigError
+    from bootstrap.serve.state import ServeOptions
+
+    if config.backend != "native":
+        raise ConfigError(f"backend: {config.backend!r} is not served yet: the server answers through the native "
+                          "executor's request API (allowed: native; bootstrap run and plan take trtllm)")  # fmt: skip
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"port: must be in [0, 65535] (got {args.port})")
+    if args.shutdown_timeout < 0:
+        raise ConfigError(f"shutdown_timeout: must be >= 0 seconds (got {args.shutdown_timeout})")
+    key = args.api_key if args.api_key is not None else os.environ.get(ENV_API_KEY)
+    if key is not None and not key.strip():
+        source = "--api-key" if args.api_key is not None else ENV_API_KEY
+        raise ConfigError(f"api_key: must not be empty (from {source})")
+    return ServeOptions(model_id=args.served_model_name or config.model, api_key=key, trace_file=args.trace_file,
+                        otlp=args.otlp, backend_factory=args.backend_factory,
+                        shutdown_timeout_s=args.shutdown_timeout)  # fmt: skip
+
+
+def main_serve(args: argparse.Namespace) -> int:
+    from bootstrap.cli import INPUT_ERRORS, config_from_args
+
+    try:
+        config = config_from_args(args)
+        options = serve_options(args, config)
+    except INPUT_ERRORS as exc:
+        print(f"bootstrap: {exc}", file=sys.stderr)
+        return 2
+    try:
+        import fastapi, prometheus_client, uvicorn  # noqa: F401, E401
+    except ImportError as exc:
+        print(f"bootstrap: serve needs the serve extra ({exc.name} is missing): pip install -e '.[serve]'",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    _configure_logging(args.log_level)
+    try:
+        fatal = asyncio.run(_serve(config, options, args))
+    except OSError as exc:  # the port is taken, or the address is not this machine's
+        print(f"bootstrap: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 2
+    _report_threads()
+    return 2 if fatal else 0
+
+
+async def _serve(config: Any, options: Any, args: argparse.Namespace) -> BaseException | None:
+    import uvicorn
+
+    from bootstrap.serve.app import create_app
+    from bootstrap.serve.state import ServeState
+
+    state = ServeState(config, options)
+    servers: list[uvicorn.Server] = []
+    app = create_app(state, on_fatal=lambda: _stop(servers))
+    servers.append(_make_server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
+        timeout_graceful_shutdown=options.shutdown_timeout_s + FORCE_AFTER_S,
+    )))  # fmt: skip
+    with _signals(state, servers[0]):
+        try:
+            await servers[0].serve()
+        except SystemExit as exc:  # uvicorn's answer to a port it cannot bind (logged above)
+            raise OSError("the server did not start") from exc
+    return state.fatal
+
+
+def _make_server(config: Any) -> Any:
+    """A ``uvicorn.Server`` whose signals are the serve command's (``_signals``): uvicorn's own
+    handling re-raises the signal after shutdown, which would end a clean SIGTERM with -15."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    return Server(config)
+
+
+def _stop(servers: list[Any]) -> None:
+    for server in servers:
+        server.should_exit = True
+
+
+@contextlib.contextmanager
+def _signals(state: Any, server: Any) -> Iterator[None]:
+    loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        log.warning("%s: shutting down (again with SIGINT: stop waiting for connections)", sig.name)
+        if server.should_exit and sig == signal.SIGINT:
+            server.force_exit = True
+        server.should_exit = True
+        state.begin_shutdown()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        yield
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+def _stop_tqdm_monitor() -> None:
+    """Loading weights shows a tqdm bar, which starts tqdm's monitor thread; tqdm never stops it."""
+    monitor_class = getattr(sys.modules.get("tqdm.std"), "TMonitor", None)
+    for thread in threading.enumerate():
+        if monitor_class is not None and isinstance(thread, monitor_class):
+            thread.exit()
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(levelname)s:     %(message)s", stream=sys.stderr)
+
+
+def _report_threads() -> None:
+    """Join what is left for a moment, then name any thread still alive (none should be)."""
+    _stop_tqdm_monitor()
+    deadline = time.monotonic() + THREAD_JOIN_S
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread():
+            thread.join(max(deadline - time.monotonic(), 0))
+    alive = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    if alive:
+        log.warning("bootstrap serve: stopped; threads still alive: %s", ", ".join(alive))
+    else:
+        log.info("bootstrap serve: stopped; no thread left")
+

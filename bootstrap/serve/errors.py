@@ -1,0 +1,79 @@
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+Every error the server answers goes through ``APIError`` or one of the handlers here, so a
+client sees one shape for a bad body (400), an unknown model (404), a missing or wrong key
+(401), a request before the executor is ready (503 with ``Retry-After``) and anything else.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+         405: "invalid_request_error", 409: "invalid_request_error", 503: "service_unavailable"}  # fmt: skip
+
+
+class APIError(Exception):
+    """An answer in OpenAI's error shape; ``param`` names the request field at fault."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        kind = TYPES.get(self.status, "server_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def describe_validation(exc: RequestValidationError) -> APIError:
+    """One line per bad field: its dotted path, what is allowed, and what was sent."""
+    lines: list[str] = []
+    params: list[str | None] = []
+    for err in exc.errors():
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        field = ".".join(loc) or "body"
+        message = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        if err.get("type") == "json_invalid":
+            params.append(None)
+            lines.append(f"body: not valid JSON ({err.get('ctx', {}).get('error', message)})")
+            continue
+        params.append(field)
+        if err.get("type") == "missing":
+            lines.append(f"{field}: required")
+        else:
+            lines.append(f"{field}: {message} (got {_short(err.get('input'))})")
+    return bad_request("; ".join(lines), param=params[0] if len(params) == 1 else None)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def install_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return describe_validation(exc).response()
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return APIError(exc.status_code, message, headers=dict(exc.headers or {})).response()

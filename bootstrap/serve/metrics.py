@@ -1,0 +1,89 @@
+"""Prometheus metrics of one app, in its own ``CollectorRegistry`` (never the global one).
+
+Request figures are counted as requests end; bootstrap and engine figures (stage durations and
+attempts, time to ready, KV blocks, queues) are read from the state at scrape time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from bootstrap.serve.state import ServeState
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+PHASES = ("starting", "bootstrapping", "ready", "failed", "shutting_down")
+
+
+class ServeMetrics:
+    def __init__(self, state: ServeState) -> None:
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter("bootstrap_requests", "Generation requests ended, by endpoint and finish_reason",
+                                ["endpoint", "finish_reason"], registry=registry)  # fmt: skip
+        self.ttft = Histogram("bootstrap_time_to_first_token_seconds", "From enqueue to the first generated token",
+                              ["endpoint"], buckets=LATENCY_BUCKETS, registry=registry)  # fmt: skip
+        self.e2e = Histogram("bootstrap_request_latency_seconds", "From enqueue to the last token (stop or length)",
+                             ["endpoint"], buckets=LATENCY_BUCKETS, registry=registry)  # fmt: skip
+        self.prompt_tokens = Counter("bootstrap_prompt_tokens", "Prompt tokens of ended requests", registry=registry)
+        self.generated_tokens = Counter("bootstrap_generation_tokens", "Tokens generated", registry=registry)
+        registry.register(StateCollector(state))
+
+
+class StateCollector(Collector):
+    """Figures read from the bootstrap and the executor each time ``/metrics`` is scraped."""
+
+    def __init__(self, state: ServeState) -> None:
+        self.state = state
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._bootstrap()
+        if self.state.executor is not None and self.state.phase in ("ready", "shutting_down"):
+            yield from self._engine(self.state.executor)
+
+    def _bootstrap(self) -> Iterator[Metric]:
+        state = self.state
+        phase = GaugeMetricFamily("bootstrap_phase", "1 for the server's current phase", labels=["phase"])
+        for name in PHASES:
+            phase.add_metric([name], float(state.phase == name))
+        yield phase
+        duration = GaugeMetricFamily("bootstrap_stage_duration_seconds",
+                                     "Duration of each stage (so far, while it runs)", labels=["stage"])  # fmt: skip
+        attempts = GaugeMetricFamily("bootstrap_stage_attempts", "Attempts of each stage", labels=["stage"])
+        for status in _statuses(state):
+            duration.add_metric([status.stage], _duration(status))
+            attempts.add_metric([status.stage], float(status.attempts))
+        yield duration
+        yield attempts
+        if state.time_to_ready_s is not None:
+            yield GaugeMetricFamily("bootstrap_time_to_ready_seconds", "From the server start to a ready executor",
+                                    value=state.time_to_ready_s)  # fmt: skip
+        yield GaugeMetricFamily("bootstrap_requests_in_flight", "Requests the server is answering",
+                                value=float(len(state.inflight)))  # fmt: skip
+
+    def _engine(self, executor: Any) -> Iterator[Metric]:
+        stats = executor.scheduler.kv_cache.stats()
+        yield GaugeMetricFamily("bootstrap_kv_capacity_blocks", "KV cache blocks in the pool", value=stats.total_blocks)
+        yield GaugeMetricFamily("bootstrap_kv_capacity_tokens", "KV cache capacity in tokens",
+                                value=stats.capacity_tokens)  # fmt: skip
+        yield GaugeMetricFamily("bootstrap_kv_blocks_used", "KV cache blocks in use", value=stats.used_blocks)
+        yield GaugeMetricFamily("bootstrap_requests_running", "Requests the engine is running",
+                                value=len(executor.scheduler.running))  # fmt: skip
+        yield GaugeMetricFamily("bootstrap_requests_waiting", "Requests queued in the engine, not yet admitted",
+                                value=len(executor.scheduler.waiting))  # fmt: skip
+
+
+def _statuses(state: ServeState) -> list[Any]:
+    return [] if state.boot is None else list(state.boot.pipeline.status.values())
+
+
+def _duration(status: Any) -> float:
+    if status.duration_s is not None and status.state != "running":
+        return float(status.duration_s)
+    if status.started_at is not None and status.state == "running":
+        return time.time() - status.started_at
+    return 0.0

@@ -1,0 +1,105 @@
+"""OpenAI-compatible ``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions``.
+
+Before the executor is ready every one of them answers 503 with ``Retry-After``. A client that
+disconnects, or a handler that is cancelled, cancels its request in the executor (``Job``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from bootstrap.serve import schemas as s
+from bootstrap.serve.errors import APIError
+from bootstrap.serve.jobs import Job, unless_disconnected
+from bootstrap.serve.metrics import ServeMetrics
+from bootstrap.serve.prompts import chat_prompt_ids, check_length, completion_prompt_ids, sampling_params, token_limit
+from bootstrap.serve.render import Render, collect, stream_body
+from bootstrap.serve.state import ServeState
+
+RETRY_AFTER_S = {"starting": 1, "bootstrapping": 1, "failed": 5, "shutting_down": 5}
+CLIENT_CLOSED = 499  # the client went away; nobody reads this status
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+router = APIRouter(prefix="/v1")
+
+
+def ready_executor(state: ServeState) -> Any:
+    """The executor, or 503 with ``Retry-After`` and what the bootstrap is doing."""
+    if state.phase == "ready" and state.executor is not None:
+        return state.executor
+    if state.phase == "shutting_down":
+        message = "the server is shutting down"
+    elif state.phase == "failed":
+        message = f"the bootstrap failed: {state.error}; see GET /v1/bootstrap, POST /v1/bootstrap/retry"
+    else:
+        message = "the executor is not ready yet (bootstrap in progress; see GET /ready or /v1/bootstrap)"
+    code = {"failed": "bootstrap_failed", "shutting_down": "shutting_down"}.get(state.phase, "not_ready")
+    raise APIError(503, message, code=code, headers={"Retry-After": str(RETRY_AFTER_S.get(state.phase, 1))})
+
+
+def check_model(state: ServeState, model: str) -> None:
+    if model != state.options.model_id:
+        raise APIError(404, f"model {model!r} does not exist; this server serves {state.options.model_id!r}",
+                       param="model", code="model_not_found")  # fmt: skip
+
+
+@router.get("/models")
+async def list_models(request: Request) -> s.ModelList:
+    state: ServeState = request.app.state.serve
+    ready_executor(state)
+    created = int(request.app.state.created)
+    return s.ModelList(data=[s.Model(id=state.options.model_id, created=created, max_model_len=state.max_seq_len)])
+
+
+@router.post("/completions", response_model=None)
+async def completions(body: s.CompletionRequest, request: Request) -> Response:
+    state: ServeState = request.app.state.serve
+    executor = ready_executor(state)
+    check_model(state, body.model)
+    ids = completion_prompt_ids(executor.tokenizer, body.prompt)
+    return await answer(request, body, ids, Render("completion", body.model))
+
+
+@router.post("/chat/completions", response_model=None)
+async def chat_completions(body: s.ChatCompletionRequest, request: Request) -> Response:
+    state: ServeState = request.app.state.serve
+    executor = ready_executor(state)
+    check_model(state, body.model)
+    ids = chat_prompt_ids(executor.tokenizer, body.messages)
+    return await answer(request, body, ids, Render("chat", body.model))
+
+
+async def answer(request: Request, body: s.CompletionRequest | s.ChatCompletionRequest, ids: list[int],
+                 render: Render) -> Response:  # fmt: skip
+    """Enqueue; wait for the first event (a refusal is still a 400); stream or collect the rest."""
+    state: ServeState = request.app.state.serve
+    metrics: ServeMetrics = request.app.state.metrics
+    limit, field = token_limit(body)
+    params = sampling_params(body, check_length(len(ids), limit, field, state.max_seq_len))
+    job = Job(state, metrics, render.kind, ids, params)
+    try:
+        if await unless_disconnected(request, job.first_event) is None:
+            return Response(status_code=CLIENT_CLOSED)
+        if body.stream:
+            body_iter = stream_body(job, render, body.include_usage)
+            return StreamingResponse(body_iter, media_type="text/event-stream", headers=SSE_HEADERS,
+                                     background=BackgroundTask(job.close))  # fmt: skip
+        return await whole(request, job, render)
+    except BaseException:
+        await job.close()
+        raise
+
+
+async def whole(request: Request, job: Job, render: Render) -> Response:
+    result = await unless_disconnected(request, lambda: collect(job))
+    await job.close()
+    if result is None:
+        return Response(status_code=CLIENT_CLOSED)
+    text, last = result
+    if last.finish_reason == "error":
+        raise APIError(500, f"generation failed: {last.error}", code="engine_error")
+    return JSONResponse(render.whole(text, last.finish_reason, s.Usage.of(job.prompt_tokens, job.tokens)).model_dump())

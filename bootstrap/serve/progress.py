@@ -1,0 +1,91 @@
+"""The bootstrap as the probes show it: one row per stage, the current stage, the plan.
+
+Read from the pipeline's status table and event history, on the event loop (where both are
+written), so a row is never half-updated.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from bootstrap.runner import plan_summary
+from bootstrap.serve.state import ServeState
+
+RETRYING = ("attempt_failed", "retrying")
+
+
+def stage_rows(state: ServeState) -> list[dict[str, Any]]:
+    """``id``, ``state`` (pending, running, retrying, done, skipped, failed, cancelled),
+    ``attempts``, ``duration_s`` (so far while it runs), ``error``, ``skip_reason``, and while
+    retrying the error of the attempt that failed and what the retry changes."""
+    if state.boot is None:
+        return []
+    history = state.stage_history()
+    last = {event.stage: event for event in history}
+    attempt_errors = {e.stage: e.message for e in history if e.kind == "attempt_failed"}
+    retry_notes = {e.stage: e.message for e in history if e.kind == "retrying"}
+    rows = []
+    for status in state.boot.pipeline.status.values():
+        event = last.get(status.stage)
+        retrying = status.state == "running" and event is not None and event.kind in RETRYING
+        shown = "retrying" if retrying else status.state
+        rows.append({
+            "id": status.stage,
+            "state": shown,
+            "attempts": status.attempts,
+            "duration_s": _duration(status),
+            "error": status.error if status.state in ("failed", "cancelled") else None,
+            "last_attempt_error": attempt_errors.get(status.stage) if shown == "retrying" else None,
+            "retry_change": retry_notes.get(status.stage) if shown == "retrying" else None,
+            "skip_reason": event.message if status.state == "skipped" and event is not None else None,
+            "figures": dict(status.figures),
+        })  # fmt: skip
+    return rows
+
+
+def _duration(status: Any) -> float | None:
+    if status.state == "running" and status.started_at is not None:
+        return round(time.time() - status.started_at, 6)
+    return None if status.duration_s is None else round(status.duration_s, 6)
+
+
+def current_stage(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The stage running now, else the one that failed, else None."""
+    for wanted in (("running", "retrying"), ("failed",)):
+        row = next((r for r in rows if r["state"] in wanted), None)
+        if row is not None:
+            return row
+    return None
+
+
+def bootstrap_view(state: ServeState) -> dict[str, Any]:
+    """``GET /v1/bootstrap``: phase, stages, the plan once known, and the failure if any."""
+    rows = stage_rows(state)
+    stage = current_stage(rows)
+    return {
+        "state": state.phase,
+        "model": state.options.model_id,
+        "elapsed_s": round(state.elapsed_s(), 6),
+        "time_to_ready_s": state.time_to_ready_s,
+        "current_stage": stage["id"] if stage else None,
+        "error": state.error,
+        "retryable": state.failure is not None and state.phase == "failed",
+        "stages": rows,
+        "plan": plan_summary(state.boot.pipeline.artifacts) if state.boot is not None else {},
+    }
+
+
+def ready_view(state: ServeState) -> dict[str, Any]:
+    """``GET /ready``: ready or not, the stage it is at, and for how long."""
+    stage = current_stage(stage_rows(state))
+    return {
+        "ready": state.phase == "ready",
+        "state": state.phase,
+        "stage": stage["id"] if stage else None,
+        "stage_state": stage["state"] if stage else None,
+        "stage_elapsed_s": stage["duration_s"] if stage else None,
+        "elapsed_s": round(state.elapsed_s(), 6),
+        "time_to_ready_s": state.time_to_ready_s,
+        "error": state.error,
+    }

@@ -1,0 +1,121 @@
+"""The bootstrap behind the server: built in the background while the port already answers.
+
+``run_bootstrap`` makes the backend and the ``Bootstrap`` off the event loop (that imports
+torch), runs the stages, and moves the state to ``ready`` or ``failed``; ``retry`` resumes a
+failed run from its failed stage, keeping every earlier artifact (the weights stay loaded).
+Cancelling either (a signal during the bootstrap) makes the pipeline roll every stage back.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+
+from bootstrap.pipeline import StageFailed
+from bootstrap.serve.state import ServeState
+
+log = logging.getLogger("bootstrap.serve")
+BackendFactory = Callable[[Any], Any]
+
+
+def load_backend_factory(spec: str | None) -> BackendFactory:
+    """None: the backend ``config.backend`` names (native or trtllm); else ``module:callable``,
+    a callable ``(config) -> Backend`` (a custom backend, e.g. one wrapping the native engine)."""
+    if spec is None:
+        from bootstrap.api import default_backend
+
+        return default_backend
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"--backend-factory {spec!r}: expected 'module:callable'")
+    factory = getattr(importlib.import_module(module_name), attr, None)
+    if not callable(factory):
+        raise ValueError(f"--backend-factory {spec!r}: {module_name} has no callable {attr!r}")
+    return factory
+
+
+def make_bootstrap(state: ServeState) -> None:
+    """``state.boot``, this server's ``Bootstrap`` (blocking: imports torch; run it in a thread).
+    Set here, not returned, so a cancel that lands as the thread ends cannot lose it."""
+    from bootstrap.api import Bootstrap
+
+    backend = load_backend_factory(state.options.backend_factory)(state.config)
+    state.boot = Bootstrap(state.config, backend=backend, trace_file=state.options.trace_file, otlp=state.options.otlp)
+
+
+async def guarded(state: ServeState, build: Callable[..., Awaitable[None]], *args: Any) -> None:
+    """Run a build under ``state.build_scope``, which a shutdown cancels."""
+    with anyio.CancelScope() as scope:
+        state.build_scope = scope
+        await build(state, *args)
+
+
+async def run_bootstrap(state: ServeState, task_group: anyio.abc.TaskGroup, on_fatal: Callable[[], None]) -> None:
+    """Build the executor; on a start that cannot even begin, ``on_fatal`` stops the server.
+    The phase is ``starting`` while the engine is imported, then ``bootstrapping``."""
+    try:
+        await anyio.to_thread.run_sync(make_bootstrap, state)
+    except Exception as exc:
+        state.fatal = exc
+        state.set_phase("failed", f"cannot start the bootstrap: {type(exc).__name__}: {exc}")
+        log.error("bootstrap serve: %s", state.error)
+        on_fatal()
+        return
+    state.set_phase("bootstrapping")
+    task_group.start_soon(follow_progress, state)
+    await _settle(state, state.boot.build)
+
+
+def start_retry(state: ServeState, task_group: anyio.abc.TaskGroup) -> str:
+    """Resume the failed bootstrap from its failed stage, in the background; returns that stage.
+    The phase changes at once, so a second retry meanwhile is refused."""
+    stage = state.failure.stage
+    state.failure = None
+    state.set_phase("bootstrapping")
+    task_group.start_soon(guarded, state, _retry)
+    return stage
+
+
+async def _retry(state: ServeState) -> None:
+    await _settle(state, state.boot.retry)
+
+
+async def _settle(state: ServeState, build: Callable[[], Any]) -> None:
+    try:
+        executor = await build()
+    except anyio.get_cancelled_exc_class():
+        log.warning("bootstrap cancelled; completed stages were rolled back")
+        raise
+    except StageFailed as exc:
+        state.failure = exc
+        state.set_phase("failed", _failure_line(exc))
+        log.error("bootstrap failed: %s (POST /v1/bootstrap/retry resumes from %s)", state.error, exc.stage)
+        return
+    except Exception as exc:  # not a stage failure: nothing to resume from
+        state.set_phase("failed", f"{type(exc).__name__}: {exc}")
+        log.exception("bootstrap failed")
+        return
+    report = state.boot.report()
+    state.executor, state.max_seq_len = executor, report.plan["max_seq_len"]
+    state.time_to_ready_s = round(state.elapsed_s(), 6)
+    state.set_phase("ready")
+    log.info("ready in %.2f s: KV %s tokens, max_seq_len %s", state.time_to_ready_s,
+             report.plan.get("kv_tokens"), state.max_seq_len)  # fmt: skip
+
+
+def _failure_line(exc: StageFailed) -> str:
+    from bootstrap.cli_run import failure_line
+
+    return failure_line(exc)
+
+
+async def follow_progress(state: ServeState) -> None:
+    """Log each stage event and wake what waits on the state (``/v1/bootstrap/events``)."""
+    async for event in state.boot.events():
+        detail = f": {event.message}" if event.message else ""
+        log.info("stage %-18s %s%s", event.stage, event.kind, detail)
+        state.changes.notify()

@@ -1,0 +1,112 @@
+"""What the server knows: the bootstrap's phase, the executor once ready, requests in flight.
+
+One ``ServeState`` per app. Everything here runs on the event loop; the executor is only
+reached through its thread-safe public API (``enqueue``, ``cancel``, ``stream_async``,
+``await_response_async``, ``scheduler.kv_cache.stats()``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+
+from bootstrap.config import BootstrapConfig
+
+Phase = Literal["starting", "bootstrapping", "ready", "failed", "shutting_down"]
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """The serve command's choices that are not part of the bootstrap config."""
+
+    model_id: str
+    api_key: str | None = None
+    trace_file: Path | None = None
+    otlp: bool = False
+    backend_factory: str | None = None  # "module:callable"; None: the backend config.backend names
+    shutdown_timeout_s: float = 30.0
+
+
+class Changes:
+    """Wake every waiter on the next change (stage event or phase); nothing polls."""
+
+    def __init__(self) -> None:
+        self._event = anyio.Event()
+
+    def next(self) -> anyio.Event:
+        """The event the *next* change sets; take it before reading the state it guards."""
+        return self._event
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = anyio.Event()
+
+
+class Inflight:
+    """Request ids running in the executor, and a wait for none to be left."""
+
+    def __init__(self) -> None:
+        self._ids: set[int] = set()
+        self._idle = anyio.Event()
+        self._idle.set()
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(sorted(self._ids))
+
+    def add(self, request_id: int) -> None:
+        if not self._ids:
+            self._idle = anyio.Event()
+        self._ids.add(request_id)
+
+    def discard(self, request_id: int) -> None:
+        self._ids.discard(request_id)
+        if not self._ids:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+
+@dataclass
+class ServeState:
+    config: BootstrapConfig
+    options: ServeOptions
+    phase: Phase = "starting"
+    boot: Any = None  # bootstrap.api.Bootstrap, made off the event loop (it imports torch)
+    executor: Any = None  # the started PyExecutor once ready
+    max_seq_len: int | None = None
+    time_to_ready_s: float | None = None
+    error: str | None = None
+    failure: BaseException | None = None  # the StageFailed a retry can resume from
+    fatal: BaseException | None = None  # the server could not even start its bootstrap
+    started_at: float = field(default_factory=time.monotonic)
+    inflight: Inflight = field(default_factory=Inflight)
+    changes: Changes = field(default_factory=Changes)
+    stopping: anyio.Event = field(default_factory=anyio.Event)
+    build_scope: anyio.CancelScope | None = None  # the running build or retry, cancelled at shutdown
+
+    def set_phase(self, phase: Phase, error: str | None = None) -> None:
+        if self.phase == "shutting_down":  # final: a late bootstrap result does not undo it
+            return
+        self.phase, self.error = phase, error
+        self.changes.notify()
+
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.started_at
+
+    def stage_history(self) -> list[Any]:
+        """Every stage event so far (kept by the pipeline's event hub), oldest first."""
+        return [] if self.boot is None else self.boot.pipeline.hub.history
+
+    def begin_shutdown(self) -> None:
+        """Called once per signal: stop taking requests; the drain task does the rest."""
+        self.set_phase("shutting_down", self.error)
+        self.stopping.set()

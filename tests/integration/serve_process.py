@@ -1,0 +1,90 @@
+"""``bootstrap serve`` in a subprocess on a free localhost port (``--port 0``; the port is read
+from uvicorn's start line), its log in a file, and a few waits the tests share."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).parents[2]
+STARTED = re.compile(r"Uvicorn running on (http://[\d.]+:\d+)")
+
+
+class ServeProcess:
+    def __init__(self, log: Path, *argv: str, pythonpath: tuple[Path, ...] = (),
+                 env: dict[str, str] | None = None) -> None:  # fmt: skip
+        paths = [str(ROOT), str(Path(__file__).parent), *map(str, pythonpath)]
+        environ = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(paths)}
+        self.log_path = log
+        self._log = log.open("w")
+        command = [sys.executable, "-m", "bootstrap.cli", "serve", "--device", "cpu", "--port", "0", *argv]
+        self.proc = subprocess.Popen(command, cwd=ROOT, env=environ, stdout=self._log, stderr=subprocess.STDOUT)
+        self.url = self._wait_for_port()
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def _wait_for_port(self, timeout: float = 120.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = STARTED.search(self.log())
+            if found:
+                return found.group(1)
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"bootstrap serve exited with {self.proc.returncode}:\n{self.log()}")
+            time.sleep(0.02)
+        raise TimeoutError(f"bootstrap serve did not open its port within {timeout} s:\n{self.log()}")
+
+    def wait_state(self, *states: str, timeout: float = 180.0) -> dict:
+        """Poll ``/ready`` until its ``state`` is one of ``states``; return its body."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            body = httpx.get(f"{self.url}/ready", timeout=10).json()
+            if body["state"] in states:
+                return body
+            time.sleep(0.05)
+        raise TimeoutError(f"/ready never reached {states}; last: {body}\n{self.log()}")
+
+    def wait_stage(self, stage: str, timeout: float = 180.0) -> dict:
+        """Poll ``/ready`` until ``stage`` is the running one; return the body."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            body = httpx.get(f"{self.url}/ready", timeout=10).json()
+            if body["stage"] == stage:
+                return body
+            time.sleep(0.02)
+        raise TimeoutError(f"stage {stage} never ran; last: {body}\n{self.log()}")
+
+    def signal(self, sig: int = signal.SIGTERM, timeout: float = 120.0) -> int:
+        self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """One sample of a Prometheus text page (labels matched exactly); KeyError if absent."""
+    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        sample, _, label_text = key.partition("{")
+        if sample == name and ",".join(sorted(label_text.rstrip("}").split(","))) == wanted:
+            return float(value)
+    raise KeyError(f"{name}{{{wanted}}} not in the metrics page")
