@@ -101,7 +101,7 @@ def engine(model, batch_sizes, widths, *, tokens_per_block=4, max_batch_size=8, 
 @pytest.mark.parametrize("name", sorted(BUILDERS))
 def test_padded_buckets_match_generate_with_requests_finishing_mid_batch(name):
     """7 requests over buckets 1, 2, 4, 8 and widths 2, 4, 6 blocks: steps of 7, then fewer rows
-    as short requests finish (padded to 8, 4, 2), contexts crossing width buckets; past 6 blocks
+    as short requests finish (padded to 8, then 4), contexts crossing width buckets; past 6 blocks
     (24 tokens) steps run eagerly."""
     model = build(name)
     batch = prompts(7, 1, 23, seed=11)
@@ -112,7 +112,7 @@ def test_padded_buckets_match_generate_with_requests_finishing_mid_batch(name):
         assert response.error is None
         assert response.token_ids == generate_reference(model, prompt, n), f"prompt of {len(prompt)} tokens"
     replayed = ex.runner.graphs.replayed
-    assert {rows for rows, _ in replayed} >= {8, 4, 2} and len({w for _, w in replayed}) >= 2
+    assert {rows for rows, _ in replayed} >= {8, 4} and len({w for _, w in replayed}) >= 2
     assert ex.scheduler.kv_cache.stats().used_blocks == 0
     ex.shutdown()
 
