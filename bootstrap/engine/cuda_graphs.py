@@ -36,37 +36,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from bootstrap.devices import is_oom
+from bootstrap.graph_buckets import (  # noqa: F401  (re-exported)
+    CUDA_GRAPH_MAX_SEQ_LEN,
+    decode_widths,
+    default_batch_sizes,
+    fewer_batch_sizes,
+)
 
 if TYPE_CHECKING:
     from bootstrap.engine.model_runner import ModelRunner
-
-CUDA_GRAPH_MAX_SEQ_LEN = 8192  # widest captured context, in tokens (vLLM's max_seq_len_to_capture)
-CUDA_GRAPH_MIN_SEQ_LEN = 256  # narrowest captured context, in tokens
-
-
-def default_batch_sizes(max_batch_size: int) -> list[int]:
-    """1, 2, 4, 8, then multiples of 8, up to and including ``max_batch_size``."""
-    sizes = [b for b in (1, 2, 4) if b < max_batch_size] + list(range(8, max_batch_size, 8))
-    return sorted({*sizes, max_batch_size})
-
-
-def decode_widths(max_blocks: int, tokens_per_block: int, max_tokens: int = CUDA_GRAPH_MAX_SEQ_LEN) -> list[int]:
-    """Block-table widths to capture: doubling from ``CUDA_GRAPH_MIN_SEQ_LEN`` tokens' worth of
-    blocks up to the blocks of ``min(max_seq_len, max_tokens)`` (``max_blocks`` is max_seq_len's)."""
-    limit = min(max_blocks, -(-max_tokens // tokens_per_block))
-    width, widths = max(-(-CUDA_GRAPH_MIN_SEQ_LEN // tokens_per_block), 1), []
-    while width < limit:
-        widths.append(width)
-        width *= 2
-    return [*widths, limit]
-
-
-def fewer_batch_sizes(batch_sizes: Sequence[int]) -> list[int]:
-    """The smaller half of ``batch_sizes`` (at least one): what a capture retries with after an
-    OOM. Steps larger than the largest one left run eagerly."""
-    sizes = sorted(batch_sizes)
-    return sizes[: max(len(sizes) // 2, 1)]
-
 
 @dataclass(frozen=True)
 class GraphCapture:

@@ -10,8 +10,8 @@ those that fail alone get the error on their response; the loop goes on. Without
 loop that is not running.
 
 ``shutdown`` stops and joins the worker, answers every unfinished request with
-``finish_reason="cancelled"`` and releases the KV pool; it is idempotent. A worker that does not
-stop in time does that itself when its step ends. Steps run under one lock, so a caller driving
+``finish_reason="cancelled"`` and releases the KV pool and any captured CUDA graphs; it is
+idempotent. A worker that does not stop in time does that itself when its step ends. Steps run under one lock, so a caller driving
 the loop and a worker started meanwhile never step at once.
 """
 
@@ -373,6 +373,7 @@ class PyExecutor:
                 return self._fail(self.scheduler.drain(), died)
             for seq in self.scheduler.drain():
                 self._complete(self._handles[seq.request_id], "cancelled", "the executor was shut down")
+            self.runner.release_graphs()
             self.runner.kv_cache.release()
 
     def __enter__(self) -> PyExecutor:
@@ -389,10 +390,15 @@ def create_executor(
     tokenizer: object | None = None,
     eos_token_ids: set[int] | None = None,
     start: bool = True,
+    runner: ModelRunner | None = None,
 ) -> PyExecutor:
     """Wire a loaded model (switched to paged attention in place) and a KV pool into a
-    ``PyExecutor``; its worker is started unless ``start=False``."""
-    runner = ModelRunner(model, kv_cache, config.max_batch_size, config.max_seq_len)
+    ``PyExecutor``; its worker is started unless ``start=False``. ``runner``: one already made
+    for this model and pool (with its CUDA graphs captured, say) instead of a new one."""
+    if runner is None:
+        runner = ModelRunner(model, kv_cache, config.max_batch_size, config.max_seq_len)
+    elif runner.model is not model or runner.kv_cache is not kv_cache or runner.max_batch_size < config.max_batch_size:
+        raise ValueError("the runner given to create_executor was made for another model, pool or batch size")
     executor = PyExecutor(runner, Scheduler(kv_cache, config), Sampler(runner.device), tokenizer, eos_token_ids)
     if start:
         executor.start_worker()
