@@ -36,12 +36,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from bootstrap.devices import is_oom
-from bootstrap.graph_buckets import (  # noqa: F401  (re-exported)
-    CUDA_GRAPH_MAX_SEQ_LEN,
-    decode_widths,
-    default_batch_sizes,
-    fewer_batch_sizes,
-)
 
 if TYPE_CHECKING:
     from bootstrap.engine.model_runner import ModelRunner

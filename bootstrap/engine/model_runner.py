@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from bootstrap.engine.attention import ATTN_IMPLEMENTATION, AttentionGroup, AttentionMetadata, DecodeMetadata, use_metadata
-from bootstrap.engine.cuda_graphs import DecodeGraphs, GraphCapture, decode_widths
+from bootstrap.engine.cuda_graphs import DecodeGraphs, GraphCapture
+from bootstrap.graph_buckets import decode_widths
 from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
 from bootstrap.engine.scheduler import ScheduledBatch
 

@@ -13,14 +13,15 @@ import copy
 
 import pytest
 import torch
-from test_engine_attention import DIM, HEADS, KV_HEADS, TPB, Layer, reference, setup
+from test_engine_attention import DIM, HEADS, KV_HEADS, Layer, reference, setup
 from test_engine_parity import prompts
 from test_engine_parity import reference as generate_reference
 from tiny_models import BUILDERS, build
 
 from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
 from bootstrap.engine.attention import DecodeMetadata, paged_attention, use_metadata
-from bootstrap.engine.cuda_graphs import DecodeGraphs, decode_widths, default_batch_sizes, fewer_batch_sizes
+from bootstrap.engine.cuda_graphs import DecodeGraphs
+from bootstrap.graph_buckets import decode_widths, default_batch_sizes, fewer_batch_sizes
 
 
 class EagerBuckets:
