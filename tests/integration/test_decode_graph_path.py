@@ -37,6 +37,9 @@ class EagerBuckets:
         self.replayed.append(bucket)
         return self.runner.forward_decode(*bucket)
 
+    def release(self):
+        self.batch_sizes, self.widths = (), ()
+
 
 def test_bucket_sizes():
     assert default_batch_sizes(1) == [1]
