@@ -21,12 +21,12 @@ pytestmark = [
 ]
 
 
-def graphed_executor(model, dtype, batch_sizes, max_batch_size=16, tokens_per_block=16, max_seq_len=256):
+def graphed_executor(model, dtype, batch_sizes, widths=(1, 2, 4, 8), max_batch_size=16, tokens_per_block=16, max_seq_len=256):
     spec = KVCacheSpec.from_config(model.config, dtype)
     cache = PagedKVCache.from_tokens(spec, 8192, tokens_per_block, "cuda")
     config = SchedulerConfig(max_batch_size, 64, max_seq_len)
     ex = create_executor(copy.deepcopy(model), cache, config, start=False)
-    capture = ex.runner.capture_decode_graphs(batch_sizes, widths=[1, 2, 3])  # 16, 32, 48 tokens; longer: eager
+    capture = ex.runner.capture_decode_graphs(batch_sizes, widths=widths)
     replays: list[tuple[int, int]] = []
     replay = ex.runner.graphs.replay
     ex.runner.graphs.replay = lambda bucket: replays.append(bucket) or replay(bucket)
@@ -41,12 +41,12 @@ def test_float32_greedy_parity_through_padded_graphs_with_requests_finishing_mid
     batch = prompts(13)
     lengths = [2, 12, 5, 20, 9, 1, 16, 7, 3, 11, 14, 6, 4]  # the batch shrinks step after step
     ex, capture, replays = graphed_executor(model, torch.float32, [1, 2, 4, 8, 16])
-    assert capture.num_graphs == 15 and capture.batch_sizes == (1, 2, 4, 8, 16) and capture.widths == (1, 2, 3)
+    assert capture.num_graphs == 20 and capture.batch_sizes == (1, 2, 4, 8, 16) and capture.widths == (1, 2, 4, 8)
     responses = ex.generate(batch, [SamplingParams(max_tokens=n) for n in lengths])
     mismatched = [i for i, (p, n, r) in enumerate(zip(batch, lengths, responses)) if r.token_ids != reference(model, p, n)]
     assert not mismatched
     rows = {b for b, _ in replays}
-    assert len(rows) >= 3 and len({w for _, w in replays}) >= 2  # several buckets, padded and wide
+    assert {16, 8, 4} <= rows and len({w for _, w in replays}) >= 2  # 13 rows padded to 16, fewer as requests finish
     assert ex.scheduler.kv_cache.stats().used_blocks == 0
     ex.shutdown()
     assert ex.runner.graphs is None and ex.runner.kv_cache.released
@@ -58,14 +58,14 @@ def test_each_step_size_between_buckets_matches_eager():
     model = build("llama", torch.float32)
     for size in range(1, 9):
         batch = prompts(size)
-        ex, _, replays = graphed_executor(model, torch.float32, [1, 2, 4, 8])
+        ex, _, replays = graphed_executor(model, torch.float32, [1, 2, 4, 8])  # widths to 128 tokens: every step
         spec = KVCacheSpec.from_config(model.config, torch.float32)
         eager = create_executor(copy.deepcopy(model), PagedKVCache.from_tokens(spec, 8192, 16, "cuda"),
                                 SchedulerConfig(16, 64, 256), start=True)  # fmt: skip
         got = [r.token_ids for r in ex.generate(batch, SamplingParams(max_tokens=6))]
         want = [r.token_ids for r in eager.generate(batch, SamplingParams(max_tokens=6))]
         assert got == want, f"batch of {size}"
-        assert {b for b, _ in replays} == {next(b for b in (1, 2, 4, 8) if b >= size)}  # padded up to it
+        assert next(b for b in (1, 2, 4, 8) if b >= size) in {b for b, _ in replays}  # padded up to its bucket
         ex.shutdown()
         eager.shutdown()
 
