@@ -25,7 +25,9 @@ block-table columns, masks the positions at or past each row's context length (a
 sliding window), and runs one grouped-query ``scaled_dot_product_attention`` with the query
 heads of a KV head as its query rows, so keys and values are never repeated per query head.
 Padding rows of a graph repeat the last real row, and write that row's keys and values
-(``write_rows``), so two writes to one slot always carry the same bits.
+(``write_rows``), so two writes to one slot always carry the same bits. Where Triton runs
+(CUDA builds of torch), ``kernel="triton"`` replaces the gather, mask and SDPA with one paged
+kernel that reads only the blocks each row's context fills (``bootstrap.engine.triton_decode``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from bootstrap.engine.kv_cache import PagedKVCache
+from bootstrap.engine.triton_decode import paged_decode
 
 ATTN_IMPLEMENTATION = "bootstrap_paged"
 
@@ -135,6 +138,7 @@ class DecodeMetadata:
     write_rows: torch.Tensor  # [B] long: row whose key and value go to that slot
     block_tables: torch.Tensor  # [B, W] long: valid block ids; columns past a row's length are masked
     context_lens: torch.Tensor  # [B] long: tokens cached per row after this step
+    kernel: str = "torch"  # "triton": one paged kernel (bootstrap.engine.triton_decode), no gather
     _masks: dict[int | None, torch.Tensor] = field(init=False, default_factory=dict)
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
@@ -238,6 +242,9 @@ def _attend_decode(
 ) -> torch.Tensor:
     """``[B, H, D]``: one query token per row against the row's blocks (static shapes only)."""
     rows, heads, head_dim = tokens.shape
+    if meta.kernel == "triton":
+        scale = scaling if scaling is not None else head_dim**-0.5
+        return paged_decode(tokens, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, sliding_window, softcap)
     kv_heads = k_cache.shape[2]
     q = tokens.reshape(rows, kv_heads, heads // kv_heads, head_dim)  # query heads grouped by KV head
     k = _gather_blocks(k_cache, meta.block_tables, q.dtype)

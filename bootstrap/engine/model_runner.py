@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from bootstrap.engine.attention import ATTN_IMPLEMENTATION, AttentionGroup, AttentionMetadata, DecodeMetadata, use_metadata
+from bootstrap.engine import triton_decode
 from bootstrap.engine.cuda_graphs import DecodeGraphs, GraphCapture
 from bootstrap.graph_buckets import decode_widths
 from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
@@ -110,7 +111,8 @@ class DecodeBuffers:
 class ModelRunner:
     """Owns the forward pass: input preparation, attention metadata, last-token logits."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, max_batch_size: int, max_seq_len: int) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, max_batch_size: int, max_seq_len: int,
+                 decode_kernel: str = "auto") -> None:  # fmt: skip
         self.model = model
         self.kv_cache = kv_cache
         self.device = next(model.parameters()).device
@@ -122,6 +124,7 @@ class ModelRunner:
         self.max_blocks_per_seq = kv_cache.blocks_needed(max_seq_len)
         self.decode_buffers = DecodeBuffers(max_batch_size, self.max_blocks_per_seq, self.device)
         self.graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
+        self.decode_kernel = self._decode_kernel(decode_kernel)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -134,7 +137,7 @@ class ModelRunner:
             step = self.decode_step(batch)
             bucket = self.graphs.bucket(step.size, step.width) if self.graphs is not None else None
             if bucket is not None:
-                self.decode_buffers.fill(step, *bucket)
+                self.decode_buffers.fill(step, bucket[0])  # columns past the step's width: stale, masked
                 return self.graphs.replay(bucket)[: step.size]
             inputs = self.prepare_decode(step)
         else:
@@ -174,7 +177,7 @@ class ModelRunner:
         """Static-shape metadata over the first ``rows`` x ``width`` of the decode buffers."""
         buf = self.decode_buffers
         return DecodeMetadata(self.kv_cache, buf.slot_mapping[:rows], buf.write_rows[:rows],
-                              buf.block_tables[:rows, :width], buf.context_lens[:rows])  # fmt: skip
+                              buf.block_tables[:rows, :width], buf.context_lens[:rows], self.decode_kernel)  # fmt: skip
 
     def forward_decode(self, rows: int, width: int) -> torch.Tensor:
         """Logits ``[rows, vocab]`` of a static-shape decode step over the buffers as filled
@@ -197,7 +200,19 @@ class ModelRunner:
         return report
 
     def default_widths(self) -> list[int]:
+        """The paged kernel reads only each row's context: one graph width, the whole table.
+        The gathering path reads its whole width: doubling widths up to 8,192 tokens."""
+        if self.decode_kernel == "triton":
+            return [self.max_blocks_per_seq]
         return decode_widths(self.max_blocks_per_seq, self.kv_cache.tokens_per_block)
+
+    def _decode_kernel(self, choice: str) -> str:
+        usable = triton_decode.available(self.device, self.kv_cache.tokens_per_block)
+        if choice not in ("auto", "triton", "torch"):
+            raise ValueError(f"decode_kernel must be auto, triton or torch, got {choice!r}")
+        if choice == "triton" and not usable:
+            raise ValueError("decode_kernel 'triton' needs Triton, a CUDA device and at least 16 tokens per block")
+        return "triton" if choice == "triton" or (choice == "auto" and usable) else "torch"
 
     def release_graphs(self) -> None:
         """Drop every captured graph and its memory pool (idempotent)."""
