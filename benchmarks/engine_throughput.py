@@ -83,6 +83,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cache-dir", type=Path, default=None, help="model cache (default ~/.cache/executor-bootstrap)")
     parser.add_argument("--cuda-graphs", choices=["both", "on", "off"], default="both",
                         help="engine sides on CUDA: graphs on and off side by side (both), or one of them")
+    parser.add_argument("--graph-variants", default="auto",
+                        help="engine_graphs sides, comma-separated: auto (the runner's choice: the Triton kernel where it runs), "
+                        "triton, torch (gathering attention), with +compile to torch.compile the RMSNorms, e.g. auto,torch,triton+compile")
     parser.add_argument("--bandwidth-bytes", type=positive_int, default=None,
                         help="size of the copy that measures bandwidth (default 2 GiB on CUDA, 256 MiB on the CPU)")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
@@ -114,9 +117,9 @@ def make_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[lis
     return torch.randint(10, vocab, (batch, length), generator=gen).tolist()
 
 
-def build_engine(loaded: LoadedWeights, args: argparse.Namespace, device: torch.device, graphs: bool = False) -> PyExecutor:
-    """An executor sized for the largest batch: every prompt prefills in one step. With
-    ``graphs``, its decode steps are captured for the default buckets up to that batch."""
+def build_engine(loaded: LoadedWeights, args: argparse.Namespace, device: torch.device, graphs: str | None = None) -> PyExecutor:
+    """An executor sized for the largest batch: every prompt prefills in one step. With a
+    ``graphs`` variant, its decode steps are captured for the default buckets up to that batch."""
     batch = max(args.batch_sizes)
     seq_len = args.prompt_len + args.gen_len
     spec = KVCacheSpec.from_config(loaded.hf_config, loaded.model.dtype)
@@ -124,10 +127,18 @@ def build_engine(loaded: LoadedWeights, args: argparse.Namespace, device: torch.
     config = SchedulerConfig(batch, max(batch * args.prompt_len, batch), seq_len)
     executor = create_executor(loaded.model, cache, config, loaded.tokenizer, set(loaded.eos_token_ids), start=False)
     if graphs:
-        capture = executor.runner.capture_decode_graphs(default_batch_sizes(batch))
-        print(json.dumps({"captured": capture.num_graphs, "batch_sizes": capture.batch_sizes, "widths": capture.widths,
+        kernel, _, compiled = graphs.partition("+")
+        executor.runner.decode_kernel = executor.runner._decode_kernel(kernel)
+        capture = executor.runner.capture_decode_graphs(default_batch_sizes(batch), compile_norms=compiled == "compile")
+        print(json.dumps({"variant": graphs, "kernel": executor.runner.decode_kernel, "captured": capture.num_graphs, "batch_sizes": capture.batch_sizes, "widths": capture.widths,
                           "capture_s": round(capture.seconds, 2)}), file=sys.stderr, flush=True)  # fmt: skip
     return executor
+
+
+def side_name(variant: str | None) -> str:
+    if variant is None:
+        return "engine"
+    return "engine_graphs" if variant == "auto" else f"engine_graphs_{variant.replace('+', '_')}"
 
 
 def measure_bandwidth(device: torch.device, nbytes: int) -> float:
@@ -247,7 +258,7 @@ def ratios(engine: dict, reference: dict) -> dict | None:
     }
 
 
-def run_batch_sizes(args, device, sides: dict[str, Generate], vocab: int, limits: dict, graphed: PyExecutor | None) -> list[dict]:
+def run_batch_sizes(args, device, sides: dict[str, Generate], vocab: int, limits: dict, graphed: dict[str, PyExecutor]) -> list[dict]:
     results = []
     for batch in args.batch_sizes:
         prompts = make_prompts(batch, args.prompt_len, vocab, seed=batch)
@@ -257,10 +268,10 @@ def run_batch_sizes(args, device, sides: dict[str, Generate], vocab: int, limits
         for name in sides:
             decode = row[name]["decode_tok_s"]
             row[name]["decode_roofline_fraction"] = float(f"{decode / row['roofline']['roofline_tok_s']:.3g}") if decode else None
-        if graphed is not None:
-            row["engine_graphs"]["graph_step_ms"] = graph_step_ms(graphed, batch, args)
-        for name in ("engine", "engine_graphs"):
-            if name in sides:
+        for name, executor in graphed.items():
+            row[name]["graph_step_ms"] = graph_step_ms(executor, batch, args)
+        for name in sides:
+            if name.startswith("engine"):
                 row[f"{name}_over_transformers"] = ratios(row[name], row["transformers"])
                 same = sum(a == b for a, b in zip(best[name]["tokens"], best["transformers"]["tokens"]))
                 row[f"{name}_identical_outputs"] = f"{same}/{batch}"  # greedy; random prompts can hit near-ties
@@ -298,9 +309,14 @@ def main(argv: list[str] | None = None) -> dict:
     engine_side, reference, load_s = load_pair(args, device, dtype)
     vocab = engine_side.hf_config.get_text_config().vocab_size
     bandwidth = measure_bandwidth(device, args.bandwidth_bytes or (2 << 30 if device.type == "cuda" else 256 << 20))
-    modes = {"both": (False, True), "on": (True,), "off": (False,)}[args.cuda_graphs]
-    modes = modes if device.type == "cuda" else (False,)
-    executors = {("engine_graphs" if g else "engine"): build_engine(engine_side, args, device, graphs=g) for g in modes}
+    variants = [v.strip() for v in args.graph_variants.split(",") if v.strip()]
+    modes = {"both": [None, *variants], "on": variants, "off": [None]}[args.cuda_graphs]
+    modes = modes if device.type == "cuda" else [None]
+    compiled = None  # torch.compile changes the model in place: compiled variants get their own copy
+    if any(v and "+compile" in v for v in modes):
+        compiled = load_model(args.model, device=device, dtype=dtype, cache_dir=args.cache_dir)
+    executors = {side_name(v): build_engine(compiled if v and "+compile" in v else engine_side, args, device, graphs=v)
+                 for v in modes}  # fmt: skip
     sides = {name: engine_generate(ex) for name, ex in executors.items()}
     sides["transformers"] = hf_generate(reference.model, device)
     warm = make_prompts(1, min(args.prompt_len, 8), vocab)
@@ -309,7 +325,8 @@ def main(argv: list[str] | None = None) -> dict:
     spec = KVCacheSpec.from_config(engine_side.hf_config, engine_side.model.dtype)
     limits = {"weight_bytes": engine_side.weight_bytes, "kv_bytes_per_token": spec.bytes_per_token, "bandwidth": bandwidth}
     try:
-        results = run_batch_sizes(args, device, sides, vocab, limits, executors.get("engine_graphs"))
+        graphed = {name: ex for name, ex in executors.items() if ex.runner.graphs is not None}
+        results = run_batch_sizes(args, device, sides, vocab, limits, graphed)
     finally:
         for executor in executors.values():
             executor.shutdown()
@@ -327,6 +344,7 @@ def main(argv: list[str] | None = None) -> dict:
         "kv_bytes_per_token": spec.bytes_per_token,
         "bandwidth_bytes_s": round(bandwidth),
         "cuda_graphs": args.cuda_graphs if device.type == "cuda" else "off (cpu)",
+        "graph_variants": {side_name(v): v for v in modes if v is not None},
         "environment": environment(device),
         "results": results,
     }

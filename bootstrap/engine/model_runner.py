@@ -186,10 +186,16 @@ class ModelRunner:
         with use_metadata(self.decode_metadata(rows, width)):
             return self._forward(buf.input_ids[:rows].unsqueeze(0), buf.positions[:rows].unsqueeze(0), 0)
 
-    def capture_decode_graphs(self, batch_sizes: Sequence[int], widths: Sequence[int] | None = None) -> GraphCapture:
+    def capture_decode_graphs(
+        self, batch_sizes: Sequence[int], widths: Sequence[int] | None = None, compile_norms: bool = False
+    ) -> GraphCapture:
         """Capture decode steps as CUDA graphs for every batch size x width bucket (CUDA only;
-        see ``bootstrap.engine.cuda_graphs``). Replaces any earlier capture."""
+        see ``bootstrap.engine.cuda_graphs``). Replaces any earlier capture. ``compile_norms``:
+        first ``torch.compile`` the model's RMSNorm modules (eight kernels each to one; costs a
+        compile at the first shapes, and applies to every later step)."""
         self.release_graphs()
+        if compile_norms:
+            self.compile_norms()
         graphs = DecodeGraphs(self)
         try:
             report = graphs.capture(batch_sizes, widths if widths is not None else self.default_widths())
@@ -198,6 +204,14 @@ class ModelRunner:
             raise
         self.graphs = graphs
         return report
+
+    def compile_norms(self) -> int:
+        """``torch.compile`` (dynamic shapes) every module whose class is an RMSNorm, in place:
+        one compiled graph serves all of them. Returns how many were compiled."""
+        norms = [m for m in self.model.modules() if type(m).__name__.endswith("RMSNorm")]
+        for module in norms:
+            module.compile(dynamic=True)
+        return len(norms)
 
     def default_widths(self) -> list[int]:
         """The paged kernel reads only each row's context: one graph width, the whole table.
