@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=288)
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--kernel", default="auto")
-    parser.add_argument("--compile-norms", action="store_true")
+    parser.add_argument("--compile-norms", choices=["auto", "yes", "no"], default="auto")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -48,7 +48,7 @@ def main() -> None:
     cache = PagedKVCache.from_tokens(spec, max(sizes) * (seq_len + tpb), tpb, "cuda")
     ex = create_executor(loaded.model, cache, SchedulerConfig(max(sizes), max(sizes) * 64, seq_len), start=False)
     ex.runner.decode_kernel = ex.runner._decode_kernel(args.kernel)
-    capture = ex.runner.capture_decode_graphs(sizes, compile_norms=args.compile_norms)
+    capture = ex.runner.capture_decode_graphs(sizes, compile_norms={"yes": True, "no": False}.get(args.compile_norms))
     blocks = -(-(args.context + 1) // tpb)
     report = {"model": args.model, "context": args.context, "kernel": ex.runner.decode_kernel,
               "compile_norms": args.compile_norms, "widths": capture.widths, "results": []}  # fmt: skip

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from bootstrap.engine.kv_cache import PagedKVCache
-from bootstrap.engine.triton_decode import paged_decode
+from bootstrap.engine.triton_decode import paged_decode, write_kv
 
 ATTN_IMPLEMENTATION = "bootstrap_paged"
 
@@ -196,6 +196,9 @@ def paged_attention(
     meta = current_metadata()
     k_cache, v_cache = _layer_caches(module, meta.kv_cache)
     tokens = query[0].transpose(0, 1)  # [T, H, D]
+    if isinstance(meta, DecodeMetadata) and meta.kernel == "triton":
+        write_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), meta.write_rows, meta.slot_mapping, k_cache, v_cache)
+        return _attend_decode(tokens, k_cache, v_cache, meta, scaling, sliding_window, softcap).unsqueeze(0), None
     if isinstance(meta, DecodeMetadata):
         key, value = key.index_select(2, meta.write_rows), value.index_select(2, meta.write_rows)
         _write(k_cache, v_cache, key, value, meta.slot_mapping)

@@ -187,14 +187,15 @@ class ModelRunner:
             return self._forward(buf.input_ids[:rows].unsqueeze(0), buf.positions[:rows].unsqueeze(0), 0)
 
     def capture_decode_graphs(
-        self, batch_sizes: Sequence[int], widths: Sequence[int] | None = None, compile_norms: bool = False
+        self, batch_sizes: Sequence[int], widths: Sequence[int] | None = None, compile_norms: bool | None = None
     ) -> GraphCapture:
         """Capture decode steps as CUDA graphs for every batch size x width bucket (CUDA only;
         see ``bootstrap.engine.cuda_graphs``). Replaces any earlier capture. ``compile_norms``:
-        first ``torch.compile`` the model's RMSNorm modules (eight kernels each to one; costs a
-        compile at the first shapes, and applies to every later step)."""
+        first ``torch.compile`` the model's RMSNorm modules (eight kernels each to one; a second
+        or so of compiling at the first shapes; every later step, eager ones too, uses them).
+        Default: where the Triton decode kernel runs (Triton, which the compiler needs, is there)."""
         self.release_graphs()
-        if compile_norms:
+        if compile_norms if compile_norms is not None else self.decode_kernel == "triton":
             self.compile_norms()
         graphs = DecodeGraphs(self)
         try:
@@ -210,7 +211,8 @@ class ModelRunner:
         one compiled graph serves all of them. Returns how many were compiled."""
         norms = [m for m in self.model.modules() if type(m).__name__.endswith("RMSNorm")]
         for module in norms:
-            module.compile(dynamic=True)
+            if getattr(module, "_compiled_call_impl", None) is None:  # a probe's runner compiled them already
+                module.compile(dynamic=True)
         return len(norms)
 
     def default_widths(self) -> list[int]:

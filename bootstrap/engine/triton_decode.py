@@ -92,6 +92,41 @@ if triton is not None:
         tl.store(Out + row * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty), mask=q_mask)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _write_kv_kernel(
+        Key, Value, Rows, Slots, KC, VC,
+        stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch,
+        D: tl.constexpr, D_PAD: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        src = tl.load(Rows + row).to(tl.int64)
+        slot = tl.load(Slots + row).to(tl.int64)
+        d = tl.arange(0, D_PAD)
+        mask = d < D
+        k = tl.load(Key + src * stride_kt + head * stride_kh + d, mask=mask)
+        v = tl.load(Value + src * stride_vt + head * stride_vh + d, mask=mask)
+        tl.store(KC + slot * stride_cs + head * stride_ch + d, k.to(KC.dtype.element_ty), mask=mask)
+        tl.store(VC + slot * stride_cs + head * stride_ch + d, v.to(VC.dtype.element_ty), mask=mask)
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+             k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:  # fmt: skip
+    """Store ``key[rows[i]]`` and ``value[rows[i]]`` (``[T, KVH, D]``, any strides) at flat slot
+    ``slots[i]`` of the caches ``[blocks, tpb, KVH, D]``: one kernel for what would be two
+    gathers and two scatters. Padding rows repeat a real row, so a repeated slot gets equal bits."""
+    k_flat = k_cache.view(-1, *k_cache.shape[2:])
+    v_flat = v_cache.view(-1, *v_cache.shape[2:])
+    kv_heads, head_dim = k_flat.shape[1], k_flat.shape[2]
+    _write_kv_kernel[(slots.shape[0], kv_heads)](
+        key, value, rows, slots, k_flat, v_flat,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1), k_flat.stride(0), k_flat.stride(1),
+        D=head_dim, D_PAD=triton.next_power_of_2(head_dim), num_warps=1,
+    )  # fmt: skip
+
+
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -43,11 +43,24 @@ SCRIPT = textwrap.dedent('''
         got = paged_decode(q, kc, vc, tables, lens, 0.3, window, softcap).double()
         for b in range(B):
             torch.testing.assert_close(got[b], reference(b, window, softcap), atol=1e-5, rtol=1e-5)
+
+    from bootstrap.engine.triton_decode import write_kv
+
+    key = torch.randn(1, KVH, 4, D)[0].transpose(0, 1)  # [T, KVH, D] as attention gets it: strided
+    value = torch.randn(1, 4, KVH, D)[0]
+    rows, slots = torch.tensor([0, 1, 2, 3, 3]), torch.tensor([5, 17, 33, 60, 60])  # a padding row repeats row 3
+    kc2, vc2 = kc.clone(), vc.clone()
+    write_kv(key, value, rows, slots, kc2, vc2)
+    flat_k, flat_v = kc2.view(-1, KVH, D), vc2.view(-1, KVH, D)
+    assert torch.equal(flat_k[slots[:4]], key) and torch.equal(flat_v[slots[:4]], value)
+    untouched = torch.ones(NB * TPB, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(flat_k[untouched], kc.view(-1, KVH, D)[untouched])
     print("ok")
 ''')
 
 
-def test_kernel_matches_direct_attention_with_windows_and_softcap():
+def test_kernels_match_direct_attention_and_writes():
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(root), *sys.path])}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
