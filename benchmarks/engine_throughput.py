@@ -86,7 +86,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--graph-variants", default="auto",
                         help="engine_graphs sides, comma-separated: auto (the runner's choice: the Triton kernel and compiled "
                         "RMSNorms where Triton runs), triton, torch (gathering attention), each with +compile or +eager "
-                        "(RMSNorms compiled or not), e.g. auto,torch,triton+eager")
+                        "(RMSNorms compiled or not) or +layers (whole decoder layers compiled), e.g. auto,torch,triton+eager")
     parser.add_argument("--bandwidth-bytes", type=positive_int, default=None,
                         help="size of the copy that measures bandwidth (default 2 GiB on CUDA, 256 MiB on the CPU)")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
@@ -131,7 +131,8 @@ def build_engine(loaded: LoadedWeights, args: argparse.Namespace, device: torch.
         kernel, _, compiled = graphs.partition("+")
         executor.runner.decode_kernel = executor.runner._decode_kernel(kernel)
         compile_norms = {"compile": True, "eager": False}.get(compiled)  # None: the runner's default
-        capture = executor.runner.capture_decode_graphs(default_batch_sizes(batch), compile_norms=compile_norms)
+        capture = executor.runner.capture_decode_graphs(default_batch_sizes(batch), compile_norms=compile_norms,
+                                                        compile_layers=compiled == "layers")  # fmt: skip
         print(json.dumps({"variant": graphs, "kernel": executor.runner.decode_kernel, "captured": capture.num_graphs, "batch_sizes": capture.batch_sizes, "widths": capture.widths,
                           "capture_s": round(capture.seconds, 2)}), file=sys.stderr, flush=True)  # fmt: skip
     return executor
@@ -315,7 +316,7 @@ def main(argv: list[str] | None = None) -> dict:
     modes = {"both": [None, *variants], "on": variants, "off": [None]}[args.cuda_graphs]
     modes = modes if device.type == "cuda" else [None]
     # torch.compile changes the model in place: variants that compile get their own copy of the weights
-    compiles = [v for v in modes if v and (v.endswith("+compile") or (v in ("auto", "triton") and device.type == "cuda"))]
+    compiles = [v for v in modes if v and (v.endswith(("+compile", "+layers")) or (v in ("auto", "triton") and device.type == "cuda"))]
     compiled = load_model(args.model, device=device, dtype=dtype, cache_dir=args.cache_dir) if compiles else None
     executors = {side_name(v): build_engine(compiled if v in compiles else engine_side, args, device, graphs=v)
                  for v in modes}  # fmt: skip

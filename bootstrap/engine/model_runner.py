@@ -23,7 +23,16 @@ from dataclasses import dataclass
 
 import torch
 
-from bootstrap.engine.attention import ATTN_IMPLEMENTATION, AttentionGroup, AttentionMetadata, DecodeMetadata, use_metadata
+from transformers import AttentionInterface
+
+from bootstrap.engine.attention import (
+    ATTN_IMPLEMENTATION,
+    AttentionGroup,
+    AttentionMetadata,
+    DecodeMetadata,
+    paged_attention,
+    use_metadata,
+)
 from bootstrap.engine import triton_decode
 from bootstrap.engine.cuda_graphs import DecodeGraphs, GraphCapture
 from bootstrap.graph_buckets import decode_widths
@@ -187,14 +196,19 @@ class ModelRunner:
             return self._forward(buf.input_ids[:rows].unsqueeze(0), buf.positions[:rows].unsqueeze(0), 0)
 
     def capture_decode_graphs(
-        self, batch_sizes: Sequence[int], widths: Sequence[int] | None = None, compile_norms: bool | None = None
-    ) -> GraphCapture:
+        self, batch_sizes: Sequence[int], widths: Sequence[int] | None = None, compile_norms: bool | None = None,
+        compile_layers: bool = False,
+    ) -> GraphCapture:  # fmt: skip
         """Capture decode steps as CUDA graphs for every batch size x width bucket (CUDA only;
         see ``bootstrap.engine.cuda_graphs``). Replaces any earlier capture. ``compile_norms``:
         first ``torch.compile`` the model's RMSNorm modules (eight kernels each to one; a second
         or so of compiling at the first shapes; every later step, eager ones too, uses them).
-        Default: where the Triton decode kernel runs (Triton, which the compiler needs, is there)."""
+        Default: where the Triton decode kernel runs (Triton, which the compiler needs, is there).
+        ``compile_layers`` (experimental): compile whole decoder layers instead, the attention
+        function left out of the compiled graphs (longer to compile, fewer kernels still)."""
         self.release_graphs()
+        if compile_layers:
+            self.compile_layers()
         if compile_norms if compile_norms is not None else self.decode_kernel == "triton":
             self.compile_norms()
         graphs = DecodeGraphs(self)
@@ -214,6 +228,17 @@ class ModelRunner:
             if getattr(module, "_compiled_call_impl", None) is None:  # a probe's runner compiled them already
                 module.compile(dynamic=True)
         return len(norms)
+
+    def compile_layers(self) -> int:
+        """``torch.compile`` (dynamic shapes) every decoder layer in place; the paged attention
+        function runs outside the compiled graphs (``torch.compiler.disable``), so each layer
+        compiles to the part before it and the part after it."""
+        AttentionInterface.register(ATTN_IMPLEMENTATION, torch.compiler.disable(paged_attention))
+        layers = [m for m in self.model.modules() if type(m).__name__.endswith("DecoderLayer")]
+        for module in layers:
+            if getattr(module, "_compiled_call_impl", None) is None:
+                module.compile(dynamic=True)
+        return len(layers)
 
     def default_widths(self) -> list[int]:
         """The paged kernel reads only each row's context: one graph width, the whole table.
