@@ -117,6 +117,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, rows: torch.Tensor, slots: 
     """Store ``key[rows[i]]`` and ``value[rows[i]]`` (``[T, KVH, D]``, any strides) at flat slot
     ``slots[i]`` of the caches ``[blocks, tpb, KVH, D]``: one kernel for what would be two
     gathers and two scatters. Padding rows repeat a real row, so a repeated slot gets equal bits."""
+    key = key if key.stride(-1) == 1 else key.contiguous()
+    value = value if value.stride(-1) == 1 else value.contiguous()
     k_flat = k_cache.view(-1, *k_cache.shape[2:])
     v_flat = v_cache.view(-1, *v_cache.shape[2:])
     kv_heads, head_dim = k_flat.shape[1], k_flat.shape[2]
