@@ -10,11 +10,13 @@ Buckets. A step of ``n`` requests whose longest block table has ``w`` blocks rep
 of the smallest captured batch size ``>= n`` and the smallest captured width ``>= w``; the rows
 past ``n`` repeat the last request (their logits are dropped, their KV writes are that request's
 own), the columns past each table are masked. Batch sizes default to 1, 2, 4, 8, then every
-multiple of 8 up to ``max_batch_size`` (and it). Widths double from the blocks of 256 tokens up to
-those of ``min(max_seq_len, CUDA_GRAPH_MAX_SEQ_LEN)``: the attention of a graph gathers its whole
-width, so a graph for a width far beyond the actual contexts would waste bandwidth, and one for
-``max_seq_len`` 131,072 would need gigabytes of gather buffers per layer. Steps past the widest
-bucket (or the largest batch size) run eagerly.
+multiple of 8 up to ``max_batch_size`` (and it). Widths: with the Triton paged kernel (CUDA
+builds of torch), one, the whole block table: the kernel stops at each row's context length, so
+one graph per batch size serves every length. With the gathering attention (no Triton), widths
+double from the blocks of 256 tokens up to those of ``min(max_seq_len, CUDA_GRAPH_MAX_SEQ_LEN)``:
+that attention gathers its whole width, so a graph far wider than the contexts wastes bandwidth,
+and one for ``max_seq_len`` 131,072 would need gigabytes of gather buffers per layer; steps past
+the widest bucket run eagerly. Steps past the largest batch size always do.
 
 Capture. Largest bucket first, all into one memory pool (``torch.cuda.graph_pool_handle``): the
 graphs never run at once, so a later capture reuses the intermediates the earlier ones freed, and
