@@ -172,11 +172,13 @@ class NativeBackend:
     # ---- estimation_build and profiling -------------------------------------------------------
 
     def estimation_overhead_bytes(self, resolved: ResolvedClasses, config: BootstrapConfig) -> int:
-        """Each probe executor's decode buffers: six int64 rows of ``max_batch_size`` and the
-        static-width block tables (``ModelRunner``'s ``DecodeBuffers``); the sampler keeps none."""
+        """Each probe executor's decode buffers: seven int64 rows of ``max_batch_size`` and the
+        static-width block tables (``ModelRunner``'s ``DecodeBuffers``; their pinned host copies
+        are host memory); the sampler keeps none. What a graph capture adds is measured by
+        ``profile`` (``graph_bytes``)."""
         models = 2 if resolved.draft_shape is not None else 1
         blocks = -(-resolved.max_seq_len // config.tokens_per_block)
-        return models * 8 * config.max_batch_size * (6 + blocks)
+        return models * 8 * config.max_batch_size * (7 + blocks)
 
     def build_estimation(
         self, loaded: LoadedModel, resolved: ResolvedClasses, probe_tokens: int, config: BootstrapConfig, undo: Undo
