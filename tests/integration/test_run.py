@@ -1,4 +1,4 @@
-"""``bootstrap run``: the eight stages build the real native executor on the CPU.
+"""``bootstrap run``: the stages build the real native executor on the CPU.
 
 Checkpoints are tiny seeded models built in the tests (``tiny_models``); the CLI runs in
 process (its entry point, ``main(argv)``), and once as a console script in a subprocess.

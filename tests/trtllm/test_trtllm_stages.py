@@ -1,4 +1,4 @@
-"""The eight stages through the trtllm backend on fake TensorRT-LLM objects (1.2.1 and main):
+"""The stages through the trtllm backend on fake TensorRT-LLM objects (1.2.1 and main):
 success, OOM in profiling with retry, OOM in final build with a smaller budget, cancellation,
 rollback leaving nothing, and the same trace shape as the native (simulated) backend."""
 
