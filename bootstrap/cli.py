@@ -20,7 +20,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from rich.console import Console
 
 from bootstrap.capacity import CapacityError
-from bootstrap.cli_run import DEFAULT_PLAN_CACHE, add_cache_args, add_run_args, clear_cache, emit, run_command
+from bootstrap.cli_run import DEFAULT_PLAN_CACHE, add_cache_args, add_run_args, clear_cache, emit, rank_of, run_command
+from bootstrap.cli_tp import launch_ranks, leave, needs_launch, rank_backend
 from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.devices import GiB
 from bootstrap.graph import GraphError
@@ -214,15 +215,24 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def main_run(args: argparse.Namespace) -> int:
+    """One rank's run (or the only one); ``--tp N`` without a launcher starts N ranks of it."""
     bad_input = (*BAD_INPUT, *_engine_input_errors())
     try:
-        result, error = anyio.run(run_command, args, config_from_args(args))
+        config = config_from_args(args)
+        if needs_launch(config):
+            return launch_ranks(args, config.tensor_parallel_size, main_run)
+        result, error = anyio.run(run_command, args, config, rank_backend(config, args))
     except (*INPUT_ERRORS, *bad_input) as exc:
-        emit({"text": "", "token_ids": [], "stages": [], "plan": {}, "error": str(exc)}, args.json)
+        if rank_of(args) == 0:
+            emit({"text": "", "token_ids": [], "stages": [], "plan": {}, "error": str(exc)}, args.json)
         return 2
     except KeyboardInterrupt:
         print("bootstrap: interrupted; completed stages were rolled back", file=sys.stderr)
         return 130
+    finally:
+        leave()
+    if rank_of(args) > 0:
+        return 0 if error is None else 1
     emit(result, args.json)
     if error is None:
         return 0

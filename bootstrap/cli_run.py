@@ -40,6 +40,8 @@ def add_run_args(run: argparse.ArgumentParser) -> None:
     add("--otlp", action="store_true", help="also export spans over OTLP (needs the otlp extra)")
     add("--json", action="store_true", help="print one JSON object instead of tables and text")
     add("--no-plan-cache", action="store_true", help=f"profile every start (default cache: {DEFAULT_PLAN_CACHE})")
+    add("--dist-timeout", type=float, default=600.0,
+        help="with --tp N: seconds any collective waits for a rank before it names the rank that stopped answering")  # fmt: skip
 
 
 def add_cache_args(cache: argparse.ArgumentParser) -> None:
@@ -87,14 +89,15 @@ def check_length(ids: list[int], max_tokens: int, max_seq_len: int) -> None:
         )
 
 
-async def run_command(args: argparse.Namespace, config: Any) -> tuple[dict[str, Any], Exception | None]:
+async def run_command(args: argparse.Namespace, config: Any, backend: Any = None) -> tuple[dict[str, Any], Exception | None]:
     """Build, answer, release; returns the ``--json`` object and the failure, if any: a
     ``StageFailed``, or a ``ConfigError`` for a prompt the ready executor cannot take."""
     from bootstrap.api import Bootstrap
 
     params = sampling_params(args)
-    boot = Bootstrap(config, trace_file=args.trace_file, otlp=args.otlp)
-    progress = None if args.json else Console(stderr=True)
+    quiet = rank_of(args) > 0  # several ranks: rank 0 speaks for all of them
+    boot = Bootstrap(config, backend=backend, trace_file=None if quiet else args.trace_file, otlp=args.otlp)
+    progress = None if args.json or quiet else Console(stderr=True)
     result: dict[str, Any] = {"text": "", "token_ids": []}
     shown = anyio.Event()
     try:
@@ -111,7 +114,7 @@ async def run_command(args: argparse.Namespace, config: Any) -> tuple[dict[str, 
                 tg.cancel_scope.cancel()
         report = boot.report()
         if progress is not None:
-            print_ready(report, Console())
+            print_ready(report, Console())  # quiet ranks have no progress either
         try:
             result.update(await generate(args, executor, params, report.plan["max_seq_len"]))
         except ConfigError as exc:
@@ -130,11 +133,11 @@ async def generate(args: argparse.Namespace, executor: Any, params: Any, max_seq
         if event.token_id is not None:
             tokens.append(event.token_id)
         text.append(event.text)
-        if not args.json:
+        if not args.json and rank_of(args) == 0:
             print(event.text, end="", flush=True)
         if event.finished and event.error:
             raise RuntimeError(f"generation failed: {event.error}")
-    if not args.json:
+    if not args.json and rank_of(args) == 0:
         print()
     return {"text": "".join(text), "token_ids": tokens, "finish_reason": event.finish_reason}
 
@@ -170,6 +173,11 @@ def failure_line(exc: StageFailed) -> str:
     tries = "attempt" if exc.attempts == 1 else "attempts"
     text = f"bootstrap failed at stage {exc.stage!r} after {exc.attempts} {tries}: {exc.cause}"
     return f"{text}. {exc.advice}" if exc.advice else text
+
+
+def rank_of(args: argparse.Namespace) -> int:
+    """This process's rank when it is one of several (``bootstrap.cli_tp``), else 0."""
+    return getattr(args, "rank", 0)
 
 
 def emit(result: dict[str, Any], as_json: bool) -> None:

@@ -24,6 +24,7 @@ from bootstrap.device_thread import DeviceThread
 from bootstrap.devices import Device, is_oom
 from bootstrap.events import EventHub, StageEvent, StageStatus
 from bootstrap.graph import check_graph, topological_order
+from bootstrap.parallel import Collective, failure_of
 from bootstrap.stage import GiveUp, Stage
 from bootstrap.stage_run import StageRun
 from bootstrap.telemetry import ROOT_SPAN, TRACER_NAME
@@ -56,11 +57,13 @@ class Pipeline:
         tracer_provider: trace.TracerProvider | None = None,
         device: Device | None = None,
         thread: DeviceThread | None = None,
+        collective: Collective | None = None,
     ) -> None:
         check_graph(stages, inputs.keys())
         self.stages = topological_order(stages)
         self.artifacts: dict[str, Any] = dict(inputs)
         self.device = device
+        self.collective = collective  # several ranks: every attempt's outcome is agreed (bootstrap.parallel)
         self.hub = EventHub([s.id for s in self.stages])
         self._tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer(TRACER_NAME)
         self._thread = thread or DeviceThread()
@@ -189,14 +192,14 @@ class Pipeline:
         for name in stage.requires:
             if name in self._ready:
                 await self._ready[name].wait()
-        run = StageRun(stage, self._inputs(stage), self._tracer, self.hub, self._thread, self.device)
+        run = StageRun(stage, self._inputs(stage), self._tracer, self.hub, self._thread, self.device, self.collective)
         token = otel_context.attach(ctx)
         try:
             artifact, undo = await run.execute(after_success=lambda: self._release_consumed(stage))
         except anyio.get_cancelled_exc_class():
             raise
         except BaseException as exc:
-            advice = stage.oom_advice if is_oom(exc) and not isinstance(exc, GiveUp) else ""
+            advice = stage.oom_advice if is_oom(failure_of(exc)) and not isinstance(exc, GiveUp) else ""
             raise StageFailed(stage.id, run.attempts, exc, advice) from exc
         finally:
             otel_context.detach(token)

@@ -25,12 +25,16 @@ def make_pipeline(
     tracer_provider: TracerProvider | None = None,
     stages: Sequence[Stage] = DEFAULT_STAGES,
 ) -> Pipeline:
+    """On several ranks (a backend with a ``collective``), every attempt is agreed across them
+    and the plan cache is off: one rank's cache hit must not skip a stage its peers run."""
+    collective = getattr(backend, "collective", None)
+    several = collective is not None and collective.world_size > 1
     inputs = {
         "config": config,
         "backend": backend,
-        "plan_cache": PlanCache(config.plan_cache) if config.plan_cache else None,
+        "plan_cache": PlanCache(config.plan_cache) if config.plan_cache and not several else None,
     }
-    return Pipeline(stages, inputs, tracer_provider=tracer_provider, device=backend.device)
+    return Pipeline(stages, inputs, tracer_provider=tracer_provider, device=backend.device, collective=collective)
 
 
 def plan_summary(artifacts: dict[str, Any]) -> dict[str, Any]:

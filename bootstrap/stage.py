@@ -71,6 +71,9 @@ class Stage:
     blocking: bool = True  # run fn in the device thread
     figures: Callable[[Any], Mapping[str, int | float | str]] | None = None  # span attributes
     oom_advice: str = ""  # what to change when this stage runs out of memory for good
+    # On several ranks: every rank's artifact of a successful attempt to the one all keep
+    # (``bootstrap.parallel``); None keeps each rank's own.
+    agree: Callable[[list[Any]], Any] | None = None
 
     @property
     def requires(self) -> tuple[str, ...]:

@@ -15,6 +15,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_aft
 from bootstrap.device_thread import DeviceThread
 from bootstrap.devices import Device
 from bootstrap.events import EventHub, StageEvent
+from bootstrap.parallel import Collective, RankFailed, SingleRank, agree_attempt, failure_of, is_retryable
 from bootstrap.stage import Skip, Stage
 from bootstrap.telemetry import attempt_span, stage_span
 from bootstrap.undo import Undo
@@ -29,9 +30,11 @@ class StageRun:
         hub: EventHub,
         thread: DeviceThread,
         device: Device | None,
+        collective: Collective | None = None,
     ) -> None:
         self.stage, self.inputs = stage, dict(inputs)
         self._tracer, self._hub, self._thread, self._device = tracer, hub, thread, device
+        self._collective = collective or SingleRank()
         self.attempts = 0
         self._changes: Mapping[str, str] = {}
         self._span: Span | None = None
@@ -78,7 +81,7 @@ class StageRun:
             wait=wait_exponential(multiplier=policy.backoff_s, max=policy.max_backoff_s)
             if policy.backoff_s
             else wait_none(),
-            retry=retry_if_exception(lambda e: isinstance(e, Exception) and policy.retry_on(e)),
+            retry=retry_if_exception(lambda e: isinstance(e, Exception) and is_retryable(e, policy.retry_on)),
             before_sleep=self._before_retry,
             sleep=anyio.sleep,
             reraise=True,
@@ -98,7 +101,7 @@ class StageRun:
             for key, change in self._changes.items():
                 span.set_attribute(f"bootstrap.adapt.{key}", change)
             try:
-                artifact = await self._call(undo)
+                artifact = await self._agreed(span, await self._call_or_error(undo))
             except BaseException as exc:
                 await self._rollback(span, undo, exc)
                 raise
@@ -114,6 +117,50 @@ class StageRun:
         ctx = otel_context.get_current()
         return await self._thread.run(_in_context, ctx, fn)
 
+    async def _call_or_error(self, undo: Undo) -> tuple[Any, BaseException | None]:
+        """The attempt's artifact, or the error it raised (cancellation is never caught)."""
+        try:
+            return await self._call(undo), None
+        except anyio.get_cancelled_exc_class():
+            raise
+        except Exception as exc:
+            if self._collective.world_size == 1:
+                raise
+            return None, exc
+
+    async def _agreed(self, span: Span, result: tuple[Any, BaseException | None]) -> Any:
+        """On one rank, the artifact. On several, one collective step (in the device thread, it
+        blocks): all ranks succeeded and agree on the artifact, or every rank raises the same
+        ``RankFailed``. An event on the stage span records it."""
+        artifact, error = result
+        if self._collective.world_size == 1:
+            return artifact
+        run = partial(agree_attempt, self._collective, self.stage.id, artifact, error, self.stage.agree)
+        attributes: dict[str, Any] = {"bootstrap.collective.world_size": self._collective.world_size,
+                                      "bootstrap.collective.rank": self._collective.rank,
+                                      "bootstrap.attempt": self.attempts}  # fmt: skip
+        try:
+            agreed = await self._thread.run(run)
+        except RankFailed as exc:
+            attributes |= {"bootstrap.collective.outcome": "failed", "bootstrap.collective.failed_rank": exc.rank}
+            self._span.add_event("bootstrap.collective.attempt", attributes)
+            if exc.rank == self._collective.rank and error is not None:
+                raise exc from error
+            raise
+        except Exception as exc:
+            self._span.add_event("bootstrap.collective.attempt", attributes | {"bootstrap.collective.outcome": "unresponsive"})
+            raise exc from error
+        attributes["bootstrap.collective.outcome"] = "agreed" if self.stage.agree else "ok"
+        self._span.add_event("bootstrap.collective.attempt", attributes | self._changed_figures(artifact, agreed))
+        return agreed
+
+    def _changed_figures(self, mine: Any, agreed: Any) -> dict[str, Any]:
+        """This rank's figures that the agreement changed, as ``<figure>.local``."""
+        if self.stage.figures is None or mine is None or agreed is None:
+            return {}
+        local, common = self.stage.figures(mine), self.stage.figures(agreed)
+        return {f"{k}.local": v for k, v in local.items() if common.get(k) != v}
+
     async def _rollback(self, span: Span, undo: Undo, exc: BaseException) -> None:
         cancelled = isinstance(exc, anyio.get_cancelled_exc_class())
         span.set_attribute("bootstrap.outcome", "cancelled" if cancelled else "failed")
@@ -128,7 +175,7 @@ class StageRun:
 
     def _before_retry(self, state: RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome else None
-        adaptation = self.stage.adapt(exc, self.inputs) if self.stage.adapt and exc else None
+        adaptation = self.stage.adapt(failure_of(exc), self.inputs) if self.stage.adapt and exc else None
         self._changes = dict(adaptation.changes) if adaptation else {}
         if adaptation:
             self.inputs = {**self.inputs, **adaptation.inputs}

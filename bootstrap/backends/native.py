@@ -18,6 +18,9 @@ device thread, and pushes the release of everything it allocates on the attempt'
   scheduler_sampler the ``PyExecutor`` on the target pool (and the warmup's runner), its worker
                     started, one smoke request
 
+Tensor parallelism (``collective`` of N ranks): each process is one rank; weights load as its
+shard through transformers' TP plan, and every pool holds ``kv_heads / N`` heads per token.
+
 The draft model is loaded, profiled and given its own pool, which the started executor holds
 (``executor.draft``) and releases at shutdown; speculative decoding itself is not implemented.
 The native pool stores every layer at full length (sliding windows are applied as masks), so the
@@ -33,6 +36,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -51,8 +55,12 @@ from bootstrap.engine.scheduler import SchedulerConfig
 from bootstrap.engine.warmup import run_dummy_requests
 from bootstrap.graph_buckets import graph_batch_sizes
 from bootstrap.models.shape import ModelConfigError, ModelShape
+from bootstrap.parallel import Collective
 from bootstrap.stages.load_model import is_transient_io
 from bootstrap.undo import Undo
+
+if TYPE_CHECKING:
+    from bootstrap.parallel.torch_dist import RankEnv
 
 NATIVE_CLASSES: Mapping[str, str] = {"kv_manager": "PagedKVCache", "scheduler": "Scheduler", "sampler": "Sampler"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -101,14 +109,30 @@ class NativeBackend:
     name = "native"
     classes = NATIVE_CLASSES
 
-    def __init__(self, device: Device, torch_device: torch.device, cache_dir: Path | None = None) -> None:
+    def __init__(
+        self, device: Device, torch_device: torch.device, cache_dir: Path | None = None, collective: Collective | None = None
+    ) -> None:
         self.device = device
         self.torch_device = torch_device
         self.cache_dir = cache_dir
+        self.collective = collective  # several ranks: the pipeline agrees every attempt through it
+        self.tp = collective.world_size if collective is not None else 1
 
     @classmethod
-    def for_config(cls, config: BootstrapConfig, cache_dir: Path | None = None) -> NativeBackend:
-        return cls(*device_for(config.device), cache_dir=cache_dir)
+    def for_config(
+        cls, config: BootstrapConfig, cache_dir: Path | None = None, collective: Collective | None = None
+    ) -> NativeBackend:
+        """At ``tensor_parallel_size`` > 1 this process is one rank (``bootstrap.parallel``):
+        ``collective`` given, or joined here from the launcher's ``RANK`` / ``WORLD_SIZE``."""
+        if config.tensor_parallel_size == 1:
+            return cls(*device_for(config.device), cache_dir=cache_dir)
+        env = rank_env(config)
+        device, torch_device = device_for(rank_device(config.device, env.local_rank))
+        if collective is None:
+            from bootstrap.parallel.torch_dist import init_ranks
+
+            collective = init_ranks(env, torch_device.type)
+        return cls(device, torch_device, cache_dir=cache_dir, collective=collective)
 
     # ---- resolve_classes ----------------------------------------------------------------------
 
@@ -129,8 +153,16 @@ class NativeBackend:
         """What the native engine cannot run, refused before any weight is loaded."""
         if config.kv_cache_dtype == "fp8":
             raise ConfigError("kv_cache_dtype: fp8 is not supported by the native engine; allowed: auto, float32, bfloat16, float16")
-        if config.tensor_parallel_size != 1:
-            raise ConfigError(f"tensor_parallel_size: {config.tensor_parallel_size}; the native engine runs on one device (allowed: 1)")
+        if config.tensor_parallel_size != self.tp:
+            raise ConfigError(
+                f"tensor_parallel_size: {config.tensor_parallel_size}, but this backend runs on {self.tp} rank(s); "
+                f"launch {config.tensor_parallel_size} ranks (bootstrap run --tp N, or torchrun) or use {self.tp}"
+            )
+        if shape.num_kv_heads % self.tp:
+            raise ConfigError(
+                f"tensor_parallel_size: {self.tp} does not divide the {shape.num_kv_heads} KV heads of "
+                f"{shape.architecture}; the native engine shards KV heads evenly (choose a divisor of {shape.num_kv_heads})"
+            )
         if config.host_cache_bytes:
             raise ConfigError("host_cache_bytes: the native engine has no host KV tier; allowed: 0")
         if shape.attention_kind == "mla" or shape.num_recurrent_layers:
@@ -156,8 +188,10 @@ class NativeBackend:
         return LoadedModel(models, total, draft_handle=draft, tokenizer=target.tokenizer)
 
     def _load(self, source: str, dtype: str, undo: Undo) -> LoadedWeights:
+        undo.push(self._collect)  # a load that fails half way leaves garbage for the allocator's cache
         with unreadable_as_source_error(source):
-            weights = load_model(source, device=self.torch_device, dtype=DTYPES[dtype], cache_dir=self.cache_dir)
+            weights = load_model(source, device=self.torch_device, dtype=DTYPES[dtype], cache_dir=self.cache_dir,
+                                 tp_size=self.tp)  # fmt: skip
         undo.push(lambda: self._drop_weights(weights.model))
         return weights
 
@@ -221,7 +255,7 @@ class NativeBackend:
         return MemoryProfile(**figures, graph_bytes=graph_bytes)
 
     def _captures(self, config: BootstrapConfig) -> bool:
-        return config.cuda_graphs and self.torch_device.type == "cuda"
+        return config.cuda_graphs and self.torch_device.type == "cuda" and self.tp == 1  # as skip_warmup
 
     def _measure_graphs(self, runner: ModelRunner, config: BootstrapConfig) -> int:
         """Device memory the warmup stage's graphs take: the same buckets captured on the probe
@@ -304,8 +338,9 @@ class NativeBackend:
         """One pool per model, ``make(spec, sizes[name], ...)``; each release pushed at once."""
         pools: dict[str, PagedKVCache] = {}
         weights = models.by_name()
+        undo.push(self._collect)  # last in the rollback: the allocator's cache goes back to the device
         for name, size in sizes.items():
-            spec = KVCacheSpec.from_config(weights[name].hf_config, DTYPES[resolved.kv_dtype])
+            spec = KVCacheSpec.from_config(weights[name].hf_config, DTYPES[resolved.kv_dtype], tp=self.tp)
             pools[name] = pool = make(spec, size, models.tokens_per_block, self.torch_device)
             undo.push(functools.partial(self._release_pool, pool))
         return pools
@@ -313,6 +348,30 @@ class NativeBackend:
     def _release_pool(self, pool: PagedKVCache) -> None:
         pool.release()
         self._collect()
+
+
+def rank_env(config: BootstrapConfig) -> RankEnv:
+    """This rank's place, as the launcher set it; a clear error when none did."""
+    from bootstrap.parallel.torch_dist import RankEnv
+
+    env = RankEnv.from_env()
+    tp = config.tensor_parallel_size
+    if env is None or env.world_size != tp:
+        found = "no RANK / WORLD_SIZE" if env is None else f"WORLD_SIZE {env.world_size}"
+        raise ConfigError(
+            f"tensor_parallel_size: {tp} needs {tp} ranks, and this process has {found}; start it with "
+            f"`bootstrap run --tp {tp}` (which launches the ranks) or `torchrun --nproc-per-node {tp}`"
+        )
+    return env
+
+
+def rank_device(spec: str, local_rank: int) -> str:
+    """One device per rank: ``cuda:LOCAL_RANK`` for ``auto`` / ``cuda`` on a CUDA machine."""
+    if spec.startswith("cuda:"):
+        raise ConfigError(f"device: {spec!r} with tensor parallelism; allowed: auto, cuda, cpu (rank r takes cuda:LOCAL_RANK)")
+    if spec == "cpu" or (spec == "auto" and not torch.cuda.is_available()):
+        return "cpu"
+    return f"cuda:{local_rank}"
 
 
 @contextmanager

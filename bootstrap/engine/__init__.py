@@ -28,6 +28,8 @@ _EXPORTS = {
     "Scheduler": "scheduler",
     "SchedulerConfig": "scheduler",
     "PyExecutor": "executor",
+    "RequestInUse": "requests",
+    "RequestStats": "requests",
     "Response": "sequence",
     "StreamEvent": "sequence",
     "create_executor": "executor",

@@ -5,14 +5,33 @@ can never run (empty, too long for ``max_seq_len``, larger than the KV pool, tok
 the vocabulary) is answered right away with an error instead of being queued. The worker thread
 (``start_worker``) repeats one step: admit and schedule, run the model, sample, append, detect
 stops, free what finished. When a step raises, its requests are run again one by one, and only
-those that fail alone get the error on their response; the loop goes on. Without a worker, ``await_response``,
-``stream`` and ``generate`` drive the steps in the calling thread, so nothing ever waits on a
-loop that is not running.
+those that fail alone get the error on their response; the loop goes on. The worker sleeps on
+its inbox when there is no work.
+
+Waiting. ``await_response`` / ``stream`` (threads) and ``await_response_async`` /
+``stream_async`` (async tasks, anyio: asyncio or trio) wait on wakeups from the engine, never by
+polling; a request has at most one of them attached at a time (a second one raises
+``RequestInUse``). A wait that is cancelled or times out takes nothing: the response and every
+event stay for the next wait, unless it was called with ``cancel_on_abandon=True``, which
+cancels and releases the request when the wait ends without its response (or a stream before
+its final event). Without a worker, the loop runs only inside the calls that drive it: sync
+waits step in the calling thread; async waits run one step at a time in an anyio worker thread
+and are not abandoned there (a cancellation takes effect when that step ends, at most one step
+later), so nothing runs on after them; ``generate`` and ``run_warmup`` wait as sync waits do;
+``cancel`` applies every pending cancellation before it returns. So without a worker, a request
+given up by an abandoned wait (``cancel_on_abandon``) is cancelled, and its KV blocks freed,
+the next time one of those runs.
+
+Retention (``bootstrap.engine.requests``): a request is held from ``enqueue`` until its response
+is taken (or final event streamed). ``cancel`` means the caller is done with it: it is released
+as soon as it is finished and no wait is attached. Finished responses nobody waits for are kept,
+the ``max_unclaimed`` most recent; a released id raises ``KeyError``. ``stats()`` counts them.
 
 ``shutdown`` stops and joins the worker, answers every unfinished request with
-``finish_reason="cancelled"`` and releases the KV pool and any captured CUDA graphs; it is
-idempotent. A worker that does not stop in time does that itself when its step ends. Steps run under one lock, so a caller driving
-the loop and a worker started meanwhile never step at once.
+``finish_reason="cancelled"``, wakes every waiter and releases the KV pool and any captured CUDA
+graphs; it is idempotent. A worker that does not stop in time does that itself when its step
+ends. Steps run under one lock, so a caller driving the loop and a worker started meanwhile
+never step at once.
 """
 
 from __future__ import annotations
@@ -22,45 +41,38 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence as Seq
-from dataclasses import dataclass, field
 
 import anyio
 import torch
 
 from bootstrap.engine.kv_cache import PagedKVCache
 from bootstrap.engine.model_runner import ModelRunner
+from bootstrap.engine.requests import Claim, Handle, RequestStats, RequestTable
 from bootstrap.engine.sampling import Sampler, SamplingParams, make_generator, model_eos_ids, stop_reason, trim_stop_text
 from bootstrap.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from bootstrap.engine.sequence import Detokenizer, Response, Sequence, StreamEvent, next_request_id, token_id_list
+from bootstrap.engine.waiting import EventStream, Waiter
 
 log = logging.getLogger(__name__)
 
-_IDLE_WAIT_S = 0.05
-
-
-@dataclass
-class _Handle:
-    seq: Sequence
-    detokenizer: Detokenizer | None
-    events: queue.Queue[StreamEvent] = field(default_factory=queue.Queue)
-    done: threading.Event = field(default_factory=threading.Event)
-    emitted: int = 0
-    response: Response | None = None
+DEFAULT_MAX_UNCLAIMED = 1024
 
 
 class PyExecutor:
     """Scheduler, model runner and sampler wired into one loop; see the module docstring."""
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler,
-                 tokenizer: object | None = None, eos_token_ids: set[int] | None = None) -> None:  # fmt: skip
+                 tokenizer: object | None = None, eos_token_ids: set[int] | None = None,
+                 max_unclaimed: int = DEFAULT_MAX_UNCLAIMED) -> None:  # fmt: skip
         self.runner = runner
         self.scheduler = scheduler
         self.sampler = sampler
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids) if eos_token_ids is not None else model_eos_ids(runner.model)
-        self._handles: dict[int, _Handle] = {}
-        self._inbox: queue.Queue[Sequence | int | None] = queue.Queue()
-        self._lock = threading.Lock()
+        self._requests = RequestTable(max_unclaimed)
+        self._waiter = Waiter(self._requests, self._step_here)
+        self._lock = self._requests.lock  # also guards _closed and the worker's start
+        self._inbox: queue.Queue[Sequence | None] = queue.Queue()
         self._step_lock = threading.Lock()
         self._stop = threading.Event()
         self._worker: threading.Thread | None = None
@@ -73,24 +85,127 @@ class PyExecutor:
     ) -> int:
         """Queue a request; return its id. Impossible requests are answered at once with an error;
         arguments of the wrong type raise ``TypeError`` naming the argument."""
+        self._check_open()
+        [handle] = self._submit([self._sequence(prompt_token_ids, params, is_warmup)])
+        return handle.request_id
+
+    def cancel(self, request_id: int) -> None:
+        """Give the request up: an unfinished one finishes with ``finish_reason="cancelled"``. It
+        is released (its id becomes unknown) once finished and no wait is attached; an attached
+        wait still gets its end. Unknown ids are ignored. Without a worker, the cancellation is
+        applied here, so the request's KV blocks are free when this returns."""
+        self._requests.give_up(request_id)
+        if not self._requests.worker_live:
+            with self._step_lock:
+                if not self._requests.worker_live:
+                    self._drain_inbox()
+                    self._cancel_given_up()
+
+    def stats(self) -> RequestStats:
+        """How many requests the executor holds: all, unfinished, unclaimed, with a wait attached."""
+        return self._requests.stats()
+
+    def await_response(
+        self, request_id: int, timeout: float | None = None, *, cancel_on_abandon: bool = False
+    ) -> Response:
+        """Block until the request finishes; return its response (once: it is then released).
+        ``TimeoutError`` after ``timeout`` s leaves it for a later wait, unless ``cancel_on_abandon``."""
+        claim = self._requests.attach(request_id, "await_response")
+        response = None
+        try:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            response = self._waiter.wait(claim.handle, self._requests.take_response, deadline)
+            if response is None:
+                raise TimeoutError(f"request {request_id} did not finish within {timeout} s")
+            return response
+        finally:
+            self._requests.detach(claim.handle, claim, give_up=cancel_on_abandon and response is None)
+
+    async def await_response_async(
+        self, request_id: int, timeout: float | None = None, *, cancel_on_abandon: bool = False
+    ) -> Response:
+        """``await_response`` for async callers; cancelling the awaiting task is like a timeout."""
+        claim = self._requests.attach(request_id, "await_response_async")
+        response = None
+        try:
+            with anyio.move_on_after(timeout):
+                response = await self._waiter.wait_async(claim.handle, self._requests.take_response)
+            if response is None:
+                raise TimeoutError(f"request {request_id} did not finish within {timeout} s")
+            return response
+        finally:
+            self._requests.detach(claim.handle, claim, give_up=cancel_on_abandon and response is None)
+
+    def stream(self, request_id: int, *, cancel_on_abandon: bool = False) -> Iterator[StreamEvent]:
+        """Yield one event per generated token; the last event carries ``finish_reason``. Closing
+        the stream early leaves the rest for a later one, unless ``cancel_on_abandon``."""
+        claim = self._requests.attach(request_id, "stream")
+        finished = False
+        try:
+            while not finished:
+                event = self._waiter.wait(claim.handle, self._requests.take_event, None)
+                assert event is not None  # no deadline
+                finished = event.finished
+                yield event
+        finally:
+            self._requests.detach(claim.handle, claim, give_up=cancel_on_abandon and not finished)
+
+    def stream_async(self, request_id: int, *, cancel_on_abandon: bool = False) -> AsyncIterator[StreamEvent]:
+        """``stream`` for async callers. A cancelled wait for the next event takes nothing and
+        ends this iterator (it lets go of the request at once, even unclosed)."""
+        return EventStream(self._waiter, request_id, cancel_on_abandon)
+
+    def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None) -> list[Response]:
+        """Run ``prompts`` (token id lists) to completion; one response per prompt, in order.
+        Every prompt is checked before any is queued."""
+        self._check_open()
+        per_prompt = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+        return self._run_all([self._sequence(p, sp) for p, sp in zip(prompts, per_prompt)])
+
+    def run_warmup(self, num_tokens: int, num_requests: int = 1, max_tokens: int = 1) -> list[Response]:
+        """Dummy requests (``is_warmup``) whose prompts add up to ``num_tokens`` tokens."""
+        self._check_open()
+        if not 1 <= num_requests <= num_tokens:
+            raise ValueError(f"num_requests must be in [1, num_tokens={num_tokens}], got {num_requests}")
+        sizes = [num_tokens // num_requests + (i < num_tokens % num_requests) for i in range(num_requests)]
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        vocab = self.runner.vocab_size
+        return self._run_all([self._sequence([t % vocab for t in range(n)], params, True) for n in sizes])
+
+    # ---- submitting ---------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the executor is shut down; build a new one")
+
+    def _sequence(self, prompt_token_ids: Seq[int], params: SamplingParams | None, is_warmup: bool = False) -> Sequence:
+        """A checked, not yet queued request (``TypeError`` for arguments of the wrong type)."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        seq = Sequence(next_request_id(), token_id_list(prompt_token_ids), params, is_warmup=is_warmup)
-        detok = None if is_warmup or self.tokenizer is None else Detokenizer(self.tokenizer)
-        handle = _Handle(seq, detok)
-        reason = self._rejection(seq)
-        if reason is None:
-            seq.generator = make_generator(params.seed, self.runner.device)
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the executor is shut down; build a new one")
-            self._handles[seq.request_id] = handle
+        return Sequence(next_request_id(), token_id_list(prompt_token_ids), params, is_warmup=is_warmup)
+
+    def _submit(self, seqs: list[Sequence], claim: Claim | None = None) -> list[Handle]:
+        """Register and queue ``seqs`` all at once (held by ``claim`` if given); answer
+        those that can never run with an error."""
+        detok = lambda s: None if s.is_warmup or self.tokenizer is None else Detokenizer(self.tokenizer)  # noqa: E731
+        handles = [self._requests.new_handle(s, detok(s)) for s in seqs]
+        reasons = [self._rejection(s) for s in seqs]
+        for seq, reason in zip(seqs, reasons):
             if reason is None:
-                self._inbox.put(seq)
-        if reason is not None:
-            self._complete(handle, "error", f"request rejected: {reason}")
-        return seq.request_id
+                seq.generator = make_generator(seq.params.seed, self.runner.device)
+        with self._lock:
+            self._check_open()
+            self._requests.add(handles, claim)
+            for handle, reason in zip(handles, reasons):
+                if reason is None:
+                    self._inbox.put(handle.seq)
+        for handle, reason in zip(handles, reasons):
+            if reason is not None:
+                self._complete(handle, "error", f"request rejected: {reason}")
+        return handles
 
     def _rejection(self, seq: Sequence) -> str | None:
         vocab = self.runner.vocab_size
@@ -101,117 +216,42 @@ class PyExecutor:
             return "stop strings need a tokenizer, and this executor has none"
         return self.scheduler.capacity.rejection(seq)
 
-    def cancel(self, request_id: int) -> None:
-        """Finish a request early with ``finish_reason="cancelled"`` (no-op once finished)."""
-        self._inbox.put(request_id)
+    def _run_all(self, seqs: list[Sequence]) -> list[Response]:
+        """Submit ``seqs`` and wait for every response; on any exit without them, cancel the rest."""
+        claim = Claim("generate")
+        handles = self._submit(seqs, claim)
+        try:
+            return [self._waiter.wait(h, self._requests.take_response, None) for h in handles]  # type: ignore[misc]
+        finally:
+            for handle in handles:
+                self._requests.detach(handle, claim, give_up=True)
 
-    def await_response(self, request_id: int, timeout: float | None = None) -> Response:
-        """Block until the request finishes; return its response (once: it is then forgotten)."""
-        handle = self._handle(request_id)
-        if not self._wait(handle, timeout):
-            raise TimeoutError(f"request {request_id} did not finish within {timeout} s")
-        self._forget(request_id)
-        assert handle.response is not None
-        return handle.response
-
-    async def await_response_async(self, request_id: int, timeout: float | None = None) -> Response:
-        """``await_response`` for async callers; the wait runs in a worker thread."""
-        return await anyio.to_thread.run_sync(self.await_response, request_id, timeout, abandon_on_cancel=True)
-
-    def stream(self, request_id: int) -> Iterator[StreamEvent]:
-        """Yield one event per generated token; the last event carries ``finish_reason``."""
-        handle = self._handle(request_id)
-        while True:
-            event = self._next_event(handle)
-            yield event
-            if event.finished:
-                self._forget(request_id)
-                return
-
-    async def stream_async(self, request_id: int) -> AsyncIterator[StreamEvent]:
-        """``stream`` for async callers; each wait runs in a worker thread."""
-        handle = self._handle(request_id)
-        while True:
-            event = await anyio.to_thread.run_sync(self._next_event, handle, abandon_on_cancel=True)
-            yield event
-            if event.finished:
-                self._forget(request_id)
-                return
-
-    def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None) -> list[Response]:
-        """Run ``prompts`` (token id lists) to completion; one response per prompt, in order."""
-        per_prompt = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(per_prompt) != len(prompts):
-            raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
-        ids = [self.enqueue(p, sp) for p, sp in zip(prompts, per_prompt)]
-        return [self.await_response(i) for i in ids]
-
-    def run_warmup(self, num_tokens: int, num_requests: int = 1, max_tokens: int = 1) -> list[Response]:
-        """Dummy requests (``is_warmup``) whose prompts add up to ``num_tokens`` tokens."""
-        if not 1 <= num_requests <= num_tokens:
-            raise ValueError(f"num_requests must be in [1, num_tokens={num_tokens}], got {num_requests}")
-        sizes = [num_tokens // num_requests + (i < num_tokens % num_requests) for i in range(num_requests)]
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        vocab = self.runner.vocab_size
-        ids = [self.enqueue([t % vocab for t in range(n)], params, is_warmup=True) for n in sizes]
-        return [self.await_response(i) for i in ids]
-
-    def _handle(self, request_id: int) -> _Handle:
-        with self._lock:
-            handle = self._handles.get(request_id)
-        if handle is None:
-            raise KeyError(f"unknown request id {request_id} (never enqueued, or its response was already taken)")
-        return handle
-
-    def _forget(self, request_id: int) -> None:
-        with self._lock:
-            self._handles.pop(request_id, None)
-
-    def _wait(self, handle: _Handle, timeout: float | None) -> bool:
-        """Wait for ``handle``, checking the worker every round: it may start, die or outlive a
-        shutdown meanwhile, and while none runs this thread drives the loop itself."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not handle.done.is_set():
-            left = _IDLE_WAIT_S if deadline is None else min(deadline - time.monotonic(), _IDLE_WAIT_S)
-            if left <= 0:
-                return False
-            if self.worker_running:
-                handle.done.wait(left)
-            else:
-                self._step_here()
-        return True
-
-    def _next_event(self, handle: _Handle) -> StreamEvent:
-        """The next event of ``handle``, checking the worker every round as ``_wait`` does."""
-        while True:
-            while not self.worker_running and handle.events.empty():
-                self._step_here()
-            try:
-                return handle.events.get(timeout=_IDLE_WAIT_S)
-            except queue.Empty:
-                continue
-
-    def _step_here(self) -> None:
-        """One loop iteration in the calling thread, unless a worker runs the loop."""
+    def _step_here(self) -> bool:
+        """One loop iteration in the calling thread, unless a worker runs the loop. False when
+        there was nothing to do."""
         with self._step_lock:
-            if self.worker_running:
-                return
-            self._drain_inbox(block=False)
-            if self.scheduler.has_work:
-                self.step()
+            if self._requests.worker_live:
+                return True
+            took = self._drain_inbox()
+            self._cancel_given_up()
+            if not self.scheduler.has_work:
+                return took
+            self.step()
+            return True
 
     # ---- loop ---------------------------------------------------------------------------------
 
     @property
     def worker_running(self) -> bool:
-        return self._worker is not None and self._worker.is_alive()
+        """True while a worker thread runs the loop (from ``start_worker`` until it ends)."""
+        return self._requests.worker_live
 
     def start_worker(self) -> None:
         """Start the daemon worker thread running the loop (no-op if it is running)."""
         with self._lock:  # two callers at once still start one worker
-            if self._closed:
-                raise RuntimeError("the executor is shut down; build a new one")
-            if not self.worker_running:
+            self._check_open()
+            if not self._requests.worker_live:
+                self._requests.worker_live = True
                 self._worker = threading.Thread(target=self._loop, name="bootstrap-executor", daemon=True)
                 self._worker.start()
 
@@ -221,33 +261,47 @@ class PyExecutor:
                 self._iterate()
         finally:  # also when shutdown() gave up waiting for this thread, or the thread died
             self._teardown(None if self._stop.is_set() else RuntimeError("the executor worker stopped unexpectedly"))
+            self._requests.set_worker_live(False)  # waiters wake up and drive the loop themselves
 
     def _iterate(self) -> None:
-        """One worker round, under the step lock shared with callers that drive the loop."""
+        """One worker round: sleep on the inbox while there is no work (``enqueue`` and
+        ``shutdown`` post to it; with no work there is nothing to cancel), then take what came,
+        cancel what was given up and step, under the step lock shared with callers that drive
+        the loop."""
+        with self._step_lock:
+            idle = not self.scheduler.has_work
+        first = self._inbox.get() if idle else None
         with self._step_lock:
             try:
-                self._drain_inbox(block=not self.scheduler.has_work)
+                self._take(first)
+                self._drain_inbox()
+                self._cancel_given_up()
                 if not self._stop.is_set() and self.scheduler.has_work:
                     self.step()
             except Exception as exc:  # a bug outside the guarded step: fail what is queued, keep going
                 log.exception("executor step failed outside the model step")
                 self._fail(self.scheduler.drain(), exc)
 
-    def _drain_inbox(self, block: bool) -> None:
-        try:
-            item = self._inbox.get(timeout=_IDLE_WAIT_S) if block else self._inbox.get_nowait()
-            while True:
-                self._take(item)
+    def _drain_inbox(self) -> bool:
+        """Take everything posted so far; True if there was anything."""
+        took = False
+        while True:
+            try:
                 item = self._inbox.get_nowait()
-        except queue.Empty:
-            return
+            except queue.Empty:
+                return took
+            self._take(item)
+            took = True
 
-    def _take(self, item: Sequence | int | None) -> None:
-        if isinstance(item, Sequence):
+    def _take(self, item: Sequence | None) -> None:
+        """A new request (skipped if cancelled while queued), or None: ``shutdown``'s wake-up call."""
+        if item is not None and not item.finished:
             self.scheduler.add(item)
-        elif isinstance(item, int):
-            handle = self._handles.get(item)
-            if handle is not None and not handle.done.is_set():
+
+    def _cancel_given_up(self) -> None:
+        """Finish the requests given up since the last round (``cancel``, ``cancel_on_abandon``)."""
+        for handle in self._requests.pop_cancelled():
+            if not handle.finished:
                 self.scheduler.finish(handle.seq)
                 self._complete(handle, "cancelled")
 
@@ -293,12 +347,18 @@ class PyExecutor:
             seq.num_computed += count
             if samples:
                 try:
-                    self._append(self._handles[seq.request_id], next(sampled))
+                    self._append(self._handle_of(seq), next(sampled))
                 except Exception as exc:
                     log.exception("request %d failed after its step", seq.request_id)
                     self._fail([seq], exc)
 
-    def _append(self, handle: _Handle, token: int) -> None:
+    def _handle_of(self, seq: Sequence) -> Handle:
+        handle = self._requests.get(seq.request_id)
+        if handle is None:
+            raise RuntimeError(f"request {seq.request_id} runs but has no handle")
+        return handle
+
+    def _append(self, handle: Handle, token: int) -> None:
         seq = handle.seq
         seq.append(token)
         if handle.detokenizer is not None:
@@ -306,12 +366,12 @@ class PyExecutor:
         text = handle.detokenizer.text if handle.detokenizer is not None else ""
         reason = stop_reason(seq.output_token_ids, text, seq.params, self.eos_token_ids)
         if reason is None:
-            handle.events.put(StreamEvent(token, self._release_text(handle, text, final=False)))
+            self._requests.publish(handle, StreamEvent(token, self._release_text(handle, text, final=False)))
             return
         self.scheduler.finish(seq)
         self._complete(handle, reason, token=token)
 
-    def _release_text(self, handle: _Handle, text: str, final: bool) -> str:
+    def _release_text(self, handle: Handle, text: str, final: bool) -> str:
         """New text safe to show: held back while it could still be the start of a stop string."""
         stops = handle.seq.params.stop
         visible = trim_stop_text(text, handle.seq.params) if final else text
@@ -324,11 +384,11 @@ class PyExecutor:
     def _fail(self, seqs: list[Sequence], exc: BaseException) -> None:
         for seq in seqs:
             self.scheduler.finish(seq)
-            handle = self._handles.get(seq.request_id)
-            if handle is not None and not handle.done.is_set():
+            handle = self._requests.get(seq.request_id)
+            if handle is not None and not handle.finished:
                 self._complete(handle, "error", f"{type(exc).__name__}: {exc}")
 
-    def _complete(self, handle: _Handle, reason: str, error: str | None = None, token: int | None = None) -> None:
+    def _complete(self, handle: Handle, reason: str, error: str | None = None, token: int | None = None) -> None:
         seq = handle.seq
         full = ""
         if handle.detokenizer is not None:
@@ -341,16 +401,16 @@ class PyExecutor:
         seq.finish(reason, error)
         delta = self._release_text(handle, full, final=True)
         text = trim_stop_text(full, seq.params)
-        handle.response = Response(
+        response = Response(
             seq.request_id, seq.prompt_token_ids, seq.output_token_ids, text, reason, error, seq.is_warmup
         )
-        handle.events.put(StreamEvent(token, delta, reason, error))
-        handle.done.set()
+        self._requests.publish(handle, StreamEvent(token, delta, reason, error), response)
 
     # ---- teardown -----------------------------------------------------------------------------
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
-        """Stop and join the worker, cancel unfinished requests, release the KV pool (idempotent)."""
+        """Stop and join the worker, cancel unfinished requests (waking their waiters), release
+        the KV pool (idempotent). Raises if the worker is still in a step after ``timeout`` s."""
         with self._lock:
             if self._closed:
                 return
@@ -368,11 +428,11 @@ class PyExecutor:
         """Cancel every unfinished request and release the KV pool (idempotent); if the worker
         ``died``, fail its requests with that error instead and keep the pool for callers."""
         with self._step_lock:
-            self._drain_inbox(block=False)
+            self._drain_inbox()
             if died is not None:
                 return self._fail(self.scheduler.drain(), died)
             for seq in self.scheduler.drain():
-                self._complete(self._handles[seq.request_id], "cancelled", "the executor was shut down")
+                self._complete(self._handle_of(seq), "cancelled", "the executor was shut down")
             self.runner.release_graphs()
             self.runner.kv_cache.release()
 
@@ -390,16 +450,19 @@ def create_executor(
     tokenizer: object | None = None,
     eos_token_ids: set[int] | None = None,
     start: bool = True,
+    max_unclaimed: int = DEFAULT_MAX_UNCLAIMED,
     runner: ModelRunner | None = None,
 ) -> PyExecutor:
     """Wire a loaded model (switched to paged attention in place) and a KV pool into a
-    ``PyExecutor``; its worker is started unless ``start=False``. ``runner``: one already made
-    for this model and pool (with its CUDA graphs captured, say) instead of a new one."""
+    ``PyExecutor``; its worker is started unless ``start=False``. ``max_unclaimed``: how many
+    finished responses nobody waits for are kept (see the module docstring). ``runner``: one
+    already made for this model and pool (with its CUDA graphs captured, say) instead of a new one."""
     if runner is None:
         runner = ModelRunner(model, kv_cache, config.max_batch_size, config.max_seq_len)
     elif runner.model is not model or runner.kv_cache is not kv_cache or runner.max_batch_size < config.max_batch_size:
         raise ValueError("the runner given to create_executor was made for another model, pool or batch size")
-    executor = PyExecutor(runner, Scheduler(kv_cache, config), Sampler(runner.device), tokenizer, eos_token_ids)
+    sampler = Sampler(runner.device)
+    executor = PyExecutor(runner, Scheduler(kv_cache, config), sampler, tokenizer, eos_token_ids, max_unclaimed)
     if start:
         executor.start_worker()
     return executor

@@ -51,8 +51,10 @@ class KVCacheSpec:
             raise ValueError(f"KVCacheSpec.dtype must be a floating torch.dtype, got {self.dtype!r}")
 
     @classmethod
-    def from_config(cls, config: Any, dtype: torch.dtype) -> KVCacheSpec:
-        """The spec of a transformers model config (its text config for multimodal models)."""
+    def from_config(cls, config: Any, dtype: torch.dtype, tp: int = 1) -> KVCacheSpec:
+        """The spec of a transformers model config (its text config for multimodal models), on
+        one of ``tp`` tensor-parallel ranks: each holds ``kv_heads / tp`` heads (the KV heads and
+        the attention heads must divide evenly, as the TP plan splits them)."""
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         if getattr(text, "kv_lora_rank", None):
             raise ValueError(
@@ -62,7 +64,10 @@ class KVCacheSpec:
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        return cls(text.num_hidden_layers, kv_heads, head_dim, dtype)
+        for name, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+            if not isinstance(tp, int) or tp < 1 or count % tp:
+                raise ValueError(f"tensor_parallel_size {tp!r} must be an integer >= 1 that divides {name} ({count})")
+        return cls(text.num_hidden_layers, kv_heads // tp, head_dim, dtype)
 
     @property
     def bytes_per_token(self) -> int:

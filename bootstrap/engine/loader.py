@@ -150,16 +150,20 @@ def load_model(
     cache_dir: Path | None = None,
     attn_implementation: str | None = None,
     seed: int = 0,
+    tp_size: int = 1,
 ) -> LoadedWeights:
     """Load ``source`` onto ``device``; ``dtype`` None keeps the checkpoint's own dtype.
 
-    ``seed`` only matters for ``random:`` sources. Raises ``ModelSourceError`` for a bad source
-    (before any loading) and ``ModelFetchError`` when the default model cannot be fetched.
+    ``seed`` only matters for ``random:`` sources. ``tp_size`` > 1: this rank's tensor-parallel
+    shard (checkpoint directories and the default model; see ``checkpoint.load_checkpoint_dir``).
+    Raises ``ModelSourceError`` for a bad source (before any loading), also for a source that
+    cannot be sharded, and ``ModelFetchError`` when the default model cannot be fetched.
     """
     resolved = resolve_source(source)
     device = torch.device(device)
     _check_dtype(dtype)
-    model, tokenizer = _load(resolved, device, dtype, cache_dir, attn_implementation, seed)
+    check_shardable(resolved, tp_size)
+    model, tokenizer = _load(resolved, device, dtype, cache_dir, attn_implementation, seed, tp_size)
     return LoadedWeights(
         model=model,
         tokenizer=tokenizer,
@@ -182,6 +186,7 @@ def _load(
     cache_dir: Path | None,
     attn_implementation: str | None,
     seed: int,
+    tp_size: int = 1,
 ) -> tuple[Any, Any]:
     if resolved.kind == RANDOM:
         config = random_init.random_config(resolved.random_spec)
@@ -191,13 +196,24 @@ def _load(
     path = resolved.path
     if resolved.kind == DEFAULT:
         path = smollm2.ensure_checkpoint(cache_dir or smollm2.default_cache_dir())
-    return checkpoint.load_checkpoint_dir(path, device, dtype, attn_implementation)
+    return checkpoint.load_checkpoint_dir(path, device, dtype, attn_implementation, tp_size)
+
+
+def check_shardable(source: ModelSource, tp_size: int) -> None:
+    """Tensor parallelism loads through transformers' ``from_pretrained`` with a TP plan: a
+    checkpoint directory (or the default model, converted to one); not GGUF or random weights."""
+    if tp_size > 1 and source.kind not in (CHECKPOINT, DEFAULT):
+        raise ModelSourceError(
+            f"model source {source.text!r}: tensor_parallel_size {tp_size} needs a checkpoint directory or "
+            f"{DEFAULT_MODEL!r} ({source.kind} sources load on one rank only); allowed at tensor_parallel_size 1"
+        )
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes held by the model's parameters and buffers, counting tied tensors once."""
+    """Bytes held by the model's parameters and buffers on this rank, counting tied tensors once."""
     seen: dict[tuple[torch.device, int], int] = {}
     for tensor in [*model.parameters(), *model.buffers()]:
+        tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this rank's shard
         key = (tensor.device, tensor.data_ptr())
         seen[key] = max(seen.get(key, 0), tensor.numel() * tensor.element_size())
     return sum(seen.values())

@@ -335,6 +335,9 @@ def _check_positions(model: torch.nn.Module, max_seq_len: int) -> None:
 
 
 def _check_cache_matches(model: torch.nn.Module, kv_cache: PagedKVCache) -> None:
-    expected = KVCacheSpec.from_config(model.config, kv_cache.spec.dtype)
+    """The pool holds this rank's KV heads: all of them, or ``kv_heads / tp`` for a model
+    sharded by transformers' tensor-parallel plan (its ``tp_size``)."""
+    tp = getattr(model, "tp_size", None) or 1
+    expected = KVCacheSpec.from_config(model.config, kv_cache.spec.dtype, tp=tp)
     if expected != kv_cache.spec:
         raise ValueError(f"the KV cache was built for {kv_cache.spec}, but the model needs {expected}")

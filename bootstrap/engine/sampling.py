@@ -1,7 +1,8 @@
 """Sampling: per-request parameters, a batched device sampler, and stop checks.
 
 The sampler handles a whole batch in a few tensor operations: greedy rows take the argmax,
-sampled rows are scaled by their temperature, cut by their own top-k and top-p, and drawn
+sampled rows are scaled by their temperature, cut by their own top-k and top-p (which never
+remove a row's most likely token, so no row is ever left without a candidate), and drawn
 with the exponential-race trick (``argmax(p / E)`` with ``E ~ Exp(1)``), which is an exact
 categorical draw. Each seeded request fills its own row of noise from its own
 ``torch.Generator``, so a seeded request gives the same tokens whatever else is in the batch.
@@ -155,7 +156,8 @@ class Sampler:
         return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
 
     def _filter(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-        """Mask (to -inf) what falls outside each row's top-k and top-p."""
+        """Mask (to -inf) what falls outside each row's top-k and top-p; the most likely token
+        always stays, so no row is left empty (a ``top_p`` below float32's range rounds to 0)."""
         vocab = logits.shape[-1]
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ks = self._column([p.top_k if p.top_k > 0 else vocab for p in params], logits)
@@ -164,7 +166,7 @@ class Sampler:
         probs = torch.softmax(sorted_logits, dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
         top_ps = self._column([p.top_p for p in params], logits)
-        outside = (mass_before >= top_ps) & (top_ps < 1)
+        outside = (mass_before >= top_ps) & (top_ps < 1) & (ranks > 0)
         sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
         return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 

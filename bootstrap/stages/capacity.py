@@ -11,6 +11,7 @@ from bootstrap.artifacts import ResolvedClasses
 from bootstrap.backends.base import Backend
 from bootstrap.capacity import CapacityPlan, MemoryProfile, plan_capacity
 from bootstrap.config import BootstrapConfig
+from bootstrap.parallel import smallest_plan
 from bootstrap.plan_cache import PlanCache
 from bootstrap.stage import Stage
 
@@ -56,6 +57,7 @@ STAGE = Stage(
     capacity,
     provides="plan",
     blocking=False,
+    agree=smallest_plan,  # several ranks: the smallest budget (bootstrap.parallel)
     figures=lambda p: {
         "bootstrap.kv.budget_bytes": p.kv_budget_bytes,
         "bootstrap.kv.max_tokens": p.kv_tokens,

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from opentelemetry import trace
+
 from bootstrap.artifacts import EstimationBuild, LoadedModel, ResolvedClasses
 from bootstrap.backends.base import Backend
-from bootstrap.capacity import cap_probe_tokens, estimation_tokens
+from bootstrap.capacity import cap_probe_tokens, estimation_tokens, fmt_bytes
 from bootstrap.config import BootstrapConfig
 from bootstrap.plan_cache import CachedPlan, PlanCache
 from bootstrap.stage import Skip, Stage, on_oom
@@ -70,13 +72,19 @@ def capped_probe_tokens(config: BootstrapConfig, resolved: ResolvedClasses, back
 
 def cached_plan(
     config: BootstrapConfig, resolved: ResolvedClasses, loaded: LoadedModel, backend: Backend, plan_cache: PlanCache | None
-) -> CachedPlan | None:
-    """The cached plan for this exact setup, if there is one and the device has room for it now."""
+) -> tuple[CachedPlan | None, str]:
+    """The cached plan for this exact setup if the device has room for it now; else None and why
+    not: the cache is off, holds nothing for this setup, or lacks the room (with the figures)."""
     if plan_cache is None:
-        return None
+        return None, "off"
     cached = plan_cache.lookup(config, resolved, backend)
-    fits = cached is not None and cached.fits(backend.device.free_bytes(), loaded.weight_bytes)
-    return cached if fits else None
+    if cached is None:
+        return None, "no plan cached for this setup"
+    free = backend.device.free_bytes()
+    if not cached.fits(free, loaded.weight_bytes):
+        needed = cached.needed_after_load(loaded.weight_bytes)
+        return None, f"no room: the cached plan needs {fmt_bytes(needed)} beside the weights, {fmt_bytes(free)} are free"
+    return cached, ""
 
 
 def skip_if_cached(
@@ -86,7 +94,11 @@ def skip_if_cached(
     backend: Backend,
     plan_cache: PlanCache | None,
 ) -> Skip | None:
-    return Skip(None, "plan-cache") if cached_plan(config, resolved, loaded, backend, plan_cache) else None
+    """Skip for a cached plan that fits; otherwise the stage span says why the probe is built."""
+    cached, miss = cached_plan(config, resolved, loaded, backend, plan_cache)
+    if cached is None:
+        trace.get_current_span().set_attribute("bootstrap.plan_cache.miss", miss)
+    return Skip(None, "plan-cache") if cached else None
 
 
 STAGE = Stage(

@@ -15,6 +15,7 @@ from bootstrap.artifacts import EstimationBuild, LoadedModel, ResolvedClasses
 from bootstrap.backends.base import Backend
 from bootstrap.capacity import MemoryProfile
 from bootstrap.config import BootstrapConfig
+from bootstrap.parallel import conservative_profile
 from bootstrap.plan_cache import PlanCache
 from bootstrap.stage import Skip, Stage, on_oom
 from bootstrap.stages.estimation_build import build_probe
@@ -86,6 +87,7 @@ STAGE = Stage(
     adapt=shrink_probe_or_workload,
     skip=skip_with_cached_profile,
     consumes=("estimation",),
+    agree=conservative_profile,  # several ranks: max peak, min free, ... (bootstrap.parallel)
     oom_advice=(
         "The dummy forward does not fit even after the retries shrank the probe and halved max_num_tokens "
         "(each attempt's span records the change): start with max_num_tokens below the value above, lower "

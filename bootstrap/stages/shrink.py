@@ -31,6 +31,17 @@ class ProbeOutOfMemory(DeviceOutOfMemory):
         self.max_num_tokens, self.probe_tokens = max_num_tokens, probe_tokens
         super().__init__(f"{cause} ({doing} for max_num_tokens={max_num_tokens} with a probe of {probe_tokens:,} tokens)")
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled whole (message and figures): a peer rank adapts from the same figures."""
+        return _probe_oom, (str(self), self.max_num_tokens, self.probe_tokens)
+
+
+def _probe_oom(message: str, max_num_tokens: int, probe_tokens: int) -> ProbeOutOfMemory:
+    exc = ProbeOutOfMemory.__new__(ProbeOutOfMemory)
+    DeviceOutOfMemory.__init__(exc, message)
+    exc.max_num_tokens, exc.probe_tokens = max_num_tokens, probe_tokens
+    return exc
+
 
 @contextmanager
 def probe_oom(doing: str, *, max_num_tokens: int, probe_tokens: int) -> Iterator[None]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 
 import anyio
 import pytest
@@ -176,6 +177,19 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(model):
     ex.shutdown()
 
 
+def test_a_mixed_batch_samples_its_sampled_requests(model):
+    ex = make(model)
+    prompt = [1, 2, 3]
+    greedy = SamplingParams(max_tokens=8)
+    hot = [SamplingParams(max_tokens=8, temperature=1.5, seed=seed) for seed in (7, 8)]
+    alone = [ex.generate([prompt], p)[0].token_ids for p in hot]
+    mixed = ex.generate([prompt] * 4, [greedy, hot[0], greedy, hot[1]])
+    assert mixed[0].token_ids == mixed[2].token_ids == expected(model, prompt, 8)
+    assert [mixed[1].token_ids, mixed[3].token_ids] == alone
+    assert all(tokens != expected(model, prompt, 8) for tokens in alone)
+    ex.shutdown()
+
+
 def test_warmup_requests_run_without_text(model):
     ex = make(model, tokenizer=char_tokenizer(), num_tokens=32)
     responses = ex.run_warmup(num_tokens=40, num_requests=3, max_tokens=2)
@@ -306,29 +320,42 @@ def test_a_request_whose_tokens_cannot_be_decoded_fails_alone(model):
 
 def test_a_shutdown_that_times_out_still_answers_every_request(model):
     ex = make(model, batch=2, num_tokens=16)
+    in_step, release = threading.Event(), threading.Event()
+
+    def hold(module, args):  # the worker's step waits here until the test releases it
+        in_step.set()
+        release.wait(30)
+
+    ex.runner.model.model.embed_tokens.register_forward_pre_hook(hold)
     ex.start_worker()
     worker = ex._worker
     ids = [ex.enqueue([1, 2, 3], SamplingParams(max_tokens=100, ignore_eos=True)) for _ in range(4)]
-    try:
-        ex.shutdown(timeout=0)  # the worker is mid-step or waiting: join gives up at once
-    except RuntimeError as exc:
-        assert "did not stop" in str(exc)
+    assert in_step.wait(30)
+    with pytest.raises(RuntimeError, match="did not stop within 0.1 s"):
+        ex.shutdown(timeout=0.1)
+    assert worker.is_alive() and not ex.runner.kv_cache.released
+    release.set()
     responses = [ex.await_response(i, timeout=30) for i in ids]
-    assert all(r.finish_reason in ("cancelled", "length") for r in responses)
+    assert [r.finish_reason for r in responses] == ["cancelled"] * 4
     worker.join(30)
     assert not worker.is_alive() and ex.runner.kv_cache.released
+    assert ex.stats().handles == 0
 
 
 def test_starting_the_worker_while_a_caller_drives_the_loop_keeps_outputs_right(model):
     ex = make(model, batch=4)
     prompts = [[i, i + 1, i + 2] for i in range(1, 9)]
     results: list = []
-    caller = threading.Thread(target=lambda: results.extend(ex.generate(prompts, SamplingParams(max_tokens=40))))
+    run = lambda: results.extend(ex.generate(prompts, SamplingParams(max_tokens=40)))  # noqa: E731
+    caller = threading.Thread(target=run, daemon=True)  # daemon: a failure here must not hang the process
     caller.start()
-    while not any(h.seq.output_token_ids for h in list(ex._handles.values())):
-        pass  # wait until the caller thread has run steps of its own
+    deadline = time.monotonic() + 60
+    while ex.runner.kv_cache.stats().used_blocks == 0:  # until the caller thread steps on its own
+        assert time.monotonic() < deadline and caller.is_alive(), "the caller thread never stepped"
+        time.sleep(0.001)
     ex.start_worker()
     caller.join(120)
+    assert not caller.is_alive(), "generate() did not return within 120 s"
     assert [r.token_ids for r in results] == [expected(model, p, 40) for p in prompts]
     assert all(r.ok for r in results)
     assert ex.scheduler.kv_cache.stats().used_blocks == 0

@@ -131,7 +131,6 @@ BAD_INPUT = {
     "prompt beyond max_seq_len": (["--max-seq-len", "8", "--prompt", PROMPT], "exceeds max_seq_len 8"),
     "max_tokens 0": (["--max-tokens", "0"], "max_tokens"),
     "fp8 KV cache on the native engine": (["--kv-cache-dtype", "fp8"], "kv_cache_dtype: fp8 is not supported"),
-    "tensor parallel on the native engine": (["--tp", "2"], "tensor_parallel_size: 2"),
     "chat without a chat template": (["--chat", "hello"], "no chat template"),
 }
 

@@ -100,3 +100,17 @@ def test_a_stop_string_cuts_the_text_where_it_starts(executor, reference):
     [cut] = executor.generate([prompt], SamplingParams(max_tokens=16, stop=(stop,)))
     assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.index(stop)]
     assert len(cut.token_ids) < len(full.token_ids)
+
+
+def test_bootstrap_run_answers_the_readme_question(cache_dir, capsys, tmp_path):
+    """The README's first command: the default model through the eight stages names Paris."""
+    import json
+
+    from bootstrap.cli import main
+
+    argv = ["run", "--device", "cpu", "--chat", QUESTIONS[0], "--max-tokens", "16", "--max-num-tokens", "256",
+            "--max-seq-len", "1024", "--plan-cache", str(tmp_path), "--json"]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert "Paris" in result["text"]
+    assert [s["outcome"] for s in result["stages"]] == ["ok"] * len(result["stages"])

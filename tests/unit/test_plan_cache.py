@@ -160,3 +160,21 @@ async def test_a_cache_directory_removed_after_the_start_began_is_a_warning(tmp_
     await pipeline.aclose()
     (warning,) = cache_warnings(caplog)
     assert warning.startswith(f"plan cache: could not store the plan in {directory}")
+
+
+async def test_a_cached_plan_without_room_now_is_profiled_again_and_the_span_says_why(tmp_path):
+    async def estimation_attempt(device) -> dict:
+        memory = InMemorySpanExporter()
+        config = BootstrapConfig.parse(**BASE, plan_cache=tmp_path)
+        pipeline = make_pipeline(config, SimBackend(device), tracer_provider=make_tracer_provider(memory=memory))
+        await pipeline.run()
+        await pipeline.aclose()
+        return next(s for s in memory.get_finished_spans() if s.name == "bootstrap.stage.estimation_build").attributes
+
+    first = await estimation_attempt(sim_device("h100-80gb"))
+    assert first["bootstrap.plan_cache.miss"] == "no plan cached for this setup"
+    crowded = sim_device("h100-80gb")
+    crowded.allocate(20 * 1024**3, "another process")  # the cached 57 GiB budget no longer fits
+    again = await estimation_attempt(crowded)
+    assert again["bootstrap.plan_cache.miss"].startswith("no room: the cached plan needs ")
+    assert "are free" in again["bootstrap.plan_cache.miss"]

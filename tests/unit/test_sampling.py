@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bootstrap.engine.sampling import (
     Sampler,
@@ -66,6 +68,48 @@ def test_mixed_batch_keeps_greedy_rows_greedy():
     params = [SamplingParams(), hot, SamplingParams(), hot]
     tokens = _sample(logits, params)
     assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
+
+
+@pytest.mark.parametrize("first", ["greedy", "sampled"])
+def test_mixed_batch_samples_its_sampled_rows(first):
+    """Greedy and sampled rows over the same nearly flat logits: the greedy rows all take the
+    argmax, the sampled ones spread over the vocabulary as a draw does."""
+    row = _logits(rows=1, vocab=50)[0] / 30
+    greedy, hot = SamplingParams(), SamplingParams(temperature=1.0)
+    params = [greedy, hot] * 200 if first == "greedy" else [hot, greedy] * 200
+    tokens = _sample(row.expand(400, -1).contiguous(), params)
+    is_greedy = torch.tensor([p.greedy for p in params])
+    assert torch.all(tokens[is_greedy] == row.argmax())
+    drawn = tokens[~is_greedy]
+    assert len(set(drawn.tolist())) > 25 and float((drawn == row.argmax()).double().mean()) < 0.2
+
+
+@pytest.mark.parametrize("top_p", [1e-46, 5e-324, 1e-45, 1e-38, 1e-8])
+def test_a_top_p_that_rounds_to_nothing_keeps_the_most_likely_token(top_p):
+    logits = _logits(rows=8)
+    params = [SamplingParams(temperature=1.0, top_p=top_p, seed=i) for i in range(8)]
+    assert torch.equal(_sample(logits, params), logits.argmax(dim=-1))
+    assert torch.equal(_sample(logits.to(torch.bfloat16), params), logits.to(torch.bfloat16).argmax(dim=-1))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    temperature=st.one_of(st.just(0.0), st.floats(1e-45, 20.0)),
+    top_k=st.integers(0, 60),
+    top_p=st.one_of(st.floats(5e-324, 1.0, exclude_min=False), st.just(1.0)),
+    masked=st.integers(0, 49),
+    seed=st.integers(0, 2**32),
+)
+def test_no_filter_leaves_a_row_without_a_candidate(temperature, top_k, top_p, masked, seed):
+    """Whatever the parameters, the token drawn is one the model allows (finite logit), and a
+    filter that keeps a single token keeps the most likely one."""
+    logits = _logits(rows=1, vocab=50, seed=seed % 1000)[0]
+    logits[torch.randperm(50, generator=torch.Generator().manual_seed(seed))[:masked]] = float("-inf")
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    token = int(_sample(logits.unsqueeze(0), [params])[0])
+    assert math.isfinite(float(logits[token]))
+    if top_k == 1 or top_p < 1e-30:
+        assert token == int(logits.argmax())
 
 
 def test_same_seed_same_tokens_whatever_the_batch():

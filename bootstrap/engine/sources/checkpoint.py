@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+from transformers.distributed import DistributedConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
@@ -40,12 +41,20 @@ def _model_kwargs(dtype: torch.dtype | None, attn_implementation: str | None) ->
 
 
 def load_checkpoint_dir(
-    path: Path, device: torch.device, dtype: torch.dtype | None, attn_implementation: str | None
+    path: Path, device: torch.device, dtype: torch.dtype | None, attn_implementation: str | None, tp_size: int = 1
 ) -> tuple[torch.nn.Module, Any]:
-    """Model (eval mode, on ``device``) and tokenizer (None without tokenizer files)."""
-    model = AutoModelForCausalLM.from_pretrained(
-        path, device_map=device, **_model_kwargs(dtype, attn_implementation)
-    )
+    """Model (eval mode, on ``device``) and tokenizer (None without tokenizer files).
+
+    ``tp_size`` > 1 (inside an initialised torch.distributed group of that size): this rank's
+    shard, through transformers' tensor-parallel plan (``tp_plan="auto"``: DTensor parameters,
+    q/k/v and gate/up split by output, o and down by input with an all-reduce), placed on
+    ``cuda:LOCAL_RANK`` or the CPU by transformers itself."""
+    kwargs = _model_kwargs(dtype, attn_implementation)
+    if tp_size > 1:
+        kwargs["distributed_config"] = DistributedConfig(tp_plan="auto")
+    else:
+        kwargs["device_map"] = device
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     has_tokenizer = any((path / name).exists() for name in TOKENIZER_FILES)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True) if has_tokenizer else None
     return model.eval(), tokenizer

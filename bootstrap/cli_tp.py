@@ -1,0 +1,54 @@
+"""``bootstrap run --tp N``: one process per rank, each running the eight stages on its device.
+
+Launched by hand (``bootstrap run --tp N``), the command starts N ranks itself
+(``bootstrap.parallel.launch``) and exits with rank 0's status (another rank's, when rank 0
+succeeded and it did not). Launched by ``torchrun --nproc-per-node N``, each process finds the
+launcher's ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` and is one rank. Rank 0 prints (progress,
+stage table, plan, text, ``--json``, the trace file); the others print nothing but a crash.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable
+
+GRACE_S = 30.0  # beyond the collective timeout, for the ranks to report and release
+
+
+def needs_launch(config: Any) -> bool:
+    """Several ranks asked for, and no launcher started this process as one of them."""
+    from bootstrap.parallel.torch_dist import RankEnv
+
+    return config.tensor_parallel_size > 1 and RankEnv.from_env() is None
+
+
+def launch_ranks(args: argparse.Namespace, tp: int, main: Callable[[argparse.Namespace], int]) -> int:
+    """Start ``tp`` ranks of ``main(args)``; the exit status the command reports."""
+    from bootstrap.parallel.launch import launch
+
+    codes = launch(main, (args,), tp, grace_s=args.dist_timeout + GRACE_S)
+    return codes[0] or next((c for c in codes if c), 0)
+
+
+def rank_backend(config: Any, args: argparse.Namespace) -> Any:
+    """This rank's native backend, joined to the others (timeout ``--dist-timeout``); sets
+    ``args.rank`` so the quiet ranks stay quiet. None on one rank (the default backend)."""
+    if config.tensor_parallel_size == 1 or config.backend != "native":
+        return None
+    from bootstrap.backends.native import NativeBackend, rank_device, rank_env
+    from bootstrap.parallel.torch_dist import init_ranks
+
+    env = rank_env(config)
+    args.rank = env.rank
+    kind = "cuda" if rank_device(config.device, env.local_rank).startswith("cuda") else "cpu"
+    return NativeBackend.for_config(config, collective=init_ranks(env, kind, args.dist_timeout))
+
+
+def leave() -> None:
+    """Leave the process groups, if this process joined any."""
+    import sys
+
+    if "bootstrap.parallel.torch_dist" in sys.modules:
+        from bootstrap.parallel.torch_dist import leave_ranks
+
+        leave_ranks()
