@@ -1,8 +1,11 @@
-"""Native engine vs transformers ``generate()``: prefill and decode tokens/s, side by side.
+"""Native engine (CUDA graphs on and off) vs transformers ``generate()``: prefill and decode
+tokens/s side by side, and each decode figure as a fraction of the memory-bandwidth roofline.
 
-Both run the same weights (each loads its own copy: the engine switches its model to paged
-attention) on the same prompts in the same process, one batch size after another. Per batch
-size B, prompt length P and generation length G, for each side:
+All sides run the same weights (the engine's two executors share one copy, switched to paged
+attention; transformers loads its own) on the same prompts in the same process, one batch size
+after another. ``engine`` runs every step eagerly; ``engine_graphs`` (CUDA only) replays decode
+steps from CUDA graphs captured for its batch-size buckets. Per batch size B, prompt length P
+and generation length G, for each side:
 
 - ``prefill_s``: wall time of a 1-token generation (prefill plus one sample), best of repeats;
 - ``total_s``: wall time of a G-token generation, best of repeats;
@@ -10,9 +13,18 @@ size B, prompt length P and generation length G, for each side:
   ``total_tok_s = B * G / total_s`` (generated tokens per second, end to end).
 
 Generation is forced to G tokens (``ignore_eos`` / ``min_new_tokens``) with greedy sampling;
-``identical_outputs`` counts the requests whose token ids are the same on both sides. The
+``identical_outputs`` counts the requests whose token ids are the same as transformers'. The
 sides alternate run by run, and the best of ``--repeats`` counts. Prints JSON and writes it to
 ``--out``.
+
+Roofline: a decode step must read every weight once and the KV cache of every request, so at
+best ``steps/s = bandwidth / (weight_bytes + B * kv_bytes_per_token * mean_context)``, with the
+mean context of the decode steps ``P + G / 2`` and ``bandwidth`` measured in the same run (a
+device-to-device copy of ``--bandwidth-bytes``, counting bytes read and written, best of 10).
+``roofline_tok_s = B * steps/s``; every side's ``decode_roofline_fraction`` is its
+``decode_tok_s`` over that. On CUDA, ``graph_step_ms`` is one decode graph replay alone
+(CUDA events, the bucket of the mean context), so the host's share of a step shows:
+``host_ms = 1000 * B / decode_tok_s - graph_step_ms``.
 
     python benchmarks/engine_throughput.py --device cpu --batch-sizes 1,8,32 \
         --prompt-len 64 --gen-len 16 --out bench.json
@@ -33,6 +45,7 @@ import transformers
 
 from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
 from bootstrap.engine.executor import PyExecutor
+from bootstrap.graph_buckets import default_batch_sizes
 from bootstrap.engine.loader import DEFAULT_MODEL, LoadedWeights, load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -68,6 +81,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gen-len", type=positive_int, default=32, help="generated tokens per request (>= 2)")
     parser.add_argument("--repeats", type=positive_int, default=2, help="timed runs per figure; the best counts")
     parser.add_argument("--cache-dir", type=Path, default=None, help="model cache (default ~/.cache/executor-bootstrap)")
+    parser.add_argument("--cuda-graphs", choices=["both", "on", "off"], default="both",
+                        help="engine sides on CUDA: graphs on and off side by side (both), or one of them")
+    parser.add_argument("--graph-variants", default="auto",
+                        help="engine_graphs sides, comma-separated: auto (the runner's choice: the Triton kernel and compiled "
+                        "RMSNorms where Triton runs), triton, torch (gathering attention), each with +compile or +eager "
+                        "(RMSNorms compiled or not) or +layers (whole decoder layers compiled), e.g. auto,torch,triton+eager")
+    parser.add_argument("--bandwidth-bytes", type=positive_int, default=None,
+                        help="size of the copy that measures bandwidth (default 2 GiB on CUDA, 256 MiB on the CPU)")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
     if args.gen_len < 2:
@@ -97,14 +118,77 @@ def make_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[lis
     return torch.randint(10, vocab, (batch, length), generator=gen).tolist()
 
 
-def build_engine(loaded: LoadedWeights, args: argparse.Namespace, device: torch.device) -> PyExecutor:
-    """An executor sized for the largest batch: every prompt prefills in one step."""
+def build_engine(loaded: LoadedWeights, args: argparse.Namespace, device: torch.device, graphs: str | None = None) -> PyExecutor:
+    """An executor sized for the largest batch: every prompt prefills in one step. With a
+    ``graphs`` variant, its decode steps are captured for the default buckets up to that batch."""
     batch = max(args.batch_sizes)
     seq_len = args.prompt_len + args.gen_len
     spec = KVCacheSpec.from_config(loaded.hf_config, loaded.model.dtype)
     cache = PagedKVCache.from_tokens(spec, batch * (seq_len + TOKENS_PER_BLOCK), TOKENS_PER_BLOCK, device)
     config = SchedulerConfig(batch, max(batch * args.prompt_len, batch), seq_len)
-    return create_executor(loaded.model, cache, config, loaded.tokenizer, set(loaded.eos_token_ids), start=False)
+    executor = create_executor(loaded.model, cache, config, loaded.tokenizer, set(loaded.eos_token_ids), start=False)
+    if graphs:
+        kernel, _, compiled = graphs.partition("+")
+        executor.runner.decode_kernel = executor.runner._decode_kernel(kernel)
+        compile_norms = {"compile": True, "eager": False}.get(compiled)  # None: the runner's default
+        capture = executor.runner.capture_decode_graphs(default_batch_sizes(batch), compile_norms=compile_norms,
+                                                        compile_layers=compiled == "layers")  # fmt: skip
+        print(json.dumps({"variant": graphs, "kernel": executor.runner.decode_kernel, "captured": capture.num_graphs, "batch_sizes": capture.batch_sizes, "widths": capture.widths,
+                          "capture_s": round(capture.seconds, 2)}), file=sys.stderr, flush=True)  # fmt: skip
+    return executor
+
+
+def side_name(variant: str | None) -> str:
+    if variant is None:
+        return "engine"
+    return "engine_graphs" if variant == "auto" else f"engine_graphs_{variant.replace('+', '_')}"
+
+
+def measure_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes per second of a device-to-device copy (read + write), best of 10."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(12):
+        synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    del src, dst
+    return 2 * (nbytes // 2) * 2 / best
+
+
+def roofline(batch: int, args: argparse.Namespace, weight_bytes: int, kv_bytes_per_token: int, bandwidth: float) -> dict:
+    context = args.prompt_len + args.gen_len / 2
+    step_bytes = weight_bytes + batch * kv_bytes_per_token * context
+    return {
+        "step_bytes": int(step_bytes),
+        "kv_bytes": int(batch * kv_bytes_per_token * context),
+        "steps_s": round(bandwidth / step_bytes, 1),
+        "roofline_tok_s": round(batch * bandwidth / step_bytes, 1),
+    }
+
+
+def graph_step_ms(executor: PyExecutor, batch: int, args: argparse.Namespace) -> float | None:
+    """Milliseconds of one replay of the decode graph a step of ``batch`` at the mean context
+    would use (inputs as last filled: timing only), median of 20."""
+    runner = executor.runner
+    if runner.graphs is None:
+        return None
+    blocks = -(-(args.prompt_len + args.gen_len // 2) // TOKENS_PER_BLOCK)
+    bucket = runner.graphs.bucket(batch, blocks)
+    if bucket is None:
+        return None
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        runner.graphs.replay(bucket)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return round(sorted(times)[len(times) // 2], 3)
 
 
 def engine_generate(executor: PyExecutor) -> Generate:
@@ -167,7 +251,9 @@ def figures(batch: int, args: argparse.Namespace, prefill_s: float, total_s: flo
     }
 
 
-def ratios(engine: dict, reference: dict) -> dict:
+def ratios(engine: dict, reference: dict) -> dict | None:
+    if engine is None:
+        return None
     keys = ("prefill_tok_s", "decode_tok_s", "total_tok_s")
     return {
         k.removesuffix("_tok_s"): round(engine[k] / reference[k], 3) if engine[k] and reference[k] else None
@@ -175,16 +261,25 @@ def ratios(engine: dict, reference: dict) -> dict:
     }
 
 
-def run_batch_sizes(args, device, sides: dict[str, Generate], vocab: int) -> list[dict]:
+def run_batch_sizes(args, device, sides: dict[str, Generate], vocab: int, limits: dict, graphed: dict[str, PyExecutor]) -> list[dict]:
     results = []
     for batch in args.batch_sizes:
         prompts = make_prompts(batch, args.prompt_len, vocab, seed=batch)
         best = best_times(sides, prompts, args, device)
-        row = {"batch_size": batch}
+        row = {"batch_size": batch, "roofline": roofline(batch, args, **limits)}
         row.update({name: figures(batch, args, b["prefill_s"], b["total_s"]) for name, b in best.items()})
-        row["engine_over_transformers"] = ratios(row["engine"], row["transformers"])
-        same = sum(a == b for a, b in zip(best["engine"]["tokens"], best["transformers"]["tokens"]))
-        row["identical_outputs"] = f"{same}/{batch}"  # greedy; random prompts can hit near-ties
+        for name in sides:
+            decode = row[name]["decode_tok_s"]
+            row[name]["decode_roofline_fraction"] = float(f"{decode / row['roofline']['roofline_tok_s']:.3g}") if decode else None
+        for name, executor in graphed.items():
+            row[name]["graph_step_ms"] = graph_step_ms(executor, batch, args)
+        for name in sides:
+            if name.startswith("engine"):
+                row[f"{name}_over_transformers"] = ratios(row[name], row["transformers"])
+                same = sum(a == b for a, b in zip(best[name]["tokens"], best["transformers"]["tokens"]))
+                row[f"{name}_identical_outputs"] = f"{same}/{batch}"  # greedy; random prompts can hit near-ties
+        if "engine" in sides:
+            row["identical_outputs"] = row["engine_identical_outputs"]
         print(json.dumps(row), file=sys.stderr, flush=True)
         results.append(row)
     return results
@@ -216,15 +311,28 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = resolve_dtype(args.dtype, device)
     engine_side, reference, load_s = load_pair(args, device, dtype)
     vocab = engine_side.hf_config.get_text_config().vocab_size
-    executor = build_engine(engine_side, args, device)
-    sides = {"engine": engine_generate(executor), "transformers": hf_generate(reference.model, device)}
+    bandwidth = measure_bandwidth(device, args.bandwidth_bytes or (2 << 30 if device.type == "cuda" else 256 << 20))
+    variants = [v.strip() for v in args.graph_variants.split(",") if v.strip()]
+    modes = {"both": [None, *variants], "on": variants, "off": [None]}[args.cuda_graphs]
+    modes = modes if device.type == "cuda" else [None]
+    # torch.compile changes the model in place: variants that compile get their own copy of the weights
+    compiles = [v for v in modes if v and (v.endswith(("+compile", "+layers")) or (v in ("auto", "triton") and device.type == "cuda"))]
+    compiled = load_model(args.model, device=device, dtype=dtype, cache_dir=args.cache_dir) if compiles else None
+    executors = {side_name(v): build_engine(compiled if v in compiles else engine_side, args, device, graphs=v)
+                 for v in modes}  # fmt: skip
+    sides = {name: engine_generate(ex) for name, ex in executors.items()}
+    sides["transformers"] = hf_generate(reference.model, device)
     warm = make_prompts(1, min(args.prompt_len, 8), vocab)
     for run in sides.values():
         run(warm, 2)
+    spec = KVCacheSpec.from_config(engine_side.hf_config, engine_side.model.dtype)
+    limits = {"weight_bytes": engine_side.weight_bytes, "kv_bytes_per_token": spec.bytes_per_token, "bandwidth": bandwidth}
     try:
-        results = run_batch_sizes(args, device, sides, vocab)
+        graphed = {name: ex for name, ex in executors.items() if ex.runner.graphs is not None}
+        results = run_batch_sizes(args, device, sides, vocab, limits, graphed)
     finally:
-        executor.shutdown()
+        for executor in executors.values():
+            executor.shutdown()
     report = {
         "benchmark": "engine_throughput",
         "command": " ".join(["python", "benchmarks/engine_throughput.py", *(argv if argv is not None else sys.argv[1:])]),
@@ -236,6 +344,10 @@ def main(argv: list[str] | None = None) -> dict:
         "repeats": args.repeats,
         "load_s": round(load_s, 3),
         "weight_bytes": engine_side.weight_bytes,
+        "kv_bytes_per_token": spec.bytes_per_token,
+        "bandwidth_bytes_s": round(bandwidth),
+        "cuda_graphs": args.cuda_graphs if device.type == "cuda" else "off (cpu)",
+        "graph_variants": {side_name(v): v for v in modes if v is not None},
         "environment": environment(device),
         "results": results,
     }

@@ -1,5 +1,6 @@
-"""Pipeline overhead per stage: eight trivial stages through the pipeline (tracing on, device
-thread, events) versus the same eight calls made directly, side by side in one run.
+"""Pipeline overhead per stage: one trivial stage per default stage (nine with ``warmup``; eight
+when the saved figures were taken) through the pipeline (tracing on, device thread, events)
+versus the same calls made directly, side by side in one run.
 
     python benchmarks/pipeline_overhead.py --repeats 200 --out pipeline_overhead.json
 """

@@ -79,3 +79,21 @@ class FinalBuild:
     handle: Any
     pool_bytes: dict[str, int] = field(default_factory=dict)
     pool_tokens: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Warmup:
+    """Optional stage ``warmup``: what was captured before the executor starts (CUDA graphs).
+
+    A skipped warmup is ``Warmup()``: nothing captured, the executor runs every step eagerly.
+    ``graph_bytes`` is measured (device memory in use after the capture less before it);
+    ``reserved_bytes`` is what the capacity plan set aside for it, from the profile.
+    """
+
+    handle: Any = None  # the backend's captured state (native: the ModelRunner holding the graphs)
+    batch_sizes: tuple[int, ...] = ()
+    widths: tuple[int, ...] = ()  # block-table widths (blocks) captured per batch size
+    num_graphs: int = 0
+    graph_bytes: int = 0
+    reserved_bytes: int = 0
+    capture_s: float = 0.0

@@ -295,6 +295,11 @@ class MemoryProfile:
     ``model_bytes`` is what torch held before the dummy forward *less the probe KV pool*:
     weights plus the probe executor's state. ``probe_kv_bytes`` is counted separately, so every
     backend must measure ``model_bytes`` this way for ``activation_bytes`` to be the forward's.
+
+    ``graph_bytes``: device memory the decode CUDA graphs of the ``warmup`` stage take (their
+    memory pool, static outputs and the driver's graph objects), measured by capturing the same
+    buckets on the probe after the dummy forward (0 where nothing is captured). It is not part of
+    the peak: the graphs stay allocated beside every later step, so the plan reserves it whole.
     """
 
     total_bytes: int
@@ -305,6 +310,7 @@ class MemoryProfile:
     used_bytes: int
     probe_kv_bytes: int
     max_num_tokens: int
+    graph_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -348,6 +354,7 @@ class CapacityPlan:
     limited_by: str
     fraction: float
     headroom_bytes: int | None = None  # kv_headroom_bytes: replaces the fraction when set
+    graph_bytes: int = 0  # reserved for the warmup stage's CUDA graphs (the profile's measurement)
 
     @property
     def kv_blocks(self) -> int:
@@ -373,7 +380,7 @@ def plan_capacity(
     caps: Mapping[str, int] | None = None,
     headroom_bytes: int | None = None,
 ) -> CapacityPlan:
-    """KV budget from a profile: ``int((total - peak + probe_kv) * fraction)`` capped by the
+    """KV budget from a profile: ``int((total - peak - graphs + probe_kv) * fraction)`` capped by the
     explicit limits and by the backend's ``caps`` (bytes by name), then block-aligned tokens
     (reference §3.2). ``limited_by`` names the smallest of them.
 
@@ -409,7 +416,7 @@ def plan_capacity(
         kv_tokens=kv_tokens, cost=cost, tokens_per_block=tokens_per_block, max_seq_len=max_seq_len,
         max_batch_size=max_batch_size, max_num_tokens=profile.max_num_tokens,
         max_concurrent_requests=min(kv_requests, max_batch_size), kv_requests=kv_requests,
-        limited_by=limited_by, fraction=fraction, headroom_bytes=headroom_bytes,
+        limited_by=limited_by, fraction=fraction, headroom_bytes=headroom_bytes, graph_bytes=profile.graph_bytes,
     )
 
 
@@ -417,7 +424,8 @@ def _capped_budget(
     profile: MemoryProfile, cost: CacheCost, fraction: float, max_kv_bytes: int | None, max_kv_tokens: int | None,
     headroom_bytes: int | None,
 ) -> tuple[int, str]:
-    budget = kv_share(profile.total_bytes - profile.peak_bytes + profile.probe_kv_bytes, fraction, headroom_bytes)
+    room = profile.total_bytes - profile.peak_bytes - profile.graph_bytes + profile.probe_kv_bytes
+    budget = kv_share(room, fraction, headroom_bytes)
     limited_by = "memory"
     if max_kv_tokens is not None and cost.bytes_for_tokens(max_kv_tokens) < budget:
         budget, limited_by = cost.bytes_for_tokens(max_kv_tokens), "max_kv_tokens"
@@ -438,7 +446,8 @@ def _too_small(
         "fixed per-sequence state",
         f"memory: total {fmt_bytes(profile.total_bytes)}, measured peak {fmt_bytes(profile.peak_bytes)} "
         f"(weights {fmt_bytes(profile.model_bytes)}, activations {fmt_bytes(profile.activation_bytes)}, "
-        f"non-torch {fmt_bytes(profile.peak_bytes - profile.torch_peak_bytes)}), probe KV added back "
+        f"non-torch {fmt_bytes(profile.peak_bytes - profile.torch_peak_bytes)}), CUDA graphs reserved "
+        f"{fmt_bytes(profile.graph_bytes)}, probe KV added back "
         f"{fmt_bytes(profile.probe_kv_bytes)}, {memory_rule(fraction, headroom)}",
     ]
     if limited_by != "memory":
@@ -448,7 +457,8 @@ def _too_small(
         lines.append(
             f"fix: lower max_seq_len, {raise_fraction}lower max_num_tokens or max_batch_size "
             f"(activations and fixed state; profiled max_num_tokens={profile.max_num_tokens}), use a smaller "
-            "kv_cache_dtype, or use more tensor_parallel_size"
+            "kv_cache_dtype, " + ("capture fewer CUDA graphs (cuda_graph_batch_sizes, --no-cuda-graphs), " if profile.graph_bytes else "")
+            + "or use more tensor_parallel_size"
         )
     return "\n  ".join(lines)
 

@@ -40,6 +40,13 @@ BAD_INPUT = (ConfigError, ModelConfigError, CapacityError)  # exit 2, also when 
 INPUT_ERRORS = (*BAD_INPUT, GraphError, MissingExtra, ValueError)  # raised before the pipeline starts
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
 def _config_args(parser: argparse.ArgumentParser, model_help: str = "preset name, config.json, or checkpoint dir",
                  default_model: str | None = None) -> None:  # fmt: skip
     add = parser.add_argument
@@ -57,6 +64,10 @@ def _config_args(parser: argparse.ArgumentParser, model_help: str = "preset name
     add("--max-kv-tokens", type=int)
     add("--host-cache-bytes", type=int, default=0)
     add("--plan-cache", type=Path, help="directory of cached plans")
+    add("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+        help="do not capture decode steps as CUDA graphs (the warmup stage is skipped, reason disabled)")  # fmt: skip
+    add("--cuda-graph-batch-sizes", type=_int_list, metavar="N,N,...",
+        help="batch sizes to capture as CUDA graphs (default 1,2,4,8, multiples of 8 up to max_batch_size)")  # fmt: skip
 
 
 def _backend_args(parser: argparse.ArgumentParser) -> None:
@@ -70,7 +81,7 @@ def _backend_args(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bootstrap", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    plan = sub.add_parser("plan", help="run all eight stages on a simulated GPU and print the KV plan")
+    plan = sub.add_parser("plan", help="run every stage on a simulated GPU and print the KV plan")
     _config_args(plan)
     _backend_args(plan)
     plan.add_argument("--gpu", required=True, help="h100-80gb, h200, a100-80gb, a100-40gb, l40s, rtx-4090, or bytes (80GiB)")

@@ -68,6 +68,10 @@ class BootstrapConfig(BaseModel):
         "auto", description="TensorRT-LLM KV cache manager (backend trtllm only); auto picks what TensorRT-LLM picks"
     )
     plan_cache: Path | None = Field(None, description="directory of cached capacity plans; None disables it")
+    cuda_graphs: bool = Field(True, description="capture decode steps as CUDA graphs in the warmup stage (CUDA only)")
+    cuda_graph_batch_sizes: tuple[int, ...] | None = Field(
+        None, description="batch sizes to capture; default 1, 2, 4, 8, then multiples of 8 up to max_batch_size"
+    )
 
     @field_validator("max_num_tokens")
     @classmethod
@@ -76,6 +80,17 @@ class BootstrapConfig(BaseModel):
         if batch is not None and value < batch:
             raise ValueError(f"must be >= max_batch_size ({batch}): every request in a step needs a token")
         return value
+
+    @field_validator("cuda_graph_batch_sizes")
+    @classmethod
+    def _within_the_batch(cls, value: tuple[int, ...] | None, info: ValidationInfo) -> tuple[int, ...] | None:
+        if value is None:
+            return None
+        batch = info.data.get("max_batch_size")
+        limit = batch if batch is not None else 4096
+        if not value or any(b < 1 or b > limit for b in value):
+            raise ValueError(f"must be batch sizes in [1, max_batch_size={limit}]")
+        return tuple(sorted(set(value)))
 
     @field_validator("tokens_per_block")
     @classmethod

@@ -65,14 +65,15 @@ class CachedPlan:
 
     def needed_after_load(self, weight_bytes: int) -> int:
         """Bytes a start needs once ``weight_bytes`` of weights are loaded: the rest of the
-        measured torch peak (executor state, activations) less the probe, plus the KV budget.
+        measured torch peak (executor state, activations) less the probe, plus the CUDA graphs'
+        reserve and the KV budget.
 
         Memory outside torch (CUDA context, other processes) is left out: free memory read after
         the load has already paid for it. At ``free_gpu_memory_fraction`` 1.0 on the same device
         this equals the free memory of the original start, so an identical start still fits.
         """
         p = self.profile
-        return max(p.torch_peak_bytes - p.probe_kv_bytes - weight_bytes, 0) + self.kv_budget_bytes
+        return max(p.torch_peak_bytes - p.probe_kv_bytes - weight_bytes, 0) + p.graph_bytes + self.kv_budget_bytes
 
     def fits(self, free_bytes: int, weight_bytes: int) -> bool:
         return free_bytes >= self.needed_after_load(weight_bytes)

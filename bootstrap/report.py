@@ -40,8 +40,8 @@ def _gib(value: int | None) -> str:
 
 def stage_table(rows: list[dict[str, Any]], title: str = "bootstrap stages") -> Table:
     table = Table(title=title)
-    table.add_column("stage", no_wrap=True)
-    table.add_column("outcome", no_wrap=True)
+    table.add_column("stage", no_wrap=True, min_width=max((len(r["id"]) for r in rows), default=5))
+    table.add_column("outcome")  # "skipped (plan-cache)" may wrap on a narrow terminal; stage ids never do
     for column in ("attempts", "duration", "free before", "free after"):
         table.add_column(column, justify="right", no_wrap=True)
     for row in rows:

@@ -75,6 +75,11 @@ class Backend(Protocol):
     ) -> FinalBuild:
         """Allocate the final KV pools exactly as ``budgets`` says."""
 
+    # Optional, not part of the protocol: ``capture_graphs(loaded, resolved, final, plan, config,
+    # batch_sizes, undo) -> Warmup`` for the ``warmup`` stage (skipped, reason ``unsupported``, on a
+    # backend without it), and then ``start_executor(..., warmup=)`` receives what it captured. Its
+    # memory must be in ``MemoryProfile.graph_bytes`` (measured by ``profile``), which the plan reserves.
+
     def start_executor(
         self,
         loaded: LoadedModel,

@@ -11,9 +11,14 @@ device thread, and pushes the release of everything it allocates on the attempt'
                     probe executors (``engine.warmup``: a failed step raises, it is never split);
                     every figure of the profile is read from the device port, free memory after
                     torch's cached blocks are returned (else the activations' cached blocks would
-                    count again as non-torch memory, and the plan would set them aside twice)
+                    count again as non-torch memory, and the plan would set them aside twice);
+                    with CUDA graphs on, the warmup stage's graphs are captured on the probe once
+                    to measure their memory (``MemoryProfile.graph_bytes``), then released
   final_build       the final pools, ``PagedKVCache.from_bytes`` of each pool's budget
-  scheduler_sampler the ``PyExecutor`` on the target pool, its worker started, one smoke request
+  warmup            the target's ``ModelRunner`` on its final pool, its decode steps captured as
+                    CUDA graphs (``ModelRunner.capture_decode_graphs``); released by dropping them
+  scheduler_sampler the ``PyExecutor`` on the target pool (and the warmup's runner), its worker
+                    started, one smoke request
 
 Tensor parallelism (``collective`` of N ranks): each process is one rank; weights load as its
 shard through transformers' TP plan, and every pool holds ``kv_heads / N`` heads per token.
@@ -37,18 +42,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from bootstrap.artifacts import EstimationBuild, FinalBuild, LoadedModel, ResolvedClasses
+from bootstrap.artifacts import EstimationBuild, FinalBuild, LoadedModel, ResolvedClasses, Warmup
 from bootstrap.budget_split import PoolBudgets
 from bootstrap.capacity import CapacityPlan, MemoryProfile, dummy_request_lengths
 from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.devices import CpuDevice, CudaDevice, Device, is_oom
 from bootstrap.engine.executor import PyExecutor, create_executor
+from bootstrap.engine.model_runner import ModelRunner
 from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
 from bootstrap.engine.loader import LoadedWeights, ModelSourceError, load_hf_config, load_model
 from bootstrap.engine.sources.smollm2 import ModelFetchError
 from bootstrap.engine.sampling import SamplingParams
 from bootstrap.engine.scheduler import SchedulerConfig
 from bootstrap.engine.warmup import run_dummy_requests
+from bootstrap.graph_buckets import graph_batch_sizes
 from bootstrap.models.shape import ModelConfigError, ModelShape
 from bootstrap.parallel import Collective
 from bootstrap.stages.load_model import is_transient_io
@@ -201,11 +208,13 @@ class NativeBackend:
     # ---- estimation_build and profiling -------------------------------------------------------
 
     def estimation_overhead_bytes(self, resolved: ResolvedClasses, config: BootstrapConfig) -> int:
-        """Each probe executor's decode buffers: six int64 rows of ``max_batch_size`` and the
-        static-width block tables (``ModelRunner``'s ``DecodeBuffers``); the sampler keeps none."""
+        """Each probe executor's decode buffers: seven int64 rows of ``max_batch_size`` and the
+        static-width block tables (``ModelRunner``'s ``DecodeBuffers``; their pinned host copies
+        are host memory); the sampler keeps none. What a graph capture adds is measured by
+        ``profile`` (``graph_bytes``)."""
         models = 2 if resolved.draft_shape is not None else 1
         blocks = -(-resolved.max_seq_len // config.tokens_per_block)
-        return models * 8 * config.max_batch_size * (6 + blocks)
+        return models * 8 * config.max_batch_size * (7 + blocks)
 
     def build_estimation(
         self, loaded: LoadedModel, resolved: ResolvedClasses, probe_tokens: int, config: BootstrapConfig, undo: Undo
@@ -236,7 +245,7 @@ class NativeBackend:
         device.synchronize()
         torch_peak, torch_used = device.peak_bytes(), device.allocated_bytes()
         self._collect()  # torch's cached blocks back first: "used - torch_used" is memory outside torch
-        return MemoryProfile(
+        figures = dict(
             total_bytes=device.total_bytes(),
             free_before_bytes=free_before,
             model_bytes=max(before - estimation.probe_kv_bytes, 0),
@@ -246,6 +255,25 @@ class NativeBackend:
             probe_kv_bytes=estimation.probe_kv_bytes,
             max_num_tokens=max_num_tokens,
         )
+        graph_bytes = self._measure_graphs(build.executors["target"].runner, config) if self._captures(config) else 0
+        return MemoryProfile(**figures, graph_bytes=graph_bytes)
+
+    def _captures(self, config: BootstrapConfig) -> bool:
+        return config.cuda_graphs and self.torch_device.type == "cuda" and self.tp == 1  # as skip_warmup
+
+    def _measure_graphs(self, runner: ModelRunner, config: BootstrapConfig) -> int:
+        """Device memory the warmup stage's graphs take: the same buckets captured on the probe
+        (same model, batch buffers and widths; only the pool differs), in use after less before,
+        the allocator's cache emptied on both sides. Released before returning."""
+        try:
+            self._collect()
+            before = self.device.total_bytes() - self.device.free_bytes()
+            runner.capture_decode_graphs(graph_batch_sizes(config.max_batch_size, config.cuda_graph_batch_sizes))
+            self._collect()
+            return max(self.device.total_bytes() - self.device.free_bytes() - before, 0)
+        finally:
+            runner.release_graphs()
+            self._collect()
 
     # ---- final_build and scheduler_sampler ----------------------------------------------------
 
@@ -260,6 +288,32 @@ class NativeBackend:
             pool_tokens={n: p.stats().capacity_tokens for n, p in pools.items()},
         )
 
+    def capture_graphs(
+        self,
+        loaded: LoadedModel,
+        resolved: ResolvedClasses,
+        final: FinalBuild,
+        plan: CapacityPlan,
+        config: BootstrapConfig,
+        batch_sizes: tuple[int, ...],
+        undo: Undo,
+    ) -> Warmup:
+        """The target's runner on its final pool, its decode steps captured for ``batch_sizes``
+        (every width bucket); the memory figure is read from the device as in profiling."""
+        runner = ModelRunner(loaded.handle.target.model, final.handle.pools["target"], config.max_batch_size,
+                             resolved.max_seq_len)  # fmt: skip
+        undo.push(lambda: self._release_graphs(runner))
+        self._collect()
+        before = self.device.total_bytes() - self.device.free_bytes()
+        capture = runner.capture_decode_graphs(batch_sizes)
+        self._collect()
+        used = max(self.device.total_bytes() - self.device.free_bytes() - before, 0)
+        return Warmup(runner, capture.batch_sizes, capture.widths, capture.num_graphs, used, plan.graph_bytes, capture.seconds)
+
+    def _release_graphs(self, runner: ModelRunner) -> None:
+        runner.release_graphs()
+        self._collect()
+
     def start_executor(
         self,
         loaded: LoadedModel,
@@ -268,11 +322,14 @@ class NativeBackend:
         plan: CapacityPlan,
         config: BootstrapConfig,
         undo: Undo,
+        warmup: Warmup | None = None,
     ) -> PyExecutor:
+        """With a ``warmup`` that captured graphs, its runner (and graphs) serve the executor."""
         target = loaded.handle.target
         scheduler = SchedulerConfig(config.max_batch_size, plan.max_num_tokens, resolved.max_seq_len)
+        runner = warmup.handle if warmup is not None else None
         executor = create_executor(target.model, final.handle.pools["target"], scheduler, target.tokenizer,
-                                   set(target.eos_token_ids), start=False)  # fmt: skip
+                                   set(target.eos_token_ids), start=False, runner=runner)  # fmt: skip
         undo.push(executor.shutdown)
         executor.start_worker()
         serve_smoke_request(executor)

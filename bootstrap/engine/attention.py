@@ -16,8 +16,18 @@ grouped-query, with the layer's sliding window when it has one; Gemma 2's logit 
 The scaling is the one the model passes in.
 
 Every tensor of a group is derived with device operations of static shape from the block
-tables, the lengths and three integers (``num_tokens``, ``max_query_len``, ``kv_blocks``), so a
-decode step can later be captured as a CUDA graph over static-width block tables.
+tables, the lengths and three integers (``num_tokens``, ``max_query_len``, ``kv_blocks``).
+
+Decode steps captured as CUDA graphs (``bootstrap.engine.cuda_graphs``) use ``DecodeMetadata``
+instead: one token per row, every tensor a view of the runner's static buffers, and no
+host-side value read during the forward. Each layer gathers whole blocks of a fixed number of
+block-table columns, masks the positions at or past each row's context length (and outside its
+sliding window), and runs one grouped-query ``scaled_dot_product_attention`` with the query
+heads of a KV head as its query rows, so keys and values are never repeated per query head.
+Padding rows of a graph repeat the last real row, and write that row's keys and values
+(``write_rows``), so two writes to one slot always carry the same bits. Where Triton runs
+(CUDA builds of torch), ``kernel="triton"`` replaces the gather, mask and SDPA with one paged
+kernel that reads only the blocks each row's context fills (``bootstrap.engine.triton_decode``).
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from bootstrap.engine.kv_cache import PagedKVCache
+from bootstrap.engine.triton_decode import paged_decode, write_kv
 
 ATTN_IMPLEMENTATION = "bootstrap_paged"
 
@@ -118,8 +129,33 @@ class AttentionMetadata:
         return cls(kv_cache, slot_mapping, [group])
 
 
+@dataclass
+class DecodeMetadata:
+    """A decode step of static shape: ``B`` rows of one token, ``W`` block-table columns each."""
+
+    kv_cache: PagedKVCache
+    slot_mapping: torch.Tensor  # [B] long: slot each row's new token is written to
+    write_rows: torch.Tensor  # [B] long: row whose key and value go to that slot
+    block_tables: torch.Tensor  # [B, W] long: valid block ids; columns past a row's length are masked
+    context_lens: torch.Tensor  # [B] long: tokens cached per row after this step
+    kernel: str = "torch"  # "triton": one paged kernel (bootstrap.engine.triton_decode), no gather
+    _masks: dict[int | None, torch.Tensor] = field(init=False, default_factory=dict)
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        """``[B, 1, 1, W * tpb]`` bool: positions below the context length, within the window."""
+        if sliding_window not in self._masks:
+            width = self.block_tables.shape[1] * self.kv_cache.tokens_per_block
+            kv_pos = torch.arange(width, device=self.context_lens.device)
+            lens = self.context_lens.unsqueeze(1)
+            allowed = kv_pos < lens
+            if sliding_window is not None:
+                allowed &= kv_pos >= lens - sliding_window
+            self._masks[sliding_window] = allowed[:, None, None, :]
+        return self._masks[sliding_window]
+
+
 @contextmanager
-def use_metadata(metadata: AttentionMetadata) -> Iterator[AttentionMetadata]:
+def use_metadata(metadata: AttentionMetadata | DecodeMetadata) -> Iterator[AttentionMetadata]:
     """Make ``metadata`` the one ``paged_attention`` reads in this thread, for one forward."""
     previous = getattr(_local, "metadata", None)
     _local.metadata = metadata
@@ -129,7 +165,7 @@ def use_metadata(metadata: AttentionMetadata) -> Iterator[AttentionMetadata]:
         _local.metadata = previous
 
 
-def current_metadata() -> AttentionMetadata:
+def current_metadata() -> AttentionMetadata | DecodeMetadata:
     metadata = getattr(_local, "metadata", None)
     if metadata is None:
         raise RuntimeError(
@@ -159,8 +195,15 @@ def paged_attention(
         raise ValueError(f"attention sinks (s_aux) are not supported by '{ATTN_IMPLEMENTATION}'")
     meta = current_metadata()
     k_cache, v_cache = _layer_caches(module, meta.kv_cache)
-    _write(k_cache, v_cache, key, value, meta.slot_mapping)
     tokens = query[0].transpose(0, 1)  # [T, H, D]
+    if isinstance(meta, DecodeMetadata) and meta.kernel == "triton":
+        write_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), meta.write_rows, meta.slot_mapping, k_cache, v_cache)
+        return _attend_decode(tokens, k_cache, v_cache, meta, scaling, sliding_window, softcap).unsqueeze(0), None
+    if isinstance(meta, DecodeMetadata):
+        key, value = key.index_select(2, meta.write_rows), value.index_select(2, meta.write_rows)
+        _write(k_cache, v_cache, key, value, meta.slot_mapping)
+        return _attend_decode(tokens, k_cache, v_cache, meta, scaling, sliding_window, softcap).unsqueeze(0), None
+    _write(k_cache, v_cache, key, value, meta.slot_mapping)
     if len(meta.groups) == 1:
         return _attend(tokens, k_cache, v_cache, meta.groups[0], scaling, sliding_window, softcap).unsqueeze(0), None
     out = torch.empty_like(tokens)
@@ -189,6 +232,39 @@ def _attend(
         out = _softcapped_attention(q, k, v, mask, scaling, softcap)
     batch, heads, q_max, head_dim = out.shape
     return out.transpose(1, 2).reshape(batch * q_max, heads, head_dim).index_select(0, group.rows)
+
+
+def _attend_decode(
+    tokens: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: DecodeMetadata,
+    scaling: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """``[B, H, D]``: one query token per row against the row's blocks (static shapes only)."""
+    rows, heads, head_dim = tokens.shape
+    if meta.kernel == "triton":
+        scale = scaling if scaling is not None else head_dim**-0.5
+        return paged_decode(tokens, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, sliding_window, softcap)
+    kv_heads = k_cache.shape[2]
+    q = tokens.reshape(rows, kv_heads, heads // kv_heads, head_dim)  # query heads grouped by KV head
+    k = _gather_blocks(k_cache, meta.block_tables, q.dtype)
+    v = _gather_blocks(v_cache, meta.block_tables, q.dtype)
+    mask = meta.mask(sliding_window)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+    else:
+        out = _softcapped_attention(q, k, v, mask, scaling, softcap)
+    return out.reshape(rows, heads, head_dim)
+
+
+def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, KVH, W * tpb, D]``: whole blocks of every row, in position order."""
+    rows, width = tables.shape
+    blocks = cache.index_select(0, tables.reshape(-1))  # [B * W, tpb, KVH, D]
+    return blocks.view(rows, width * cache.shape[1], *cache.shape[2:]).transpose(1, 2).to(dtype)
 
 
 def _layer_caches(module: torch.nn.Module, cache: PagedKVCache) -> tuple[torch.Tensor, torch.Tensor]:

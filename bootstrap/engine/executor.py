@@ -28,9 +28,10 @@ as soon as it is finished and no wait is attached. Finished responses nobody wai
 the ``max_unclaimed`` most recent; a released id raises ``KeyError``. ``stats()`` counts them.
 
 ``shutdown`` stops and joins the worker, answers every unfinished request with
-``finish_reason="cancelled"``, wakes every waiter and releases the KV pool; it is idempotent. A
-worker that does not stop in time does that itself when its step ends. Steps run under one lock,
-so a caller driving the loop and a worker started meanwhile never step at once.
+``finish_reason="cancelled"``, wakes every waiter and releases the KV pool and any captured CUDA
+graphs; it is idempotent. A worker that does not stop in time does that itself when its step
+ends. Steps run under one lock, so a caller driving the loop and a worker started meanwhile
+never step at once.
 """
 
 from __future__ import annotations
@@ -432,6 +433,7 @@ class PyExecutor:
                 return self._fail(self.scheduler.drain(), died)
             for seq in self.scheduler.drain():
                 self._complete(self._handle_of(seq), "cancelled", "the executor was shut down")
+            self.runner.release_graphs()
             self.runner.kv_cache.release()
 
     def __enter__(self) -> PyExecutor:
@@ -449,11 +451,16 @@ def create_executor(
     eos_token_ids: set[int] | None = None,
     start: bool = True,
     max_unclaimed: int = DEFAULT_MAX_UNCLAIMED,
+    runner: ModelRunner | None = None,
 ) -> PyExecutor:
     """Wire a loaded model (switched to paged attention in place) and a KV pool into a
     ``PyExecutor``; its worker is started unless ``start=False``. ``max_unclaimed``: how many
-    finished responses nobody waits for are kept (see the module docstring)."""
-    runner = ModelRunner(model, kv_cache, config.max_batch_size, config.max_seq_len)
+    finished responses nobody waits for are kept (see the module docstring). ``runner``: one
+    already made for this model and pool (with its CUDA graphs captured, say) instead of a new one."""
+    if runner is None:
+        runner = ModelRunner(model, kv_cache, config.max_batch_size, config.max_seq_len)
+    elif runner.model is not model or runner.kv_cache is not kv_cache or runner.max_batch_size < config.max_batch_size:
+        raise ValueError("the runner given to create_executor was made for another model, pool or batch size")
     sampler = Sampler(runner.device)
     executor = PyExecutor(runner, Scheduler(kv_cache, config), sampler, tokenizer, eos_token_ids, max_unclaimed)
     if start:

@@ -8,19 +8,34 @@ of each request that samples this step (``logits_to_keep`` with explicit indices
 vocabulary projection never runs over a whole prompt.
 
 Decode steps fill preallocated buffers (inputs, positions, slots, lengths, and block tables of
-static width ``ceil(max_seq_len / tokens_per_block)``) and run on views of them: the shape a CUDA
-graph per batch-size bucket needs. Mixed steps (prefill chunks and decode tokens) build fresh
-tensors. Nothing here is CUDA-only; the CPU path runs as is.
+static width ``ceil(max_seq_len / tokens_per_block)``) and run on views of them. After
+``capture_decode_graphs`` (CUDA), a decode step whose size and block-table width a captured
+bucket covers is replayed as a CUDA graph, padded up to the bucket; mixed steps (prefill chunks
+and decode tokens), decode steps no bucket covers, and every step on the CPU run eagerly as
+before.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from bootstrap.engine.attention import ATTN_IMPLEMENTATION, AttentionGroup, AttentionMetadata, use_metadata
+from transformers import AttentionInterface
+
+from bootstrap.engine.attention import (
+    ATTN_IMPLEMENTATION,
+    AttentionGroup,
+    AttentionMetadata,
+    DecodeMetadata,
+    paged_attention,
+    use_metadata,
+)
+from bootstrap.engine import triton_decode
+from bootstrap.engine.cuda_graphs import DecodeGraphs, GraphCapture
+from bootstrap.graph_buckets import decode_widths
 from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
 from bootstrap.engine.scheduler import ScheduledBatch
 
@@ -33,43 +48,80 @@ class StepInputs:
     metadata: AttentionMetadata
 
 
+@dataclass
+class DecodeStep:
+    """One decode step's values on the host: a token, position, slot and block table per row."""
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    tables: list[list[int]]
+
+    @property
+    def size(self) -> int:
+        return len(self.ids)
+
+    @property
+    def width(self) -> int:
+        """Block-table columns the step needs: the longest table."""
+        return max(len(table) for table in self.tables)
+
+
 class DecodeBuffers:
-    """Preallocated, fixed-shape inputs of a decode step (one token per request)."""
+    """Preallocated, fixed-shape inputs of a decode step (one token per request).
+
+    Five rows of ``max_batch_size`` (ids, positions, slots, context lengths, write rows) and the
+    block tables, on the device. On CUDA they are filled from pinned host buffers with
+    asynchronous copies, so filling a step never waits for the GPU; the host buffers are
+    rewritten only once the previous step's copies have finished (a recorded event).
+    """
 
     def __init__(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device) -> None:
-        def zeros(*shape: int) -> torch.Tensor:
-            return torch.zeros(shape, dtype=torch.long, device=device)
-
-        self.input_ids = zeros(max_batch_size)
-        self.positions = zeros(max_batch_size)
-        self.slot_mapping = zeros(max_batch_size)
-        self.context_lens = zeros(max_batch_size)
+        self.max_batch_size, self.max_blocks_per_seq = max_batch_size, max_blocks_per_seq
+        pinned = device.type == "cuda"
+        self.rows = torch.zeros(5, max_batch_size, dtype=torch.long, device=device)
+        self.input_ids, self.positions, self.slot_mapping, self.context_lens, self.write_rows = self.rows
         self.query_lens = torch.ones(max_batch_size, dtype=torch.long, device=device)
         self.logits_index = torch.arange(max_batch_size, device=device)
-        self.block_tables = zeros(max_batch_size, max_blocks_per_seq)
+        self.block_tables = torch.zeros(max_batch_size, max_blocks_per_seq, dtype=torch.long, device=device)
+        self._host_rows = torch.zeros(5, max_batch_size, dtype=torch.long, pin_memory=pinned)
+        self._host_tables = torch.zeros(max_batch_size * max_blocks_per_seq, dtype=torch.long, pin_memory=pinned)
+        self._copied = torch.cuda.Event() if pinned else None
 
-    def fill(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]]) -> int:
-        """Copy one step's values into the first ``len(ids)`` rows; return that batch size.
+    def fill(self, step: DecodeStep, rows: int | None = None, width: int | None = None) -> int:
+        """Copy ``step`` into the first ``rows`` rows and ``width`` block-table columns (default:
+        the step's own size and width); return the step's size.
 
-        Only the block-table columns in use are written; later columns keep older block ids,
-        which are valid indices and lie past every request's length, so they are masked out.
+        Rows past the step's size repeat its last row (a padded CUDA-graph replay); columns past
+        a table's length hold block 0, which lies past the row's length and is masked out.
+        Columns past ``width`` keep older block ids, equally valid and equally masked.
         """
-        size = len(ids)
-        width = max(len(table) for table in tables)
-        padded = [table + [0] * (width - len(table)) for table in tables]
-        host = torch.tensor([ids, positions, slots], dtype=torch.long)
-        self.input_ids[:size].copy_(host[0], non_blocking=True)
-        self.positions[:size].copy_(host[1], non_blocking=True)
-        self.slot_mapping[:size].copy_(host[2], non_blocking=True)
-        self.context_lens[:size].copy_(host[1] + 1, non_blocking=True)
-        self.block_tables[:size, :width].copy_(torch.tensor(padded, dtype=torch.long), non_blocking=True)
+        size = step.size
+        rows, width = rows or size, width or step.width
+        if not size <= rows <= self.max_batch_size or not step.width <= width <= self.max_blocks_per_seq:
+            raise ValueError(f"a decode step of {size} rows and {step.width} blocks does not fit {rows} x {width}")
+        pad = rows - size
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copies have read the host buffers
+        ids, positions, slots = (values + values[-1:] * pad for values in (step.ids, step.positions, step.slots))
+        context_lens = [p + 1 for p in positions]
+        write_rows = list(range(size)) + [size - 1] * pad
+        self._host_rows[:, :rows] = torch.tensor([ids, positions, slots, context_lens, write_rows], dtype=torch.long)
+        tables = [table + [0] * (width - len(table)) for table in step.tables]
+        host_tables = self._host_tables[: rows * width].view(rows, width)
+        host_tables.copy_(torch.tensor(tables + tables[-1:] * pad, dtype=torch.long))
+        self.rows.copy_(self._host_rows, non_blocking=True)
+        self.block_tables[:rows, :width].copy_(host_tables, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         return size
 
 
 class ModelRunner:
     """Owns the forward pass: input preparation, attention metadata, last-token logits."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, max_batch_size: int, max_seq_len: int) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, max_batch_size: int, max_seq_len: int,
+                 decode_kernel: str = "auto") -> None:  # fmt: skip
         self.model = model
         self.kv_cache = kv_cache
         self.device = next(model.parameters()).device
@@ -77,29 +129,47 @@ class ModelRunner:
         _check_cache_matches(model, kv_cache)
         _check_positions(model, max_seq_len)
         _use_paged_attention(model)
+        self.max_batch_size = max_batch_size
         self.max_blocks_per_seq = kv_cache.blocks_needed(max_seq_len)
         self.decode_buffers = DecodeBuffers(max_batch_size, self.max_blocks_per_seq, self.device)
+        self.graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
+        self.decode_kernel = self._decode_kernel(decode_kernel)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits ``[S, vocab]`` at the last token of each request of ``batch`` that samples now."""
-        inputs = self.prepare_decode(batch) if batch.is_decode else self.prepare_mixed(batch)
+        """Logits ``[S, vocab]`` at the last token of each request of ``batch`` that samples now.
+
+        A decode step replays a captured CUDA graph when one covers its size and width (padded
+        up to the graph's bucket); any other step runs eagerly.
+        """
+        if batch.is_decode:
+            step = self.decode_step(batch)
+            bucket = self.graphs.bucket(step.size, step.width) if self.graphs is not None else None
+            if bucket is not None:
+                self.decode_buffers.fill(step, bucket[0])  # columns past the step's width: stale, masked
+                return self.graphs.replay(bucket)[: step.size]
+            inputs = self.prepare_decode(step)
+        else:
+            inputs = self.prepare_mixed(batch)
         with use_metadata(inputs.metadata):
-            out = self.model(
-                input_ids=inputs.input_ids,
-                position_ids=inputs.positions,
-                logits_to_keep=inputs.logits_index,
-                use_cache=False,
-            )
+            return self._forward(inputs.input_ids, inputs.positions, inputs.logits_index)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_to_keep: torch.Tensor | int) -> torch.Tensor:
+        out = self.model(input_ids=input_ids, position_ids=positions, logits_to_keep=logits_to_keep, use_cache=False)
         return out.logits[0]
 
-    def prepare_decode(self, batch: ScheduledBatch) -> StepInputs:
-        """Decode-only step on views of the preallocated buffers."""
-        seqs, buf = batch.seqs, self.decode_buffers
-        positions = [s.num_computed for s in seqs]
-        tables = [self.kv_cache.block_table(s.request_id) for s in seqs]
+    def decode_step(self, batch: ScheduledBatch) -> DecodeStep:
+        """The host-side values of a decode-only step."""
+        positions = [s.num_computed for s in batch.seqs]
+        tables = [self.kv_cache.block_table(s.request_id) for s in batch.seqs]
         slots = [self._slot(table, pos) for table, pos in zip(tables, positions)]
-        size = buf.fill([s.token_ids[-1] for s in seqs], positions, slots, tables)
+        return DecodeStep([s.token_ids[-1] for s in batch.seqs], positions, slots, tables)
+
+    def prepare_decode(self, step: DecodeStep | ScheduledBatch) -> StepInputs:
+        """Decode-only step on views of the preallocated buffers (eager: exact size and width)."""
+        step = step if isinstance(step, DecodeStep) else self.decode_step(step)
+        buf = self.decode_buffers
+        size = buf.fill(step)
         metadata = AttentionMetadata.single(
             self.kv_cache,
             slot_mapping=buf.slot_mapping[:size],
@@ -107,10 +177,89 @@ class ModelRunner:
             context_lens=buf.context_lens[:size],
             query_lens=buf.query_lens[:size],
             max_query_len=1,
-            kv_blocks=max(len(t) for t in tables),
+            kv_blocks=step.width,
         )
         ids, pos = buf.input_ids[:size].unsqueeze(0), buf.positions[:size].unsqueeze(0)
         return StepInputs(ids, pos, buf.logits_index[:size], metadata)
+
+    def decode_metadata(self, rows: int, width: int) -> DecodeMetadata:
+        """Static-shape metadata over the first ``rows`` x ``width`` of the decode buffers."""
+        buf = self.decode_buffers
+        return DecodeMetadata(self.kv_cache, buf.slot_mapping[:rows], buf.write_rows[:rows],
+                              buf.block_tables[:rows, :width], buf.context_lens[:rows], self.decode_kernel)  # fmt: skip
+
+    def forward_decode(self, rows: int, width: int) -> torch.Tensor:
+        """Logits ``[rows, vocab]`` of a static-shape decode step over the buffers as filled
+        (what a CUDA graph captures; runs eagerly as well, on any device)."""
+        buf = self.decode_buffers
+        with use_metadata(self.decode_metadata(rows, width)):
+            return self._forward(buf.input_ids[:rows].unsqueeze(0), buf.positions[:rows].unsqueeze(0), 0)
+
+    def capture_decode_graphs(
+        self, batch_sizes: Sequence[int], widths: Sequence[int] | None = None, compile_norms: bool | None = None,
+        compile_layers: bool = False,
+    ) -> GraphCapture:  # fmt: skip
+        """Capture decode steps as CUDA graphs for every batch size x width bucket (CUDA only;
+        see ``bootstrap.engine.cuda_graphs``). Replaces any earlier capture. ``compile_norms``:
+        first ``torch.compile`` the model's RMSNorm modules (eight kernels each to one; a second
+        or so of compiling at the first shapes; every later step, eager ones too, uses them).
+        Default: where the Triton decode kernel runs (Triton, which the compiler needs, is there).
+        ``compile_layers`` (experimental): compile whole decoder layers instead, the attention
+        function left out of the compiled graphs (longer to compile, fewer kernels still)."""
+        self.release_graphs()
+        if compile_layers:
+            self.compile_layers()
+        if compile_norms if compile_norms is not None else self.decode_kernel == "triton":
+            self.compile_norms()
+        graphs = DecodeGraphs(self)
+        try:
+            report = graphs.capture(batch_sizes, widths if widths is not None else self.default_widths())
+        except BaseException:
+            graphs.release()
+            raise
+        self.graphs = graphs
+        return report
+
+    def compile_norms(self) -> int:
+        """``torch.compile`` (dynamic shapes) every module whose class is an RMSNorm, in place:
+        one compiled graph serves all of them. Returns how many were compiled."""
+        norms = [m for m in self.model.modules() if type(m).__name__.endswith("RMSNorm")]
+        for module in norms:
+            if getattr(module, "_compiled_call_impl", None) is None:  # a probe's runner compiled them already
+                module.compile(dynamic=True)
+        return len(norms)
+
+    def compile_layers(self) -> int:
+        """``torch.compile`` (dynamic shapes) every decoder layer in place; the paged attention
+        function runs outside the compiled graphs (``torch.compiler.disable``), so each layer
+        compiles to the part before it and the part after it."""
+        AttentionInterface.register(ATTN_IMPLEMENTATION, torch.compiler.disable(paged_attention))
+        layers = [m for m in self.model.modules() if type(m).__name__.endswith("DecoderLayer")]
+        for module in layers:
+            if getattr(module, "_compiled_call_impl", None) is None:
+                module.compile(dynamic=True)
+        return len(layers)
+
+    def default_widths(self) -> list[int]:
+        """The paged kernel reads only each row's context: one graph width, the whole table.
+        The gathering path reads its whole width: doubling widths up to 8,192 tokens."""
+        if self.decode_kernel == "triton":
+            return [self.max_blocks_per_seq]
+        return decode_widths(self.max_blocks_per_seq, self.kv_cache.tokens_per_block)
+
+    def _decode_kernel(self, choice: str) -> str:
+        usable = triton_decode.available(self.device, self.kv_cache.tokens_per_block)
+        if choice not in ("auto", "triton", "torch"):
+            raise ValueError(f"decode_kernel must be auto, triton or torch, got {choice!r}")
+        if choice == "triton" and not usable:
+            raise ValueError("decode_kernel 'triton' needs Triton, a CUDA device and at least 16 tokens per block")
+        return "triton" if choice == "triton" or (choice == "auto" and usable) else "torch"
+
+    def release_graphs(self) -> None:
+        """Drop every captured graph and its memory pool (idempotent)."""
+        if self.graphs is not None:
+            graphs, self.graphs = self.graphs, None
+            graphs.release()
 
     def _slot(self, table: list[int], position: int) -> int:
         tpb = self.kv_cache.tokens_per_block

@@ -1,4 +1,5 @@
-"""The eight stages of DESIGN.md section 2, one module each; ``DEFAULT_STAGES`` is the graph."""
+"""The stages of DESIGN.md section 2, one module each (the optional ``warmup`` included, between
+``final_build`` and ``scheduler_sampler``); ``DEFAULT_STAGES`` is the graph."""
 
 from bootstrap.stages import (
     budget_split,
@@ -9,6 +10,7 @@ from bootstrap.stages import (
     profiling,
     resolve_classes,
     scheduler_sampler,
+    warmup,
 )
 
 DEFAULT_STAGES = (
@@ -19,6 +21,7 @@ DEFAULT_STAGES = (
     capacity.STAGE,
     budget_split.STAGE,
     final_build.STAGE,
+    warmup.STAGE,
     scheduler_sampler.STAGE,
 )
 STAGE_IDS = tuple(s.id for s in DEFAULT_STAGES)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bootstrap.artifacts import FinalBuild, LoadedModel, ResolvedClasses
+from bootstrap.artifacts import FinalBuild, LoadedModel, ResolvedClasses, Warmup
 from bootstrap.backends.base import Backend
 from bootstrap.capacity import CapacityPlan
 from bootstrap.config import BootstrapConfig
@@ -20,10 +20,13 @@ def scheduler_sampler(
     loaded: LoadedModel,
     final: FinalBuild,
     plan: CapacityPlan,
+    warmup: Warmup,
     backend: Backend,
     undo: Undo,
 ) -> Any:
-    return backend.start_executor(loaded, resolved, final, plan, config, undo)
+    """A backend that captured something in ``warmup`` gets it (``warmup=``); others never see it."""
+    extra = {"warmup": warmup} if warmup.handle is not None else {}
+    return backend.start_executor(loaded, resolved, final, plan, config, undo, **extra)
 
 
 STAGE = Stage(

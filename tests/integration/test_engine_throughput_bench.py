@@ -41,6 +41,12 @@ def test_benchmark_reports_both_sides_for_every_batch_size(tmp_path):
         # float32 on CPU: greedy output equals generate() token for token (near-ties aside, and
         # this seeded tiny model has none), so every request must match
         assert row["identical_outputs"] == f"{row['batch_size']}/{row['batch_size']}"
+        roof = row["roofline"]
+        assert roof["step_bytes"] == report["weight_bytes"] + roof["kv_bytes"]
+        assert roof["roofline_tok_s"] == pytest.approx(row["batch_size"] * report["bandwidth_bytes_s"] / roof["step_bytes"], rel=1e-3)
+        for side in ("engine", "transformers"):  # None only when timing noise hid the decode time
+            assert row[side]["decode_roofline_fraction"] is None or row[side]["decode_roofline_fraction"] > 0
+    assert report["cuda_graphs"] == "off (cpu)" and "engine_graphs" not in report["results"][0]
 
 
 @pytest.mark.parametrize("bad", [["--batch-sizes", "0,8"], ["--gen-len", "1"], ["--prompt-len", "x"]])

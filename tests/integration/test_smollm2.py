@@ -103,7 +103,7 @@ def test_a_stop_string_cuts_the_text_where_it_starts(executor, reference):
 
 
 def test_bootstrap_run_answers_the_readme_question(cache_dir, capsys, tmp_path):
-    """The README's first command: the default model through the eight stages names Paris."""
+    """The README's first command: the default model through the stages names Paris (no CUDA graphs on the CPU)."""
     import json
 
     from bootstrap.cli import main
@@ -113,4 +113,4 @@ def test_bootstrap_run_answers_the_readme_question(cache_dir, capsys, tmp_path):
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     assert "Paris" in result["text"]
-    assert [s["outcome"] for s in result["stages"]] == ["ok"] * len(result["stages"])
+    assert [s["outcome"] for s in result["stages"]] == ["skipped" if s["id"] == "warmup" else "ok" for s in result["stages"]]

@@ -59,7 +59,7 @@ def test_two_ranks_generate_the_greedy_tokens_of_one(llama, tmp_path):
     assert results[0]["tokens"] == results[1]["tokens"] == greedy_reference(llama, 8)
     for result in results:
         assert [s["id"] for s in result["stages"]] == list(STAGE_IDS)
-        assert {s["outcome"] for s in result["stages"]} == {"ok"}
+        assert {s["outcome"] for s in result["stages"] if s["id"] != "warmup"} == {"ok"}  # no graphs on the CPU
         assert result["plan"]["cost"]["slope"] == 2 * 2 * 1 * 16 * 4  # 2 layers, K and V, 2 KV heads / 2 ranks, fp32
     events = [e for e in stage_span(tmp_path, 0, "profiling")["events"] if e["name"] == "bootstrap.collective.attempt"]
     assert events and events[0]["attributes"]["bootstrap.collective.world_size"] == 2

@@ -1,4 +1,4 @@
-"""The eight stages through the trtllm backend on fake TensorRT-LLM objects (1.2.1 and main):
+"""The stages through the trtllm backend on fake TensorRT-LLM objects (1.2.1 and main):
 success, OOM in profiling with retry, OOM in final build with a smaller budget, cancellation,
 rollback leaving nothing, and the same trace shape as the native (simulated) backend."""
 
@@ -47,7 +47,8 @@ async def native_trace(fault: str | None = None, times: int = 1) -> list[tuple]:
 async def test_all_stages_succeed_with_the_native_trace_shape(version):
     s = make_setup(version)
     artifacts = await s.pipeline.run()
-    assert [s.pipeline.status[i].state for i in STAGE_IDS] == ["done"] * 8
+    # TensorRT-LLM captures its CUDA graphs inside its own executor creation: warmup is skipped
+    assert [s.pipeline.status[i].state for i in STAGE_IDS] == ["skipped" if i == "warmup" else "done" for i in STAGE_IDS]
     executor = artifacts["executor"]
     assert executor.is_running
     plan, final = artifacts["plan"], artifacts["final"]

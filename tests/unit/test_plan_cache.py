@@ -36,6 +36,8 @@ CHANGED = {
     "host_cache_bytes": 1024**3,
     "tensor_parallel_size": 2,
     "backend": "trtllm",
+    "cuda_graphs": False,  # the profile measures the graphs' memory on a GPU
+    "cuda_graph_batch_sizes": (1, 2),
 }
 ON_TRTLLM_ONLY = {"kv_manager": "v2"}  # refused with the native backend of BASE
 REJECTED_FOR_EVERY_PRESET = {"cross_kv_cache_fraction": 0.25}  # decoder-only models refuse it

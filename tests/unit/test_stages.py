@@ -1,4 +1,4 @@
-"""The eight default stages on the simulated backend (a FakeDevice GPU): success, each
+"""The default stages on the simulated backend (a FakeDevice GPU): success, each
 retryable failure, rollback to zero simulated bytes, adaptations recorded, resume, cancel."""
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def by_name(memory, name):
 async def test_all_stages_succeed_and_release_everything():
     pipeline, device, memory = setup()
     artifacts = await pipeline.run()
-    assert [pipeline.status[s].state for s in STAGE_IDS] == ["done"] * 8
+    # the simulated GPU captures no CUDA graphs: warmup is skipped (tests/unit/test_warmup_stage.py)
+    assert [pipeline.status[s].state for s in STAGE_IDS] == ["skipped" if s == "warmup" else "done" for s in STAGE_IDS]
     plan, final = artifacts["plan"], artifacts["final"]
     assert plan.kv_tokens > 0 and plan.kv_tokens % 32 == 0
     assert final.pool_bytes["target"] == artifacts["budgets"].target.gpu_bytes
@@ -49,7 +50,7 @@ async def test_all_stages_succeed_and_release_everything():
     assert len(by_name(memory, "bootstrap.pipeline")) == 1
     for sid in STAGE_IDS:
         (span,) = by_name(memory, f"bootstrap.stage.{sid}")
-        assert span.attributes["bootstrap.outcome"] == "ok"
+        assert span.attributes["bootstrap.outcome"] == ("skipped" if sid == "warmup" else "ok")
         assert "bootstrap.device.free_bytes.before" in span.attributes
 
 

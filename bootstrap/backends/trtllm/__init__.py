@@ -1,4 +1,4 @@
-"""The TensorRT-LLM backend: the same eight stages driving TensorRT-LLM's own ``PyExecutor``.
+"""The TensorRT-LLM backend: the same stages driving TensorRT-LLM's own ``PyExecutor``.
 
 TensorRT-LLM is an optional extra (``pip install 'executor-bootstrap[trtllm]'``); nothing here
 imports it at module import time. Every TensorRT-LLM name the adapter uses is listed, with its

@@ -1,0 +1,91 @@
+"""Where a captured decode step spends its GPU time: kernels of graph replays, by total time.
+
+Random weights of ``--model``, a KV pool with every row at ``--context`` tokens, one decode
+graph per ``--batch-sizes`` entry replayed ``--replays`` times under ``torch.profiler`` (CUPTI
+sees the kernels inside graphs). Prints, per batch size, the replay time (CUDA events), the
+top kernels, and the share of time in GEMMs, attention and everything else; writes JSON.
+
+    python benchmarks/profile_decode_graph.py --model random:llama-3.1-8b --batch-sizes 1,64 --context 288
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bootstrap.engine import KVCacheSpec, PagedKVCache, SchedulerConfig, create_executor
+from bootstrap.engine.loader import load_model
+from bootstrap.engine.model_runner import DecodeStep
+
+
+def classify(name: str) -> str:
+    lowered = name.lower()
+    if any(k in lowered for k in ("gemm", "gemv", "cutlass", "sm90_xmma", "nvjet", "splitk")):
+        return "gemm"
+    if any(k in lowered for k in ("paged_decode", "attention", "fmha", "flash", "index_select", "index_copy", "indexselect")):
+        return "attention"
+    return "other"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="random:llama-3.1-8b")
+    parser.add_argument("--batch-sizes", default="1,64")
+    parser.add_argument("--context", type=int, default=288)
+    parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--kernel", default="auto")
+    parser.add_argument("--compile-norms", choices=["auto", "yes", "no"], default="auto")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    loaded = load_model(args.model, device=torch.device("cuda"), dtype=torch.bfloat16)
+    tpb, seq_len = 32, args.context + 64
+    spec = KVCacheSpec.from_config(loaded.hf_config, torch.bfloat16)
+    cache = PagedKVCache.from_tokens(spec, max(sizes) * (seq_len + tpb), tpb, "cuda")
+    ex = create_executor(loaded.model, cache, SchedulerConfig(max(sizes), max(sizes) * 64, seq_len), start=False)
+    ex.runner.decode_kernel = ex.runner._decode_kernel(args.kernel)
+    capture = ex.runner.capture_decode_graphs(sizes, compile_norms={"yes": True, "no": False}.get(args.compile_norms))
+    blocks = -(-(args.context + 1) // tpb)
+    report = {"model": args.model, "context": args.context, "kernel": ex.runner.decode_kernel,
+              "compile_norms": args.compile_norms, "widths": capture.widths, "results": []}  # fmt: skip
+    for size in sizes:
+        tables = [list(range(r * blocks, (r + 1) * blocks)) for r in range(size)]
+        slots = [t[args.context // tpb] * tpb + args.context % tpb for t in tables]
+        step = DecodeStep([7] * size, [args.context] * size, slots, tables)
+        bucket = ex.runner.graphs.bucket(size, blocks)
+        ex.runner.decode_buffers.fill(step, bucket[0])
+        for _ in range(3):
+            ex.runner.graphs.replay(bucket)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(args.replays):
+            ex.runner.graphs.replay(bucket)
+        end.record()
+        end.synchronize()
+        step_ms = start.elapsed_time(end) / args.replays
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.replays):
+                ex.runner.graphs.replay(bucket)
+            torch.cuda.synchronize()
+        kernels = [(e.key, e.device_time_total / args.replays / 1000, e.count // args.replays) for e in prof.key_averages()
+                   if e.device_time_total > 0]  # fmt: skip
+        kernels.sort(key=lambda k: -k[1])
+        shares: dict[str, float] = {}
+        for name, ms, _ in kernels:
+            shares[classify(name)] = shares.get(classify(name), 0.0) + ms
+        row = {"batch_size": size, "step_ms": round(step_ms, 3), "kernels_per_step": sum(k[2] for k in kernels),
+               "ms_by_class": {k: round(v, 3) for k, v in shares.items()},
+               "top": [{"kernel": n[:90], "ms": round(ms, 3), "count": c} for n, ms, c in kernels[:15]]}  # fmt: skip
+        print(json.dumps(row, indent=1), flush=True)
+        report["results"].append(row)
+    ex.shutdown()
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

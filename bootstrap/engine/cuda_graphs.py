@@ -1,0 +1,149 @@
+"""Decode steps captured as CUDA graphs: one graph per (batch size, block-table width) bucket.
+
+A decode step of the transformers model is a few thousand small kernels; launched one by one
+from Python they take far longer than the GPU needs to read the weights. Captured once as a CUDA
+graph, a step is one launch. A graph replays fixed shapes and fixed addresses, so every input of
+a decode step lives in the runner's static ``DecodeBuffers`` and the attention reads them through
+``DecodeMetadata`` (static shapes, no host-side value read inside the forward).
+
+Buckets. A step of ``n`` requests whose longest block table has ``w`` blocks replays the graph
+of the smallest captured batch size ``>= n`` and the smallest captured width ``>= w``; the rows
+past ``n`` repeat the last request (their logits are dropped, their KV writes are that request's
+own), the columns past each table are masked. Batch sizes default to 1, 2, 4, 8, then every
+multiple of 8 up to ``max_batch_size`` (and it). Widths: with the Triton paged kernel (CUDA
+builds of torch), one, the whole block table: the kernel stops at each row's context length, so
+one graph per batch size serves every length. With the gathering attention (no Triton), widths
+double from the blocks of 256 tokens up to those of ``min(max_seq_len, CUDA_GRAPH_MAX_SEQ_LEN)``:
+that attention gathers its whole width, so a graph far wider than the contexts wastes bandwidth,
+and one for ``max_seq_len`` 131,072 would need gigabytes of gather buffers per layer; steps past
+the widest bucket run eagerly. Steps past the largest batch size always do.
+
+Capture. Largest bucket first, all into one memory pool (``torch.cuda.graph_pool_handle``): the
+graphs never run at once, so a later capture reuses the intermediates the earlier ones freed, and
+the pool grows to about the largest graph's working memory. Each graph copies its logits into
+one shared static buffer, so no per-graph output stays allocated. Each bucket is run once
+eagerly on a side stream before its capture (lazy initialisation, cuBLAS workspaces). The dummy
+inputs write block 0, so capture needs an empty KV pool. An out-of-memory error inside a capture
+is re-raised as itself (not as the capture-invalidated error CUDA reports next), so a caller can
+retry with fewer buckets.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from bootstrap.devices import is_oom
+
+if TYPE_CHECKING:
+    from bootstrap.engine.model_runner import ModelRunner
+
+@dataclass(frozen=True)
+class GraphCapture:
+    """What ``DecodeGraphs.capture`` captured."""
+
+    batch_sizes: tuple[int, ...]  # ascending
+    widths: tuple[int, ...]  # block-table columns, ascending
+    num_graphs: int
+    seconds: float
+
+
+class DecodeGraphs:
+    """The captured decode graphs of one ``ModelRunner`` (see the module docstring)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        if runner.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; this runner is on {runner.device}")
+        self.runner = runner
+        self.pool = torch.cuda.graph_pool_handle()
+        self.batch_sizes: tuple[int, ...] = ()
+        self.widths: tuple[int, ...] = ()
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._logits: torch.Tensor | None = None
+
+    def capture(self, batch_sizes: Sequence[int], widths: Sequence[int]) -> GraphCapture:
+        runner = self.runner
+        sizes, widths = self._checked(batch_sizes, runner.max_batch_size, "batch size"), self._checked(
+            widths, runner.max_blocks_per_seq, "width")
+        if runner.kv_cache.stats().used_blocks:
+            raise RuntimeError("CUDA graphs are captured on an empty KV pool (the dummy steps write block 0)")
+        start = time.perf_counter()
+        self._logits = torch.empty(sizes[-1], runner.vocab_size, dtype=_logits_dtype(runner), device=runner.device)
+        runner.decode_buffers.fill(_dummy_step(sizes[-1]), sizes[-1], widths[-1])
+        with torch.inference_mode():
+            for rows in reversed(sizes):
+                for width in reversed(widths):
+                    self._graphs[(rows, width)] = self._capture_one(rows, width)
+        torch.cuda.synchronize(runner.device)
+        self.batch_sizes, self.widths = tuple(sizes), tuple(widths)
+        return GraphCapture(self.batch_sizes, self.widths, len(self._graphs), time.perf_counter() - start)
+
+    @staticmethod
+    def _checked(values: Sequence[int], limit: int, what: str) -> list[int]:
+        values = sorted(set(values))
+        if not values or values[0] < 1 or values[-1] > limit:
+            raise ValueError(f"CUDA graph {what}s must be integers in [1, {limit}], got {list(values)}")
+        return values
+
+    def _capture_one(self, rows: int, width: int) -> torch.cuda.CUDAGraph:
+        assert self._logits is not None
+        stream = torch.cuda.Stream(self.runner.device)
+        stream.wait_stream(torch.cuda.current_stream(self.runner.device))
+        with torch.cuda.stream(stream):  # warm-up run off the capture
+            self.runner.forward_decode(rows, width)
+        torch.cuda.current_stream(self.runner.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                self._logits[:rows].copy_(self.runner.forward_decode(rows, width))
+        except Exception as exc:
+            root = _root_oom(exc)
+            if root is exc:
+                raise
+            raise root from None
+        return graph
+
+    def bucket(self, size: int, width: int) -> tuple[int, int] | None:
+        """The smallest captured (batch size, width) covering a step, or None (run eagerly)."""
+        rows = next((b for b in self.batch_sizes if b >= size), None)
+        cols = next((w for w in self.widths if w >= width), None)
+        return None if rows is None or cols is None else (rows, cols)
+
+    def replay(self, bucket: tuple[int, int]) -> torch.Tensor:
+        """Replay a bucket over the buffers as filled; its logits ``[rows, vocab]`` (a view of a
+        shared buffer, valid until the next replay)."""
+        self._graphs[bucket].replay()
+        assert self._logits is not None
+        return self._logits[: bucket[0]]
+
+    def release(self) -> None:
+        """Drop every graph, the logits buffer and the pool (idempotent)."""
+        self._graphs.clear()
+        self._logits = None
+        self.batch_sizes, self.widths = (), ()
+
+
+def _dummy_step(rows: int):
+    from bootstrap.engine.model_runner import DecodeStep
+
+    return DecodeStep([0] * rows, [0] * rows, [0] * rows, [[0]] * rows)
+
+
+def _logits_dtype(runner: ModelRunner) -> torch.dtype:
+    head = runner.model.get_output_embeddings()
+    return head.weight.dtype if head is not None else next(runner.model.parameters()).dtype
+
+
+def _root_oom(exc: BaseException) -> BaseException:
+    """The out-of-memory error ``exc`` was raised while handling, if any (CUDA reports a failed
+    capture as invalidated once the OOM inside it has ended the capture); else ``exc``."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if is_oom(seen):
+            return seen
+        seen = seen.__context__
+    return exc

@@ -1,0 +1,158 @@
+"""Paged decode attention as one Triton kernel: each row's query heads against only the blocks
+its context fills, read once through its block table (no gathered copy of the context, no mask).
+
+One program per (row, KV head): the row's ``G`` query heads of that KV head (padded to 16 rows
+for ``tl.dot``) attend over the row's blocks up to its context length (from its window start
+with a sliding window), with an online softmax in float32. The loop bound is read on the
+device, so a CUDA graph captured over a static-width block table replays any context length
+without reading the columns past it. Float32 inputs use IEEE products (no TF32), so float32
+output matches the reference attention to rounding. Needs Triton (it ships with CUDA builds of
+torch) and at least 16 tokens per block; ``available()`` says whether it can be used.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # an optional dependency: CPU builds of torch come without it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+
+def available(device: torch.device, tokens_per_block: int) -> bool:
+    """True when the kernel can run here: Triton importable, a CUDA device (or Triton's
+    interpreter), and blocks of at least 16 tokens (``tl.dot``'s smallest dimension)."""
+    if triton is None or tokens_per_block < 16 or tokens_per_block & (tokens_per_block - 1):
+        return False
+    return device.type == "cuda" or _interpreting()
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_decode_kernel(
+        Q, K, V, Tables, Lens, Out,
+        scale, softcap, window,
+        stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, stride_ob, stride_oh,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, TPB: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr, STATIC_BLOCKS: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, D_PAD)
+        t = tl.arange(0, TPB)
+        heads = kv_head * GROUP + g
+        q_mask = (g < GROUP)[:, None] & (d < D)[None, :]
+        q = tl.load(Q + row * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+        length = tl.load(Lens + row).to(tl.int32)
+        start = 0
+        if HAS_WINDOW:
+            start = tl.maximum(length - window, 0)
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        denom = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+        first, last = start // TPB, tl.cdiv(length, TPB)
+        if STATIC_BLOCKS > 0:  # Triton's CPU interpreter: every column, the masks do the rest
+            first, last = 0, STATIC_BLOCKS
+        for i in range(first, last):
+            block = tl.load(Tables + row * stride_tb + i).to(tl.int64)
+            pos = i * TPB + t
+            valid = (pos < length) & (pos >= start)
+            kv_mask = valid[:, None] & (d < D)[None, :]
+            offsets = block * stride_kb + t[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
+            k = tl.load(K + offsets, mask=kv_mask, other=0.0).to(q.dtype)
+            v = tl.load(V + offsets, mask=kv_mask, other=0.0).to(q.dtype)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            else:
+                s = tl.dot(q, tl.trans(k)) * scale
+            if HAS_SOFTCAP:
+                s = (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0) * softcap  # tanh(s / cap) * cap
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with nothing valid yet
+            alpha = tl.exp(m - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            denom = denom * alpha + tl.sum(p, 1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        out = acc / denom[:, None]
+        tl.store(Out + row * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty), mask=q_mask)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _write_kv_kernel(
+        Key, Value, Rows, Slots, KC, VC,
+        stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch,
+        D: tl.constexpr, D_PAD: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        src = tl.load(Rows + row).to(tl.int64)
+        slot = tl.load(Slots + row).to(tl.int64)
+        d = tl.arange(0, D_PAD)
+        mask = d < D
+        k = tl.load(Key + src * stride_kt + head * stride_kh + d, mask=mask)
+        v = tl.load(Value + src * stride_vt + head * stride_vh + d, mask=mask)
+        tl.store(KC + slot * stride_cs + head * stride_ch + d, k.to(KC.dtype.element_ty), mask=mask)
+        tl.store(VC + slot * stride_cs + head * stride_ch + d, v.to(VC.dtype.element_ty), mask=mask)
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+             k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:  # fmt: skip
+    """Store ``key[rows[i]]`` and ``value[rows[i]]`` (``[T, KVH, D]``, any strides) at flat slot
+    ``slots[i]`` of the caches ``[blocks, tpb, KVH, D]``: one kernel for what would be two
+    gathers and two scatters. Padding rows repeat a real row, so a repeated slot gets equal bits."""
+    key = key if key.stride(-1) == 1 else key.contiguous()
+    value = value if value.stride(-1) == 1 else value.contiguous()
+    k_flat = k_cache.view(-1, *k_cache.shape[2:])
+    v_flat = v_cache.view(-1, *v_cache.shape[2:])
+    kv_heads, head_dim = k_flat.shape[1], k_flat.shape[2]
+    _write_kv_kernel[(slots.shape[0], kv_heads)](
+        key, value, rows, slots, k_flat, v_flat,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1), k_flat.stride(0), k_flat.stride(1),
+        D=head_dim, D_PAD=triton.next_power_of_2(head_dim), num_warps=1,
+    )  # fmt: skip
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """``q [B, H, D]`` (one token per row) against caches ``[blocks, tpb, KVH, D]``; ``[B, H, D]``."""
+    rows, heads, head_dim = q.shape
+    _, tpb, kv_heads, _ = k_cache.shape
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    group = heads // kv_heads
+    _paged_decode_kernel[(rows, kv_heads)](
+        q, k_cache, v_cache, block_tables, context_lens, out,
+        float(scale), float(softcap or 1.0), int(sliding_window or 0),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=head_dim,
+        D_PAD=max(16, triton.next_power_of_2(head_dim)), TPB=tpb,
+        HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32,
+        STATIC_BLOCKS=block_tables.shape[1] if _interpreting() else 0, num_warps=4,
+    )  # fmt: skip
+    return out
