@@ -52,6 +52,7 @@ class CudaDevice:
     def __init__(self, index: int = 0) -> None:
         import torch
 
+        self._torch = torch
         self._cuda = torch.cuda
         self.index = index
         self.name = f"{torch.cuda.get_device_name(index)} (cuda:{index})"
@@ -72,6 +73,12 @@ class CudaDevice:
         self._cuda.reset_peak_memory_stats(self.index)
 
     def empty_cache(self) -> None:
+        """Return cached blocks to the device, cuBLAS workspaces included: torch keeps one (32 MiB
+        on Hopper) per stream that ran a GEMM, and every CUDA graph capture runs on a new stream,
+        so without this each capture leaves one behind for the life of the process."""
+        clear_workspaces = getattr(self._torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear_workspaces is not None:
+            clear_workspaces()
         self._cuda.empty_cache()
 
     def synchronize(self) -> None:
