@@ -34,11 +34,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -266,11 +266,7 @@ class NativeBackend:
         (same model, batch buffers and widths; only the pool differs), in use after less before,
         the allocator's cache emptied on both sides. Released before returning."""
         try:
-            self._collect()
-            before = self.device.total_bytes() - self.device.free_bytes()
-            runner.capture_decode_graphs(graph_batch_sizes(config.max_batch_size, config.cuda_graph_batch_sizes))
-            self._collect()
-            return max(self.device.total_bytes() - self.device.free_bytes() - before, 0)
+            return self._capture(runner, graph_batch_sizes(config.max_batch_size, config.cuda_graph_batch_sizes))[1]
         finally:
             runner.release_graphs()
             self._collect()
@@ -303,12 +299,17 @@ class NativeBackend:
         runner = ModelRunner(loaded.handle.target.model, final.handle.pools["target"], config.max_batch_size,
                              resolved.max_seq_len)  # fmt: skip
         undo.push(lambda: self._release_graphs(runner))
+        capture, used = self._capture(runner, batch_sizes)
+        return Warmup(runner, capture.batch_sizes, capture.widths, capture.num_graphs, used, plan.graph_bytes, capture.seconds)
+
+    def _capture(self, runner: ModelRunner, batch_sizes: Sequence[int]) -> tuple[Any, int]:
+        """Capture ``batch_sizes`` on ``runner``; the capture and the device bytes it took (in use
+        after less before, the allocator's cache emptied on both sides)."""
         self._collect()
         before = self.device.total_bytes() - self.device.free_bytes()
         capture = runner.capture_decode_graphs(batch_sizes)
         self._collect()
-        used = max(self.device.total_bytes() - self.device.free_bytes() - before, 0)
-        return Warmup(runner, capture.batch_sizes, capture.widths, capture.num_graphs, used, plan.graph_bytes, capture.seconds)
+        return capture, max(self.device.total_bytes() - self.device.free_bytes() - before, 0)
 
     def _release_graphs(self, runner: ModelRunner) -> None:
         runner.release_graphs()

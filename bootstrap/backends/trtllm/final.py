@@ -18,6 +18,7 @@ from bootstrap.backends.trtllm.args import pool_kv_update, private_kv_config
 from bootstrap.backends.trtllm.handles import Build, Engines
 from bootstrap.backends.trtllm.probe import new_creator, new_executor, raise_on_error
 from bootstrap.budget_split import PoolBudget, PoolBudgets
+from bootstrap.config import ConfigError
 
 POOL_KEYS = {"target": "KV_CACHE_MANAGER", "draft": "DRAFT_KV_CACHE_MANAGER"}
 SMOKE_PROMPT = [1, 2, 3, 4]
@@ -40,7 +41,9 @@ def build_pools(
     build.max_seq_len = engines.max_seq_len
     for pool in budgets.pools():
         if pool.name not in POOL_KEYS:
-            raise NotImplementedError(f"the trtllm backend builds target and draft pools only, not {pool.name!r}")
+            raise ConfigError(  # resolve_classes refuses cross pools first; this guards the mapping below
+                f"cross_kv_cache_fraction: the trtllm backend builds target and draft pools only, not {pool.name!r}; leave it unset"
+            )
         update = pool_kv_update(pool, kv_manager=kv_manager, user_max_tokens=user_max_tokens)
         key = api.constant(f"ResourceManagerType.{POOL_KEYS[pool.name]}")
         build.resources[key] = new_pool(api, engines, build, pool, update)
