@@ -76,7 +76,8 @@ render_png() {  # the 8B start (else the first) whose cold and warm times startu
   local files
   files=$(python3 -c 'import json, sys
 models = [m for m in json.load(open(sys.argv[1]))["models"] if "cold" in m]
-pick = next((m for m in models if "8b" in m["model"]), models[0] if models else None)
+pick = next((m for m in models if "8b" in m["model"] and m.get("cuda_graphs")), None)
+pick = pick or next((m for m in models if "8b" in m["model"]), models[0] if models else None)
 print(pick["cold"]["trace_file"], pick["warm"]["trace_file"]) if pick else sys.exit("no start to draw")' "$OUT/startup.json") || return 1
   python3 -m bootstrap.cli trace $files --png "$OUT/startup_8b_cold_warm.png"
 }
@@ -105,7 +106,7 @@ run_step environment 60 python3 -c "import torch, transformers, pydantic, opente
 print('torch', torch.__version__, 'transformers', transformers.__version__, 'pytest', pytest.__version__, \
 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')"
 run_step gpu_tests 170 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider -p no:asyncio --junitxml="$OUT/gpu_tests.xml"
-run_step startup 150 python3 benchmarks/startup.py "${DEVICE[@]}" "${STARTUP[@]}" \
+run_step startup 200 python3 benchmarks/startup.py "${DEVICE[@]}" "${STARTUP[@]}" \
   --trace-dir "$WORK/traces" --out "$OUT/startup.json"
 run_step capacity 260 python3 benchmarks/capacity.py "${DEVICE[@]}" "${CAPACITY[@]}" --out "$OUT/capacity.json"
 run_step timeline_png 30 bash -c render_png

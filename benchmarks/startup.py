@@ -1,20 +1,24 @@
 """Time to ready, per stage, cold and warm (plan cache), against the floor for the same model.
 
-For each model, in one process, ``--repeats`` rounds of three measurements, side by side:
+For each model, in one process, ``--repeats`` rounds of measurements, side by side, for each
+``--graphs`` setting (CUDA graphs ``off`` and ``on``, the default):
 
-- ``cold``: the eight stages through the native backend with an empty plan cache: load the
-  weights, build and profile the probe, plan, allocate the final pool, start the executor and
-  serve one smoke request. Time from creating the ``Bootstrap`` to the ready executor.
+- ``cold``: the stages through the native backend with an empty plan cache: load the weights,
+  build and profile the probe, plan, allocate the final pool, capture the decode graphs (graphs
+  on), start the executor and serve one smoke request. Time from creating the ``Bootstrap`` to
+  the ready executor.
 - ``warm``: the same start again with the plan the cold start cached: ``estimation_build`` and
   ``profiling`` are skipped (reason ``plan-cache``).
 - ``floor``: the work no start can avoid, done directly with torch: materialize the same
   weights (the same loader), run one forward of ``max_num_tokens`` tokens (transformers' own
-  attention, logits of the last token), allocate a pool of the bytes the cold start planned.
+  attention, logits of the last token), allocate the pool the cold start planned; with graphs
+  on, also capture the same decode graphs on that pool (``capture_s``; the ``floor_s`` of that
+  setting includes it), since a start that serves through graphs cannot skip capturing them.
 
-Per model the best of the rounds counts (the first round also pays one-time costs such as
-importing the model's transformers module); every sample is kept. Ratios: ``cold / floor``,
-``warm / floor``, ``warm / cold``. Each start writes its trace file under ``--trace-dir``
-(render a pair with ``bootstrap trace COLD WARM --png OUT``).
+Per model and setting the best of the rounds counts (the first round also pays one-time costs
+such as importing the model's transformers module); every sample is kept. Ratios: ``cold /
+floor``, ``warm / floor``, ``warm / cold``. Each start writes its trace file under
+``--trace-dir`` (render a pair with ``bootstrap trace COLD WARM --png OUT``).
 
     python benchmarks/startup.py --device cuda --dtype bfloat16 \
         --models random:llama-3.2-1b,random:llama-3.1-8b,random:qwen2.5-14b --out startup.json
@@ -40,8 +44,10 @@ from bench_common import (  # noqa: E402
 from bootstrap.api import Bootstrap  # noqa: E402
 from bootstrap.backends.native import DTYPES  # noqa: E402
 from bootstrap.config import BootstrapConfig  # noqa: E402
-from bootstrap.engine.kv_cache import zeros  # noqa: E402
+from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
 from bootstrap.engine.loader import load_hf_config, load_model  # noqa: E402
+from bootstrap.engine.model_runner import ModelRunner  # noqa: E402
+from bootstrap.graph_buckets import default_batch_sizes  # noqa: E402
 from bootstrap.models.shape import ModelShape  # noqa: E402
 
 DEFAULT_MODELS = "random:llama-3.2-1b,random:llama-3.1-8b,random:qwen2.5-14b"
@@ -58,15 +64,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--max-num-tokens", type=positive_int, default=8192)
     add("--max-batch-size", type=positive_int, default=64)
     add("--repeats", type=positive_int, default=2, help="rounds of cold, warm and floor per model; the best counts")
+    add("--graphs", default="off,on", help="CUDA graph settings to measure, comma-separated: off, on (CUDA only)")
     add("--trace-dir", type=Path, default=None, help="write every start's trace file here")
     add("--out", type=Path, default=None, help="also write the JSON here")
     return parser.parse_args(argv)
 
 
-def make_config(source: str, args: argparse.Namespace, plan_cache: Path) -> BootstrapConfig:
+def make_config(source: str, args: argparse.Namespace, plan_cache: Path, graphs: bool) -> BootstrapConfig:
     return BootstrapConfig(
         model=source, device=args.device, dtype=args.dtype, max_seq_len=args.max_seq_len,
         max_num_tokens=args.max_num_tokens, max_batch_size=args.max_batch_size, plan_cache=plan_cache,
+        cuda_graphs=graphs,
     )  # fmt: skip
 
 
@@ -79,6 +87,7 @@ async def timed_start(config: BootstrapConfig, device: torch.device, trace_file:
         await boot.build()
         ready_s = time.perf_counter() - start
         report = boot.report()
+        warmup = boot.pipeline.artifacts.get("warmup")
     finally:
         await boot.aclose()
     del boot
@@ -88,12 +97,16 @@ async def timed_start(config: BootstrapConfig, device: torch.device, trace_file:
         "stages": {row["id"]: {"outcome": row["outcome"], "skip_reason": row["skip_reason"],
                                "duration_s": round(row["duration_s"], 4)} for row in report.stages},  # fmt: skip
         "plan": {k: report.plan[k] for k in ("kv_budget_bytes", "kv_tokens", "max_num_tokens", "limited_by")},
+        "graphs": {"num_graphs": warmup.num_graphs, "captured_bytes": warmup.graph_bytes,
+                   "reserved_bytes": warmup.reserved_bytes, "capture_s": round(warmup.capture_s, 4)}
+        if warmup is not None and warmup.num_graphs else None,  # fmt: skip
         "trace_file": str(trace_file) if trace_file else None,
     }
 
 
-def floor(source: str, args: argparse.Namespace, device: torch.device, pool_bytes: int) -> dict[str, Any]:
-    """Weights, one ``max_num_tokens`` forward, one pool of ``pool_bytes``: each timed, then freed."""
+def floor(source: str, args: argparse.Namespace, device: torch.device, pool_bytes: int, graphs: bool) -> dict[str, Any]:
+    """Weights, one ``max_num_tokens`` forward, one pool of ``pool_bytes`` (and, ``graphs``, the
+    default buckets' decode graphs captured on it): each timed, then freed."""
     release_memory(device)
     dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     start = time.perf_counter()
@@ -105,24 +118,35 @@ def floor(source: str, args: argparse.Namespace, device: torch.device, pool_byte
         weights.model(input_ids=ids.unsqueeze(0), logits_to_keep=1, use_cache=False)
     synchronize(device)
     forward = time.perf_counter()
-    pool = zeros((pool_bytes,), torch.uint8, device)  # what PagedKVCache allocates, zeroed
+    spec = KVCacheSpec.from_config(weights.hf_config, dtype)
+    pool = PagedKVCache.from_bytes(spec, pool_bytes, BootstrapConfig.model_fields["tokens_per_block"].default, device)
     synchronize(device)
+    allocated = time.perf_counter()
+    if graphs:
+        runner = ModelRunner(weights.model, pool, args.max_batch_size, args.max_seq_len)
+        runner.capture_decode_graphs(default_batch_sizes(args.max_batch_size))
+        runner.release_graphs()
+        del runner
     done = time.perf_counter()
     weight_bytes = weights.weight_bytes
+    pool.release()
     del pool, weights
     release_memory(device)
-    parts = {"weights_s": loaded - start, "forward_s": forward - loaded, "pool_s": done - forward, "floor_s": done - start}
+    parts = {"weights_s": loaded - start, "forward_s": forward - loaded, "pool_s": allocated - forward,
+             "capture_s": done - allocated, "floor_s": done - start}  # fmt: skip
     return {**{k: round(v, 4) for k, v in parts.items()}, "weight_bytes": weight_bytes, "pool_bytes": pool_bytes}
 
 
-async def one_round(source: str, args: argparse.Namespace, device: torch.device, round_no: int) -> dict[str, Any]:
-    slug = source.removeprefix("random:").replace("/", "_")
+async def one_round(source: str, args: argparse.Namespace, device: torch.device, round_no: int,
+                    graphs: bool) -> dict[str, Any]:  # fmt: skip
+    slug = source.removeprefix("random:").replace("/", "_") + ("_graphs" if graphs else "")
     trace = (lambda kind: args.trace_dir / f"{slug}_{kind}_r{round_no}.jsonl") if args.trace_dir else (lambda kind: None)
     with tempfile.TemporaryDirectory(prefix="plans-") as cache:
-        config = make_config(source, args, Path(cache))
+        config = make_config(source, args, Path(cache), graphs)
         cold = await timed_start(config, device, trace("cold"))
         warm = await timed_start(config, device, trace("warm"))
-    return {"round": round_no, "cold": cold, "warm": warm, "floor": floor(source, args, device, cold["plan"]["kv_budget_bytes"])}
+    pool_bytes = cold["plan"]["kv_budget_bytes"]
+    return {"round": round_no, "cold": cold, "warm": warm, "floor": floor(source, args, device, pool_bytes, graphs)}
 
 
 def shape_record(source: str) -> dict[str, Any]:
@@ -133,12 +157,13 @@ def shape_record(source: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def summarize(source: str, rounds: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(source: str, graphs: bool, rounds: list[dict[str, Any]]) -> dict[str, Any]:
     cold = min(rounds, key=lambda r: r["cold"]["ready_s"])["cold"]
     warm = min(rounds, key=lambda r: r["warm"]["ready_s"])["warm"]
     best_floor = min(rounds, key=lambda r: r["floor"]["floor_s"])["floor"]
     return {
         "model": source,
+        "cuda_graphs": graphs,
         "shape": shape_record(source),
         "best": {"cold_s": cold["ready_s"], "warm_s": warm["ready_s"], "floor_s": best_floor["floor_s"]},
         "ratios": {
@@ -156,17 +181,28 @@ def summarize(source: str, rounds: list[dict[str, Any]]) -> dict[str, Any]:
 async def measure(args: argparse.Namespace, device: torch.device, report: dict[str, Any]) -> None:
     """Every model in turn into ``report["models"]``, saved after each; a model that fails is
     recorded with its error and the next one runs."""
-    for source in [m.strip() for m in args.models.split(",") if m.strip()]:
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    for source, graphs in [(m, g) for m in models for g in graph_settings(args.graphs, device)]:
+        label = f"{source} graphs {'on' if graphs else 'off'}"
         try:
-            rounds = [await one_round(source, args, device, n) for n in range(1, args.repeats + 1)]
-            result = summarize(source, rounds)
-            print(f"startup {source}: {result['best']} {result['ratios']}", file=sys.stderr, flush=True)
+            rounds = [await one_round(source, args, device, n, graphs) for n in range(1, args.repeats + 1)]
+            result = summarize(source, graphs, rounds)
+            print(f"startup {label}: {result['best']} {result['ratios']}", file=sys.stderr, flush=True)
         except Exception as exc:  # one model's failure must not lose the others' figures
-            result = {"model": source, **failure(exc)}
-            print(f"startup {source}: {result['error']}", file=sys.stderr, flush=True)
+            result = {"model": source, "cuda_graphs": graphs, **failure(exc)}
+            print(f"startup {label}: {result['error']}", file=sys.stderr, flush=True)
             release_memory(device)
         report["models"].append(result)
         save(report, args.out)
+
+
+def graph_settings(spec: str, device: torch.device) -> list[bool]:
+    """``--graphs`` as booleans; only ``off`` on the CPU, where nothing is captured."""
+    names = [name.strip() for name in spec.split(",") if name.strip()]
+    if not names or set(names) - {"on", "off"}:
+        raise SystemExit(f"--graphs: {spec!r}; allowed: off, on, or both comma-separated")
+    settings = [name == "on" for name in dict.fromkeys(names)]
+    return [False] if device.type != "cuda" else settings
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -180,7 +216,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "benchmark": "startup",
         "command": command_line("startup.py", argv),
         "environment": environment(device),
-        "settings": {k: getattr(args, k) for k in ("dtype", "max_seq_len", "max_num_tokens", "max_batch_size", "repeats")},
+        "settings": {k: getattr(args, k) for k in ("dtype", "max_seq_len", "max_num_tokens", "max_batch_size", "repeats",
+                                                  "graphs")},  # fmt: skip
         "goals": GOALS,
         "models": [],
     }

@@ -297,8 +297,9 @@ class MemoryProfile:
     backend must measure ``model_bytes`` this way for ``activation_bytes`` to be the forward's.
 
     ``graph_bytes``: device memory the decode CUDA graphs of the ``warmup`` stage take (their
-    memory pool, static outputs and the driver's graph objects), measured by capturing the same
-    buckets on the probe after the dummy forward (0 where nothing is captured). It is not part of
+    memory pool, static outputs and the driver's graph objects), from the probe after the dummy
+    forward: the native backend estimates it from one eager decode step of the largest bucket
+    (``engine.cuda_graphs.capture_reserve_bytes``); 0 where nothing is captured. It is not part of
     the peak: the graphs stay allocated beside every later step, so the plan reserves it whole.
     """
 
@@ -354,7 +355,7 @@ class CapacityPlan:
     limited_by: str
     fraction: float
     headroom_bytes: int | None = None  # kv_headroom_bytes: replaces the fraction when set
-    graph_bytes: int = 0  # reserved for the warmup stage's CUDA graphs (the profile's measurement)
+    graph_bytes: int = 0  # reserved for the warmup stage's CUDA graphs (the profile's figure)
 
     @property
     def kv_blocks(self) -> int:

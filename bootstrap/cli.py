@@ -59,7 +59,11 @@ def _config_args(parser: argparse.ArgumentParser, model_help: str = "preset name
     add("--max-num-tokens", type=int, default=BootstrapConfig.model_fields["max_num_tokens"].default)
     add("--max-seq-len", type=int, help="default: the model's max_position_embeddings")
     add("--tokens-per-block", type=int, default=BootstrapConfig.model_fields["tokens_per_block"].default)
-    add("--free-gpu-memory-fraction", type=float, default=0.9)
+    add("--free-gpu-memory-fraction", type=float,
+        help="TensorRT-LLM's rule: KV gets this share of the memory left after the measured peak "
+             "(default: the backend's headroom where it has one, the native engine on CUDA; else 0.9)")  # fmt: skip
+    add("--kv-headroom-bytes", type=int,
+        help="KV gets all the memory left after the measured peak but this many bytes (instead of a fraction)")
     add("--max-kv-bytes", type=int)
     add("--max-kv-tokens", type=int)
     add("--host-cache-bytes", type=int, default=0)

@@ -49,7 +49,9 @@ class BootstrapConfig(BaseModel):
     max_seq_len: int | None = Field(None, ge=2, le=4_194_304, description="prompt + output tokens per request")
     tokens_per_block: int = Field(32, ge=1, le=1024, description="tokens per KV cache block")
     free_gpu_memory_fraction: float = Field(
-        0.9, gt=0.0, le=1.0, description="share of the memory left after the measured peak given to KV"
+        0.9, gt=0.0, le=1.0, description="TensorRT-LLM's rule: share of the memory left after the measured peak "
+        "given to KV. When neither this nor kv_headroom_bytes is given, the backend's default headroom applies "
+        "where it has one (the native engine on CUDA), else this default"
     )
     kv_headroom_bytes: int | None = Field(
         None, ge=0, description="bytes kept free beyond the measured peak; when set, KV gets all the rest "

@@ -127,9 +127,8 @@ class CpuDevice:
             pass
 
     def empty_cache(self) -> None:
-        import gc
-
-        gc.collect()
+        """Nothing to return: torch's CPU allocator keeps no cache (a large tensor's pages go back
+        to the system when it is freed)."""
 
     def synchronize(self) -> None:
         pass

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -38,6 +39,7 @@ NOT_FINGERPRINTED = frozenset({"model", "draft_model", "device", "plan_cache"})
 LIBRARIES = ("executor-bootstrap", "torch", "transformers", "tensorrt-llm")
 
 
+@functools.cache  # reading a distribution's metadata parses files (about 8 ms each); one process, one answer
 def _version(dist: str) -> str | None:
     try:
         return metadata.version(dist)

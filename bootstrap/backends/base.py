@@ -41,6 +41,15 @@ class Backend(Protocol):
     def kv_caps(self, resolved: ResolvedClasses, config: BootstrapConfig) -> Mapping[str, int]:
         """Caps on the KV budget in bytes beyond the config's, by the name ``limited_by`` shows."""
 
+    def default_headroom_bytes(
+        self, profile: MemoryProfile, resolved: ResolvedClasses, config: BootstrapConfig
+    ) -> int | None:
+        """Bytes to keep free beyond the measured peak when the config sets no memory rule (neither
+        ``free_gpu_memory_fraction`` nor ``kv_headroom_bytes``): what this backend's executor can
+        need on top of the profile under its worst admitted load, so the KV cache gets the rest.
+        None: no such bound is known, and TensorRT-LLM's rule applies (``free_gpu_memory_fraction``
+        0.9 of the memory left after the peak)."""
+
     def load_model(self, config: BootstrapConfig, resolved: ResolvedClasses, undo: Undo) -> LoadedModel:
         """Load target (and draft) weights onto ``device``, and the tokenizer."""
 

@@ -12,8 +12,9 @@ device thread, and pushes the release of everything it allocates on the attempt'
                     every figure of the profile is read from the device port, free memory after
                     torch's cached blocks are returned (else the activations' cached blocks would
                     count again as non-torch memory, and the plan would set them aside twice);
-                    with CUDA graphs on, the warmup stage's graphs are captured on the probe once
-                    to measure their memory (``MemoryProfile.graph_bytes``), then released
+                    with CUDA graphs on, the memory of the warmup stage's graphs is estimated from
+                    one eager decode step of the largest bucket on the probe
+                    (``MemoryProfile.graph_bytes``; nothing is captured twice)
   final_build       the final pools, ``PagedKVCache.from_bytes`` of each pool's budget
   warmup            the target's ``ModelRunner`` on its final pool, its decode steps captured as
                     CUDA graphs (``ModelRunner.capture_decode_graphs``); released by dropping them
@@ -32,7 +33,6 @@ model shape it reports carries no windows and the plan prices every layer for ev
 from __future__ import annotations
 
 import dataclasses
-import functools
 import gc
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -43,10 +43,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bootstrap.artifacts import EstimationBuild, FinalBuild, LoadedModel, ResolvedClasses, Warmup
+from bootstrap.backends.native_headroom import headroom_terms
 from bootstrap.budget_split import PoolBudgets
 from bootstrap.capacity import CapacityPlan, MemoryProfile, dummy_request_lengths
 from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.devices import CpuDevice, CudaDevice, Device, is_oom
+from bootstrap.engine.cuda_graphs import capture_reserve_bytes
+from bootstrap.engine import triton_decode
 from bootstrap.engine.executor import PyExecutor, create_executor
 from bootstrap.engine.model_runner import ModelRunner
 from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
@@ -180,6 +183,14 @@ class NativeBackend:
         blocks = -(-resolved.max_seq_len // config.tokens_per_block) * config.max_batch_size
         return {"max_batch_size": resolved.total_cost.bytes_for_tokens(blocks * config.tokens_per_block)}
 
+    def default_headroom_bytes(
+        self, profile: MemoryProfile, resolved: ResolvedClasses, config: BootstrapConfig
+    ) -> int | None:
+        """On CUDA with the Triton paged decode kernel, ``native_headroom``'s bound; else None."""
+        if self.torch_device.type != "cuda" or not triton_decode.available(self.torch_device, config.tokens_per_block):
+            return None
+        return headroom_terms(profile, resolved, config)["total"]
+
     # ---- load_model ---------------------------------------------------------------------------
 
     def load_model(self, config: BootstrapConfig, resolved: ResolvedClasses, undo: Undo) -> LoadedModel:
@@ -190,7 +201,7 @@ class NativeBackend:
         return LoadedModel(models, total, draft_handle=draft, tokenizer=target.tokenizer)
 
     def _load(self, source: str, dtype: str, undo: Undo) -> LoadedWeights:
-        undo.push(self._collect)  # a load that fails half way leaves garbage for the allocator's cache
+        undo.push(self._settler())  # a load that fails half way leaves garbage for the allocator's cache
         with unreadable_as_source_error(source):
             weights = load_model(source, device=self.torch_device, dtype=DTYPES[dtype], cache_dir=self.cache_dir,
                                  tp_size=self.tp)  # fmt: skip
@@ -199,11 +210,27 @@ class NativeBackend:
 
     def _drop_weights(self, model: torch.nn.Module) -> None:
         model.to(torch.device("meta"))  # frees the storage even if a reference to the model survives
-        self._collect()
+        self._return_cached()
 
-    def _collect(self) -> None:
-        gc.collect()
+    def _return_cached(self) -> None:
+        """Torch's cached blocks back to the device, after the work queued so far."""
+        self.device.synchronize()
         self.device.empty_cache()
+
+    def _settler(self) -> Callable[[], None]:
+        """An undo entry that returns the allocator's cache once everything pushed after it is
+        released, with a full garbage collection first only if bytes are still allocated beyond
+        what was allocated now: a reference cycle (a failed attempt's traceback) holds tensors.
+        A full collection walks every Python object (a quarter of a second with torch and
+        transformers loaded), so a clean release, the common case, must not pay for one."""
+        baseline = self.device.allocated_bytes()
+
+        def settle() -> None:
+            if self.device.allocated_bytes() > baseline:
+                gc.collect()
+            self._return_cached()
+
+        return settle
 
     # ---- estimation_build and profiling -------------------------------------------------------
 
@@ -237,14 +264,14 @@ class NativeBackend:
         """Peak reset, the dummy requests through every probe executor, figures after."""
         device, build = self.device, estimation.handle
         lengths = dummy_request_lengths(max_num_tokens, loaded.handle.max_seq_len)
-        self._collect()
+        self._return_cached()
         device.reset_peak()
         before, free_before = device.allocated_bytes(), device.free_bytes()
         for executor in build.executors.values():  # one after the other: the peak is the larger
             run_dummy_requests(executor, lengths)
         device.synchronize()
         torch_peak, torch_used = device.peak_bytes(), device.allocated_bytes()
-        self._collect()  # torch's cached blocks back first: "used - torch_used" is memory outside torch
+        self._return_cached()  # torch's cached blocks back first: "used - torch_used" is memory outside torch
         figures = dict(
             total_bytes=device.total_bytes(),
             free_before_bytes=free_before,
@@ -262,14 +289,15 @@ class NativeBackend:
         return config.cuda_graphs and self.torch_device.type == "cuda" and self.tp == 1  # as skip_warmup
 
     def _measure_graphs(self, runner: ModelRunner, config: BootstrapConfig) -> int:
-        """Device memory the warmup stage's graphs take: the same buckets captured on the probe
-        (same model, batch buffers and widths; only the pool differs), in use after less before,
-        the allocator's cache emptied on both sides. Released before returning."""
-        try:
-            return self._capture(runner, graph_batch_sizes(config.max_batch_size, config.cuda_graph_batch_sizes))[1]
-        finally:
-            runner.release_graphs()
-            self._collect()
+        """Device memory the warmup stage's graphs will take, estimated from one eager decode step
+        of the largest bucket on the probe (``capture_reserve_bytes``): capturing every bucket
+        here to measure it would double the capture time of a cold start. The warmup stage
+        measures what the capture really took next to this reserve."""
+        sizes = graph_batch_sizes(config.max_batch_size, config.cuda_graph_batch_sizes)
+        self._return_cached()
+        reserve, _ = capture_reserve_bytes(runner, sizes)
+        self._return_cached()
+        return reserve
 
     # ---- final_build and scheduler_sampler ----------------------------------------------------
 
@@ -298,22 +326,24 @@ class NativeBackend:
         (every width bucket); the memory figure is read from the device as in profiling."""
         runner = ModelRunner(loaded.handle.target.model, final.handle.pools["target"], config.max_batch_size,
                              resolved.max_seq_len)  # fmt: skip
-        undo.push(lambda: self._release_graphs(runner))
+        settle = self._settler()
+
+        def release() -> None:
+            runner.release_graphs()
+            settle()
+
+        undo.push(release)
         capture, used = self._capture(runner, batch_sizes)
         return Warmup(runner, capture.batch_sizes, capture.widths, capture.num_graphs, used, plan.graph_bytes, capture.seconds)
 
     def _capture(self, runner: ModelRunner, batch_sizes: Sequence[int]) -> tuple[Any, int]:
         """Capture ``batch_sizes`` on ``runner``; the capture and the device bytes it took (in use
         after less before, the allocator's cache emptied on both sides)."""
-        self._collect()
+        self._return_cached()
         before = self.device.total_bytes() - self.device.free_bytes()
         capture = runner.capture_decode_graphs(batch_sizes)
-        self._collect()
+        self._return_cached()
         return capture, max(self.device.total_bytes() - self.device.free_bytes() - before, 0)
-
-    def _release_graphs(self, runner: ModelRunner) -> None:
-        runner.release_graphs()
-        self._collect()
 
     def start_executor(
         self,
@@ -343,16 +373,12 @@ class NativeBackend:
         """One pool per model, ``make(spec, sizes[name], ...)``; each release pushed at once."""
         pools: dict[str, PagedKVCache] = {}
         weights = models.by_name()
-        undo.push(self._collect)  # last in the rollback: the allocator's cache goes back to the device
+        undo.push(self._settler())  # last in the rollback: the allocator's cache goes back to the device
         for name, size in sizes.items():
             spec = KVCacheSpec.from_config(weights[name].hf_config, DTYPES[resolved.kv_dtype], tp=self.tp)
             pools[name] = pool = make(spec, size, models.tokens_per_block, self.torch_device)
-            undo.push(functools.partial(self._release_pool, pool))
+            undo.push(pool.release)
         return pools
-
-    def _release_pool(self, pool: PagedKVCache) -> None:
-        pool.release()
-        self._collect()
 
 
 def rank_env(config: BootstrapConfig) -> RankEnv:

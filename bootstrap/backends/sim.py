@@ -149,6 +149,11 @@ class SimBackend:
     def kv_caps(self, resolved: ResolvedClasses, config: BootstrapConfig) -> Mapping[str, int]:
         return {}  # a simulated GPU is filled, as TensorRT-LLM fills a real one
 
+    def default_headroom_bytes(
+        self, profile: MemoryProfile, resolved: ResolvedClasses, config: BootstrapConfig
+    ) -> int | None:
+        return None  # the planner reproduces TensorRT-LLM's rule
+
     def load_model(self, config: BootstrapConfig, resolved: ResolvedClasses, undo: Undo) -> LoadedModel:
         dtype_bytes, tp = weight_dtype_bytes(resolved.dtype), config.tensor_parallel_size
         weights = allocate(self.device, rank_weight_bytes(resolved.shape, dtype_bytes, tp), "load_model/weights", undo)

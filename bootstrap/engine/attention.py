@@ -64,6 +64,8 @@ class AttentionGroup:
     max_query_len: int
     kv_blocks: int  # block-table columns gathered per request (<= W)
     tokens_per_block: int
+    fresh: bool = False  # no member has cached tokens before this step: its keys are the step's own
+    kernel: str = "torch"  # "triton": a group of one-token queries runs the paged decode kernel
     token_ids: torch.Tensor = field(init=False)  # [n]: the group's tokens among the T
     rows: torch.Tensor = field(init=False)  # [n]: row of each of those tokens in [b * Qmax]
     query_index: torch.Tensor = field(init=False)  # [b, Qmax]: token feeding each padded row
@@ -119,12 +121,13 @@ class AttentionMetadata:
         query_lens: torch.Tensor,
         max_query_len: int,
         kv_blocks: int,
+        kernel: str = "torch",
     ) -> AttentionMetadata:
         """All requests in one group, their tokens back to back in request order."""
         starts = torch.cumsum(query_lens, 0) - query_lens
         group = AttentionGroup(
             block_tables, context_lens, query_lens, starts, slot_mapping.shape[0],
-            max_query_len, kv_blocks, kv_cache.tokens_per_block,
+            max_query_len, kv_blocks, kv_cache.tokens_per_block, kernel=kernel,
         )  # fmt: skip
         return cls(kv_cache, slot_mapping, [group])
 
@@ -204,16 +207,20 @@ def paged_attention(
         _write(k_cache, v_cache, key, value, meta.slot_mapping)
         return _attend_decode(tokens, k_cache, v_cache, meta, scaling, sliding_window, softcap).unsqueeze(0), None
     _write(k_cache, v_cache, key, value, meta.slot_mapping)
+    new_kv = (key[0].transpose(0, 1), value[0].transpose(0, 1))  # [T, KVH, D]: fresh groups attend these
     if len(meta.groups) == 1:
-        return _attend(tokens, k_cache, v_cache, meta.groups[0], scaling, sliding_window, softcap).unsqueeze(0), None
+        out = _attend(tokens, new_kv, k_cache, v_cache, meta.groups[0], scaling, sliding_window, softcap)
+        return out.unsqueeze(0), None
     out = torch.empty_like(tokens)
     for group in meta.groups:
-        out.index_copy_(0, group.token_ids, _attend(tokens, k_cache, v_cache, group, scaling, sliding_window, softcap))
+        part = _attend(tokens, new_kv, k_cache, v_cache, group, scaling, sliding_window, softcap)
+        out.index_copy_(0, group.token_ids, part)
     return out.unsqueeze(0), None
 
 
 def _attend(
     tokens: torch.Tensor,
+    new_kv: tuple[torch.Tensor, torch.Tensor],
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     group: AttentionGroup,
@@ -221,8 +228,22 @@ def _attend(
     sliding_window: int | None,
     softcap: float | None,
 ) -> torch.Tensor:
-    """Attention output ``[n, H, D]`` for the group's tokens, in the order of ``group.token_ids``."""
+    """Attention output ``[n, H, D]`` for the group's tokens, in the order of ``group.token_ids``.
+
+    Three ways, the same result: one-token queries with ``kernel="triton"`` run the paged decode
+    kernel over each row's blocks (nothing gathered: a mixed step's decode rows would otherwise
+    copy one layer of every running request's context); fresh prompts without a window or
+    soft-cap attend their own new keys with a causal flag (SDPA's flash kernel, no mask, no
+    gather); anything else gathers the group's cached keys and values and runs a masked SDPA.
+    """
+    if group.max_query_len == 1 and group.kernel == "triton":
+        scale = scaling if scaling is not None else tokens.shape[-1] ** -0.5
+        tables = group.block_tables[:, : group.kv_blocks]
+        return paged_decode(tokens.index_select(0, group.token_ids), k_cache, v_cache, tables, group.context_lens,
+                            scale, sliding_window, softcap)  # fmt: skip
     q = tokens[group.query_index].transpose(1, 2)  # [b, H, Qmax, D]
+    if group.fresh and softcap is None and (sliding_window is None or sliding_window >= group.max_query_len):
+        return _attend_fresh(q, new_kv, group, scaling)
     k = _gather(k_cache, group.kv_slots, q.dtype)
     v = _gather(v_cache, group.kv_slots, q.dtype)
     mask = group.mask(sliding_window)
@@ -230,6 +251,18 @@ def _attend(
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
     else:
         out = _softcapped_attention(q, k, v, mask, scaling, softcap)
+    batch, heads, q_max, head_dim = out.shape
+    return out.transpose(1, 2).reshape(batch * q_max, heads, head_dim).index_select(0, group.rows)
+
+
+def _attend_fresh(
+    q: torch.Tensor, new_kv: tuple[torch.Tensor, torch.Tensor], group: AttentionGroup, scaling: float | None
+) -> torch.Tensor:
+    """Prompts with nothing cached before this step: keys and values are the step's own, padded
+    like the queries (a padded row repeats its request's last token), and a causal flag is the
+    whole mask. A real row ``i`` sees keys ``0..i``, all real; padded rows are dropped."""
+    k, v = (part[group.query_index].transpose(1, 2).to(q.dtype) for part in new_kv)  # [b, KVH, Qmax, D]
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
     batch, heads, q_max, head_dim = out.shape
     return out.transpose(1, 2).reshape(batch * q_max, heads, head_dim).index_select(0, group.rows)
 

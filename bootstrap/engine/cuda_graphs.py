@@ -22,7 +22,9 @@ Capture. Largest bucket first, all into one memory pool (``torch.cuda.graph_pool
 graphs never run at once, so a later capture reuses the intermediates the earlier ones freed, and
 the pool grows to about the largest graph's working memory. Each graph copies its logits into
 one shared static buffer, so no per-graph output stays allocated. Each bucket is run once
-eagerly on a side stream before its capture (lazy initialisation, cuBLAS workspaces). The dummy
+eagerly before its capture (lazy initialisation, cuBLAS heuristics, compiled norms' shape
+specializations), on the one side stream every capture uses: torch keeps a cuBLAS workspace
+(32 MiB on Hopper) per stream that ran a GEMM, so a stream per capture would leave one each. The dummy
 inputs write block 0, so capture needs an empty KV pool. An out-of-memory error inside a capture
 is re-raised as itself (not as the capture-invalidated error CUDA reports next), so a caller can
 retry with fewer buckets.
@@ -42,6 +44,10 @@ from bootstrap.devices import is_oom
 if TYPE_CHECKING:
     from bootstrap.engine.model_runner import ModelRunner
 
+MiB = 1024**2
+CUBLAS_WORKSPACE_BYTES = 32 * MiB  # torch's cuBLAS workspace per stream on Hopper (the capture stream's)
+GRAPH_EXEC_BYTES = 8 * MiB  # per captured graph, allowed for its executable graph and pool growth
+
 @dataclass(frozen=True)
 class GraphCapture:
     """What ``DecodeGraphs.capture`` captured."""
@@ -60,6 +66,7 @@ class DecodeGraphs:
             raise ValueError(f"CUDA graphs need a CUDA device; this runner is on {runner.device}")
         self.runner = runner
         self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(runner.device)  # every warm-up run and capture: one stream, one cuBLAS workspace
         self.batch_sizes: tuple[int, ...] = ()
         self.widths: tuple[int, ...] = ()
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -91,14 +98,14 @@ class DecodeGraphs:
 
     def _capture_one(self, rows: int, width: int) -> torch.cuda.CUDAGraph:
         assert self._logits is not None
-        stream = torch.cuda.Stream(self.runner.device)
+        stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(self.runner.device))
         with torch.cuda.stream(stream):  # warm-up run off the capture
             self.runner.forward_decode(rows, width)
         torch.cuda.current_stream(self.runner.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
                 self._logits[:rows].copy_(self.runner.forward_decode(rows, width))
         except Exception as exc:
             root = _root_oom(exc)
@@ -125,6 +132,32 @@ class DecodeGraphs:
         self._graphs.clear()
         self._logits = None
         self.batch_sizes, self.widths = (), ()
+
+
+def capture_reserve_bytes(runner: ModelRunner, batch_sizes: Sequence[int]) -> tuple[int, dict[str, int]]:
+    """Device bytes capturing ``batch_sizes`` on ``runner`` will take, without capturing (which
+    takes about as long as the capture itself): one eager decode step of the largest bucket, its
+    peak allocation above what was allocated before (the shared pool grows to about the largest
+    graph's working memory; the eager step's norms are not compiled yet, so it allocates more
+    than the captured step, never less), plus the shared logits buffer, the capture stream's
+    cuBLAS workspace and ``GRAPH_EXEC_BYTES`` per graph. Returns the sum and its terms. Needs an
+    empty KV pool (the dummy step writes block 0), like ``DecodeGraphs.capture``."""
+    device, sizes = runner.device, sorted(set(batch_sizes))
+    rows, width = sizes[-1], runner.default_widths()[-1]
+    runner.decode_buffers.fill(_dummy_step(rows), rows, width)
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    with torch.inference_mode():
+        runner.forward_decode(rows, width)
+    torch.cuda.synchronize(device)
+    terms = {
+        "step_working": torch.cuda.max_memory_allocated(device) - before,
+        "logits": rows * runner.vocab_size * torch.empty((), dtype=_logits_dtype(runner)).element_size(),
+        "cublas_workspace": CUBLAS_WORKSPACE_BYTES,
+        "executables": GRAPH_EXEC_BYTES * len(sizes) * len(runner.default_widths()),
+    }
+    return sum(terms.values()), terms
 
 
 def _dummy_step(rows: int):

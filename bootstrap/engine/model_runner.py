@@ -17,6 +17,7 @@ before.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -178,6 +179,7 @@ class ModelRunner:
             query_lens=buf.query_lens[:size],
             max_query_len=1,
             kv_blocks=step.width,
+            kernel=self.decode_kernel,
         )
         ids, pos = buf.input_ids[:size].unsqueeze(0), buf.positions[:size].unsqueeze(0)
         return StepInputs(ids, pos, buf.logits_index[:size], metadata)
@@ -224,9 +226,13 @@ class ModelRunner:
         """``torch.compile`` (dynamic shapes) every module whose class is an RMSNorm, in place:
         one compiled graph serves all of them. Returns how many were compiled."""
         norms = [m for m in self.model.modules() if type(m).__name__.endswith("RMSNorm")]
-        for module in norms:
-            if getattr(module, "_compiled_call_impl", None) is None:  # a probe's runner compiled them already
-                module.compile(dynamic=True)
+        pending = [m for m in norms if getattr(m, "_compiled_call_impl", None) is None]  # a probe's runner did some
+        if pending:
+            # What ``Module.compile`` sets, from one compiled callable: building a torch.compile
+            # wrapper costs about 4 ms (its config), times some 65 norms for an 8B model.
+            compiled = torch.compile(torch.nn.Module._call_impl, dynamic=True)
+            for module in pending:
+                module._compiled_call_impl = functools.partial(compiled, module)
         return len(norms)
 
     def compile_layers(self) -> int:
@@ -283,14 +289,19 @@ class ModelRunner:
         return StepInputs(as_row[0:1], as_row[1:2], self._to_device(keep), metadata)
 
     def _groups(self, batch: ScheduledBatch) -> list[AttentionGroup]:
-        """One attention group for the one-token queries and one for the longer chunks."""
-        counts = batch.num_new_tokens
+        """Attention groups: one-token queries; prompt chunks with nothing cached before them
+        (fresh: they attend their own keys); continued chunks of a prompt longer than a step
+        (they gather their cached context; the scheduler splits at most one prompt per step,
+        so at most one request is here). A group alone covers every token, in order."""
+        counts, seqs = batch.num_new_tokens, batch.seqs
         starts = [0, *itertools.accumulate(counts)][:-1]
-        short = [i for i, n in enumerate(counts) if n == 1]
-        long_ = [i for i, n in enumerate(counts) if n > 1]
-        if not short or not long_:
+        kinds: dict[str, list[int]] = {"short": [], "fresh": [], "continued": []}
+        for i, n in enumerate(counts):
+            kinds["short" if n == 1 else "fresh" if seqs[i].num_computed == 0 else "continued"].append(i)
+        groups = [members for members in kinds.values() if members]
+        if len(groups) == 1:
             return [self._group(batch, list(range(len(counts))), starts)]
-        return [self._group(batch, short, starts), self._group(batch, long_, starts)]
+        return [self._group(batch, members, starts) for members in groups]
 
     def _group(self, batch: ScheduledBatch, members: list[int], starts: list[int]) -> AttentionGroup:
         tables = [self.kv_cache.block_table(batch.seqs[i].request_id) for i in members]
@@ -307,6 +318,8 @@ class ModelRunner:
             max_query_len=max(counts),
             kv_blocks=width,
             tokens_per_block=self.kv_cache.tokens_per_block,
+            fresh=all(batch.seqs[i].num_computed == 0 for i in members),
+            kernel=self.decode_kernel,
         )
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ def capacity(
     backend: Backend,
     plan_cache: PlanCache | None,
 ) -> CapacityPlan:
+    """The plan under the config's memory rule (``memory_rule``)."""
     plan = plan_capacity(
         profile,
         cost=resolved.total_cost,
@@ -35,11 +36,24 @@ def capacity(
         max_kv_bytes=config.max_kv_bytes,
         max_kv_tokens=config.max_kv_tokens,
         caps=backend.kv_caps(resolved, config),
-        headroom_bytes=config.kv_headroom_bytes,
+        headroom_bytes=memory_rule(config, resolved, profile, backend),
     )
     if plan_cache is not None and profile.max_num_tokens == config.max_num_tokens:
         remember(plan_cache, config, resolved, backend, profile, plan)
     return plan
+
+
+def memory_rule(config: BootstrapConfig, resolved: ResolvedClasses, profile: MemoryProfile,
+                backend: Backend) -> int | None:  # fmt: skip
+    """The headroom the plan keeps free beyond the peak, or None for TensorRT-LLM's fraction rule:
+    ``kv_headroom_bytes`` when given; the fraction when ``free_gpu_memory_fraction`` is given
+    (TensorRT-LLM's semantics, kept behind its own field); else the backend's default headroom,
+    where it knows one (``Backend.default_headroom_bytes``), else the fraction's default, 0.9."""
+    if config.kv_headroom_bytes is not None:
+        return config.kv_headroom_bytes
+    if "free_gpu_memory_fraction" in config.model_fields_set:
+        return None
+    return backend.default_headroom_bytes(profile, resolved, config)
 
 
 def remember(

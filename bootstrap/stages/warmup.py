@@ -4,9 +4,10 @@ steps as CUDA graphs, one per batch-size and width bucket, on the final KV pool.
 Here rather than inside ``scheduler_sampler``: capture is the one step of executor creation that
 can run out of memory after ``final_build`` filled the device, and it can adapt (fewer buckets)
 where a started executor cannot be retried; as its own stage it gets its own span (duration,
-memory before and after, what was captured) and rollback. Its memory was measured by
-``profiling`` (the same buckets captured on the probe) and reserved by ``capacity``, so the
-first attempt fits; an OOM anyway (fragmentation, another process) rolls the capture back and
+memory before and after, what was captured) and rollback. Its memory was estimated by
+``profiling`` (one eager decode step of the largest bucket on the probe, plus what each graph
+adds) and reserved by ``capacity``, so the first attempt fits; the span records the measured
+bytes next to the reserve; an OOM anyway (fragmentation, another process) rolls the capture back and
 retries with the smaller half of the batch sizes. Skipped, reason ``disabled`` with
 ``cuda_graphs`` off, ``cpu`` on a CPU device, ``unsupported`` on a backend that captures nothing
 in this stage (the simulated GPU; TensorRT-LLM, which captures inside its own executor creation)

@@ -72,7 +72,8 @@ def metadata(cache, requests):
 
 
 def grouped_metadata(cache, requests):
-    """Two groups, one-token queries apart from longer ones, their tokens interleaved in T."""
+    """Two groups, one-token queries apart from longer ones, their tokens interleaved in T; a
+    group whose members have nothing cached is marked fresh, as ``ModelRunner`` marks it."""
     counts = [n for _, n in requests]
     starts = [sum(counts[:i]) for i in range(len(counts))]
     groups = []
@@ -88,6 +89,7 @@ def grouped_metadata(cache, requests):
             max_query_len=max(counts[i] for i in members),
             kv_blocks=width,
             tokens_per_block=TPB,
+            fresh=all(requests[i][0] == 0 for i in members),
         ))  # fmt: skip
     slots = torch.cat([cache.slots(i, c, c + n) for i, (c, n) in enumerate(requests)])
     return AttentionMetadata(cache, slots, groups)
@@ -112,6 +114,29 @@ def test_ragged_paged_attention_matches_direct_computation(window, softcap, grou
     for i, (cached, new) in enumerate(requests):
         q = query[0, :, start : start + new].transpose(0, 1)
         want = reference(q, full_k[i], full_v[i], cached, window, softcap, scale)
+        torch.testing.assert_close(out[0, start : start + new].double(), want, atol=1e-5, rtol=1e-5)
+        start += new
+
+
+@pytest.mark.parametrize("window, softcap", [(None, None), (6, None), (3, None), (None, 2.0)])
+def test_fresh_prompts_match_direct_computation(window, softcap):
+    """Prompts with nothing cached (of unequal lengths, so padded) beside decode tokens: the fresh
+    group attends its own new keys under a causal flag where no window cuts the prompt and no
+    soft-cap applies (window 6 >= the longest prompt), and gathers otherwise; same result."""
+    requests = [(0, 5), (7, 1), (0, 2), (0, 6)]
+    cache, full_k, full_v = setup(requests)
+    total = sum(n for _, n in requests)
+    query = torch.randn(1, HEADS, total, DIM, generator=torch.Generator().manual_seed(3))
+    key = torch.cat([k[c:] for k, (c, _) in zip(full_k, requests)]).transpose(0, 1).unsqueeze(0)
+    value = torch.cat([v[c:] for v, (c, _) in zip(full_v, requests)]).transpose(0, 1).unsqueeze(0)
+    meta = grouped_metadata(cache, requests)
+    assert [g.fresh for g in meta.groups] == [False, True]
+    with use_metadata(meta):
+        out, _ = paged_attention(Layer(), query, key, value, None, scaling=0.3, sliding_window=window, softcap=softcap)
+    start = 0
+    for i, (cached, new) in enumerate(requests):
+        q = query[0, :, start : start + new].transpose(0, 1)
+        want = reference(q, full_k[i], full_v[i], cached, window, softcap, 0.3)
         torch.testing.assert_close(out[0, start : start + new].double(), want, atol=1e-5, rtol=1e-5)
         start += new
 

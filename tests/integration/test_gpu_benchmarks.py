@@ -39,14 +39,16 @@ def test_startup_reports_cold_warm_and_floor_side_by_side(tiny, tmp_path, capsys
     report = load_script("startup").main(["--models", tiny, *SHAPE, "--repeats", "2", "--trace-dir", str(traces), "--out", str(out)])
     assert json.loads(out.read_text()) == report
     assert {"date_utc", "torch", "transformers", "device_name"} <= set(report["environment"])
-    [model] = report["models"]
-    assert model["shape"]["layers"] == 2 and len(model["rounds"]) == 2
+    [model] = report["models"]  # on the CPU only the graphs-off setting of the default "off,on"
+    assert model["shape"]["layers"] == 2 and len(model["rounds"]) == 2 and model["cuda_graphs"] is False
     cold, warm, floor, best = model["cold"], model["warm"], model["floor"], model["best"]
     assert {k: (s["outcome"], s["skip_reason"]) for k, s in cold["stages"].items() if s["outcome"] != "ok"} == {
-        "warmup": ("skipped", "cpu")}  # no CUDA graphs on the CPU
+        "warmup": ("skipped", "disabled")}
     assert {k: (s["outcome"], s["skip_reason"]) for k, s in warm["stages"].items() if s["outcome"] != "ok"} == {
-        "estimation_build": ("skipped", "plan-cache"), "profiling": ("skipped", "plan-cache"), "warmup": ("skipped", "cpu")}
+        "estimation_build": ("skipped", "plan-cache"), "profiling": ("skipped", "plan-cache"),
+        "warmup": ("skipped", "disabled")}  # fmt: skip
     assert warm["plan"] == cold["plan"] and floor["pool_bytes"] == cold["plan"]["kv_budget_bytes"]
+    assert floor["capture_s"] == 0
     assert floor["floor_s"] == pytest.approx(floor["weights_s"] + floor["forward_s"] + floor["pool_s"], abs=1e-3)
     assert best["cold_s"] == min(r["cold"]["ready_s"] for r in model["rounds"])
     assert model["ratios"]["cold_over_floor"] == round(best["cold_s"] / best["floor_s"], 3)

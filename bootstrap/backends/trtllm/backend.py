@@ -67,6 +67,11 @@ class TrtllmBackend:
     def kv_caps(self, resolved: ResolvedClasses, config: BootstrapConfig) -> Mapping[str, int]:
         return {}  # TensorRT-LLM fills the GPU; its own caps are the config's
 
+    def default_headroom_bytes(
+        self, profile: MemoryProfile, resolved: ResolvedClasses, config: BootstrapConfig
+    ) -> int | None:
+        return None  # TensorRT-LLM's executor has its own transient needs: its own rule applies
+
     def estimation_overhead_bytes(self, resolved: ResolvedClasses, config: BootstrapConfig) -> int:
         """The estimation ``PyExecutor``'s int32 block tables (target and draft). The sampler exists
         already (``load_model`` builds it, as ``create_py_executor`` does, so free memory counts it);
