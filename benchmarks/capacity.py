@@ -2,14 +2,18 @@
 
 One process, one model, two starts through the native backend, side by side:
 
-- ``default``: ``free_gpu_memory_fraction`` 0.9 (TensorRT-LLM's default and semantics);
-- ``proposed``: ``kv_headroom_bytes`` = the headroom ``proposed_headroom`` derives from the
-  default start's measured profile (below).
+- ``fraction_0.9``: ``free_gpu_memory_fraction`` 0.9 given explicitly: TensorRT-LLM's rule and
+  semantics (KV gets 0.9 of the memory left after the measured peak);
+- ``default``: no memory rule given: on CUDA the native engine's default headroom
+  (``bootstrap.backends.native_headroom``: the measured activation peak again, one continued
+  prompt chunk's gathered context and mask, 512 MiB of workspaces) is kept free and KV gets the
+  rest; elsewhere the default is the fraction rule;
+- with ``--headroom-bytes N``, a third start with ``kv_headroom_bytes`` N.
 
 For each start, figures read at the ready executor, idle, with torch's cached blocks returned:
 
-- ``physical limit`` = total - (weights + executor state) - measured activation peak - non-torch
-  memory: the most any KV pool could hold with nothing else running;
+- ``physical limit`` = total - (weights + executor state + CUDA graphs) - measured activation
+  peak - non-torch memory: the most any KV pool could hold with nothing else running;
 - the KV pool allocated, as a fraction of that limit;
 - on the same measurements, what TensorRT-LLM's default would give (0.9 of the memory left after
   the peak) and vLLM's (``gpu_memory_utilization`` 0.9: 0.9 of total minus non-KV memory).
@@ -22,18 +26,6 @@ that ended in an error (and how many of those were out of memory), steps that ra
 executor then reruns the requests one by one; an OOM there is counted even when the reruns
 succeed), requests unfinished at the deadline, and the device's peak allocated and reserved bytes.
 Errors are counted by wrapping the executor's model runner and sampler for the load's duration.
-
-``proposed_headroom`` (the design this script measures): the memory the native engine may need
-beyond the measured peak, from the profile and the shape, all in bytes:
-
-- ``activation``: the measured activation peak once more (the profiling dummies run at shallow
-  context; allocator fragmentation);
-- ``gather``: one layer of the largest step's KV, ``min(left, max_batch_size * max_seq_len *
-  bytes_per_token) / layers``: paged attention gathers each request's cached keys and values
-  of one layer before attending (``engine/attention.py``);
-- ``mask``: one ``max_num_tokens`` chunk's mask against ``max_seq_len`` keys, as a bool and as
-  an additive bias: ``max_num_tokens * max_seq_len * (1 + 2 * dtype_bytes)``;
-- ``workspace``: 512 MiB for library workspaces created after profiling.
 
     python benchmarks/capacity.py --device cuda --model random:llama-3.1-8b --max-seq-len 8192 \
         --max-num-tokens 8192 --max-batch-size 256 --out capacity.json
@@ -63,8 +55,6 @@ from bootstrap.config import BootstrapConfig  # noqa: E402
 from bootstrap.devices import is_oom  # noqa: E402
 from bootstrap.engine.sampling import SamplingParams  # noqa: E402
 
-GIB = 1024**3
-WORKSPACE_BYTES = 512 * 1024**2
 TAIL_STEPS = 3  # decode-only steps at full occupancy after the last prefill
 GOALS = {"kv_fraction_of_physical": 0.97, "worst_case_ooms": 0, "defaults_for_comparison": 0.9}
 
@@ -79,25 +69,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--max-num-tokens", type=positive_int, default=8192)
     add("--max-batch-size", type=positive_int, default=256, help="at least the requests the pool holds")
     add("--load-timeout-s", type=float, default=120.0, help="deadline of each worst-case load")
-    add("--headroom-bytes", type=int, default=None, help="measure this headroom instead of the proposed one")
+    add("--headroom-bytes", type=int, default=None, help="also measure a start with this kv_headroom_bytes")
     add("--out", type=Path, default=None, help="also write the JSON here")
     return parser.parse_args(argv)
-
-
-# ---- the proposal ---------------------------------------------------------------------------
-
-
-def proposed_headroom(profile: dict[str, int], *, layers: int, bytes_per_token: int, dtype_bytes: int,
-                      max_batch_size: int, max_seq_len: int, max_num_tokens: int) -> dict[str, int]:  # fmt: skip
-    """The terms of the proposed ``kv_headroom_bytes`` (module docstring) and their sum."""
-    left = profile["total_bytes"] - profile["peak_bytes"] + profile["probe_kv_bytes"]
-    terms = {
-        "activation": profile["activation_bytes"],
-        "gather": min(left, max_batch_size * max_seq_len * bytes_per_token) // layers,
-        "mask": max_num_tokens * max_seq_len * (1 + 2 * dtype_bytes),
-        "workspace": WORKSPACE_BYTES,
-    }
-    return {**terms, "total": sum(terms.values())}
 
 
 # ---- measurements ---------------------------------------------------------------------------
@@ -291,11 +265,11 @@ def load_report(lengths: list[tuple[int, int]], answered: tuple[list[Any], int],
 # ---- one start ------------------------------------------------------------------------------
 
 
-def make_config(args: argparse.Namespace, headroom: int | None) -> BootstrapConfig:
-    extra = {} if headroom is None else {"kv_headroom_bytes": headroom}
+def make_config(args: argparse.Namespace, **rule: Any) -> BootstrapConfig:
+    """The benchmark's shape under a memory ``rule`` (none: the backend's default)."""
     return BootstrapConfig(
         model=args.model, device=args.device, dtype=args.dtype, max_seq_len=args.max_seq_len,
-        max_num_tokens=args.max_num_tokens, max_batch_size=args.max_batch_size, **extra,
+        max_num_tokens=args.max_num_tokens, max_batch_size=args.max_batch_size, **rule,
     )  # fmt: skip
 
 
@@ -342,27 +316,19 @@ def plan_record(plan: dict[str, Any]) -> dict[str, Any]:
 # ---- the run --------------------------------------------------------------------------------
 
 
-def shape_terms(model: str, dtype_bytes: int) -> dict[str, int]:
-    from bootstrap.engine.loader import load_hf_config
-    from bootstrap.models.shape import ModelShape
-
-    shape = ModelShape.from_hf_config(load_hf_config(model).to_dict())
-    per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * dtype_bytes
-    return {"layers": shape.num_layers, "bytes_per_token": per_token, "dtype_bytes": dtype_bytes}
-
-
 async def measure(args: argparse.Namespace, device: torch.device, report: dict[str, Any]) -> None:
-    """The default start, then the proposed one, into ``report`` (saved after each)."""
-    default = await guarded("default", make_config(args, None), device, args)
-    report["starts"].append(default)
-    save(report, args.out)
-    if "error" in default:
-        return
-    report["peers"] = peer_rules(default["figures"])
-    report["proposed_headroom"] = proposal = headroom_terms(args, default["plan"]["profile"], device)
-    headroom = args.headroom_bytes if args.headroom_bytes is not None else proposal["total"]
-    report["starts"].append(await guarded("proposed", make_config(args, headroom), device, args))
-    report["summary"] = summary(report["starts"], report["peers"])
+    """TensorRT-LLM's rule, then the default (and ``--headroom-bytes``), into ``report``, saved
+    after each start."""
+    starts = [("fraction_0.9", {"free_gpu_memory_fraction": 0.9}), ("default", {})]
+    if args.headroom_bytes is not None:
+        starts.append(("headroom", {"kv_headroom_bytes": args.headroom_bytes}))
+    for label, rule in starts:
+        report["starts"].append(await guarded(label, make_config(args, **rule), device, args))
+        save(report, args.out)
+    measured = next((s for s in report["starts"] if "error" not in s), None)
+    if measured is not None:
+        report["peers"] = peer_rules(measured["figures"])
+        report["summary"] = summary(report["starts"], report["peers"])
 
 
 async def guarded(label: str, config: BootstrapConfig, device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
@@ -373,12 +339,6 @@ async def guarded(label: str, config: BootstrapConfig, device: torch.device, arg
         release_memory(device)
         print(f"capacity {label}: {exc}", file=sys.stderr, flush=True)
         return {"label": label, "config": config_record(config), **failure(exc)}
-
-
-def headroom_terms(args: argparse.Namespace, profile: dict[str, int], device: torch.device) -> dict[str, int]:
-    dtype_bytes = DTYPES[args.dtype].itemsize if args.dtype != "auto" else (2 if device.type == "cuda" else 4)
-    return proposed_headroom(profile, **shape_terms(args.model, dtype_bytes), max_batch_size=args.max_batch_size,
-                             max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens)  # fmt: skip
 
 
 def summary(starts: list[dict[str, Any]], peers: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -94,7 +94,7 @@ EOF
 else
   DEVICE=(--device cuda --dtype bfloat16)
   STARTUP=(--models random:llama-3.2-1b,random:llama-3.1-8b,random:qwen2.5-14b --max-seq-len 8192
-           --max-num-tokens 8192 --max-batch-size 64 --repeats 2)
+           --max-num-tokens 8192 --max-batch-size 64 --repeats 3)
   CAPACITY=(--model random:llama-3.1-8b --max-seq-len 8192 --max-num-tokens 8192 --max-batch-size 256
             --load-timeout-s 100)
 fi

@@ -108,6 +108,7 @@ async def test_bootstrap_captures_in_warmup_traces_it_and_survives_a_worst_case_
         assert widths in ([64], [8, 16, 32, 64]) and ex.runner.decode_kernel == ("triton" if widths == [64] else "torch")
         assert attrs["bootstrap.warmup.batch_sizes"] == [1, 2, 4, 8, 16] and attrs["bootstrap.warmup.graphs"] == 5 * len(widths)
         assert attrs["bootstrap.warmup.graph_bytes"] > 0 and attrs["bootstrap.warmup.reserved_bytes"] > 0
+        assert attrs["bootstrap.warmup.graph_bytes"] <= attrs["bootstrap.warmup.reserved_bytes"]  # the estimate holds
         assert warmup["end_time_unix_nano"] > warmup["start_time_unix_nano"]
         assert report.plan["graph_bytes"] == attrs["bootstrap.warmup.reserved_bytes"]
         assert ex.runner.graphs is not None

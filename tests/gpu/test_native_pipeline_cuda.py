@@ -152,7 +152,9 @@ def check_8b_plan(plan: dict, ex, before: int) -> None:
     assert next(ex.runner.model.parameters()).dtype == torch.bfloat16
     assert profile["model_bytes"] - before >= WEIGHTS_8B  # weights (and the probe executor's state)
     left = profile["total_bytes"] - profile["peak_bytes"] - profile["graph_bytes"] + profile["probe_kv_bytes"]
-    assert plan["limited_by"] == "memory" and plan["planned_kv_budget_bytes"] == int(left * 0.9)
+    # no memory rule given: the native default headroom (native_headroom), everything else is KV
+    assert 0 < plan["headroom_bytes"] < 3 * 2**30 and plan["fraction"] == 0.9
+    assert plan["limited_by"] == "memory" and plan["planned_kv_budget_bytes"] == left - plan["headroom_bytes"]
     assert pool.total_bytes == plan["kv_budget_bytes"] > plan["planned_kv_budget_bytes"] - pool.total_bytes // pool.total_blocks
     assert torch.cuda.memory_allocated() >= before + WEIGHTS_8B + pool.total_bytes  # really on the GPU
     free, total = torch.cuda.mem_get_info()

@@ -62,17 +62,15 @@ def test_capacity_fills_every_block_and_counts_errors(tiny, tmp_path):
     out = tmp_path / "capacity.json"
     report = load_script("capacity").main(["--model", tiny, *SHAPE, "--out", str(out)])
     assert json.loads(out.read_text()) == report
-    default, proposed = report["starts"]
-    assert default["config"]["kv_headroom_bytes"] is None and default["plan"]["fraction"] == 0.9
-    assert proposed["config"]["kv_headroom_bytes"] == report["proposed_headroom"]["total"]
-    terms = report["proposed_headroom"]
-    assert terms["total"] == terms["activation"] + terms["gather"] + terms["mask"] + terms["workspace"]
-    for start in (default, proposed):
+    trtllm_rule, default = report["starts"]
+    assert trtllm_rule["config"]["free_gpu_memory_fraction"] == 0.9 and trtllm_rule["plan"]["headroom_bytes"] is None
+    assert default["plan"]["headroom_bytes"] is None  # the CPU has no default headroom: the fraction rule
+    for start in (trtllm_rule, default):
         load = start["load"]
         assert load["kv_fill_fraction"] == 1.0  # the CPU pool holds max_batch_size full requests
         assert load["requests"] == 4 and load["completed"] == 4
         assert load["requests_errored"] == load["steps_failed"] == load["unfinished_at_deadline"] == 0
-    assert set(report["summary"]) == {"trtllm_default", "vllm_default", "default", "proposed"}
+    assert set(report["summary"]) == {"trtllm_default", "vllm_default", "fraction_0.9", "default"}
     assert report["peers"]["trtllm_default"]["fraction_of_physical"] == 0.9
 
 
@@ -84,22 +82,12 @@ def test_staggered_requests_are_full_length_and_finish_together():
     assert set(finished) == {max(done_prefill) + capacity.TAIL_STEPS - 1}
 
 
-def test_proposed_headroom_terms_for_llama_8b_on_an_h200_profile():
-    capacity = load_script("capacity")
-    profile = {"total_bytes": 150_109_880_320, "peak_bytes": 20 * 2**30, "probe_kv_bytes": 2**30, "activation_bytes": 2**30}
-    terms = capacity.proposed_headroom(profile, layers=32, bytes_per_token=131072, dtype_bytes=2, max_batch_size=256,
-                                       max_seq_len=8192, max_num_tokens=8192)  # fmt: skip
-    left = 150_109_880_320 - 19 * 2**30  # the pool could not hold 256 requests of 8192 tokens: left bounds the gather
-    assert terms["gather"] == left // 32 and terms["mask"] == 8192 * 8192 * 5
-    assert terms["total"] == 2**30 + left // 32 + 8192 * 8192 * 5 + 512 * 2**20
-
-
 def test_a_start_that_fails_is_recorded_and_the_report_still_written(tiny, tmp_path):
     out = tmp_path / "capacity.json"
     report = load_script("capacity").main(["--model", tiny, *SHAPE, "--headroom-bytes", str(10**15), "--out", str(out)])
-    default, proposed = report["starts"]
-    assert "error" not in default and "kv_headroom_bytes" in proposed["error"]
-    assert report["summary"]["proposed"] == {"error": proposed["error"]} and json.loads(out.read_text()) == report
+    trtllm_rule, default, headroom = report["starts"]
+    assert "error" not in trtllm_rule and "error" not in default and "kv_headroom_bytes" in headroom["error"]
+    assert report["summary"]["headroom"] == {"error": headroom["error"]} and json.loads(out.read_text()) == report
 
 
 def test_the_gpu_suite_script_runs_every_step_and_writes_every_result(tmp_path):
