@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 
+import anyio
 import pytest
 import torch
 from test_engine_cuda import SHAPE, build, prompts, reference
@@ -93,7 +94,12 @@ def tiny_config(tmp_path):
     return path
 
 
-async def test_bootstrap_captures_in_warmup_traces_it_and_survives_a_worst_case_load(tiny_config, tmp_path):
+def test_bootstrap_captures_in_warmup_traces_it_and_survives_a_worst_case_load(tiny_config, tmp_path):
+    """Run with anyio (the GPU suite runs pytest without its async plugins)."""
+    anyio.run(_bootstrap_captures_in_warmup_traces_it_and_survives_a_worst_case_load, tiny_config, tmp_path)
+
+
+async def _bootstrap_captures_in_warmup_traces_it_and_survives_a_worst_case_load(tiny_config, tmp_path):
     trace = tmp_path / "trace.jsonl"
     config = bootstrap.BootstrapConfig(model=f"random:{tiny_config}", device="cuda", dtype="float32", max_seq_len=2048,
                                        max_batch_size=16, max_num_tokens=2048)  # fmt: skip
