@@ -73,12 +73,10 @@ class CudaDevice:
         self._cuda.reset_peak_memory_stats(self.index)
 
     def empty_cache(self) -> None:
-        """Return cached blocks to the device, cuBLAS workspaces included: torch keeps one (32 MiB
-        on Hopper) per stream that ran a GEMM, and every CUDA graph capture runs on a new stream,
-        so without this each capture leaves one behind for the life of the process."""
-        clear_workspaces = getattr(self._torch._C, "_cuda_clearCublasWorkspaces", None)
-        if clear_workspaces is not None:
-            clear_workspaces()
+        """Return torch's cached blocks to the device. cuBLAS workspaces stay: a captured CUDA
+        graph replays its GEMMs into the workspace it was captured with, so freeing one under a
+        live graph corrupts memory (``engine.cuda_graphs.release_workspaces`` frees them once no
+        graph is left)."""
         self._cuda.empty_cache()
 
     def synchronize(self) -> None:

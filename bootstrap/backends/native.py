@@ -48,7 +48,7 @@ from bootstrap.budget_split import PoolBudgets
 from bootstrap.capacity import CapacityPlan, MemoryProfile, dummy_request_lengths
 from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.devices import CpuDevice, CudaDevice, Device, is_oom
-from bootstrap.engine.cuda_graphs import capture_reserve_bytes
+from bootstrap.engine.cuda_graphs import capture_reserve_bytes, release_workspaces
 from bootstrap.engine import triton_decode
 from bootstrap.engine.executor import PyExecutor, create_executor
 from bootstrap.engine.model_runner import ModelRunner
@@ -213,8 +213,11 @@ class NativeBackend:
         self._return_cached()
 
     def _return_cached(self) -> None:
-        """Torch's cached blocks back to the device, after the work queued so far."""
+        """Torch's cached blocks back to the device, after the work queued so far; cuBLAS
+        workspaces too when no CUDA graph is alive (``release_workspaces``)."""
         self.device.synchronize()
+        if self.torch_device.type == "cuda":
+            release_workspaces()
         self.device.empty_cache()
 
     def _settler(self) -> Callable[[], None]:

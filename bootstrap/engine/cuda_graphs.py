@@ -32,7 +32,9 @@ retry with fewer buckets.
 
 from __future__ import annotations
 
+import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -51,6 +53,8 @@ MiB = 1024**2
 # stream's cuBLAS workspace, the compiled norms' and Triton's kernels, the driver's graph state)
 # and 2.7 MB per graph. The allowances keep a margin over both.
 CAPTURE_FIXED_BYTES = 128 * MiB
+_live: weakref.WeakSet[DecodeGraphs] = weakref.WeakSet()  # captures not yet released, in this process
+_live_lock = threading.Lock()
 GRAPH_EXEC_BYTES = 4 * MiB  # per captured graph: its executable graph, and any growth of the shared pool
 
 @dataclass(frozen=True)
@@ -84,6 +88,8 @@ class DecodeGraphs:
         if runner.kv_cache.stats().used_blocks:
             raise RuntimeError("CUDA graphs are captured on an empty KV pool (the dummy steps write block 0)")
         start = time.perf_counter()
+        with _live_lock:
+            _live.add(self)
         self._logits = torch.empty(sizes[-1], runner.vocab_size, dtype=_logits_dtype(runner), device=runner.device)
         runner.decode_buffers.fill(_dummy_step(sizes[-1]), sizes[-1], widths[-1])
         with torch.inference_mode():
@@ -137,6 +143,22 @@ class DecodeGraphs:
         self._graphs.clear()
         self._logits = None
         self.batch_sizes, self.widths = (), ()
+        with _live_lock:
+            _live.discard(self)
+
+
+def release_workspaces() -> bool:
+    """Free torch's cuBLAS workspaces (32 MiB on Hopper per thread and stream that ran a GEMM:
+    the capture stream, the executor's worker thread), unless a capture of this module is alive:
+    its graphs replay GEMMs into the workspace they were captured with, so freeing it under them
+    would corrupt memory or fault. True when freed. A GEMM after this allocates a fresh one."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    with _live_lock:
+        if _live or clear is None or not torch.cuda.is_initialized():
+            return False
+        torch.cuda.synchronize()
+        clear()
+    return True
 
 
 def capture_reserve_bytes(runner: ModelRunner, batch_sizes: Sequence[int]) -> tuple[int, dict[str, int]]:

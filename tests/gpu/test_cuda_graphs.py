@@ -14,7 +14,9 @@ import torch
 from test_engine_cuda import SHAPE, build, prompts, reference
 
 import bootstrap
+from bootstrap.devices import CudaDevice
 from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
+from bootstrap.engine.cuda_graphs import release_workspaces
 
 pytestmark = [
     pytest.mark.gpu,
@@ -73,6 +75,24 @@ def test_each_step_size_between_buckets_matches_eager(kernel):
         assert next(b for b in (1, 2, 4, 8) if b >= size) in {b for b, _ in replays}  # padded up to its bucket
         ex.shutdown()
         eager.shutdown()
+
+
+def test_cublas_workspaces_outlive_every_live_capture():
+    """Graphs replay their GEMMs into the cuBLAS workspace they were captured with: while a
+    capture is alive no release frees it (freeing it faulted a batch-112 replay of an 8B model
+    with an illegal memory access); after every capture is released, a release frees them."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = build("llama", torch.float32)
+    batch = prompts(8)
+    ex, _, replays = graphed_executor(model, torch.float32, [8])
+    want = [r.token_ids for r in ex.generate(batch, SamplingParams(max_tokens=4))]
+    assert release_workspaces() is False  # a capture is alive
+    CudaDevice().empty_cache()
+    big = [torch.empty(32 * 1024**2, dtype=torch.uint8, device="cuda").fill_(255) for _ in range(8)]  # reuse freed memory
+    assert [r.token_ids for r in ex.generate(batch, SamplingParams(max_tokens=4))] == want and replays
+    del big
+    ex.shutdown()  # releases the graphs
+    assert release_workspaces() is True
 
 
 def test_capture_needs_an_empty_pool():

@@ -33,6 +33,7 @@ from bootstrap.api import Bootstrap  # noqa: E402
 from bootstrap.capacity import dummy_workload_tokens  # noqa: E402
 from bootstrap.config import BootstrapConfig  # noqa: E402
 from bootstrap.devices import CudaDevice  # noqa: E402
+from bootstrap.engine.cuda_graphs import release_workspaces  # noqa: E402
 from bootstrap.engine.sampling import SamplingParams  # noqa: E402
 from bootstrap.pipeline import StageFailed  # noqa: E402
 from bootstrap.stages import STAGE_IDS  # noqa: E402
@@ -50,10 +51,11 @@ def config(**values) -> BootstrapConfig:
 
 def settled_bytes() -> int:
     """Torch's allocated bytes once garbage is collected and the device is idle, cuBLAS workspaces
-    freed as ``CudaDevice.empty_cache`` frees them (else a baseline taken with the default stream's
-    32 MiB workspace alive differs from one taken after a start released it)."""
+    freed as a release frees them once no graph is alive (else a baseline taken with the default
+    stream's 32 MiB workspace alive differs from one taken after a start released it)."""
     gc.collect()
     torch.cuda.synchronize()
+    assert release_workspaces(), "a CUDA graph capture is still alive"
     CudaDevice().empty_cache()
     return torch.cuda.memory_allocated()
 
