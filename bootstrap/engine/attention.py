@@ -9,11 +9,18 @@ A step runs a ragged batch flattened into ``[1, total_tokens]``: request ``b`` c
 ``query_lens[b]`` new tokens (a prefill chunk or one decode token) and, after the step, holds
 ``context_lens[b]`` tokens in the cache. The metadata (slot of every new token, block tables,
 lengths) reaches the attention function through a thread-local set by ``use_metadata``. Each
-layer writes the new keys and values into their slots, then, per group of requests (decode
-tokens in one, prefill chunks in another), gathers every request's cached keys and values
-through its block table and runs one padded, masked ``scaled_dot_product_attention`` (causal,
-grouped-query, with the layer's sliding window when it has one; Gemma 2's logit soft-cap too).
-The scaling is the one the model passes in.
+layer writes the new keys and values into their slots, then attends per group of requests
+(``ModelRunner`` groups one-token queries, fresh prompt chunks and continued prompt chunks):
+
+- one-token queries, where Triton runs (``kernel="triton"``): the paged decode kernel reads each
+  row's blocks in place, so a mixed step copies nothing of the running requests' contexts;
+- fresh prompt chunks (nothing cached before them), without a soft-cap or a window shorter than
+  the chunk: their own new keys and values under a causal flag (SDPA's flash kernel, no mask);
+- anything else: every request's cached keys and values gathered through its block table, and
+  one padded, masked ``scaled_dot_product_attention`` (causal, grouped-query, with the layer's
+  sliding window when it has one; Gemma 2's logit soft-cap too).
+
+The three give the same result; the scaling is the one the model passes in.
 
 Every tensor of a group is derived with device operations of static shape from the block
 tables, the lengths and three integers (``num_tokens``, ``max_query_len``, ``kv_blocks``).
