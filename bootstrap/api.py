@@ -95,7 +95,8 @@ class Bootstrap:
 def default_backend(config: BootstrapConfig) -> Backend:
     """The backend ``config.backend`` names on ``config.device``; ``trtllm`` without TensorRT-LLM
     installed raises ``MissingExtra`` naming the install command."""
-    from bootstrap.backends.native import NativeBackend, device_for  # imports torch: only when asked for
+    from bootstrap.backends.native import NativeBackend  # imports torch: only when asked for
+    from bootstrap.backends.native_placement import device_for
 
     if config.backend == "trtllm":
         from bootstrap.backends.trtllm import create_backend

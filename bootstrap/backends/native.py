@@ -38,16 +38,17 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from bootstrap.artifacts import EstimationBuild, FinalBuild, LoadedModel, ResolvedClasses, Warmup
 from bootstrap.backends.native_headroom import headroom_terms
+from bootstrap.backends.native_placement import device_for, rank_device, rank_env
 from bootstrap.budget_split import PoolBudgets
 from bootstrap.capacity import CapacityPlan, MemoryProfile, dummy_request_lengths
 from bootstrap.config import BootstrapConfig, ConfigError
-from bootstrap.devices import CpuDevice, CudaDevice, Device, is_oom
+from bootstrap.devices import Device, is_oom
 from bootstrap.engine.cuda_graphs import capture_reserve_bytes, release_workspaces
 from bootstrap.engine import triton_decode
 from bootstrap.engine.executor import PyExecutor, create_executor
@@ -63,9 +64,6 @@ from bootstrap.models.shape import ModelConfigError, ModelShape
 from bootstrap.parallel import Collective
 from bootstrap.stages.load_model import is_transient_io
 from bootstrap.undo import Undo
-
-if TYPE_CHECKING:
-    from bootstrap.parallel.torch_dist import RankEnv
 
 NATIVE_CLASSES: Mapping[str, str] = {"kv_manager": "PagedKVCache", "scheduler": "Scheduler", "sampler": "Sampler"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -91,21 +89,6 @@ class NativeBuild:
 
     pools: Mapping[str, PagedKVCache]
     executors: Mapping[str, PyExecutor] = dataclasses.field(default_factory=dict)
-
-
-def device_for(spec: str) -> tuple[Device, torch.device]:
-    """The memory port and torch device ``config.device`` names; a clear error when absent."""
-    if spec == "auto":
-        spec = "cuda" if torch.cuda.is_available() else "cpu"
-    if spec == "cpu":
-        return CpuDevice(), torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ConfigError(f"device: {spec!r} asked for, but torch sees no CUDA device; allowed here: auto, cpu")
-    index = int(spec.partition(":")[2] or 0)
-    count = torch.cuda.device_count()
-    if index >= count:
-        raise ConfigError(f"device: {spec!r} does not exist; allowed: cuda:0..cuda:{count - 1}, cuda, cpu, auto")
-    return CudaDevice(index), torch.device("cuda", index)
 
 
 class NativeBackend:
@@ -382,30 +365,6 @@ class NativeBackend:
             pools[name] = pool = make(spec, size, models.tokens_per_block, self.torch_device)
             undo.push(pool.release)
         return pools
-
-
-def rank_env(config: BootstrapConfig) -> RankEnv:
-    """This rank's place, as the launcher set it; a clear error when none did."""
-    from bootstrap.parallel.torch_dist import RankEnv
-
-    env = RankEnv.from_env()
-    tp = config.tensor_parallel_size
-    if env is None or env.world_size != tp:
-        found = "no RANK / WORLD_SIZE" if env is None else f"WORLD_SIZE {env.world_size}"
-        raise ConfigError(
-            f"tensor_parallel_size: {tp} needs {tp} ranks, and this process has {found}; start it with "
-            f"`bootstrap run --tp {tp}` (which launches the ranks) or `torchrun --nproc-per-node {tp}`"
-        )
-    return env
-
-
-def rank_device(spec: str, local_rank: int) -> str:
-    """One device per rank: ``cuda:LOCAL_RANK`` for ``auto`` / ``cuda`` on a CUDA machine."""
-    if spec.startswith("cuda:"):
-        raise ConfigError(f"device: {spec!r} with tensor parallelism; allowed: auto, cuda, cpu (rank r takes cuda:LOCAL_RANK)")
-    if spec == "cpu" or (spec == "auto" and not torch.cuda.is_available()):
-        return "cpu"
-    return f"cuda:{local_rank}"
 
 
 @contextmanager
