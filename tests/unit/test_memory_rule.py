@@ -82,3 +82,18 @@ def test_the_native_headroom_terms_for_an_8b_shape():
 def test_the_native_engine_has_no_default_headroom_on_the_cpu():
     backend, cfg = NativeBackend(CpuDevice(), torch.device("cpu")), config()
     assert backend.default_headroom_bytes(PROFILE, resolve_classes(cfg, SimBackend(sim_device("h200"))), cfg) is None
+
+
+def test_the_cli_gives_the_fraction_only_when_the_flag_is_given():
+    from bootstrap.cli import build_parser, config_from_args
+
+    parse = build_parser().parse_args
+    plain = config_from_args(parse(["plan", "--model", "llama-3.1-8b", "--gpu", "h200"]))
+    given = config_from_args(parse(["plan", "--model", "llama-3.1-8b", "--gpu", "h200", "--free-gpu-memory-fraction", "0.9"]))
+    headroom = config_from_args(parse(["plan", "--model", "llama-3.1-8b", "--gpu", "h200", "--kv-headroom-bytes", "4096"]))
+    assert "free_gpu_memory_fraction" not in plain.model_fields_set and plain.free_gpu_memory_fraction == 0.9
+    assert "free_gpu_memory_fraction" in given.model_fields_set
+    assert headroom.kv_headroom_bytes == 4096
+    backend = HeadroomSim(sim_device("h200"))
+    rules = [memory_rule(c, resolve_classes(c, backend), PROFILE, backend) for c in (plain, given, headroom)]
+    assert rules == [3 * GB, None, 4096]
