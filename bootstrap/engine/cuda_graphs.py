@@ -21,10 +21,11 @@ the widest bucket run eagerly. Steps past the largest batch size always do.
 Capture. Largest bucket first, all into one memory pool (``torch.cuda.graph_pool_handle``): the
 graphs never run at once, so a later capture reuses the intermediates the earlier ones freed, and
 the pool grows to about the largest graph's working memory. Each graph copies its logits into
-one shared static buffer, so no per-graph output stays allocated. Each bucket is run once
-eagerly before its capture (lazy initialisation, cuBLAS heuristics, compiled norms' shape
-specializations), on the one side stream every capture uses: torch keeps a cuBLAS workspace
-(32 MiB on Hopper) per stream that ran a GEMM, so a stream per capture would leave one each. The dummy
+one shared static buffer, so no per-graph output stays allocated. The first bucket is run once
+eagerly before its capture (lazy initialisation: cuBLAS handle and workspace, Triton's and the
+compiled norms' kernels), and so is the one-row bucket (the compiled norms specialize a size of
+one); the others need no eager run, which halves the capture time. Every capture uses one side
+stream: torch keeps a cuBLAS workspace (32 MiB on Hopper) per stream that ran a GEMM. The dummy
 inputs write block 0, so capture needs an empty KV pool. An out-of-memory error inside a capture
 is re-raised as itself (not as the capture-invalidated error CUDA reports next), so a caller can
 retry with fewer buckets.
@@ -95,7 +96,8 @@ class DecodeGraphs:
         with torch.inference_mode():
             for rows in reversed(sizes):
                 for width in reversed(widths):
-                    self._graphs[(rows, width)] = self._capture_one(rows, width)
+                    warm_up = not self._graphs or rows == 1  # the first capture; one row: its own specialization
+                    self._graphs[(rows, width)] = self._capture_one(rows, width, warm_up)
         torch.cuda.synchronize(runner.device)
         self.batch_sizes, self.widths = tuple(sizes), tuple(widths)
         return GraphCapture(self.batch_sizes, self.widths, len(self._graphs), time.perf_counter() - start)
@@ -107,12 +109,13 @@ class DecodeGraphs:
             raise ValueError(f"CUDA graph {what}s must be integers in [1, {limit}], got {list(values)}")
         return values
 
-    def _capture_one(self, rows: int, width: int) -> torch.cuda.CUDAGraph:
+    def _capture_one(self, rows: int, width: int, warm_up: bool) -> torch.cuda.CUDAGraph:
         assert self._logits is not None
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(self.runner.device))
-        with torch.cuda.stream(stream):  # warm-up run off the capture
-            self.runner.forward_decode(rows, width)
+        if warm_up:
+            with torch.cuda.stream(stream):  # an eager run off the capture
+                self.runner.forward_decode(rows, width)
         torch.cuda.current_stream(self.runner.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         try:
