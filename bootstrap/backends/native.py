@@ -34,11 +34,10 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -319,17 +318,12 @@ class NativeBackend:
             settle()
 
         undo.push(release)
-        capture, used = self._capture(runner, batch_sizes)
-        return Warmup(runner, capture.batch_sizes, capture.widths, capture.num_graphs, used, plan.graph_bytes, capture.seconds)
-
-    def _capture(self, runner: ModelRunner, batch_sizes: Sequence[int]) -> tuple[Any, int]:
-        """Capture ``batch_sizes`` on ``runner``; the capture and the device bytes it took (in use
-        after less before, the allocator's cache emptied on both sides)."""
-        self._return_cached()
+        self._return_cached()  # the bytes the capture took: in use after less before, cache emptied on both sides
         before = self.device.total_bytes() - self.device.free_bytes()
         capture = runner.capture_decode_graphs(batch_sizes)
         self._return_cached()
-        return capture, max(self.device.total_bytes() - self.device.free_bytes() - before, 0)
+        used = max(self.device.total_bytes() - self.device.free_bytes() - before, 0)
+        return Warmup(runner, capture.batch_sizes, capture.widths, capture.num_graphs, used, plan.graph_bytes, capture.seconds)
 
     def start_executor(
         self,

@@ -57,20 +57,22 @@ async def list_models(request: Request) -> s.ModelList:
 
 @router.post("/completions", response_model=None)
 async def completions(body: s.CompletionRequest, request: Request) -> Response:
-    state: ServeState = request.app.state.serve
-    executor = ready_executor(state)
-    check_model(state, body.model)
-    ids = completion_prompt_ids(executor.tokenizer, body.prompt)
+    ids = completion_prompt_ids(serving_executor(request, body.model).tokenizer, body.prompt)
     return await answer(request, body, ids, Render("completion", body.model))
 
 
 @router.post("/chat/completions", response_model=None)
 async def chat_completions(body: s.ChatCompletionRequest, request: Request) -> Response:
+    ids = chat_prompt_ids(serving_executor(request, body.model).tokenizer, body.messages)
+    return await answer(request, body, ids, Render("chat", body.model))
+
+
+def serving_executor(request: Request, model: str) -> Any:
+    """The ready executor, for a request that names this server's model (else 503 or 404)."""
     state: ServeState = request.app.state.serve
     executor = ready_executor(state)
-    check_model(state, body.model)
-    ids = chat_prompt_ids(executor.tokenizer, body.messages)
-    return await answer(request, body, ids, Render("chat", body.model))
+    check_model(state, model)
+    return executor
 
 
 async def answer(request: Request, body: s.CompletionRequest | s.ChatCompletionRequest, ids: list[int],

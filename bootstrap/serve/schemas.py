@@ -117,18 +117,28 @@ class Usage(BaseModel):
         return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-class CompletionChoice(BaseModel):
+class Choice(BaseModel):
+    """What every choice carries: its index (``n`` is 1) and no logprobs."""
+
     index: int = 0
-    text: str
     logprobs: None = None
+
+
+class Envelope(BaseModel):
+    """What every response object carries besides its ``object`` name and choices."""
+
+    id: str
+    created: int
+    model: str
+
+
+class CompletionChoice(Choice):
+    text: str
     finish_reason: str | None = None
 
 
-class Completion(BaseModel):
-    id: str
+class Completion(Envelope):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
 
@@ -138,18 +148,13 @@ class AssistantMessage(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
-    index: int = 0
+class ChatChoice(Choice):
     message: AssistantMessage
-    logprobs: None = None
     finish_reason: str
 
 
-class ChatCompletion(BaseModel):
-    id: str
+class ChatCompletion(Envelope):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
     usage: Usage
 
@@ -159,18 +164,13 @@ class Delta(BaseModel):
     content: str | None = None
 
 
-class ChatChunkChoice(BaseModel):
-    index: int = 0
+class ChatChunkChoice(Choice):
     delta: Delta
-    logprobs: None = None
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(Envelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 
