@@ -57,7 +57,8 @@ STAGE = Stage(
     provides="final",
     retry=on_oom(attempts=3),
     adapt=shrink_budgets,
-    oom_advice="The KV pools do not fit even after shrinking: lower free_gpu_memory_fraction or set max_kv_bytes.",
+    oom_advice="The KV pools do not fit even after shrinking: lower free_gpu_memory_fraction, raise kv_headroom_bytes "
+    "or set max_kv_bytes.",
     figures=lambda f: {f"bootstrap.kv.pool_bytes.{k}": v for k, v in f.pool_bytes.items()}
     | {f"bootstrap.kv.pool_tokens.{k}": v for k, v in f.pool_tokens.items()},
 )

@@ -60,7 +60,8 @@ def fewer_buckets(exc: BaseException, inputs: Mapping[str, Any]) -> Adaptation:
     if len(fewer) == len(sizes):
         raise GiveUp(
             f"capturing the CUDA graph of batch size {fewer[0]} alone still runs out of memory; "
-            "start with --no-cuda-graphs (cuda_graphs=False), or lower free_gpu_memory_fraction"
+            "start with --no-cuda-graphs (cuda_graphs=False), or leave more memory beside the KV cache (a lower "
+            "free_gpu_memory_fraction or a larger kv_headroom_bytes)"
         ) from exc
     return Adaptation({"batch_sizes": fewer}, {"cuda_graph_batch_sizes": f"{list(sizes)} -> {list(fewer)}"})
 
@@ -84,6 +85,7 @@ STAGE = Stage(
     adapt=fewer_buckets,
     skip=skip_warmup,
     oom_advice="Capturing the CUDA graphs does not fit beside the KV pools: use --no-cuda-graphs or fewer "
-    "--cuda-graph-batch-sizes, or lower free_gpu_memory_fraction.",
+    "--cuda-graph-batch-sizes, or leave more memory beside the KV cache (a lower free_gpu_memory_fraction or a "
+    "larger kv_headroom_bytes).",
     figures=_figures,
 )
