@@ -54,9 +54,11 @@ MiB = 1024**2
 # stream's cuBLAS workspace, the compiled norms' and Triton's kernels, the driver's graph state)
 # and 2.7 MB per graph. The allowances keep a margin over both.
 CAPTURE_FIXED_BYTES = 128 * MiB
+GRAPH_EXEC_BYTES = 4 * MiB  # per captured graph: its executable graph, and any growth of the shared pool
+
 _live: weakref.WeakSet[DecodeGraphs] = weakref.WeakSet()  # captures not yet released, in this process
 _live_lock = threading.Lock()
-GRAPH_EXEC_BYTES = 4 * MiB  # per captured graph: its executable graph, and any growth of the shared pool
+
 
 @dataclass(frozen=True)
 class GraphCapture:
