@@ -37,7 +37,6 @@ never step at once.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence as Seq
@@ -45,10 +44,12 @@ from collections.abc import AsyncIterator, Iterator, Sequence as Seq
 import anyio
 import torch
 
+from bootstrap.engine.inbox import Inbox
 from bootstrap.engine.kv_cache import PagedKVCache
 from bootstrap.engine.model_runner import ModelRunner
 from bootstrap.engine.requests import Claim, Handle, RequestStats, RequestTable
-from bootstrap.engine.sampling import Sampler, SamplingParams, make_generator, model_eos_ids, stop_reason, trim_stop_text
+from bootstrap.engine.responses import ResponseWriter
+from bootstrap.engine.sampling import Sampler, SamplingParams, make_generator, model_eos_ids
 from bootstrap.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from bootstrap.engine.sequence import Detokenizer, Response, Sequence, StreamEvent, next_request_id, token_id_list
 from bootstrap.engine.waiting import EventStream, Waiter
@@ -70,9 +71,10 @@ class PyExecutor:
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids) if eos_token_ids is not None else model_eos_ids(runner.model)
         self._requests = RequestTable(max_unclaimed)
+        self._responses = ResponseWriter(self._requests, scheduler, self.eos_token_ids)
         self._waiter = Waiter(self._requests, self._step_here)
         self._lock = self._requests.lock  # also guards _closed and the worker's start
-        self._inbox: queue.Queue[Sequence | None] = queue.Queue()
+        self._inbox = Inbox()
         self._step_lock = threading.Lock()
         self._stop = threading.Event()
         self._worker: threading.Thread | None = None
@@ -98,7 +100,7 @@ class PyExecutor:
         if not self._requests.worker_live:
             with self._step_lock:
                 if not self._requests.worker_live:
-                    self._drain_inbox()
+                    self._inbox.drain_into(self.scheduler)
                     self._cancel_given_up()
 
     def stats(self) -> RequestStats:
@@ -201,10 +203,10 @@ class PyExecutor:
             self._requests.add(handles, claim)
             for handle, reason in zip(handles, reasons):
                 if reason is None:
-                    self._inbox.put(handle.seq)
+                    self._inbox.post(handle.seq)
         for handle, reason in zip(handles, reasons):
             if reason is not None:
-                self._complete(handle, "error", f"request rejected: {reason}")
+                self._responses.complete(handle, "error", f"request rejected: {reason}")
         return handles
 
     def _rejection(self, seq: Sequence) -> str | None:
@@ -232,7 +234,7 @@ class PyExecutor:
         with self._step_lock:
             if self._requests.worker_live:
                 return True
-            took = self._drain_inbox()
+            took = self._inbox.drain_into(self.scheduler)
             self._cancel_given_up()
             if not self.scheduler.has_work:
                 return took
@@ -270,40 +272,23 @@ class PyExecutor:
         the loop."""
         with self._step_lock:
             idle = not self.scheduler.has_work
-        first = self._inbox.get() if idle else None
+        first = self._inbox.wait() if idle else None
         with self._step_lock:
             try:
-                self._take(first)
-                self._drain_inbox()
+                self._inbox.drain_into(self.scheduler, first)
                 self._cancel_given_up()
                 if not self._stop.is_set() and self.scheduler.has_work:
                     self.step()
             except Exception as exc:  # a bug outside the guarded step: fail what is queued, keep going
                 log.exception("executor step failed outside the model step")
-                self._fail(self.scheduler.drain(), exc)
-
-    def _drain_inbox(self) -> bool:
-        """Take everything posted so far; True if there was anything."""
-        took = False
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return took
-            self._take(item)
-            took = True
-
-    def _take(self, item: Sequence | None) -> None:
-        """A new request (skipped if cancelled while queued), or None: ``shutdown``'s wake-up call."""
-        if item is not None and not item.finished:
-            self.scheduler.add(item)
+                self._responses.fail(self.scheduler.drain(), exc)
 
     def _cancel_given_up(self) -> None:
         """Finish the requests given up since the last round (``cancel``, ``cancel_on_abandon``)."""
         for handle in self._requests.pop_cancelled():
             if not handle.finished:
                 self.scheduler.finish(handle.seq)
-                self._complete(handle, "cancelled")
+                self._responses.complete(handle, "cancelled")
 
     def step(self) -> None:
         """Schedule, run, sample and update once.
@@ -328,9 +313,9 @@ class PyExecutor:
         except Exception as exc:
             if fail:
                 log.exception("step of %d requests failed", len(batch.seqs))
-                self._fail(batch.seqs, exc)
+                self._responses.fail(batch.seqs, exc)
             return False
-        self._update(batch, tokens)
+        self._responses.record(batch, tokens)
         return True
 
     def _forward_and_sample(self, batch: ScheduledBatch) -> list[int]:
@@ -340,71 +325,6 @@ class PyExecutor:
             return []
         params = [s.params for s in sampling]
         return self.sampler.sample(logits, params, [s.generator for s in sampling]).tolist()
-
-    def _update(self, batch: ScheduledBatch, tokens: list[int]) -> None:
-        sampled = iter(tokens)
-        for seq, count, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples()):
-            seq.num_computed += count
-            if samples:
-                try:
-                    self._append(self._handle_of(seq), next(sampled))
-                except Exception as exc:
-                    log.exception("request %d failed after its step", seq.request_id)
-                    self._fail([seq], exc)
-
-    def _handle_of(self, seq: Sequence) -> Handle:
-        handle = self._requests.get(seq.request_id)
-        if handle is None:
-            raise RuntimeError(f"request {seq.request_id} runs but has no handle")
-        return handle
-
-    def _append(self, handle: Handle, token: int) -> None:
-        seq = handle.seq
-        seq.append(token)
-        if handle.detokenizer is not None:
-            handle.detokenizer.add(token)
-        text = handle.detokenizer.text if handle.detokenizer is not None else ""
-        reason = stop_reason(seq.output_token_ids, text, seq.params, self.eos_token_ids)
-        if reason is None:
-            self._requests.publish(handle, StreamEvent(token, self._release_text(handle, text, final=False)))
-            return
-        self.scheduler.finish(seq)
-        self._complete(handle, reason, token=token)
-
-    def _release_text(self, handle: Handle, text: str, final: bool) -> str:
-        """New text safe to show: held back while it could still be the start of a stop string."""
-        stops = handle.seq.params.stop
-        visible = trim_stop_text(text, handle.seq.params) if final else text
-        if stops and not final:
-            visible = text[: max(len(text) - max(map(len, stops)) + 1, 0)]
-        delta = visible[handle.emitted :]
-        handle.emitted = max(handle.emitted, len(visible))
-        return delta
-
-    def _fail(self, seqs: list[Sequence], exc: BaseException) -> None:
-        for seq in seqs:
-            self.scheduler.finish(seq)
-            handle = self._requests.get(seq.request_id)
-            if handle is not None and not handle.finished:
-                self._complete(handle, "error", f"{type(exc).__name__}: {exc}")
-
-    def _complete(self, handle: Handle, reason: str, error: str | None = None, token: int | None = None) -> None:
-        seq = handle.seq
-        full = ""
-        if handle.detokenizer is not None:
-            try:
-                handle.detokenizer.flush()
-            except Exception as exc:  # the response must still be delivered, or its waiter hangs
-                log.exception("request %d: detokenizing its last tokens failed", seq.request_id)
-                reason, error = "error", error or f"{type(exc).__name__}: {exc}"
-            full = handle.detokenizer.text
-        seq.finish(reason, error)
-        delta = self._release_text(handle, full, final=True)
-        text = trim_stop_text(full, seq.params)
-        response = Response(
-            seq.request_id, seq.prompt_token_ids, seq.output_token_ids, text, reason, error, seq.is_warmup
-        )
-        self._requests.publish(handle, StreamEvent(token, delta, reason, error), response)
 
     # ---- teardown -----------------------------------------------------------------------------
 
@@ -416,7 +336,7 @@ class PyExecutor:
                 return
             self._closed = True
         self._stop.set()
-        self._inbox.put(None)
+        self._inbox.post(None)
         if self._worker is not None:
             self._worker.join(timeout)
             if self._worker.is_alive():
@@ -428,11 +348,11 @@ class PyExecutor:
         """Cancel every unfinished request and release the KV pool (idempotent); if the worker
         ``died``, fail its requests with that error instead and keep the pool for callers."""
         with self._step_lock:
-            self._drain_inbox()
+            self._inbox.drain_into(self.scheduler)
             if died is not None:
-                return self._fail(self.scheduler.drain(), died)
+                return self._responses.fail(self.scheduler.drain(), died)
             for seq in self.scheduler.drain():
-                self._complete(self._handle_of(seq), "cancelled", "the executor was shut down")
+                self._responses.complete(self._responses.handle_of(seq), "cancelled", "the executor was shut down")
             self.runner.release_graphs()
             self.runner.kv_cache.release()
 

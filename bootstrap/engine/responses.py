@@ -1,0 +1,98 @@
+"""``ResponseWriter``: what a step's sampled tokens become for the callers waiting on them.
+
+After each step the executor hands it the batch and its tokens (``record``): every request
+advances by the tokens it computed, and one that sampled gets its token appended, is checked for
+a stop (EOS, ``max_tokens``, a stop string) and publishes a stream event with the text safe to
+show (held back while it could still be the start of a stop string). A finished request gets its
+``Response`` (``complete``); a failed one an error response (``fail``). The scheduler frees what
+finished; ``bootstrap.engine.requests`` holds the events and responses until they are taken.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from bootstrap.engine.requests import Handle, RequestTable
+from bootstrap.engine.sampling import stop_reason, trim_stop_text
+from bootstrap.engine.scheduler import ScheduledBatch, Scheduler
+from bootstrap.engine.sequence import Response, Sequence, StreamEvent
+
+log = logging.getLogger("bootstrap.engine.executor")  # the executor's log: these are its steps
+
+
+class ResponseWriter:
+    """Sampled tokens to stream events and responses, for one executor's requests."""
+
+    def __init__(self, requests: RequestTable, scheduler: Scheduler, eos_token_ids: set[int]) -> None:
+        self.requests = requests
+        self.scheduler = scheduler
+        self.eos_token_ids = eos_token_ids
+
+    def record(self, batch: ScheduledBatch, tokens: list[int]) -> None:
+        """After a step: advance every request of ``batch``, append each sampled token in order.
+        A request that fails here (a tokenizer error, say) gets an error; the others go on."""
+        sampled = iter(tokens)
+        for seq, count, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples()):
+            seq.num_computed += count
+            if samples:
+                try:
+                    self.append(self.handle_of(seq), next(sampled))
+                except Exception as exc:
+                    log.exception("request %d failed after its step", seq.request_id)
+                    self.fail([seq], exc)
+
+    def handle_of(self, seq: Sequence) -> Handle:
+        handle = self.requests.get(seq.request_id)
+        if handle is None:
+            raise RuntimeError(f"request {seq.request_id} runs but has no handle")
+        return handle
+
+    def append(self, handle: Handle, token: int) -> None:
+        seq = handle.seq
+        seq.append(token)
+        if handle.detokenizer is not None:
+            handle.detokenizer.add(token)
+        text = handle.detokenizer.text if handle.detokenizer is not None else ""
+        reason = stop_reason(seq.output_token_ids, text, seq.params, self.eos_token_ids)
+        if reason is None:
+            self.requests.publish(handle, StreamEvent(token, _release_text(handle, text, final=False)))
+            return
+        self.scheduler.finish(seq)
+        self.complete(handle, reason, token=token)
+
+    def fail(self, seqs: Iterable[Sequence], exc: BaseException) -> None:
+        for seq in seqs:
+            self.scheduler.finish(seq)
+            handle = self.requests.get(seq.request_id)
+            if handle is not None and not handle.finished:
+                self.complete(handle, "error", f"{type(exc).__name__}: {exc}")
+
+    def complete(self, handle: Handle, reason: str, error: str | None = None, token: int | None = None) -> None:
+        seq = handle.seq
+        full = ""
+        if handle.detokenizer is not None:
+            try:
+                handle.detokenizer.flush()
+            except Exception as exc:  # the response must still be delivered, or its waiter hangs
+                log.exception("request %d: detokenizing its last tokens failed", seq.request_id)
+                reason, error = "error", error or f"{type(exc).__name__}: {exc}"
+            full = handle.detokenizer.text
+        seq.finish(reason, error)
+        delta = _release_text(handle, full, final=True)
+        text = trim_stop_text(full, seq.params)
+        response = Response(
+            seq.request_id, seq.prompt_token_ids, seq.output_token_ids, text, reason, error, seq.is_warmup
+        )
+        self.requests.publish(handle, StreamEvent(token, delta, reason, error), response)
+
+
+def _release_text(handle: Handle, text: str, final: bool) -> str:
+    """New text safe to show: held back while it could still be the start of a stop string."""
+    stops = handle.seq.params.stop
+    visible = trim_stop_text(text, handle.seq.params) if final else text
+    if stops and not final:
+        visible = text[: max(len(text) - max(map(len, stops)) + 1, 0)]
+    delta = visible[handle.emitted :]
+    handle.emitted = max(handle.emitted, len(visible))
+    return delta
