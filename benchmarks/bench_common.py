@@ -60,6 +60,11 @@ def command_line(script: str, argv: list[str] | None) -> str:
     return " ".join(["python", f"benchmarks/{script}", *(argv if argv is not None else sys.argv[1:])])
 
 
+def report_header(name: str, argv: list[str] | None, device: torch.device) -> dict[str, Any]:
+    """What every result starts with: the benchmark, the command that ran it, the environment."""
+    return {"benchmark": name, "command": command_line(f"{name}.py", argv), "environment": environment(device)}
+
+
 def save(report: dict[str, Any], out: Path | None) -> str:
     """Write the report as JSON to ``out`` (parents created), also part way through a run, so a
     run stopped at its deadline still leaves what it measured; the JSON text."""

@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when loaded by path
 from bench_common import (  # noqa: E402
-    command_line, emit, environment, failure, positive_int, ratio, release_memory, resolve_device, save,
+    emit, failure, positive_int, ratio, release_memory, report_header, resolve_device, save,
 )
 
 from bootstrap.api import Bootstrap  # noqa: E402
@@ -364,9 +364,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     device = resolve_device(args.device)
     report = {
-        "benchmark": "capacity",
-        "command": command_line("capacity.py", argv),
-        "environment": environment(device),
+        **report_header("capacity", argv, device),
         "goals": GOALS,
         "starts": [],
     }

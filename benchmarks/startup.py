@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when loaded by path
 from bench_common import (  # noqa: E402
-    command_line, emit, environment, failure, positive_int, ratio, release_memory, resolve_device, save, synchronize,
+    emit, failure, positive_int, ratio, release_memory, report_header, resolve_device, save, synchronize,
 )
 
 from bootstrap.api import Bootstrap  # noqa: E402
@@ -213,9 +213,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if device.type == "cuda":
         torch.ones(8, 8, device=device).matmul(torch.ones(8, 8, device=device))  # CUDA context and cuBLAS, untimed
     report = {
-        "benchmark": "startup",
-        "command": command_line("startup.py", argv),
-        "environment": environment(device),
+        **report_header("startup", argv, device),
         "settings": {k: getattr(args, k) for k in ("dtype", "max_seq_len", "max_num_tokens", "max_batch_size", "repeats",
                                                   "graphs")},  # fmt: skip
         "goals": GOALS,
