@@ -213,15 +213,21 @@ async def test_sliding_windows_v2_gemma2():
     assert p["plan"].cost.intercept == intercept + 2048 * 21 * layer
 
 
-async def test_two_model_draft_shares_tokens(tmp_path: Path):
-    """V1 non-VSWA two-model: TRT gives both managers the same ``max_tokens = budget // (t + d)``
-    (no byte split); our cost-weighted split gives each pool exactly that token count."""
+def draft_config(tmp_path: Path) -> Path:
+    """A Llama-3.2-1B-shaped draft's config.json: 16 layers, 8 KV heads of 64."""
     draft = tmp_path / "draft.json"
     draft.write_text(json.dumps({
         "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
         "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
         "max_position_embeddings": 131072, "tie_word_embeddings": True,
     }))  # fmt: skip
+    return draft
+
+
+async def test_two_model_draft_shares_tokens(tmp_path: Path):
+    """V1 non-VSWA two-model: TRT gives both managers the same ``max_tokens = budget // (t + d)``
+    (no byte split); our cost-weighted split gives each pool exactly that token count."""
+    draft = draft_config(tmp_path)
     p = await plan(draft_model=str(draft))
     t, d = trt_cost_v1(32, trt_layer_bytes(8, 128, 1, 2)), trt_cost_v1(16, trt_layer_bytes(8, 64, 1, 2))
     max_tokens, _ = trt_capacity_v1(trt_budget(p["profile"], 0.9), t + d, None, None)
@@ -233,12 +239,7 @@ async def test_two_model_draft_shares_tokens(tmp_path: Path):
 async def test_host_tier_split_by_slope(tmp_path: Path):
     """Host bytes: split between target and draft by slope, intercepts dropped ([draft]); V1's
     secondary pool is ``host // bytes_per_token // tpb`` blocks."""
-    draft = tmp_path / "draft.json"
-    draft.write_text(json.dumps({
-        "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
-        "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
-        "max_position_embeddings": 131072, "tie_word_embeddings": True,
-    }))  # fmt: skip
+    draft = draft_config(tmp_path)
     host = 64 * 1024**3 + 12345
     p = await plan(draft_model=str(draft), host_cache_bytes=host)
     t, d = trt_cost_v1(32, trt_layer_bytes(8, 128, 1, 2)), trt_cost_v1(16, trt_layer_bytes(8, 64, 1, 2))
