@@ -48,8 +48,8 @@ from bootstrap.budget_split import PoolBudgets
 from bootstrap.capacity import CapacityPlan, MemoryProfile, dummy_request_lengths
 from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.devices import Device, is_oom
-from bootstrap.engine.cuda_graphs import capture_reserve_bytes, release_workspaces
 from bootstrap.engine import triton_decode
+from bootstrap.engine.cuda_graphs import capture_reserve_bytes, release_workspaces
 from bootstrap.engine.executor import PyExecutor, create_executor
 from bootstrap.engine.model_runner import ModelRunner
 from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
@@ -187,12 +187,8 @@ class NativeBackend:
         with unreadable_as_source_error(source):
             weights = load_model(source, device=self.torch_device, dtype=DTYPES[dtype], cache_dir=self.cache_dir,
                                  tp_size=self.tp)  # fmt: skip
-        undo.push(lambda: self._drop_weights(weights.model))
+        undo.push(lambda: weights.model.to(torch.device("meta")))  # frees the storage even if a reference survives
         return weights
-
-    def _drop_weights(self, model: torch.nn.Module) -> None:
-        model.to(torch.device("meta"))  # frees the storage even if a reference to the model survives
-        self._return_cached()
 
     def _return_cached(self) -> None:
         """Torch's cached blocks back to the device, after the work queued so far; cuBLAS
@@ -279,8 +275,7 @@ class NativeBackend:
         here to measure it would double the capture time of a cold start. The warmup stage
         measures what the capture really took next to this reserve."""
         sizes = graph_batch_sizes(config.max_batch_size, config.cuda_graph_batch_sizes)
-        self._return_cached()
-        reserve, _ = capture_reserve_bytes(runner, sizes)
+        reserve, _ = capture_reserve_bytes(runner, sizes)  # profile() returned the cache just before
         self._return_cached()
         return reserve
 
