@@ -235,19 +235,12 @@ def _attend(
     sliding_window: int | None,
     softcap: float | None,
 ) -> torch.Tensor:
-    """Attention output ``[n, H, D]`` for the group's tokens, in the order of ``group.token_ids``.
-
-    Three ways, the same result: one-token queries with ``kernel="triton"`` run the paged decode
-    kernel over each row's blocks (nothing gathered: a mixed step's decode rows would otherwise
-    copy one layer of every running request's context); fresh prompts without a window or
-    soft-cap attend their own new keys with a causal flag (SDPA's flash kernel, no mask, no
-    gather); anything else gathers the group's cached keys and values and runs a masked SDPA.
-    """
+    """Attention output ``[n, H, D]`` for the group's tokens, in the order of ``group.token_ids``,
+    by the first of the module docstring's three ways that applies to the group."""
     if group.max_query_len == 1 and group.kernel == "triton":
-        scale = scaling if scaling is not None else tokens.shape[-1] ** -0.5
         tables = group.block_tables[:, : group.kv_blocks]
         return paged_decode(tokens.index_select(0, group.token_ids), k_cache, v_cache, tables, group.context_lens,
-                            scale, sliding_window, softcap)  # fmt: skip
+                            scaling, sliding_window, softcap)  # fmt: skip
     q = tokens[group.query_index].transpose(1, 2)  # [b, H, Qmax, D]
     if group.fresh and softcap is None and (sliding_window is None or sliding_window >= group.max_query_len):
         return _attend_fresh(q, new_kv, group, scaling)
@@ -258,8 +251,7 @@ def _attend(
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
     else:
         out = _softcapped_attention(q, k, v, mask, scaling, softcap)
-    batch, heads, q_max, head_dim = out.shape
-    return out.transpose(1, 2).reshape(batch * q_max, heads, head_dim).index_select(0, group.rows)
+    return _unpad(out, group)
 
 
 def _attend_fresh(
@@ -270,6 +262,11 @@ def _attend_fresh(
     whole mask. A real row ``i`` sees keys ``0..i``, all real; padded rows are dropped."""
     k, v = (part[group.query_index].transpose(1, 2).to(q.dtype) for part in new_kv)  # [b, KVH, Qmax, D]
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
+    return _unpad(out, group)
+
+
+def _unpad(out: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+    """``[b, H, Qmax, D]`` padded output to ``[n, H, D]``: the group's real rows, in token order."""
     batch, heads, q_max, head_dim = out.shape
     return out.transpose(1, 2).reshape(batch * q_max, heads, head_dim).index_select(0, group.rows)
 
@@ -286,8 +283,7 @@ def _attend_decode(
     """``[B, H, D]``: one query token per row against the row's blocks (static shapes only)."""
     rows, heads, head_dim = tokens.shape
     if meta.kernel == "triton":
-        scale = scaling if scaling is not None else head_dim**-0.5
-        return paged_decode(tokens, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, sliding_window, softcap)
+        return paged_decode(tokens, k_cache, v_cache, meta.block_tables, meta.context_lens, scaling, sliding_window, softcap)
     kv_heads = k_cache.shape[2]
     q = tokens.reshape(rows, kv_heads, heads // kv_heads, head_dim)  # query heads grouped by KV head
     k = _gather_blocks(k_cache, meta.block_tables, q.dtype)

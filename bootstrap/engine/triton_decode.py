@@ -135,12 +135,14 @@ def paged_decode(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
-    scale: float,
+    scale: float | None,
     sliding_window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """``q [B, H, D]`` (one token per row) against caches ``[blocks, tpb, KVH, D]``; ``[B, H, D]``."""
+    """``q [B, H, D]`` (one token per row) against caches ``[blocks, tpb, KVH, D]``; ``[B, H, D]``.
+    ``scale`` None: ``head_dim ** -0.5``, as SDPA's default."""
     rows, heads, head_dim = q.shape
+    scale = scale if scale is not None else head_dim**-0.5
     _, tpb, kv_heads, _ = k_cache.shape
     q = q.contiguous()
     out = torch.empty_like(q)
