@@ -52,7 +52,6 @@ class CudaDevice:
     def __init__(self, index: int = 0) -> None:
         import torch
 
-        self._torch = torch
         self._cuda = torch.cuda
         self.index = index
         self.name = f"{torch.cuda.get_device_name(index)} (cuda:{index})"
