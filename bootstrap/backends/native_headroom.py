@@ -23,11 +23,10 @@ default and TensorRT-LLM's rule applies (``free_gpu_memory_fraction`` 0.9).
 from __future__ import annotations
 
 from bootstrap.artifacts import ResolvedClasses
-from bootstrap.capacity import MemoryProfile
+from bootstrap.capacity import MemoryProfile, kv_dtype_bytes
 from bootstrap.config import BootstrapConfig
 
 WORKSPACE_BYTES = 512 * 1024**2
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def headroom_terms(profile: MemoryProfile, resolved: ResolvedClasses, config: BootstrapConfig) -> dict[str, int]:
@@ -36,7 +35,7 @@ def headroom_terms(profile: MemoryProfile, resolved: ResolvedClasses, config: Bo
     chunk, context = profile.max_num_tokens, resolved.max_seq_len
     terms = {
         "activation": profile.activation_bytes,
-        "continued_chunk": context * layer_bytes_per_token + chunk * context * (1 + 2 * DTYPE_BYTES[resolved.dtype]),
+        "continued_chunk": context * layer_bytes_per_token + int(chunk * context * (1 + 2 * kv_dtype_bytes(resolved.dtype))),
         "workspace": WORKSPACE_BYTES,
     }
     return {**terms, "total": sum(terms.values())}
