@@ -46,7 +46,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when loaded by path
 from bench_common import (  # noqa: E402
-    emit, failure, positive_int, ratio, release_memory, report_header, resolve_device, save,
+    emit,
+    failure,
+    positive_int,
+    ratio,
+    release_memory,
+    report_header,
+    resolve_device,
+    save,
 )
 
 from bootstrap.api import Bootstrap  # noqa: E402

@@ -43,9 +43,9 @@ from pathlib import Path
 import torch
 import transformers
 
+from bootstrap.capacity.cuda_graph_buckets import default_batch_sizes
 from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
 from bootstrap.engine.executor import PyExecutor
-from bootstrap.graph_buckets import default_batch_sizes
 from bootstrap.engine.loader import DEFAULT_MODEL, LoadedWeights, load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -19,9 +19,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from bootstrap.devices import FakeDevice
 from bootstrap.pipeline import Pipeline
-from bootstrap.stage import Stage, on_oom
+from bootstrap.pipeline.stage import Stage, on_oom
+from bootstrap.pipeline.telemetry import make_tracer_provider
 from bootstrap.stages import STAGE_IDS
-from bootstrap.telemetry import make_tracer_provider
 
 
 def trivial(previous: int, undo: object = None) -> int:

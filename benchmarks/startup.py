@@ -38,17 +38,26 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when loaded by path
 from bench_common import (  # noqa: E402
-    emit, failure, positive_int, ratio, release_memory, report_header, resolve_device, save, synchronize,
+    emit,
+    failure,
+    positive_int,
+    ratio,
+    release_memory,
+    report_header,
+    resolve_device,
+    save,
+    synchronize,
 )
 
 from bootstrap.api import Bootstrap  # noqa: E402
 from bootstrap.backends.native import DTYPES  # noqa: E402
+from bootstrap.capacity.config_json import parse_config  # noqa: E402
+from bootstrap.capacity.cuda_graph_buckets import default_batch_sizes  # noqa: E402
+from bootstrap.capacity.shape import ModelShape  # noqa: E402
 from bootstrap.config import BootstrapConfig  # noqa: E402
 from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
 from bootstrap.engine.loader import load_hf_config, load_model  # noqa: E402
 from bootstrap.engine.model_runner import ModelRunner  # noqa: E402
-from bootstrap.graph_buckets import default_batch_sizes  # noqa: E402
-from bootstrap.models.shape import ModelShape  # noqa: E402
 
 DEFAULT_MODELS = "random:llama-3.2-1b,random:llama-3.1-8b,random:qwen2.5-14b"
 GOALS = {"cold_over_floor": 1.3, "warm_over_cold": 0.6}
@@ -150,7 +159,7 @@ async def one_round(source: str, args: argparse.Namespace, device: torch.device,
 
 
 def shape_record(source: str) -> dict[str, Any]:
-    shape = ModelShape.from_hf_config(load_hf_config(source).to_dict())
+    shape = parse_config(load_hf_config(source).to_dict())
     return {
         "architecture": shape.architecture, "parameters": shape.parameter_count(), "layers": shape.num_layers,
         "heads": shape.num_heads, "kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,

@@ -11,21 +11,24 @@ its report. A failed build raises ``StageFailed`` and keeps every earlier artifa
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import TracerProvider
 
 from bootstrap.backends.base import Backend
 from bootstrap.config import BootstrapConfig
-from bootstrap.events import StageEvent
-from bootstrap.pipeline import Pipeline
-from bootstrap.report import stage_rows
-from bootstrap.runner import make_pipeline, plan_summary
-from bootstrap.telemetry import ROOT_SPAN, make_tracer_provider
+from bootstrap.pipeline import Pipeline, Stage
+from bootstrap.pipeline.events import StageEvent
+from bootstrap.pipeline.report import stage_rows
+from bootstrap.pipeline.telemetry import ROOT_SPAN, make_tracer_provider
+from bootstrap.stages import DEFAULT_STAGES
+from bootstrap.stages.plan_cache import PlanCache
+from bootstrap.stages.summary import plan_summary
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,25 @@ class Bootstrap:
             await self.pipeline.aclose()
         finally:
             self._provider.shutdown()
+
+
+def make_pipeline(
+    config: BootstrapConfig,
+    backend: Backend,
+    *,
+    tracer_provider: TracerProvider | None = None,
+    stages: Sequence[Stage] = DEFAULT_STAGES,
+) -> Pipeline:
+    """On several ranks (a backend with a ``collective``), every attempt is agreed across them
+    and the plan cache is off: one rank's cache hit must not skip a stage its peers run."""
+    collective = getattr(backend, "collective", None)
+    several = collective is not None and collective.world_size > 1
+    inputs = {
+        "config": config,
+        "backend": backend,
+        "plan_cache": PlanCache(config.plan_cache) if config.plan_cache and not several else None,
+    }
+    return Pipeline(stages, inputs, tracer_provider=tracer_provider, device=backend.device, collective=collective)
 
 
 def default_backend(config: BootstrapConfig) -> Backend:

@@ -55,7 +55,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bootstrap.capacity import dummy_request_lengths
-from bootstrap.models.shape import ATTENTION, RECURRENT, ModelShape
+from bootstrap.capacity.shape import ATTENTION, RECURRENT, ModelShape
 
 MiB = 1024**2
 CUBLAS_WORKSPACE_BYTES = 32 * MiB

@@ -1,23 +1,36 @@
-"""The backend protocol: what the stages call, one method per piece of device work.
+"""The backend protocol (what the stages call, one method per piece of device work) and the
+executor contract (what ``start_executor`` returns, and what the CLI and the server call on it).
 
 Stages stay thin: they decide *what* to build (sizes, retries, adaptations) and a backend does
 the building. Every method that allocates receives an ``Undo`` and registers, right after each
 allocation, the action that releases it; the pipeline runs those actions when an attempt fails
 (rollback), when a later stage consumes the artifact, or when the run is cancelled.
+
+Every backend's executor is an ``Executor``: it says whether it runs and shuts down (once or many
+times). One that takes requests through this project's API (the native engine's ``PyExecutor``)
+is a ``RequestExecutor``: ``bootstrap run`` and ``bootstrap serve`` talk to it through these
+methods alone, never through its scheduler or pool, and read its load through ``engine_stats``,
+which is safe from any thread (the server reads it on the event loop while the engine's worker
+steps). TensorRT-LLM's executor is an ``Executor`` only: ``require_requests`` says so by name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from bootstrap.artifacts import EstimationBuild, FinalBuild, LoadedModel, ResolvedClasses
-from bootstrap.budget_split import PoolBudgets
+from bootstrap.backends.artifacts import EstimationBuild, FinalBuild, LoadedModel, ResolvedClasses
 from bootstrap.capacity import CapacityPlan, MemoryProfile
-from bootstrap.config import BootstrapConfig
+from bootstrap.capacity.shape import ModelShape
+from bootstrap.capacity.split import PoolBudgets
+from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.devices import Device
-from bootstrap.models.shape import ModelShape
-from bootstrap.undo import Undo
+from bootstrap.pipeline.undo import Undo
+
+if TYPE_CHECKING:
+    from bootstrap.engine.executor import EngineStats
+    from bootstrap.engine.sampling import SamplingParams
+    from bootstrap.engine.sequence import Response, StreamEvent
 
 
 class Backend(Protocol):
@@ -97,5 +110,43 @@ class Backend(Protocol):
         plan: CapacityPlan,
         config: BootstrapConfig,
         undo: Undo,
-    ) -> Any:
+    ) -> Executor:
         """Create scheduler and sampler, wire and start the executor, serve one smoke request."""
+
+
+@runtime_checkable
+class Executor(Protocol):
+    @property
+    def is_running(self) -> bool: ...
+
+    def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class RequestExecutor(Executor, Protocol):
+    tokenizer: Any
+
+    def enqueue(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None) -> int:
+        """Queue a request from any thread; its id. An impossible one is answered at once with
+        an error event (``finish_reason="error"``, ``error`` starting ``request rejected: ``)."""
+
+    def cancel(self, request_id: int) -> None:
+        """Give the request up; unknown ids are ignored."""
+
+    def stream_async(self, request_id: int, *, cancel_on_abandon: bool = False) -> AsyncIterator[StreamEvent]:
+        """Its events until the final one; a cancelled wait takes nothing."""
+
+    async def await_response_async(self, request_id: int, timeout: float | None = None, *,
+                                   cancel_on_abandon: bool = False) -> Response:  # fmt: skip
+        """Its response; ``KeyError`` once it was released."""
+
+    def engine_stats(self) -> EngineStats:
+        """KV blocks and requests running and waiting, from any thread, without waiting."""
+
+
+def require_requests(executor: Executor) -> RequestExecutor:
+    """``executor`` as a ``RequestExecutor``, or a ``ConfigError`` naming the backend that built it."""
+    if isinstance(executor, RequestExecutor):
+        return executor
+    raise ConfigError(f"backend: its executor ({type(executor).__name__}) takes no requests through bootstrap's "
+                      "request API; the stages built it and the plan above stands (allowed for prompts: native)")  # fmt: skip

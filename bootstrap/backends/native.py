@@ -41,28 +41,29 @@ from pathlib import Path
 
 import torch
 
-from bootstrap.artifacts import EstimationBuild, FinalBuild, LoadedModel, ResolvedClasses, Warmup
+from bootstrap.backends.artifacts import EstimationBuild, FinalBuild, LoadedModel, ResolvedClasses, Warmup
 from bootstrap.backends.native_headroom import headroom_terms
 from bootstrap.backends.native_placement import device_for, rank_device, rank_env
-from bootstrap.budget_split import PoolBudgets
 from bootstrap.capacity import CapacityPlan, MemoryProfile, dummy_request_lengths
+from bootstrap.capacity.config_json import parse_config
+from bootstrap.capacity.cuda_graph_buckets import graph_batch_sizes
+from bootstrap.capacity.shape import ModelConfigError, ModelShape, check_tp_split
+from bootstrap.capacity.split import PoolBudgets
 from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.devices import Device, is_oom
 from bootstrap.engine import triton_decode
 from bootstrap.engine.cuda_graphs import capture_reserve_bytes, release_workspaces
 from bootstrap.engine.executor import PyExecutor, create_executor
-from bootstrap.engine.model_runner import ModelRunner
 from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
 from bootstrap.engine.loader import LoadedWeights, ModelSourceError, load_hf_config, load_model
-from bootstrap.engine.sources.smollm2 import ModelFetchError
+from bootstrap.engine.model_runner import ModelRunner
+from bootstrap.engine.profile_run import run_dummy_requests
 from bootstrap.engine.sampling import SamplingParams
 from bootstrap.engine.scheduler import SchedulerConfig
-from bootstrap.engine.warmup import run_dummy_requests
-from bootstrap.graph_buckets import graph_batch_sizes
-from bootstrap.models.shape import ModelConfigError, ModelShape
-from bootstrap.parallel import Collective
-from bootstrap.stages.load_model import is_transient_io
-from bootstrap.undo import Undo
+from bootstrap.engine.sources.smollm2 import ModelFetchError
+from bootstrap.pipeline.collective import Collective
+from bootstrap.pipeline.stage import is_transient_io
+from bootstrap.pipeline.undo import Undo
 
 NATIVE_CLASSES: Mapping[str, str] = {"kv_manager": "PagedKVCache", "scheduler": "Scheduler", "sampler": "Sampler"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -109,7 +110,7 @@ class NativeBackend:
     def for_config(
         cls, config: BootstrapConfig, cache_dir: Path | None = None, collective: Collective | None = None
     ) -> NativeBackend:
-        """At ``tensor_parallel_size`` > 1 this process is one rank (``bootstrap.parallel``):
+        """At ``tensor_parallel_size`` > 1 this process is one rank (``bootstrap.pipeline.collective``):
         ``collective`` given, or joined here from the launcher's ``RANK`` / ``WORLD_SIZE``."""
         if config.tensor_parallel_size == 1:
             return cls(*device_for(config.device), cache_dir=cache_dir)
@@ -126,7 +127,7 @@ class NativeBackend:
     def model_shape(self, spec: str) -> ModelShape:
         """The shape as the native pool stores it: every attention layer at full length."""
         with unreadable_as_source_error(spec):
-            shape = ModelShape.from_hf_config(load_hf_config(spec, cache_dir=self.cache_dir).to_dict())
+            shape = parse_config(load_hf_config(spec, cache_dir=self.cache_dir).to_dict())
         return dataclasses.replace(shape, layer_windows=(None,) * shape.num_layers)
 
     def default_dtype(self, shape: ModelShape) -> str:
@@ -145,11 +146,7 @@ class NativeBackend:
                 f"tensor_parallel_size: {config.tensor_parallel_size}, but this backend runs on {self.tp} rank(s); "
                 f"launch {config.tensor_parallel_size} ranks (bootstrap run --tp N, or torchrun) or use {self.tp}"
             )
-        if shape.num_kv_heads % self.tp:
-            raise ConfigError(
-                f"tensor_parallel_size: {self.tp} does not divide the {shape.num_kv_heads} KV heads of "
-                f"{shape.architecture}; the native engine shards KV heads evenly (choose a divisor of {shape.num_kv_heads})"
-            )
+        check_tp_split(shape, self.tp, shard_kv_heads=True)
         if config.host_cache_bytes:
             raise ConfigError("host_cache_bytes: the native engine has no host KV tier; allowed: 0")
         if shape.attention_kind == "mla" or shape.num_recurrent_layers:

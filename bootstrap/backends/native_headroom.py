@@ -22,7 +22,7 @@ default and TensorRT-LLM's rule applies (``free_gpu_memory_fraction`` 0.9).
 
 from __future__ import annotations
 
-from bootstrap.artifacts import ResolvedClasses
+from bootstrap.backends.artifacts import ResolvedClasses
 from bootstrap.capacity import MemoryProfile, kv_dtype_bytes
 from bootstrap.config import BootstrapConfig
 

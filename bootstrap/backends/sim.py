@@ -23,7 +23,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from bootstrap.artifacts import EstimationBuild, FinalBuild, LoadedModel, ResolvedClasses
 from bootstrap.backends.activations import (
     ActivationEstimate,
     activation_peak,
@@ -31,13 +30,14 @@ from bootstrap.backends.activations import (
     sampler_state_bytes,
     weight_dtype_bytes,
 )
-from bootstrap.budget_split import PoolBudgets
+from bootstrap.backends.artifacts import EstimationBuild, FinalBuild, LoadedModel, ResolvedClasses
 from bootstrap.capacity import CapacityPlan, MemoryProfile
+from bootstrap.capacity.presets import resolve_model_shape
+from bootstrap.capacity.shape import ModelShape
+from bootstrap.capacity.split import PoolBudgets
 from bootstrap.config import BootstrapConfig
 from bootstrap.devices import FakeDevice
-from bootstrap.models.presets import resolve_model_shape
-from bootstrap.models.shape import ModelShape
-from bootstrap.undo import Undo
+from bootstrap.pipeline.undo import Undo
 
 SIM_CLASSES: Mapping[str, str] = {"kv_manager": "SimKvPool", "scheduler": "SimScheduler", "sampler": "SimSampler"}
 

@@ -28,6 +28,7 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
+from bootstrap.config import ConfigError
 from bootstrap.devices import FakeDevice
 
 MiB = 1024**2
@@ -79,14 +80,14 @@ def parse_bytes(text: str) -> int:
     match = _SIZE.match(text)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
-        raise ValueError(
+        raise ConfigError(
             f"cannot read {text!r} as a byte count: use an integer number of bytes or a number "
             f"with one of the units {', '.join(u for u in _UNITS if u)} (e.g. '80GiB')"
         )
     number = match.group(1).lstrip("0") or "0"
     nbytes = int(Fraction(number) * _UNITS[unit]) if len(number) <= 40 else MAX_SIM_BYTES + 1
     if not 0 < nbytes <= MAX_SIM_BYTES:
-        raise ValueError(
+        raise ConfigError(
             f"a simulated GPU size must be in [1 byte, 16 TiB] ([1, {MAX_SIM_BYTES}] bytes), got {text!r}"
         )
     return nbytes
@@ -100,16 +101,16 @@ def resolve_sim_gpu(gpu: str) -> SimGpu:
     size = gpu.strip()[len("custom:") :] if key.startswith("custom:") else gpu.strip()
     if not size[:1].isdigit():
         presets = ", ".join(SIM_GPUS)
-        raise ValueError(
+        raise ConfigError(
             f"unknown simulated GPU {gpu!r}: use a preset ({presets}) or a size such as "
             "'custom:80GiB', '80GiB' or a byte count"
         )
     try:
         total = parse_bytes(size)
     except ValueError as exc:
-        raise ValueError(f"simulated GPU {gpu!r}: {exc}") from None
+        raise ConfigError(f"simulated GPU {gpu!r}: {exc}") from None
     if total <= CUDA_CONTEXT_BYTES:
-        raise ValueError(
+        raise ConfigError(
             f"simulated GPU {gpu!r} has {total} bytes, not more than the {CUDA_CONTEXT_BYTES} bytes a "
             "CUDA context takes"
         )

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from bootstrap.capacity.errors import CapacityError, ceil_to, check_positive
-from bootstrap.models.shape import ModelShape
+from bootstrap.capacity.shape import ModelShape
 
 _KV_DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 

@@ -38,14 +38,11 @@ import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from bootstrap.devices import is_oom
-
-if TYPE_CHECKING:
-    from bootstrap.engine.model_runner import ModelRunner
+from bootstrap.engine.decode_step import DecodeRunner, DecodeStep
 
 MiB = 1024**2
 # What a capture holds besides one eager step's working memory and the logits buffer. Measured on
@@ -71,9 +68,9 @@ class GraphCapture:
 
 
 class DecodeGraphs:
-    """The captured decode graphs of one ``ModelRunner`` (see the module docstring)."""
+    """The captured decode graphs of one ``ModelRunner`` (a ``DecodeRunner``) (see the module docstring)."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: DecodeRunner) -> None:
         if runner.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; this runner is on {runner.device}")
         self.runner = runner
@@ -166,7 +163,7 @@ def release_workspaces() -> bool:
     return True
 
 
-def capture_reserve_bytes(runner: ModelRunner, batch_sizes: Sequence[int]) -> tuple[int, dict[str, int]]:
+def capture_reserve_bytes(runner: DecodeRunner, batch_sizes: Sequence[int]) -> tuple[int, dict[str, int]]:
     """Device bytes capturing ``batch_sizes`` on ``runner`` will take, without capturing (which
     takes about as long as the capture itself): one eager decode step of the largest bucket, its
     peak allocation above what was allocated before (the shared pool grows to about the largest
@@ -193,12 +190,10 @@ def capture_reserve_bytes(runner: ModelRunner, batch_sizes: Sequence[int]) -> tu
 
 
 def _dummy_step(rows: int):
-    from bootstrap.engine.model_runner import DecodeStep
-
     return DecodeStep([0] * rows, [0] * rows, [0] * rows, [[0]] * rows)
 
 
-def _logits_dtype(runner: ModelRunner) -> torch.dtype:
+def _logits_dtype(runner: DecodeRunner) -> torch.dtype:
     head = runner.model.get_output_embeddings()
     return head.weight.dtype if head is not None else next(runner.model.parameters()).dtype
 

@@ -39,7 +39,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence as Seq
+from collections.abc import AsyncIterator, Iterator
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import anyio
 import torch
@@ -57,6 +59,18 @@ from bootstrap.engine.waiting import EventStream, Waiter
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_UNCLAIMED = 1024
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What the engine holds at one moment: its KV pool and its requests. ``waiting`` counts the
+    requests queued for admission, those still in the inbox included."""
+
+    kv_total_blocks: int
+    kv_used_blocks: int
+    kv_capacity_tokens: int
+    running: int
+    waiting: int
 
 
 class PyExecutor:
@@ -79,6 +93,7 @@ class PyExecutor:
         self._stop = threading.Event()
         self._worker: threading.Thread | None = None
         self._closed = False
+        self._load = (0, 0)  # (running, waiting) after the last loop round; replaced whole, read without a lock
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -106,6 +121,19 @@ class PyExecutor:
     def stats(self) -> RequestStats:
         """How many requests the executor holds: all, unfinished, unclaimed, with a wait attached."""
         return self._requests.stats()
+
+    def engine_stats(self) -> EngineStats:
+        """KV blocks in use and requests running and waiting; safe from any thread and never
+        waits for a step: the KV figures are the pool's own snapshot, the request counts those
+        of the last loop round (plus what is still in the inbox)."""
+        kv = self.runner.kv_cache.stats()
+        running, waiting = self._load
+        return EngineStats(kv.total_blocks, kv.used_blocks, kv.capacity_tokens, running, waiting + self._inbox.pending())
+
+    @property
+    def is_running(self) -> bool:
+        """True until ``shutdown``: the executor takes requests."""
+        return not self._closed
 
     def await_response(
         self, request_id: int, timeout: float | None = None, *, cancel_on_abandon: bool = False
@@ -237,8 +265,10 @@ class PyExecutor:
             took = self._inbox.drain_into(self.scheduler)
             self._cancel_given_up()
             if not self.scheduler.has_work:
+                self._publish_load()
                 return took
             self.step()
+            self._publish_load()
             return True
 
     # ---- loop ---------------------------------------------------------------------------------
@@ -282,6 +312,11 @@ class PyExecutor:
             except Exception as exc:  # a bug outside the guarded step: fail what is queued, keep going
                 log.exception("executor step failed outside the model step")
                 self._responses.fail(self.scheduler.drain(), exc)
+            self._publish_load()
+
+    def _publish_load(self) -> None:
+        """Record the scheduler's request counts for ``engine_stats`` (step lock held)."""
+        self._load = (len(self.scheduler.running), len(self.scheduler.waiting))
 
     def _cancel_given_up(self) -> None:
         """Finish the requests given up since the last round (``cancel``, ``cancel_on_abandon``)."""
@@ -355,6 +390,7 @@ class PyExecutor:
                 self._responses.complete(self._responses.handle_of(seq), "cancelled", "the executor was shut down")
             self.runner.release_graphs()
             self.runner.kv_cache.release()
+            self._publish_load()
 
     def __enter__(self) -> PyExecutor:
         return self

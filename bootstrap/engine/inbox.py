@@ -21,6 +21,10 @@ class Inbox:
         """A request for the loop, or None: a wake-up call."""
         self._queue.put(item)
 
+    def pending(self) -> int:
+        """Items posted and not yet taken (approximate while others post; safe from any thread)."""
+        return self._queue.qsize()
+
     def wait(self) -> Sequence | None:
         """Block until something is posted; return it (a worker with no work sleeps here)."""
         return self._queue.get()

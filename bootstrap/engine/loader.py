@@ -23,14 +23,16 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from bootstrap.config import ConfigError
 from bootstrap.engine.sources import checkpoint, random_init, smollm2
 
 DEFAULT_MODEL = smollm2.NAME
 CHECKPOINT, GGUF, RANDOM, DEFAULT = "checkpoint", "gguf", "random", "default"
 
 
-class ModelSourceError(ValueError):
-    """A model source string that names nothing loadable; the message lists what is accepted."""
+class ModelSourceError(ConfigError):
+    """A model source string that names nothing loadable; the message lists what is accepted
+    (bad input of the ``model`` field: exit status 2)."""
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from bootstrap.engine.kv_cache import PagedKVCache
+from bootstrap.engine.prompts import length_problem
 from bootstrap.engine.sequence import Sequence, SequenceStatus
 
 
@@ -79,14 +80,9 @@ class CapacityScheduler:
 
     def rejection(self, seq: Sequence) -> str | None:
         """Why ``seq`` can never run with this pool and limit, or None if it can."""
-        prompt, max_tokens = seq.num_prompt_tokens, seq.params.max_tokens
-        if prompt == 0:
-            return "the prompt is empty: at least one prompt token is needed"
-        if prompt + max_tokens > self.max_seq_len:
-            return (
-                f"prompt ({prompt} tokens) + max_tokens ({max_tokens}) = {prompt + max_tokens} exceeds "
-                f"max_seq_len ({self.max_seq_len}); shorten the prompt or lower max_tokens"
-            )
+        problem = length_problem(seq.num_prompt_tokens, seq.params.max_tokens, self.max_seq_len)
+        if problem is not None:
+            return problem
         need = self.kv_cache.blocks_needed(seq.max_kv_tokens)
         if need > self.kv_cache.num_blocks:
             return (

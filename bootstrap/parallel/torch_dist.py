@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bootstrap.parallel import RankUnresponsive
+from bootstrap.pipeline.collective import RankUnresponsive
 
 DEFAULT_TIMEOUT_S = 600.0
 

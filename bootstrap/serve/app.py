@@ -18,7 +18,7 @@ from contextlib import asynccontextmanager
 import anyio
 from fastapi import FastAPI
 
-from bootstrap.serve import bootstrap_routes, openai_routes, runner
+from bootstrap.serve import bootstrap_routes, build_task, openai_routes
 from bootstrap.serve.auth import APIKeyMiddleware
 from bootstrap.serve.errors import install_handlers
 from bootstrap.serve.metrics import ServeMetrics
@@ -48,7 +48,7 @@ def _lifespan(state: ServeState, on_fatal: Callable[[], None]):  # noqa: ANN202 
         try:
             async with anyio.create_task_group() as tg:
                 app.state.tasks = tg
-                tg.start_soon(runner.guarded, state, runner.run_bootstrap, tg, on_fatal)
+                tg.start_soon(build_task.guarded, state, build_task.run_bootstrap, tg, on_fatal)
                 tg.start_soon(drain_on_shutdown, state)
                 try:
                     yield

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from bootstrap.serve import runner
+from bootstrap.serve import build_task
 from bootstrap.serve.errors import APIError
 from bootstrap.serve.openai_routes import RETRY_AFTER_S, SSE_HEADERS
 from bootstrap.serve.progress import bootstrap_view, ready_view
@@ -77,7 +77,7 @@ async def retry(request: Request) -> dict[str, Any]:
     if state.phase != "failed" or state.failure is None:
         why = "it failed before any stage ran" if state.phase == "failed" else f"the server is {state.phase}"
         raise APIError(409, f"nothing to retry: {why}", code="nothing_to_retry")
-    stage = runner.start_retry(state, request.app.state.tasks)
+    stage = build_task.start_retry(state, request.app.state.tasks)
     return {"state": state.phase, "resumed_from": stage}
 
 

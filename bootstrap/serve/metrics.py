@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from bootstrap.backends.base import RequestExecutor
 from bootstrap.serve.state import ServeState
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -65,16 +66,15 @@ class StateCollector(Collector):
         yield GaugeMetricFamily("bootstrap_requests_in_flight", "Requests the server is answering",
                                 value=float(len(state.inflight)))  # fmt: skip
 
-    def _engine(self, executor: Any) -> Iterator[Metric]:
-        stats = executor.scheduler.kv_cache.stats()
-        yield GaugeMetricFamily("bootstrap_kv_capacity_blocks", "KV cache blocks in the pool", value=stats.total_blocks)
+    def _engine(self, executor: RequestExecutor) -> Iterator[Metric]:
+        stats = executor.engine_stats()  # the executor's own snapshot: safe here, on the event loop
+        yield GaugeMetricFamily("bootstrap_kv_capacity_blocks", "KV cache blocks in the pool", value=stats.kv_total_blocks)
         yield GaugeMetricFamily("bootstrap_kv_capacity_tokens", "KV cache capacity in tokens",
-                                value=stats.capacity_tokens)  # fmt: skip
-        yield GaugeMetricFamily("bootstrap_kv_blocks_used", "KV cache blocks in use", value=stats.used_blocks)
-        yield GaugeMetricFamily("bootstrap_requests_running", "Requests the engine is running",
-                                value=len(executor.scheduler.running))  # fmt: skip
+                                value=stats.kv_capacity_tokens)  # fmt: skip
+        yield GaugeMetricFamily("bootstrap_kv_blocks_used", "KV cache blocks in use", value=stats.kv_used_blocks)
+        yield GaugeMetricFamily("bootstrap_requests_running", "Requests the engine is running", value=stats.running)
         yield GaugeMetricFamily("bootstrap_requests_waiting", "Requests queued in the engine, not yet admitted",
-                                value=len(executor.scheduler.waiting))  # fmt: skip
+                                value=stats.waiting)  # fmt: skip
 
 
 def _statuses(state: ServeState) -> list[Any]:

@@ -16,7 +16,13 @@ from bootstrap.serve import schemas as s
 from bootstrap.serve.errors import APIError
 from bootstrap.serve.jobs import Job, unless_disconnected
 from bootstrap.serve.metrics import ServeMetrics
-from bootstrap.serve.prompts import chat_prompt_ids, check_length, completion_prompt_ids, sampling_params, token_limit
+from bootstrap.serve.openai_prompts import (
+    chat_prompt_ids,
+    check_length,
+    completion_prompt_ids,
+    sampling_params,
+    token_limit,
+)
 from bootstrap.serve.render import Render, collect, stream_body
 from bootstrap.serve.state import ServeState
 

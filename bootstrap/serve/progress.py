@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from bootstrap.runner import plan_summary
 from bootstrap.serve.state import ServeState
+from bootstrap.stages.summary import plan_summary
 
 RETRYING = ("attempt_failed", "retrying")
 

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import anyio
 
+from bootstrap.backends.base import RequestExecutor
 from bootstrap.config import BootstrapConfig
 
 Phase = Literal["starting", "bootstrapping", "ready", "failed", "shutting_down"]
@@ -81,7 +82,7 @@ class ServeState:
     options: ServeOptions
     phase: Phase = "starting"
     boot: Any = None  # bootstrap.api.Bootstrap, made off the event loop (it imports torch)
-    executor: Any = None  # the started PyExecutor once ready
+    executor: RequestExecutor | None = None  # the started executor once ready
     max_seq_len: int | None = None
     time_to_ready_s: float | None = None
     error: str | None = None

@@ -3,11 +3,11 @@ pools, and the host tier by slope."""
 
 from __future__ import annotations
 
-from bootstrap.artifacts import ResolvedClasses
-from bootstrap.budget_split import PoolBudgets, split_budgets
+from bootstrap.backends.artifacts import ResolvedClasses
 from bootstrap.capacity import CapacityPlan
+from bootstrap.capacity.split import PoolBudgets, split_budgets
 from bootstrap.config import BootstrapConfig
-from bootstrap.stage import Stage
+from bootstrap.pipeline.stage import Stage
 
 
 def budget_split(config: BootstrapConfig, resolved: ResolvedClasses, plan: CapacityPlan) -> PoolBudgets:

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import logging
 
-from bootstrap.artifacts import ResolvedClasses
+from bootstrap.backends.artifacts import ResolvedClasses
 from bootstrap.backends.base import Backend
 from bootstrap.capacity import CapacityPlan, MemoryProfile, plan_capacity
+from bootstrap.capacity.agree import smallest_plan
 from bootstrap.config import BootstrapConfig
-from bootstrap.parallel import smallest_plan
-from bootstrap.plan_cache import PlanCache
-from bootstrap.stage import Stage
+from bootstrap.pipeline.stage import Stage
+from bootstrap.stages.plan_cache import PlanCache
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ STAGE = Stage(
     capacity,
     provides="plan",
     blocking=False,
-    agree=smallest_plan,  # several ranks: the smallest budget (bootstrap.parallel)
+    agree=smallest_plan,  # several ranks: the smallest budget (bootstrap.capacity.agree)
     figures=lambda p: {
         "bootstrap.kv.budget_bytes": p.kv_budget_bytes,
         "bootstrap.kv.max_tokens": p.kv_tokens,

@@ -11,14 +11,14 @@ import dataclasses
 
 from opentelemetry import trace
 
-from bootstrap.artifacts import EstimationBuild, LoadedModel, ResolvedClasses
+from bootstrap.backends.artifacts import EstimationBuild, LoadedModel, ResolvedClasses
 from bootstrap.backends.base import Backend
 from bootstrap.capacity import cap_probe_tokens, estimation_tokens, fmt_bytes
 from bootstrap.config import BootstrapConfig
-from bootstrap.plan_cache import CachedPlan, PlanCache
-from bootstrap.stage import Skip, Stage, on_oom
+from bootstrap.pipeline.stage import Skip, Stage, on_oom
+from bootstrap.pipeline.undo import Undo
+from bootstrap.stages.plan_cache import CachedPlan, PlanCache
 from bootstrap.stages.shrink import probe_oom, shrink_probe
-from bootstrap.undo import Undo
 
 
 def estimation_build(

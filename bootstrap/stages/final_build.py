@@ -7,13 +7,13 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from bootstrap.artifacts import FinalBuild, LoadedModel, ResolvedClasses
+from bootstrap.backends.artifacts import FinalBuild, LoadedModel, ResolvedClasses
 from bootstrap.backends.base import Backend
-from bootstrap.budget_split import PoolBudget, PoolBudgets
-from bootstrap.config import BootstrapConfig
 from bootstrap.capacity import fmt_bytes
-from bootstrap.stage import Adaptation, GiveUp, Stage, on_oom
-from bootstrap.undo import Undo
+from bootstrap.capacity.split import PoolBudget, PoolBudgets
+from bootstrap.config import BootstrapConfig
+from bootstrap.pipeline.stage import Adaptation, GiveUp, Stage, on_oom
+from bootstrap.pipeline.undo import Undo
 
 SHRINK_STEP = 0.9
 

@@ -3,21 +3,15 @@ Retries transient I/O errors; an OOM here is final (the weights do not fit at al
 
 from __future__ import annotations
 
-from bootstrap.artifacts import LoadedModel, ResolvedClasses
+from bootstrap.backends.artifacts import LoadedModel, ResolvedClasses
 from bootstrap.backends.base import Backend
 from bootstrap.config import BootstrapConfig
-from bootstrap.stage import RetryPolicy, Stage
-from bootstrap.undo import Undo
+from bootstrap.pipeline.stage import RetryPolicy, Stage, is_transient_io
+from bootstrap.pipeline.undo import Undo
 
 
 def load_model(config: BootstrapConfig, resolved: ResolvedClasses, backend: Backend, undo: Undo) -> LoadedModel:
     return backend.load_model(config, resolved, undo)
-
-
-def is_transient_io(exc: BaseException) -> bool:
-    return isinstance(exc, TimeoutError | ConnectionError) or (
-        isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError | PermissionError | IsADirectoryError)
-    )
 
 
 STAGE = Stage(

@@ -11,16 +11,16 @@ pipeline's (released when profiling consumes it, idempotently)."""
 
 from __future__ import annotations
 
-from bootstrap.artifacts import EstimationBuild, LoadedModel, ResolvedClasses
+from bootstrap.backends.artifacts import EstimationBuild, LoadedModel, ResolvedClasses
 from bootstrap.backends.base import Backend
 from bootstrap.capacity import MemoryProfile
+from bootstrap.capacity.agree import conservative_profile
 from bootstrap.config import BootstrapConfig
-from bootstrap.parallel import conservative_profile
-from bootstrap.plan_cache import PlanCache
-from bootstrap.stage import Skip, Stage, on_oom
+from bootstrap.pipeline.stage import Skip, Stage, on_oom
+from bootstrap.pipeline.undo import Undo
 from bootstrap.stages.estimation_build import build_probe
+from bootstrap.stages.plan_cache import PlanCache
 from bootstrap.stages.shrink import effective_max_num_tokens, probe_oom, shrink_probe_or_workload
-from bootstrap.undo import Undo
 
 
 class PlanCacheMiss(RuntimeError):
@@ -87,7 +87,7 @@ STAGE = Stage(
     adapt=shrink_probe_or_workload,
     skip=skip_with_cached_profile,
     consumes=("estimation",),
-    agree=conservative_profile,  # several ranks: max peak, min free, ... (bootstrap.parallel)
+    agree=conservative_profile,  # several ranks: max peak, min free, ... (bootstrap.capacity.agree)
     oom_advice=(
         "The dummy forward does not fit even after the retries shrank the probe and halved max_num_tokens "
         "(each attempt's span records the change): start with max_num_tokens below the value above, lower "

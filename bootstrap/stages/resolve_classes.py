@@ -3,13 +3,13 @@ the KV layout, its per-token cost, and the classes; config errors fail here, bef
 
 from __future__ import annotations
 
-from bootstrap.artifacts import ResolvedClasses
+from bootstrap.backends.artifacts import ResolvedClasses
 from bootstrap.backends.base import Backend
 from bootstrap.capacity import CacheCost, kv_dtype_bytes
+from bootstrap.capacity.pricing import TRTLLM_KV_MANAGERS, kv_cost, resolve_kv_manager
+from bootstrap.capacity.shape import ModelShape, check_tp_split
 from bootstrap.config import BootstrapConfig, ConfigError
-from bootstrap.kv_pricing import TRTLLM_KV_MANAGERS, kv_cost, resolve_kv_manager
-from bootstrap.models.shape import ModelShape
-from bootstrap.stage import Stage
+from bootstrap.pipeline.stage import Stage
 
 
 def resolve_classes(config: BootstrapConfig, backend: Backend) -> ResolvedClasses:
@@ -74,11 +74,8 @@ def _check_config(config: BootstrapConfig, shape: ModelShape, draft: ModelShape 
         )
     tp = config.tensor_parallel_size
     for field, model in (("model", shape), ("draft_model", draft)):
-        if model is not None and model.num_heads % tp:
-            raise ConfigError(
-                f"tensor_parallel_size: {tp} does not divide the {model.num_heads} attention heads of "
-                f"{field} ({model.architecture}); choose a divisor of {model.num_heads}"
-            )
+        if model is not None:
+            check_tp_split(model, tp, field)
 
 
 # Blocking: a real backend reads config files (the default model may be fetched once) and

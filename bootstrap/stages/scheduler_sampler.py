@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from bootstrap.artifacts import FinalBuild, LoadedModel, ResolvedClasses, Warmup
+from bootstrap.backends.artifacts import FinalBuild, LoadedModel, ResolvedClasses, Warmup
 from bootstrap.backends.base import Backend
 from bootstrap.capacity import CapacityPlan
 from bootstrap.config import BootstrapConfig
-from bootstrap.stage import Stage
-from bootstrap.undo import Undo
+from bootstrap.pipeline.stage import Stage
+from bootstrap.pipeline.undo import Undo
 
 
 def scheduler_sampler(

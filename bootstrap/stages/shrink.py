@@ -17,11 +17,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from bootstrap.artifacts import EstimationBuild
+from bootstrap.backends.artifacts import EstimationBuild
 from bootstrap.capacity import dummy_workload_tokens
 from bootstrap.config import BootstrapConfig
 from bootstrap.devices import DeviceOutOfMemory, is_oom
-from bootstrap.stage import Adaptation, GiveUp
+from bootstrap.pipeline.stage import Adaptation, GiveUp
 
 
 class ProbeOutOfMemory(DeviceOutOfMemory):

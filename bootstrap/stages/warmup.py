@@ -19,13 +19,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from bootstrap.artifacts import FinalBuild, LoadedModel, ResolvedClasses, Warmup
+from bootstrap.backends.artifacts import FinalBuild, LoadedModel, ResolvedClasses, Warmup
 from bootstrap.backends.base import Backend
 from bootstrap.capacity import CapacityPlan
+from bootstrap.capacity.cuda_graph_buckets import fewer_batch_sizes, graph_batch_sizes
 from bootstrap.config import BootstrapConfig
-from bootstrap.graph_buckets import fewer_batch_sizes, graph_batch_sizes
-from bootstrap.stage import Adaptation, GiveUp, Skip, Stage, on_oom
-from bootstrap.undo import Undo
+from bootstrap.pipeline.stage import Adaptation, GiveUp, Skip, Stage, on_oom
+from bootstrap.pipeline.undo import Undo
 
 
 def warmup(

@@ -18,10 +18,10 @@ from test_engine_parity import prompts
 from test_engine_parity import reference as generate_reference
 from tiny_models import BUILDERS, build
 
+from bootstrap.capacity.cuda_graph_buckets import decode_widths, default_batch_sizes, fewer_batch_sizes
 from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
 from bootstrap.engine.attention import DecodeMetadata, paged_attention, use_metadata
 from bootstrap.engine.cuda_graphs import DecodeGraphs
-from bootstrap.graph_buckets import decode_widths, default_batch_sizes, fewer_batch_sizes
 
 
 class EagerBuckets:

@@ -15,6 +15,7 @@ from tiny_models import BUILDERS, build
 
 from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
 
+
 def reference(model: torch.nn.Module, prompt: list[int], max_tokens: int) -> list[int]:
     out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_tokens, attention_mask=None)
     return out[0, len(prompt) :].tolist()

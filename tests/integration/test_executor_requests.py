@@ -12,9 +12,9 @@ import threading
 
 import anyio
 import pytest
+from tiny_llama import Throttle, build_model, cpu_seconds_over, make_executor, reference
 
 from bootstrap.engine import RequestInUse, SamplingParams
-from tiny_llama import Throttle, build_model, cpu_seconds_over, make_executor, reference
 
 PROMPT = [5, 6, 7]
 

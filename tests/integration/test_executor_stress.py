@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import anyio
 import pytest
+from tiny_llama import build_model, cpu_seconds_over, make_executor, reference
 
 from bootstrap.engine import Response, SamplingParams, StreamEvent
-from tiny_llama import build_model, cpu_seconds_over, make_executor, reference
 
 PROMPTS = [[3, 4, 5], [9, 8, 7, 6, 5], [40, 41], [100, 7, 100, 7, 100, 7]]
 MAX_TOKENS = 20

@@ -23,6 +23,7 @@ from bootstrap.engine.kv_cache import PagedKVCache
 from bootstrap.engine.sampling import SamplingParams
 from bootstrap.pipeline import StageFailed
 
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
     return save_checkpoint("llama", tmp_path_factory.mktemp("ckpt") / "llama")

@@ -8,16 +8,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fake_trtllm import FakeTrtllm
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from bootstrap.api import make_pipeline
 from bootstrap.backends.sim_gpus import sim_device
 from bootstrap.backends.trtllm import TrtllmBackend
 from bootstrap.config import BootstrapConfig
 from bootstrap.devices import FakeDevice
 from bootstrap.pipeline import Pipeline
-from bootstrap.runner import make_pipeline
-from bootstrap.telemetry import make_tracer_provider
-from fake_trtllm import FakeTrtllm
+from bootstrap.pipeline.telemetry import make_tracer_provider
 
 VERSIONS = ("1.2.1", "main")
 LLAMA = dict(model="llama-3.1-8b", max_seq_len=8192, max_num_tokens=8192, max_batch_size=64, backend="trtllm")

@@ -27,13 +27,12 @@ import json
 import math
 from pathlib import Path
 
-
+from bootstrap.api import make_pipeline
 from bootstrap.backends.sim import SimBackend
 from bootstrap.backends.sim_gpus import sim_device
-from bootstrap.budget_split import split_budgets
 from bootstrap.capacity import CacheCost, CapacityPlan
+from bootstrap.capacity.split import split_budgets
 from bootstrap.config import BootstrapConfig
-from bootstrap.runner import make_pipeline
 
 TPB = 32
 

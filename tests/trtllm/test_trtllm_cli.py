@@ -12,7 +12,7 @@ import pytest
 from bootstrap.api import default_backend
 from bootstrap.cli import main
 from bootstrap.config import BootstrapConfig
-from bootstrap.telemetry import MissingExtra
+from bootstrap.pipeline.telemetry import MissingExtra
 
 
 def plan_json(capsys, *args: str) -> tuple[int, dict, str]:

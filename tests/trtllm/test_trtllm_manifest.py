@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 from conftest import VERSIONS, make_setup
+from fake_trtllm import REGISTRY, FakeTrtllm, manifest_signature
 
 import bootstrap.backends.trtllm as trtllm_package
-from bootstrap.backends.trtllm.api import TrtllmApi
+from bootstrap.backends.trtllm.checked_api import TrtllmApi
 from bootstrap.backends.trtllm.manifest import MANIFEST_PATH, Manifest, ManifestError, default_manifest
 from bootstrap.pipeline import StageFailed
-from fake_trtllm import REGISTRY, FakeTrtllm, manifest_signature
 
 ADAPTER_DIR = Path(trtllm_package.__file__).parent
 API_VERBS = {"call": 0, "load": 0, "constant": 0, "invoke": 1, "get": 1, "put": 1}  # verb -> index of the id
@@ -151,7 +151,7 @@ def test_a_renamed_parameter_is_caught_at_the_call(monkeypatch):
         if entry["id"] == "KvCacheCreator.build_managers":
             entry["params"] = ["resources", "estimating?"]
     manifest = Manifest(renamed)
-    monkeypatch.setattr("bootstrap.backends.trtllm.api.default_manifest", lambda: manifest)
+    monkeypatch.setattr("bootstrap.backends.trtllm.checked_api.default_manifest", lambda: manifest)
     monkeypatch.setattr("fake_trtllm.default_manifest", lambda: manifest)
     s = make_setup("main")
     with pytest.raises(StageFailed) as info:

@@ -9,14 +9,14 @@ import pytest
 from conftest import LLAMA, make_setup
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from bootstrap.api import make_pipeline
 from bootstrap.backends.sim import SimBackend
 from bootstrap.backends.sim_gpus import sim_device
 from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.pipeline import StageFailed
-from bootstrap.runner import make_pipeline
+from bootstrap.pipeline.telemetry import make_tracer_provider
+from bootstrap.pipeline.undo import Undo
 from bootstrap.stages import STAGE_IDS
-from bootstrap.telemetry import make_tracer_provider
-from bootstrap.undo import Undo
 
 
 def trace_shape(spans) -> list[tuple]:

@@ -14,6 +14,7 @@ from bootstrap.capacity import (
     CacheCost,
     CapacityError,
     MemoryProfile,
+    cap_probe_tokens,
     dummy_request_lengths,
     dummy_workload_tokens,
     estimation_tokens,
@@ -22,11 +23,11 @@ from bootstrap.capacity import (
     mla_cost,
     model_cost,
     plan_capacity,
-    cap_probe_tokens,
     probe_cost,
 )
-from bootstrap.budget_split import split_budgets, split_cross, split_draft
-from bootstrap.models.presets import preset_shape
+from bootstrap.capacity.config_json import parse_config
+from bootstrap.capacity.presets import preset_shape
+from bootstrap.capacity.split import split_budgets, split_cross, split_draft
 
 MIB = 1024**2
 
@@ -93,9 +94,9 @@ def test_all_windowed_layers_are_priced_as_full_attention():
 
 
 def test_recurrent_state_goes_to_the_intercept():
-    from bootstrap.models.shape import ModelShape
+    from bootstrap.capacity.shape import ModelShape
 
-    shape = ModelShape.from_hf_config(JAMBA_TINY)
+    shape = parse_config(JAMBA_TINY)
     cost = model_cost(shape, kv_dtype_bytes=2, tp=1, max_batch_size=3, tokens_per_block=16)
     d_inner = 2 * 64
     state = d_inner * (4 - 1) + d_inner * 16
@@ -386,9 +387,9 @@ def test_the_probe_prices_every_layer_at_full_length_and_keeps_recurrent_state()
     assert probe_cost([llama, None], kv_dtype_bytes=2, tp=1, max_batch_size=32) == plan_cost  # no windows: equal
     both = probe_cost([llama, llama], kv_dtype_bytes=2, tp=1, max_batch_size=32)
     assert both == plan_cost + plan_cost  # target and draft probes add up
-    from bootstrap.models.shape import ModelShape
+    from bootstrap.capacity.shape import ModelShape
 
-    jamba = ModelShape.from_hf_config(JAMBA_TINY)  # recurrent state is per sequence slot, probe or not
+    jamba = parse_config(JAMBA_TINY)  # recurrent state is per sequence slot, probe or not
     assert probe_cost([jamba], kv_dtype_bytes=2, tp=1, max_batch_size=3) == model_cost(
         jamba, kv_dtype_bytes=2, tp=1, max_batch_size=3, tokens_per_block=16)  # fmt: skip
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bootstrap.cli import main, parse_fault
+from bootstrap.cli import main
+from bootstrap.cli.plan import parse_fault
 from bootstrap.stages import STAGE_IDS
 
 ROOT = Path(__file__).resolve().parents[2]  # run the CLI of this checkout, whatever is installed

@@ -4,10 +4,11 @@ and the plan cache keeps plans of either rule apart."""
 
 from __future__ import annotations
 
+from bootstrap.api import make_pipeline
 from bootstrap.backends.sim import SimBackend
 from bootstrap.backends.sim_gpus import sim_device
 from bootstrap.config import BootstrapConfig
-from bootstrap.runner import make_pipeline, plan_summary
+from bootstrap.stages.summary import plan_summary
 
 GIB = 1024**3
 BASE = dict(model="llama-3.1-8b", max_seq_len=8192, max_num_tokens=8192, max_batch_size=64)

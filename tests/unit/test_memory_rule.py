@@ -85,7 +85,8 @@ def test_the_native_engine_has_no_default_headroom_on_the_cpu():
 
 
 def test_the_cli_gives_the_fraction_only_when_the_flag_is_given():
-    from bootstrap.cli import build_parser, config_from_args
+    from bootstrap.cli.args import config_from_args
+    from bootstrap.cli.main import build_parser
 
     parse = build_parser().parse_args
     plain = config_from_args(parse(["plan", "--model", "llama-3.1-8b", "--gpu", "h200"]))

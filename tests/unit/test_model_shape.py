@@ -10,8 +10,9 @@ import json
 
 import pytest
 
-from bootstrap.models.presets import MODEL_PRESETS, preset_config, preset_names, preset_shape, resolve_model_shape
-from bootstrap.models.shape import ModelConfigError, ModelShape
+from bootstrap.capacity.config_json import parse_config, shape_from_path
+from bootstrap.capacity.presets import MODEL_PRESETS, preset_config, preset_names, preset_shape, resolve_model_shape
+from bootstrap.capacity.shape import ModelConfigError, ModelShape
 
 # Parameter counts the model cards / Hub safetensors metadata publish.
 PUBLISHED = {
@@ -45,8 +46,8 @@ def test_llama_fields_and_defaults():
 
 def test_attention_kinds():
     cfg = preset_config("llama-3.1-8b")
-    assert ModelShape.from_hf_config({**cfg, "num_key_value_heads": 32}).attention_kind == "mha"
-    assert ModelShape.from_hf_config({**cfg, "num_key_value_heads": 1}).attention_kind == "mqa"
+    assert parse_config({**cfg, "num_key_value_heads": 32}).attention_kind == "mha"
+    assert parse_config({**cfg, "num_key_value_heads": 1}).attention_kind == "mqa"
     assert preset_shape("deepseek-v2-lite").attention_kind == "mla"
 
 
@@ -59,20 +60,20 @@ def test_gemma2_alternates_windows():
 def test_layer_types_set_the_windows():
     cfg = {**preset_config("qwen3-8b"), "sliding_window": 1024,
            "layer_types": ["sliding_attention", "full_attention"] * 18}
-    assert ModelShape.from_hf_config(cfg).layer_windows[:2] == (1024, None)
+    assert parse_config(cfg).layer_windows[:2] == (1024, None)
 
 
 def test_qwen_windows_need_use_sliding_window():
     cfg = {**preset_config("qwen2.5-7b"), "sliding_window": 4096, "max_window_layers": 20}
-    assert set(ModelShape.from_hf_config(cfg).layer_windows) == {None}
-    windows = ModelShape.from_hf_config({**cfg, "use_sliding_window": True}).layer_windows
+    assert set(parse_config(cfg).layer_windows) == {None}
+    windows = parse_config({**cfg, "use_sliding_window": True}).layer_windows
     assert windows[19] is None and windows[20] == 4096
 
 
 def test_window_longer_than_context_is_full_attention():
     cfg = {**preset_config("mistral-7b"), "sliding_window": 32768}
-    assert set(ModelShape.from_hf_config(cfg).layer_windows) == {None}
-    assert set(ModelShape.from_hf_config({**cfg, "sliding_window": 4096}).layer_windows) == {4096}
+    assert set(parse_config(cfg).layer_windows) == {None}
+    assert set(parse_config({**cfg, "sliding_window": 4096}).layer_windows) == {4096}
 
 
 def test_deepseek_moe_layout():
@@ -85,7 +86,7 @@ def test_deepseek_moe_layout():
 def test_jamba_layers_and_state():
     cfg = {"model_type": "jamba", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
            "num_hidden_layers": 16, "num_attention_heads": 4, "num_key_value_heads": 2}
-    shape = ModelShape.from_hf_config(cfg)
+    shape = parse_config(cfg)
     assert shape.layer_kinds[4] == "attention" and shape.layer_kinds[12] == "attention"
     assert shape.num_recurrent_layers == 14 and shape.moe_layers[1] and not shape.moe_layers[0]
     assert shape.recurrent_state_bytes(2) == 14 * (128 * 3 + 128 * 16) * 2
@@ -94,8 +95,8 @@ def test_jamba_layers_and_state():
 def test_fingerprint_is_stable_and_sensitive():
     cfg = preset_config("qwen3-8b")
     reordered = dict(reversed(list(cfg.items())))
-    assert ModelShape.from_hf_config(reordered).fingerprint() == preset_shape("qwen3-8b").fingerprint()
-    assert ModelShape.from_hf_config({**cfg, "num_hidden_layers": 35}).fingerprint() != preset_shape(
+    assert parse_config(reordered).fingerprint() == preset_shape("qwen3-8b").fingerprint()
+    assert parse_config({**cfg, "num_hidden_layers": 35}).fingerprint() != preset_shape(
         "qwen3-8b").fingerprint()
 
 
@@ -113,7 +114,7 @@ def test_fingerprint_is_stable_and_sensitive():
 def test_bad_configs_name_the_field_and_model_type(change, field):
     cfg = {**preset_config("llama-3.1-8b"), **change}
     with pytest.raises(ModelConfigError, match=field) as err:
-        ModelShape.from_hf_config(cfg)
+        parse_config(cfg)
     assert ("llama" in str(err.value)) or field == "model_type"
 
 
@@ -130,20 +131,20 @@ def test_bad_configs_name_the_field_and_model_type(change, field):
 )  # fmt: skip
 def test_unknown_layer_types_and_dtypes_are_rejected_not_ignored(change, message):
     with pytest.raises(ModelConfigError) as err:
-        ModelShape.from_hf_config({**preset_config("llama-3.1-8b"), **change})
+        parse_config({**preset_config("llama-3.1-8b"), **change})
     assert str(err.value).startswith("llama config.json: ") and message in str(err.value)
 
 
 def test_the_newer_dtype_key_is_read_and_checked_too():
     cfg = {k: v for k, v in preset_config("llama-3.1-8b").items() if k != "torch_dtype"}
-    assert ModelShape.from_hf_config({**cfg, "dtype": "float16"}).torch_dtype == "float16"
+    assert parse_config({**cfg, "dtype": "float16"}).torch_dtype == "float16"
     with pytest.raises(ModelConfigError, match="field 'dtype' must be one of"):
-        ModelShape.from_hf_config({**cfg, "dtype": True})
+        parse_config({**cfg, "dtype": True})
 
 
 def test_from_path_and_resolve(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(preset_config("smollm2-135m")))
-    assert ModelShape.from_path(tmp_path) == preset_shape("smollm2-135m")
+    assert shape_from_path(tmp_path) == preset_shape("smollm2-135m")
     assert resolve_model_shape(str(tmp_path / "config.json")) == preset_shape("smollm2-135m")
     assert resolve_model_shape(f"random:{tmp_path}") == preset_shape("smollm2-135m")
     assert resolve_model_shape("random:gemma-2-9b") == preset_shape("gemma-2-9b")
@@ -151,10 +152,10 @@ def test_from_path_and_resolve(tmp_path):
     with pytest.raises(ModelConfigError, match="llama-3.1-8b"):
         resolve_model_shape("no-such-model")
     with pytest.raises(ModelConfigError, match="no config.json"):
-        ModelShape.from_path(tmp_path / "missing")
+        shape_from_path(tmp_path / "missing")
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ModelConfigError, match="cannot read"):
-        ModelShape.from_path(tmp_path / "bad.json")
+        shape_from_path(tmp_path / "bad.json")
 
 
 def test_preset_config_is_a_copy():
@@ -193,10 +194,10 @@ def test_parameter_count_matches_transformers(model_type):
     model = transformers.AutoModelForCausalLM.from_config(config)
     expected = sum(p.numel() for p in model.parameters())
     saved = config.to_dict()
-    assert ModelShape.from_hf_config(saved).parameter_count() == expected
+    assert parse_config(saved).parameter_count() == expected
 
 
 def test_absurd_layer_counts_are_rejected_before_building_per_layer_tuples():
     cfg = {**preset_config("llama-3.1-8b"), "num_hidden_layers": 10**12}
     with pytest.raises(ModelConfigError, match="num_hidden_layers.*must be an integer in"):
-        ModelShape.from_hf_config(cfg)
+        parse_config(cfg)

@@ -9,7 +9,7 @@ import torch
 from bootstrap.backends import native
 from bootstrap.backends.native import NativeBackend
 from bootstrap.devices import FakeDevice, GiB
-from bootstrap.undo import Undo
+from bootstrap.pipeline.undo import Undo
 
 
 class CountingDevice(FakeDevice):

@@ -1,4 +1,4 @@
-"""The agreement rules of ``bootstrap.parallel``, with a collective that hands back set outcomes."""
+"""The agreement rules of ``bootstrap.pipeline.collective`` and ``bootstrap.capacity.agree``, with a collective that hands back set outcomes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import pickle
 import pytest
 
 from bootstrap.capacity import MemoryProfile
-from bootstrap.parallel import Outcome, RankFailed, RankUnresponsive, agree_attempt, conservative_profile, is_retryable
+from bootstrap.capacity.agree import conservative_profile
+from bootstrap.pipeline.collective import Outcome, RankFailed, RankUnresponsive, agree_attempt, is_retryable
 from bootstrap.stages.shrink import ProbeOutOfMemory
 
 

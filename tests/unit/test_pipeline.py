@@ -9,13 +9,13 @@ import anyio
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from bootstrap.device_thread import DeviceThread
 from bootstrap.devices import FakeDevice
-from bootstrap.graph import GraphError
 from bootstrap.pipeline import Pipeline, PipelineClosed, StageFailed
-from bootstrap.stage import Adaptation, Stage, on_oom
-from bootstrap.telemetry import make_tracer_provider
-from bootstrap.undo import Undo
+from bootstrap.pipeline.dependencies import GraphError
+from bootstrap.pipeline.device_thread import DeviceThread
+from bootstrap.pipeline.stage import Adaptation, Stage, on_oom
+from bootstrap.pipeline.telemetry import make_tracer_provider
+from bootstrap.pipeline.undo import Undo
 
 
 def alloc(device: FakeDevice, undo, nbytes: int, tag: str) -> None:
@@ -313,7 +313,7 @@ def test_bad_graphs_are_rejected_up_front(stages, message, device):
 
 async def test_runs_without_a_tracer_provider(device):
     """No provider configured: spans are non-recording, everything else works the same."""
-    from bootstrap.stage import Skip
+    from bootstrap.pipeline.stage import Skip
 
     stages = [
         Stage("skipped", lambda seed: None, "a", skip=lambda seed: Skip("cached", "plan-cache")),

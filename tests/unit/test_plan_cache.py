@@ -10,13 +10,13 @@ import logging
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from bootstrap.api import make_pipeline
 from bootstrap.backends.sim import SimBackend
 from bootstrap.backends.sim_gpus import sim_device
 from bootstrap.config import BootstrapConfig
-from bootstrap.plan_cache import PlanCache
-from bootstrap.runner import make_pipeline
+from bootstrap.pipeline.telemetry import make_tracer_provider
+from bootstrap.stages.plan_cache import PlanCache
 from bootstrap.stages.resolve_classes import resolve_classes
-from bootstrap.telemetry import make_tracer_provider
 
 BASE = dict(model="llama-3.1-8b", max_seq_len=8192, max_num_tokens=8192, max_batch_size=64)
 # One other valid value for every config field the cached profile or plan depends on.

@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from bootstrap.api import make_pipeline
 from bootstrap.backends.sim import SimBackend, executor_state_bytes
 from bootstrap.backends.sim_gpus import sim_device
 from bootstrap.capacity import GIB, CapacityError, dummy_workload_tokens
 from bootstrap.config import BootstrapConfig
 from bootstrap.pipeline import StageFailed
-from bootstrap.runner import make_pipeline
-from bootstrap.stage import GiveUp
-from bootstrap.telemetry import make_tracer_provider
+from bootstrap.pipeline.stage import GiveUp
+from bootstrap.pipeline.telemetry import make_tracer_provider
 
 LAYER_8B = 131_072  # Llama-3.1-8B KV bytes per token: 2 x 32 layers x 8 heads x 128 x bf16
 

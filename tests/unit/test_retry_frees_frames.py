@@ -10,7 +10,7 @@ import pytest
 
 from bootstrap.devices import DeviceOutOfMemory, FakeDevice
 from bootstrap.pipeline import Pipeline, StageFailed
-from bootstrap.stage import Stage, on_oom
+from bootstrap.pipeline.stage import Stage, on_oom
 
 
 class Activation:

@@ -8,11 +8,11 @@ import argparse
 import httpx
 import pytest
 
+from bootstrap.cli.serve import ENV_API_KEY, serve_options
 from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.serve.app import create_app
-from bootstrap.serve.command import ENV_API_KEY, serve_options
 from bootstrap.serve.errors import APIError
-from bootstrap.serve.prompts import check_length
+from bootstrap.serve.openai_prompts import check_length
 from bootstrap.serve.state import ServeOptions, ServeState
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -107,7 +107,7 @@ def test_bad_config_flags_exit_2_before_the_port_opens(capsys):
 def test_stage_rows_show_retrying_skipped_and_failed_stages():
     from types import SimpleNamespace
 
-    from bootstrap.events import EventHub, StageEvent
+    from bootstrap.pipeline.events import EventHub, StageEvent
     from bootstrap.serve.progress import bootstrap_view, ready_view
 
     hub = EventHub(["load_model", "estimation_build", "profiling", "final_build"])

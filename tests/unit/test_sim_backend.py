@@ -8,14 +8,14 @@ import pytest
 from bootstrap.backends.activations import CUBLAS_WORKSPACE_BYTES, activation_peak, sampler_state_bytes
 from bootstrap.backends.sim import SimBackend, SimExecutor, rank_weight_bytes
 from bootstrap.backends.sim_gpus import sim_device
-from bootstrap.budget_split import split_budgets
 from bootstrap.capacity import estimation_tokens, plan_capacity
+from bootstrap.capacity.presets import preset_shape
+from bootstrap.capacity.split import split_budgets
 from bootstrap.config import BootstrapConfig
 from bootstrap.devices import DeviceOutOfMemory
-from bootstrap.models.presets import preset_shape
+from bootstrap.pipeline.undo import Undo
 from bootstrap.stages.estimation_build import estimation_build
 from bootstrap.stages.resolve_classes import resolve_classes
-from bootstrap.undo import Undo
 
 LLAMA = dict(model="llama-3.1-8b", max_seq_len=8192, max_num_tokens=8192, max_batch_size=64)
 

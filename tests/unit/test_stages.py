@@ -9,16 +9,16 @@ import anyio
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from bootstrap.api import make_pipeline
 from bootstrap.backends.sim import SimBackend
 from bootstrap.backends.sim_gpus import sim_device
 from bootstrap.capacity import CapacityError
 from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.devices import DeviceOutOfMemory
 from bootstrap.pipeline import StageFailed
-from bootstrap.stage import GiveUp
-from bootstrap.runner import make_pipeline
+from bootstrap.pipeline.stage import GiveUp
+from bootstrap.pipeline.telemetry import make_tracer_provider
 from bootstrap.stages import STAGE_IDS
-from bootstrap.telemetry import make_tracer_provider
 
 LLAMA = dict(model="llama-3.1-8b", max_seq_len=8192, max_num_tokens=8192, max_batch_size=64)
 
@@ -327,7 +327,7 @@ async def test_tp_that_does_not_divide_the_draft_heads_names_the_draft(tmp_path)
     draft = tmp_path / "config.json"
     import json
 
-    from bootstrap.models.presets import preset_config
+    from bootstrap.capacity.presets import preset_config
 
     draft.write_text(json.dumps({**preset_config("llama-3.1-8b"), "num_attention_heads": 9, "num_key_value_heads": 9,
                                  "hidden_size": 9 * 128, "head_dim": 128}))  # fmt: skip

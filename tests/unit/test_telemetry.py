@@ -15,9 +15,9 @@ import pytest
 
 from bootstrap.cli import main
 from bootstrap.pipeline import Pipeline
-from bootstrap.stage import Stage
+from bootstrap.pipeline.stage import Stage
+from bootstrap.pipeline.telemetry import make_tracer_provider
 from bootstrap.stages import STAGE_IDS
-from bootstrap.telemetry import make_tracer_provider
 
 OTLP_MODULE = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
 PLAN = ["plan", "--model", "llama-3.1-8b", "--gpu", "h100-80gb"]
@@ -119,7 +119,7 @@ def test_otlp_without_a_collector_is_one_warning_and_a_successful_run(no_collect
     out, err = capsys.readouterr()
     assert json.loads(out)["error"] is None and "Traceback" not in err
     (warning,) = warnings_logged(caplog)  # not one per batch, retry or span
-    assert warning.name == "bootstrap.telemetry"
+    assert warning.name == "bootstrap.pipeline.telemetry"
     assert f"OTLP endpoint {no_collector}" in warning.getMessage()
     assert "no collector answered" in warning.getMessage()
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from bootstrap.cli import main
+from bootstrap.cli.trace import read_spans, timeline
 from bootstrap.stages import STAGE_IDS
-from bootstrap.trace_view import read_spans, timeline
 
 PLAN = ["plan", "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--json"]
 

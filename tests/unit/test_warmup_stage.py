@@ -9,17 +9,17 @@ import dataclasses
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from bootstrap.artifacts import Warmup
+from bootstrap.api import make_pipeline
+from bootstrap.backends.artifacts import Warmup
 from bootstrap.backends.sim import SimBackend, allocate
 from bootstrap.backends.sim_gpus import sim_device
 from bootstrap.capacity import CacheCost, MemoryProfile, plan_capacity
+from bootstrap.capacity.cuda_graph_buckets import graph_batch_sizes
 from bootstrap.config import BootstrapConfig
-from bootstrap.graph_buckets import graph_batch_sizes
 from bootstrap.pipeline import StageFailed
-from bootstrap.runner import make_pipeline
+from bootstrap.pipeline.telemetry import make_tracer_provider
 from bootstrap.stages import STAGE_IDS
 from bootstrap.stages.warmup import skip_warmup
-from bootstrap.telemetry import make_tracer_provider
 
 LLAMA = dict(model="llama-3.1-8b", max_seq_len=8192, max_num_tokens=8192, max_batch_size=32)
 MiB = 1 << 20

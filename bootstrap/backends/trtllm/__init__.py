@@ -3,11 +3,11 @@
 TensorRT-LLM is an optional extra (``pip install 'executor-bootstrap[trtllm]'``); nothing here
 imports it at module import time. Every TensorRT-LLM name the adapter uses is listed, with its
 parameters per supported version, in ``manifest.json``, and every call goes through the checking
-layer in ``api.py``. Layout:
+layer in ``checked_api.py``. Layout:
 
   manifest.json, manifest.py   the names, as data; version profiles 1.2.1 and main
-  api.py                       the checking layer (and the clear error when TRT is missing)
-  args.py                      TorchLlmArgs / KvCacheConfig from the config; per-attempt copies
+  checked_api.py               the checking layer (and the clear error when TRT is missing)
+  llm_args.py                  TorchLlmArgs / KvCacheConfig from the config; per-attempt copies
   handles.py                   releasable holders for what stages hand on
   load.py, probe.py, final.py  the stages: engines and sampler; estimation and profiling;
                                final managers, executor and smoke request

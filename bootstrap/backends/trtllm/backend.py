@@ -11,20 +11,20 @@ import importlib
 from collections.abc import Mapping
 from typing import Any
 
-from bootstrap.artifacts import EstimationBuild, FinalBuild, LoadedModel, ResolvedClasses
 from bootstrap.backends.activations import block_table_bytes
+from bootstrap.backends.artifacts import EstimationBuild, FinalBuild, LoadedModel, ResolvedClasses
 from bootstrap.backends.trtllm import final, load, probe
-from bootstrap.backends.trtllm.api import ImportModule, TrtllmApi
-from bootstrap.backends.trtllm.args import user_llm_args
+from bootstrap.backends.trtllm.checked_api import ImportModule, TrtllmApi
 from bootstrap.backends.trtllm.handles import Build, Engines, TrtllmExecutor
+from bootstrap.backends.trtllm.llm_args import user_llm_args
 from bootstrap.backends.trtllm.teardown import frames_dropped_on_error, release_build, release_engines, stop_executor
-from bootstrap.budget_split import PoolBudgets
 from bootstrap.capacity import CapacityPlan, MemoryProfile
+from bootstrap.capacity.presets import resolve_model_shape
+from bootstrap.capacity.shape import ModelShape
+from bootstrap.capacity.split import PoolBudgets
 from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.devices import Device
-from bootstrap.models.presets import resolve_model_shape
-from bootstrap.models.shape import ModelShape
-from bootstrap.undo import Undo
+from bootstrap.pipeline.undo import Undo
 
 TRTLLM_CLASSES: Mapping[str, str] = {
     "kv_manager": "KVCacheManager", "scheduler": "SimpleScheduler", "sampler": "TorchSampler",

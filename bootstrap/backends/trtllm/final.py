@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from bootstrap.artifacts import FinalBuild
-from bootstrap.backends.trtllm.api import TrtllmApi
-from bootstrap.backends.trtllm.args import pool_kv_update, private_kv_config
+from bootstrap.backends.artifacts import FinalBuild
+from bootstrap.backends.trtllm.checked_api import TrtllmApi
 from bootstrap.backends.trtllm.handles import Build, Engines
+from bootstrap.backends.trtllm.llm_args import pool_kv_update, private_kv_config
 from bootstrap.backends.trtllm.probe import new_creator, new_executor, raise_on_error
-from bootstrap.budget_split import PoolBudget, PoolBudgets
+from bootstrap.capacity.split import PoolBudget, PoolBudgets
 from bootstrap.config import ConfigError
 
 POOL_KEYS = {"target": "KV_CACHE_MANAGER", "draft": "DRAFT_KV_CACHE_MANAGER"}

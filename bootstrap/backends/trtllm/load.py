@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from bootstrap.backends.trtllm.api import TrtllmApi
-from bootstrap.backends.trtllm.args import DRAFT_LEN, attempt_args
+from bootstrap.backends.trtllm.checked_api import TrtllmApi
 from bootstrap.backends.trtllm.handles import Engines
+from bootstrap.backends.trtllm.llm_args import DRAFT_LEN, attempt_args
 from bootstrap.config import BootstrapConfig
 
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from bootstrap.artifacts import EstimationBuild, LoadedModel
-from bootstrap.backends.trtllm.api import TrtllmApi
-from bootstrap.backends.trtllm.args import private_kv_config
+from bootstrap.backends.artifacts import EstimationBuild, LoadedModel
+from bootstrap.backends.trtllm.checked_api import TrtllmApi
 from bootstrap.backends.trtllm.handles import Build, Engines
+from bootstrap.backends.trtllm.llm_args import private_kv_config
 from bootstrap.backends.trtllm.teardown import kv_allocated_bytes, release_build, stop_executor
 from bootstrap.capacity import MemoryProfile
 from bootstrap.devices import Device

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from bootstrap.backends.trtllm.api import TrtllmApi
+from bootstrap.backends.trtllm.checked_api import TrtllmApi
 from bootstrap.backends.trtllm.handles import Build, Engines
 from bootstrap.devices import Device
 

@@ -18,14 +18,14 @@ PREFIX = "random:"
 
 def preset_names() -> list[str]:
     """Names accepted after ``random:`` besides a config.json path."""
-    from bootstrap.models.presets import MODEL_PRESETS
+    from bootstrap.capacity.presets import MODEL_PRESETS
 
     return sorted(MODEL_PRESETS)
 
 
 def config_dict(spec: str) -> dict[str, Any]:
     """A fresh config dict for a preset name or a config.json path (file or its directory)."""
-    from bootstrap.models.presets import MODEL_PRESETS
+    from bootstrap.capacity.presets import MODEL_PRESETS
 
     if spec in MODEL_PRESETS:
         return json.loads(json.dumps(MODEL_PRESETS[spec]))  # deep copy: presets stay untouched

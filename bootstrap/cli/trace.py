@@ -21,7 +21,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from bootstrap.telemetry import ROOT_SPAN, MissingExtra
+from bootstrap.config import ConfigError
+from bootstrap.pipeline.telemetry import ROOT_SPAN, MissingExtra
 
 STAGE_PREFIX = "bootstrap.stage."
 ATTEMPT_SUFFIX = ".attempt"
@@ -31,7 +32,7 @@ PNG_COLORS = {"ok": "#2e7d32", "failed": "#c62828", "cancelled": "#ef6c00", "ski
 LABEL_COLUMNS = 72  # what the other columns of the table take, besides the bar and the note
 
 
-class TraceFileError(ValueError):
+class TraceFileError(ConfigError):
     """A trace file that cannot be read as bootstrap spans; the message names the file and line."""
 
 
@@ -257,7 +258,7 @@ def add_trace_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--png", type=Path, help="also draw the timelines, one panel per file, into this PNG")
 
 
-def trace_command(args: argparse.Namespace, console: Console | None = None) -> int:
+def main_trace(args: argparse.Namespace, console: Console | None = None) -> int:
     """Exit status 0, or 2 for an unreadable trace file or a missing plot extra (one line on stderr)."""
     console = console or Console()
     try:

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bootstrap.capacity import CacheCost, kv_dtype_bytes, probe_cost
-from bootstrap.models.shape import ModelShape
-from bootstrap.undo import Undo
+from bootstrap.capacity.shape import ModelShape
+from bootstrap.pipeline.undo import Undo
 
 
 @dataclass(frozen=True)

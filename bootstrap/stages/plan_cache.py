@@ -21,7 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bootstrap.artifacts import ResolvedClasses
+from bootstrap.backends.artifacts import ResolvedClasses
 from bootstrap.capacity import CapacityPlan, MemoryProfile
 from bootstrap.config import BootstrapConfig, ConfigError, ensure_directory
 from bootstrap.devices import Device

@@ -1,4 +1,4 @@
-"""``bootstrap run --tp N``: one process per rank, each running the eight stages on its device.
+"""``bootstrap run --tp N``: one process per rank, each running the stages on its device.
 
 Launched by hand (``bootstrap run --tp N``), the command starts N ranks itself
 (``bootstrap.parallel.launch``) and exits with rank 0's status (another rank's, when rank 0
@@ -10,7 +10,14 @@ stage table, plan, text, ``--json``, the trace file); the others print nothing b
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bootstrap.capacity.config_json import shape_from_path
+from bootstrap.capacity.presets import preset_shape
+from bootstrap.capacity.shape import ModelShape, check_tp_split
+from bootstrap.config import BootstrapConfig, ConfigError
 
 GRACE_S = 30.0  # beyond the collective timeout, for the ranks to report and release
 
@@ -20,6 +27,24 @@ def needs_launch(config: Any) -> bool:
     from bootstrap.parallel.torch_dist import RankEnv
 
     return config.tensor_parallel_size > 1 and RankEnv.from_env() is None
+
+
+def check_tp_before_launch(config: BootstrapConfig) -> None:
+    """What the ranks would refuse in ``resolve_classes`` and ``load_model``, refused before any
+    rank starts: a model that ranks cannot load (only a checkpoint directory and the default
+    model shard), or heads and KV heads that ``tensor_parallel_size`` does not divide."""
+    check_tp_split(_tp_shape(config.model, config.tensor_parallel_size), config.tensor_parallel_size,
+                   shard_kv_heads=config.backend == "native")  # fmt: skip
+
+
+def _tp_shape(model: str, tp: int) -> ModelShape:
+    default = BootstrapConfig.model_fields["model"].default
+    if model == default:
+        return preset_shape(default)
+    if Path(model).expanduser().is_dir():
+        return shape_from_path(model)
+    raise ConfigError(f"model: tensor_parallel_size {tp} needs a checkpoint directory or {default!r} (got "
+                      f"{model!r}: other sources load on one rank only); allowed at tensor_parallel_size 1")  # fmt: skip
 
 
 def launch_ranks(args: argparse.Namespace, tp: int, main: Callable[[argparse.Namespace], int]) -> int:

@@ -1,13 +1,15 @@
 """Reading a Hugging Face ``config.json`` into a ``ModelShape``: the supported families, their
 defaults, and a parser whose every getter names the field and ``model_type`` on bad input
-(``ModelConfigError``). The normalization rules are listed in ``bootstrap.models.shape``."""
+(``ModelConfigError``). The normalization rules are listed in ``bootstrap.capacity.shape``."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
-from bootstrap.models.shape import ATTENTION, RECURRENT, ModelConfigError, ModelShape
+from bootstrap.capacity.shape import ATTENTION, RECURRENT, ModelConfigError, ModelShape
 
 # model_type -> (tie_word_embeddings default, norms per layer, qkv bias, qk norm)
 _FAMILIES: dict[str, tuple[bool, int, bool, bool]] = {
@@ -30,6 +32,20 @@ LAYER_TYPES = ("full_attention", "sliding_attention")  # what a supported family
 TORCH_DTYPES = ("float32", "float16", "bfloat16", "float64")  # a checkpoint's stored weight dtype
 MAX_CONFIG_INT = 1 << 31  # far above any real model's sizes; keeps a typo from exhausting memory
 MAX_LAYERS = 1 << 14  # per-layer tuples are built, so the layer count gets a tighter bound
+
+
+def shape_from_path(path: str | Path) -> ModelShape:
+    """The shape of a config.json file, or of the config.json inside a checkpoint directory."""
+    file = Path(path).expanduser()
+    if file.is_dir():
+        file = file / "config.json"
+    if not file.is_file():
+        raise ModelConfigError(f"no config.json at {file}")
+    try:
+        cfg = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelConfigError(f"cannot read {file}: {exc}") from None
+    return parse_config(cfg)
 
 
 def parse_config(cfg: dict[str, Any]) -> ModelShape:

@@ -27,7 +27,8 @@ import copy
 from pathlib import Path
 from typing import Any
 
-from bootstrap.models.shape import ModelConfigError, ModelShape
+from bootstrap.capacity.config_json import parse_config, shape_from_path
+from bootstrap.capacity.shape import ModelConfigError, ModelShape
 
 _LLAMA31_ROPE = {
     "factor": 8.0,
@@ -361,7 +362,7 @@ def preset_config(name: str) -> dict[str, Any]:
 
 
 def preset_shape(name: str) -> ModelShape:
-    return ModelShape.from_hf_config(preset_config(name))
+    return parse_config(preset_config(name))
 
 
 def resolve_model_shape(spec: str) -> ModelShape:
@@ -374,7 +375,7 @@ def resolve_model_shape(spec: str) -> ModelShape:
         return preset_shape(target)
     path = Path(target).expanduser()
     if path.is_dir() or (path.is_file() and path.suffix == ".json"):
-        return ModelShape.from_path(path)
+        return shape_from_path(path)
     raise ModelConfigError(
         f"model {spec!r} is neither a preset nor a config.json / checkpoint directory; "
         f"presets: {', '.join(preset_names())}"

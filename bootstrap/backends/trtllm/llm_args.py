@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from bootstrap.artifacts import ResolvedClasses
-from bootstrap.backends.trtllm.api import TrtllmApi
-from bootstrap.budget_split import PoolBudget
+from bootstrap.backends.artifacts import ResolvedClasses
+from bootstrap.backends.trtllm.checked_api import TrtllmApi
+from bootstrap.capacity.pricing import attention_windows
+from bootstrap.capacity.split import PoolBudget
 from bootstrap.config import BootstrapConfig
-from bootstrap.kv_pricing import attention_windows
 
 DRAFT_LEN = 4  # draft tokens per step for two-model speculative decoding (DraftTargetDecodingConfig)
 

@@ -24,6 +24,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from bootstrap.cli.args import add_build_args, add_config_args, config_from_args
+from bootstrap.cli.exits import BAD_INPUT, BAD_INPUT_ERRORS, OK
+
 ENV_API_KEY = "BOOTSTRAP_API_KEY"
 FORCE_AFTER_S = 10.0  # past the grace period: how long cancelled streams get to send their final chunk
 THREAD_JOIN_S = 5.0
@@ -32,8 +35,7 @@ log = logging.getLogger("bootstrap.serve")
 
 
 def add_serve_args(serve: argparse.ArgumentParser) -> None:
-    from bootstrap.cli_run import add_build_args
-
+    add_config_args(serve, "serve")
     add_build_args(serve)
     add = serve.add_argument
     add("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -44,7 +46,7 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     add("--backend-factory", metavar="MODULE:CALLABLE",
         help="build the backend with CALLABLE(config) from MODULE instead of --backend "
              "(e.g. one wrapping the native engine)")  # fmt: skip
-    add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log level")
 
 
 def serve_options(args: argparse.Namespace, config: Any) -> Any:
@@ -68,28 +70,28 @@ def serve_options(args: argparse.Namespace, config: Any) -> Any:
 
 
 def main_serve(args: argparse.Namespace) -> int:
-    from bootstrap.cli import INPUT_ERRORS, config_from_args
-
     try:
         config = config_from_args(args)
         options = serve_options(args, config)
-    except INPUT_ERRORS as exc:
+    except BAD_INPUT_ERRORS as exc:
         print(f"bootstrap: {exc}", file=sys.stderr)
-        return 2
+        return BAD_INPUT
     try:
-        import fastapi, prometheus_client, uvicorn  # noqa: F401, E401
+        import fastapi  # noqa: F401, E401
+        import prometheus_client
+        import uvicorn
     except ImportError as exc:
         print(f"bootstrap: serve needs the serve extra ({exc.name} is missing): pip install -e '.[serve]'",
               file=sys.stderr)  # fmt: skip
-        return 2
+        return BAD_INPUT
     _configure_logging(args.log_level)
     try:
         fatal = asyncio.run(_serve(config, options, args))
     except OSError as exc:  # the port is taken, or the address is not this machine's
         print(f"bootstrap: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
-        return 2
+        return BAD_INPUT
     _report_threads()
-    return 2 if fatal else 0
+    return BAD_INPUT if fatal else OK
 
 
 async def _serve(config: Any, options: Any, args: argparse.Namespace) -> BaseException | None:

@@ -1,40 +1,13 @@
-"""Assemble a pipeline for a config and a backend, and describe its result."""
+"""The ``plan`` object of a run (``--json``, the server's ``/v1/bootstrap``, the Python report),
+read from the stages' artifacts."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
-from opentelemetry.trace import TracerProvider
-
-from bootstrap.artifacts import FinalBuild
-from bootstrap.backends.base import Backend
-from bootstrap.budget_split import PoolBudgets
+from bootstrap.backends.artifacts import FinalBuild
 from bootstrap.capacity import CapacityPlan
-from bootstrap.config import BootstrapConfig
-from bootstrap.pipeline import Pipeline
-from bootstrap.plan_cache import PlanCache
-from bootstrap.stage import Stage
-from bootstrap.stages import DEFAULT_STAGES
-
-
-def make_pipeline(
-    config: BootstrapConfig,
-    backend: Backend,
-    *,
-    tracer_provider: TracerProvider | None = None,
-    stages: Sequence[Stage] = DEFAULT_STAGES,
-) -> Pipeline:
-    """On several ranks (a backend with a ``collective``), every attempt is agreed across them
-    and the plan cache is off: one rank's cache hit must not skip a stage its peers run."""
-    collective = getattr(backend, "collective", None)
-    several = collective is not None and collective.world_size > 1
-    inputs = {
-        "config": config,
-        "backend": backend,
-        "plan_cache": PlanCache(config.plan_cache) if config.plan_cache and not several else None,
-    }
-    return Pipeline(stages, inputs, tracer_provider=tracer_provider, device=backend.device, collective=collective)
+from bootstrap.capacity.split import PoolBudgets
 
 
 def plan_summary(artifacts: dict[str, Any]) -> dict[str, Any]:

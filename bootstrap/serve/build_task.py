@@ -15,7 +15,8 @@ from typing import Any
 
 import anyio
 
-from bootstrap.pipeline import StageFailed
+from bootstrap.config import ConfigError
+from bootstrap.pipeline import StageFailed, failure_paragraph
 from bootstrap.serve.state import ServeState
 
 log = logging.getLogger("bootstrap.serve")
@@ -31,10 +32,10 @@ def load_backend_factory(spec: str | None) -> BackendFactory:
         return default_backend
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise ValueError(f"--backend-factory {spec!r}: expected 'module:callable'")
+        raise ConfigError(f"backend_factory: expected 'module:callable', got {spec!r}")
     factory = getattr(importlib.import_module(module_name), attr, None)
     if not callable(factory):
-        raise ValueError(f"--backend-factory {spec!r}: {module_name} has no callable {attr!r}")
+        raise ConfigError(f"backend_factory: {module_name} has no callable {attr!r} (got {spec!r})")
     return factory
 
 
@@ -92,7 +93,7 @@ async def _settle(state: ServeState, build: Callable[[], Any]) -> None:
         raise
     except StageFailed as exc:
         state.failure = exc
-        state.set_phase("failed", _failure_line(exc))
+        state.set_phase("failed", failure_paragraph(exc))
         log.error("bootstrap failed: %s (POST /v1/bootstrap/retry resumes from %s)", state.error, exc.stage)
         return
     except Exception as exc:  # not a stage failure: nothing to resume from
@@ -105,12 +106,6 @@ async def _settle(state: ServeState, build: Callable[[], Any]) -> None:
     state.set_phase("ready")
     log.info("ready in %.2f s: KV %s tokens, max_seq_len %s", state.time_to_ready_s,
              report.plan.get("kv_tokens"), state.max_seq_len)  # fmt: skip
-
-
-def _failure_line(exc: StageFailed) -> str:
-    from bootstrap.cli_run import failure_line
-
-    return failure_line(exc)
 
 
 async def follow_progress(state: ServeState) -> None:

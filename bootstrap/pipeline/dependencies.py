@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from graphlib import CycleError, TopologicalSorter
 
-from bootstrap.stage import Stage
+from bootstrap.pipeline.stage import Stage
 
 
 class GraphError(ValueError):

@@ -13,13 +13,13 @@ from opentelemetry import context as otel_context
 from opentelemetry.trace import Span, Status, StatusCode, Tracer
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential, wait_none
 
-from bootstrap.device_thread import DeviceThread
 from bootstrap.devices import Device
-from bootstrap.events import EventHub, StageEvent
-from bootstrap.parallel import Collective, RankFailed, SingleRank, agree_attempt, failure_of, is_retryable
-from bootstrap.stage import Skip, Stage
-from bootstrap.telemetry import attempt_span, stage_span
-from bootstrap.undo import Undo
+from bootstrap.pipeline.collective import Collective, RankFailed, SingleRank, agree_attempt, failure_of, is_retryable
+from bootstrap.pipeline.device_thread import DeviceThread
+from bootstrap.pipeline.events import EventHub, StageEvent
+from bootstrap.pipeline.stage import Skip, Stage
+from bootstrap.pipeline.telemetry import attempt_span, stage_span
+from bootstrap.pipeline.undo import Undo
 
 
 class StageRun:

@@ -38,6 +38,14 @@ def on_oom(attempts: int = 3, backoff_s: float = 0.0) -> RetryPolicy:
     return RetryPolicy(attempts=attempts, retry_on=is_oom, backoff_s=backoff_s)
 
 
+def is_transient_io(exc: BaseException) -> bool:
+    """An I/O error a second try may not meet (a timeout, a dropped connection, a busy file
+    system); a missing file or a permission refused is not one."""
+    return isinstance(exc, TimeoutError | ConnectionError) or (
+        isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError | PermissionError | IsADirectoryError)
+    )
+
+
 class GiveUp(RuntimeError):
     """Raised by an ``adapt`` that finds nothing left to change: the stage fails with this
     reason (the error that triggered the adaptation is its ``__cause__``), without retrying."""
@@ -72,7 +80,7 @@ class Stage:
     figures: Callable[[Any], Mapping[str, int | float | str]] | None = None  # span attributes
     oom_advice: str = ""  # what to change when this stage runs out of memory for good
     # On several ranks: every rank's artifact of a successful attempt to the one all keep
-    # (``bootstrap.parallel``); None keeps each rank's own.
+    # (``bootstrap.pipeline.collective``); None keeps each rank's own.
     agree: Callable[[list[Any]], Any] | None = None
 
     @property

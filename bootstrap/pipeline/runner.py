@@ -20,15 +20,15 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode
 
-from bootstrap.device_thread import DeviceThread
 from bootstrap.devices import Device, is_oom
-from bootstrap.events import EventHub, StageEvent, StageStatus
-from bootstrap.graph import check_graph, topological_order
-from bootstrap.parallel import Collective, failure_of
-from bootstrap.stage import GiveUp, Stage
-from bootstrap.stage_run import StageRun
-from bootstrap.telemetry import ROOT_SPAN, TRACER_NAME
-from bootstrap.undo import Undo
+from bootstrap.pipeline.attempts import StageRun
+from bootstrap.pipeline.collective import Collective, failure_of
+from bootstrap.pipeline.dependencies import check_graph, topological_order
+from bootstrap.pipeline.device_thread import DeviceThread
+from bootstrap.pipeline.events import EventHub, StageEvent, StageStatus
+from bootstrap.pipeline.stage import GiveUp, Stage
+from bootstrap.pipeline.telemetry import ROOT_SPAN, TRACER_NAME
+from bootstrap.pipeline.undo import Undo
 
 T = TypeVar("T")
 
@@ -41,6 +41,14 @@ class StageFailed(RuntimeError):
         tries = "attempt" if attempts == 1 else "attempts"
         message = f"stage {stage!r} failed after {attempts} {tries}: {type(cause).__name__}: {cause}"
         super().__init__(f"{message}. {advice}" if advice else message)
+
+
+def failure_paragraph(exc: StageFailed) -> str:
+    """The failure in one paragraph for people (the CLI's stderr, the server's log and
+    ``/ready``): the stage, its attempts, the cause, and the advice, if any."""
+    tries = "attempt" if exc.attempts == 1 else "attempts"
+    text = f"bootstrap failed at stage {exc.stage!r} after {exc.attempts} {tries}: {exc.cause}"
+    return f"{text}. {exc.advice}" if exc.advice else text
 
 
 class PipelineClosed(RuntimeError):
@@ -63,7 +71,7 @@ class Pipeline:
         self.stages = topological_order(stages)
         self.artifacts: dict[str, Any] = dict(inputs)
         self.device = device
-        self.collective = collective  # several ranks: every attempt's outcome is agreed (bootstrap.parallel)
+        self.collective = collective  # several ranks: every attempt's outcome is agreed (bootstrap.pipeline.collective)
         self.hub = EventHub([s.id for s in self.stages])
         self._tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer(TRACER_NAME)
         self._thread = thread or DeviceThread()

@@ -21,8 +21,9 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
+
+from bootstrap.config import ConfigError
 
 MHA, GQA, MQA, MLA = "mha", "gqa", "mqa", "mla"
 ATTENTION, RECURRENT = "attention", "recurrent"
@@ -76,27 +77,6 @@ class ModelShape:
     mamba_dt_rank: int = 0
     mamba_conv_bias: bool = False
     mamba_proj_bias: bool = False
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelShape:
-        """Normalize a parsed config.json; raise ``ModelConfigError`` naming the bad field."""
-        from bootstrap.models.config_json import parse_config  # it builds ModelShapes: imported when used
-
-        return parse_config(cfg)
-
-    @classmethod
-    def from_path(cls, path: str | Path) -> ModelShape:
-        """Read a config.json file, or the config.json inside a checkpoint directory."""
-        file = Path(path).expanduser()
-        if file.is_dir():
-            file = file / "config.json"
-        if not file.is_file():
-            raise ModelConfigError(f"no config.json at {file}")
-        try:
-            cfg = json.loads(file.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ModelConfigError(f"cannot read {file}: {exc}") from None
-        return cls.from_hf_config(cfg)
 
     @property
     def attention_kind(self) -> str:
@@ -190,3 +170,16 @@ class ModelShape:
 
 def _mlp(hidden: int, inner: int, bias: bool) -> int:
     return 3 * hidden * inner + ((2 * inner + hidden) if bias else 0)
+
+
+def check_tp_split(shape: ModelShape, tp: int, field: str = "model", shard_kv_heads: bool = False) -> None:
+    """``ConfigError`` unless ``tp`` ranks can split the model: it must divide the attention
+    heads, and with ``shard_kv_heads`` (the native engine, which shards KV heads evenly instead of
+    replicating them) the KV heads too."""
+    if shape.num_heads % tp:
+        raise ConfigError(f"tensor_parallel_size: {tp} does not divide the {shape.num_heads} attention heads of "
+                          f"{field} ({shape.architecture}); choose a divisor of {shape.num_heads}")  # fmt: skip
+    if shard_kv_heads and shape.num_kv_heads % tp:
+        raise ConfigError(f"tensor_parallel_size: {tp} does not divide the {shape.num_kv_heads} KV heads of "
+                          f"{field} ({shape.architecture}); the native engine shards KV heads evenly (choose a "
+                          f"divisor of {shape.num_kv_heads})")  # fmt: skip

@@ -27,8 +27,8 @@ import math
 from collections import Counter
 
 from bootstrap.capacity import CacheCost, mha_cost, mla_cost, model_cost
+from bootstrap.capacity.shape import ModelShape
 from bootstrap.config import BootstrapConfig, ConfigError
-from bootstrap.models.shape import ModelShape
 
 TRTLLM_KV_MANAGERS = {"v1": "KVCacheManager", "v2": "KVCacheManagerV2"}
 

@@ -1,0 +1,124 @@
+"""The flags the commands share, each with its help and default, and the config they build.
+
+``plan``, ``run`` and ``serve`` take every ``BootstrapConfig`` field as a flag (defaults read
+from the config, so the two never disagree); ``run`` and ``serve`` add device, trace and plan
+cache flags. ``config_from_args`` validates them once, into the frozen config.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from bootstrap.capacity.presets import preset_names
+from bootstrap.config import BootstrapConfig, ConfigError
+
+DEFAULT_PLAN_CACHE = Path.home() / ".cache" / "executor-bootstrap" / "plans"
+DEFAULT_MODEL = BootstrapConfig.model_fields["model"].default
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows each flag's default, except where there is none to show (the help then says what
+    leaving it out means) or the help names it already; keeps the epilog's table as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text or action.required:
+            return text
+        return super()._get_help_string(action)
+
+
+def default_of(field: str) -> Any:
+    return BootstrapConfig.model_fields[field].default
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_model_arg(parser: argparse.ArgumentParser, command: str) -> None:
+    presets = ", ".join(preset_names())
+    if command == "plan":
+        parser.add_argument("--model", required=True,
+                            help=f"a preset ({presets}), a config.json, or a checkpoint directory")  # fmt: skip
+        return
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"a checkpoint directory, a .gguf file, random:<preset|config.json> for real shapes "
+                             f"with random weights (presets: {presets}), or the default")  # fmt: skip
+
+
+def add_config_args(parser: argparse.ArgumentParser, command: str) -> None:
+    """Every ``BootstrapConfig`` field as a flag."""
+    add_model_arg(parser, command)
+    add = parser.add_argument
+    add("--draft-model", help="draft model for two-model speculative decoding (default: none)")
+    add("--tp", dest="tensor_parallel_size", type=int, default=default_of("tensor_parallel_size"),
+        help="tensor-parallel size: ranks that each hold 1/N of the heads (must divide the heads and KV heads)")  # fmt: skip
+    add("--dtype", default=default_of("dtype"),
+        help="weights: auto, float32, bfloat16 or float16; auto is float32 on the CPU, the checkpoint's 16-bit "
+             "dtype (else bfloat16) on CUDA")  # fmt: skip
+    add("--kv-cache-dtype", default=default_of("kv_cache_dtype"),
+        help="KV cache: auto (the weights' dtype), float32, bfloat16, float16 or fp8")  # fmt: skip
+    add("--max-batch-size", type=int, default=default_of("max_batch_size"),
+        help="requests in one forward step, 1..4096")
+    add("--max-num-tokens", type=int, default=default_of("max_num_tokens"),
+        help="tokens in one forward step (what profiling runs), max_batch_size..1048576")
+    add("--max-seq-len", type=int, help="prompt + output tokens per request (default: the model's max_position_embeddings)")
+    add("--tokens-per-block", type=int, default=default_of("tokens_per_block"),
+        help="tokens per KV cache block, a power of two in 1..1024")
+    add("--free-gpu-memory-fraction", type=float,
+        help="TensorRT-LLM's rule: KV gets this share (0..1] of the memory left after the measured peak "
+             "(default: the backend's headroom where it has one, the native engine on CUDA; else 0.9)")  # fmt: skip
+    add("--kv-headroom-bytes", type=int,
+        help="KV gets all the memory left after the measured peak but this many bytes (default: see "
+             "--free-gpu-memory-fraction; give one of the two)")  # fmt: skip
+    add("--max-kv-bytes", type=int, help="cap on the KV pool in bytes (default: no cap)")
+    add("--max-kv-tokens", type=int, help="cap on the KV pool in tokens (default: no cap)")
+    add("--host-cache-bytes", type=int, default=default_of("host_cache_bytes"),
+        help="host (CPU) KV tier in bytes, 0 for none")
+    add("--plan-cache", type=Path,
+        help="directory of cached plans (default: none for plan; run and serve use "
+             f"{DEFAULT_PLAN_CACHE} unless --no-plan-cache)")  # fmt: skip
+    add("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+        help="do not capture decode steps as CUDA graphs (the warmup stage is skipped, reason disabled)")  # fmt: skip
+    add("--cuda-graph-batch-sizes", type=int_list, metavar="N,N,...",
+        help="batch sizes to capture as CUDA graphs (default: 1,2,4,8, then multiples of 8 up to max_batch_size)")  # fmt: skip
+    add_backend_args(parser)
+
+
+def add_backend_args(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--backend", choices=("native", "trtllm"), default=default_of("backend"),
+        help="whose executor and KV pricing: native, or trtllm (TensorRT-LLM's PyExecutor)")  # fmt: skip
+    add("--kv-manager", choices=("auto", "v1", "v2"), default=default_of("kv_manager"),
+        help="TensorRT-LLM KV cache manager (--backend trtllm); auto is what TensorRT-LLM picks (V1)")  # fmt: skip
+
+
+def add_build_args(parser: argparse.ArgumentParser) -> None:
+    """What ``run`` and ``serve`` both take beyond the config: device, trace, plan cache."""
+    add = parser.add_argument
+    add("--device", default="auto", help="auto (CUDA when torch sees it, else the CPU), cpu, cuda or cuda:N")
+    add("--trace-file", type=Path, help="write finished spans as JSON Lines, overwriting the file (default: none)")
+    add("--otlp", action="store_true", help="also export spans over OTLP (needs the otlp extra)")
+    add("--no-plan-cache", action="store_true", help=f"profile every start (default cache: {DEFAULT_PLAN_CACHE})")
+
+
+def config_from_args(args: argparse.Namespace) -> BootstrapConfig:
+    """The validated config; ``ConfigError`` naming each bad field and its allowed range."""
+    values = {k: v for k, v in vars(args).items() if k in BootstrapConfig.model_fields and v is not None}
+    if getattr(args, "no_plan_cache", False):
+        values.pop("plan_cache", None)
+    elif args.command in ("run", "serve"):
+        values.setdefault("plan_cache", DEFAULT_PLAN_CACHE)
+    return BootstrapConfig.parse(**values)
+
+
+def check_positive(**values: int) -> None:
+    """A flag that must be >= 1, named as its field."""
+    for field, value in values.items():
+        if value < 1:
+            raise ConfigError(f"{field}: must be >= 1 (got {value})")

@@ -1,0 +1,50 @@
+"""The exit status of every command, in one table, and which errors count as bad input.
+
+| status | meaning |
+|---|---|
+| 0 | done: the executor was ready (``plan``, ``run``), the server stopped after a signal (``serve``), the command did its work (``trace``, ``cache``) |
+| 1 | a stage failed at run time: out of memory after its retries, an I/O error, a failed smoke request |
+| 2 | bad input, found before the run or by a stage during it: an invalid flag or value, a configuration that cannot fit (the capacity stage's ``CapacityError``), a model that cannot be read, a missing extra, an unreadable trace file |
+| 130 | interrupted (Ctrl-C); every completed stage was rolled back |
+
+The message always goes to stderr, one paragraph, no traceback.
+"""
+
+from __future__ import annotations
+
+from bootstrap.capacity import CapacityError
+from bootstrap.capacity.shape import ModelConfigError
+from bootstrap.config import ConfigError
+from bootstrap.pipeline import StageFailed
+from bootstrap.pipeline.collective import failure_of
+from bootstrap.pipeline.dependencies import GraphError
+from bootstrap.pipeline.telemetry import MissingExtra
+
+OK, STAGE_FAILED, BAD_INPUT, INTERRUPTED = 0, 1, 2, 130
+MEANINGS = {
+    OK: "done",
+    STAGE_FAILED: "a stage failed at run time (out of memory after its retries, I/O, a failed smoke request)",
+    BAD_INPUT: "bad input, found before the run or by a stage (invalid value, a plan that cannot fit, "
+    "an unreadable model or trace file, a missing extra)",
+    INTERRUPTED: "interrupted; completed stages were rolled back",
+}
+# ConfigError covers the engine's ModelSourceError and the trace reader's TraceFileError too.
+BAD_INPUT_ERRORS: tuple[type[BaseException], ...] = (ConfigError, ModelConfigError, CapacityError, GraphError,
+                                                     MissingExtra)  # fmt: skip
+
+
+def is_bad_input(error: BaseException) -> bool:
+    """A stage failure whose cause is bad input, or a bad-input error itself."""
+    cause = error.cause if isinstance(error, StageFailed) else error
+    return isinstance(failure_of(cause), BAD_INPUT_ERRORS)
+
+
+def exit_status(error: BaseException | None) -> int:
+    if error is None:
+        return OK
+    return BAD_INPUT if is_bad_input(error) else STAGE_FAILED
+
+
+def epilog() -> str:
+    """The table for ``--help``."""
+    return "exit status:\n" + "\n".join(f"  {code:<4} {text}" for code, text in MEANINGS.items())

@@ -1,0 +1,48 @@
+"""``bootstrap``: the parser of every command, and the one place their exit status is decided
+(``bootstrap.cli.exits``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from bootstrap.cli.args import HelpFormatter
+from bootstrap.cli.cache import add_cache_args, main_cache
+from bootstrap.cli.exits import BAD_INPUT, BAD_INPUT_ERRORS, INTERRUPTED, epilog
+from bootstrap.cli.plan import add_plan_args, main_plan
+from bootstrap.cli.run import add_run_args, main_run
+from bootstrap.cli.serve import add_serve_args, main_serve
+from bootstrap.cli.trace import add_trace_args, main_trace
+
+Command = Callable[[argparse.Namespace], int]
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Command]] = {
+    "plan": ("run every stage on a simulated GPU and print the KV plan (no torch needed)", add_plan_args, main_plan),
+    "run": ("build the real executor through the stages and answer one prompt", add_run_args, main_run),
+    "serve": ("an OpenAI-compatible server; the port opens while the stages run", add_serve_args, main_serve),
+    "trace": ("draw the stages and attempts of --trace-file files as timelines", add_trace_args, main_trace),
+    "cache": ("manage the plan cache", add_cache_args, main_cache),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bootstrap", formatter_class=HelpFormatter, epilog=epilog(),
+        description="LLM executor creation as an async pipeline of explicit, traced, retryable stages.",
+    )  # fmt: skip
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
+    for name, (text, add_args, _) in COMMANDS.items():
+        add_args(sub.add_parser(name, help=text, description=text, epilog=epilog(), formatter_class=HelpFormatter))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)  # a bad flag: argparse's usage line, exit status 2
+    try:
+        return COMMANDS[args.command][2](args)
+    except BAD_INPUT_ERRORS as exc:  # what a command did not answer itself
+        print(f"bootstrap: {exc}", file=sys.stderr)
+        return BAD_INPUT
+    except KeyboardInterrupt:
+        print("bootstrap: interrupted; completed stages were rolled back", file=sys.stderr)
+        return INTERRUPTED

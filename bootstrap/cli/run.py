@@ -1,0 +1,178 @@
+"""``bootstrap run``: build the real executor through the stages, then answer one prompt.
+
+Progress goes to stderr while the stages run; then the stage table, the plan line, and the
+generated text streamed as it comes (or, with ``--json``, one object on stdout). ``--tp N``
+starts N ranks first (``bootstrap.cli.tp``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import anyio
+from rich.console import Console
+
+from bootstrap.backends.base import RequestExecutor, require_requests
+from bootstrap.cli.args import add_build_args, add_config_args, check_positive, config_from_args
+from bootstrap.cli.exits import BAD_INPUT, BAD_INPUT_ERRORS, INTERRUPTED, OK, STAGE_FAILED, exit_status
+from bootstrap.cli.plan import plan_line
+from bootstrap.cli.tp import check_tp_before_launch, launch_ranks, leave, needs_launch, rank_backend
+from bootstrap.config import BootstrapConfig
+from bootstrap.engine.prompts import chat_ids, checked_max_tokens, sampling_params, text_ids
+from bootstrap.pipeline import StageFailed, failure_paragraph
+from bootstrap.pipeline.events import StageEvent
+from bootstrap.pipeline.report import stage_table
+
+DEFAULT_MAX_TOKENS = 64
+DEFAULT_QUESTION = "What is the capital of France?"
+
+
+def add_run_args(run: argparse.ArgumentParser) -> None:
+    add_config_args(run, "run")
+    add_build_args(run)
+    add = run.add_argument
+    text = run.add_mutually_exclusive_group()
+    text.add_argument("--prompt", help="plain text prompt (default: the question below, as a chat)")
+    text.add_argument("--chat", help=f"one user message, formatted with the tokenizer's chat template "
+                                     f"(default: {DEFAULT_QUESTION!r})")  # fmt: skip
+    add("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="tokens to generate, >= 1")
+    add("--temperature", type=float, default=0.0, help="0 for greedy")
+    add("--seed", type=int, help="sampling seed (default: none, a fresh one per run)")
+    add("--json", action="store_true", help="print one JSON object instead of tables and text")
+    add("--dist-timeout", type=float, default=600.0,
+        help="with --tp N: seconds any collective waits for a rank before it names the rank that stopped answering")  # fmt: skip
+
+
+def main_run(args: argparse.Namespace) -> int:
+    """One rank's run (or the only one); ``--tp N`` without a launcher starts N ranks of it."""
+    try:
+        config = config_from_args(args)
+        check_positive(max_tokens=args.max_tokens)
+        if needs_launch(config):
+            check_tp_before_launch(config)
+            return launch_ranks(args, config.tensor_parallel_size, main_run)
+        result, error = anyio.run(run_command, args, config, rank_backend(config, args))
+    except BAD_INPUT_ERRORS as exc:
+        if rank_of(args) == 0:
+            emit({"text": "", "token_ids": [], "stages": [], "plan": {}, "error": str(exc)}, args.json)
+        return BAD_INPUT
+    except KeyboardInterrupt:
+        print("bootstrap: interrupted; completed stages were rolled back", file=sys.stderr)
+        return INTERRUPTED
+    finally:
+        leave()
+    if rank_of(args) > 0:
+        return OK if error is None else STAGE_FAILED
+    emit(result, args.json)
+    return exit_status(error)
+
+
+async def run_command(args: argparse.Namespace, config: BootstrapConfig,
+                      backend: Any = None) -> tuple[dict[str, Any], Exception | None]:  # fmt: skip
+    """Build, answer, release; returns the ``--json`` object and the failure, if any: a
+    ``StageFailed``, or a ``PromptError`` for a prompt the ready executor cannot take."""
+    from bootstrap.api import Bootstrap
+
+    quiet = rank_of(args) > 0  # several ranks: rank 0 speaks for all of them
+    boot = Bootstrap(config, backend=backend, trace_file=None if quiet else args.trace_file, otlp=args.otlp)
+    progress = None if args.json or quiet else Console(stderr=True)
+    result: dict[str, Any] = {"text": "", "token_ids": []}
+    try:
+        try:
+            executor = await _build(boot, progress)
+        except StageFailed as exc:
+            return {**result, **boot.report().to_dict(), "error": failure_paragraph(exc)}, exc
+        report = boot.report()
+        if progress is not None:
+            print_ready(report, Console())  # quiet ranks have no progress either
+        try:
+            result.update(await generate(args, require_requests(executor), report.plan["max_seq_len"]))
+        except BAD_INPUT_ERRORS as exc:
+            return {**result, **report.to_dict(), "error": str(exc)}, exc
+        return {**result, **report.to_dict(), "error": None}, None
+    finally:
+        await boot.aclose()
+
+
+async def _build(boot: Any, progress: Console | None) -> Any:
+    """``boot.build()``, with one progress line per stage event meanwhile."""
+    shown = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        if progress is not None:
+            tg.start_soon(show_progress, boot.events(), progress, shown)
+        try:
+            return await boot.build()
+        finally:
+            with anyio.move_on_after(1.0):  # let the last lines print, never wait for long
+                await shown.wait() if progress is not None else None
+            tg.cancel_scope.cancel()
+
+
+def prompt_ids(args: argparse.Namespace, tokenizer: Any) -> list[int]:
+    """The prompt as token ids. Neither ``--prompt`` nor ``--chat``: the default question, as a
+    chat where the tokenizer has a template; a model without a tokenizer gets one token."""
+    if tokenizer is None and args.prompt is None and args.chat is None:
+        return [0]
+    if args.chat is not None or (args.prompt is None and getattr(tokenizer, "chat_template", None)):
+        return chat_ids(tokenizer, [{"role": "user", "content": args.chat or DEFAULT_QUESTION}], field="chat")
+    return text_ids(tokenizer, args.prompt or DEFAULT_QUESTION)
+
+
+async def generate(args: argparse.Namespace, executor: RequestExecutor, max_seq_len: int) -> dict[str, Any]:
+    ids = prompt_ids(args, executor.tokenizer)
+    max_tokens = checked_max_tokens(len(ids), args.max_tokens, max_seq_len)
+    params = sampling_params(max_tokens, temperature=args.temperature, seed=args.seed)
+    rid = executor.enqueue(ids, params)
+    tokens, text = [], []
+    speak = not args.json and rank_of(args) == 0
+    async for event in executor.stream_async(rid):
+        if event.token_id is not None:
+            tokens.append(event.token_id)
+        text.append(event.text)
+        if speak:
+            print(event.text, end="", flush=True)
+        if event.finished and event.error:
+            raise RuntimeError(f"generation failed: {event.error}")
+    if speak:
+        print()
+    return {"text": "".join(text), "token_ids": tokens, "finish_reason": event.finish_reason}
+
+
+async def show_progress(events: Any, console: Console, shown: anyio.Event) -> None:
+    """One line per stage event while the stages run (the server shows the same stream);
+    ``shown`` is set once the last stage ended or any stage failed."""
+    from bootstrap.stages import STAGE_IDS
+
+    marks = {"done": "[green]done[/]", "skipped": "[cyan]skipped[/]", "failed": "[red]failed[/]",
+             "attempt_failed": "[yellow]attempt failed[/]", "retrying": "[yellow]retrying[/]"}  # fmt: skip
+    async for event in events:
+        if event.kind in marks:
+            console.print(f"  {event.stage:<18} {marks[event.kind]} {describe(event)}", highlight=False)
+        elif event.kind == "started":
+            console.print(f"  {event.stage:<18} started", style="dim", highlight=False)
+        if event.kind == "failed" or (event.stage == STAGE_IDS[-1] and event.kind in ("done", "skipped")):
+            shown.set()
+
+
+def describe(event: StageEvent) -> str:
+    return event.message[:160] if event.kind != "done" else ""
+
+
+def print_ready(report: Any, console: Console) -> None:
+    console.print(stage_table(report.stages, title=f"ready in {report.time_to_ready_s:.2f} s"))
+    console.print(plan_line(report.plan), highlight=False)
+
+
+def rank_of(args: argparse.Namespace) -> int:
+    """This process's rank when it is one of several (``bootstrap.cli.tp``), else 0."""
+    return getattr(args, "rank", 0)
+
+
+def emit(result: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result, indent=2, default=str))
+    if result.get("error"):
+        print(f"bootstrap: {result['error']}", file=sys.stderr)
