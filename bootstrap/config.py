@@ -48,10 +48,10 @@ class BootstrapConfig(BaseModel):
     max_num_tokens: int = Field(2048, ge=16, le=1_048_576, description="tokens in one forward step")
     max_seq_len: int | None = Field(None, ge=2, le=4_194_304, description="prompt + output tokens per request")
     tokens_per_block: int = Field(32, ge=1, le=1024, description="tokens per KV cache block")
-    free_gpu_memory_fraction: float = Field(
-        0.9, gt=0.0, le=1.0, description="TensorRT-LLM's rule: share of the memory left after the measured peak "
-        "given to KV. When neither this nor kv_headroom_bytes is given, the backend's default headroom applies "
-        "where it has one (the native engine on CUDA), else this default"
+    free_gpu_memory_fraction: float | None = Field(
+        None, gt=0.0, le=1.0, description="TensorRT-LLM's rule: share of the memory left after the measured peak "
+        "given to KV. None (neither this nor kv_headroom_bytes given): the backend's headroom where it has one "
+        "(the native engine on CUDA), else 0.9; see bootstrap.capacity.rules"
     )
     kv_headroom_bytes: int | None = Field(
         None, ge=0, description="bytes kept free beyond the measured peak; when set, KV gets all the rest "
@@ -103,7 +103,7 @@ class BootstrapConfig(BaseModel):
 
     @model_validator(mode="after")
     def _one_memory_rule(self) -> BootstrapConfig:
-        if self.kv_headroom_bytes is not None and "free_gpu_memory_fraction" in self.model_fields_set:
+        if self.kv_headroom_bytes is not None and self.free_gpu_memory_fraction is not None:
             raise ValueError(
                 "kv_headroom_bytes and free_gpu_memory_fraction are two ways to share the memory left after the "
                 "measured peak; give one of them"

@@ -2,7 +2,7 @@
 
 Artifacts that wrap live backend objects (a loaded model, a KV pool, an executor) hold them in a
 ``handle`` field; the artifact itself is frozen, and releasing the handle is the job of the undo
-actions its stage registered (see ``bootstrap.undo.Undo``).
+actions its stage registered (see ``bootstrap.pipeline.undo.Undo``).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bootstrap.capacity import CacheCost, kv_dtype_bytes, probe_cost
+from bootstrap.capacity.rules import MemoryRule
 from bootstrap.capacity.shape import ModelShape
 from bootstrap.pipeline.undo import Undo
 
@@ -29,8 +30,7 @@ class ResolvedClasses:
     dtype: str  # weights, resolved from "auto"
     kv_dtype: str  # KV cache, resolved from "auto"
     kv_manager: str
-    scheduler: str
-    sampler: str
+    memory_rule: MemoryRule  # resolved once; the probe cap and the plan both apply it
 
     @property
     def total_cost(self) -> CacheCost:

@@ -55,13 +55,13 @@ class Backend(Protocol):
         """Caps on the KV budget in bytes beyond the config's, by the name ``limited_by`` shows."""
 
     def default_headroom_bytes(
-        self, profile: MemoryProfile, resolved: ResolvedClasses, config: BootstrapConfig
+        self, profile: MemoryProfile | None, resolved: ResolvedClasses, config: BootstrapConfig
     ) -> int | None:
-        """Bytes to keep free beyond the measured peak when the config sets no memory rule (neither
-        ``free_gpu_memory_fraction`` nor ``kv_headroom_bytes``): what this backend's executor can
-        need on top of the profile under its worst admitted load, so the KV cache gets the rest.
-        None: no such bound is known, and TensorRT-LLM's rule applies (``free_gpu_memory_fraction``
-        0.9 of the memory left after the peak)."""
+        """Bytes to keep free beyond the measured peak when the config sets no memory rule: what
+        this backend's executor can need on top of the profile under its worst admitted load, so
+        the KV cache gets the rest; ``profile`` None (before profiling, for the probe cap): the part
+        known from the config. None: no bound is known, TensorRT-LLM's fraction applies. The rule
+        itself: ``bootstrap.capacity.rules``."""
 
     def load_model(self, config: BootstrapConfig, resolved: ResolvedClasses, undo: Undo) -> LoadedModel:
         """Load target (and draft) weights onto ``device``, and the tokenizer."""
@@ -72,7 +72,7 @@ class Backend(Protocol):
         any workspace it takes before the dummy requests run. Must not allocate anything.
 
         The stages call it before every probe build (and every rebuild after an OOM) and cap the
-        probe to ``free_gpu_memory_fraction * (free - overhead)`` of the probe's cost, so probe
+        probe to the memory rule's share of ``free - overhead`` (``bootstrap.capacity.rules``), so probe
         and executor fit together (TensorRT-LLM reads its free memory after its sampler exists).
         Over-estimating is safe: the probe is added back to the KV budget, so only the probe
         shrinks. Under-estimating risks an OOM in ``estimation_build``. Memory the dummy forward

@@ -163,7 +163,7 @@ class NativeBackend:
         return {"max_batch_size": resolved.total_cost.bytes_for_tokens(blocks * config.tokens_per_block)}
 
     def default_headroom_bytes(
-        self, profile: MemoryProfile, resolved: ResolvedClasses, config: BootstrapConfig
+        self, profile: MemoryProfile | None, resolved: ResolvedClasses, config: BootstrapConfig
     ) -> int | None:
         """On CUDA with the Triton paged decode kernel, ``native_headroom``'s bound; else None."""
         if self.torch_device.type != "cuda" or not triton_decode.available(self.torch_device, config.tokens_per_block):

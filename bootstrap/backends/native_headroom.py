@@ -29,12 +29,16 @@ from bootstrap.config import BootstrapConfig
 WORKSPACE_BYTES = 512 * 1024**2
 
 
-def headroom_terms(profile: MemoryProfile, resolved: ResolvedClasses, config: BootstrapConfig) -> dict[str, int]:
-    """The terms above, in bytes, and their ``total``."""
+def headroom_terms(
+    profile: MemoryProfile | None, resolved: ResolvedClasses, config: BootstrapConfig
+) -> dict[str, int]:
+    """The terms above, in bytes, and their ``total``. Before profiling (``profile`` None: the
+    probe cap) the activation term is not measured yet and counts 0."""
     layer_bytes_per_token = resolved.cost.slope // max(resolved.shape.num_layers, 1)  # keys and values, one rank
-    chunk, context = profile.max_num_tokens, resolved.max_seq_len
+    chunk = profile.max_num_tokens if profile is not None else config.max_num_tokens
+    context = resolved.max_seq_len
     terms = {
-        "activation": profile.activation_bytes,
+        "activation": profile.activation_bytes if profile is not None else 0,
         "continued_chunk": context * layer_bytes_per_token + int(chunk * context * (1 + 2 * kv_dtype_bytes(resolved.dtype))),
         "workspace": WORKSPACE_BYTES,
     }

@@ -150,7 +150,7 @@ class SimBackend:
         return {}  # a simulated GPU is filled, as TensorRT-LLM fills a real one
 
     def default_headroom_bytes(
-        self, profile: MemoryProfile, resolved: ResolvedClasses, config: BootstrapConfig
+        self, profile: MemoryProfile | None, resolved: ResolvedClasses, config: BootstrapConfig
     ) -> int | None:
         return None  # the planner reproduces TensorRT-LLM's rule
 

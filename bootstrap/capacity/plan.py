@@ -78,7 +78,8 @@ class CapacityPlan:
     kv_requests: int  # requests of max_seq_len the KV pool alone holds
     limited_by: str
     fraction: float
-    headroom_bytes: int | None = None  # kv_headroom_bytes: replaces the fraction when set
+    headroom_bytes: int | None = None  # a headroom rule: replaces the fraction when set
+    rule_source: str = ""  # which memory rule, and why (``MemoryRule.source``, ``bootstrap.capacity.rules``)
     graph_bytes: int = 0  # reserved for the warmup stage's CUDA graphs (the profile's figure)
 
     @property
@@ -104,6 +105,7 @@ def plan_capacity(
     max_kv_tokens: int | None = None,
     caps: Mapping[str, int] | None = None,
     headroom_bytes: int | None = None,
+    rule_source: str = "",
 ) -> CapacityPlan:
     """KV budget from a profile: ``int((total - peak - graphs + probe_kv) * fraction)`` capped by the
     explicit limits and by the backend's ``caps`` (bytes by name), then block-aligned tokens
@@ -141,7 +143,8 @@ def plan_capacity(
         kv_tokens=kv_tokens, cost=cost, tokens_per_block=tokens_per_block, max_seq_len=max_seq_len,
         max_batch_size=max_batch_size, max_num_tokens=profile.max_num_tokens,
         max_concurrent_requests=min(kv_requests, max_batch_size), kv_requests=kv_requests,
-        limited_by=limited_by, fraction=fraction, headroom_bytes=headroom_bytes, graph_bytes=profile.graph_bytes,
+        limited_by=limited_by, fraction=fraction, headroom_bytes=headroom_bytes, rule_source=rule_source,
+        graph_bytes=profile.graph_bytes,
     )
 
 

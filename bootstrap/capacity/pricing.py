@@ -45,7 +45,7 @@ def resolve_kv_manager(config: BootstrapConfig, shape: ModelShape) -> str | None
             "KV only (TensorRT-LLM's hybrid managers are not supported here); use backend 'native'"
         )
     manager = "v1" if config.kv_manager == "auto" else config.kv_manager  # TRT's default: use_kv_cache_manager_v2=False
-    if manager == "v1" and config.free_gpu_memory_fraction >= 1.0:
+    if manager == "v1" and (config.free_gpu_memory_fraction or 0.0) >= 1.0:
         raise ConfigError(
             f"free_gpu_memory_fraction: {config.free_gpu_memory_fraction} is not accepted by TensorRT-LLM's V1 "
             "KVCacheManager (it asserts the fraction is below 1.0); use a value below 1.0, or kv_manager 'v2'"

@@ -1,7 +1,40 @@
-"""How the memory left after the measured peak is shared with the KV cache: TensorRT-LLM's
-fraction, or everything but a headroom in bytes."""
+"""The memory rule: how the device memory left after the measured peak is shared with the KV
+cache. This docstring is the one place it is described; everything else links here.
+
+Three ways, resolved once per run in ``resolve_classes`` into a ``MemoryRule`` (which rule, its
+value, and why), which both the probe cap (``estimation_build``) and the plan (``capacity``)
+apply, and which the ``capacity`` span records (``bootstrap.memory_rule``, ``.source``):
+
+1. ``kv_headroom_bytes`` given: the KV cache gets everything but that many bytes
+   (``budget = total - peak - graphs + probe_kv - headroom``). Not in TensorRT-LLM.
+2. ``free_gpu_memory_fraction`` given: TensorRT-LLM's rule, ``budget = (total - peak - graphs +
+   probe_kv) * fraction``. Give one of the two; both is a ``ConfigError``.
+3. Neither given: the backend's own headroom where it knows a bound on what its executor can
+   still need beyond the profile (``Backend.default_headroom_bytes``; the native engine on CUDA
+   with its paged decode kernel, ``backends/native_headroom.py``), else TensorRT-LLM's default
+   fraction, 0.9. The backend's headroom partly depends on the measured activation peak: before
+   profiling (the probe cap) it is the part known from the config, and ``capacity`` recomputes it
+   from the profile; the rule itself (which of the three, and why) does not change.
+
+The probe cap uses the rule on the free memory beside the temporary executor, so probe and
+executor fit together; the probe is added back to the budget, so a smaller probe changes no
+figure of the plan. Caps (``max_kv_bytes``, ``max_kv_tokens``, a backend's ``kv_caps``) bound
+the result under every rule.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+DEFAULT_FRACTION = 0.9  # TensorRT-LLM's default free_gpu_memory_fraction
+Source = Literal["kv_headroom_bytes", "free_gpu_memory_fraction", "backend_headroom", "default_fraction"]
+SOURCES: dict[str, str] = {
+    "kv_headroom_bytes": "kv_headroom_bytes given",
+    "free_gpu_memory_fraction": "free_gpu_memory_fraction given",
+    "backend_headroom": "neither given: the backend's headroom beyond the measured peak",
+    "default_fraction": "neither given, and the backend knows no headroom bound: TensorRT-LLM's default fraction",
+}
 
 
 def kv_share(left: int, fraction: float, headroom_bytes: int | None = None) -> int:
@@ -14,5 +47,52 @@ def kv_share(left: int, fraction: float, headroom_bytes: int | None = None) -> i
 
 
 def memory_rule(fraction: float, headroom_bytes: int | None = None) -> str:
-    """The config field that shares memory with the KV cache, as error messages name it."""
+    """The rule as error messages name it: the field and its value."""
     return f"free_gpu_memory_fraction {fraction}" if headroom_bytes is None else f"kv_headroom_bytes {headroom_bytes:,}"
+
+
+def describe_rule(source: str, fraction: float, headroom_bytes: int | None) -> str:
+    """The rule for people, with where it came from (the ``capacity`` span's ``bootstrap.memory_rule``)."""
+    if source == "backend_headroom":
+        return f"the backend's headroom of {headroom_bytes:,} bytes (no rule given)"
+    if source == "default_fraction":
+        return f"free_gpu_memory_fraction {fraction} (TensorRT-LLM's default; no rule given)"
+    return memory_rule(fraction, headroom_bytes)
+
+
+@dataclass(frozen=True)
+class MemoryRule:
+    """One run's rule: a ``fraction`` (``headroom_bytes`` None) or a headroom in bytes, and why."""
+
+    source: Source
+    fraction: float = DEFAULT_FRACTION
+    headroom_bytes: int | None = None
+
+    @classmethod
+    def resolve(cls, fraction: float | None, headroom_bytes: int | None, backend_headroom: int | None) -> MemoryRule:
+        """From the config's two fields and the backend's headroom (None: it knows no bound)."""
+        if headroom_bytes is not None:
+            return cls("kv_headroom_bytes", headroom_bytes=headroom_bytes)
+        if fraction is not None:
+            return cls("free_gpu_memory_fraction", fraction=fraction)
+        if backend_headroom is not None:
+            return cls("backend_headroom", headroom_bytes=backend_headroom)
+        return cls("default_fraction")
+
+    def with_backend_headroom(self, headroom_bytes: int | None) -> MemoryRule:
+        """The same rule with the backend's headroom recomputed (from the profile); other rules
+        are unchanged."""
+        if self.source != "backend_headroom" or headroom_bytes is None:
+            return self
+        return replace(self, headroom_bytes=headroom_bytes)
+
+    def share(self, left: int) -> int:
+        return kv_share(left, self.fraction, self.headroom_bytes)
+
+    @property
+    def label(self) -> str:
+        return describe_rule(self.source, self.fraction, self.headroom_bytes)
+
+    @property
+    def why(self) -> str:
+        return SOURCES[self.source]

@@ -11,6 +11,7 @@ from bootstrap.backends.artifacts import ResolvedClasses
 from bootstrap.backends.base import Backend
 from bootstrap.capacity import CapacityPlan, MemoryProfile, plan_capacity
 from bootstrap.capacity.agree import smallest_plan
+from bootstrap.capacity.rules import describe_rule
 from bootstrap.config import BootstrapConfig
 from bootstrap.pipeline.stage import Stage
 from bootstrap.stages.plan_cache import PlanCache
@@ -25,35 +26,25 @@ def capacity(
     backend: Backend,
     plan_cache: PlanCache | None,
 ) -> CapacityPlan:
-    """The plan under the config's memory rule (``memory_rule``)."""
+    """The plan under the run's memory rule (``bootstrap.capacity.rules``), the backend's
+    headroom recomputed from the measured profile where that is the rule."""
+    rule = resolved.memory_rule.with_backend_headroom(backend.default_headroom_bytes(profile, resolved, config))
     plan = plan_capacity(
         profile,
         cost=resolved.total_cost,
-        fraction=config.free_gpu_memory_fraction,
+        fraction=rule.fraction,
         max_seq_len=resolved.max_seq_len,
         max_batch_size=config.max_batch_size,
         tokens_per_block=config.tokens_per_block,
         max_kv_bytes=config.max_kv_bytes,
         max_kv_tokens=config.max_kv_tokens,
         caps=backend.kv_caps(resolved, config),
-        headroom_bytes=memory_rule(config, resolved, profile, backend),
+        headroom_bytes=rule.headroom_bytes,
+        rule_source=rule.source,
     )
     if plan_cache is not None and profile.max_num_tokens == config.max_num_tokens:
         remember(plan_cache, config, resolved, backend, profile, plan)
     return plan
-
-
-def memory_rule(config: BootstrapConfig, resolved: ResolvedClasses, profile: MemoryProfile,
-                backend: Backend) -> int | None:  # fmt: skip
-    """The headroom the plan keeps free beyond the peak, or None for TensorRT-LLM's fraction rule:
-    ``kv_headroom_bytes`` when given; the fraction when ``free_gpu_memory_fraction`` is given
-    (TensorRT-LLM's semantics, kept behind its own field); else the backend's default headroom,
-    where it knows one (``Backend.default_headroom_bytes``), else the fraction's default, 0.9."""
-    if config.kv_headroom_bytes is not None:
-        return config.kv_headroom_bytes
-    if "free_gpu_memory_fraction" in config.model_fields_set:
-        return None
-    return backend.default_headroom_bytes(profile, resolved, config)
 
 
 def remember(
@@ -78,6 +69,8 @@ STAGE = Stage(
         "bootstrap.kv.max_tokens": p.kv_tokens,
         "bootstrap.kv.max_concurrent_requests": p.max_concurrent_requests,
         "bootstrap.kv.limited_by": p.limited_by,
+        "bootstrap.memory_rule": describe_rule(p.rule_source, p.fraction, p.headroom_bytes),
+        "bootstrap.memory_rule.source": p.rule_source,
         "bootstrap.max_num_tokens": p.max_num_tokens,
     },
 )

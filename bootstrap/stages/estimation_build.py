@@ -1,6 +1,6 @@
 """Stage 3, ``estimation_build``: probe KV pools sized for the dummy workload, and a temporary
 executor on them. The probe is TensorRT-LLM's estimation size capped by ``max_kv_tokens`` and by
-what ``free_gpu_memory_fraction`` of the free memory holds once the executor state beside it
+what the memory rule (``bootstrap.capacity.rules``) gives of the free memory once the executor state beside it
 (``Backend.estimation_overhead_bytes``) is allocated. OOM: the attempt's pools are released and
 the probe shrinks, first to the dummy workload, then with ``max_num_tokens`` halved (``shrink``).
 Skipped (reason ``plan-cache``) when a cached plan matches and the device has room for it."""
@@ -61,13 +61,13 @@ def capped_probe_tokens(config: BootstrapConfig, resolved: ResolvedClasses, back
         wanted,
         cost=resolved.probe_cost(tp=config.tensor_parallel_size, max_batch_size=config.max_batch_size),
         free_bytes=backend.device.free_bytes(),
-        fraction=config.free_gpu_memory_fraction,
+        fraction=resolved.memory_rule.fraction,
         tokens_per_block=config.tokens_per_block,
         overhead_bytes=backend.estimation_overhead_bytes(resolved, config),
         max_kv_tokens=config.max_kv_tokens,
         max_kv_bytes=config.max_kv_bytes,
         plan_cost=resolved.total_cost,
-        headroom_bytes=config.kv_headroom_bytes,
+        headroom_bytes=resolved.memory_rule.headroom_bytes,
     )
 
 

@@ -3,10 +3,13 @@ the KV layout, its per-token cost, and the classes; config errors fail here, bef
 
 from __future__ import annotations
 
+import dataclasses
+
 from bootstrap.backends.artifacts import ResolvedClasses
 from bootstrap.backends.base import Backend
 from bootstrap.capacity import CacheCost, kv_dtype_bytes
 from bootstrap.capacity.pricing import TRTLLM_KV_MANAGERS, kv_cost, resolve_kv_manager
+from bootstrap.capacity.rules import MemoryRule
 from bootstrap.capacity.shape import ModelShape, check_tp_split
 from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.pipeline.stage import Stage
@@ -23,7 +26,7 @@ def resolve_classes(config: BootstrapConfig, backend: Backend) -> ResolvedClasse
     max_seq_len = config.max_seq_len or shape.max_position_embeddings
     dtype = config.dtype if config.dtype != "auto" else backend.default_dtype(shape)
     kv_dtype = config.kv_cache_dtype if config.kv_cache_dtype != "auto" else dtype
-    return ResolvedClasses(
+    resolved = ResolvedClasses(
         shape=shape,
         draft_shape=draft,
         kv_layout=kv_layout(shape),
@@ -34,9 +37,18 @@ def resolve_classes(config: BootstrapConfig, backend: Backend) -> ResolvedClasse
         dtype=dtype,
         kv_dtype=kv_dtype,
         kv_manager=TRTLLM_KV_MANAGERS[manager] if manager else backend.classes["kv_manager"],
-        scheduler=backend.classes["scheduler"],
-        sampler=backend.classes["sampler"],
+        memory_rule=MemoryRule.resolve(config.free_gpu_memory_fraction, config.kv_headroom_bytes, None),
     )
+    return resolve_memory_rule(config, backend, resolved)
+
+
+def resolve_memory_rule(config: BootstrapConfig, backend: Backend, resolved: ResolvedClasses) -> ResolvedClasses:
+    """``resolved`` with the run's memory rule (``bootstrap.capacity.rules``): the config's, or,
+    when it gives none, the backend's headroom as known before profiling."""
+    if resolved.memory_rule.source != "default_fraction":
+        return resolved
+    headroom = backend.default_headroom_bytes(None, resolved, config)
+    return dataclasses.replace(resolved, memory_rule=MemoryRule.resolve(None, None, headroom))
 
 
 def kv_layout(shape: ModelShape) -> str:

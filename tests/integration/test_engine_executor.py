@@ -68,7 +68,7 @@ def poison(executor) -> None:
     "prompt, params, message",
     [
         ([1] * 100, SamplingParams(max_tokens=29), "exceeds max_seq_len (128)"),
-        ([], SamplingParams(), "prompt is empty"),
+        ([], SamplingParams(), "prompt: empty"),
         ([1, 2, VOCAB], SamplingParams(), "must be integers in [0, 256)"),
         ([1, -1], SamplingParams(), "must be integers in [0, 256)"),
         ([1] * 60, SamplingParams(max_tokens=10), "needs 18 KV blocks"),

@@ -57,6 +57,9 @@ def trt_cost_v2(windows: list[int | None], layer_bytes: int, max_batch_size: int
     return full, per_request * max_batch_size
 
 
+TRT_DEFAULT_FRACTION = 0.9  # KvCacheConfig.free_gpu_memory_fraction's default
+
+
 def trt_budget(profile: dict, fraction: float) -> int:
     """[budget]: ``int((total - peak + allocated) * fraction)``."""
     return int((profile["total_bytes"] - profile["peak_bytes"] + profile["probe_kv_bytes"]) * fraction)
@@ -131,10 +134,11 @@ def assert_v1_tokens(p: dict, slope: int) -> int:
     """Our plan equals the V1 manager's allocation, given max_tokens binds (asserted)."""
     config, ours = p["config"], p["plan"]
     assert ours.cost == CacheCost(slope)
-    max_tokens, _ = trt_capacity_v1(trt_budget(p["profile"], config.free_gpu_memory_fraction), slope,
+    fraction = config.free_gpu_memory_fraction or TRT_DEFAULT_FRACTION
+    max_tokens, _ = trt_capacity_v1(trt_budget(p["profile"], fraction), slope,
                                     config.max_kv_tokens, config.max_kv_bytes)  # fmt: skip
-    assert max_tokens < config.free_gpu_memory_fraction * free_after_probe(p) / slope  # max_tokens binds
-    blocks = trt_v1_blocks(max_tokens, config.free_gpu_memory_fraction, free_after_probe(p), slope)
+    assert max_tokens < fraction * free_after_probe(p) / slope  # max_tokens binds
+    blocks = trt_v1_blocks(max_tokens, fraction, free_after_probe(p), slope)
     assert ours.kv_tokens == blocks * TPB
     return blocks * TPB
 

@@ -1,24 +1,27 @@
-"""Which memory rule the capacity stage applies, and the native engine's default headroom.
-
-``kv_headroom_bytes`` when given; TensorRT-LLM's fraction when ``free_gpu_memory_fraction`` is
-given (its semantics behind its own field); else the backend's default headroom, where it has one.
+"""The memory rule (``bootstrap.capacity.rules``): resolved once in ``resolve_classes``, applied by
+the probe cap and the plan alike, recorded on the capacity span; and the native engine's headroom.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import anyio
 import pytest
 import torch
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from bootstrap.api import make_pipeline
 from bootstrap.backends.native import NativeBackend
 from bootstrap.backends.native_headroom import WORKSPACE_BYTES, headroom_terms
 from bootstrap.backends.sim import SimBackend
 from bootstrap.backends.sim_gpus import sim_device
-from bootstrap.capacity import MemoryProfile, plan_capacity
+from bootstrap.capacity import MemoryProfile
+from bootstrap.capacity.rules import DEFAULT_FRACTION
 from bootstrap.config import BootstrapConfig
 from bootstrap.devices import CpuDevice
-from bootstrap.stages.capacity import memory_rule
+from bootstrap.pipeline.telemetry import make_tracer_provider
+from bootstrap.stages.estimation_build import capped_probe_tokens
 from bootstrap.stages.resolve_classes import resolve_classes
 
 GB = 10**9
@@ -29,39 +32,63 @@ PROFILE = MemoryProfile(
 
 
 class HeadroomSim(SimBackend):
-    """The simulated GPU with a default headroom, as the native engine has on CUDA."""
+    """The simulated GPU with a default headroom, as the native engine has on CUDA: 2 GB known
+    before profiling, 3 GB once the profile is measured."""
 
     def default_headroom_bytes(self, profile, resolved, config):
-        return 3 * GB
+        return 3 * GB if profile is not None else 2 * GB
 
 
 def config(**values) -> BootstrapConfig:
-    return BootstrapConfig(model="llama-3.1-8b", max_seq_len=8192, max_num_tokens=8192, **values)
+    return BootstrapConfig(**{"model": "llama-3.1-8b", "max_seq_len": 8192, "max_num_tokens": 8192, **values})
 
 
 @pytest.mark.parametrize(
-    "values, expected",
+    "values, source, fraction, headroom",
     [
-        ({}, 3 * GB),  # neither given: the backend's default
-        ({"free_gpu_memory_fraction": 0.9}, None),  # given, even at its default value: TensorRT-LLM's rule
-        ({"free_gpu_memory_fraction": 0.95}, None),
-        ({"kv_headroom_bytes": 5 * GB}, 5 * GB),
-        ({"kv_headroom_bytes": 0}, 0),
+        ({}, "backend_headroom", DEFAULT_FRACTION, 2 * GB),  # neither given: the backend's, before profiling
+        ({"free_gpu_memory_fraction": 0.9}, "free_gpu_memory_fraction", 0.9, None),  # given at the default value
+        ({"free_gpu_memory_fraction": 0.95}, "free_gpu_memory_fraction", 0.95, None),
+        ({"kv_headroom_bytes": 5 * GB}, "kv_headroom_bytes", DEFAULT_FRACTION, 5 * GB),
+        ({"kv_headroom_bytes": 0}, "kv_headroom_bytes", DEFAULT_FRACTION, 0),
     ],
 )
-def test_the_rule_follows_what_the_config_gives(values, expected):
-    backend = HeadroomSim(sim_device("h200"))
-    cfg = config(**values)
-    assert memory_rule(cfg, resolve_classes(cfg, backend), PROFILE, backend) == expected
+def test_the_rule_is_resolved_once_from_what_the_config_gives(values, source, fraction, headroom):
+    rule = resolve_classes(config(**values), HeadroomSim(sim_device("h200"))).memory_rule
+    assert (rule.source, rule.fraction, rule.headroom_bytes) == (source, fraction, headroom)
 
 
-def test_without_a_backend_default_the_fraction_applies():
+def test_without_a_backend_headroom_the_default_fraction_applies():
     backend, cfg = SimBackend(sim_device("h200")), config()
-    resolved = resolve_classes(cfg, backend)
-    assert memory_rule(cfg, resolved, PROFILE, backend) is None
-    plan = plan_capacity(PROFILE, cost=resolved.total_cost, fraction=cfg.free_gpu_memory_fraction,
-                         max_seq_len=8192, max_batch_size=32, tokens_per_block=32)  # fmt: skip
-    assert plan.kv_budget_bytes == int((150 - 19 - 1 + 2) * GB * 0.9)  # peak = torch peak + 1 GB outside torch
+    rule = resolve_classes(cfg, backend).memory_rule
+    assert (rule.source, rule.fraction, rule.headroom_bytes) == ("default_fraction", 0.9, None)
+    assert rule.share(100 * GB) == 90 * GB
+
+
+def test_the_probe_cap_applies_the_same_rule():
+    """49,152 probe tokens of the 8B shape (6.4 GB) wanted in 6 GiB: the backend's 2 GB headroom
+    and the fraction cap it to different sizes, each by its own formula."""
+    cfg = config(max_num_tokens=49152, max_seq_len=49152)
+    for backend, share in ((HeadroomSim(sim_device("6GiB")), lambda room: room - 2 * GB),
+                           (SimBackend(sim_device("6GiB")), lambda room: int(room * 0.9))):  # fmt: skip
+        resolved = resolve_classes(cfg, backend)
+        room = backend.device.free_bytes() - backend.estimation_overhead_bytes(resolved, cfg)
+        per_token = resolved.probe_cost(tp=1, max_batch_size=cfg.max_batch_size).slope
+        expected = share(room) // per_token // cfg.tokens_per_block * cfg.tokens_per_block
+        assert capped_probe_tokens(cfg, resolved, backend, 49152) == expected < 49152
+
+
+def test_capacity_recomputes_the_backend_headroom_and_records_the_rule_on_its_span():
+    memory = InMemorySpanExporter()
+    provider = make_tracer_provider(memory=memory)
+    pipeline = make_pipeline(config(), HeadroomSim(sim_device("h200")), tracer_provider=provider)
+    anyio.run(pipeline.run)
+    plan = pipeline.artifacts["plan"]
+    anyio.run(pipeline.aclose)
+    assert (plan.headroom_bytes, plan.rule_source) == (3 * GB, "backend_headroom")  # from the profile
+    (span,) = [s for s in memory.get_finished_spans() if s.name == "bootstrap.stage.capacity"]
+    assert span.attributes["bootstrap.memory_rule"] == "the backend's headroom of 3,000,000,000 bytes (no rule given)"
+    assert span.attributes["bootstrap.memory_rule.source"] == "backend_headroom"
 
 
 def test_the_native_headroom_terms_for_an_8b_shape():
@@ -92,9 +119,8 @@ def test_the_cli_gives_the_fraction_only_when_the_flag_is_given():
     plain = config_from_args(parse(["plan", "--model", "llama-3.1-8b", "--gpu", "h200"]))
     given = config_from_args(parse(["plan", "--model", "llama-3.1-8b", "--gpu", "h200", "--free-gpu-memory-fraction", "0.9"]))
     headroom = config_from_args(parse(["plan", "--model", "llama-3.1-8b", "--gpu", "h200", "--kv-headroom-bytes", "4096"]))
-    assert "free_gpu_memory_fraction" not in plain.model_fields_set and plain.free_gpu_memory_fraction == 0.9
-    assert "free_gpu_memory_fraction" in given.model_fields_set
+    assert plain.free_gpu_memory_fraction is None and given.free_gpu_memory_fraction == 0.9
     assert headroom.kv_headroom_bytes == 4096
     backend = HeadroomSim(sim_device("h200"))
-    rules = [memory_rule(c, resolve_classes(c, backend), PROFILE, backend) for c in (plain, given, headroom)]
-    assert rules == [3 * GB, None, 4096]
+    rules = [resolve_classes(c, backend).memory_rule.source for c in (plain, given, headroom)]
+    assert rules == ["backend_headroom", "free_gpu_memory_fraction", "kv_headroom_bytes"]

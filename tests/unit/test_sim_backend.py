@@ -54,7 +54,7 @@ class Chain:
 
     def final(self):
         c, r = self.config, self.resolved
-        self.plan = plan_capacity(self.profile_, cost=r.total_cost, fraction=c.free_gpu_memory_fraction,
+        self.plan = plan_capacity(self.profile_, cost=r.total_cost, fraction=r.memory_rule.fraction,
                                   max_seq_len=r.max_seq_len, max_batch_size=c.max_batch_size,
                                   tokens_per_block=c.tokens_per_block)  # fmt: skip
         self.budgets = split_budgets(self.plan, target_cost=r.cost, draft_cost=r.draft_cost)

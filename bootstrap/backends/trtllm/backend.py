@@ -68,7 +68,7 @@ class TrtllmBackend:
         return {}  # TensorRT-LLM fills the GPU; its own caps are the config's
 
     def default_headroom_bytes(
-        self, profile: MemoryProfile, resolved: ResolvedClasses, config: BootstrapConfig
+        self, profile: MemoryProfile | None, resolved: ResolvedClasses, config: BootstrapConfig
     ) -> int | None:
         return None  # TensorRT-LLM's executor has its own transient needs: its own rule applies
 

@@ -44,7 +44,7 @@ def kv_cache_fields(
     api: TrtllmApi, config: BootstrapConfig, resolved: ResolvedClasses, *, draft: bool
 ) -> dict[str, Any]:
     fields: dict[str, Any] = dict(
-        free_gpu_memory_fraction=config.free_gpu_memory_fraction,
+        free_gpu_memory_fraction=resolved.memory_rule.fraction,
         max_tokens=config.max_kv_tokens,
         max_gpu_total_bytes=config.max_kv_bytes or 0,  # TRT: 0 means unset
         host_cache_size=config.host_cache_bytes,
