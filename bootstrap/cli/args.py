@@ -24,7 +24,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if action.default in (None, False, argparse.SUPPRESS) or "default" in text or action.required:
+        if action.default is None or action.default is False or action.default == argparse.SUPPRESS \
+                or "default" in text or action.required:
             return text
         return super()._get_help_string(action)
 
@@ -48,7 +49,7 @@ def add_model_arg(parser: argparse.ArgumentParser, command: str) -> None:
         return
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help=f"a checkpoint directory, a .gguf file, random:<preset|config.json> for real shapes "
-                             f"with random weights (presets: {presets}), or the default")  # fmt: skip
+                             f"with random weights (presets: {presets})")  # fmt: skip
 
 
 def add_config_args(parser: argparse.ArgumentParser, command: str) -> None:

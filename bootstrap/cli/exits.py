@@ -12,6 +12,8 @@ The message always goes to stderr, one paragraph, no traceback.
 
 from __future__ import annotations
 
+import textwrap
+
 from bootstrap.capacity import CapacityError
 from bootstrap.capacity.shape import ModelConfigError
 from bootstrap.config import ConfigError
@@ -22,7 +24,7 @@ from bootstrap.pipeline.telemetry import MissingExtra
 
 OK, STAGE_FAILED, BAD_INPUT, INTERRUPTED = 0, 1, 2, 130
 MEANINGS = {
-    OK: "done",
+    OK: "done (serve: stopped by SIGTERM or SIGINT, its normal end)",
     STAGE_FAILED: "a stage failed at run time (out of memory after its retries, I/O, a failed smoke request)",
     BAD_INPUT: "bad input, found before the run or by a stage (invalid value, a plan that cannot fit, "
     "an unreadable model or trace file, a missing extra)",
@@ -46,5 +48,8 @@ def exit_status(error: BaseException | None) -> int:
 
 
 def epilog() -> str:
-    """The table for ``--help``."""
-    return "exit status:\n" + "\n".join(f"  {code:<4} {text}" for code, text in MEANINGS.items())
+    """The table for ``--help``, wrapped to 80 columns."""
+    lines = ["exit status:"]
+    for code, text in MEANINGS.items():
+        lines += textwrap.wrap(text, 80, initial_indent=f"  {code:<5}", subsequent_indent=" " * 7)
+    return "\n".join(lines)

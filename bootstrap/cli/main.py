@@ -28,7 +28,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Comman
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="bootstrap", formatter_class=HelpFormatter, epilog=epilog(),
-        description="LLM executor creation as an async pipeline of explicit, traced, retryable stages.",
+        description="LLM executor creation as an async pipeline of traced, retryable stages.",
     )  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
     for name, (text, add_args, _) in COMMANDS.items():

@@ -81,10 +81,9 @@ async def run_command(args: argparse.Namespace, config: BootstrapConfig,
     progress = None if args.json or quiet else Console(stderr=True)
     result: dict[str, Any] = {"text": "", "token_ids": []}
     try:
-        try:
-            executor = await _build(boot, progress)
-        except StageFailed as exc:
-            return {**result, **boot.report().to_dict(), "error": failure_paragraph(exc)}, exc
+        executor, failure = await _build(boot, progress)
+        if failure is not None:
+            return {**result, **boot.report().to_dict(), "error": failure_paragraph(failure)}, failure
         report = boot.report()
         if progress is not None:
             print_ready(report, Console())  # quiet ranks have no progress either
@@ -97,14 +96,17 @@ async def run_command(args: argparse.Namespace, config: BootstrapConfig,
         await boot.aclose()
 
 
-async def _build(boot: Any, progress: Console | None) -> Any:
-    """``boot.build()``, with one progress line per stage event meanwhile."""
+async def _build(boot: Any, progress: Console | None) -> tuple[Any, StageFailed | None]:
+    """``boot.build()``, with one progress line per stage event meanwhile: the executor, or the
+    stage failure (caught inside the task group, so it is not wrapped in an exception group)."""
     shown = anyio.Event()
     async with anyio.create_task_group() as tg:
         if progress is not None:
             tg.start_soon(show_progress, boot.events(), progress, shown)
         try:
-            return await boot.build()
+            return await boot.build(), None
+        except StageFailed as exc:
+            return None, exc
         finally:
             with anyio.move_on_after(1.0):  # let the last lines print, never wait for long
                 await shown.wait() if progress is not None else None

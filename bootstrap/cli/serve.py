@@ -45,7 +45,7 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     add("--shutdown-timeout", type=float, default=30.0, help="seconds requests in flight get after a signal")
     add("--backend-factory", metavar="MODULE:CALLABLE",
         help="build the backend with CALLABLE(config) from MODULE instead of --backend "
-             "(e.g. one wrapping the native engine)")  # fmt: skip
+             "(e.g. one wrapping the native engine; default: none)")  # fmt: skip
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log level")
 
 

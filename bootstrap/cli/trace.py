@@ -192,7 +192,7 @@ def timeline_table(line: Timeline, scale_s: float | None = None, width: int = 40
     table = Table(title=f"{line.source} ({line.end_s * 1000:.1f} ms)" if line.source else None)
     for column, justify in (("span", "left"), ("outcome", "left"), ("start", "right"), ("duration", "right"),
                             ("timeline", "left"), ("note", "left")):  # fmt: skip
-        table.add_column(column, justify=justify, no_wrap=column != "note")
+        table.add_column(column, justify=justify, no_wrap=column != "note", overflow="fold")
     for bar in line.bars:
         table.add_row(
             "  " * bar.level + bar.label, Text(bar.outcome, style=COLORS.get(bar.outcome, "")),
@@ -255,7 +255,7 @@ def _draw(ax: Any, line: Timeline) -> None:
 
 def add_trace_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("files", nargs="+", type=Path, metavar="FILE", help="trace files written with --trace-file")
-    parser.add_argument("--png", type=Path, help="also draw the timelines, one panel per file, into this PNG")
+    parser.add_argument("--png", type=Path, help="also draw the timelines, one panel per file, into this PNG (default: none)")
 
 
 def main_trace(args: argparse.Namespace, console: Console | None = None) -> int:

@@ -35,21 +35,31 @@ def stage_rows(spans: Iterable[ReadableSpan]) -> list[dict[str, Any]]:
 
 
 def _gib(value: int | None) -> str:
-    return "-" if value is None else f"{value / GiB:.2f} GiB"
+    return "-" if value is None else f"{value / GiB:.2f}"
 
 
 def stage_table(rows: list[dict[str, Any]], title: str = "bootstrap stages") -> Table:
-    table = Table(title=title)
+    """Fits 80 columns: stage ids never wrap, an outcome with a reason wraps at its space
+    ("skipped" over "(plan-cache)"), and no header is cut short."""
+    table = Table(title=title, caption="before, after: free device memory in GiB")
     table.add_column("stage", no_wrap=True, min_width=max((len(r["id"]) for r in rows), default=5))
-    table.add_column("outcome")  # "skipped (plan-cache)" may wrap on a narrow terminal; stage ids never do
-    for column in ("attempts", "duration", "free before", "free after"):
-        table.add_column(column, justify="right", no_wrap=True)
-    for row in rows:
-        outcome = row["outcome"] or "-"
-        if row["skip_reason"]:
-            outcome += f" ({row['skip_reason']})"
+    outcomes = [_outcome(row) for row in rows]
+    table.add_column("outcome", min_width=max((len(w) for o in outcomes for w in o.split()), default=7))
+    for column in ("tries", "time", "before", "after"):
+        table.add_column(column, justify="right")
+    for row, outcome in zip(rows, outcomes):
         table.add_row(
-            row["id"], outcome, str(row["attempts"]), f"{row['duration_s'] * 1000:.1f} ms",
+            row["id"], outcome, str(row["attempts"]), duration(row["duration_s"]),
             _gib(row["free_bytes_before"]), _gib(row["free_bytes_after"]),
         )  # fmt: skip
     return table
+
+
+def _outcome(row: dict[str, Any]) -> str:
+    outcome = row["outcome"] or "-"
+    return f"{outcome} ({row['skip_reason']})" if row["skip_reason"] else outcome
+
+
+def duration(seconds: float) -> str:
+    """``22.7 ms`` under a second, ``11.82 s`` from there."""
+    return f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"

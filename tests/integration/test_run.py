@@ -128,7 +128,7 @@ BAD_INPUT = {
     "corrupt checkpoint": (["--model", "{corrupt}"], "cannot be read"),
     "cuda without CUDA": (["--device", "cuda"], "no CUDA device"),
     "max_seq_len beyond positions": (["--max-seq-len", "100000"], "max_position_embeddings"),
-    "prompt beyond max_seq_len": (["--max-seq-len", "8", "--prompt", PROMPT], "exceeds max_seq_len 8"),
+    "prompt beyond max_seq_len": (["--max-seq-len", "8", "--prompt", PROMPT], "exceeds max_seq_len (8)"),
     "max_tokens 0": (["--max-tokens", "0"], "max_tokens"),
     "fp8 KV cache on the native engine": (["--kv-cache-dtype", "fp8"], "kv_cache_dtype: fp8 is not supported"),
     "chat without a chat template": (["--chat", "hello"], "no chat template"),
