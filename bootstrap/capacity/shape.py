@@ -21,7 +21,6 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
 
 from bootstrap.config import ConfigError
 

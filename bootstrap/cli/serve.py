@@ -77,9 +77,9 @@ def main_serve(args: argparse.Namespace) -> int:
         print(f"bootstrap: {exc}", file=sys.stderr)
         return BAD_INPUT
     try:
-        import fastapi  # noqa: F401, E401
-        import prometheus_client
-        import uvicorn
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
     except ImportError as exc:
         print(f"bootstrap: serve needs the serve extra ({exc.name} is missing): pip install -e '.[serve]'",
               file=sys.stderr)  # fmt: skip

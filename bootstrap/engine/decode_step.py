@@ -4,7 +4,6 @@ needs from a model runner (``ModelRunner`` is one)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 

@@ -25,7 +25,7 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-from tiny_models import save_checkpoint  # noqa: E402  (tests/gpu/conftest.py puts it on the path)
+from helpers.tiny_models import save_checkpoint  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import bootstrap  # noqa: E402

@@ -13,10 +13,10 @@ import copy
 
 import pytest
 import torch
+from helpers.tiny_models import BUILDERS, build
 from test_engine_attention import DIM, HEADS, KV_HEADS, Layer, reference, setup
 from test_engine_parity import prompts
 from test_engine_parity import reference as generate_reference
-from tiny_models import BUILDERS, build
 
 from bootstrap.capacity.cuda_graph_buckets import decode_widths, default_batch_sizes, fewer_batch_sizes
 from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor

@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from tiny_models import BUILDERS, build
+from helpers.tiny_models import BUILDERS, build
 
 from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
 

@@ -12,7 +12,7 @@ import threading
 
 import anyio
 import pytest
-from tiny_llama import Throttle, build_model, cpu_seconds_over, make_executor, reference
+from helpers.tiny_llama import Throttle, build_model, cpu_seconds_over, make_executor, reference
 
 from bootstrap.engine import RequestInUse, SamplingParams
 

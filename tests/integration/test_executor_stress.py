@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import anyio
 import pytest
-from tiny_llama import build_model, cpu_seconds_over, make_executor, reference
+from helpers.tiny_llama import build_model, cpu_seconds_over, make_executor, reference
 
 from bootstrap.engine import Response, SamplingParams, StreamEvent
 

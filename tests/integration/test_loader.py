@@ -265,17 +265,6 @@ def test_hf_config_without_weights(tmp_path, tiny_model, tiny_config_path):
     assert load_hf_config("random:llama-3.1-8b").num_hidden_layers == 32
 
 
-@pytest.fixture(scope="session")
-def smollm2_cache() -> Path:
-    """The default cache: the first session fetches and converts (about 30 s), later ones reuse it."""
-    cache = smollm2.default_cache_dir()
-    try:
-        smollm2.ensure_checkpoint(cache)
-    except smollm2.ModelFetchError as exc:  # offline, and not cached yet: nothing to test against
-        pytest.skip(f"SmolLM2 is not cached and cannot be fetched: {exc}")
-    return cache
-
-
 @pytest.mark.slow
 def test_smollm2_default_loads_from_the_cache(smollm2_cache):
     loaded = load_model("smollm2-135m-instruct", device=CPU, cache_dir=smollm2_cache)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from tiny_models import save_checkpoint
+from helpers.tiny_models import save_checkpoint
 
 import bootstrap
 from bootstrap.api import Bootstrap

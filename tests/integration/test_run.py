@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import save_checkpoint
+from helpers.tiny_models import save_checkpoint
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bootstrap.cli import main

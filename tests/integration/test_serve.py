@@ -19,9 +19,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from serve_backends import open_gate, plugin_module
-from serve_process import ServeProcess, metric
-from tiny_models import CHAT_TEMPLATE, save_checkpoint
+from helpers.serve_backends import open_gate, plugin_module
+from helpers.serve_process import ServeProcess, metric
+from helpers.tiny_models import CHAT_TEMPLATE, save_checkpoint
 
 from bootstrap.cli import main
 from bootstrap.stages import STAGE_IDS

@@ -27,13 +27,8 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="module")
-def cache_dir():
-    cache = smollm2.default_cache_dir()
-    try:
-        smollm2.ensure_checkpoint(cache)
-    except smollm2.ModelFetchError as exc:  # offline, and not cached yet: nothing to test against
-        pytest.skip(f"SmolLM2 is not cached and cannot be fetched: {exc}")
-    return cache
+def cache_dir(smollm2_cache):
+    return smollm2_cache
 
 
 @pytest.fixture(scope="module")

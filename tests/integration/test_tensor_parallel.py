@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import save_checkpoint
-from tp_ranks import PROMPT_IDS, build_and_generate
+from helpers.tiny_models import save_checkpoint
+from helpers.tp_ranks import PROMPT_IDS, build_and_generate
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bootstrap.parallel.launch import launch

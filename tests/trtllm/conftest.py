@@ -1,49 +1,12 @@
-"""Fixtures for the trtllm backend tests: a fake TensorRT-LLM installation per version."""
+"""Fixtures for the trtllm backend tests; the setup itself is ``helpers.trtllm_setup``."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
-from fake_trtllm import FakeTrtllm
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-from bootstrap.api import make_pipeline
-from bootstrap.backends.sim_gpus import sim_device
-from bootstrap.backends.trtllm import TrtllmBackend
-from bootstrap.config import BootstrapConfig
-from bootstrap.devices import FakeDevice
-from bootstrap.pipeline import Pipeline
-from bootstrap.pipeline.telemetry import make_tracer_provider
-
-VERSIONS = ("1.2.1", "main")
-LLAMA = dict(model="llama-3.1-8b", max_seq_len=8192, max_num_tokens=8192, max_batch_size=64, backend="trtllm")
-
-
-@dataclass
-class Setup:
-    pipeline: Pipeline
-    device: FakeDevice
-    memory: InMemorySpanExporter
-    fake: FakeTrtllm
-    backend: TrtllmBackend
-    config: BootstrapConfig
-
-    def spans(self, name: str) -> list[Any]:
-        return [s for s in self.memory.get_finished_spans() if s.name == name]
-
-
-def make_setup(version: str = "main", gpu: str = "h100-80gb", llm_args: Any = None, **overrides: Any) -> Setup:
-    device = sim_device(gpu)
-    fake = FakeTrtllm(device, version)
-    backend = TrtllmBackend(device, import_module=fake.import_module, llm_args=llm_args)
-    config = BootstrapConfig.parse(**{**LLAMA, **overrides})
-    memory = InMemorySpanExporter()
-    pipeline = make_pipeline(config, backend, tracer_provider=make_tracer_provider(memory=memory))
-    return Setup(pipeline, device, memory, fake, backend, config)
+from helpers.trtllm_setup import VERSIONS
 
 
 @pytest.fixture(params=VERSIONS)

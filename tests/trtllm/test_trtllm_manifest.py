@@ -16,8 +16,8 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import VERSIONS, make_setup
-from fake_trtllm import REGISTRY, FakeTrtllm, manifest_signature
+from helpers.fake_trtllm import REGISTRY, FakeTrtllm, manifest_signature
+from helpers.trtllm_setup import VERSIONS, make_setup
 
 import bootstrap.backends.trtllm as trtllm_package
 from bootstrap.backends.trtllm.checked_api import TrtllmApi

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import anyio
 import pytest
-from conftest import LLAMA, make_setup
+from helpers.trtllm_setup import LLAMA, make_setup
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from bootstrap.api import make_pipeline
@@ -162,7 +162,7 @@ async def test_sliding_windows_are_allocated_as_priced(kv_manager):
 
 
 async def test_every_attempt_works_on_a_copy_of_the_users_arguments(version):
-    from fake_trtllm import FakeTrtllm
+    from helpers.fake_trtllm import FakeTrtllm
 
     probe = make_setup(version)  # a fake installation only to construct the user's TorchLlmArgs
     args_cls, kv_cls = probe.fake.cls("TorchLlmArgs"), probe.fake.cls("KvCacheConfig")

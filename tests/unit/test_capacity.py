@@ -94,7 +94,6 @@ def test_all_windowed_layers_are_priced_as_full_attention():
 
 
 def test_recurrent_state_goes_to_the_intercept():
-    from bootstrap.capacity.shape import ModelShape
 
     shape = parse_config(JAMBA_TINY)
     cost = model_cost(shape, kv_dtype_bytes=2, tp=1, max_batch_size=3, tokens_per_block=16)
@@ -387,7 +386,6 @@ def test_the_probe_prices_every_layer_at_full_length_and_keeps_recurrent_state()
     assert probe_cost([llama, None], kv_dtype_bytes=2, tp=1, max_batch_size=32) == plan_cost  # no windows: equal
     both = probe_cost([llama, llama], kv_dtype_bytes=2, tp=1, max_batch_size=32)
     assert both == plan_cost + plan_cost  # target and draft probes add up
-    from bootstrap.capacity.shape import ModelShape
 
     jamba = parse_config(JAMBA_TINY)  # recurrent state is per sequence slot, probe or not
     assert probe_cost([jamba], kv_dtype_bytes=2, tp=1, max_batch_size=3) == model_cost(

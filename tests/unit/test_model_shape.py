@@ -12,7 +12,7 @@ import pytest
 
 from bootstrap.capacity.config_json import parse_config, shape_from_path
 from bootstrap.capacity.presets import MODEL_PRESETS, preset_config, preset_names, preset_shape, resolve_model_shape
-from bootstrap.capacity.shape import ModelConfigError, ModelShape
+from bootstrap.capacity.shape import ModelConfigError
 
 # Parameter counts the model cards / Hub safetensors metadata publish.
 PUBLISHED = {

@@ -136,4 +136,4 @@ def _classes() -> dict[str, type]:
     return {symbol_id: obj for symbol_id, obj in REGISTRY.items() if isinstance(obj, type)}
 
 
-from fake_trtllm import creator, engine, executor, kv, llm_args  # noqa: E402,F401  (they fill REGISTRY)
+from helpers.fake_trtllm import creator, engine, executor, kv, llm_args  # noqa: E402,F401  (they fill REGISTRY)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from fake_trtllm import checked, export
-from fake_trtllm.kv import static_cost
+from helpers.fake_trtllm import checked, export
+from helpers.fake_trtllm.kv import static_cost
 
 
 @export("KvCacheCreator")

@@ -68,7 +68,7 @@ def factory(**options: Any) -> Any:
 def plugin_module(directory: Path, **options: Any) -> str:
     """Write a plugin module into ``directory`` (put it on PYTHONPATH); return its --backend-factory spec."""
     name = f"serve_plugin_{uuid.uuid4().hex[:8]}"
-    (directory / f"{name}.py").write_text(f"from serve_backends import factory\n\nbackend = factory(**{options!r})\n")
+    (directory / f"{name}.py").write_text(f"from helpers.serve_backends import factory\n\nbackend = factory(**{options!r})\n")
     return f"{name}:backend"
 
 

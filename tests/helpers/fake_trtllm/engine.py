@@ -16,7 +16,7 @@ from typing import Any
 from bootstrap.backends.activations import activation_peak, sampler_state_bytes, weight_dtype_bytes
 from bootstrap.backends.sim import rank_weight_bytes
 from bootstrap.capacity.presets import resolve_model_shape
-from fake_trtllm import checked, export
+from helpers.fake_trtllm import checked, export
 
 GRAPH_BYTES_PER_BATCH_SLOT = 2 * 1024**2  # captured CUDA graphs' private pool, per batch size
 

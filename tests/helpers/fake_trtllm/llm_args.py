@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from fake_trtllm import checked, export
+from helpers.fake_trtllm import checked, export
 
 
 class FakeModel:

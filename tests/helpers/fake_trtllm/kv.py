@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from fake_trtllm import checked, export
+from helpers.fake_trtllm import checked, export
 
 
 @export("ResourceManagerType")

@@ -14,13 +14,14 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).parents[2]
+TESTS = ROOT / "tests"
 STARTED = re.compile(r"Uvicorn running on (http://[\d.]+:\d+)")
 
 
 class ServeProcess:
     def __init__(self, log: Path, *argv: str, pythonpath: tuple[Path, ...] = (),
                  env: dict[str, str] | None = None) -> None:  # fmt: skip
-        paths = [str(ROOT), str(Path(__file__).parent), *map(str, pythonpath)]
+        paths = [str(ROOT), str(TESTS), *map(str, pythonpath)]  # TESTS: ``helpers`` for plugin modules
         environ = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(paths)}
         self.log_path = log
         self._log = log.open("w")

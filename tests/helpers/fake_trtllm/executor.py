@@ -16,7 +16,7 @@ from typing import Any
 
 from bootstrap.backends.activations import block_table_bytes
 from bootstrap.devices import DeviceOutOfMemory
-from fake_trtllm import checked, export
+from helpers.fake_trtllm import checked, export
 
 
 @export("Request")

@@ -1,0 +1,22 @@
+"""Shared by every test directory: ``tests/`` on the path for ``helpers`` (pytest's default import
+mode does this for the directory of this file; said here so that any mode finds it), and the
+default model's fixture."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = str(Path(__file__).resolve().parent)
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
+
+from helpers.smollm2 import smollm2_cache_dir  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2_cache() -> Path:
+    """The SmolLM2 checkpoint's cache directory (skips when offline and not cached)."""
+    return smollm2_cache_dir()
