@@ -349,7 +349,7 @@ async def guarded(label: str, config: BootstrapConfig, device: torch.device, arg
 
 
 def summary(starts: list[dict[str, Any]], peers: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The figures the README table shows: KV as a fraction of the physical limit, OOMs under load."""
+    """The figures benchmarks/README.md shows: KV as a fraction of the physical limit, OOMs under load."""
     out: dict[str, Any] = {name: {"kv_fraction_of_physical": rule["fraction_of_physical"]} for name, rule in peers.items()}
     for start in starts:
         if "error" in start:

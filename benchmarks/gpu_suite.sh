@@ -12,7 +12,7 @@
 #
 # Usage, from the repository root:  bash benchmarks/gpu_suite.sh [--smoke]
 #   --smoke: tiny shapes on the CPU, to check the script itself (tests/gpu then skip).
-# Missing Python packages travel as wheels in .whl/ (../shared/gpu/fetch-wheels writes them);
+# Missing Python packages travel as wheels in .whl/ (python3 -m pip download --no-deps --only-binary=:all: -d .whl ...);
 # they are installed from there, never from an index. The whole suite keeps within
 # SUITE_BUDGET_S seconds: each step gets at most its own cap and what the budget has left.
 # Exit status 1 when a step failed, was stopped at its timeout or had no time left; every result

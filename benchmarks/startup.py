@@ -53,7 +53,6 @@ from bootstrap.api import Bootstrap  # noqa: E402
 from bootstrap.backends.native import DTYPES  # noqa: E402
 from bootstrap.capacity.config_json import parse_config  # noqa: E402
 from bootstrap.capacity.cuda_graph_buckets import default_batch_sizes  # noqa: E402
-from bootstrap.capacity.shape import ModelShape  # noqa: E402
 from bootstrap.config import BootstrapConfig  # noqa: E402
 from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
 from bootstrap.engine.loader import load_hf_config, load_model  # noqa: E402

@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from bootstrap.config import BootstrapConfig
 from bootstrap.pipeline import Pipeline, Stage
 from bootstrap.pipeline.events import StageEvent
 from bootstrap.pipeline.report import stage_rows
-from bootstrap.pipeline.telemetry import ROOT_SPAN, make_tracer_provider
+from bootstrap.pipeline.telemetry import ROOT_SPAN, MissingExtra, make_tracer_provider
 from bootstrap.stages import DEFAULT_STAGES
 from bootstrap.stages.plan_cache import PlanCache
 from bootstrap.stages.summary import plan_summary
@@ -114,9 +115,18 @@ def make_pipeline(
     return Pipeline(stages, inputs, tracer_provider=tracer_provider, device=backend.device, collective=collective)
 
 
+def require_engine() -> None:
+    """``MissingExtra`` naming the install command when torch is missing (the planner needs none;
+    every real backend does)."""
+    if find_spec("torch") is None:
+        raise MissingExtra("this command runs a real engine, which needs torch: "
+                           "pip install torch==2.13.0 && pip install -e '.[engine]' (a CUDA build of torch on a GPU)")  # fmt: skip
+
+
 def default_backend(config: BootstrapConfig) -> Backend:
-    """The backend ``config.backend`` names on ``config.device``; ``trtllm`` without TensorRT-LLM
-    installed raises ``MissingExtra`` naming the install command."""
+    """The backend ``config.backend`` names on ``config.device``; without torch, or ``trtllm``
+    without TensorRT-LLM installed, ``MissingExtra`` naming the install command."""
+    require_engine()
     from bootstrap.backends.native import NativeBackend  # imports torch: only when asked for
     from bootstrap.backends.native_placement import device_for
 

@@ -8,7 +8,7 @@ device thread, and pushes the release of everything it allocates on the attempt'
   estimation_build  probe pools of the estimation token count (target and draft), a temporary
                     executor on each (no worker); released by shutting the executors down
   profiling         dummy requests filling ``max_num_tokens`` (cut by ``max_seq_len``) through the
-                    probe executors (``engine.warmup``: a failed step raises, it is never split);
+                    probe executors (``engine.profile_run``: a failed step raises, it is never split);
                     every figure of the profile is read from the device port, free memory after
                     torch's cached blocks are returned (else the activations' cached blocks would
                     count again as non-torch memory, and the plan would set them aside twice);
@@ -24,8 +24,8 @@ device thread, and pushes the release of everything it allocates on the attempt'
 Tensor parallelism (``collective`` of N ranks): each process is one rank; weights load as its
 shard through transformers' TP plan, and every pool holds ``kv_heads / N`` heads per token.
 
-The draft model is loaded, profiled and given its own pool, which the started executor holds
-(``executor.draft``) and releases at shutdown; speculative decoding itself is not implemented.
+The draft model is loaded, profiled and given its own pool (``final_build``), released with the
+rest on rollback or shutdown; the started executor does not use it yet (no speculative decoding).
 The native pool stores every layer at full length (sliding windows are applied as masks), so the
 model shape it reports carries no windows and the plan prices every layer for every token.
 """

@@ -1,13 +1,16 @@
 """Pure capacity math: KV bytes per token, the probe size, and profile -> KV budget.
 
 No torch import. The formulas follow TensorRT-LLM's PyTorch backend (see
-``shared/reference/tensorrt-llm-executor-creation.md`` §3); where this module differs on
+``docs/reference/tensorrt-llm-executor-creation.md`` §3, "reference §" in docstrings); where this module differs on
 purpose, the docstring says so. Every infeasible case raises `CapacityError` with the figures
 (GiB with two decimals and exact bytes) and the config field to change.
 
-Modules: ``errors`` (the error and byte formatting), ``cost`` (KV bytes per token), ``rules``
-(fraction or headroom), ``probe`` (the probe's size), ``plan`` (profile to plan). The budget
-split between pools lives in `bootstrap.budget_split`.
+Modules: ``shape`` (a model as capacity sees it), ``config_json`` (config.json to a shape),
+``presets`` (real configs by name), ``errors`` (the error and byte formatting), ``cost`` (KV bytes
+per token), ``pricing`` (as each backend's KV manager counts them), ``rules`` (the memory rule),
+``probe`` (the probe's size), ``plan`` (profile to plan), ``split`` (the budget between target,
+draft and cross pools, and the host tier), ``agree`` (what ranks agree on), ``cuda_graph_buckets``
+(the batch sizes and widths the warmup stage captures).
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ Deliberate differences from TensorRT-LLM:
   capacity, #18910);
 - a pool that cannot hold one ``max_seq_len`` request is an error here, not at the first long
   request.
-Re-exported by `bootstrap.capacity`.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from typing import Any
 import anyio
 from rich.console import Console
 
+from bootstrap.api import require_engine
 from bootstrap.backends.base import RequestExecutor, require_requests
 from bootstrap.cli.args import add_build_args, add_config_args, check_positive, config_from_args
 from bootstrap.cli.exits import BAD_INPUT, BAD_INPUT_ERRORS, INTERRUPTED, OK, STAGE_FAILED, exit_status
@@ -51,6 +52,7 @@ def main_run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         check_positive(max_tokens=args.max_tokens)
+        require_engine()
         if needs_launch(config):
             check_tp_before_launch(config)
             return launch_ranks(args, config.tensor_parallel_size, main_run)

@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from bootstrap.api import require_engine
 from bootstrap.cli.args import add_build_args, add_config_args, config_from_args
 from bootstrap.cli.exits import BAD_INPUT, BAD_INPUT_ERRORS, OK
 
@@ -73,6 +74,8 @@ def main_serve(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         options = serve_options(args, config)
+        if options.backend_factory is None:
+            require_engine()
     except BAD_INPUT_ERRORS as exc:
         print(f"bootstrap: {exc}", file=sys.stderr)
         return BAD_INPUT

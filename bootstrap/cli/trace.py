@@ -1,5 +1,5 @@
 """``bootstrap trace FILE [FILE ...] [--png OUT]``: a timeline of stages and attempts, read from
-``--trace-file`` JSON Lines (DESIGN.md section 2), in the terminal and as a PNG.
+``--trace-file`` JSON Lines (``docs/design.md``), in the terminal and as a PNG.
 
 Each file becomes one timeline: a row per pipeline run, per stage and, for a stage that took more
 than one attempt, per attempt, placed by start and end time from the start of the file's first

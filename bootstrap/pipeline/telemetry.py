@@ -1,6 +1,6 @@
 """Tracing setup: one TracerProvider per run, and the exporters the CLI offers.
 
-Span names and attributes are a contract (DESIGN.md section 2); the names live here so the
+Span names and attributes are a contract (``docs/design.md``, the stage contract); the names live here so the
 pipeline, the tests and the docs use one spelling.
 
 A trace destination never decides a run's outcome: each exporter is wrapped so that its first

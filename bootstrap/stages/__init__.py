@@ -1,5 +1,6 @@
-"""The stages of DESIGN.md section 2, one module each (the optional ``warmup`` included, between
-``final_build`` and ``scheduler_sampler``); ``DEFAULT_STAGES`` is the graph."""
+"""The stages of ``docs/design.md`` (the stage contract), one module each (the optional
+``warmup`` included, between ``final_build`` and ``scheduler_sampler``); ``DEFAULT_STAGES`` is
+the graph."""
 
 from bootstrap.stages import (
     budget_split,

@@ -64,7 +64,7 @@ def kv_layout(shape: ModelShape) -> str:
 def _cost(
     shape: ModelShape, config: BootstrapConfig, kv_dtype: str, max_seq_len: int, manager: str | None
 ) -> CacheCost:
-    """Priced as the KV manager that will hold it counts (`bootstrap.kv_pricing`)."""
+    """Priced as the KV manager that will hold it counts (``bootstrap.capacity.pricing``)."""
     return kv_cost(shape, config, kv_dtype_bytes=kv_dtype_bytes(kv_dtype), max_seq_len=max_seq_len, kv_manager=manager)
 
 

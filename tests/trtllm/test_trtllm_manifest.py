@@ -152,7 +152,7 @@ def test_a_renamed_parameter_is_caught_at_the_call(monkeypatch):
             entry["params"] = ["resources", "estimating?"]
     manifest = Manifest(renamed)
     monkeypatch.setattr("bootstrap.backends.trtllm.checked_api.default_manifest", lambda: manifest)
-    monkeypatch.setattr("fake_trtllm.default_manifest", lambda: manifest)
+    monkeypatch.setattr("helpers.fake_trtllm.default_manifest", lambda: manifest)
     s = make_setup("main")
     with pytest.raises(StageFailed) as info:
         import anyio

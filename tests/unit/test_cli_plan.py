@@ -158,7 +158,7 @@ def test_sliding_window_state_beyond_memory_is_an_input_error(capsys):
 
 
 # The README's worked example, every figure of its derivation table (bytes).
-README_EXAMPLE = {
+WORKED_EXAMPLE = {
     "plan": {"kv_budget_bytes": 61_199_703_244, "kv_tokens": 466_912, "kv_blocks": 14_591, "kv_requests": 3,
              "max_concurrent_requests": 3, "max_seq_len": 131_072, "total_bytes": 85_027_979_264,
              "peak_bytes": 34_342_395_904},
@@ -168,20 +168,20 @@ README_EXAMPLE = {
 }  # fmt: skip
 
 
-def test_the_readme_worked_example_holds(capsys):
+def test_the_worked_example_of_docs_memory_holds(capsys):
     code, out, err = run_cli(capsys, "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--json")
     assert code == 0, err
     plan = json.loads(out)["plan"]
-    assert {k: plan[k] for k in README_EXAMPLE["plan"]} == README_EXAMPLE["plan"]
-    assert {k: plan["profile"][k] for k in README_EXAMPLE["profile"]} == README_EXAMPLE["profile"]
+    assert {k: plan[k] for k in WORKED_EXAMPLE["plan"]} == WORKED_EXAMPLE["plan"]
+    assert {k: plan["profile"][k] for k in WORKED_EXAMPLE["profile"]} == WORKED_EXAMPLE["profile"]
     non_torch = plan["profile"]["used_bytes"] - plan["profile"]["torch_used_bytes"]
     assert non_torch == 623_706_112
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    for figure in [*README_EXAMPLE["plan"].values(), *README_EXAMPLE["profile"].values(), non_torch, 66_191_360]:
-        assert f"{figure:,}" in readme, f"{figure:,} is no longer in the README's worked example"
+    example = (ROOT / "docs" / "memory.md").read_text(encoding="utf-8")
+    for figure in [*WORKED_EXAMPLE["plan"].values(), *WORKED_EXAMPLE["profile"].values(), non_torch, 66_191_360]:
+        assert f"{figure:,}" in example, f"{figure:,} is no longer in docs/memory.md's worked example"
 
 
-def test_the_readme_example_at_max_seq_len_8192(capsys):
+def test_the_worked_example_at_max_seq_len_8192(capsys):
     code, out, _ = run_cli(capsys, "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--max-seq-len", "8192", "--json")
     plan = json.loads(out)["plan"]
     assert code == 0 and f"{plan['kv_budget_bytes'] / 1024**3:.2f}" == "57.00"

@@ -5,6 +5,7 @@ any rank starts, and tables fit 80 columns."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 
 import pytest
@@ -124,6 +125,15 @@ def test_ctrl_c_exits_130(command, target, monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(target, Interrupt())
     assert main(argv) == INTERRUPTED
     assert "interrupted" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_without_torch_run_and_serve_name_the_install_command(command, monkeypatch, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr("bootstrap.api.find_spec", lambda name: None if name == "torch" else real(name))
+    assert main([command, "--no-plan-cache"]) == BAD_INPUT
+    err = capsys.readouterr().err
+    assert "pip install torch==2.13.0 && pip install -e '.[engine]'" in err and "Traceback" not in err
 
 
 # ---- --tp before any rank ---------------------------------------------------------------------
