@@ -21,7 +21,7 @@ from typing import Any
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import TracerProvider
 
-from bootstrap.backends.base import Backend
+from bootstrap.backends.base import Backend, Executor
 from bootstrap.config import BootstrapConfig
 from bootstrap.pipeline import Pipeline, Stage
 from bootstrap.pipeline.events import StageEvent
@@ -62,14 +62,14 @@ class Bootstrap:
     def events(self) -> AsyncIterator[StageEvent]:
         return self.pipeline.events()
 
-    async def build(self) -> Any:
+    async def build(self) -> Executor:
         """Run the stages; return the started executor. Raises ``StageFailed``."""
         self._started = self._started or time.monotonic()
         artifacts = await self.pipeline.run()
         self._ready_s = time.monotonic() - self._started
         return artifacts["executor"]
 
-    async def retry(self, stage_id: str | None = None) -> Any:
+    async def retry(self, stage_id: str | None = None) -> Executor:
         """Resume after ``StageFailed`` from the failed stage (or ``stage_id``); the executor."""
         artifacts = await self.pipeline.retry(stage_id)
         self._ready_s = time.monotonic() - (self._started or time.monotonic())
@@ -81,7 +81,7 @@ class Bootstrap:
         trace_id = f"{roots[-1].get_span_context().trace_id:032x}" if roots else None
         return BootstrapReport(stage_rows(spans), plan_summary(self.pipeline.artifacts), trace_id, self._ready_s)
 
-    def detach(self) -> tuple[Any, BootstrapReport]:
+    def detach(self) -> tuple[Executor, BootstrapReport]:
         """Hand the executor to the caller (see ``Pipeline.detach``) and flush the trace."""
         report = self.report()
         artifacts = self.pipeline.detach()
@@ -137,7 +137,7 @@ def default_backend(config: BootstrapConfig) -> Backend:
     return NativeBackend.for_config(config)
 
 
-async def build_executor(config: BootstrapConfig, **options: Any) -> tuple[Any, BootstrapReport]:
+async def build_executor(config: BootstrapConfig, **options: Any) -> tuple[Executor, BootstrapReport]:
     """Build and start an executor; the caller owns it (``executor.shutdown()`` releases its KV
     pool and worker; weights go with the last reference). On failure nothing is left allocated."""
     boot = Bootstrap(config, **options)
@@ -150,7 +150,7 @@ async def build_executor(config: BootstrapConfig, **options: Any) -> tuple[Any, 
 
 
 @asynccontextmanager
-async def executor(config: BootstrapConfig, **options: Any) -> AsyncIterator[Any]:
+async def executor(config: BootstrapConfig, **options: Any) -> AsyncIterator[Executor]:
     """``async with executor(config) as ex``: a started executor, everything released on exit."""
     boot = Bootstrap(config, **options)
     try:
