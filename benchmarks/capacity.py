@@ -45,16 +45,7 @@ import anyio
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when loaded by path
-from bench_common import (  # noqa: E402
-    emit,
-    failure,
-    positive_int,
-    ratio,
-    release_memory,
-    report_header,
-    resolve_device,
-    save,
-)
+from bench_common import emit, failure, positive_int, ratio, release_memory, report_header, resolve_device, save  # noqa: E402
 
 from bootstrap.api import Bootstrap  # noqa: E402
 from bootstrap.backends.native import DTYPES  # noqa: E402

@@ -12,12 +12,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from bootstrap.engine.loader import (
-    ModelSourceError,
-    load_hf_config,
-    load_model,
-    resolve_source,
-)
+from bootstrap.engine.loader import ModelSourceError, load_hf_config, load_model, resolve_source
 from bootstrap.engine.sources import smollm2
 
 CPU = torch.device("cpu")
