@@ -40,7 +40,7 @@ class Backend(Protocol):
 
     name: str
     device: Device
-    classes: Mapping[str, str]  # class names chosen for "kv_manager", "scheduler", "sampler"
+    kv_manager: str  # the KV cache manager class its pools are (``ResolvedClasses.kv_manager``)
 
     def model_shape(self, spec: str) -> ModelShape:
         """The shape of the model ``spec`` names, read from its config alone (no weights)."""

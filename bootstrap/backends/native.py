@@ -65,7 +65,6 @@ from bootstrap.pipeline.collective import Collective
 from bootstrap.pipeline.stage import is_transient_io
 from bootstrap.pipeline.undo import Undo
 
-NATIVE_CLASSES: Mapping[str, str] = {"kv_manager": "PagedKVCache", "scheduler": "Scheduler", "sampler": "Sampler"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SMOKE_TIMEOUT_S = 300.0
 
@@ -95,7 +94,7 @@ class NativeBackend:
     """The backend protocol over ``bootstrap.engine`` (see the module docstring)."""
 
     name = "native"
-    classes = NATIVE_CLASSES
+    kv_manager = "PagedKVCache"
 
     def __init__(
         self, device: Device, torch_device: torch.device, cache_dir: Path | None = None, collective: Collective | None = None

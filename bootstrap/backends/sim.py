@@ -39,8 +39,6 @@ from bootstrap.config import BootstrapConfig
 from bootstrap.devices import FakeDevice
 from bootstrap.pipeline.undo import Undo
 
-SIM_CLASSES: Mapping[str, str] = {"kv_manager": "SimKvPool", "scheduler": "SimScheduler", "sampler": "SimSampler"}
-
 
 @dataclass
 class SimAllocation:
@@ -131,7 +129,7 @@ class SimBackend:
     """The backend protocol on a simulated GPU (see the module docstring)."""
 
     name = "sim"
-    classes = SIM_CLASSES
+    kv_manager = "SimKvPool"
 
     def __init__(self, device: FakeDevice) -> None:
         self.device = device

@@ -36,7 +36,7 @@ def resolve_classes(config: BootstrapConfig, backend: Backend) -> ResolvedClasse
         max_seq_len=max_seq_len,
         dtype=dtype,
         kv_dtype=kv_dtype,
-        kv_manager=TRTLLM_KV_MANAGERS[manager] if manager else backend.classes["kv_manager"],
+        kv_manager=TRTLLM_KV_MANAGERS[manager] if manager else backend.kv_manager,
         memory_rule=MemoryRule.resolve(config.free_gpu_memory_fraction, config.kv_headroom_bytes, None),
     )
     return resolve_memory_rule(config, backend, resolved)

@@ -26,16 +26,12 @@ from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.devices import Device
 from bootstrap.pipeline.undo import Undo
 
-TRTLLM_CLASSES: Mapping[str, str] = {
-    "kv_manager": "KVCacheManager", "scheduler": "SimpleScheduler", "sampler": "TorchSampler",
-}  # fmt: skip
-
 
 class TrtllmBackend:
     """The stages driving TensorRT-LLM's own ``PyExecutor`` (see the package docstring)."""
 
     name = "trtllm"
-    classes = TRTLLM_CLASSES
+    kv_manager = "KVCacheManager"  # V1 unless kv_manager v2 (resolve_kv_manager)
 
     def __init__(
         self, device: Device, *, import_module: ImportModule = importlib.import_module, llm_args: Any = None
