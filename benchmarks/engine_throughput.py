@@ -290,7 +290,8 @@ def load_pair(args, device, dtype) -> tuple[LoadedWeights, LoadedWeights, float]
     start = time.perf_counter()
     engine_side = load_model(args.model, device=device, dtype=dtype, cache_dir=args.cache_dir)
     load_s = time.perf_counter() - start
-    reference = load_model(args.model, device=device, dtype=dtype, cache_dir=args.cache_dir)
+    reference = load_model(args.model, device=device, dtype=dtype, cache_dir=args.cache_dir,
+                           attn_implementation="sdpa")  # transformers' own model and attention: the reference
     return engine_side, reference, load_s
 
 

@@ -33,7 +33,8 @@ def cache_dir(smollm2_cache):
 
 @pytest.fixture(scope="module")
 def reference(cache_dir) -> LoadedWeights:
-    return load_model(smollm2.NAME, device=CPU, cache_dir=cache_dir)
+    """transformers' own model of the same checkpoint (its eager attention), the reference."""
+    return load_model(smollm2.NAME, device=CPU, cache_dir=cache_dir, attn_implementation="eager")
 
 
 @pytest.fixture(scope="module")

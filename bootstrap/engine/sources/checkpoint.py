@@ -22,6 +22,9 @@ from safetensors.torch import save_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 from transformers.distributed import DistributedConfig
 
+from bootstrap.engine.attention import ATTN_IMPLEMENTATION
+from bootstrap.engine.models import load_own_model
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 # config keys that describe the GGUF container, not the model
@@ -49,15 +52,26 @@ def load_checkpoint_dir(
     shard, through transformers' tensor-parallel plan (``tp_plan="auto"``: DTensor parameters,
     q/k/v and gate/up split by output, o and down by input with an all-reduce), placed on
     ``cuda:LOCAL_RANK`` or the CPU by transformers itself."""
-    kwargs = _model_kwargs(dtype, attn_implementation)
-    if tp_size > 1:
-        kwargs["distributed_config"] = DistributedConfig(tp_plan="auto")
-    else:
-        kwargs["device_map"] = device
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    model = own_model(path, device, dtype, attn_implementation, tp_size)
+    if model is None:
+        kwargs = _model_kwargs(dtype, attn_implementation)
+        if tp_size > 1:
+            kwargs["distributed_config"] = DistributedConfig(tp_plan="auto")
+        else:
+            kwargs["device_map"] = device
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     has_tokenizer = any((path / name).exists() for name in TOKENIZER_FILES)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True) if has_tokenizer else None
     return model.eval(), tokenizer
+
+
+def own_model(path: Path, device: torch.device, dtype: torch.dtype | None, attn_implementation: str | None,
+              tp_size: int) -> torch.nn.Module | None:  # fmt: skip
+    """The engine's own model code for this checkpoint (``bootstrap.engine.models``), on one rank
+    with the paged attention; None keeps it on transformers (tensor parallelism shards there)."""
+    if tp_size > 1 or attn_implementation not in (None, ATTN_IMPLEMENTATION):
+        return None
+    return load_own_model(path, device, dtype)
 
 
 def load_gguf_file(

@@ -1,0 +1,72 @@
+"""The engine's own model code, for the families it serves without transformers on the hot path.
+
+``decoder`` is one dense decoder for llama (SmolLM2 is one), mistral, qwen2 and qwen3;
+``weights`` fills it from safetensors. ``own_model_problem`` says why a checkpoint stays on the
+transformers path instead (another family, a rotary scaling not implemented here, a non-SiLU
+MLP, MLP biases); the loader says so once in the log and loads it through transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bootstrap.capacity.config_json import parse_config
+from bootstrap.capacity.shape import ModelConfigError
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+log = logging.getLogger(__name__)
+
+
+def own_model_problem(cfg: dict[str, Any]) -> str | None:
+    """Why the engine's own code does not run this config.json (None: it does)."""
+    from bootstrap.engine.layers.rotary import rope_scaling_problem
+
+    model_type = cfg.get("model_type")
+    if model_type not in FAMILIES:
+        return f"model_type {model_type!r} (own code for: {', '.join(FAMILIES)})"
+    if cfg.get("hidden_act", "silu") != "silu":
+        return f"hidden_act {cfg.get('hidden_act')!r} (own code: silu)"
+    if cfg.get("mlp_bias"):
+        return "mlp_bias"
+    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+        return f"partial_rotary_factor {cfg['partial_rotary_factor']}"
+    return rope_scaling_problem(cfg.get("rope_scaling") or cfg.get("rope_parameters"))
+
+
+def load_own_model(path: Path, device: torch.device, dtype: torch.dtype | None) -> torch.nn.Module | None:
+    """The checkpoint at ``path`` in the engine's own model code, or None (said once in the log)
+    when it stays on the transformers path."""
+    from bootstrap.engine.models.decoder import DecoderConfig, DecoderLM
+    from bootstrap.engine.models.weights import load_weights, safetensors_files
+
+    cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    problem = own_model_problem(cfg)
+    files = safetensors_files(path)
+    if problem is None and not files:
+        problem = "no safetensors weights"
+    if problem is not None:
+        log.info("model %s loads through transformers: %s", path, problem)
+        return None
+    try:
+        config = DecoderConfig.from_shape(parse_config(cfg), cfg)
+    except ModelConfigError as exc:
+        log.info("model %s loads through transformers: %s", path, exc)
+        return None
+    dtype = dtype or getattr(torch, config.torch_dtype or "float32")
+    with torch.device("meta"):
+        model = DecoderLM(config, generation_eos=_generation_eos(path)).to(dtype)
+    model = model.to_empty(device=device)  # uninitialised: every parameter is loaded below
+    model.tie_weights()
+    model.model.rotary.reset()  # float32 frequencies on the device
+    load_weights(model, files, device, dtype)
+    return model.eval()
+
+
+def _generation_eos(path: Path) -> int | list[int] | None:
+    file = path / "generation_config.json"
+    return json.loads(file.read_text(encoding="utf-8")).get("eos_token_id") if file.is_file() else None

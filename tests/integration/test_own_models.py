@@ -1,0 +1,122 @@
+"""The engine's own model code (``bootstrap.engine.models``) against transformers, the reference.
+
+Each case is a tiny seeded checkpoint directory written by transformers (safetensors, float32):
+the engine loads it into its own decoder (fused q/k/v and gate/up, its own norms and rotary
+embeddings, paged attention called directly) and must give transformers' last-position logits
+within 1e-4 and its 64 greedy tokens exactly. Configs it does not implement stay on the
+transformers path.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers.tiny_models import SHAPE
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor, load_model
+from bootstrap.engine.models import FAMILIES, load_own_model, own_model_problem
+from bootstrap.engine.models.decoder import DecoderLM
+from bootstrap.engine.sequence import Sequence, next_request_id
+
+CPU = torch.device("cpu")
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}  # fmt: skip
+CASES = {
+    "llama": lambda: LlamaConfig(**SHAPE),
+    "llama-llama3-rope": lambda: LlamaConfig(**SHAPE, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE),
+    "llama-linear-rope": lambda: LlamaConfig(**SHAPE, rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    "llama-attention-bias-tied": lambda: LlamaConfig(**SHAPE, attention_bias=True, tie_word_embeddings=True),
+    "mistral-window": lambda: MistralConfig(**SHAPE, sliding_window=8),
+    "qwen2-hybrid-window": lambda: Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=6, max_window_layers=1),
+    "qwen3-qk-norm": lambda: Qwen3Config(**SHAPE, head_dim=32),
+}
+
+
+def checkpoint(name: str, path):
+    """A seeded HF model of ``CASES[name]`` saved at ``path``; its weights scaled up so greedy
+    output varies token to token (the default init repeats one token)."""
+    torch.manual_seed(4321)
+    model = AutoModelForCausalLM.from_config(CASES[name]()).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(4.0 if param.dim() > 1 else 1.0).add_(0.1 * torch.randn_like(param) if param.dim() == 1 else 0)
+    model.save_pretrained(path)
+    return model
+
+
+def prompt(length: int = 23) -> list[int]:
+    return torch.randint(3, 256, (length,), generator=torch.Generator().manual_seed(5)).tolist()
+
+
+def executor(model, max_seq_len: int = 128):
+    cache = PagedKVCache.from_tokens(KVCacheSpec.from_config(model.config, torch.float32), 2048, 4, "cpu")
+    return create_executor(model, cache, SchedulerConfig(8, 64, max_seq_len), start=False)
+
+
+def last_logits(ex, ids: list[int]) -> torch.Tensor:
+    """The engine's logits at the prompt's last position, from one prefill step."""
+    ex.scheduler.add(Sequence(next_request_id(), ids, SamplingParams(max_tokens=1)))
+    return ex.runner.run(ex.scheduler.schedule())[-1]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_own_model_matches_transformers(name, tmp_path):
+    reference = checkpoint(name, tmp_path)
+    own = load_own_model(tmp_path, CPU, torch.float32)
+    assert isinstance(own, DecoderLM)
+    ids = prompt()
+    ex = executor(own)
+    try:
+        with torch.no_grad():
+            expected = reference(torch.tensor([ids])).logits[0, -1]
+        assert torch.allclose(last_logits(ex, ids), expected, atol=1e-4, rtol=0)
+        ex.scheduler.drain()
+        [response] = ex.generate([ids], SamplingParams(max_tokens=64, ignore_eos=True))
+        greedy = reference.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=64, min_new_tokens=64,
+                                    attention_mask=None)[0, len(ids):].tolist()  # fmt: skip
+        assert response.token_ids == greedy
+    finally:
+        ex.shutdown()
+
+
+def test_a_checkpoint_directory_loads_into_the_own_code_through_the_engine_loader(tmp_path):
+    checkpoint("qwen3-qk-norm", tmp_path)
+    loaded = load_model(str(tmp_path), device=CPU)
+    assert isinstance(loaded.model, DecoderLM) and loaded.hf_config is loaded.model.config
+    tensors = [*loaded.model.parameters(), *loaded.model.buffers()]  # the rotary frequencies too
+    assert loaded.weight_bytes == sum(t.numel() * t.element_size() for t in tensors)
+    reference = load_model(str(tmp_path), device=CPU, attn_implementation="eager")  # the reference stays on transformers
+    assert not isinstance(reference.model, DecoderLM)
+
+
+def test_a_sharded_checkpoint_loads_every_shard(tmp_path):
+    reference = checkpoint("llama", tmp_path)
+    reference.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    own = load_own_model(tmp_path, CPU, torch.float32)
+    assert torch.equal(own.model.layers[1].mlp.down_proj.weight, reference.model.layers[1].mlp.down_proj.weight)
+    attention, expected = own.model.layers[0].self_attn, reference.model.layers[0].self_attn
+    q, k, v = attention.qkv_proj.split(attention.qkv_proj.weight.T)  # split by output rows
+    assert torch.equal(k.T, expected.k_proj.weight) and torch.equal(v.T, expected.v_proj.weight)
+
+
+@pytest.mark.parametrize("change, problem", [
+    ({"model_type": "gemma2"}, "model_type 'gemma2'"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope scaling 'dynamic'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope scaling 'yarn'"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"mlp_bias": True}, "mlp_bias"),
+])  # fmt: skip
+def test_what_the_own_code_does_not_implement_stays_on_transformers(change, problem, tmp_path):
+    config = {**LlamaConfig(**SHAPE).to_dict(), **change}
+    assert problem in own_model_problem(config)
+    checkpoint("llama", tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**json.loads((tmp_path / "config.json").read_text()), **change}))
+    assert load_own_model(tmp_path, CPU, torch.float32) is None
+
+
+def test_the_families_are_those_the_issue_names_for_this_decoder():
+    assert FAMILIES == ("llama", "mistral", "qwen2", "qwen3")
