@@ -13,6 +13,8 @@ import torch
 
 from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
 from bootstrap.engine.loader import LoadedWeights, load_model
+from bootstrap.engine.models.decoder import DecoderLM
+from bootstrap.engine.sequence import Sequence, next_request_id
 from bootstrap.engine.sources import smollm2
 
 pytestmark = pytest.mark.slow
@@ -70,6 +72,20 @@ def test_greedy_matches_transformers_generate_on_chat_prompts(executor, referenc
     for question, prompt, response in zip(QUESTIONS, prompts, responses):
         assert response.error is None
         assert response.token_ids == generate_reference(reference, prompt, 16), question
+
+
+def test_the_engine_s_own_model_code_gives_transformers_logits(executor, reference):
+    """The default model runs in the engine's own decoder; at the last prompt position its
+    logits equal transformers' within 1e-4 (float32), for every chat prompt."""
+    assert isinstance(executor.runner.model, DecoderLM) and not isinstance(reference.model, DecoderLM)
+    for question in QUESTIONS:
+        prompt = chat_ids(reference.tokenizer, question)
+        executor.scheduler.add(Sequence(next_request_id(), prompt, SamplingParams(max_tokens=1)))
+        own = executor.runner.run(executor.scheduler.schedule())[-1]
+        executor.scheduler.drain()
+        with torch.no_grad():
+            expected = reference.model(torch.tensor([prompt])).logits[0, -1]
+        assert (own - expected).abs().max().item() < 1e-4, question
 
 
 def test_capital_of_france_is_paris(executor, reference):
