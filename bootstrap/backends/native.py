@@ -55,7 +55,7 @@ from bootstrap.engine import triton_decode
 from bootstrap.engine.cuda_graphs import capture_reserve_bytes, release_workspaces
 from bootstrap.engine.executor import PyExecutor, create_executor
 from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
-from bootstrap.engine.loader import LoadedWeights, ModelSourceError, load_hf_config, load_model
+from bootstrap.engine.loader import LoadedWeights, ModelSourceError, config_dict, load_model
 from bootstrap.engine.model_runner import ModelRunner
 from bootstrap.engine.profile_run import run_dummy_requests
 from bootstrap.engine.sampling import SamplingParams
@@ -126,7 +126,7 @@ class NativeBackend:
     def model_shape(self, spec: str) -> ModelShape:
         """The shape as the native pool stores it: every attention layer at full length."""
         with unreadable_as_source_error(spec):
-            shape = parse_config(load_hf_config(spec, cache_dir=self.cache_dir).to_dict())
+            shape = parse_config(config_dict(spec, cache_dir=self.cache_dir))
         return dataclasses.replace(shape, layer_windows=(None,) * shape.num_layers)
 
     def default_dtype(self, shape: ModelShape) -> str:

@@ -46,7 +46,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
 
 from bootstrap.engine.kv_cache import PagedKVCache
 from bootstrap.engine.triton_decode import paged_decode, write_kv
@@ -339,8 +338,9 @@ def _softcapped_attention(
 
 
 def register() -> None:
-    """Register ``paged_attention`` as ``"bootstrap_paged"`` (idempotent; done on import)."""
+    """Register ``paged_attention`` with transformers as ``"bootstrap_paged"`` (idempotent), for
+    the models that run through transformers' classes; imports transformers, so it is called
+    only on their way in (the engine's own model code calls ``paged_attention`` directly)."""
+    from transformers import AttentionInterface
+
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
-
-
-register()

@@ -18,13 +18,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import AutoConfig, PretrainedConfig
 
 from bootstrap.config import ConfigError
 from bootstrap.engine.sources import checkpoint, random_init, smollm2
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 DEFAULT_MODEL = smollm2.NAME
 CHECKPOINT, GGUF, RANDOM, DEFAULT = "checkpoint", "gguf", "random", "default"
@@ -129,8 +131,23 @@ def _resolve_dir(text: str, path: Path) -> ModelSource:
     return ModelSource(CHECKPOINT, text, path=path.resolve())
 
 
+def config_dict(source: str, *, cache_dir: Path | None = None) -> dict[str, Any]:
+    """The model's ``config.json`` as a dict without loading weights: read from the directory for
+    a checkpoint (or the converted default model), with no transformers import; through
+    ``load_hf_config`` for GGUF files and ``random:`` sources."""
+    resolved = resolve_source(source)
+    cache = cache_dir or smollm2.default_cache_dir()
+    if resolved.kind == DEFAULT and smollm2.is_converted(cache):
+        return json.loads((smollm2.checkpoint_dir(cache) / "config.json").read_text(encoding="utf-8"))
+    if resolved.kind == CHECKPOINT:
+        return json.loads((resolved.path / "config.json").read_text(encoding="utf-8"))
+    return load_hf_config(source, cache_dir=cache_dir).to_dict()
+
+
 def load_hf_config(source: str, *, cache_dir: Path | None = None) -> PretrainedConfig:
     """The model's config without loading weights (the default model may be fetched first)."""
+    from transformers import AutoConfig
+
     resolved = resolve_source(source)
     if resolved.kind == RANDOM:
         return random_init.random_config(resolved.random_spec)

@@ -23,7 +23,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import AttentionInterface
 
 from bootstrap.capacity.cuda_graph_buckets import decode_widths
 from bootstrap.engine import triton_decode
@@ -33,6 +32,7 @@ from bootstrap.engine.attention import (
     AttentionMetadata,
     DecodeMetadata,
     paged_attention,
+    register,
     use_metadata,
 )
 from bootstrap.engine.cuda_graphs import DecodeGraphs, GraphCapture
@@ -170,6 +170,8 @@ class ModelRunner:
         """``torch.compile`` (dynamic shapes) every decoder layer in place; the paged attention
         function runs outside the compiled graphs (``torch.compiler.disable``), so each layer
         compiles to the part before it and the part after it."""
+        from transformers import AttentionInterface
+
         AttentionInterface.register(ATTN_IMPLEMENTATION, torch.compiler.disable(paged_attention))
         layers = [m for m in self.model.modules() if type(m).__name__.endswith("DecoderLayer")]
         for module in layers:
@@ -260,6 +262,7 @@ class ModelRunner:
 def _use_paged_attention(model: torch.nn.Module) -> None:
     """Switch ``model`` (in place) to the paged attention function, or say why it cannot be."""
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        register()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
         raise ValueError(

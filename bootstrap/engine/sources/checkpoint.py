@@ -11,20 +11,24 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import save_model
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
-from transformers.distributed import DistributedConfig
 
-from bootstrap.engine.attention import ATTN_IMPLEMENTATION
+from bootstrap.engine.attention import ATTN_IMPLEMENTATION, register
 from bootstrap.engine.models import load_own_model
+from bootstrap.engine.tokenizer import load_tokenizer
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+log = logging.getLogger(__name__)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 # config keys that describe the GGUF container, not the model
@@ -54,15 +58,37 @@ def load_checkpoint_dir(
     ``cuda:LOCAL_RANK`` or the CPU by transformers itself."""
     model = own_model(path, device, dtype, attn_implementation, tp_size)
     if model is None:
-        kwargs = _model_kwargs(dtype, attn_implementation)
-        if tp_size > 1:
-            kwargs["distributed_config"] = DistributedConfig(tp_plan="auto")
-        else:
-            kwargs["device_map"] = device
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    has_tokenizer = any((path / name).exists() for name in TOKENIZER_FILES)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True) if has_tokenizer else None
-    return model.eval(), tokenizer
+        model = _transformers_model(path, device, dtype, attn_implementation, tp_size)
+    return model.eval(), checkpoint_tokenizer(path)
+
+
+def _transformers_model(path: Path, device: torch.device, dtype: torch.dtype | None, attn_implementation: str | None,
+                        tp_size: int) -> torch.nn.Module:  # fmt: skip
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    register()
+    kwargs = _model_kwargs(dtype, attn_implementation)
+    if tp_size > 1:
+        kwargs["distributed_config"] = DistributedConfig(tp_plan="auto")
+    else:
+        kwargs["device_map"] = device
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+
+
+def checkpoint_tokenizer(path: Path) -> Any:
+    """The engine's own tokenizer where ``tokenizer.json`` serves as it is
+    (``bootstrap.engine.tokenizer``), else transformers'; None without tokenizer files."""
+    if not any((path / name).exists() for name in TOKENIZER_FILES):
+        return None
+    own = load_tokenizer(path)
+    if own is not None:
+        return own
+    from transformers import AutoTokenizer
+
+    log.info("tokenizer of %s loads through transformers (no tokenizer.json, or a tokenizer class that "
+             "rebuilds its pipeline)", path)  # fmt: skip
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 def own_model(path: Path, device: torch.device, dtype: torch.dtype | None, attn_implementation: str | None,
@@ -78,6 +104,9 @@ def load_gguf_file(
     path: Path, device: torch.device, dtype: torch.dtype | None, attn_implementation: str | None
 ) -> tuple[torch.nn.Module, Any]:
     """Model dequantized from a GGUF file (eval mode, on ``device``) and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    register()
     where = {"pretrained_model_name_or_path": path.parent, "gguf_file": path.name}
     kwargs = _model_kwargs(dtype, attn_implementation)
     model = AutoModelForCausalLM.from_pretrained(**where, **kwargs).to(device)
@@ -87,6 +116,8 @@ def load_gguf_file(
 
 def gguf_config(path: Path) -> PretrainedConfig:
     """The model config stored in a GGUF file's metadata, without the weights."""
+    from transformers import AutoConfig
+
     return AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
 
 

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from bootstrap.engine.attention import register
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 PREFIX = "random:"
 
@@ -42,6 +46,8 @@ def config_dict(spec: str) -> dict[str, Any]:
 
 def random_config(spec: str) -> PretrainedConfig:
     """The transformers config for ``random:<spec>``."""
+    from transformers import AutoConfig
+
     values = config_dict(spec)
     model_type = values.pop("model_type", None)
     if not model_type:
@@ -57,6 +63,9 @@ def random_model(
     seed: int,
 ) -> torch.nn.Module:
     """A causal LM with ``config``'s shapes and seeded random weights, built on ``device``."""
+    from transformers import AutoModelForCausalLM
+
+    register()
     kwargs: dict[str, Any] = {"dtype": dtype or _config_dtype(config)}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
