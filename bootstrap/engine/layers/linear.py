@@ -8,8 +8,9 @@ import torch
 
 
 class FusedLinear(torch.nn.Linear):
-    def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False) -> None:
-        super().__init__(in_features, sum(parts.values()), bias=bias)
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False,
+                 device: torch.device | str | None = None) -> None:  # fmt: skip
+        super().__init__(in_features, sum(parts.values()), bias=bias, device=device)
         self.parts: dict[str, slice] = {}
         start = 0
         for name, rows in parts.items():

@@ -8,9 +8,9 @@ import torch
 class RMSNorm(torch.nn.Module):
     """``weight * x / rms(x)``; ``offset`` 1.0 is Gemma's ``(1 + weight)`` form."""
 
-    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
+    def __init__(self, dim: int, eps: float, offset: float = 0.0, device: torch.device | str | None = None) -> None:
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(dim))
+        self.weight = torch.nn.Parameter(torch.ones(dim, device=device))
         self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -55,9 +55,9 @@ class Rotary(torch.nn.Module):
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
         self.register_buffer("inv_freq", inverse_frequencies(head_dim, theta, scaling), persistent=False)
 
-    def reset(self) -> None:
-        """Recompute the frequencies in place (after the module was built on the meta device)."""
-        self.inv_freq = inverse_frequencies(self.head_dim, self.theta, self.scaling).to(self.inv_freq.device)
+    def reset(self, device: torch.device) -> None:
+        """Recompute the frequencies, in float32, on ``device`` (after a build on the meta device)."""
+        self.inv_freq = inverse_frequencies(self.head_dim, self.theta, self.scaling).to(device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin`` of shape ``[T, head_dim]`` for ``positions [T]``."""

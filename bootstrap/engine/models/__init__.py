@@ -58,13 +58,27 @@ def load_own_model(path: Path, device: torch.device, dtype: torch.dtype | None) 
         log.info("model %s loads through transformers: %s", path, exc)
         return None
     dtype = dtype or getattr(torch, config.torch_dtype or "float32")
-    with torch.device("meta"):
-        model = DecoderLM(config, generation_eos=_generation_eos(path)).to(dtype)
-    model = model.to_empty(device=device)  # uninitialised: every parameter is loaded below
-    model.tie_weights()
-    model.model.rotary.reset()  # float32 frequencies on the device
+    # Built on meta by argument, not under ``torch.device("meta")``: that mode routes the
+    # initialisers through torch's Python references, which import torch._dynamo (1.7 s here).
+    model = DecoderLM(config, generation_eos=_generation_eos(path), device="meta").to(dtype)
+    materialize(model, device)  # uninitialised: every parameter is loaded below
+    model.model.rotary.reset(device)  # float32 frequencies on the device
     load_weights(model, files, device, dtype)
     return model.eval()
+
+
+def materialize(model: torch.nn.Module, device: torch.device) -> None:
+    """Give every meta parameter uninitialised storage on ``device`` (a tied one stays shared).
+    Not ``Module.to_empty``: ``empty_like`` of a meta tensor goes through torch's Python
+    references, which import sympy (0.6 s on a 2-core CPU)."""
+    made: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                if id(param) not in made:
+                    made[id(param)] = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
+                                                         requires_grad=False)  # fmt: skip
+                module._parameters[name] = made[id(param)]
 
 
 def _generation_eos(path: Path) -> int | list[int] | None:

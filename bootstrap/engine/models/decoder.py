@@ -25,6 +25,8 @@ from bootstrap.engine.layers.linear import FusedLinear
 from bootstrap.engine.layers.norm import RMSNorm
 from bootstrap.engine.layers.rotary import Rotary, apply_rotary
 
+Device = torch.device | str | None
+
 
 @dataclass
 class DecoderConfig:
@@ -76,17 +78,17 @@ def rope_theta(cfg: dict[str, Any]) -> float:
 
 
 class Attention(torch.nn.Module):
-    def __init__(self, config: DecoderConfig, layer_idx: int) -> None:
+    def __init__(self, config: DecoderConfig, layer_idx: int, device: Device = None) -> None:
         super().__init__()
         heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.layer_idx, self.heads, self.kv_heads, self.head_dim = layer_idx, heads, kv_heads, head_dim
         self.sliding_window = config.layer_windows[layer_idx]
         self.scaling = head_dim**-0.5
         parts = {"q_proj": heads * head_dim, "k_proj": kv_heads * head_dim, "v_proj": kv_heads * head_dim}
-        self.qkv_proj = FusedLinear(config.hidden_size, parts, bias=config.qkv_bias)
-        self.o_proj = torch.nn.Linear(heads * head_dim, config.hidden_size, bias=config.o_bias)
-        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.qkv_proj = FusedLinear(config.hidden_size, parts, bias=config.qkv_bias, device=device)
+        self.o_proj = torch.nn.Linear(heads * head_dim, config.hidden_size, bias=config.o_bias, device=device)
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, device=device) if config.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, device=device) if config.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]`` to ``[T, hidden]``; keys and values go to the paged KV cache."""
@@ -104,11 +106,11 @@ class Attention(torch.nn.Module):
 
 
 class MLP(torch.nn.Module):
-    def __init__(self, config: DecoderConfig) -> None:
+    def __init__(self, config: DecoderConfig, device: Device = None) -> None:
         super().__init__()
         size = config.intermediate_size
-        self.gate_up_proj = FusedLinear(config.hidden_size, {"gate_proj": size, "up_proj": size})
-        self.down_proj = torch.nn.Linear(size, config.hidden_size, bias=False)
+        self.gate_up_proj = FusedLinear(config.hidden_size, {"gate_proj": size, "up_proj": size}, device=device)
+        self.down_proj = torch.nn.Linear(size, config.hidden_size, bias=False, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
@@ -116,12 +118,12 @@ class MLP(torch.nn.Module):
 
 
 class DecoderLayer(torch.nn.Module):
-    def __init__(self, config: DecoderConfig, layer_idx: int) -> None:
+    def __init__(self, config: DecoderConfig, layer_idx: int, device: Device = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_idx)
-        self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx, device)
+        self.mlp = MLP(config, device)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device=device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device=device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -131,11 +133,14 @@ class DecoderLayer(torch.nn.Module):
 class DecoderBody(torch.nn.Module):
     """Embeddings, layers and the final norm (``model.*`` in the checkpoint)."""
 
-    def __init__(self, config: DecoderConfig) -> None:
+    def __init__(self, config: DecoderConfig, device: Device = None) -> None:
         super().__init__()
-        self.embed_tokens = torch.nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = torch.nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Given its weight, Embedding skips its normal_ initialiser, which on meta goes through
+        # torch's Python references and imports torch._dynamo (1.7 s on a 2-core CPU).
+        weight = torch.empty(config.vocab_size, config.hidden_size, device=device)
+        self.embed_tokens = torch.nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
+        self.layers = torch.nn.ModuleList(DecoderLayer(config, i, device) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device=device)
         self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -149,12 +154,13 @@ class DecoderBody(torch.nn.Module):
 class DecoderLM(torch.nn.Module):
     """The causal LM: the body and the output head (tied to the embeddings where the config says)."""
 
-    def __init__(self, config: DecoderConfig, generation_eos: int | list[int] | None = None) -> None:
+    def __init__(self, config: DecoderConfig, generation_eos: int | list[int] | None = None, device: Device = None) -> None:
+        """``device="meta"``: no memory and no initialisation (the loader fills every weight)."""
         super().__init__()
         self.config = config
         self.generation_config = SimpleNamespace(eos_token_id=generation_eos)
-        self.model = DecoderBody(config)
-        self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = DecoderBody(config, device)
+        self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=device)
         self.tie_weights()
 
     def tie_weights(self) -> None:
