@@ -52,8 +52,9 @@ from bootstrap.capacity.split import PoolBudgets
 from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.devices import Device, is_oom
 from bootstrap.engine import triton_decode
+from bootstrap.engine.create import create_executor
 from bootstrap.engine.cuda_graphs import capture_reserve_bytes, release_workspaces
-from bootstrap.engine.executor import PyExecutor, create_executor
+from bootstrap.engine.executor import PyExecutor
 from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
 from bootstrap.engine.loader import LoadedWeights, ModelSourceError, config_dict, load_model
 from bootstrap.engine.model_runner import ModelRunner

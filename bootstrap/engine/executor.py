@@ -41,36 +41,22 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 
 import anyio
-import torch
 
 from bootstrap.engine.inbox import Inbox
-from bootstrap.engine.kv_cache import PagedKVCache
 from bootstrap.engine.model_runner import ModelRunner
 from bootstrap.engine.requests import Claim, Handle, RequestStats, RequestTable
 from bootstrap.engine.responses import ResponseWriter
 from bootstrap.engine.sampling import Sampler, SamplingParams, make_generator, model_eos_ids
-from bootstrap.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from bootstrap.engine.scheduler import ScheduledBatch, Scheduler
 from bootstrap.engine.sequence import Detokenizer, Response, Sequence, StreamEvent, next_request_id, token_id_list
+from bootstrap.engine.stats import EngineStats
 from bootstrap.engine.waiting import EventStream, Waiter
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_UNCLAIMED = 1024
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """What the engine holds at one moment: its KV pool and its requests. ``waiting`` counts the
-    requests queued for admission, those still in the inbox included."""
-
-    kv_total_blocks: int
-    kv_used_blocks: int
-    kv_capacity_tokens: int
-    running: int
-    waiting: int
 
 
 class PyExecutor:
@@ -397,29 +383,3 @@ class PyExecutor:
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
-
-
-def create_executor(
-    model: torch.nn.Module,
-    kv_cache: PagedKVCache,
-    config: SchedulerConfig,
-    tokenizer: object | None = None,
-    eos_token_ids: set[int] | None = None,
-    start: bool = True,
-    max_unclaimed: int = DEFAULT_MAX_UNCLAIMED,
-    runner: ModelRunner | None = None,
-) -> PyExecutor:
-    """Wire a loaded model (switched to paged attention in place) and a KV pool into a
-    ``PyExecutor``; its worker is started unless ``start=False``. ``max_unclaimed``: how many
-    finished responses nobody waits for are kept (see the module docstring). ``runner``: one
-    already made for this model and pool (with its CUDA graphs captured, say) instead of a new one."""
-    if runner is None:
-        runner = ModelRunner(model, kv_cache, config.max_batch_size, config.max_seq_len)
-    elif runner.model is not model or runner.kv_cache is not kv_cache or runner.max_batch_size < config.max_batch_size:
-        raise ValueError("the runner given to create_executor was made for another model, pool or batch size")
-    sampler = Sampler(runner.device)
-    executor = PyExecutor(runner, Scheduler(kv_cache, config), sampler, tokenizer, eos_token_ids, max_unclaimed)
-    if start:
-        executor.start_worker()
-    return executor
-
