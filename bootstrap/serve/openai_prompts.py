@@ -6,8 +6,7 @@ output length) and every ``PromptError`` as a 400 naming the field.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from bootstrap.engine import prompts
@@ -18,17 +17,12 @@ ROLE_FOR_TEMPLATE = {"developer": "system"}  # templates rarely know OpenAI's ne
 T = TypeVar("T")
 
 
-@contextmanager
-def as_bad_request() -> Iterator[None]:
+def _answered(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(...)``, its ``PromptError`` as a 400 naming the field."""
     try:
-        yield
+        return fn(*args, **kwargs)
     except prompts.PromptError as exc:
         raise APIError(400, str(exc), param=exc.field, code=exc.code) from exc
-
-
-def _answered(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    with as_bad_request():
-        return fn(*args, **kwargs)
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage]) -> list[int]:

@@ -17,6 +17,7 @@ import torch
 
 from bootstrap.capacity.config_json import parse_config
 from bootstrap.capacity.shape import ModelConfigError
+from bootstrap.engine.layers.rotary import rope_scaling_problem
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 log = logging.getLogger(__name__)
@@ -24,8 +25,6 @@ log = logging.getLogger(__name__)
 
 def own_model_problem(cfg: dict[str, Any]) -> str | None:
     """Why the engine's own code does not run this config.json (None: it does)."""
-    from bootstrap.engine.layers.rotary import rope_scaling_problem
-
     model_type = cfg.get("model_type")
     if model_type not in FAMILIES:
         return f"model_type {model_type!r} (own code for: {', '.join(FAMILIES)})"

@@ -43,8 +43,9 @@ def load_weights(model: torch.nn.Module, files: list[Path], device: torch.device
                 if name.endswith(IGNORED):
                     continue
                 filled |= _load_one(name, reader.get_tensor(name).to(dtype), params, modules)
-    if filled & _tied(model):  # the shared tensor came under one of its two names: both are filled
-        filled |= _tied(model)
+    tied = _tied(model)
+    if filled & tied:  # the shared tensor came under one of its two names: both are filled
+        filled |= tied
     missing = sorted(set(params) - filled)
     if missing:
         raise ValueError(f"the checkpoint has no tensor for {len(missing)} parameter(s): {', '.join(missing[:5])}")
