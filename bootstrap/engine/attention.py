@@ -196,32 +196,49 @@ def paged_attention(
     softcap: float | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention function: ``query [1, H, T, D]``, ``key/value [1, KVH, T, D]``.
+    """transformers attention function: ``query [1, H, T, D]``, ``key/value [1, KVH, T, D]``,
+    the step's metadata from the thread-local ``use_metadata`` set.
 
     Returns ``[1, T, H, D]``, as transformers' own attention functions do.
     """
     if kwargs.get("s_aux") is not None:
         raise ValueError(f"attention sinks (s_aux) are not supported by '{ATTN_IMPLEMENTATION}'")
-    meta = current_metadata()
-    k_cache, v_cache = _layer_caches(module, meta.kv_cache)
-    tokens = query[0].transpose(0, 1)  # [T, H, D]
-    if isinstance(meta, DecodeMetadata) and meta.kernel == "triton":
-        write_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), meta.write_rows, meta.slot_mapping, k_cache, v_cache)
-        return _attend_decode(tokens, k_cache, v_cache, meta, scaling, sliding_window, softcap).unsqueeze(0), None
+    layer = getattr(module, "layer_idx", None)
+    if layer is None:
+        raise ValueError(f"{type(module).__name__} has no layer_idx; '{ATTN_IMPLEMENTATION}' needs it to find its cache")
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    return attend(current_metadata(), layer, q, k, v, scaling, sliding_window, softcap).unsqueeze(0), None
+
+
+def attend(
+    meta: AttentionMetadata | DecodeMetadata,
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """One layer's paged attention over a step: ``query [T, H, D]``, ``key/value [T, KVH, D]``
+    (written to the layer's cache first), output ``[T, H, D]``. The engine's own model code
+    calls this with the step's metadata as an argument."""
+    k_cache, v_cache = meta.kv_cache.k_cache(layer), meta.kv_cache.v_cache(layer)
     if isinstance(meta, DecodeMetadata):
-        key, value = key.index_select(2, meta.write_rows), value.index_select(2, meta.write_rows)
-        _write(k_cache, v_cache, key, value, meta.slot_mapping)
-        return _attend_decode(tokens, k_cache, v_cache, meta, scaling, sliding_window, softcap).unsqueeze(0), None
+        if meta.kernel == "triton":
+            write_kv(key, value, meta.write_rows, meta.slot_mapping, k_cache, v_cache)
+        else:
+            _write(k_cache, v_cache, key.index_select(0, meta.write_rows), value.index_select(0, meta.write_rows),
+                   meta.slot_mapping)  # fmt: skip
+        return _attend_decode(query, k_cache, v_cache, meta, scaling, sliding_window, softcap)
     _write(k_cache, v_cache, key, value, meta.slot_mapping)
-    new_kv = (key[0].transpose(0, 1), value[0].transpose(0, 1))  # [T, KVH, D]: fresh groups attend these
     if len(meta.groups) == 1:
-        out = _attend(tokens, new_kv, k_cache, v_cache, meta.groups[0], scaling, sliding_window, softcap)
-        return out.unsqueeze(0), None
-    out = torch.empty_like(tokens)
+        return _attend(query, (key, value), k_cache, v_cache, meta.groups[0], scaling, sliding_window, softcap)
+    out = torch.empty_like(query)
     for group in meta.groups:
-        part = _attend(tokens, new_kv, k_cache, v_cache, group, scaling, sliding_window, softcap)
+        part = _attend(query, (key, value), k_cache, v_cache, group, scaling, sliding_window, softcap)
         out.index_copy_(0, group.token_ids, part)
-    return out.unsqueeze(0), None
+    return out
 
 
 def _attend(
@@ -302,19 +319,12 @@ def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype
     return blocks.view(rows, width * cache.shape[1], *cache.shape[2:]).transpose(1, 2).to(dtype)
 
 
-def _layer_caches(module: torch.nn.Module, cache: PagedKVCache) -> tuple[torch.Tensor, torch.Tensor]:
-    layer = getattr(module, "layer_idx", None)
-    if layer is None:
-        raise ValueError(f"{type(module).__name__} has no layer_idx; '{ATTN_IMPLEMENTATION}' needs it to find its cache")
-    return cache.k_cache(layer), cache.v_cache(layer)
-
-
 def _write(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
-    """Store the step's keys and values ``[1, KVH, T, D]`` at their flat slots."""
+    """Store the step's keys and values ``[T, KVH, D]`` at their flat slots."""
     k_flat = k_cache.view(-1, *k_cache.shape[2:])
     v_flat = v_cache.view(-1, *v_cache.shape[2:])
-    k_flat.index_copy_(0, slots, key[0].transpose(0, 1).to(k_flat.dtype))
-    v_flat.index_copy_(0, slots, value[0].transpose(0, 1).to(v_flat.dtype))
+    k_flat.index_copy_(0, slots, key.to(k_flat.dtype))
+    v_flat.index_copy_(0, slots, value.to(v_flat.dtype))
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

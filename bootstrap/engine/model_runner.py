@@ -1,9 +1,11 @@
-"""Runs a scheduled batch through a transformers causal LM over the paged KV cache.
+"""Runs a scheduled batch through a causal LM over the paged KV cache: the engine's own model
+code (``bootstrap.engine.models``) or a transformers model.
 
 The batch is flattened into one row: ``input_ids`` and ``position_ids`` of shape
-``[1, total_tokens]``, every request's new tokens back to back. The model's attention layers call
+``[1, total_tokens]``, every request's new tokens back to back. The engine's own model takes the
+step's attention metadata as an argument; a transformers model's attention layers call
 ``paged_attention`` (the model is switched to ``attn_implementation="bootstrap_paged"``), which
-reads the step's metadata from a thread-local. The model computes logits only at the last token
+reads it from a thread-local. The model computes logits only at the last token
 of each request that samples this step (``logits_to_keep`` with explicit indices), so the
 vocabulary projection never runs over a whole prompt.
 
@@ -38,6 +40,7 @@ from bootstrap.engine.attention import (
 from bootstrap.engine.cuda_graphs import DecodeGraphs, GraphCapture
 from bootstrap.engine.decode_step import DecodeBuffers, DecodeStep
 from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
+from bootstrap.engine.models.decoder import DecoderLM
 from bootstrap.engine.scheduler import ScheduledBatch
 
 
@@ -83,11 +86,16 @@ class ModelRunner:
             inputs = self.prepare_decode(step)
         else:
             inputs = self.prepare_mixed(batch)
-        with use_metadata(inputs.metadata):
-            return self._forward(inputs.input_ids, inputs.positions, inputs.logits_index)
+        return self._forward(inputs.input_ids, inputs.positions, inputs.logits_index, inputs.metadata)
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_to_keep: torch.Tensor | int) -> torch.Tensor:
-        out = self.model(input_ids=input_ids, position_ids=positions, logits_to_keep=logits_to_keep, use_cache=False)
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_to_keep: torch.Tensor | int,
+                 metadata: AttentionMetadata | DecodeMetadata) -> torch.Tensor:  # fmt: skip
+        """The engine's own model code takes the metadata as an argument; a transformers model's
+        attention layers read it from the thread-local ``use_metadata`` sets."""
+        if isinstance(self.model, DecoderLM):
+            return self.model(input_ids, positions, logits_to_keep, metadata).logits[0]
+        with use_metadata(metadata):
+            out = self.model(input_ids=input_ids, position_ids=positions, logits_to_keep=logits_to_keep, use_cache=False)
         return out.logits[0]
 
     def decode_step(self, batch: ScheduledBatch) -> DecodeStep:
@@ -125,8 +133,8 @@ class ModelRunner:
         """Logits ``[rows, vocab]`` of a static-shape decode step over the buffers as filled
         (what a CUDA graph captures; runs eagerly as well, on any device)."""
         buf = self.decode_buffers
-        with use_metadata(self.decode_metadata(rows, width)):
-            return self._forward(buf.input_ids[:rows].unsqueeze(0), buf.positions[:rows].unsqueeze(0), 0)
+        metadata = self.decode_metadata(rows, width)
+        return self._forward(buf.input_ids[:rows].unsqueeze(0), buf.positions[:rows].unsqueeze(0), 0, metadata)
 
     def capture_decode_graphs(
         self, batch_sizes: Sequence[int], widths: Sequence[int] | None = None, compile_norms: bool | None = None,

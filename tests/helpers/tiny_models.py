@@ -95,3 +95,23 @@ def save_checkpoint(name: str, path: Path, chat_template: str | None = None) -> 
         tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(path)
     return path
+
+
+def last_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """Logits at the last of ``ids``: a transformers model called directly; the engine's own model
+    code (which attends through the paged KV cache) in one prefill step of an executor."""
+    from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
+    from bootstrap.engine.models.decoder import DecoderLM
+    from bootstrap.engine.sequence import Sequence, next_request_id
+
+    if not isinstance(model, DecoderLM):
+        with torch.no_grad():
+            return model(torch.tensor([ids])).logits[0, -1]
+    cache = PagedKVCache.from_tokens(KVCacheSpec.from_config(model.config, model.dtype), 256, 4, "cpu")
+    ex = create_executor(model, cache, SchedulerConfig(1, 128, 128), start=False)
+    try:
+        ex.scheduler.add(Sequence(next_request_id(), list(ids), SamplingParams(max_tokens=1)))
+        return ex.runner.run(ex.scheduler.schedule())[-1]
+    finally:
+        ex.scheduler.drain()  # the step ran outside the executor's loop: no request handle to finish
+        ex.shutdown()

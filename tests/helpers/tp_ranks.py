@@ -81,7 +81,10 @@ async def _build(config: BootstrapConfig, env: RankEnv, out: Path, timeout_s: fl
     try:
         executor = await boot.build()
         result = executor.generate([PROMPT_IDS], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
-        return {**boot.report().to_dict(), "tokens": list(result.token_ids), "error": None}
+        model = executor.runner.model
+        shape = {"class": type(model).__name__, "qkv_rows": model.model.layers[0].self_attn.qkv_proj.weight.shape[0]
+                 if hasattr(model, "tp_size") else None}  # fmt: skip
+        return {**boot.report().to_dict(), "tokens": list(result.token_ids), "model": shape, "error": None}
     except StageFailed as exc:
         return {**boot.report().to_dict(), "tokens": [], "error": str(exc)}
     finally:

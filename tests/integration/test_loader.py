@@ -9,6 +9,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from helpers.tiny_models import last_logits
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -38,8 +39,7 @@ def llama_param_count(c) -> int:
 
 
 def logits(model, ids=IDS) -> torch.Tensor:
-    with torch.no_grad():
-        return model(ids).logits
+    return last_logits(model, ids[0].tolist())
 
 
 @pytest.fixture

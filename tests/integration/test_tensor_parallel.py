@@ -18,6 +18,7 @@ from helpers.tiny_models import save_checkpoint
 from helpers.tp_ranks import PROMPT_IDS, build_and_generate
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor, load_model
 from bootstrap.parallel.launch import launch
 from bootstrap.stages import STAGE_IDS
 
@@ -63,6 +64,26 @@ def test_two_ranks_generate_the_greedy_tokens_of_one(llama, tmp_path):
         assert result["plan"]["cost"]["slope"] == 2 * 2 * 1 * 16 * 4  # 2 layers, K and V, 2 KV heads / 2 ranks, fp32
     events = [e for e in stage_span(tmp_path, 0, "profiling")["events"] if e["name"] == "bootstrap.collective.attempt"]
     assert events and events[0]["attributes"]["bootstrap.collective.world_size"] == 2
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma2"])  # q/k/v bias and a hybrid window; tied, soft-caps, 4 norms
+def test_two_ranks_of_the_own_model_code_generate_the_tokens_of_one(family, tmp_path):
+    """Each rank loads its half of the heads and of the MLP into the engine's own column- and
+    row-parallel layers; the two ranks' greedy tokens equal one rank's, and transformers'."""
+    path = save_checkpoint(family, tmp_path / family)
+    codes, results = run_ranks(path, tmp_path)
+    assert codes == [0, 0], [r and r["error"] for r in results]
+    one = load_model(str(path), device=torch.device("cpu"))
+    heads, kv_heads, head_dim = (getattr(one.model.config, k) for k in ("num_attention_heads", "num_key_value_heads", "head_dim"))
+    for result in results:
+        assert result["model"] == {"class": "DecoderLM", "qkv_rows": (heads + 2 * kv_heads) * head_dim // 2}
+    cache = PagedKVCache.from_tokens(KVCacheSpec.from_config(one.model.config, torch.float32), 256, 4, "cpu")
+    ex = create_executor(one.model, cache, SchedulerConfig(4, 128, 64), start=False)
+    try:
+        [single] = ex.generate([PROMPT_IDS], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    finally:
+        ex.shutdown()
+    assert results[0]["tokens"] == results[1]["tokens"] == single.token_ids == greedy_reference(path, 8)
 
 
 def test_ranks_agree_on_the_most_conservative_profile_and_the_smallest_budget(llama, tmp_path):

@@ -1,24 +1,67 @@
-"""A linear layer holding several checkpoint matrices stacked by output rows (q, k and v; gate
-and up): one GEMM instead of several. Each part declares its rows, so the loader copies a
-checkpoint tensor straight into its slice of the fused weight."""
+"""Linear layers that say how the checkpoint fills them, for one rank of ``Shard``.
+
+``FusedLinear`` holds several checkpoint matrices stacked by output rows (q, k and v; gate and
+up): one GEMM instead of several. Under tensor parallelism it is column-parallel: each part
+keeps this rank's rows of its checkpoint matrix (its heads, its slice of the MLP), so the fused
+output is this rank's and needs no collective. ``RowLinear`` is row-parallel: it keeps this
+rank's input columns, multiplies the rank's activations, and sums the ranks' partial outputs
+with one all-reduce (the bias added once, after it). One rank (``Shard()``) is the plain layer.
+
+``checkpoint_index`` names the part of a checkpoint tensor this rank reads, so the loader reads
+only that slice from the file, straight into its place.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
+
+Index = tuple[slice, ...]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's place among ``size`` tensor-parallel ranks."""
+
+    rank: int = 0
+    size: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor-parallel rank {self.rank} outside 0..{self.size - 1}")
+
+    def local(self, n: int, what: str) -> int:
+        if n % self.size:
+            raise ValueError(f"{what} ({n}) does not split over {self.size} tensor-parallel ranks")
+        return n // self.size
+
+    def span(self, n: int) -> slice:
+        """This rank's contiguous share of ``n`` rows or columns."""
+        per = n // self.size
+        return slice(self.rank * per, (self.rank + 1) * per)
 
 
 class FusedLinear(torch.nn.Linear):
     def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False,
-                 device: torch.device | str | None = None) -> None:  # fmt: skip
-        super().__init__(in_features, sum(parts.values()), bias=bias, device=device)
+                 device: torch.device | str | None = None, shard: Shard = Shard()) -> None:  # fmt: skip
+        """``parts``: each checkpoint matrix's full number of output rows; this rank keeps its share."""
+        local = {name: shard.local(rows, name) for name, rows in parts.items()}
+        super().__init__(in_features, sum(local.values()), bias=bias, device=device)
+        self.shard = shard
         self.parts: dict[str, slice] = {}
         start = 0
-        for name, rows in parts.items():
+        for name, rows in local.items():
             self.parts[name] = slice(start, start + rows)
             start += rows
 
+    def checkpoint_index(self, part: str, kind: str, shape: list[int]) -> Index:
+        """This rank's rows of the checkpoint's ``part`` weight or bias of ``shape``."""
+        return (self.shard.span(shape[0]),)
+
     def load_part(self, part: str, kind: str, tensor: torch.Tensor) -> None:
-        """Copy the checkpoint's ``part`` weight (``kind`` "weight") or bias into its rows."""
+        """Copy this rank's rows of the checkpoint's ``part`` weight (``kind`` "weight") or bias."""
         target = self.weight if kind == "weight" else self.bias
         rows = self.parts[part]
         if target is None or tensor.shape[0] != rows.stop - rows.start or tensor.shape[1:] != target.shape[1:]:
@@ -29,3 +72,21 @@ class FusedLinear(torch.nn.Linear):
 
     def split(self, out: torch.Tensor) -> list[torch.Tensor]:
         return list(out.split([s.stop - s.start for s in self.parts.values()], dim=-1))
+
+
+class RowLinear(torch.nn.Linear):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 device: torch.device | str | None = None, shard: Shard = Shard()) -> None:  # fmt: skip
+        """``in_features``: the full input width; this rank keeps its share of the columns."""
+        super().__init__(shard.local(in_features, "input features"), out_features, bias=bias, device=device)
+        self.shard = shard
+
+    def checkpoint_index(self, part: None, kind: str, shape: list[int]) -> Index:
+        return (slice(None), self.shard.span(shape[1])) if kind == "weight" else (slice(None),)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shard.size == 1:
+            return super().forward(x)
+        out = F.linear(x, self.weight)
+        torch.distributed.all_reduce(out)
+        return out if self.bias is None else out + self.bias

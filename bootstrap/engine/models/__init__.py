@@ -1,9 +1,9 @@
 """The engine's own model code, for the families it serves without transformers on the hot path.
 
-``decoder`` is one dense decoder for llama (SmolLM2 is one), mistral, qwen2 and qwen3;
-``weights`` fills it from safetensors. ``own_model_problem`` says why a checkpoint stays on the
-transformers path instead (another family, a rotary scaling not implemented here, a non-SiLU
-MLP, MLP biases); the loader says so once in the log and loads it through transformers.
+``decoder`` is one dense decoder for llama (SmolLM2 is one), mistral, qwen2, qwen3, gemma and
+gemma2; ``weights`` fills it from safetensors. ``own_model_problem`` says why a checkpoint stays
+on the transformers path instead (another family, a rotary scaling not implemented here, an
+activation other than SiLU or GELU, MLP biases); the loader says so once in the log and loads it through transformers.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ import torch
 
 from bootstrap.capacity.config_json import parse_config
 from bootstrap.capacity.shape import ModelConfigError
+from bootstrap.engine.layers.linear import Shard
 from bootstrap.engine.layers.rotary import rope_scaling_problem
+from bootstrap.engine.models.decoder import ACTIVATIONS, activation_name
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
 log = logging.getLogger(__name__)
 
 
@@ -28,8 +30,10 @@ def own_model_problem(cfg: dict[str, Any]) -> str | None:
     model_type = cfg.get("model_type")
     if model_type not in FAMILIES:
         return f"model_type {model_type!r} (own code for: {', '.join(FAMILIES)})"
-    if cfg.get("hidden_act", "silu") != "silu":
-        return f"hidden_act {cfg.get('hidden_act')!r} (own code: silu)"
+    if activation_name(cfg) not in ACTIVATIONS:
+        return f"activation {activation_name(cfg)!r} (own code: {', '.join(ACTIVATIONS)})"
+    if cfg.get("use_bidirectional_attention"):
+        return "use_bidirectional_attention"
     if cfg.get("mlp_bias"):
         return "mlp_bias"
     if cfg.get("partial_rotary_factor", 1.0) != 1.0:
@@ -37,33 +41,41 @@ def own_model_problem(cfg: dict[str, Any]) -> str | None:
     return rope_scaling_problem(cfg.get("rope_scaling") or cfg.get("rope_parameters"))
 
 
-def load_own_model(path: Path, device: torch.device, dtype: torch.dtype | None) -> torch.nn.Module | None:
-    """The checkpoint at ``path`` in the engine's own model code, or None (said once in the log)
-    when it stays on the transformers path."""
-    from bootstrap.engine.models.decoder import DecoderConfig, DecoderLM
+def load_own_model(path: Path, device: torch.device, dtype: torch.dtype | None,
+                   shard: Shard = Shard()) -> torch.nn.Module | None:  # fmt: skip
+    """The checkpoint at ``path`` in the engine's own model code (this rank's part of it under
+    tensor parallelism), or None (said once in the log) when it stays on the transformers path."""
     from bootstrap.engine.models.weights import load_weights, safetensors_files
 
     cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    problem = own_model_problem(cfg)
     files = safetensors_files(path)
-    if problem is None and not files:
-        problem = "no safetensors weights"
+    problem = own_model_problem(cfg) or (None if files else "no safetensors weights")
+    if problem is None:
+        try:
+            model = build_own_model(cfg, device, dtype, shard, _generation_eos(path))
+        except ModelConfigError as exc:
+            problem = str(exc)
     if problem is not None:
         log.info("model %s loads through transformers: %s", path, problem)
         return None
-    try:
-        config = DecoderConfig.from_shape(parse_config(cfg), cfg)
-    except ModelConfigError as exc:
-        log.info("model %s loads through transformers: %s", path, exc)
-        return None
+    load_weights(model, files, device, model.dtype)
+    return model.eval()
+
+
+def build_own_model(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype | None, shard: Shard = Shard(),
+                    generation_eos: int | list[int] | None = None) -> torch.nn.Module:  # fmt: skip
+    """The model of ``config.json`` (``cfg``) in the own code, on ``device`` in ``dtype`` (None:
+    the config's), its parameters uninitialised; ``ModelConfigError`` for a config it cannot read."""
+    from bootstrap.engine.models.decoder import DecoderConfig, DecoderLM
+
+    config = DecoderConfig.from_shape(parse_config(cfg), cfg)
     dtype = dtype or getattr(torch, config.torch_dtype or "float32")
     # Built on meta by argument, not under ``torch.device("meta")``: that mode routes the
     # initialisers through torch's Python references, which import torch._dynamo (1.7 s here).
-    model = DecoderLM(config, generation_eos=_generation_eos(path), device="meta").to(dtype)
-    materialize(model, device)  # uninitialised: every parameter is loaded below
+    model = DecoderLM(config, generation_eos=generation_eos, device="meta", shard=shard).to(dtype)
+    materialize(model, device)
     model.model.rotary.reset(device)  # float32 frequencies on the device
-    load_weights(model, files, device, dtype)
-    return model.eval()
+    return model
 
 
 def materialize(model: torch.nn.Module, device: torch.device) -> None:

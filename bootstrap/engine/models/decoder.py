@@ -1,17 +1,21 @@
-"""One dense decoder for the Llama family: llama (SmolLM2 included), mistral, qwen2 and qwen3,
-told apart by options read from ``config.json`` (``bootstrap.capacity``'s ``ModelShape`` plus
-the norm epsilon and the rotary settings).
+"""One dense decoder for llama (SmolLM2 included), mistral, qwen2, qwen3, gemma and gemma2, told
+apart by options read from ``config.json`` (``bootstrap.capacity``'s ``ModelShape`` plus the
+norm epsilon, the activation, the rotary settings and Gemma's extras).
 
-Fused q/k/v and gate/up projections, RMSNorm, rotary embeddings (``layers.rotary``), q/k/v bias
-(qwen2, or Llama's ``attention_bias``, which covers o too), per-head q/k norm (qwen3), a sliding
-window per layer, tied embeddings. Attention goes to the engine's paged attention function
-directly. The model answers the surface the engine's runner uses (``forward(input_ids,
+Fused q/k/v and gate/up projections, RMSNorm (Gemma's ``1 + weight`` form), rotary embeddings
+(``layers.rotary``), q/k/v bias (qwen2, or Llama's ``attention_bias``, which covers o too),
+per-head q/k norm (qwen3), a sliding window per layer, tied embeddings; for Gemma the embeddings
+scaled by ``sqrt(hidden_size)`` and a GELU MLP, and for Gemma 2 also four norms per layer (the
+attention and MLP outputs normed before their residual add), ``query_pre_attn_scalar`` and the
+attention and final logit soft-caps. Attention goes to the engine's paged attention function
+directly, with the step's metadata as an argument. The model answers the surface the engine's runner uses (``forward(input_ids,
 position_ids, logits_to_keep)`` with ``.logits``, ``config``, ``generation_config``,
 ``get_output_embeddings``), so the runner, the CUDA graphs and the pools treat it like any model.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -20,12 +24,13 @@ import torch
 import torch.nn.functional as F
 
 from bootstrap.capacity.shape import ModelShape
-from bootstrap.engine.attention import ATTN_IMPLEMENTATION, paged_attention
-from bootstrap.engine.layers.linear import FusedLinear
+from bootstrap.engine.attention import ATTN_IMPLEMENTATION, AttentionMetadata, DecodeMetadata, attend
+from bootstrap.engine.layers.linear import FusedLinear, RowLinear, Shard
 from bootstrap.engine.layers.norm import RMSNorm
 from bootstrap.engine.layers.rotary import Rotary, apply_rotary
 
 Device = torch.device | str | None
+Metadata = AttentionMetadata | DecodeMetadata
 
 
 @dataclass
@@ -49,6 +54,14 @@ class DecoderConfig:
     o_bias: bool
     qk_norm: bool
     layer_windows: tuple[int | None, ...]
+    hidden_act: str = "silu"
+    original_max_position_embeddings: int | None = None  # a top-level one overrides the scaling's
+    norm_offset: float = 0.0  # 1.0: Gemma's (1 + weight) norms
+    embed_scale: float | None = None  # Gemma: sqrt(hidden_size), in the weights' dtype
+    sandwich_norms: bool = False  # Gemma 2: post-attention and pre/post-feed-forward norms
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
     eos_token_id: int | list[int] | None = None
     bos_token_id: int | None = None
     torch_dtype: str | None = None
@@ -65,6 +78,8 @@ class DecoderConfig:
             tie_word_embeddings=shape.tie_word_embeddings, qkv_bias=shape.qkv_bias or shape.attention_bias,
             o_bias=shape.attention_bias, qk_norm=shape.qk_norm, layer_windows=shape.layer_windows,
             eos_token_id=cfg.get("eos_token_id"), bos_token_id=cfg.get("bos_token_id"), torch_dtype=shape.torch_dtype,
+            hidden_act=activation_name(cfg), original_max_position_embeddings=cfg.get("original_max_position_embeddings"),
+            **_gemma_options(cfg, shape),
         )  # fmt: skip
 
     def get_text_config(self) -> DecoderConfig:
@@ -77,20 +92,45 @@ def rope_theta(cfg: dict[str, Any]) -> float:
     return cfg.get("rope_theta") or params.get("rope_theta") or 10000.0
 
 
+def activation_name(cfg: dict[str, Any]) -> str:
+    """The MLP activation, from the field transformers reads for the family (Gemma 2:
+    ``hidden_activation``; the others: ``hidden_act``)."""
+    if cfg.get("model_type") == "gemma2":
+        return cfg.get("hidden_activation") or "gelu_pytorch_tanh"
+    return cfg.get("hidden_act") or ("gelu_pytorch_tanh" if cfg.get("model_type") == "gemma" else "silu")
+
+
+def _gemma_options(cfg: dict[str, Any], shape: ModelShape) -> dict[str, Any]:
+    if shape.model_type not in ("gemma", "gemma2"):
+        return {}
+    options: dict[str, Any] = {"norm_offset": 1.0, "embed_scale": shape.hidden_size**0.5}
+    if shape.model_type == "gemma2":
+        options |= {"sandwich_norms": True, "attention_scale": float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
+                    "attn_softcap": cfg.get("attn_logit_softcapping"), "final_softcap": cfg.get("final_logit_softcapping")}  # fmt: skip
+    return options
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
+
+
 class Attention(torch.nn.Module):
-    def __init__(self, config: DecoderConfig, layer_idx: int, device: Device = None) -> None:
+    """This rank's heads: q/k/v column-parallel, o row-parallel (``layers.linear``)."""
+
+    def __init__(self, config: DecoderConfig, layer_idx: int, device: Device = None, shard: Shard = Shard()) -> None:
         super().__init__()
         heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        self.layer_idx, self.heads, self.kv_heads, self.head_dim = layer_idx, heads, kv_heads, head_dim
+        self.layer_idx, self.head_dim = layer_idx, head_dim
+        self.heads, self.kv_heads = shard.local(heads, "attention heads"), shard.local(kv_heads, "KV heads")
         self.sliding_window = config.layer_windows[layer_idx]
-        self.scaling = head_dim**-0.5
+        self.scaling = config.attention_scale or head_dim**-0.5
+        self.softcap = config.attn_softcap
         parts = {"q_proj": heads * head_dim, "k_proj": kv_heads * head_dim, "v_proj": kv_heads * head_dim}
-        self.qkv_proj = FusedLinear(config.hidden_size, parts, bias=config.qkv_bias, device=device)
-        self.o_proj = torch.nn.Linear(heads * head_dim, config.hidden_size, bias=config.o_bias, device=device)
-        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, device=device) if config.qk_norm else None
-        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, device=device) if config.qk_norm else None
+        self.qkv_proj = FusedLinear(config.hidden_size, parts, bias=config.qkv_bias, device=device, shard=shard)
+        self.o_proj = RowLinear(heads * head_dim, config.hidden_size, bias=config.o_bias, device=device, shard=shard)
+        self.q_norm = norm(config, head_dim, device) if config.qk_norm else None
+        self.k_norm = norm(config, head_dim, device) if config.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata: Metadata) -> torch.Tensor:
         """``x [T, hidden]`` to ``[T, hidden]``; keys and values go to the paged KV cache."""
         tokens = x.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
@@ -100,66 +140,90 @@ class Attention(torch.nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = v.view(tokens, self.kv_heads, self.head_dim)
-        out, _ = paged_attention(self, *(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), None,
-                                 scaling=self.scaling, sliding_window=self.sliding_window)  # fmt: skip
+        out = attend(metadata, self.layer_idx, q, k, v, self.scaling, self.sliding_window, self.softcap)
         return self.o_proj(out.reshape(tokens, self.heads * self.head_dim))
 
 
+def norm(config: DecoderConfig, dim: int, device: Device) -> RMSNorm:
+    return RMSNorm(dim, config.rms_norm_eps, offset=config.norm_offset, device=device)
+
+
 class MLP(torch.nn.Module):
-    def __init__(self, config: DecoderConfig, device: Device = None) -> None:
+    """gate/up column-parallel, down row-parallel."""
+
+    def __init__(self, config: DecoderConfig, device: Device = None, shard: Shard = Shard()) -> None:
         super().__init__()
-        size = config.intermediate_size
-        self.gate_up_proj = FusedLinear(config.hidden_size, {"gate_proj": size, "up_proj": size}, device=device)
-        self.down_proj = torch.nn.Linear(size, config.hidden_size, bias=False, device=device)
+        size, parts = config.intermediate_size, {"gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
+        self.gate_up_proj = FusedLinear(config.hidden_size, parts, device=device, shard=shard)
+        self.down_proj = RowLinear(size, config.hidden_size, bias=False, device=device, shard=shard)
+        self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(torch.nn.Module):
-    def __init__(self, config: DecoderConfig, layer_idx: int, device: Device = None) -> None:
+    def __init__(self, config: DecoderConfig, layer_idx: int, device: Device = None, shard: Shard = Shard()) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_idx, device)
-        self.mlp = MLP(config, device)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device=device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device=device)
+        self.self_attn = Attention(config, layer_idx, device, shard)
+        self.mlp = MLP(config, device, shard)
+        self.input_layernorm = norm(config, config.hidden_size, device)
+        self.post_attention_layernorm = norm(config, config.hidden_size, device)
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm(config, config.hidden_size, device)
+            self.post_feedforward_layernorm = norm(config, config.hidden_size, device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata: Metadata) -> torch.Tensor:
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, metadata)
+        if not self.sandwich:
+            x = x + attended
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(attended)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class DecoderBody(torch.nn.Module):
-    """Embeddings, layers and the final norm (``model.*`` in the checkpoint)."""
+    """Embeddings, layers and the final norm (``model.*`` in the checkpoint); the embeddings and
+    norms are whole on every rank."""
 
-    def __init__(self, config: DecoderConfig, device: Device = None) -> None:
+    def __init__(self, config: DecoderConfig, device: Device = None, shard: Shard = Shard()) -> None:
         super().__init__()
         # Given its weight, Embedding skips its normal_ initialiser, which on meta goes through
         # torch's Python references and imports torch._dynamo (1.7 s on a 2-core CPU).
         weight = torch.empty(config.vocab_size, config.hidden_size, device=device)
         self.embed_tokens = torch.nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
-        self.layers = torch.nn.ModuleList(DecoderLayer(config, i, device) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device=device)
-        self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.layers = torch.nn.ModuleList(DecoderLayer(config, i, device, shard) for i in range(config.num_hidden_layers))
+        self.norm = norm(config, config.hidden_size, device)
+        self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling,
+                             max_position_embeddings=config.max_position_embeddings,
+                             original_max_position_embeddings=config.original_max_position_embeddings)  # fmt: skip
+        self.embed_scale = config.embed_scale
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: Metadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:  # rounded to the weights' dtype first, as Gemma does
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         cos, sin = self.rotary(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, metadata)
         return self.norm(x)
 
 
 class DecoderLM(torch.nn.Module):
-    """The causal LM: the body and the output head (tied to the embeddings where the config says)."""
+    """The causal LM: the body and the output head (tied to the embeddings where the config says;
+    whole on every rank, so each rank samples from the full logits)."""
 
-    def __init__(self, config: DecoderConfig, generation_eos: int | list[int] | None = None, device: Device = None) -> None:
-        """``device="meta"``: no memory and no initialisation (the loader fills every weight)."""
+    def __init__(self, config: DecoderConfig, generation_eos: int | list[int] | None = None, device: Device = None,
+                 shard: Shard = Shard()) -> None:  # fmt: skip
+        """``device="meta"``: no memory and no initialisation (the loader fills every weight);
+        ``shard``: this rank's part under tensor parallelism (the KV cache holds its KV heads)."""
         super().__init__()
         self.config = config
+        self.tp_size = shard.size
         self.generation_config = SimpleNamespace(eos_token_id=generation_eos)
-        self.model = DecoderBody(config, device)
+        self.model = DecoderBody(config, device, shard)
         self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=device)
         self.tie_weights()
 
@@ -169,16 +233,20 @@ class DecoderLM(torch.nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: torch.Tensor | int = 0,
-                **_: Any) -> SimpleNamespace:  # fmt: skip
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: torch.Tensor | int,
+                metadata: Metadata) -> SimpleNamespace:  # fmt: skip
         """``input_ids, position_ids [1, T]``; logits ``[1, kept, vocab]`` at ``logits_to_keep``
-        (indices, or the last N tokens; 0: all), as the runner asks a transformers model."""
-        hidden = self.model(input_ids[0], position_ids[0])
+        (indices, or the last N tokens; 0: all), as the runner asks a transformers model; the
+        step's attention ``metadata`` (``bootstrap.engine.attention``) as an argument."""
+        hidden = self.model(input_ids[0], position_ids[0], metadata)
         if isinstance(logits_to_keep, int):
             hidden = hidden[-logits_to_keep:] if logits_to_keep else hidden
         else:
             hidden = hidden.index_select(0, logits_to_keep)
-        return SimpleNamespace(logits=self.lm_head(hidden).unsqueeze(0))
+        logits = self.lm_head(hidden)
+        if self.config.final_softcap is not None:
+            logits = torch.tanh(logits / self.config.final_softcap) * self.config.final_softcap
+        return SimpleNamespace(logits=logits.unsqueeze(0))
 
     def get_output_embeddings(self) -> torch.nn.Module:
         return self.lm_head

@@ -2,7 +2,8 @@
 
 Every checkpoint tensor is read once, in file order, onto the target device and copied into its
 final place: a parameter of the same name, or its rows of a fused projection (``q_proj`` of
-``qkv_proj``, ``gate_proj`` of ``gate_up_proj``: ``FUSED``). The model is built on the meta
+``qkv_proj``, ``gate_proj`` of ``gate_up_proj``: ``FUSED``). Under tensor parallelism each rank
+reads only its slice of a sharded weight (``layers.linear``). The model is built on the meta
 device first, so no second full copy of the weights ever exists. A tensor the model does not
 have, a parameter no tensor filled, or a shape that differs is an error naming it.
 """
@@ -11,11 +12,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
-from bootstrap.engine.layers.linear import FusedLinear
+from bootstrap.engine.layers.linear import FusedLinear, RowLinear
 
 FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
          "up_proj": "gate_up_proj"}  # fmt: skip
@@ -40,9 +42,8 @@ def load_weights(model: torch.nn.Module, files: list[Path], device: torch.device
     for file in files:
         with safe_open(str(file), framework="pt", device=str(device)) as reader:
             for name in reader.keys():
-                if name.endswith(IGNORED):
-                    continue
-                filled |= _load_one(name, reader.get_tensor(name).to(dtype), params, modules)
+                if not name.endswith(IGNORED):
+                    filled |= _load_one(name, reader.get_slice(name), dtype, params, modules)
     tied = _tied(model)
     if filled & tied:  # the shared tensor came under one of its two names: both are filled
         filled |= tied
@@ -51,7 +52,8 @@ def load_weights(model: torch.nn.Module, files: list[Path], device: torch.device
         raise ValueError(f"the checkpoint has no tensor for {len(missing)} parameter(s): {', '.join(missing[:5])}")
 
 
-def _load_one(name: str, tensor: torch.Tensor, params: dict, modules: dict) -> set[str]:
+def _load_one(name: str, source: Any, dtype: torch.dtype, params: dict, modules: dict) -> set[str]:
+    """Read this rank's part of checkpoint tensor ``name`` (a safetensors slice) into its place."""
     owner, _, kind = name.rpartition(".")
     parent, _, part = owner.rpartition(".")
     if part in FUSED:
@@ -59,11 +61,14 @@ def _load_one(name: str, tensor: torch.Tensor, params: dict, modules: dict) -> s
         module = modules.get(fused)
         if not isinstance(module, FusedLinear):
             raise ValueError(f"checkpoint tensor {name!r} has no place in this model (no {fused!r})")
-        module.load_part(part, kind, tensor)
+        module.load_part(part, kind, source[module.checkpoint_index(part, kind, source.get_shape())].to(dtype))
         return {f"{fused}.{kind}"}
     param = params.get(name)
     if param is None:
         raise ValueError(f"checkpoint tensor {name!r} has no place in this model")
+    module = modules[owner]
+    index = module.checkpoint_index(None, kind, source.get_shape()) if isinstance(module, RowLinear) else ()
+    tensor = source[index].to(dtype)
     if param.shape != tensor.shape:
         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, the model's {tuple(param.shape)}")
     with torch.no_grad():

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import save_model
 
 from bootstrap.engine.attention import ATTN_IMPLEMENTATION, register
+from bootstrap.engine.layers.linear import Shard
 from bootstrap.engine.models import load_own_model
 from bootstrap.engine.tokenizer import load_tokenizer
 
@@ -53,9 +54,9 @@ def load_checkpoint_dir(
     """Model (eval mode, on ``device``) and tokenizer (None without tokenizer files).
 
     ``tp_size`` > 1 (inside an initialised torch.distributed group of that size): this rank's
-    shard, through transformers' tensor-parallel plan (``tp_plan="auto"``: DTensor parameters,
-    q/k/v and gate/up split by output, o and down by input with an all-reduce), placed on
-    ``cuda:LOCAL_RANK`` or the CPU by transformers itself."""
+    shard, read at load into the engine's own column- and row-parallel layers; a model on the
+    transformers path shards through its tensor-parallel plan (``tp_plan="auto"``: DTensor
+    parameters, placed on ``cuda:LOCAL_RANK`` or the CPU by transformers itself)."""
     model = own_model(path, device, dtype, attn_implementation, tp_size)
     if model is None:
         model = _transformers_model(path, device, dtype, attn_implementation, tp_size)
@@ -93,11 +94,12 @@ def checkpoint_tokenizer(path: Path) -> Any:
 
 def own_model(path: Path, device: torch.device, dtype: torch.dtype | None, attn_implementation: str | None,
               tp_size: int) -> torch.nn.Module | None:  # fmt: skip
-    """The engine's own model code for this checkpoint (``bootstrap.engine.models``), on one rank
-    with the paged attention; None keeps it on transformers (tensor parallelism shards there)."""
-    if tp_size > 1 or attn_implementation not in (None, ATTN_IMPLEMENTATION):
+    """The engine's own model code for this checkpoint (``bootstrap.engine.models``) with the
+    paged attention, this rank's shard at ``tp_size`` > 1; None keeps it on transformers."""
+    if attn_implementation not in (None, ATTN_IMPLEMENTATION):
         return None
-    return load_own_model(path, device, dtype)
+    shard = Shard(torch.distributed.get_rank(), tp_size) if tp_size > 1 else Shard()
+    return load_own_model(path, device, dtype, shard)
 
 
 def load_gguf_file(

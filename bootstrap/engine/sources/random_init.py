@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bootstrap.engine.attention import register
+from bootstrap.engine.attention import ATTN_IMPLEMENTATION, register
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -53,6 +53,48 @@ def random_config(spec: str) -> PretrainedConfig:
     if not model_type:
         raise ValueError(f"model source 'random:{spec}': the config has no 'model_type'")
     return AutoConfig.for_model(model_type, **values)
+
+
+def load_random(spec: str, device: torch.device, dtype: torch.dtype | None, attn_implementation: str | None,
+                seed: int) -> torch.nn.Module:  # fmt: skip
+    """The model of ``random:<spec>``: in the engine's own model code for the families it runs
+    (no transformers import), else through transformers."""
+    from bootstrap.engine.models import own_model_problem
+
+    values = config_dict(spec)
+    if attn_implementation in (None, ATTN_IMPLEMENTATION) and own_model_problem(values) is None:
+        model = own_random_model(values, device, dtype, seed)
+        if model is not None:
+            return model
+    return random_model(random_config(spec), device, dtype, attn_implementation, seed)
+
+
+def own_random_model(values: dict[str, Any], device: torch.device, dtype: torch.dtype | None,
+                     seed: int) -> torch.nn.Module | None:  # fmt: skip
+    """The own-code model of ``values`` with seeded random weights drawn on ``device``, as
+    transformers initialises them (normal with the config's ``initializer_range``, zero biases,
+    norms at their identity); None for a config the own code cannot read."""
+    from bootstrap.capacity.shape import ModelConfigError
+    from bootstrap.engine.layers.norm import RMSNorm
+    from bootstrap.engine.models import build_own_model
+
+    try:
+        model = build_own_model(values, device, dtype)
+    except ModelConfigError:
+        return None
+    std = float(values.get("initializer_range", 0.02))
+    forked = [_cuda_index(device)] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=forked, device_type=device.type), torch.no_grad():
+        torch.manual_seed(seed)
+        for module in model.modules():
+            for name, param in module.named_parameters(recurse=False):  # a tied head redraws the embeddings
+                if isinstance(module, RMSNorm):
+                    param.fill_(1.0 - module.offset)
+                elif name == "weight":
+                    param.normal_(0.0, std)
+                else:
+                    param.zero_()
+    return model.eval()
 
 
 def random_model(
