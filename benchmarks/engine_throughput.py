@@ -33,11 +33,12 @@ device-to-device copy of ``--bandwidth-bytes``, counting bytes read and written,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -46,7 +47,9 @@ import transformers
 from bootstrap.capacity.cuda_graph_buckets import default_batch_sizes
 from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
 from bootstrap.engine.executor import PyExecutor
+from bootstrap.engine.layers import fused
 from bootstrap.engine.loader import DEFAULT_MODEL, LoadedWeights, load_model
+from bootstrap.engine.models.decoder import DecoderLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOKENS_PER_BLOCK = 32
@@ -86,7 +89,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--graph-variants", default="auto",
                         help="engine_graphs sides, comma-separated: auto (the runner's choice: the Triton kernel and compiled "
                         "RMSNorms where Triton runs), triton, torch (gathering attention), each with +compile or +eager "
-                        "(RMSNorms compiled or not) or +layers (whole decoder layers compiled), e.g. auto,torch,triton+eager")
+                        "(RMSNorms compiled or not) or +layers (whole decoder layers compiled), and +unfused (the own model "
+                        "code's small ops as eager PyTorch instead of its fused Triton kernels), e.g. auto,triton+compile+unfused")
     parser.add_argument("--bandwidth-bytes", type=positive_int, default=None,
                         help="size of the copy that measures bandwidth (default 2 GiB on CUDA, 256 MiB on the CPU)")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
@@ -128,14 +132,28 @@ def build_engine(loaded: LoadedWeights, args: argparse.Namespace, device: torch.
     config = SchedulerConfig(batch, max(batch * args.prompt_len, batch), seq_len)
     executor = create_executor(loaded.model, cache, config, loaded.tokenizer, set(loaded.eos_token_ids), start=False)
     if graphs:
-        kernel, _, compiled = graphs.partition("+")
+        kernel, *options = graphs.split("+")
         executor.runner.decode_kernel = executor.runner._decode_kernel(kernel)
-        compile_norms = {"compile": True, "eager": False}.get(compiled)  # None: the runner's default
-        capture = executor.runner.capture_decode_graphs(default_batch_sizes(batch), compile_norms=compile_norms,
-                                                        compile_layers=compiled == "layers")  # fmt: skip
+        compile_norms = True if "compile" in options else False if "eager" in options else None  # None: the runner's default
+        with unfused_small_ops("unfused" in options):
+            capture = executor.runner.capture_decode_graphs(default_batch_sizes(batch), compile_norms=compile_norms,
+                                                            compile_layers="layers" in options)  # fmt: skip
         print(json.dumps({"variant": graphs, "kernel": executor.runner.decode_kernel, "captured": capture.num_graphs, "batch_sizes": capture.batch_sizes, "widths": capture.widths,
                           "capture_s": round(capture.seconds, 2)}), file=sys.stderr, flush=True)  # fmt: skip
     return executor
+
+
+@contextlib.contextmanager
+def unfused_small_ops(on: bool) -> Iterator[None]:
+    """With ``on``: the own model code's norms, rotary and activation run as eager PyTorch ops
+    (its CPU path) instead of its Triton kernels, to measure what the kernels bring."""
+    real = fused.usable
+    if on:
+        fused.usable = lambda x: False
+    try:
+        yield
+    finally:
+        fused.usable = real
 
 
 def side_name(variant: str | None) -> str:
@@ -191,10 +209,11 @@ def graph_step_ms(executor: PyExecutor, batch: int, args: argparse.Namespace) ->
     return round(sorted(times)[len(times) // 2], 3)
 
 
-def engine_generate(executor: PyExecutor) -> Generate:
+def engine_generate(executor: PyExecutor, unfused: bool = False) -> Generate:
     def run(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        responses = executor.generate(prompts, params)
+        with unfused_small_ops(unfused):
+            responses = executor.generate(prompts, params)
         failed = [r.error for r in responses if r.error is not None]
         if failed:
             raise RuntimeError(f"engine request failed: {failed[0]}")
@@ -317,11 +336,13 @@ def main(argv: list[str] | None = None) -> dict:
     modes = {"both": [None, *variants], "on": variants, "off": [None]}[args.cuda_graphs]
     modes = modes if device.type == "cuda" else [None]
     # torch.compile changes the model in place: variants that compile get their own copy of the weights
-    compiles = [v for v in modes if v and (v.endswith(("+compile", "+layers")) or (v in ("auto", "triton") and device.type == "cuda"))]
+    own = isinstance(engine_side.model, DecoderLM)
+    compiles = [v for v in modes if v and ({"compile", "layers"} & set(v.split("+")[1:])
+                                           or (v in ("auto", "triton") and device.type == "cuda" and not own))]  # fmt: skip
     compiled = load_model(args.model, device=device, dtype=dtype, cache_dir=args.cache_dir) if compiles else None
     executors = {side_name(v): build_engine(compiled if v in compiles else engine_side, args, device, graphs=v)
                  for v in modes}  # fmt: skip
-    sides = {name: engine_generate(ex) for name, ex in executors.items()}
+    sides = {side_name(v): engine_generate(executors[side_name(v)], unfused=bool(v and "+unfused" in v)) for v in modes}
     sides["transformers"] = hf_generate(reference.model, device)
     warm = make_prompts(1, min(args.prompt_len, 8), vocab)
     for run in sides.values():

@@ -144,13 +144,14 @@ class ModelRunner:
         see ``bootstrap.engine.cuda_graphs``). Replaces any earlier capture. ``compile_norms``:
         first ``torch.compile`` the model's RMSNorm modules (eight kernels each to one; a second
         or so of compiling at the first shapes; every later step, eager ones too, uses them).
-        Default: where the Triton decode kernel runs (Triton, which the compiler needs, is there).
+        Default: for a transformers model where the Triton decode kernel runs (Triton, which the
+        compiler needs, is there); never for the engine's own code, whose norms are fused kernels.
         ``compile_layers`` (experimental): compile whole decoder layers instead, the attention
         function left out of the compiled graphs (longer to compile, fewer kernels still)."""
         self.release_graphs()
         if compile_layers:
             self.compile_layers()
-        if compile_norms if compile_norms is not None else self.decode_kernel == "triton":
+        if compile_norms if compile_norms is not None else self._compiles_norms():
             self.compile_norms()
         graphs = DecodeGraphs(self)
         try:
@@ -160,6 +161,11 @@ class ModelRunner:
             raise
         self.graphs = graphs
         return report
+
+    def _compiles_norms(self) -> bool:
+        """By default, a transformers model's norms where the Triton decode kernel runs; the
+        engine's own model code has its fused kernels (``layers.fused``) instead."""
+        return self.decode_kernel == "triton" and not isinstance(self.model, DecoderLM)
 
     def compile_norms(self) -> int:
         """``torch.compile`` (dynamic shapes) every module whose class is an RMSNorm, in place:

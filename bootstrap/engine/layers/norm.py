@@ -1,8 +1,11 @@
-"""RMSNorm, computed in float32 as the reference implementations do, then cast back."""
+"""RMSNorm, computed in float32 as the reference implementations do, then cast back; with the
+residual add folded in when given one (one Triton kernel on CUDA, ``layers.fused``)."""
 
 from __future__ import annotations
 
 import torch
+
+from bootstrap.engine.layers import fused
 
 
 class RMSNorm(torch.nn.Module):
@@ -13,7 +16,18 @@ class RMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(dim, device=device))
         self.eps, self.offset = eps, offset
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``, the sum
+        rounded to the dtype first (as ``x = x + residual`` in eager code rounds it)."""
+        if fused.usable(x):
+            out, summed = fused.rms_norm(x, self.weight, self.eps, self.offset, residual)
+            return out if residual is None else (out, summed)
+        if residual is None:
+            return self._norm(x)
+        summed = x + residual
+        return self._norm(summed), summed
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

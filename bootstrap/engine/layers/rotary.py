@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from bootstrap.engine.layers import fused
+
 SCALINGS = ("default", "linear", "llama3", "yarn")
 REFUSED = {
     "dynamic": "frequencies recomputed from the longest sequence in the batch",
@@ -174,3 +176,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [T, H, D]`` and ``k [T, KVH, D]`` rotated: in place by one Triton kernel on CUDA
+    (``layers.fused``, the same roundings), else by ``apply_rotary``."""
+    if fused.usable(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
+        fused.rotary_(q, k, cos, sin)
+        return q, k
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -27,7 +27,8 @@ from bootstrap.capacity.shape import ModelShape
 from bootstrap.engine.attention import ATTN_IMPLEMENTATION, AttentionMetadata, DecodeMetadata, attend
 from bootstrap.engine.layers.linear import FusedLinear, RowLinear, Shard
 from bootstrap.engine.layers.norm import RMSNorm
-from bootstrap.engine.layers.rotary import Rotary, apply_rotary
+from bootstrap.engine.layers import fused
+from bootstrap.engine.layers.rotary import Rotary, rotate_qk
 
 Device = torch.device | str | None
 Metadata = AttentionMetadata | DecodeMetadata
@@ -138,7 +139,7 @@ class Attention(torch.nn.Module):
         k = k.view(tokens, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rotate_qk(q, k, cos, sin)
         v = v.view(tokens, self.kv_heads, self.head_dim)
         out = attend(metadata, self.layer_idx, q, k, v, self.scaling, self.sliding_window, self.softcap)
         return self.o_proj(out.reshape(tokens, self.heads * self.head_dim))
@@ -156,11 +157,14 @@ class MLP(torch.nn.Module):
         size, parts = config.intermediate_size, {"gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
         self.gate_up_proj = FusedLinear(config.hidden_size, parts, device=device, shard=shard)
         self.down_proj = RowLinear(size, config.hidden_size, bias=False, device=device, shard=shard)
-        self.act = ACTIVATIONS[config.hidden_act]
+        self.activation = config.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        return self.down_proj(self.act(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        if fused.usable(gate_up):
+            return self.down_proj(fused.act_mul(gate_up, self.activation))
+        gate, up = self.gate_up_proj.split(gate_up)
+        return self.down_proj(ACTIVATIONS[self.activation](gate) * up)
 
 
 class DecoderLayer(torch.nn.Module):
@@ -175,13 +179,17 @@ class DecoderLayer(torch.nn.Module):
             self.pre_feedforward_layernorm = norm(config, config.hidden_size, device)
             self.post_feedforward_layernorm = norm(config, config.hidden_size, device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata: Metadata) -> torch.Tensor:
-        attended = self.self_attn(self.input_layernorm(x), cos, sin, metadata)
-        if not self.sandwich:
-            x = x + attended
-            return x + self.mlp(self.post_attention_layernorm(x))
-        x = x + self.post_attention_layernorm(attended)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                metadata: Metadata) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The residual stream is ``x + residual`` (``residual`` None: ``x``): each residual add
+        is folded into the norm that follows it. Returns the layer's ``(output, residual)``."""
+        h, residual = self.input_layernorm(x, residual) if residual is not None else (self.input_layernorm(x), x)
+        h = self.self_attn(h, cos, sin, metadata)
+        if self.sandwich:  # Gemma 2: the attention and MLP outputs normed before their residual add
+            h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
+            return self.post_feedforward_layernorm(self.mlp(h)), residual
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderBody(torch.nn.Module):
@@ -206,9 +214,10 @@ class DecoderBody(torch.nn.Module):
         if self.embed_scale is not None:  # rounded to the weights' dtype first, as Gemma does
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         cos, sin = self.rotary(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, metadata)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, metadata)
+        return self.norm(x, residual)[0]
 
 
 class DecoderLM(torch.nn.Module):
