@@ -50,6 +50,7 @@ from bootstrap.engine.executor import PyExecutor
 from bootstrap.engine.layers import fused
 from bootstrap.engine.loader import DEFAULT_MODEL, LoadedWeights, load_model
 from bootstrap.engine.models.decoder import DecoderLM
+from bootstrap.engine.models.weights import checkpoint_tensors
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOKENS_PER_BLOCK = 32
@@ -305,12 +306,17 @@ def run_batch_sizes(args, device, sides: dict[str, Generate], vocab: int, limits
 
 
 def load_pair(args, device, dtype) -> tuple[LoadedWeights, LoadedWeights, float]:
-    """Two copies of the same weights (random sources use the same seed); the first load's time."""
+    """Two copies of the same weights; the first load's time."""
     start = time.perf_counter()
     engine_side = load_model(args.model, device=device, dtype=dtype, cache_dir=args.cache_dir)
     load_s = time.perf_counter() - start
     reference = load_model(args.model, device=device, dtype=dtype, cache_dir=args.cache_dir,
                            attn_implementation="sdpa")  # transformers' own model and attention: the reference
+    if isinstance(engine_side.model, DecoderLM) and args.model.startswith("random:"):
+        # random weights drawn in the own code differ from transformers' draw: the reference takes the engine's
+        missing, unexpected = reference.model.load_state_dict(checkpoint_tensors(engine_side.model), strict=False)
+        if unexpected or any(not name.endswith("inv_freq") for name in missing):
+            raise RuntimeError(f"the reference does not take the engine's weights: {missing or unexpected}")
     return engine_side, reference, load_s
 
 

@@ -54,9 +54,11 @@ from bootstrap.backends.native import DTYPES  # noqa: E402
 from bootstrap.capacity.config_json import parse_config  # noqa: E402
 from bootstrap.capacity.cuda_graph_buckets import default_batch_sizes  # noqa: E402
 from bootstrap.config import BootstrapConfig  # noqa: E402
+from bootstrap.engine.create import create_executor  # noqa: E402
 from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
 from bootstrap.engine.loader import load_hf_config, load_model  # noqa: E402
-from bootstrap.engine.model_runner import ModelRunner  # noqa: E402
+from bootstrap.engine.profile_run import run_dummy_requests  # noqa: E402
+from bootstrap.engine.scheduler import SchedulerConfig  # noqa: E402
 
 DEFAULT_MODELS = "random:llama-3.2-1b,random:llama-3.1-8b,random:qwen2.5-14b"
 GOALS = {"cold_over_floor": 1.3, "warm_over_cold": 0.6}
@@ -113,35 +115,35 @@ async def timed_start(config: BootstrapConfig, device: torch.device, trace_file:
 
 
 def floor(source: str, args: argparse.Namespace, device: torch.device, pool_bytes: int, graphs: bool) -> dict[str, Any]:
-    """Weights, one ``max_num_tokens`` forward, one pool of ``pool_bytes`` (and, ``graphs``, the
-    default buckets' decode graphs captured on it): each timed, then freed."""
+    """Weights, one pool of ``pool_bytes``, one ``max_num_tokens`` forward over it (a prompt
+    through the engine's runner, as profiling runs it) and, ``graphs``, the default buckets'
+    decode graphs captured on it: each timed, then freed."""
     release_memory(device)
     dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     start = time.perf_counter()
     weights = load_model(source, device=device, dtype=dtype)
     synchronize(device)
     loaded = time.perf_counter()
-    ids = torch.arange(args.max_num_tokens, device=device).remainder(weights.hf_config.get_text_config().vocab_size)
-    with torch.inference_mode():
-        weights.model(input_ids=ids.unsqueeze(0), logits_to_keep=1, use_cache=False)
-    synchronize(device)
-    forward = time.perf_counter()
     spec = KVCacheSpec.from_config(weights.hf_config, dtype)
     pool = PagedKVCache.from_bytes(spec, pool_bytes, BootstrapConfig.model_fields["tokens_per_block"].default, device)
     synchronize(device)
     allocated = time.perf_counter()
+    executor = create_executor(weights.model, pool, SchedulerConfig(args.max_batch_size, args.max_num_tokens,
+                                                                    args.max_seq_len), start=False)  # fmt: skip
+    full, rest = divmod(args.max_num_tokens, args.max_seq_len - 1)  # each prompt leaves room for its sampled token
+    run_dummy_requests(executor, [args.max_seq_len - 1] * full + ([rest] if rest else []))
+    synchronize(device)
+    forward = time.perf_counter()
     if graphs:
-        runner = ModelRunner(weights.model, pool, args.max_batch_size, args.max_seq_len)
-        runner.capture_decode_graphs(default_batch_sizes(args.max_batch_size))
-        runner.release_graphs()
-        del runner
+        executor.runner.capture_decode_graphs(default_batch_sizes(args.max_batch_size))
     done = time.perf_counter()
     weight_bytes = weights.weight_bytes
+    executor.shutdown()  # releases the graphs
     pool.release()
-    del pool, weights
+    del pool, weights, executor
     release_memory(device)
-    parts = {"weights_s": loaded - start, "forward_s": forward - loaded, "pool_s": allocated - forward,
-             "capture_s": done - allocated, "floor_s": done - start}  # fmt: skip
+    parts = {"weights_s": loaded - start, "pool_s": allocated - loaded, "forward_s": forward - allocated,
+             "capture_s": done - forward, "floor_s": done - start}  # fmt: skip
     return {**{k: round(v, 4) for k, v in parts.items()}, "weight_bytes": weight_bytes, "pool_bytes": pool_bytes}
 
 

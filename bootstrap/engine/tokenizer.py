@@ -5,13 +5,23 @@ transformers renders it: a sandboxed environment with ``trim_blocks`` and ``lstr
 loop controls, its ``tojson``, ``raise_exception`` and ``strftime_now``, and the special tokens
 as variables.
 
-``load_tokenizer`` takes this path for the tokenizer classes transformers itself runs straight
-from ``tokenizer.json`` (``TokenizersBackend``, ``PreTrainedTokenizerFast``) and the model types
-it keeps them for (``OWN_MODEL_TYPES``), and as transformers
-does for them, it uses the file's pipeline as it is (its post-processor decides BOS and EOS,
-whatever ``add_bos_token`` says; tested against the installed transformers); a class that
-rebuilds its pipeline in Python (``LlamaTokenizer``, ``Qwen2Tokenizer``, ...) or a checkpoint
-without ``tokenizer.json`` returns None, and the caller loads it through transformers.
+``load_tokenizer`` first works out the class transformers 5's ``AutoTokenizer`` picks (from the
+class ``tokenizer_config.json``, or else ``config.json``, names and the model type: ``_pipeline``)
+and runs three of them here, for the model types of ``MODEL_TYPES``: none (no config.json), llama,
+mistral, qwen2, qwen3, gemma and gemma2. As tested against the installed transformers:
+
+- ``TokenizersBackend`` / ``PreTrainedTokenizerFast``: the file's pipeline as it is (its
+  post-processor decides BOS and EOS, whatever ``add_bos_token`` says);
+- ``Qwen2Tokenizer`` (qwen2 whatever the config names; qwen3 unless it names another class) and
+  ``GemmaTokenizer`` (gemma, gemma2 unless it names another class), or either where the config
+  names it: these keep only the file's BPE vocab, merges and post-processor (BOS and EOS as above),
+  put their own model options, normalizer, pre-tokenizer and decoder around them, take their own
+  default special tokens for keys the config lacks, and add the added and special tokens back;
+  ``_rebuilt`` replays that step by step.
+
+Any other class (``LlamaTokenizer``, ...) or model type, a file the class would turn into another
+model, or a checkpoint without ``tokenizer.json`` returns None, and the caller loads it through
+transformers.
 """
 
 from __future__ import annotations
@@ -23,28 +33,124 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
-OWN_CLASSES = (None, "TokenizersBackend", "PreTrainedTokenizerFast")
-# Model types for which transformers keeps the generic class (its tokenizer mapping names none, or
-# the generic one); for others (qwen2, qwen3: Qwen2Tokenizer; gemma: GemmaTokenizer) it picks a
-# class of its own even where tokenizer_config.json says TokenizersBackend, and that class
-# rebuilds the pipeline, so those stay on transformers.
-OWN_MODEL_TYPES = (None, "llama", "mistral")  # None: no config.json beside the tokenizer
+# The pipeline of the class a config names ("file": tokenizer.json's as it is) ...
+PIPELINES = {"TokenizersBackend": "file", "PreTrainedTokenizerFast": "file", "Qwen2Tokenizer": "qwen2",
+             "Qwen2TokenizerFast": "qwen2", "GemmaTokenizer": "gemma", "GemmaTokenizerFast": "gemma"}  # fmt: skip
+# ... and of the class transformers' tokenizer mapping gives a model type where it names none
+# (None: no config.json beside the tokenizer). qwen2 is one of transformers'
+# MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS: Qwen2Tokenizer whatever the config names; mistral's
+# mapping (MistralCommonBackend where mistral-common is installed) keeps only the "file" classes here.
+MODEL_TYPES = {None: "file", "llama": "file", "mistral": "file", "qwen2": "qwen2", "qwen3": "qwen2",
+               "gemma": "gemma", "gemma2": "gemma"}  # fmt: skip
 SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# The special tokens of Qwen2Tokenizer's / GemmaTokenizer's __init__ signature, for keys the config lacks.
+DEFAULTS = {"qwen2": {"unk_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"},
+            "gemma": {"unk_token": "<unk>", "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
+                      "mask_token": "<mask>"}}  # fmt: skip
+QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 
 def load_tokenizer(path: Path) -> Tokenizer | None:
     """The tokenizer of the checkpoint directory ``path``, or None (see the module docstring)."""
-    config_file = path / "tokenizer_config.json"
+    config_file, model_file = path / "tokenizer_config.json", path / "config.json"
     config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
-    if not (path / "tokenizer.json").is_file() or config.get("tokenizer_class") not in OWN_CLASSES:
-        return None
-    if _model_type(path) not in OWN_MODEL_TYPES:
+    model_config = json.loads(model_file.read_text(encoding="utf-8")) if model_file.is_file() else {}
+    pipeline = _pipeline(config.get("tokenizer_class") or model_config.get("tokenizer_class"),
+                         model_config.get("model_type"))  # fmt: skip
+    if not (path / "tokenizer.json").is_file() or pipeline is None:
         return None
     template_file = path / "chat_template.jinja"
     template = template_file.read_text(encoding="utf-8") if template_file.is_file() else config.get("chat_template")
-    return Tokenizer(Backend.from_file(str(path / "tokenizer.json")), config, template)
+    if pipeline == "file":
+        return Tokenizer(Backend.from_file(str(path / "tokenizer.json")), config, template)
+    rebuilt = _rebuilt(path, json.loads((path / "tokenizer.json").read_text(encoding="utf-8")), config, pipeline)
+    return None if rebuilt is None else Tokenizer(rebuilt[0], {**config, **rebuilt[1]}, template)
+
+
+def _pipeline(declared: str | None, model_type: str | None) -> str | None:
+    """The pipeline of the class transformers' AutoTokenizer picks, or None for a class not ours."""
+    if model_type not in MODEL_TYPES:
+        return None
+    if declared is None or model_type == "qwen2":
+        return MODEL_TYPES[model_type]
+    pipeline = PIPELINES.get(declared)
+    return None if model_type == "mistral" and pipeline != "file" else pipeline
+
+
+def _rebuilt(path: Path, data: dict, config: Mapping[str, Any], pipeline: str) -> tuple[Backend, dict] | None:
+    """The backend Qwen2Tokenizer / GemmaTokenizer (``pipeline``) make of tokenizer.json (``data``) and
+    their named special tokens, replaying their ``__init__`` and TokenizersBackend's on the arguments
+    transformers' ``from_pretrained`` passes them; None where that is not reproduced here."""
+    model = data["model"]
+    if model.get("type") != "BPE":
+        return None  # the class would make a BPE without merges of another model's vocab; no checkpoint ships that
+    decoded = config.get("added_tokens_decoder")
+    if decoded is None:  # transformers 5 writes none: from_pretrained then takes tokenizer.json's added tokens
+        if (path / "special_tokens_map.json").is_file() or (path / "added_tokens.json").is_file():
+            return None  # ... and merges these legacy files in, which is not reproduced here
+        decoded = {token["id"]: {k: v for k, v in token.items() if k != "id"} for token in data["added_tokens"]}
+    added = {int(i): _token(t) for i, t in decoded.items()}
+    named = {key: _token(config[key]) if key in config else DEFAULTS[pipeline].get(key) for key in SPECIAL}
+    # Model-specific special tokens (other *_token keys): those saved as AddedToken dicts, then strings.
+    own = {k: v for k, v in config.items() if k.endswith("_token") and k not in SPECIAL}
+    named |= {k: _token(v) for k, v in own.items() if isinstance(v, Mapping) and v.get("__type") == "AddedToken"}
+    named |= {k: v for k, v in own.items() if isinstance(v, str)}
+    extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
+    if isinstance(extra, Mapping):
+        named |= {k: _token(v) for k, v in extra.items()}
+        extra = []
+    extra = [_token(t) for t in extra]
+
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model.get("merges", [])]
+    if pipeline == "qwen2":
+        backend = Backend(models.BPE(vocab=model["vocab"], merges=merges, dropout=None, unk_token=None,
+                                     continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
+                                     byte_fallback=False))  # fmt: skip
+        backend.decoder = decoders.ByteLevel()
+        backend.normalizer = normalizers.NFC()
+        prefix = config.get("add_prefix_space")
+        split = pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False)
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=prefix if prefix is not None else False, use_regex=False)
+        backend.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
+    else:
+        unk = str(named["unk_token"])  # "None" for a null unk_token, as the class has it
+        backend = Backend(models.BPE(vocab=model["vocab"], merges=merges, fuse_unk=True, unk_token=unk, dropout=None,
+                                     byte_fallback=True))  # fmt: skip
+        backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+        backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+        backend.normalizer = normalizers.Replace(" ", "▁")
+    minimal = {**data, "model": {**model, "vocab": {}, "merges": []}, "added_tokens": []}
+    if processor := Backend.from_str(json.dumps(minimal)).post_processor:
+        backend.post_processor = processor
+
+    # TokenizersBackend.__init__: the added tokens in id order, then the special ones still missing.
+    tokens = [token for _, token in sorted(added.items())]
+    contents = [str(token) for token in tokens]
+    for token in [*named.values(), *extra]:
+        if token is not None and str(token) not in contents and token not in tokens:
+            tokens.append(token)
+    names = [str(token) for token in named.values() if token]
+    for i, token in enumerate(tokens):
+        if isinstance(token, str):
+            tokens[i] = AddedToken(token, special=True)
+        elif not token.special and str(token) in names:
+            token.special = True
+    if tokens:
+        backend.add_tokens(tokens)
+    backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
+    if backend.post_processor is None:  # from_pretrained drops add_bos_token / add_eos_token beside tokenizer.json
+        backend.post_processor = processors.TemplateProcessing(single="$A:0", pair="$A:0 $B:1", special_tokens=[])
+    if pipeline == "qwen2":  # Qwen2Tokenizer's last step: every special token (re)added as a special AddedToken
+        every = dict.fromkeys(str(token) for token in [*named.values(), *extra] if token is not None)
+        backend.add_tokens([AddedToken(token, special=True) for token in every])
+    return backend, {key: None if named[key] is None else str(named[key]) for key in SPECIAL}
+
+
+def _token(value: Any) -> Any:
+    return AddedToken(**{k: v for k, v in value.items() if k != "__type"}) if isinstance(value, Mapping) else value
 
 
 class Tokenizer:
@@ -91,11 +197,6 @@ class Tokenizer:
             return text
         ids = self.encode(text, add_special_tokens=False)
         return Encoded(input_ids=ids) if return_dict else ids
-
-
-def _model_type(path: Path) -> str | None:
-    model_config = path / "config.json"
-    return json.loads(model_config.read_text(encoding="utf-8")).get("model_type") if model_config.is_file() else None
 
 
 class Encoded(dict):

@@ -25,9 +25,9 @@ import torch.nn.functional as F
 
 from bootstrap.capacity.shape import ModelShape
 from bootstrap.engine.attention import ATTN_IMPLEMENTATION, AttentionMetadata, DecodeMetadata, attend
+from bootstrap.engine.layers import fused
 from bootstrap.engine.layers.linear import FusedLinear, RowLinear, Shard
 from bootstrap.engine.layers.norm import RMSNorm
-from bootstrap.engine.layers import fused
 from bootstrap.engine.layers.rotary import Rotary, rotate_qk
 
 Device = torch.device | str | None
