@@ -10,6 +10,7 @@ its report. A failed build raises ``StageFailed`` and keeps every earlier artifa
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -25,8 +26,9 @@ from bootstrap.backends.base import Backend, Executor
 from bootstrap.config import BootstrapConfig
 from bootstrap.pipeline import Pipeline, Stage
 from bootstrap.pipeline.events import StageEvent
+from bootstrap.pipeline.process import ProcessTimeline
 from bootstrap.pipeline.report import stage_rows
-from bootstrap.pipeline.telemetry import ROOT_SPAN, MissingExtra, make_tracer_provider
+from bootstrap.pipeline.telemetry import ROOT_SPAN, TRACER_NAME, MissingExtra, make_tracer_provider
 from bootstrap.stages import DEFAULT_STAGES
 from bootstrap.stages.plan_cache import PlanCache
 from bootstrap.stages.summary import plan_summary
@@ -49,12 +51,24 @@ class Bootstrap:
     """One executor build on ``backend`` (the native engine on ``config.device`` by default)."""
 
     def __init__(
-        self, config: BootstrapConfig, *, backend: Backend | None = None, trace_file: Path | None = None, otlp: bool = False
-    ) -> None:
+        self, config: BootstrapConfig, *, backend: Backend | None = None, trace_file: Path | None = None, otlp: bool = False,
+        process: ProcessTimeline | None = None,
+    ) -> None:  # fmt: skip
+        """``process``: the command's timeline (``bootstrap.pipeline.process``); its spans, the
+        backend's creation among them, go to the same trace as the stages'."""
         self.config = config
-        self.backend = backend if backend is not None else default_backend(config)
+        self.process = process
         self._spans = InMemorySpanExporter()
         self._provider = make_tracer_provider(trace_file=trace_file, otlp=otlp, memory=self._spans)
+        if process is not None:
+            process.attach(self._provider.get_tracer(TRACER_NAME))
+        try:
+            with self.phase("backend") if backend is None else contextlib.nullcontext():
+                self.backend = backend if backend is not None else default_backend(config)
+        except BaseException:  # no backend, no Bootstrap: its trace is flushed and closed here
+            self._end_process()
+            self._provider.shutdown()
+            raise
         self.pipeline: Pipeline = make_pipeline(config, self.backend, tracer_provider=self._provider)
         self._started: float | None = None
         self._ready_s: float | None = None
@@ -65,13 +79,15 @@ class Bootstrap:
     async def build(self) -> Executor:
         """Run the stages; return the started executor. Raises ``StageFailed``."""
         self._started = self._started or time.monotonic()
-        artifacts = await self.pipeline.run()
+        with self._in_process():
+            artifacts = await self.pipeline.run()
         self._ready_s = time.monotonic() - self._started
         return artifacts["executor"]
 
     async def retry(self, stage_id: str | None = None) -> Executor:
         """Resume after ``StageFailed`` from the failed stage (or ``stage_id``); the executor."""
-        artifacts = await self.pipeline.retry(stage_id)
+        with self._in_process():
+            artifacts = await self.pipeline.retry(stage_id)
         self._ready_s = time.monotonic() - (self._started or time.monotonic())
         return artifacts["executor"]
 
@@ -85,15 +101,31 @@ class Bootstrap:
         """Hand the executor to the caller (see ``Pipeline.detach``) and flush the trace."""
         report = self.report()
         artifacts = self.pipeline.detach()
+        self._end_process()
         self._provider.shutdown()
         return artifacts["executor"], report
 
     async def aclose(self) -> None:
-        """Shut the executor down and release every pool and the weights; flush the trace."""
+        """Shut the executor down and release every pool and the weights (the process's
+        ``shutdown`` phase); flush the trace."""
         try:
-            await self.pipeline.aclose()
+            with self.phase("shutdown"):
+                await self.pipeline.aclose()
         finally:
+            self._end_process()
             self._provider.shutdown()
+
+    def phase(self, name: str, **attributes: Any) -> contextlib.AbstractContextManager[None]:
+        """A phase of the process's timeline around the block (``answer``, ``serving``, ...);
+        nothing without a timeline."""
+        return self.process.phase(name, **attributes) if self.process is not None else contextlib.nullcontext()
+
+    def _in_process(self) -> contextlib.AbstractContextManager[None]:
+        return self.process.current() if self.process is not None else contextlib.nullcontext()
+
+    def _end_process(self) -> None:
+        if self.process is not None:
+            self.process.end()
 
 
 def make_pipeline(

@@ -1,7 +1,5 @@
 """``python -m bootstrap.cli``: the ``bootstrap`` command (``torchrun ... -m bootstrap.cli run``)."""
 
-import sys
+from bootstrap.cli.main import entry
 
-from bootstrap.cli.main import main
-
-sys.exit(main())
+entry()

@@ -4,8 +4,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
+import os
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 from bootstrap.cli.args import HelpFormatter
 from bootstrap.cli.cache import add_cache_args, main_cache
@@ -14,6 +18,7 @@ from bootstrap.cli.plan import add_plan_args, main_plan
 from bootstrap.cli.run import add_run_args, main_run
 from bootstrap.cli.serve import add_serve_args, main_serve
 from bootstrap.cli.trace import add_trace_args, main_trace
+from bootstrap.pipeline.process import ProcessTimeline
 
 Command = Callable[[argparse.Namespace], int]
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Command]] = {
@@ -36,8 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, process: ProcessTimeline | None = None) -> int:
+    """Run the command ``argv`` names; its exit status. ``process``: the timeline its trace
+    starts from (the console script's starts at the spawn; default: now)."""
     args = build_parser().parse_args(argv)  # a bad flag: argparse's usage line, exit status 2
+    args.process = process or ProcessTimeline.from_now()
     try:
         return COMMANDS[args.command][2](args)
     except BAD_INPUT_ERRORS as exc:  # what a command did not answer itself
@@ -46,3 +54,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("bootstrap: interrupted; completed stages were rolled back", file=sys.stderr)
         return INTERRUPTED
+
+
+def entry() -> NoReturn:
+    """The ``bootstrap`` console script and ``python -m bootstrap.cli``: ``main`` with a trace
+    that starts at the process's spawn. Once its output is flushed the process ends at once
+    (``os._exit``): Python's own finalization, with torch imported, takes about a second and does
+    nothing a finished command needs (the trace is flushed, the executor shut down, no thread
+    outlives it)."""
+    code = main(sys.argv[1:], process=ProcessTimeline())
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed or broken pipe must not change the status
+            stream.flush()
+    logging.shutdown()
+    os._exit(code)

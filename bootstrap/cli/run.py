@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
-from typing import Any
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import anyio
 from rich.console import Console
@@ -28,6 +31,7 @@ from bootstrap.pipeline.events import StageEvent
 from bootstrap.pipeline.report import stage_table
 
 DEFAULT_MAX_TOKENS = 64
+T = TypeVar("T")
 DEFAULT_QUESTION = "What is the capital of France?"
 
 
@@ -50,9 +54,12 @@ def add_run_args(run: argparse.ArgumentParser) -> None:
 def main_run(args: argparse.Namespace) -> int:
     """One rank's run (or the only one); ``--tp N`` without a launcher starts N ranks of it."""
     try:
-        config = config_from_args(args)
-        check_positive(max_tokens=args.max_tokens)
-        require_engine()
+        with args.process.phase("checks"):
+            config = config_from_args(args)
+            check_positive(max_tokens=args.max_tokens)
+            require_engine()
+        if not args.json and rank_of(args) == 0:
+            announce(config, args)
         if needs_launch(config):
             check_tp_before_launch(config)
             return launch_ranks(args, config.tensor_parallel_size, main_run)
@@ -79,23 +86,68 @@ async def run_command(args: argparse.Namespace, config: BootstrapConfig,
     from bootstrap.api import Bootstrap
 
     quiet = rank_of(args) > 0  # several ranks: rank 0 speaks for all of them
-    boot = Bootstrap(config, backend=backend, trace_file=None if quiet else args.trace_file, otlp=args.otlp)
+    boot = Bootstrap(config, backend=backend, trace_file=None if quiet else args.trace_file, otlp=args.otlp,
+                     process=args.process)  # fmt: skip
     progress = None if args.json or quiet else Console(stderr=True)
     result: dict[str, Any] = {"text": "", "token_ids": []}
     try:
-        executor, failure = await _build(boot, progress)
+        executor, failure = await until_interrupted(lambda: _build(boot, progress), lambda: rolling_back(boot))
         if failure is not None:
             return {**result, **boot.report().to_dict(), "error": failure_paragraph(failure)}, failure
         report = boot.report()
-        if progress is not None:
-            print_ready(report, Console())  # quiet ranks have no progress either
         try:
-            result.update(await generate(args, require_requests(executor), report.plan["max_seq_len"]))
+            with boot.phase("answer"):
+                if progress is not None:
+                    print_ready(report, Console())  # quiet ranks have no progress either
+                answer = await until_interrupted(lambda: generate(args, require_requests(executor), report.plan["max_seq_len"]),
+                                                 lambda: "shutting the executor down")  # fmt: skip
+            result.update(answer)
         except BAD_INPUT_ERRORS as exc:
             return {**result, **report.to_dict(), "error": str(exc)}, exc
         return {**result, **report.to_dict(), "error": None}, None
     finally:
         await boot.aclose()
+
+
+def announce(config: BootstrapConfig, args: argparse.Namespace) -> None:
+    """The first line, before the engine's imports: what starts, on what, and where its trace goes."""
+    trace = f"; trace: {args.trace_file}" if args.trace_file else ""
+    tp = f" x{config.tensor_parallel_size} ranks" if config.tensor_parallel_size > 1 else ""
+    print(f"bootstrap run: {config.model} on {config.device}{tp} ({config.backend} backend){trace}", file=sys.stderr,
+          flush=True)  # fmt: skip
+
+
+async def until_interrupted(work: Callable[[], Awaitable[T]], doing: Callable[[], str]) -> T:
+    """``work()``, cancelled by Ctrl-C (SIGINT): the interrupt is acknowledged on stderr at once
+    (with ``doing()``: what happens now), and raised as ``KeyboardInterrupt`` once ``work`` has
+    unwound, its stages rolled back. A second Ctrl-C is Python's own."""
+    heard = False
+    finished: list[T] = []
+
+    async def watch(scope: anyio.CancelScope) -> None:
+        nonlocal heard
+        with anyio.open_signal_receiver(signal.SIGINT) as signals:
+            async for _ in signals:
+                heard = True
+                print(f"bootstrap: interrupted: {doing()} ...", file=sys.stderr, flush=True)
+                scope.cancel()
+                return
+
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        return await work()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch, tg.cancel_scope)
+        finished.append(await work())
+        tg.cancel_scope.cancel()
+    if heard:
+        raise KeyboardInterrupt
+    return finished[0]
+
+
+def rolling_back(boot: Any) -> str:
+    """What an interrupt during the build does: the running stages stop, then every stage rolls back."""
+    running = [s.stage for s in boot.pipeline.status.values() if s.state == "running"]
+    return f"rolling back {', '.join(running) or 'the completed stages'}"
 
 
 async def _build(boot: Any, progress: Console | None) -> tuple[Any, StageFailed | None]:

@@ -72,17 +72,22 @@ def serve_options(args: argparse.Namespace, config: Any) -> Any:
 
 def main_serve(args: argparse.Namespace) -> int:
     try:
-        config = config_from_args(args)
-        options = serve_options(args, config)
-        if options.backend_factory is None:
-            require_engine()
+        with args.process.phase("checks"):
+            config = config_from_args(args)
+            options = serve_options(args, config)
+            if options.backend_factory is None:
+                require_engine()
+        announce(config, args)
     except BAD_INPUT_ERRORS as exc:
         print(f"bootstrap: {exc}", file=sys.stderr)
         return BAD_INPUT
     try:
-        import fastapi  # noqa: F401
-        import prometheus_client  # noqa: F401
-        import uvicorn  # noqa: F401
+        with args.process.phase("server"):  # the HTTP stack's imports; the port opens in _serve
+            import fastapi  # noqa: F401
+            import prometheus_client  # noqa: F401
+            import uvicorn  # noqa: F401
+
+            import bootstrap.serve.app  # noqa: F401
     except ImportError as exc:
         print(f"bootstrap: serve needs the serve extra ({exc.name} is missing): pip install -e '.[serve]'",
               file=sys.stderr)  # fmt: skip
@@ -103,7 +108,7 @@ async def _serve(config: Any, options: Any, args: argparse.Namespace) -> BaseExc
     from bootstrap.serve.app import create_app
     from bootstrap.serve.state import ServeState
 
-    state = ServeState(config, options)
+    state = ServeState(config, options, process=args.process)
     servers: list[uvicorn.Server] = []
     app = create_app(state, on_fatal=lambda: _stop(servers))
     servers.append(_make_server(uvicorn.Config(
@@ -116,6 +121,13 @@ async def _serve(config: Any, options: Any, args: argparse.Namespace) -> BaseExc
         except SystemExit as exc:  # uvicorn's answer to a port it cannot bind (logged above)
             raise OSError("the server did not start") from exc
     return state.fatal
+
+
+def announce(config: Any, args: argparse.Namespace) -> None:
+    """The first line, before the server's and the engine's imports."""
+    trace = f"; trace: {args.trace_file}" if args.trace_file else ""
+    print(f"bootstrap serve: {config.model} on {config.device}, http://{args.host}:{args.port}{trace}", file=sys.stderr,
+          flush=True)  # fmt: skip
 
 
 def _make_server(config: Any) -> Any:

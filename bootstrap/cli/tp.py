@@ -18,15 +18,18 @@ from bootstrap.capacity.config_json import shape_from_path
 from bootstrap.capacity.presets import preset_shape
 from bootstrap.capacity.shape import ModelShape, check_tp_split
 from bootstrap.config import BootstrapConfig, ConfigError
+from bootstrap.pipeline.process import ProcessTimeline
 
 GRACE_S = 30.0  # beyond the collective timeout, for the ranks to report and release
 
 
 def needs_launch(config: Any) -> bool:
     """Several ranks asked for, and no launcher started this process as one of them."""
-    from bootstrap.parallel.torch_dist import RankEnv
+    if config.tensor_parallel_size == 1:
+        return False
+    from bootstrap.parallel.torch_dist import RankEnv  # imports torch.distributed: only for several ranks
 
-    return config.tensor_parallel_size > 1 and RankEnv.from_env() is None
+    return RankEnv.from_env() is None
 
 
 def check_tp_before_launch(config: BootstrapConfig) -> None:
@@ -66,8 +69,10 @@ def rank_backend(config: Any, args: argparse.Namespace) -> Any:
 
     env = rank_env(config)
     args.rank = env.rank
+    args.process = ProcessTimeline()  # this rank's own process, from its spawn
     kind = "cuda" if rank_device(config.device, env.local_rank).startswith("cuda") else "cpu"
-    return NativeBackend.for_config(config, collective=init_ranks(env, kind, args.dist_timeout))
+    with args.process.phase("backend", **{"bootstrap.rank": env.rank}):
+        return NativeBackend.for_config(config, collective=init_ranks(env, kind, args.dist_timeout))
 
 
 def leave() -> None:

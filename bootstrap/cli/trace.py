@@ -22,6 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from bootstrap.config import ConfigError
+from bootstrap.pipeline.process import PHASE_PREFIX, PROCESS_SPAN
 from bootstrap.pipeline.telemetry import ROOT_SPAN, MissingExtra
 
 STAGE_PREFIX = "bootstrap.stage."
@@ -92,19 +93,55 @@ def _parse_line(path: Path, number: int, line: str) -> dict[str, Any]:
 
 
 def timeline(spans: Sequence[dict[str, Any]], source: str = "") -> Timeline:
-    """Runs, stages and (when a stage took more than one) attempts, in start order. A run whose
+    """The process (when the command traced it: ``bootstrap.pipeline.process``) and its phases,
+    runs, stages and (when a stage took more than one) attempts, in start order. A run whose
     root span is missing (the process ended before the run did) is shown as ``unfinished``."""
     t0 = min(s["start_time_unix_nano"] for s in spans)
     children = _by_parent(spans)
-    bars: list[Bar] = []
+    blocks: list[tuple[int, list[Bar]]] = []
     for run_number, root in enumerate(_sorted([*_roots(spans), *_missing_roots(spans, children)]), 1):
-        bars.append(_bar(root, t0, f"pipeline run {run_number}", 0))
+        bars = [_bar(root, t0, f"pipeline run {run_number}", 0)]
         for stage in _sorted(s for s in children.get(root["span_id"], []) if _is_stage(s)):
             bars.append(_bar(stage, t0, stage["name"].removeprefix(STAGE_PREFIX), 1, _stage_note(stage)))
             attempts = [s for s in children.get(stage["span_id"], []) if s["name"].endswith(ATTEMPT_SUFFIX)]
             if len(attempts) > 1:
                 bars += [_bar(a, t0, f"attempt {_attempt_number(a)}", 2, _attempt_note(a)) for a in _sorted(attempts)]
-    return Timeline(source, bars)
+        blocks.append((root["start_time_unix_nano"], bars))
+    for phase in (s for s in spans if s["name"].startswith(PHASE_PREFIX)):
+        blocks.append((phase["start_time_unix_nano"], [_bar(phase, t0, phase["name"].removeprefix(PHASE_PREFIX), 0)]))
+    process = [_bar(p, t0, "process", 0, _coverage_note(spans, p)) for p in spans if p["name"] == PROCESS_SPAN]
+    return Timeline(source, process + [bar for _, bars in sorted(blocks, key=lambda b: b[0]) for bar in bars])
+
+
+def coverage(spans: Sequence[dict[str, Any]], process: dict[str, Any]) -> dict[str, float] | None:
+    """The share of spawn → ready and of ready → the process span's end that the process's
+    child spans cover (ready: the end of its last pipeline run); None without a finished run."""
+    runs = [s for s in spans if s["name"] == ROOT_SPAN and s["parent_span_id"] == process["span_id"]]
+    if not runs:
+        return None
+    children = sorted((s["start_time_unix_nano"], s["end_time_unix_nano"]) for s in spans
+                      if s["parent_span_id"] == process["span_id"])  # fmt: skip
+    ready = max(s["end_time_unix_nano"] for s in runs)
+    spawn, end = process["start_time_unix_nano"], process["end_time_unix_nano"]
+    return {"to_ready": _covered(children, spawn, ready) / max(ready - spawn, 1),
+            "after_ready": _covered(children, ready, end) / max(end - ready, 1)}  # fmt: skip
+
+
+def _covered(intervals: list[tuple[int, int]], lo: int, hi: int) -> int:
+    """Nanoseconds of [lo, hi] inside the union of ``intervals`` (sorted by start)."""
+    total, reach = 0, lo
+    for start, end in intervals:
+        start, end = max(start, reach), min(end, hi)
+        if end > start:
+            total, reach = total + end - start, end
+    return total
+
+
+def _coverage_note(spans: Sequence[dict[str, Any]], process: dict[str, Any]) -> str:
+    share = coverage(spans, process)
+    if share is None:
+        return "spawn to exit"
+    return f"spans cover {share['to_ready']:.0%} to ready, {share['after_ready']:.0%} after"
 
 
 def _roots(spans: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

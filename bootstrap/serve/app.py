@@ -80,6 +80,7 @@ async def drain_on_shutdown(state: ServeState) -> None:
 async def release(state: ServeState) -> None:
     """Shut the executor down and release every stage's artifact; shielded, idempotent."""
     with anyio.CancelScope(shield=True):
+        state.track_process(None)  # draining ends: the shutdown phase is the Bootstrap's own
         if state.boot is not None:
             await state.boot.aclose()
     log.info("bootstrap serve: executor shut down, everything released")

@@ -8,6 +8,7 @@ Cancelling either (a signal during the bootstrap) makes the pipeline roll every 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 from collections.abc import Awaitable, Callable
@@ -44,8 +45,10 @@ def make_bootstrap(state: ServeState) -> None:
     Set here, not returned, so a cancel that lands as the thread ends cannot lose it."""
     from bootstrap.api import Bootstrap
 
-    backend = load_backend_factory(state.options.backend_factory)(state.config)
-    state.boot = Bootstrap(state.config, backend=backend, trace_file=state.options.trace_file, otlp=state.options.otlp)
+    with state.process.phase("backend") if state.process is not None else contextlib.nullcontext():
+        backend = load_backend_factory(state.options.backend_factory)(state.config)
+    state.boot = Bootstrap(state.config, backend=backend, trace_file=state.options.trace_file, otlp=state.options.otlp,
+                           process=state.process)  # fmt: skip
 
 
 async def guarded(state: ServeState, build: Callable[..., Awaitable[None]], *args: Any) -> None:

@@ -17,6 +17,7 @@ import anyio
 
 from bootstrap.backends.base import RequestExecutor
 from bootstrap.config import BootstrapConfig
+from bootstrap.pipeline.process import ProcessTimeline
 
 Phase = Literal["starting", "bootstrapping", "ready", "failed", "shutting_down"]
 
@@ -93,12 +94,24 @@ class ServeState:
     changes: Changes = field(default_factory=Changes)
     stopping: anyio.Event = field(default_factory=anyio.Event)
     build_scope: anyio.CancelScope | None = None  # the running build or retry, cancelled at shutdown
+    process: ProcessTimeline | None = None  # the command's timeline: serving and draining are its phases
+    _process_phase: Any = None
 
     def set_phase(self, phase: Phase, error: str | None = None) -> None:
         if self.phase == "shutting_down":  # final: a late bootstrap result does not undo it
             return
         self.phase, self.error = phase, error
+        if phase in ("ready", "failed", "shutting_down"):  # the server answers from ready or failed on
+            self.track_process("draining" if phase == "shutting_down" else "serving")
         self.changes.notify()
+
+    def track_process(self, name: str | None) -> None:
+        """End the process phase in progress and (``name``) begin the next one."""
+        if self.process is None:
+            return
+        if self._process_phase is not None:
+            self.process.finish(self._process_phase)
+        self._process_phase = self.process.begin(name) if name is not None else None
 
     def elapsed_s(self) -> float:
         return time.monotonic() - self.started_at

@@ -152,7 +152,7 @@ def test_bad_input_is_one_clear_line_and_exit_2(case, checkpoints, capsys, tmp_p
     err = capsys.readouterr().err
     assert code == 2, err
     assert expected in err and "Traceback" not in err
-    assert len([line for line in err.splitlines() if line.startswith("bootstrap")]) == 1
+    assert len([line for line in err.splitlines() if line.startswith("bootstrap: ")]) == 1
 
 
 def test_console_script_prints_the_stage_table_and_the_text(checkpoints, tmp_path):

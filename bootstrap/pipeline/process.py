@@ -1,0 +1,117 @@
+"""The process a pipeline runs in, as spans, so a trace accounts for a whole start and not only
+its stages.
+
+``bootstrap.process`` runs from the interpreter's start (Linux: the process's start time in
+``/proc``) to the end of the shutdown. Under it, a span per phase the command marks:
+``bootstrap.process.start`` (the interpreter and the command's imports, up to its ``main``),
+``.checks`` (arguments and inputs), ``.backend`` (the engine's imports and its device), the
+pipeline's own root span, then ``.answer`` or ``.serving``, and ``.shutdown``. Phases that end
+before there is a tracer are kept and written with their real times once ``attach`` gives one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.trace import Span, Status, StatusCode, Tracer
+
+PROCESS_SPAN = "bootstrap.process"
+PHASE_PREFIX = "bootstrap.process."
+_IMPORTED_NS = time.time_ns()  # the fallback start where /proc does not say
+
+
+def spawn_time_ns() -> int:
+    """When this process started, in Unix nanoseconds (to Linux's 10 ms clock ticks): its start
+    in ``/proc``, counted from boot, against the time since boot now. Where there is no ``/proc``,
+    when this module was first imported."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as stat:
+            ticks = int(stat.read().rpartition(")")[2].split()[19])  # field 22: start time, in ticks after boot
+        age_ns = time.clock_gettime_ns(time.CLOCK_BOOTTIME) - ticks * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return _IMPORTED_NS
+    return time.time_ns() - max(age_ns, 0)
+
+
+@dataclass
+class Phase:
+    name: str
+    start_ns: int
+    end_ns: int
+    attributes: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+class ProcessTimeline:
+    """The phases of one process, and (once attached to a tracer) their spans."""
+
+    def __init__(self, spawn_ns: int | None = None) -> None:
+        """``spawn_ns`` None: the process's start; the time from it to now is the start phase."""
+        now = time.time_ns()
+        self.spawn_ns = min(spawn_ns if spawn_ns is not None else spawn_time_ns(), now)
+        self.phases: list[Phase] = [Phase(f"{PHASE_PREFIX}start", self.spawn_ns, now)]
+        self._tracer: Tracer | None = None
+        self._span: Span | None = None
+
+    @classmethod
+    def from_now(cls) -> ProcessTimeline:
+        """A timeline that starts now (a command called inside a longer-lived process)."""
+        return cls(time.time_ns())
+
+    @contextlib.contextmanager
+    def phase(self, name: str, **attributes: Any) -> Iterator[None]:
+        """Record ``bootstrap.process.<name>`` around the block (a span at once when attached)."""
+        phase = self.begin(name, **attributes)
+        try:
+            yield
+        except BaseException as exc:
+            phase.error = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            self.finish(phase)
+
+    def begin(self, name: str, **attributes: Any) -> Phase:
+        """A phase that starts now and ends at ``finish`` (one that spans several calls)."""
+        return Phase(f"{PHASE_PREFIX}{name}", time.time_ns(), 0, attributes)
+
+    def finish(self, phase: Phase) -> None:
+        phase.end_ns = time.time_ns()
+        self.phases.append(phase)
+        if self._span is not None:
+            self._write(phase)
+
+    def attach(self, tracer: Tracer) -> None:
+        """Open the process span (from the spawn) on ``tracer`` and write the phases so far."""
+        if self._span is not None:
+            return
+        self._tracer = tracer
+        self._span = tracer.start_span(PROCESS_SPAN, start_time=self.spawn_ns, attributes={"bootstrap.pid": os.getpid()})
+        for phase in self.phases:
+            self._write(phase)
+
+    @contextlib.contextmanager
+    def current(self) -> Iterator[None]:
+        """The process span as the current span (the pipeline's root becomes its child)."""
+        if self._span is None:
+            yield
+            return
+        with trace.use_span(self._span, end_on_exit=False):
+            yield
+
+    def end(self) -> None:
+        """End the process span (idempotent)."""
+        if self._span is not None and self._span.is_recording():
+            self._span.end()
+
+    def _write(self, phase: Phase) -> None:
+        parent = trace.set_span_in_context(self._span)
+        span = self._tracer.start_span(phase.name, context=parent, start_time=phase.start_ns, attributes=phase.attributes)
+        if phase.error is not None:
+            span.set_status(Status(StatusCode.ERROR, phase.error))
+        span.end(end_time=phase.end_ns)
