@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU suite in one command: tests/gpu, then benchmarks/startup.py and benchmarks/capacity.py,
-# then the cold-versus-warm timeline PNG. Every result goes under $OUT (default ./out):
+# then the cold-versus-warm timeline PNG, then benchmarks/cold_start.py. Every result goes under $OUT (default ./out):
 #
 #   suite.log        everything printed, with a progress line per step
 #   steps.jsonl      one line per step: name, exit status, seconds (124: stopped at its timeout)
@@ -8,6 +8,7 @@
 #   startup.json     benchmarks/startup.py (1B, 8B and 14B shapes, bfloat16)
 #   capacity.json    benchmarks/capacity.py (8B shape, bfloat16)
 #   startup_8b_cold_warm.png   bootstrap trace of the 8B cold and warm starts
+#   cold_start.json  benchmarks/cold_start.py (fresh run and serve processes on an 8B checkpoint directory)
 #   traces.tar.gz    every start's trace file
 #
 # Usage, from the repository root:  bash benchmarks/gpu_suite.sh [--smoke]
@@ -28,7 +29,7 @@ WORK=$(mktemp -d)
 export OUT WORK
 : > "$OUT/suite.log"
 : > "$OUT/steps.jsonl"
-SUITE_BUDGET_S=510
+SUITE_BUDGET_S=590
 START=$(date +%s)
 SMOKE=0
 FAILED=0
@@ -91,12 +92,14 @@ EOF
   DEVICE=(--device cpu)
   STARTUP=(--models "random:$WORK/tiny.json" --max-seq-len 64 --max-num-tokens 64 --max-batch-size 4 --repeats 1)
   CAPACITY=(--model "random:$WORK/tiny.json" --max-seq-len 64 --max-num-tokens 64 --max-batch-size 4 --load-timeout-s 60)
+  COLD=(--shape "$WORK/tiny.json" --device cpu --repeats 1 --max-seq-len 64 --max-num-tokens 64 --max-batch-size 4)
 else
   DEVICE=(--device cuda --dtype bfloat16)
   STARTUP=(--models random:llama-3.2-1b,random:llama-3.1-8b,random:qwen2.5-14b --max-seq-len 8192
            --max-num-tokens 8192 --max-batch-size 64 --repeats 3)
   CAPACITY=(--model random:llama-3.1-8b --max-seq-len 8192 --max-num-tokens 8192 --max-batch-size 256
             --load-timeout-s 100)
+  COLD=(--shape llama-3.1-8b --device cuda --repeats 3)
 fi
 
 say "results under $OUT"
@@ -110,6 +113,7 @@ run_step startup 200 python3 benchmarks/startup.py "${DEVICE[@]}" "${STARTUP[@]}
   --trace-dir "$WORK/traces" --out "$OUT/startup.json"
 run_step capacity 260 python3 benchmarks/capacity.py "${DEVICE[@]}" "${CAPACITY[@]}" --out "$OUT/capacity.json"
 run_step timeline_png 30 bash -c render_png
+run_step cold_start 300 python3 benchmarks/cold_start.py "${COLD[@]}" --workdir "$WORK/cold" --out "$OUT/cold_start.json"
 tar -czf "$OUT/traces.tar.gz" -C "$WORK" traces 2> /dev/null || { rm -f "$OUT/traces.tar.gz"; say "no traces to pack"; }
 say "done; steps:"
 cat "$OUT/steps.jsonl"

@@ -101,10 +101,11 @@ def test_the_gpu_suite_script_runs_every_step_and_writes_every_result(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:]
     out = tmp_path / "out"
     expected = {"suite.log", "steps.jsonl", "gpu_tests.xml", "startup.json", "capacity.json",
-                "startup_8b_cold_warm.png", "traces.tar.gz"}  # fmt: skip
+                "startup_8b_cold_warm.png", "traces.tar.gz", "cold_start.json"}  # fmt: skip
     assert {p.name for p in out.iterdir()} == expected  # the device tool brings back at most 8 files
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps] == ["install_wheels", "environment", "gpu_tests", "startup", "capacity", "timeline_png"]
+    assert [s["step"] for s in steps] == ["install_wheels", "environment", "gpu_tests", "startup", "capacity", "timeline_png",
+                                              "cold_start"]
     assert all(s["rc"] == 0 for s in steps)
     assert "capacity: finished, exit 0" in (out / "suite.log").read_text()
 

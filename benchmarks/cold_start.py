@@ -1,0 +1,267 @@
+"""The start a user sees: real ``bootstrap run`` and ``bootstrap serve`` processes on a checkpoint
+directory this script writes, timed from the spawn, cold and warm, against the floor.
+
+Per repeat and mode (``cold``: an empty plan cache and an empty Triton cache; ``warm``: both
+filled by the cold start before it), from the parent's clock at ``Popen``:
+
+- ``run``: the first line on stderr, ready and the end of the answer (from the trace, counted
+  from the spawn), the exit, and the exit's lag behind the answer;
+- ``serve``: the first line, the port open, ``GET /ready`` answering 200, the first streamed token
+  of a streamed completion, and the exit after SIGTERM;
+- each with the trace's phase and stage durations (``bootstrap.process.*``) and the share of the
+  process the spans cover.
+
+The floor, in a fresh process of its own: import torch, initialise the device, then
+``startup.floor`` (the weights to the device, one pool, one ``max_num_tokens`` forward, the graph
+captures); ``floor_s`` counts from that process's spawn. Prints JSON and writes it to ``--out``:
+
+    python benchmarks/cold_start.py --shape llama-3.1-8b --device cuda --repeats 3 --out cold_start.json
+    python benchmarks/cold_start.py --shape smollm2-135m --device cpu --repeats 3 --out cold_start_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+WORDS = 512  # the word-level tokenizer written beside the weights: w0 .. w511
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add = parser.add_argument
+    add("--shape", default="smollm2-135m", help="a preset (bootstrap plan's presets) or a config.json: the checkpoint's shape")
+    add("--device", default="cpu", help="cpu or cuda")
+    add("--repeats", type=int, default=3)
+    add("--max-seq-len", type=int, default=8192)
+    add("--max-num-tokens", type=int, default=8192)
+    add("--max-batch-size", type=int, default=64)
+    add("--workdir", type=Path, default=None, help="where the checkpoint and caches go (default: a temporary directory)")
+    add("--out", type=Path, default=None, help="also write the JSON here")
+    add("--floor-only", action="store_true", help=argparse.SUPPRESS)  # the floor's own process
+    add("--model", type=Path, default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def write_checkpoint(args: argparse.Namespace, path: Path) -> dict[str, Any]:
+    """The preset's shape, random bfloat16 weights (float32 on the CPU), a word-level tokenizer."""
+    if (path / "config.json").is_file():
+        return {"checkpoint": str(path), "written": False}
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    done = subprocess.run([sys.executable, str(HERE / "write_checkpoint.py"), "--model", args.shape, "--out", str(path),
+                           "--device", args.device, "--dtype", dtype], capture_output=True, text=True, check=True)  # fmt: skip
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = min(WORDS, json.loads((path / "config.json").read_text())["vocab_size"])
+    vocab = {f"w{i}": i for i in range(words)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "w1",
+                                                            "eos_token": "w2", "unk_token": "w0"}))  # fmt: skip
+    return {"checkpoint": str(path), "written": True, **json.loads(done.stdout.strip().splitlines()[-1])}
+
+
+class Child:
+    """A ``bootstrap`` process with its stdout and stderr read line by line, each line timed."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        self.t0 = time.perf_counter()
+        self.proc = subprocess.Popen([sys.executable, "-m", "bootstrap.cli", *argv], env=env, text=True, bufsize=1,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        self.lines: dict[str, list[tuple[float, str]]] = {"stdout": [], "stderr": []}
+        self._readers = [threading.Thread(target=self._read, args=(name,), daemon=True) for name in self.lines]
+        for reader in self._readers:
+            reader.start()
+
+    def _read(self, name: str) -> None:
+        for line in getattr(self.proc, name):
+            self.lines[name].append((self.now(), line.rstrip("\n")))
+
+    def now(self) -> float:
+        return round(time.perf_counter() - self.t0, 3)
+
+    def wait(self, timeout: float = 600.0) -> tuple[int, float]:
+        code = self.proc.wait(timeout)
+        exited = self.now()
+        for reader in self._readers:
+            reader.join(5)
+        return code, exited
+
+
+def caches(work: Path, mode: str, repeat: int) -> tuple[dict[str, str], Path]:
+    """The environment and plan cache of one start: ``cold`` gets empty ones, ``warm`` the cold
+    start's of the same repeat."""
+    where = work / f"caches-{repeat}"
+    if mode == "cold" and where.exists():
+        import shutil
+
+        shutil.rmtree(where)
+    env = {**os.environ, "TRITON_CACHE_DIR": str(where / "triton"), "TORCHINDUCTOR_CACHE_DIR": str(where / "inductor"),
+           "PYTHONUNBUFFERED": "1"}  # fmt: skip
+    return env, where / "plans"
+
+
+def shape_flags(args: argparse.Namespace) -> list[str]:
+    return ["--device", args.device, "--max-seq-len", str(args.max_seq_len), "--max-num-tokens", str(args.max_num_tokens),
+            "--max-batch-size", str(args.max_batch_size)]  # fmt: skip
+
+
+def time_run(args: argparse.Namespace, model: Path, work: Path, mode: str, repeat: int) -> dict[str, Any]:
+    env, plans = caches(work, mode, repeat)
+    trace = work / f"run-{mode}-{repeat}.jsonl"
+    child = Child(["run", "--model", str(model), *shape_flags(args), "--plan-cache", str(plans), "--trace-file",
+                   str(trace), "--prompt", "w5 w7 w9 w11", "--max-tokens", "16", "--temperature", "0"], env)  # fmt: skip
+    code, exited = child.wait()
+    timed = spans(trace)
+    answered = timed.get("trace_answer_end_s")
+    return {"code": code, "first_line_s": _first(child.lines["stderr"]), "exit_s": exited,
+            "exit_after_answer_s": round(exited - answered, 3) if answered else None, **timed}  # fmt: skip
+
+
+def time_serve(args: argparse.Namespace, model: Path, work: Path, mode: str, repeat: int) -> dict[str, Any]:
+    env, plans = caches(work, mode, repeat)
+    trace = work / f"serve-{mode}-{repeat}.jsonl"
+    port = _free_port()
+    child = Child(["serve", "--model", str(model), *shape_flags(args), "--plan-cache", str(plans), "--trace-file",
+                   str(trace), "--port", str(port)], env)  # fmt: skip
+    opened = _poll(child, lambda: socket.create_connection(("127.0.0.1", port), timeout=1).close())
+    ready = _poll(child, lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2))
+    first_token = _first_token(child, port, str(model)) if ready is not None else None
+    sigterm = child.now()
+    child.proc.send_signal(signal.SIGTERM)
+    code, exited = child.wait()
+    return {"code": code, "first_line_s": _first(child.lines["stderr"]), "port_open_s": opened, "ready_s": ready,
+            "first_token_s": first_token, "exit_after_sigterm_s": round(exited - sigterm, 3), **spans(trace)}  # fmt: skip
+
+
+def _first(lines: list[tuple[float, str]]) -> float | None:
+    return lines[0][0] if lines else None
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _poll(child: Child, probe: Any, timeout: float = 600.0) -> float | None:
+    """When ``probe()`` first succeeds (an HTTP error or a refused connection: not yet)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and child.proc.poll() is None:
+        try:
+            probe()
+            return child.now()
+        except OSError:
+            time.sleep(0.02)
+    return None
+
+
+def _first_token(child: Child, port: int, model: str) -> float | None:
+    body = json.dumps({"model": model, "prompt": "w5 w7 w9", "max_tokens": 8, "stream": True})
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body.encode(),
+                                     headers={"content-type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=120) as stream:
+        for line in stream:
+            if line.startswith(b"data: {"):
+                return child.now()
+    return None
+
+
+def spans(trace: Path) -> dict[str, Any]:
+    """The trace's phases and stages (seconds) and the share of the process they cover."""
+    if not trace.is_file():
+        return {"spans": None}
+    sys.path.insert(0, str(HERE.parent))
+    from bootstrap.cli.trace import coverage, read_spans
+
+    records = read_spans(trace)
+    process = next((s for s in records if s["name"] == "bootstrap.process"), None)
+    durations = {s["name"].removeprefix("bootstrap."): round((s["end_time_unix_nano"] - s["start_time_unix_nano"]) / 1e9, 3)
+                 for s in records if not s["name"].endswith(".attempt")}  # fmt: skip
+    share = coverage(records, process) if process is not None else None
+    since_spawn = {}  # when (from the spawn) the pipeline and the answer ended
+    for name, key in (("bootstrap.pipeline", "trace_ready_s"), ("bootstrap.process.answer", "trace_answer_end_s")):
+        ends = [s["end_time_unix_nano"] for s in records if s["name"] == name]
+        if process is not None and ends:
+            since_spawn[key] = round((max(ends) - process["start_time_unix_nano"]) / 1e9, 3)
+    return {**since_spawn, "spans": durations, "coverage": {k: round(v, 4) for k, v in share.items()} if share else None}
+
+
+def measure_floor(args: argparse.Namespace, model: Path, pool_bytes: int) -> dict[str, Any]:
+    done = subprocess.run([sys.executable, __file__, "--floor-only", "--model", str(model), "--device", args.device,
+                           "--max-seq-len", str(args.max_seq_len), "--max-num-tokens", str(args.max_num_tokens),
+                           "--max-batch-size", str(args.max_batch_size), "--out", str(pool_bytes)],
+                          capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
+    if done.returncode != 0:
+        return {"error": done.stderr[-2000:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def floor_process(args: argparse.Namespace) -> None:
+    """The floor's own fresh process (``--floor-only``; ``--out`` carries the pool's bytes)."""
+    t_import = time.perf_counter()
+    import torch
+
+    imported = time.perf_counter()
+    device = torch.device(args.device)
+    torch.empty(1, device=device)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    initialised = time.perf_counter()
+    sys.path.insert(0, str(HERE))
+    from startup import floor
+
+    args.dtype = "auto"
+    parts = floor(str(args.model), args, device, int(str(args.out)), graphs=device.type == "cuda")
+    from bootstrap.pipeline.process import spawn_time_ns
+
+    print(json.dumps({"import_torch_s": round(imported - t_import, 3), "device_init_s": round(initialised - imported, 3),
+                      **parts, "floor_s": round((time.time_ns() - spawn_time_ns()) / 1e9, 3)}))  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.floor_only:
+        floor_process(args)
+        return {}
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="cold-start-"))
+    model = work / f"checkpoint-{Path(args.shape).stem}"
+    result: dict[str, Any] = {"benchmark": "cold_start", "command": " ".join(sys.argv), "shape": args.shape,
+                              "device": args.device, "checkpoint": write_checkpoint(args, model), "repeats": []}  # fmt: skip
+    for repeat in range(args.repeats):
+        row = {mode: {"run": time_run(args, model, work, mode, repeat)} for mode in ("cold", "warm")}
+        for mode in ("cold", "warm"):
+            row[mode]["serve"] = time_serve(args, model, work, mode, repeat)
+        result["repeats"].append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    pool = _pool_bytes(work / "run-cold-0.jsonl")
+    result["floor"] = measure_floor(args, model, pool) if pool else {"error": "no KV budget in the cold trace"}
+    print(json.dumps(result, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _pool_bytes(trace: Path) -> int | None:
+    for line in trace.read_text().splitlines() if trace.is_file() else []:
+        span = json.loads(line)
+        if span["name"] == "bootstrap.stage.capacity":
+            return span["attributes"].get("bootstrap.kv.budget_bytes")
+    return None
+
+
+if __name__ == "__main__":
+    main()
