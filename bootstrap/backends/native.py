@@ -4,7 +4,10 @@ The stages decide sizes and retries; this module does the torch work, always on 
 device thread, and pushes the release of everything it allocates on the attempt's ``Undo``:
 
   load_model        weights (and draft weights) through the engine's loader; released by moving
-                    every parameter to the ``meta`` device, so no stray reference keeps them alive
+                    every parameter to the ``meta`` device, so no stray reference keeps them alive.
+                    The loader's slow first-use steps (in ``resolve_classes`` the default
+                    model's fetch and a GGUF file's metadata read, here its conversion) print
+                    progress lines to stderr (``progress``; only rank 0 of several)
   estimation_build  probe pools of the estimation token count (target and draft), a temporary
                     executor on each (no worker); released by shutting the executors down
   profiling         dummy requests filling ``max_num_tokens`` (cut by ``max_seq_len``) through the
@@ -61,6 +64,7 @@ from bootstrap.engine.model_runner import ModelRunner
 from bootstrap.engine.profile_run import run_dummy_requests
 from bootstrap.engine.sampling import SamplingParams
 from bootstrap.engine.scheduler import SchedulerConfig
+from bootstrap.engine.sources.progress_lines import Progress, quiet, to_stderr
 from bootstrap.engine.sources.smollm2 import ModelFetchError
 from bootstrap.pipeline.collective import Collective
 from bootstrap.pipeline.stage import is_transient_io
@@ -98,13 +102,18 @@ class NativeBackend:
     kv_manager = "PagedKVCache"
 
     def __init__(
-        self, device: Device, torch_device: torch.device, cache_dir: Path | None = None, collective: Collective | None = None
-    ) -> None:
+        self, device: Device, torch_device: torch.device, cache_dir: Path | None = None,
+        collective: Collective | None = None, progress: Progress | None = None,
+    ) -> None:  # fmt: skip
+        """``progress``: where the loader's first-use steps report; default stderr, on rank 0 only."""
         self.device = device
         self.torch_device = torch_device
         self.cache_dir = cache_dir
         self.collective = collective  # several ranks: the pipeline agrees every attempt through it
         self.tp = collective.world_size if collective is not None else 1
+        if progress is None:
+            progress = to_stderr if collective is None or collective.rank == 0 else quiet
+        self.progress = progress
 
     @classmethod
     def for_config(
@@ -127,7 +136,7 @@ class NativeBackend:
     def model_shape(self, spec: str) -> ModelShape:
         """The shape as the native pool stores it: every attention layer at full length."""
         with unreadable_as_source_error(spec):
-            shape = parse_config(config_dict(spec, cache_dir=self.cache_dir))
+            shape = parse_config(config_dict(spec, cache_dir=self.cache_dir, progress=self.progress))
         return dataclasses.replace(shape, layer_windows=(None,) * shape.num_layers)
 
     def default_dtype(self, shape: ModelShape) -> str:
@@ -183,7 +192,7 @@ class NativeBackend:
         undo.push(self._settler())  # a load that fails half way leaves garbage for the allocator's cache
         with unreadable_as_source_error(source):
             weights = load_model(source, device=self.torch_device, dtype=DTYPES[dtype], cache_dir=self.cache_dir,
-                                 tp_size=self.tp)  # fmt: skip
+                                 tp_size=self.tp, progress=self.progress)  # fmt: skip
         undo.push(lambda: weights.model.to(torch.device("meta")))  # frees the storage even if a reference survives
         return weights
 

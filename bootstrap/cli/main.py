@@ -26,7 +26,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Comman
     "run": ("build the real executor through the stages and answer one prompt", add_run_args, main_run),
     "serve": ("an OpenAI-compatible server; the port opens while the stages run", add_serve_args, main_serve),
     "trace": ("draw the stages and attempts of --trace-file files as timelines", add_trace_args, main_trace),
-    "cache": ("manage the plan cache", add_cache_args, main_cache),
+    "cache": ("list or clear the plan and model caches, with their sizes", add_cache_args, main_cache),
 }
 
 

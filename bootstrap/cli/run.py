@@ -135,12 +135,18 @@ async def until_interrupted(work: Callable[[], Awaitable[T]], doing: Callable[[]
 
     if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
         return await work()
+    raised: list[Exception] = []
     async with anyio.create_task_group() as tg:
         tg.start_soon(watch, tg.cancel_scope)
-        finished.append(await work())
+        try:
+            finished.append(await work())
+        except Exception as exc:  # carried out of the task group as itself, not in an exception group
+            raised.append(exc)
         tg.cancel_scope.cancel()
     if heard:
         raise KeyboardInterrupt
+    if raised:
+        raise raised[0]
     return finished[0]
 
 

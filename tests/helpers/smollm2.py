@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 from bootstrap.engine.sources import smollm2
+from bootstrap.engine.sources.model_cache import default_cache_dir
 
 
 def smollm2_cache_dir() -> Path:
-    cache = smollm2.default_cache_dir()
+    cache = default_cache_dir()
     try:
         smollm2.ensure_checkpoint(cache)
     except smollm2.ModelFetchError as exc:  # offline, and not cached yet: nothing to test against

@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import gguf
-import numpy as np
 import pytest
 import torch
+from helpers.tiny_gguf import write_tiny_gguf
 from helpers.tiny_models import last_logits
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -117,71 +116,15 @@ def test_checkpoint_dir_dtype_override_and_no_tokenizer(tmp_path, tiny_model):
         assert torch.equal(value, original[key].to(torch.bfloat16)), key
 
 
-def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """HF -> GGUF q/k row order (what llama.cpp's converter does; transformers undoes it)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-_GGUF_LAYER = {
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-    "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-_GGUF_TOP = {
-    "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-
-
-def _gguf_name(key: str, value: np.ndarray, config) -> tuple[str, np.ndarray]:
-    if key in _GGUF_TOP:
-        return _GGUF_TOP[key], value
-    _, _, layer, *rest = key.split(".")
-    part = ".".join(rest[:-1])
-    if part == "self_attn.q_proj":
-        value = _permute(value, config.num_attention_heads)
-    elif part == "self_attn.k_proj":
-        value = _permute(value, config.num_key_value_heads)
-    return f"blk.{layer}.{_GGUF_LAYER[part]}.weight", value
-
-
-def write_tiny_gguf(path: Path, model: LlamaForCausalLM) -> None:
-    c = model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_rope_freq_base(10000.0)
-    tokens = ["<unk>", "<s>", "</s>", *"abcdefghijklmnopqrstuvwxyz", "ab"]
-    tokens += [f"x{i}" for i in range(c.vocab_size - len(tokens))]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
-    writer.add_token_merges(["a b"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    for key, tensor in model.state_dict().items():
-        writer.add_tensor(*_gguf_name(key, tensor.float().numpy(), c))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 def test_gguf_file_matches_the_model_it_was_written_from(tmp_path, tiny_model):
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, tiny_model)
-    loaded = load_model(str(path), device=CPU)
+    loaded = load_model(str(path), device=CPU, cache_dir=tmp_path / "models", attn_implementation="sdpa")  # exact
     assert torch.equal(logits(loaded.model), logits(tiny_model))
     assert loaded.tokenizer("abc").input_ids == [29, 5]  # the "a b" merge applied
     assert loaded.eos_token_ids == {2}
     assert "quantization_config" not in json.loads(loaded.hf_config.to_json_string())
-    assert load_hf_config(str(path)).num_hidden_layers == 2
+    assert load_hf_config(str(path), cache_dir=tmp_path / "models").num_hidden_layers == 2
 
 
 def test_gguf_conversion_writes_a_fast_checkpoint_atomically(tmp_path, tiny_model):
@@ -304,7 +247,7 @@ def test_offline_fetch_says_what_was_tried_and_how_to_provide_the_file(tmp_path,
 
 
 def test_publish_replaces_an_incomplete_leftover_but_keeps_a_complete_one(tmp_path):
-    from bootstrap.engine.sources.checkpoint import publish
+    from bootstrap.engine.sources.model_cache import publish
 
     def staged(name: str) -> Path:
         d = tmp_path / name

@@ -80,7 +80,7 @@ def test_no_plan_cache_profiles_every_start(checkpoints, capsys, tmp_path):
 def test_cache_clear_removes_every_cached_plan(checkpoints, capsys, tmp_path):
     run_json(capsys, "--model", str(checkpoints["llama"]), "--max-tokens", "2", "--plan-cache", str(tmp_path / "plans"))
     assert len(list((tmp_path / "plans").glob("*.json"))) == 1
-    assert main(["cache", "clear", "--plan-cache", str(tmp_path / "plans")]) == 0
+    assert main(["cache", "clear", "--plans", "--plan-cache", str(tmp_path / "plans")]) == 0
     assert "removed 1 cached plan" in capsys.readouterr().out and not (tmp_path / "plans").exists()
 
 

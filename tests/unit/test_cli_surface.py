@@ -85,7 +85,9 @@ class Interrupt:
     (["serve", "--port", "70000"], BAD_INPUT),
     (["serve", "--max-seq-len", "1"], BAD_INPUT),
     (["trace", "/no/such/trace.jsonl"], BAD_INPUT),
-    (["cache", "clear", "--plan-cache", "{tmp}/plans"], OK),
+    (["cache", "clear", "--plan-cache", "{tmp}/plans", "--model-cache", "{tmp}/models"], OK),
+    (["cache", "list", "--plan-cache", "{tmp}/plans", "--model-cache", "{tmp}/models"], OK),
+    (["cache", "list", "--model-cache", "{tmp}/plans", "--plans", "--models"], BAD_INPUT),  # one of the two, or both
     (["plan", "--no-such-flag"], BAD_INPUT),  # argparse's own refusal
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else str(v))  # fmt: skip
 def test_exit_status(argv, status, tmp_path, capsys):

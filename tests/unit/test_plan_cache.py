@@ -1,9 +1,10 @@
 """Plan cache on the simulated backend: a cached profile is reused only for the exact setup it
-was measured for; an entry that cannot be used, or a store that fails, costs a profiling run and
-one warning, never the start."""
+was measured for (the model by its shape, however its config was read); an entry that cannot be
+used, or a store that fails, costs a profiling run and one warning, never the start."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -15,7 +16,7 @@ from bootstrap.backends.sim import SimBackend
 from bootstrap.backends.sim_gpus import sim_device
 from bootstrap.config import BootstrapConfig
 from bootstrap.pipeline.telemetry import make_tracer_provider
-from bootstrap.stages.plan_cache import PlanCache
+from bootstrap.stages.plan_cache import PlanCache, fingerprint
 from bootstrap.stages.resolve_classes import resolve_classes
 
 BASE = dict(model="llama-3.1-8b", max_seq_len=8192, max_num_tokens=8192, max_batch_size=64)
@@ -78,6 +79,26 @@ def warm_cache(tmp_path_factory):
 @pytest.mark.parametrize("field", sorted(CHANGED))
 async def test_a_cached_plan_is_not_reused_when_a_field_changes(warm_cache, field):
     assert await start(warm_cache, **{field: CHANGED[field]}) == "ok"
+
+
+def test_a_model_s_stored_dtype_is_not_in_its_key_but_every_figure_of_its_shape_is():
+    """A .gguf file's config has no dtype, the checkpoint converted from it says float32: one
+    model, one plan (the weights load in the resolved dtype, which the key holds either way)."""
+    backend = SimBackend(sim_device("h100-80gb"))
+    config = BootstrapConfig.parse(**BASE)
+    resolved = resolve_classes(config, backend)
+
+    def key(**shape) -> str:
+        changed = dataclasses.replace(resolved, shape=dataclasses.replace(resolved.shape, **shape))
+        return fingerprint(config, changed, backend.device, backend.name)
+
+    assert key(torch_dtype=None) == key(torch_dtype="float32") == key(torch_dtype="bfloat16")
+    others = [key(num_kv_heads=4), key(vocab_size=resolved.shape.vocab_size + 1), key(head_dim=64),
+              key(max_position_embeddings=4096), key(tie_word_embeddings=True)]  # fmt: skip
+    assert len({key(), *others}) == 1 + len(others)
+    draft = dataclasses.replace(resolved, draft_shape=dataclasses.replace(resolved.shape, torch_dtype=None))
+    as_converted = dataclasses.replace(draft, draft_shape=resolved.shape)
+    assert fingerprint(config, draft, backend.device, "sim") == fingerprint(config, as_converted, backend.device, "sim")
 
 
 @pytest.mark.parametrize("field", sorted(REJECTED_FOR_EVERY_PRESET))

@@ -45,6 +45,7 @@ def load_own_model(path: Path, device: torch.device, dtype: torch.dtype | None,
                    shard: Shard = Shard()) -> torch.nn.Module | None:  # fmt: skip
     """The checkpoint at ``path`` in the engine's own model code (this rank's part of it under
     tensor parallelism), or None (said once in the log) when it stays on the transformers path."""
+    from bootstrap.engine.models.compile_ahead import compiling_ahead
     from bootstrap.engine.models.weights import load_weights, safetensors_files
 
     cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
@@ -58,7 +59,8 @@ def load_own_model(path: Path, device: torch.device, dtype: torch.dtype | None,
     if problem is not None:
         log.info("model %s loads through transformers: %s", path, problem)
         return None
-    load_weights(model, files, device, model.dtype)
+    with compiling_ahead(model):  # Triton's first compile of the kernels, while the weights are read
+        load_weights(model, files, device, model.dtype)
     return model.eval()
 
 

@@ -1,10 +1,12 @@
 """Local Hugging Face checkpoint directories and GGUF files, read without any network access.
 
-Also writes the fast-loading form of a GGUF-loaded model: transformers marks such a model as
-quantized and refuses ``save_pretrained`` on it, although its weights are plain tensors, so the
-state dict goes to safetensors directly, next to a cleaned ``config.json`` and the tokenizer.
-The directory is written under a temporary name and renamed into place, so an interrupted
-conversion never leaves a half-written cache behind.
+Also writes the fast-loading form of a GGUF-loaded model (``convert_gguf``): transformers marks
+such a model as quantized and refuses ``save_pretrained`` on it, although its weights are plain
+tensors, so the state dict goes to safetensors directly (float32, as dequantized), next to a
+cleaned ``config.json``, the tokenizer and a ``source.json`` saying what it was converted from.
+The directory is written under a temporary name and renamed into place
+(``model_cache.publish``), so an interrupted conversion never leaves a half-written cache
+behind; the conversion reports its start and, at the end, the time it took (``progress``).
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import os
 import shutil
 import tempfile
+import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +27,8 @@ from safetensors.torch import save_model
 from bootstrap.engine.attention import ATTN_IMPLEMENTATION, register
 from bootstrap.engine.layers.linear import Shard
 from bootstrap.engine.models import load_own_model
+from bootstrap.engine.sources.model_cache import SOURCE_FILE, publish, size_of, size_text
+from bootstrap.engine.sources.progress_lines import Progress, quiet
 from bootstrap.engine.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
@@ -31,14 +36,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 # config keys that describe the GGUF container, not the model
 _GGUF_ONLY_KEYS = ("quantization_config", "_name_or_path", "_model_name_or_path")
-
-
-def has_weights(path: Path) -> bool:
-    """True when ``path`` holds safetensors or PyTorch weight files."""
-    return any(any(path.glob(pattern)) for pattern in WEIGHT_PATTERNS)
 
 
 def _model_kwargs(dtype: torch.dtype | None, attn_implementation: str | None) -> dict[str, Any]:
@@ -116,11 +115,16 @@ def load_gguf_file(
     return model.eval(), tokenizer
 
 
-def gguf_config(path: Path) -> PretrainedConfig:
-    """The model config stored in a GGUF file's metadata, without the weights."""
+def gguf_config(path: Path, progress: Progress = quiet) -> PretrainedConfig:
+    """The model config stored in a GGUF file's metadata, without the weights (transformers reads
+    every field, the vocabulary too: seconds for a real model, so it reports to ``progress``)."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    started, doing = time.monotonic(), f"reading the model config of {path.name} from its GGUF metadata"
+    progress(f"{doing} ...")
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    progress(f"{doing}: done in {time.monotonic() - started:.1f} s")
+    return config
 
 
 def clean_config_dict(config: PretrainedConfig) -> dict[str, Any]:
@@ -139,8 +143,12 @@ def without_gguf_marks(config: PretrainedConfig) -> PretrainedConfig:
     return clean
 
 
-def convert_gguf(gguf_path: Path, target: Path) -> Path:
-    """Write a GGUF model as a plain checkpoint dir at ``target`` (atomic); return ``target``."""
+def convert_gguf(gguf_path: Path, target: Path, progress: Progress = quiet,
+                 source: Mapping[str, Any] | None = None) -> Path:  # fmt: skip
+    """Write a GGUF model as a plain checkpoint dir at ``target`` (atomic); return ``target``.
+    ``source``: what it was converted from, kept as ``source.json`` (``bootstrap cache list``)."""
+    started, doing = time.monotonic(), f"converting {gguf_path.name} to a checkpoint (once)"
+    progress(f"{doing}: {size_text(gguf_path.stat().st_size)} of GGUF, dequantized into {target} ...")
     model, tokenizer = load_gguf_file(gguf_path, torch.device("cpu"), None, None)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
@@ -150,21 +158,10 @@ def convert_gguf(gguf_path: Path, target: Path) -> Path:
         (staging / "config.json").write_text(config_text + "\n")
         model.generation_config.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        if source is not None:
+            (staging / SOURCE_FILE).write_text(json.dumps(source, indent=1, sort_keys=True) + "\n")
         publish(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    progress(f"{doing}: done in {time.monotonic() - started:.1f} s, {size_text(size_of(target))} in {target}")
     return target
-
-
-def publish(staging: Path, target: Path) -> None:
-    """Rename ``staging`` (a dir or file) to ``target``. A complete checkpoint that a concurrent
-    writer published first wins; an incomplete leftover (no config or no weights) is replaced."""
-    try:
-        os.rename(staging, target)
-    except OSError:
-        if (target / "config.json").is_file() and has_weights(target):
-            return
-        if not target.is_dir():
-            raise
-        shutil.rmtree(target)
-        os.rename(staging, target)
