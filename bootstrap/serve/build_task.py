@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import time
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -107,7 +108,8 @@ async def _settle(state: ServeState, build: Callable[[], Any]) -> None:
     state.executor, state.max_seq_len = executor, report.plan["max_seq_len"]
     state.time_to_ready_s = round(state.elapsed_s(), 6)
     state.set_phase("ready")
-    log.info("ready in %.2f s: KV %s tokens, max_seq_len %s", state.time_to_ready_s,
+    since = f" ({(time.time_ns() - state.process.spawn_ns) / 1e9:.2f} s after the process started)" if state.process else ""
+    log.info("ready in %.2f s%s: KV %s tokens, max_seq_len %s", state.time_to_ready_s, since,
              report.plan.get("kv_tokens"), state.max_seq_len)  # fmt: skip
 
 
