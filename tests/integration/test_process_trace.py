@@ -130,3 +130,18 @@ def test_trace_shows_the_process_and_its_coverage(llama, tmp_path):
                            text=True, timeout=60, check=True, env={"COLUMNS": "200", "PATH": ""}).stdout  # fmt: skip
     assert "process" in shown and "spans cover" in shown and "backend" in shown and "answer" in shown
     assert json.loads(trace.read_text().splitlines()[0])["name"].startswith("bootstrap.")
+
+
+def test_coverage_counts_the_union_of_the_phases_against_spawn_to_ready_and_ready_to_end():
+    """Spawn at 0, ready at 10, end at 20 (ns): phases 0-3, 2-4 (overlapping), the run 5-10, then
+    10-12 and 15-20. Covered: 9 of 10 before ready (4-5 is a gap), 7 of 10 after (12-15 is)."""
+    def span(name, start, end, span_id, parent="p"):
+        return {"name": name, "span_id": span_id, "parent_span_id": parent, "start_time_unix_nano": start,
+                "end_time_unix_nano": end, "status": "UNSET", "attributes": {}}  # fmt: skip
+
+    process = span(PROCESS_SPAN, 0, 20, "p", None)
+    spans = [process, span("bootstrap.process.start", 0, 3, "a"), span("bootstrap.process.checks", 2, 4, "b"),
+             span(ROOT_SPAN, 5, 10, "r"), span("bootstrap.process.answer", 10, 12, "c"),
+             span("bootstrap.process.shutdown", 15, 20, "d")]  # fmt: skip
+    assert coverage(spans, process) == {"to_ready": 0.9, "after_ready": 0.7}
+    assert coverage([process, spans[1]], process) is None  # no finished run: no ready to measure against
