@@ -352,17 +352,23 @@ def test_gemma_s_bos_comes_from_the_file_s_post_processor_not_add_bos_token(tmp_
 
 def test_qwen_and_gemma_checkpoints_load_without_importing_transformers(tmp_path):
     paths = [REBUILT[name](tmp_path / name) for name in ("qwen3", "gemma2", "qwen2-file-overridden")]
-    script = (
-        "import sys\nfrom pathlib import Path\nfrom bootstrap.engine.tokenizer import load_tokenizer\n"
+    without_transformers(
+        "from pathlib import Path\nfrom bootstrap.engine.tokenizer import load_tokenizer\n"
         f"for path in {[str(p) for p in paths]!r}:\n"
         "    tok = load_tokenizer(Path(path))\n"
         "    print(tok.decode(tok('Hi <|im_end|>').input_ids), len(tok.apply_chat_template([{'role': 'user', 'content': 'Hi'}])))\n"
-        "print('TRANSFORMERS', sorted(m for m in sys.modules if m == 'transformers' or m.startswith('transformers.')))\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], check=False, cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+
+
+def without_transformers(script: str) -> str:
+    """Run ``script`` in a fresh interpreter and assert it exited 0 with no transformers module
+    ever imported; its stdout before the module list."""
+    listing = "import sys\nprint('TRANSFORMERS', sorted(m for m in sys.modules if m == 'transformers' or m.startswith('transformers.')))\n"
+    done = subprocess.run([sys.executable, "-c", f"{script}\n{listing}"], check=False, cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "TRANSFORMERS []" in done.stdout, done.stdout[-500:]
+    return done.stdout[: done.stdout.rindex("TRANSFORMERS")]
 
 
 FAMILY_DIRS = {"llama": word_checkpoint, "mistral": lambda p: save_checkpoint("mistral", p, chat_template=CHAT_TEMPLATE),
@@ -386,15 +392,9 @@ def test_bootstrap_run_on_a_checkpoint_directory_never_imports_transformers(fami
     """Each family the own code runs, with a tokenizer as the family ships it: ``bootstrap run``
     loads, chats and answers without a single transformers module in the process."""
     path = with_weights(FAMILY_DIRS[family](tmp_path / family), family)
-    script = (
-        "import sys\nfrom bootstrap.cli import main\n"
-        f"code = main(['run', '--device', 'cpu', '--model', {str(path)!r}, '--chat', 'Hello there', '--max-tokens', '4',"
-        " '--no-plan-cache', '--json'])\n"
-        "print('TRANSFORMERS', sorted(m for m in sys.modules if m == 'transformers' or m.startswith('transformers.')))\n"
-        "sys.exit(code)\n"
+    out = without_transformers(
+        "from bootstrap.cli import main\n"
+        f"assert main(['run', '--device', 'cpu', '--model', {str(path)!r}, '--chat', 'Hello there', '--max-tokens', '4',"
+        " '--no-plan-cache', '--json']) == 0\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], check=False, cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert "TRANSFORMERS []" in done.stdout, done.stdout[-500:]
-    assert json.loads(done.stdout[: done.stdout.rindex("TRANSFORMERS")])["finish_reason"] in ("length", "stop")
+    assert json.loads(out)["finish_reason"] in ("length", "stop")
