@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -37,6 +38,9 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from bootstrap.cli.trace import coverage, read_spans
+from bootstrap.pipeline.process import spawn_time_ns
 
 HERE = Path(__file__).resolve().parent
 WORDS = 512  # the word-level tokenizer written beside the weights: w0 .. w511
@@ -109,8 +113,6 @@ def caches(work: Path, mode: str, repeat: int) -> tuple[dict[str, str], Path]:
     start's of the same repeat."""
     where = work / f"caches-{repeat}"
     if mode == "cold" and where.exists():
-        import shutil
-
         shutil.rmtree(where)
     env = {**os.environ, "TRITON_CACHE_DIR": str(where / "triton"), "TORCHINDUCTOR_CACHE_DIR": str(where / "inductor"),
            "PYTHONUNBUFFERED": "1"}  # fmt: skip
@@ -187,9 +189,6 @@ def spans(trace: Path) -> dict[str, Any]:
     """The trace's phases and stages (seconds) and the share of the process they cover."""
     if not trace.is_file():
         return {"spans": None}
-    sys.path.insert(0, str(HERE.parent))
-    from bootstrap.cli.trace import coverage, read_spans
-
     records = read_spans(trace)
     process = next((s for s in records if s["name"] == "bootstrap.process"), None)
     durations = {s["name"].removeprefix("bootstrap."): round((s["end_time_unix_nano"] - s["start_time_unix_nano"]) / 1e9, 3)
@@ -225,13 +224,10 @@ def floor_process(args: argparse.Namespace) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
     initialised = time.perf_counter()
-    sys.path.insert(0, str(HERE))
-    from startup import floor
+    from startup import floor  # imports torch: after the timed import above
 
     args.dtype = "auto"
     parts = floor(str(args.model), args, device, int(str(args.out)), graphs=device.type == "cuda")
-    from bootstrap.pipeline.process import spawn_time_ns
-
     floor_s = (time.time_ns() - spawn_time_ns()) / 1e9
     print(json.dumps({"import_torch_s": round(imported - t_import, 3), "device_init_s": round(initialised - imported, 3),
                       **parts, "floor_s": round(floor_s, 3), "weights_gb_s": round(parts["weight_bytes"] / parts["weights_s"] / 1e9, 2),

@@ -95,7 +95,7 @@ class ServeState:
     stopping: anyio.Event = field(default_factory=anyio.Event)
     build_scope: anyio.CancelScope | None = None  # the running build or retry, cancelled at shutdown
     process: ProcessTimeline | None = None  # the command's timeline: serving and draining are its phases
-    _process_phase: Any = None
+    _process_phase: Any = field(default=None, init=False, repr=False)  # the phase track_process began
 
     def set_phase(self, phase: Phase, error: str | None = None) -> None:
         if self.phase == "shutting_down":  # final: a late bootstrap result does not undo it
