@@ -11,11 +11,10 @@ filled by the cold start before it), from the parent's clock at ``Popen``:
 - each with the trace's phase and stage durations (``bootstrap.process.*``) and the share of the
   process the spans cover.
 
-The floor, in a fresh process of its own, with the Triton cache the cold start filled (so no
-kernel compile): import torch, initialise the device, then ``startup.floor`` (the weights to the
-device through the engine's loader, one pool, one ``max_num_tokens`` forward, the graph
-captures); ``floor_s`` counts from that process's spawn; ``weights_gb_s`` is the loader's speed,
-and ``safetensors_load_file_gb_s`` the plain library's on the same files, read after it;
+The floor is ``floor.py`` in a fresh process of its own, with the Triton cache the cold start
+filled (so no kernel compile): import torch, the device, the weights read three ways (a plain-torch
+pinned pipeline, the engine's loader, ``safetensors.torch.load_file``), one pool, one
+``max_num_tokens`` forward, the graph captures; ``floor_s`` sums those parts with the fastest read.
 ``over_floor``: each serve's first token over ``floor_s``. Prints JSON and writes it to ``--out``:
 
     python benchmarks/cold_start.py --shape llama-3.1-8b --device cuda --repeats 3 --out cold_start.json
@@ -40,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 from bootstrap.cli.trace import coverage, read_spans
-from bootstrap.pipeline.process import spawn_time_ns
 
 HERE = Path(__file__).resolve().parent
 WORDS = 512  # the word-level tokenizer written beside the weights: w0 .. w511
@@ -57,8 +55,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--max-batch-size", type=int, default=64)
     add("--workdir", type=Path, default=None, help="where the checkpoint and caches go (default: a temporary directory)")
     add("--out", type=Path, default=None, help="also write the JSON here")
-    add("--floor-only", action="store_true", help=argparse.SUPPRESS)  # the floor's own process
-    add("--model", type=Path, default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -203,59 +199,18 @@ def spans(trace: Path) -> dict[str, Any]:
 
 
 def measure_floor(args: argparse.Namespace, model: Path, pool_bytes: int, env: dict[str, str]) -> dict[str, Any]:
-    """The floor in a fresh process, with ``env``'s (filled) Triton cache: no kernel compile in it."""
-    done = subprocess.run([sys.executable, __file__, "--floor-only", "--model", str(model), "--device", args.device,
-                           "--max-seq-len", str(args.max_seq_len), "--max-num-tokens", str(args.max_num_tokens),
-                           "--max-batch-size", str(args.max_batch_size), "--out", str(pool_bytes)],
+    """``floor.py`` in a fresh process, with ``env``'s (filled) Triton cache: no kernel compile in it."""
+    done = subprocess.run([sys.executable, str(HERE / "floor.py"), "--model", str(model), "--device", args.device,
+                           "--pool-bytes", str(pool_bytes), "--max-seq-len", str(args.max_seq_len), "--max-num-tokens",
+                           str(args.max_num_tokens), "--max-batch-size", str(args.max_batch_size)],
                           capture_output=True, text=True, timeout=600, check=False, env=env)  # fmt: skip
     if done.returncode != 0:
         return {"error": done.stderr[-2000:]}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def floor_process(args: argparse.Namespace) -> None:
-    """The floor's own fresh process (``--floor-only``; ``--out`` carries the pool's bytes)."""
-    t_import = time.perf_counter()
-    import torch
-
-    imported = time.perf_counter()
-    device = torch.device(args.device)
-    torch.empty(1, device=device)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    initialised = time.perf_counter()
-    from startup import floor  # imports torch: after the timed import above
-
-    args.dtype = "auto"
-    parts = floor(str(args.model), args, device, int(str(args.out)), graphs=device.type == "cuda")
-    floor_s = (time.time_ns() - spawn_time_ns()) / 1e9
-    print(json.dumps({"import_torch_s": round(imported - t_import, 3), "device_init_s": round(initialised - imported, 3),
-                      **parts, "floor_s": round(floor_s, 3), "weights_gb_s": round(parts["weight_bytes"] / parts["weights_s"] / 1e9, 2),
-                      **safetensors_read(args.model, device)}))  # fmt: skip
-
-
-def safetensors_read(model: Path, device: Any) -> dict[str, float]:
-    """``safetensors.torch.load_file`` of every shard straight to ``device``, after the floor: the
-    plain library's speed on the same files (page cache as warm as for the floor's own read)."""
-    import torch
-    from safetensors.torch import load_file
-
-    start, total = time.perf_counter(), 0
-    for shard in sorted(model.glob("*.safetensors")):
-        tensors = load_file(str(shard), device=str(device))
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
-        del tensors
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    return {"safetensors_load_file_s": round(seconds, 3), "safetensors_load_file_gb_s": round(total / seconds / 1e9, 2)}
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    if args.floor_only:
-        floor_process(args)
-        return {}
     work = args.workdir or Path(tempfile.mkdtemp(prefix="cold-start-"))
     model = work / f"checkpoint-{Path(args.shape).stem}"
     result: dict[str, Any] = {"benchmark": "cold_start", "command": " ".join(sys.argv), "shape": args.shape,

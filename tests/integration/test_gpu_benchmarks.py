@@ -108,6 +108,8 @@ def test_the_gpu_suite_script_runs_every_step_and_writes_every_result(tmp_path):
                                               "cold_start"]
     assert all(s["rc"] == 0 for s in steps)
     assert "capacity: finished, exit 0" in (out / "suite.log").read_text()
+    floor = json.loads((out / "cold_start.json").read_text())["floor"]
+    assert floor["floor_s"] > floor["import_torch_s"] > 0 and floor["fastest_weights"] in floor["weights"], floor
 
 
 def test_an_oom_in_a_step_is_counted_even_when_the_reruns_succeed(tiny, monkeypatch):

@@ -150,6 +150,39 @@ def test_a_sharded_checkpoint_loads_every_shard(tmp_path):
     assert torch.equal(k.T, expected.k_proj.weight) and torch.equal(v.T, expected.v_proj.weight)
 
 
+def test_a_checkpoint_in_another_dtype_is_converted_on_its_way_in(tmp_path):
+    reference = checkpoint("llama-attention-bias-tied", tmp_path)  # stored float32, read as bfloat16
+    own = load_own_model(tmp_path, CPU, torch.bfloat16)
+    expected = reference.model.layers[0].self_attn
+    q, k, v = own.model.layers[0].self_attn.qkv_proj.split(own.model.layers[0].self_attn.qkv_proj.weight.T)
+    assert own.dtype == torch.bfloat16 and torch.equal(v.T, expected.v_proj.weight.to(torch.bfloat16))
+    assert torch.equal(own.model.layers[1].mlp.down_proj.weight, reference.model.layers[1].mlp.down_proj.weight.bfloat16())
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda t: t | {"model.layers.0.extra.weight": torch.zeros(2)}, "'model.layers.0.extra.weight' has no place"),
+    (lambda t: {k: v for k, v in t.items() if "layers.1.mlp.down_proj" not in k}, "no tensor for 1 parameter.*layers.1.mlp"),
+    (lambda t: t | {"model.norm.weight": torch.ones(65)}, r"model.norm.weight: checkpoint shape \(65,\), the model's \(64,\)"),
+    (lambda t: t | {"model.layers.0.self_attn.k_proj.weight": torch.ones(10, 64)}, r"k_proj.weight: checkpoint shape \(10, 64\)"),
+])  # fmt: skip
+def test_a_checkpoint_that_does_not_fit_is_refused_before_any_weight_is_read(change, match, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from bootstrap.engine.models import build_own_model
+    from bootstrap.engine.models.weights import load_weights
+
+    checkpoint("llama", tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    save_file(change(tensors), tmp_path / "model.safetensors", metadata={"format": "pt"})
+    model = build_own_model(json.loads((tmp_path / "config.json").read_text()), CPU, torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.fill_(float("nan"))
+    with pytest.raises(ValueError, match=match):
+        load_weights(model, [tmp_path / "model.safetensors"])
+    assert all(param.isnan().all() for param in model.parameters())  # nothing was read
+
+
 @pytest.mark.parametrize("change, problem", [
     ({"model_type": "phi3"}, "model_type 'phi3'"),
     ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope scaling 'longrope'"),

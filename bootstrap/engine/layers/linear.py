@@ -60,15 +60,15 @@ class FusedLinear(torch.nn.Linear):
         """This rank's rows of the checkpoint's ``part`` weight or bias of ``shape``."""
         return (self.shard.span(shape[0]),)
 
-    def load_part(self, part: str, kind: str, tensor: torch.Tensor) -> None:
-        """Copy this rank's rows of the checkpoint's ``part`` weight (``kind`` "weight") or bias."""
+    def part_target(self, part: str, kind: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The rows of the weight (``kind`` "weight") or bias that this rank's slice of the
+        checkpoint's ``part`` fills, the slice being of ``shape``."""
         target = self.weight if kind == "weight" else self.bias
         rows = self.parts[part]
-        if target is None or tensor.shape[0] != rows.stop - rows.start or tensor.shape[1:] != target.shape[1:]:
-            raise ValueError(f"{part}.{kind}: checkpoint shape {tuple(tensor.shape)} does not fit rows {rows} of "
+        if target is None or shape[0] != rows.stop - rows.start or tuple(shape[1:]) != tuple(target.shape[1:]):
+            raise ValueError(f"{part}.{kind}: checkpoint shape {tuple(shape)} does not fit rows {rows} of "
                              f"{tuple(target.shape) if target is not None else 'no bias'}")  # fmt: skip
-        with torch.no_grad():
-            target[rows].copy_(tensor)
+        return target[rows]
 
     def split(self, out: torch.Tensor) -> list[torch.Tensor]:
         return list(out.split([s.stop - s.start for s in self.parts.values()], dim=-1))

@@ -60,7 +60,7 @@ def load_own_model(path: Path, device: torch.device, dtype: torch.dtype | None,
         log.info("model %s loads through transformers: %s", path, problem)
         return None
     with compiling_ahead(model):  # Triton's first compile of the kernels, while the weights are read
-        load_weights(model, files, device, model.dtype)
+        load_weights(model, files)
     return model.eval()
 
 

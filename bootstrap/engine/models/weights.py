@@ -1,27 +1,47 @@
 """Weights from a checkpoint directory's safetensors files straight into the engine's own model.
 
-Every checkpoint tensor is read once, in file order, onto the target device and copied into its
-final place: a parameter of the same name, or its rows of a fused projection (``q_proj`` of
-``qkv_proj``, ``gate_proj`` of ``gate_up_proj``: ``FUSED``). Under tensor parallelism each rank
-reads only its slice of a sharded weight (``layers.linear``). The model is built on the meta
-device first, so no second full copy of the weights ever exists. A tensor the model does not
-have, a parameter no tensor filled, or a shape that differs is an error naming it.
+Every checkpoint tensor has one place: a parameter of the same name, or its rows of a fused
+projection (``q_proj`` of ``qkv_proj``, ``gate_proj`` of ``gate_up_proj``: ``FUSED``). Under
+tensor parallelism each rank reads only its slice of a sharded weight (``layers.linear``). The
+places are worked out from the files' headers first, so a tensor the model does not have, a
+parameter no tensor fills, or a shape that differs is an error naming it before any weight is
+read. Then every tensor whose slice is one run of bytes in the file, stored in the model's dtype,
+is read by ``byte_reads`` straight into its place (threads, page-locked staging on CUDA); the
+rest (a dtype to convert, a column slice under tensor parallelism) through ``safetensors``. The
+model is built on the meta device first, so no second full copy of the weights ever exists.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import struct
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
 
-from bootstrap.engine.layers.linear import FusedLinear, RowLinear
+from bootstrap.engine.layers.linear import FusedLinear, Index, RowLinear
+from bootstrap.engine.models.byte_reads import ByteRange, read_ranges
 
 FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
          "up_proj": "gate_up_proj"}  # fmt: skip
 IGNORED = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry; recomputed here
+DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One tensor of a safetensors file, from its header: dtype name, shape, first byte."""
+
+    file: Path
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -34,46 +54,112 @@ def safetensors_files(path: Path) -> list[Path]:
     return [single] if single.is_file() else []
 
 
-def load_weights(model: torch.nn.Module, files: list[Path], device: torch.device, dtype: torch.dtype) -> None:
-    """Fill every parameter of ``model`` (already on ``device``, in ``dtype``) from ``files``."""
+def stored_tensors(file: Path) -> list[Stored]:
+    """The tensors a safetensors file holds, read from its header (8 bytes of length, JSON)."""
+    size = file.stat().st_size
+    with file.open("rb") as f:
+        length = struct.unpack("<Q", f.read(8))[0] if size >= 8 else size
+        if length > size - 8:
+            raise ValueError(f"{file}: not a safetensors file (header of {length} bytes in {size})")
+        try:
+            header = json.loads(f.read(length))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{file}: not a safetensors file (its header is not JSON: {exc})") from None
+    out = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        (begin, end), shape = entry["data_offsets"], tuple(entry["shape"])
+        dtype = DTYPES.get(entry["dtype"])
+        if (dtype is not None and end - begin != math.prod(shape) * dtype.itemsize) or 8 + length + end > size:
+            raise ValueError(f"{file}: tensor {name!r} of shape {list(shape)} {entry['dtype']} does not fit bytes "
+                             f"{begin}..{end} of the data ({size - 8 - length} bytes)")  # fmt: skip
+        out.append(Stored(file, name, entry["dtype"], shape, 8 + length + begin))
+    return out
+
+
+def load_weights(model: torch.nn.Module, files: list[Path]) -> None:
+    """Fill every parameter of ``model`` (already on its device, in its dtype) from ``files``."""
     params = dict(model.named_parameters(remove_duplicate=False))  # a tied head under both names
     modules = dict(model.named_modules())
+    direct: list[ByteRange] = []
+    converted: list[tuple[Stored, torch.Tensor, Index]] = []
     filled: set[str] = set()
     for file in files:
-        with safe_open(str(file), framework="pt", device=str(device)) as reader:
-            for name in reader.keys():
-                if not name.endswith(IGNORED):
-                    filled |= _load_one(name, reader.get_slice(name), dtype, params, modules)
+        for stored in stored_tensors(file):
+            if stored.name.endswith(IGNORED):
+                continue
+            name, target, index = _place(stored, params, modules)
+            filled.add(name)
+            start = _contiguous_start(index, stored.shape)
+            if start is not None and DTYPES.get(stored.dtype) == target.dtype and target.is_contiguous():
+                direct.append(ByteRange(file, stored.offset + start * target.element_size(), target.detach()))
+            else:
+                converted.append((stored, target, index))
     tied = _tied(model)
     if filled & tied:  # the shared tensor came under one of its two names: both are filled
         filled |= tied
     missing = sorted(set(params) - filled)
     if missing:
         raise ValueError(f"the checkpoint has no tensor for {len(missing)} parameter(s): {', '.join(missing[:5])}")
+    with torch.no_grad():
+        read_ranges(direct)
+        _read_converting(converted)
 
 
-def _load_one(name: str, source: Any, dtype: torch.dtype, params: dict, modules: dict) -> set[str]:
-    """Read this rank's part of checkpoint tensor ``name`` (a safetensors slice) into its place."""
-    owner, _, kind = name.rpartition(".")
+def _place(stored: Stored, params: dict, modules: dict) -> tuple[str, torch.Tensor, Index]:
+    """The parameter checkpoint tensor ``stored`` fills, the part of it that this rank's slice
+    lands in, and that slice of the stored tensor."""
+    owner, _, kind = stored.name.rpartition(".")
     parent, _, part = owner.rpartition(".")
     if part in FUSED:
         fused = f"{parent}.{FUSED[part]}"
         module = modules.get(fused)
         if not isinstance(module, FusedLinear):
-            raise ValueError(f"checkpoint tensor {name!r} has no place in this model (no {fused!r})")
-        module.load_part(part, kind, source[module.checkpoint_index(part, kind, source.get_shape())].to(dtype))
-        return {f"{fused}.{kind}"}
-    param = params.get(name)
+            raise ValueError(f"checkpoint tensor {stored.name!r} has no place in this model (no {fused!r})")
+        index = module.checkpoint_index(part, kind, stored.shape)
+        return f"{fused}.{kind}", module.part_target(part, kind, _sliced_shape(index, stored.shape)), index
+    param = params.get(stored.name)
     if param is None:
-        raise ValueError(f"checkpoint tensor {name!r} has no place in this model")
+        raise ValueError(f"checkpoint tensor {stored.name!r} has no place in this model")
     module = modules[owner]
-    index = module.checkpoint_index(None, kind, source.get_shape()) if isinstance(module, RowLinear) else ()
-    tensor = source[index].to(dtype)
-    if param.shape != tensor.shape:
-        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, the model's {tuple(param.shape)}")
-    with torch.no_grad():
-        param.copy_(tensor)
-    return {name}
+    index = module.checkpoint_index(None, kind, stored.shape) if isinstance(module, RowLinear) else ()
+    shape = _sliced_shape(index, stored.shape)
+    if tuple(param.shape) != shape:
+        raise ValueError(f"{stored.name}: checkpoint shape {shape}, the model's {tuple(param.shape)}")
+    return stored.name, param, index
+
+
+def _sliced_shape(index: Index, shape: tuple[int, ...]) -> tuple[int, ...]:
+    full = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    return tuple(len(range(*s.indices(n))) for s, n in zip(full, shape))
+
+
+def _contiguous_start(index: Index, shape: tuple[int, ...]) -> int | None:
+    """The first element of ``index``'s slice when the slice is one run of the stored tensor's
+    elements (row slices are; column slices of a matrix are not): else None."""
+    full = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    bounds = [s.indices(n) for s, n in zip(full, shape)]
+    if any(step != 1 for _, _, step in bounds):
+        return None
+    partial = [dim for dim, ((begin, end, _), n) in enumerate(zip(bounds, shape)) if (begin, end) != (0, n)]
+    if not partial:
+        return 0
+    dim = partial[0]
+    if len(partial) > 1 or math.prod(shape[:dim]) != 1:
+        return None
+    return bounds[dim][0] * math.prod(shape[dim + 1 :])
+
+
+def _read_converting(items: list[tuple[Stored, torch.Tensor, Index]]) -> None:
+    """Through ``safetensors``: the slices to convert to the model's dtype, or not one run of bytes."""
+    by_file: dict[Path, list] = {}
+    for item in items:
+        by_file.setdefault(item[0].file, []).append(item)
+    for file, group in by_file.items():
+        with safe_open(str(file), framework="pt", device=str(group[0][1].device)) as reader:
+            for stored, target, index in group:
+                target.copy_(reader.get_slice(stored.name)[index].to(target.dtype))
 
 
 def _tied(model: torch.nn.Module) -> set[str]:

@@ -1,0 +1,160 @@
+"""Byte ranges of files read straight into tensors, by several threads at once.
+
+``read_ranges(ranges)`` fills each ``ByteRange``'s destination (a contiguous tensor) with
+``nbytes`` of its file from ``offset``. The work is cut into pieces of at most ``piece_bytes``
+and shared by ``threads`` threads, each reading with ``os.preadv`` (which releases the GIL, so the
+reads run in parallel and beside the other threads of the start):
+
+- a CPU destination is read into in place: no copy after the read;
+- a CUDA destination goes through each thread's two page-locked staging buffers: the thread
+  reads a piece into one buffer while the previous piece's copy to the device runs from the
+  other, on the thread's own stream. The buffers are ordinary host memory page-locked for the
+  read (``cudaHostRegister``) and given back when it ends, so no pinned memory stays held.
+
+This replaces reading through a memory map and copying each tensor to the device from pageable
+memory (one thread, the driver staging every byte), which is what ``safetensors`` does. Every
+thread is joined before ``read_ranges`` returns, an error included; the first error is raised,
+naming the file.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+PIECE_BYTES = 32 << 20
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ByteRange:
+    """``nbytes`` of ``file`` from ``offset`` into ``destination`` (contiguous, that many bytes)."""
+
+    file: Path
+    offset: int
+    destination: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.destination.numel() * self.destination.element_size()
+
+
+def default_threads() -> int:
+    """Eight readers (page-cache copies scale to about that), fewer on a smaller machine."""
+    return max(2, min(8, len(os.sched_getaffinity(0))))
+
+
+def read_ranges(ranges: list[ByteRange], threads: int | None = None, piece_bytes: int = PIECE_BYTES) -> None:
+    """Fill every range's destination from its file; all destinations on one device."""
+    pieces = collections.deque(_pieces(ranges, piece_bytes))
+    if not pieces:
+        return
+    device = pieces[0][2].device
+    threads = min(threads or default_threads(), len(pieces))
+    files = {r.file for r in ranges}
+    fds = {}
+    try:
+        for file in files:
+            fds[file] = os.open(file, os.O_RDONLY)
+        failed = threading.Event()
+        work = _Staged(device, piece_bytes).work if device.type == "cuda" else _in_place
+        with ThreadPoolExecutor(threads, thread_name_prefix="bootstrap-weights") as pool:
+            futures = [pool.submit(work, pieces, fds, failed) for _ in range(threads)]
+        for future in futures:
+            future.result()  # the first error, after every thread has ended
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _pieces(ranges: list[ByteRange], piece_bytes: int):
+    """(file, offset, destination bytes) pieces of at most ``piece_bytes``, in file order."""
+    for r in sorted(ranges, key=lambda r: (str(r.file), r.offset)):
+        flat = r.destination.view(-1).view(torch.uint8) if r.nbytes else None
+        for start in range(0, r.nbytes, piece_bytes):
+            yield r.file, r.offset + start, flat[start : start + piece_bytes]
+
+
+def _in_place(pieces: collections.deque, fds: dict, failed: threading.Event) -> None:
+    """Read each piece straight into its (CPU) destination."""
+    try:
+        while not failed.is_set():
+            try:
+                file, offset, target = pieces.popleft()
+            except IndexError:
+                return
+            _pread_into(fds[file], file, offset, target)
+    except BaseException:
+        failed.set()
+        raise
+
+
+class _Staged:
+    """Each thread's work for a CUDA destination: two page-locked buffers, one stream."""
+
+    def __init__(self, device: torch.device, piece_bytes: int) -> None:
+        self.device, self.piece_bytes = device, piece_bytes
+
+    def work(self, pieces: collections.deque, fds: dict, failed: threading.Event) -> None:
+        buffers = [_PageLocked(self.piece_bytes) for _ in range(2)]
+        stream = torch.cuda.Stream(self.device)
+        copied = [None, None]  # the event of each buffer's last copy
+        try:
+            turn = 0
+            while not failed.is_set():
+                try:
+                    file, offset, target = pieces.popleft()
+                except IndexError:
+                    break
+                if copied[turn] is not None:
+                    copied[turn].synchronize()  # the buffer's previous copy has left it
+                staging = buffers[turn].tensor[: target.numel()]
+                _pread_into(fds[file], file, offset, staging)
+                with torch.cuda.stream(stream):
+                    target.copy_(staging, non_blocking=True)
+                    copied[turn] = torch.cuda.Event()
+                    copied[turn].record(stream)
+                turn ^= 1
+        except BaseException:
+            failed.set()
+            raise
+        finally:
+            stream.synchronize()
+            for buffer in buffers:
+                buffer.release()
+
+
+class _PageLocked:
+    """Host memory page-locked while the read uses it (pageable if the driver refuses)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+        self.locked = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)) == 0
+        if not self.locked:
+            log.info("page-locking a %d MB staging buffer failed: the weights are read through pageable memory",
+                     nbytes >> 20)  # fmt: skip
+
+    def release(self) -> None:
+        if self.locked:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.locked = False
+
+
+def _pread_into(fd: int, file: Path, offset: int, target: torch.Tensor) -> None:
+    """``target.numel()`` bytes of ``fd`` from ``offset`` into ``target`` (CPU, uint8, contiguous)."""
+    view = memoryview((ctypes.c_char * target.numel()).from_address(target.data_ptr())).cast("B")
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            raise ValueError(f"{file}: ends at byte {offset + done}, its header places a tensor up to byte "
+                             f"{offset + len(view)}")  # fmt: skip
+        done += got
