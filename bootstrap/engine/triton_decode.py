@@ -12,10 +12,14 @@ torch) and at least 16 tokens per block; ``available()`` says whether it can be 
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
 
+from bootstrap.engine import triton_start
+
+triton_start.wait()  # a thread may be importing Triton (``triton_start``): never two threads at once
 try:  # an optional dependency: CPU builds of torch come without it
     import triton
     import triton.language as tl
@@ -35,9 +39,21 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _unspecialized(*names: str) -> dict[str, list[str]]:
+    """``triton.jit`` options that keep Triton from compiling the kernel again for each alignment
+    or divisibility by 16 of these arguments: views into one split tensor (a step's context
+    lengths, its rows and slots) and the block table's width vary between steps and between the
+    probe and the final executor, so a specialized kernel compiled during a request instead of
+    ahead. Triton before 3.2 has only ``do_not_specialize``, which covers both."""
+    options = {"do_not_specialize": list(names)}
+    if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
+        options["do_not_specialize_on_alignment"] = list(names)
+    return options
+
+
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(**_unspecialized("Tables", "Lens", "window", "stride_tb"))
     def _paged_decode_kernel(
         Q, K, V, Tables, Lens, Out,
         scale, softcap, window,
@@ -94,7 +110,7 @@ if triton is not None:
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(**_unspecialized("Key", "Value", "Rows", "Slots"))
     def _write_kv_kernel(
         Key, Value, Rows, Slots, KC, VC,
         stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch,

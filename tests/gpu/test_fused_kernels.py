@@ -116,8 +116,9 @@ def test_own_model_on_cuda_gives_transformers_greedy_tokens_through_graphs(famil
 
 def test_loading_compiles_every_kernel_the_forward_launches(tmp_path):
     """In a fresh process with an empty Triton cache: ``load_own_model`` (which compiles ahead
-    while it reads the weights) leaves the fused kernels compiled on disk, and a prefill and
-    decode steps after it compile none of them again."""
+    while it reads the weights) leaves the fused kernels and the paged decode and KV-write
+    kernels compiled on disk, and prefills and decode steps after it (eager and through graphs,
+    batches of 1 to 3 rows) compile none of them again."""
     torch.manual_seed(3)
     AutoModelForCausalLM.from_config(CONFIGS["qwen3"]()).save_pretrained(tmp_path / "ckpt")
     script = f"""
@@ -125,13 +126,16 @@ import pathlib, torch
 from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
 from bootstrap.engine.models import load_own_model
 def fused_entries():
-    names = ("_rms_norm_kernel", "_rotary_kernel", "_act_mul_kernel")
+    names = ("_rms_norm_kernel", "_rotary_kernel", "_act_mul_kernel", "_paged_decode_kernel", "_write_kv_kernel")
     return sorted(str(p) for p in pathlib.Path({str(tmp_path / "triton")!r}).rglob("*") if p.name.startswith(names))
 model = load_own_model(pathlib.Path({str(tmp_path / "ckpt")!r}), torch.device("cuda"), torch.bfloat16)
 after_load = fused_entries()
-cache = PagedKVCache.from_tokens(KVCacheSpec.from_config(model.config, torch.bfloat16), 1024, 16, "cuda")
+cache = PagedKVCache.from_tokens(KVCacheSpec.from_config(model.config, torch.bfloat16), 1024, 32, "cuda")
 ex = create_executor(model, cache, SchedulerConfig(4, 256, 128), start=False)
-ex.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, ignore_eos=True))
+for prompts in ([[5, 6, 7, 8, 9]], [[5, 6], [7, 8, 9]], [[4], [5, 6], [7, 8, 9]]):
+    ex.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+ex.runner.capture_decode_graphs([1, 2, 4])
+ex.generate([[5, 6, 7]] * 3, SamplingParams(max_tokens=4, ignore_eos=True))
 ex.shutdown()
 print(len(after_load), after_load == fused_entries())
 """
@@ -139,4 +143,4 @@ print(len(after_load), after_load == fused_entries())
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     count, unchanged = done.stdout.split()[-2:]
-    assert int(count) >= 3 and unchanged == "True", done.stdout
+    assert int(count) >= 5 and unchanged == "True", done.stdout

@@ -58,3 +58,26 @@ def test_an_own_model_loaded_on_the_gpu_holds_the_checkpoint_exactly(tmp_path, d
     assert torch.equal(model.lm_head.weight.cpu(), expected["lm_head.weight"])
     assert torch.equal(model.model.embed_tokens.weight.cpu(), expected["model.embed_tokens.weight"])
     assert readers() == []
+
+
+def test_triton_starts_in_a_thread_without_importing_torch():
+    """In a fresh process: ``triton_start`` imports Triton and computes its cache key without a
+    torch module, so it can run beside ``import torch``; the key is then cached for the kernels."""
+    import subprocess
+    import sys
+
+    script = """
+import sys
+from bootstrap.engine import triton_start
+assert triton_start.begin("cuda", "native", 1) and not triton_start.begin("cpu", "native", 1)
+triton_start.wait()
+torch_modules = [m for m in sys.modules if m.partition(".")[0] == "torch"]
+try:
+    from triton.runtime.cache import triton_key
+except ImportError:
+    from triton.compiler.compiler import triton_key
+print(torch_modules, triton_key.cache_info().currsize)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["[]", "1"]

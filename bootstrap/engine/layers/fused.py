@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from bootstrap.engine import triton_start
+
+triton_start.wait()  # a thread may be importing Triton (``triton_start``): never two threads at once
 try:  # an optional dependency: CPU builds of torch come without it
     import triton
     import triton.language as tl

@@ -1,72 +1,86 @@
-"""Triton's first compile of the own code's kernels (``layers.fused``), overlapped with the load.
+"""Triton's first compile of the own code's kernels, overlapped with the load.
 
 On a machine whose Triton cache does not hold them yet, compiling the kernels a model launches
 takes seconds, paid by its first forward (the profiling stage's). ``compiling_ahead(model)``
-launches each kernel once, in a thread, on zero tensors of the model's own widths and dtype (so
-Triton specializes it exactly as the real calls will), while the block runs (the weights being
-read); the thread is joined when the block ends, so none outlives the load, and an error there
-only means the real call compiles the kernel itself.
+launches each kernel once on zero tensors of the model's own widths and dtype (so Triton
+specializes it exactly as the real calls will) while the block runs (the weights being read):
+the norm, rotary and activation kernels (``layers.fused``) and the paged decode and KV-write
+kernels (``triton_decode``, for blocks of ``BootstrapConfig``'s default size: another size
+compiles at its first use). Each kernel function gets its own thread, so their compiles (and
+the compiler and linker processes they wait on) run side by side and no function is compiled
+by two threads at once; Triton's own start (``triton_start``) comes first, once. Every thread is
+joined when the block ends, so none outlives the load; an error there only means the real call
+compiles the kernel itself.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
-import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from bootstrap.config import BootstrapConfig
+from bootstrap.engine import triton_decode, triton_start
 from bootstrap.engine.layers import fused
 from bootstrap.engine.layers.norm import RMSNorm
 
+TOKENS_PER_BLOCK = BootstrapConfig.model_fields["tokens_per_block"].default
 log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
 def compiling_ahead(model: torch.nn.Module) -> Iterator[None]:
-    """Compile ``model``'s kernels in a thread while the block runs (nothing off CUDA)."""
+    """Compile ``model``'s kernels in threads while the block runs (nothing off CUDA)."""
     param = next(model.parameters())
     if not fused.usable(param):
         yield
         return
-    failed: list[BaseException] = []
-    worker = threading.Thread(target=_launch_each, args=(model, param.dtype, param.device, failed),
-                              name="bootstrap-kernel-compile", daemon=True)  # fmt: skip
-    worker.start()
+    triton_start.begin(param.device.type, "native", 1)  # once per process: before any compile
+    by_kernel = itertools.groupby(sorted(set(_calls(model)), key=str), key=lambda call: call[0])
+    groups = [list(calls) for _, calls in by_kernel]
+    pool = ThreadPoolExecutor(len(groups), thread_name_prefix="bootstrap-kernel-compile")
+    futures = [pool.submit(_launch_each, calls, param.dtype, param.device) for calls in groups]
     try:
         yield
     finally:
-        worker.join()
+        pool.shutdown(wait=True)
+        failed = [f.exception() for f in futures if f.exception() is not None]
         if failed:
             log.info("compiling the kernels ahead failed (%s); the first forward compiles them", failed[0])
 
 
-def _launch_each(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, failed: list) -> None:
-    try:
-        with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
-            for call in sorted(set(_calls(model)), key=str):
-                _launch(call, dtype, device)
-            torch.cuda.current_stream().synchronize()
-    except Exception as exc:  # the real call compiles it then
-        failed.append(exc)
+def _launch_each(calls: list[tuple], dtype: torch.dtype, device: torch.device) -> None:
+    triton_start.wait()
+    with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
+        for call in calls:
+            _launch(call, dtype, device)
+        torch.cuda.current_stream().synchronize()
 
 
 def _calls(model: torch.nn.Module) -> Iterator[tuple]:
-    """One tuple per distinct kernel specialization the forward launches."""
+    """One tuple per distinct kernel specialization the forward launches, the kernel's name first."""
     for module in model.modules():
         if isinstance(module, RMSNorm):
             yield ("norm", module.weight.shape[0], module.offset)
         attention = getattr(module, "self_attn", None)
         if attention is not None:
             width = attention.qkv_proj.weight.shape[0]
-            yield ("rotary", width, attention.heads, attention.kv_heads, attention.head_dim, attention.q_norm is not None)
+            yield ("rotary", width, attention.heads, attention.kv_heads, attention.head_dim,
+                   attention.q_norm is not None)  # fmt: skip
             yield ("act", module.mlp.gate_up_proj.weight.shape[0], module.mlp.activation)
+            yield ("write_kv", attention.kv_heads, attention.head_dim)
+            yield ("decode", attention.heads, attention.kv_heads, attention.head_dim,
+                   attention.sliding_window is not None, attention.softcap is not None)  # fmt: skip
 
 
 def _launch(call: tuple, dtype: torch.dtype, device: torch.device) -> None:
     kind, *shape = call
     zeros = lambda *size: torch.zeros(*size, dtype=dtype, device=device)  # noqa: E731
+    indices = lambda: torch.zeros(1, dtype=torch.long, device=device)  # noqa: E731
     if kind == "norm":
         dim, offset = shape
         x, weight = zeros(1, dim), zeros(dim)
@@ -80,6 +94,15 @@ def _launch(call: tuple, dtype: torch.dtype, device: torch.device) -> None:
         if normed:  # q/k norm (qwen3) hands the rotary contiguous copies
             q, k = q.contiguous(), k.contiguous()
         fused.rotary_(q, k, zeros(1, head_dim), zeros(1, head_dim))
-    else:
+    elif kind == "act":
         width, activation = shape
         fused.act_mul(zeros(1, width), activation)
+    elif kind == "write_kv":
+        kv_heads, head_dim = shape
+        cache, key = zeros(1, TOKENS_PER_BLOCK, kv_heads, head_dim), zeros(1, kv_heads, head_dim)
+        triton_decode.write_kv(key, key, indices(), indices(), cache, cache)
+    else:
+        heads, kv_heads, head_dim, windowed, capped = shape
+        cache, lengths = zeros(1, TOKENS_PER_BLOCK, kv_heads, head_dim), torch.ones(1, dtype=torch.long, device=device)
+        triton_decode.paged_decode(zeros(1, heads, head_dim), cache, cache, indices().view(1, 1), lengths, None,
+                                   8 if windowed else None, 30.0 if capped else None)  # fmt: skip

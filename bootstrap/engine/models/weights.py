@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 
 from bootstrap.engine.layers.linear import FusedLinear, Index, RowLinear
-from bootstrap.engine.models.byte_reads import ByteRange, read_ranges
+from bootstrap.engine.models.byte_reads import PIECE_BYTES, ByteRange, read_ranges
 
 FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
          "up_proj": "gate_up_proj"}  # fmt: skip
@@ -78,8 +78,10 @@ def stored_tensors(file: Path) -> list[Stored]:
     return out
 
 
-def load_weights(model: torch.nn.Module, files: list[Path]) -> None:
-    """Fill every parameter of ``model`` (already on its device, in its dtype) from ``files``."""
+def load_weights(model: torch.nn.Module, files: list[Path], threads: int | None = None,
+                 piece_bytes: int = PIECE_BYTES) -> None:  # fmt: skip
+    """Fill every parameter of ``model`` (already on its device, in its dtype) from ``files``
+    (``threads`` and ``piece_bytes``: ``byte_reads.read_ranges``'s)."""
     params = dict(model.named_parameters(remove_duplicate=False))  # a tied head under both names
     modules = dict(model.named_modules())
     direct: list[ByteRange] = []
@@ -103,7 +105,7 @@ def load_weights(model: torch.nn.Module, files: list[Path]) -> None:
     if missing:
         raise ValueError(f"the checkpoint has no tensor for {len(missing)} parameter(s): {', '.join(missing[:5])}")
     with torch.no_grad():
-        read_ranges(direct)
+        read_ranges(direct, threads, piece_bytes)
         _read_converting(converted)
 
 
