@@ -7,7 +7,8 @@ filled by the cold start before it), from the parent's clock at ``Popen``:
 - ``run``: the first line on stderr, ready and the end of the answer (from the trace, counted
   from the spawn), the exit, and the exit's lag behind the answer;
 - ``serve``: the first line, the port open, ``GET /ready`` answering 200, the first streamed token
-  of a streamed completion, and the exit after SIGTERM;
+  of a streamed completion, and the exit after SIGTERM (the port and ``/ready`` tried every
+  ``--poll-interval`` seconds, 0.1 by default: every try costs the starting server some GIL);
 - each with the trace's phase and stage durations (``bootstrap.process.*``) and the share of the
   process the spans cover.
 
@@ -53,6 +54,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--max-seq-len", type=int, default=8192)
     add("--max-num-tokens", type=int, default=8192)
     add("--max-batch-size", type=int, default=64)
+    add("--poll-interval", type=float, default=0.1, help="seconds between the client's tries of the port and of "
+        "/ready, as a start script polls (each try costs the starting server some of the GIL)")  # fmt: skip
     add("--workdir", type=Path, default=None, help="where the checkpoint and caches go (default: a temporary directory)")
     add("--out", type=Path, default=None, help="also write the JSON here")
     return parser.parse_args(argv)
@@ -138,8 +141,8 @@ def time_serve(args: argparse.Namespace, model: Path, work: Path, mode: str, rep
     port = _free_port()
     child = Child(["serve", "--model", str(model), *shape_flags(args), "--plan-cache", str(plans), "--trace-file",
                    str(trace), "--port", str(port)], env)  # fmt: skip
-    opened = _poll(child, lambda: socket.create_connection(("127.0.0.1", port), timeout=1).close())
-    ready = _poll(child, lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2))
+    opened = _poll(child, lambda: socket.create_connection(("127.0.0.1", port), timeout=1).close(), args.poll_interval)
+    ready = _poll(child, lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2), args.poll_interval)
     first_token = _first_token(child, port, str(model)) if ready is not None else None
     sigterm = child.now()
     child.proc.send_signal(signal.SIGTERM)
@@ -158,7 +161,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _poll(child: Child, probe: Any, timeout: float = 600.0) -> float | None:
+def _poll(child: Child, probe: Any, interval: float, timeout: float = 600.0) -> float | None:
     """When ``probe()`` first succeeds (an HTTP error or a refused connection: not yet)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and child.proc.poll() is None:
@@ -166,7 +169,7 @@ def _poll(child: Child, probe: Any, timeout: float = 600.0) -> float | None:
             probe()
             return child.now()
         except OSError:
-            time.sleep(0.02)
+            time.sleep(interval)
     return None
 
 
@@ -214,7 +217,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     work = args.workdir or Path(tempfile.mkdtemp(prefix="cold-start-"))
     model = work / f"checkpoint-{Path(args.shape).stem}"
     result: dict[str, Any] = {"benchmark": "cold_start", "command": " ".join(sys.argv), "shape": args.shape,
-                              "device": args.device, "checkpoint": write_checkpoint(args, model), "repeats": []}  # fmt: skip
+                              "device": args.device, "poll_interval_s": args.poll_interval, "checkpoint": write_checkpoint(args, model),
+                              "repeats": []}  # fmt: skip
     for repeat in range(args.repeats):
         row = {mode: {"run": time_run(args, model, work, mode, repeat)} for mode in ("cold", "warm")}
         for mode in ("cold", "warm"):
