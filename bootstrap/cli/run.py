@@ -3,6 +3,10 @@
 Progress goes to stderr while the stages run; then the stage table, the plan line, and the
 generated text streamed as it comes (or, with ``--json``, one object on stdout). ``--tp N``
 starts N ranks first (``bootstrap.cli.tp``).
+
+Stage messages, paths and library errors are printed verbatim: the consoles here never read rich
+markup (``plain_console``), and the progress marks are styled ``Text``, so ``odd[/llama]`` or
+``[enforce fail at alloc_cpu.cpp:127]`` reach the terminal as written.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any, TypeVar
 
 import anyio
 from rich.console import Console
+from rich.text import Text
 
 from bootstrap.api import require_engine
 from bootstrap.backends.base import RequestExecutor, require_requests
@@ -26,6 +31,7 @@ from bootstrap.cli.exits import BAD_INPUT, BAD_INPUT_ERRORS, INTERRUPTED, OK, ST
 from bootstrap.cli.plan import plan_line
 from bootstrap.cli.tp import check_tp_before_launch, launch_ranks, leave, needs_launch, rank_backend
 from bootstrap.config import BootstrapConfig
+from bootstrap.engine import triton_start
 from bootstrap.engine.prompts import chat_ids, checked_max_tokens, sampling_params, text_ids
 from bootstrap.pipeline import StageFailed, failure_paragraph
 from bootstrap.pipeline.events import StageEvent
@@ -34,6 +40,8 @@ from bootstrap.pipeline.report import stage_table
 DEFAULT_MAX_TOKENS = 64
 T = TypeVar("T")
 DEFAULT_QUESTION = "What is the capital of France?"
+MARKS = {"done": ("done", "green"), "skipped": ("skipped", "cyan"), "failed": ("failed", "red"),
+         "attempt_failed": ("attempt failed", "yellow"), "retrying": ("retrying", "yellow")}  # fmt: skip
 
 
 def add_run_args(run: argparse.ArgumentParser) -> None:
@@ -64,6 +72,7 @@ def main_run(args: argparse.Namespace) -> int:
         if needs_launch(config):
             check_tp_before_launch(config)
             return launch_ranks(args, config.tensor_parallel_size, main_run)
+        triton_start.begin(config.device, config.backend, config.tensor_parallel_size)
         result, error = anyio.run(run_command, args, config, rank_backend(config, args))
     except BAD_INPUT_ERRORS as exc:
         if rank_of(args) == 0:
@@ -89,7 +98,7 @@ async def run_command(args: argparse.Namespace, config: BootstrapConfig,
     quiet = rank_of(args) > 0  # several ranks: rank 0 speaks for all of them
     boot = Bootstrap(config, backend=backend, trace_file=None if quiet else args.trace_file, otlp=args.otlp,
                      process=args.process)  # fmt: skip
-    progress = None if args.json or quiet else Console(stderr=True)
+    progress = None if args.json or quiet else plain_console(stderr=True)
     result: dict[str, Any] = {"text": "", "token_ids": []}
     try:
         executor, failure = await until_interrupted(lambda: _build(boot, progress), lambda: rolling_back(boot))
@@ -100,7 +109,8 @@ async def run_command(args: argparse.Namespace, config: BootstrapConfig,
         try:
             with boot.phase("answer"):
                 if progress is not None:
-                    print_ready(report, Console(), result["ready_after_spawn_s"])  # quiet ranks have no progress either
+                    # quiet ranks have no progress either
+                    print_ready(report, plain_console(), result["ready_after_spawn_s"])
                 answer = await until_interrupted(lambda: generate(args, require_requests(executor), report.plan["max_seq_len"]),
                                                  lambda: "shutting the executor down")  # fmt: skip
             result.update(answer)
@@ -210,15 +220,24 @@ async def show_progress(events: Any, console: Console, shown: anyio.Event) -> No
     ``shown`` is set once the last stage ended or any stage failed."""
     from bootstrap.stages import STAGE_IDS
 
-    marks = {"done": "[green]done[/]", "skipped": "[cyan]skipped[/]", "failed": "[red]failed[/]",
-             "attempt_failed": "[yellow]attempt failed[/]", "retrying": "[yellow]retrying[/]"}  # fmt: skip
     async for event in events:
-        if event.kind in marks:
-            console.print(f"  {event.stage:<18} {marks[event.kind]} {describe(event)}", highlight=False)
+        if event.kind in MARKS:
+            console.print(progress_line(event), highlight=False)
         elif event.kind == "started":
-            console.print(f"  {event.stage:<18} started", style="dim", highlight=False)
+            console.print(Text(f"  {event.stage:<18} started", style="dim"), highlight=False)
         if event.kind == "failed" or (event.stage == STAGE_IDS[-1] and event.kind in ("done", "skipped")):
             shown.set()
+
+
+def progress_line(event: StageEvent) -> Text:
+    """The stage, its coloured mark, and the message as plain text (never read as markup)."""
+    text, style = MARKS[event.kind]
+    return Text.assemble(f"  {event.stage:<18} ", (text, style), " ", describe(event))
+
+
+def plain_console(stderr: bool = False) -> Console:
+    """A console that prints strings as written: user and library text is never rich markup."""
+    return Console(stderr=stderr, markup=False)
 
 
 def describe(event: StageEvent) -> str:

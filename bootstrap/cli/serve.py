@@ -27,6 +27,7 @@ from typing import Any
 from bootstrap.api import require_engine
 from bootstrap.cli.args import add_build_args, add_config_args, config_from_args
 from bootstrap.cli.exits import BAD_INPUT, BAD_INPUT_ERRORS, OK
+from bootstrap.engine import triton_start
 
 ENV_API_KEY = "BOOTSTRAP_API_KEY"
 FORCE_AFTER_S = 10.0  # past the grace period: how long cancelled streams get to send their final chunk
@@ -41,7 +42,8 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     add = serve.add_argument
     add("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     add("--port", type=int, default=8000, help="port to bind (0: any free port)")
-    add("--api-key", help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: env {ENV_API_KEY})")
+    add("--api-key", help=f"require 'Authorization: Bearer KEY' on every route but /health, /ready and /metrics "
+        f"(default: env {ENV_API_KEY})")  # fmt: skip
     add("--served-model-name", help="the model id clients send (default: --model as given)")
     add("--shutdown-timeout", type=float, default=30.0, help="seconds requests in flight get after a signal")
     add("--backend-factory", metavar="MODULE:CALLABLE",
@@ -77,6 +79,7 @@ def main_serve(args: argparse.Namespace) -> int:
             options = serve_options(args, config)
             if options.backend_factory is None:
                 require_engine()
+                triton_start.begin(config.device, config.backend, config.tensor_parallel_size)
         announce(config, args)
     except BAD_INPUT_ERRORS as exc:
         print(f"bootstrap: {exc}", file=sys.stderr)

@@ -5,6 +5,13 @@ Each file becomes one timeline: a row per pipeline run, per stage and, for a sta
 than one attempt, per attempt, placed by start and end time from the start of the file's first
 span. Several files (a cold and a warm start, say) share one time scale, so their bars compare
 directly. The PNG needs matplotlib (the ``plot`` extra).
+
+A damaged file shows what can be read: a line cut short (a writer that was killed), not UTF-8,
+not JSON, or with a field of the wrong type is left out, with one warning per kind of damage
+and its count on stderr; a stage of which only attempts survived is shown ``unfinished``. Exit
+status 2 (one line) only when a file cannot be opened or holds no readable bootstrap span, or
+``--png`` cannot be written (checked before anything is drawn). Text from the file is shown as
+written: never read as rich markup, nor as matplotlib mathtext.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import argparse
 import json
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,27 +73,120 @@ class Timeline:
 # ---- reading --------------------------------------------------------------------------------
 
 
-def read_spans(path: Path) -> list[dict[str, Any]]:
-    """Every span of a trace file; ``TraceFileError`` for a missing file or a line that is not one."""
+@dataclass
+class Skipped:
+    """What a damaged file lost, per kind of damage: its line numbers and the first one's detail.
+    A file cut short by a killed writer loses its last line, not the spans before it."""
+
+    lines: dict[str, list[int]] = field(default_factory=dict)
+    details: dict[str, str] = field(default_factory=dict)
+    kept: set[str] = field(default_factory=set)  # kinds whose span is still shown (without the bad part)
+
+    def add(self, kind: str, number: int, detail: str = "", kept: bool = False) -> None:
+        self.lines.setdefault(kind, []).append(number)
+        self.details.setdefault(kind, detail)
+        if kept:
+            self.kept.add(kind)
+
+    def describe(self, kind: str) -> str:
+        numbers, detail = self.lines[kind], self.details[kind]
+        where = f"line {numbers[0]}" if len(numbers) == 1 else f"{len(numbers)} lines (first: line {numbers[0]})"
+        return f"{where}: {kind}" + (f" ({detail})" if detail else "")
+
+    def warnings(self, path: Path) -> list[str]:
+        """One line per kind of damage, for stderr."""
+        return [f"trace file {str(path)!r}: {self.describe(kind)}; "
+                f"{'shown without them' if kind in self.kept else 'skipped'}" for kind in self.lines]  # fmt: skip
+
+
+def read_spans(path: Path, skipped: Skipped | None = None) -> list[dict[str, Any]]:
+    """Every span of a trace file that can be read; a line that cannot (cut short, not UTF-8,
+    not JSON, a field of the wrong type) is left out and counted in ``skipped``.
+    ``TraceFileError`` for a file that cannot be opened or holds no readable bootstrap span."""
+    skipped = Skipped() if skipped is None else skipped
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        data = Path(path).read_bytes()
     except OSError as exc:
         raise TraceFileError(f"trace file {str(path)!r}: {exc.strerror or exc}") from None
-    spans = [_parse_line(path, number, line) for number, line in enumerate(lines, 1) if line.strip()]
+    lines = data.removeprefix(b"\xef\xbb\xbf").split(b"\n")
+    cut = len(lines) if lines[-1].strip() else 0  # a last line without its newline: the writer stopped
+    spans = []
+    for number, raw in enumerate(lines, 1):
+        span = _parse_line(raw, number, number == cut, skipped) if raw.strip() else None
+        if span is not None:
+            spans.append(span)
     if not any(s["name"] == ROOT_SPAN or s["name"].startswith(STAGE_PREFIX) for s in spans):
-        raise TraceFileError(f"trace file {str(path)!r} holds no bootstrap spans (write one with --trace-file)")
+        damage = "; ".join(skipped.describe(kind) for kind in skipped.lines)
+        why = f" that can be read: {damage}" if damage else " (write one with --trace-file)"
+        raise TraceFileError(f"trace file {str(path)!r} holds no bootstrap spans{why}")
     return spans
 
 
-def _parse_line(path: Path, number: int, line: str) -> dict[str, Any]:
+def _parse_line(raw: bytes, number: int, last: bool, skipped: Skipped) -> dict[str, Any] | None:
+    """The span on one line, or None (counted in ``skipped``)."""
     try:
-        span = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise TraceFileError(f"trace file {str(path)!r}, line {number}: not JSON ({exc.msg})") from None
-    missing = [k for k in CONTRACT_KEYS if not isinstance(span, dict) or k not in span]
+        span = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        if last:
+            skipped.add("cut short", number, "the last line has no end: the writer stopped mid-line")
+        elif isinstance(exc, UnicodeDecodeError):
+            skipped.add("not UTF-8 text", number, f"byte {exc.start}")
+        else:
+            skipped.add("not JSON", number, getattr(exc, "msg", "nested too deeply"))
+        return None
+    problem = _problem(span)
+    if problem is not None:
+        kind, detail = problem
+        skipped.add(kind, number, detail)
+        return None
+    return _with_valid_events(span, number, skipped)
+
+
+def _problem(span: Any) -> tuple[str, str] | None:
+    """Why ``span`` is not one: (kind, detail), naming the field and what it must be; or None."""
+    if not isinstance(span, dict):
+        return "not a span", f"a JSON {type(span).__name__}, not an object"
+    missing = [k for k in CONTRACT_KEYS if k not in span]
     if missing:
-        raise TraceFileError(f"trace file {str(path)!r}, line {number}: not a span (missing {', '.join(missing)})")
-    return span
+        return "not a span", f"missing {', '.join(missing)}"
+    for key, (valid, allowed) in FIELDS.items():
+        if not valid(span[key]):
+            return f"{key} is not {allowed}", f"got {_short(span[key])}"
+    if span["end_time_unix_nano"] < span["start_time_unix_nano"]:
+        return "end_time_unix_nano is before start_time_unix_nano", ""
+    return None
+
+
+def _is_nanos(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**64
+
+
+FIELDS = {
+    "name": (lambda v: isinstance(v, str), "a string"),
+    "span_id": (lambda v: isinstance(v, str), "a string"),
+    "parent_span_id": (lambda v: v is None or isinstance(v, str), "a string or null"),
+    "start_time_unix_nano": (_is_nanos, "nanoseconds (an integer in [0, 2**64))"),
+    "end_time_unix_nano": (_is_nanos, "nanoseconds (an integer in [0, 2**64))"),
+    "status": (lambda v: isinstance(v, str), "a string"),
+    "attributes": (lambda v: isinstance(v, dict), "an object"),
+}
+
+
+def _with_valid_events(span: dict[str, Any], number: int, skipped: Skipped) -> dict[str, Any]:
+    """``span``, its ``events`` (optional) cut to the event objects with object attributes."""
+    events = span.get("events", [])
+    if not isinstance(events, list):
+        events = [None]  # nothing in it is an event
+    valid = [e for e in events if isinstance(e, dict) and isinstance(e.get("attributes", {}), dict)]
+    if len(valid) == len(events):
+        return span
+    skipped.add("events is not a list of event objects", number, f"got {_short(span['events'])}", kept=True)
+    return {**span, "events": valid}
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 # ---- the timeline ---------------------------------------------------------------------------
@@ -95,7 +195,9 @@ def _parse_line(path: Path, number: int, line: str) -> dict[str, Any]:
 def timeline(spans: Sequence[dict[str, Any]], source: str = "") -> Timeline:
     """The process (when the command traced it: ``bootstrap.pipeline.process``) and its phases,
     runs, stages and (when a stage took more than one) attempts, in start order. A run whose
-    root span is missing (the process ended before the run did) is shown as ``unfinished``."""
+    root span is missing (the process ended before the run did) is shown as ``unfinished``, and
+    so is a stage of which only attempts reached the file."""
+    spans = [*spans, *_missing_stages(spans)]
     t0 = min(s["start_time_unix_nano"] for s in spans)
     children = _by_parent(spans)
     blocks: list[tuple[int, list[Bar]]] = []
@@ -103,14 +205,15 @@ def timeline(spans: Sequence[dict[str, Any]], source: str = "") -> Timeline:
         bars = [_bar(root, t0, f"pipeline run {run_number}", 0)]
         for stage in _sorted(s for s in children.get(root["span_id"], []) if _is_stage(s)):
             bars.append(_bar(stage, t0, stage["name"].removeprefix(STAGE_PREFIX), 1, _stage_note(stage)))
-            attempts = [s for s in children.get(stage["span_id"], []) if s["name"].endswith(ATTEMPT_SUFFIX)]
+            attempts = [s for s in children.get(stage["span_id"], []) if _is_attempt(s)]
             if len(attempts) > 1:
                 bars += [_bar(a, t0, f"attempt {_attempt_number(a)}", 2, _attempt_note(a)) for a in _sorted(attempts)]
         blocks.append((root["start_time_unix_nano"], bars))
     for phase in (s for s in spans if s["name"].startswith(PHASE_PREFIX)):
         blocks.append((phase["start_time_unix_nano"], [_bar(phase, t0, phase["name"].removeprefix(PHASE_PREFIX), 0)]))
     process = [_bar(p, t0, "process", 0, _coverage_note(spans, p)) for p in spans if p["name"] == PROCESS_SPAN]
-    return Timeline(source, process + [bar for _, bars in sorted(blocks, key=lambda b: b[0]) for bar in bars])
+    ordered = [bar for _, bars in sorted(blocks, key=lambda b: b[0]) for bar in bars]
+    return Timeline(printable(source), process + ordered)
 
 
 def coverage(spans: Sequence[dict[str, Any]], process: dict[str, Any]) -> dict[str, float] | None:
@@ -149,8 +252,9 @@ def _roots(spans: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _missing_roots(spans: Sequence[dict[str, Any]], children: dict[str | None, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """A stand-in root for stage spans whose parent never reached the file, over their extent."""
-    known = {s["span_id"] for s in spans}
+    """A stand-in root for stage spans whose parent is not a run in the file (it never reached
+    the file, or its line was damaged), over their extent."""
+    known = {s["span_id"] for s in _roots(spans)}
     orphans = {s["parent_span_id"] for s in spans if _is_stage(s) and s["parent_span_id"] not in known}
     return [
         {"name": ROOT_SPAN, "span_id": parent, "status": "UNSET", "attributes": {"bootstrap.outcome": "unfinished"},
@@ -158,6 +262,37 @@ def _missing_roots(spans: Sequence[dict[str, Any]], children: dict[str | None, l
          "end_time_unix_nano": max(s["end_time_unix_nano"] for s in children[parent])}
         for parent in orphans
     ]  # fmt: skip
+
+
+def _missing_stages(spans: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A stand-in stage for attempt spans whose stage span never reached the file (the writer
+    stopped during the stage), in the run of its trace when the file shows that run."""
+    stages = {s["span_id"] for s in spans if _is_stage(s)}
+    runs = {_trace_id(s): s["parent_span_id"] for s in spans if _is_stage(s)}
+    runs.update({_trace_id(s): s["span_id"] for s in _roots(spans)})
+    runs.pop(None, None)  # a span without a trace id tells no run
+    orphans: dict[str, list[dict[str, Any]]] = {}
+    for span in spans:
+        if _is_attempt(span) and span["parent_span_id"] not in stages:
+            orphans.setdefault(span["parent_span_id"], []).append(span)
+    return [_stand_in_stage(parent, attempts, runs.get(_trace_id(attempts[0])))
+            for parent, attempts in orphans.items() if parent is not None]  # fmt: skip
+
+
+def _stand_in_stage(span_id: str, attempts: list[dict[str, Any]], run: str | None) -> dict[str, Any]:
+    """An ``unfinished`` stage over its attempts, with the last one's error as its note."""
+    last = max(attempts, key=lambda s: s["end_time_unix_nano"])
+    error = {k: v for k, v in last["attributes"].items() if k == "error.type"}
+    return {"name": last["name"].removesuffix(ATTEMPT_SUFFIX), "span_id": span_id, "parent_span_id": run,
+            "status": "UNSET", "attributes": {"bootstrap.outcome": "unfinished", "bootstrap.attempts": len(attempts),
+                                              **error}, "events": last.get("events", []),
+            "start_time_unix_nano": min(s["start_time_unix_nano"] for s in attempts),
+            "end_time_unix_nano": last["end_time_unix_nano"]}  # fmt: skip
+
+
+def _trace_id(span: dict[str, Any]) -> str | None:
+    trace_id = span.get("trace_id")
+    return trace_id if isinstance(trace_id, str) else None
 
 
 def _by_parent(spans: Iterable[dict[str, Any]]) -> dict[str | None, list[dict[str, Any]]]:
@@ -175,10 +310,20 @@ def _is_stage(span: dict[str, Any]) -> bool:
     return span["name"].startswith(STAGE_PREFIX) and not span["name"].endswith(ATTEMPT_SUFFIX)
 
 
+def _is_attempt(span: dict[str, Any]) -> bool:
+    return span["name"].startswith(STAGE_PREFIX) and span["name"].endswith(ATTEMPT_SUFFIX)
+
+
 def _bar(span: dict[str, Any], t0: int, label: str, level: int, note: str = "") -> Bar:
     start = (span["start_time_unix_nano"] - t0) / 1e9
     end = (span["end_time_unix_nano"] - t0) / 1e9
-    return Bar(label, level, start, end, _outcome(span), note)
+    return Bar(printable(label), level, start, end, printable(_outcome(span)), printable(note))
+
+
+def printable(text: str) -> str:
+    """``text`` as any terminal or file takes it: a lone surrogate (a JSON ``\\ud800`` escape, a
+    path's undecodable byte) becomes ``?`` instead of failing the write."""
+    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def _outcome(span: dict[str, Any]) -> str:
@@ -188,8 +333,9 @@ def _outcome(span: dict[str, Any]) -> str:
     return "failed" if span["status"] == "ERROR" else "ok"
 
 
-def _attempt_number(span: dict[str, Any]) -> int:
-    return int(span["attributes"].get("bootstrap.attempt", 0))
+def _attempt_number(span: dict[str, Any]) -> str:
+    number = span["attributes"].get("bootstrap.attempt")
+    return str(number) if isinstance(number, int) and not isinstance(number, bool) else "?"
 
 
 def _stage_note(span: dict[str, Any]) -> str:
@@ -210,7 +356,7 @@ def _error(span: dict[str, Any]) -> str:
     kind = span["attributes"].get("error.type")
     if not kind:
         return ""
-    messages = [e.get("attributes", {}).get("exception.message", "") for e in span.get("events", [])]
+    messages = [(e.get("attributes") or {}).get("exception.message") for e in span.get("events", [])]
     message = next((m for m in messages if m), "")
     return f"{kind}: {message}"[:100] if message else str(kind)
 
@@ -224,16 +370,18 @@ def bar_width(console_width: int) -> int:
 
 
 def timeline_table(line: Timeline, scale_s: float | None = None, width: int = 40) -> Table:
-    """A rich table: label, outcome, start and duration in ms, a bar on a shared scale, notes."""
+    """A rich table: label, outcome, start and duration in ms, a bar on a shared scale, notes.
+    Labels, notes and the title come from the file: ``Text``, never read as rich markup."""
     scale = scale_s or line.end_s or 1.0
-    table = Table(title=f"{line.source} ({line.end_s * 1000:.1f} ms)" if line.source else None)
+    table = Table(title=Text(f"{line.source} ({line.end_s * 1000:.1f} ms)") if line.source else None)
     for column, justify in (("span", "left"), ("outcome", "left"), ("start", "right"), ("duration", "right"),
                             ("timeline", "left"), ("note", "left")):  # fmt: skip
         table.add_column(column, justify=justify, no_wrap=column != "note", overflow="fold")
     for bar in line.bars:
         table.add_row(
-            "  " * bar.level + bar.label, Text(bar.outcome, style=COLORS.get(bar.outcome, "")),
-            f"{bar.start_s * 1000:.1f} ms", f"{bar.duration_s * 1000:.1f} ms", _text_bar(bar, scale, width), bar.note,
+            Text("  " * bar.level + bar.label), Text(bar.outcome, style=COLORS.get(bar.outcome, "")),
+            f"{bar.start_s * 1000:.1f} ms", f"{bar.duration_s * 1000:.1f} ms", _text_bar(bar, scale, width),
+            Text(bar.note),
         )  # fmt: skip
     return table
 
@@ -260,8 +408,24 @@ def _pyplot() -> Any:
     return plt
 
 
+def check_png_path(out: Path) -> None:
+    """Before any rendering: ``out`` (and its folder) can be created and written. A file that
+    did not exist is removed again, so a later failure leaves nothing behind."""
+    try:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        existed = Path(out).exists()
+        with open(out, "ab"):
+            pass
+        if not existed:
+            Path(out).unlink()
+    except OSError as exc:
+        raise ConfigError(f"png: cannot write {str(out)!r} ({exc.strerror or exc}); "
+                          "pass a file in a writable folder") from None
+
+
 def write_png(lines: Sequence[Timeline], out: Path) -> Path:
-    """One panel per timeline, stacked, on one time axis (seconds); bars coloured by outcome."""
+    """One panel per timeline, stacked, on one time axis (seconds); bars coloured by outcome.
+    Always PNG, whatever ``out`` ends with; labels are drawn as written (no mathtext)."""
     plt = _pyplot()
     heights = [max(len(line.bars), 1) * 0.32 + 0.8 for line in lines]
     fig, axes = plt.subplots(len(lines), 1, figsize=(11, sum(heights)), sharex=True, squeeze=False,
@@ -270,9 +434,13 @@ def write_png(lines: Sequence[Timeline], out: Path) -> Path:
         _draw(ax, line)
     axes[-1, 0].set_xlabel("seconds since the first span")
     fig.tight_layout()
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    try:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=120, format="png")
+    except OSError as exc:
+        raise ConfigError(f"png: cannot write {str(out)!r} ({exc.strerror or exc})") from None
+    finally:
+        plt.close(fig)
     return Path(out)
 
 
@@ -280,14 +448,23 @@ def _draw(ax: Any, line: Timeline) -> None:
     for row, bar in enumerate(line.bars):
         ax.barh(row, max(bar.duration_s, 1e-4), left=bar.start_s, color=PNG_COLORS.get(bar.outcome, "#1565c0"),
                 height=0.6 if bar.level else 0.8)  # fmt: skip
-        ax.text(bar.end_s, row, f"  {bar.duration_s * 1000:.0f} ms {bar.note[:60]}", va="center", fontsize=7)
-    ax.set_yticks(range(len(line.bars)), [("· " if b.level == 2 else "") + b.label for b in line.bars], fontsize=8)
+        ax.text(bar.end_s, row, f"  {bar.duration_s * 1000:.0f} ms {bar.note[:60]}", va="center", fontsize=7,
+                parse_math=False)  # fmt: skip
+    ax.set_yticks(range(len(line.bars)), [("· " if b.level == 2 else "") + b.label for b in line.bars], fontsize=8,
+                  parse_math=False)  # fmt: skip
     ax.invert_yaxis()
-    ax.set_title(f"{line.source}: {line.end_s:.3f} s", fontsize=9, loc="left")
+    ax.set_title(f"{line.source}: {line.end_s:.3f} s", fontsize=9, loc="left", parse_math=False)
     ax.grid(axis="x", alpha=0.3)
 
 
 # ---- the command ----------------------------------------------------------------------------
+
+
+def _read_timeline(path: Path) -> tuple[Timeline, list[str]]:
+    """The file's timeline, and what it had to leave out: one warning per kind of damage."""
+    skipped = Skipped()
+    spans = read_spans(path, skipped)
+    return timeline(spans, str(path)), skipped.warnings(path)
 
 
 def add_trace_args(parser: argparse.ArgumentParser) -> None:
@@ -296,18 +473,24 @@ def add_trace_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main_trace(args: argparse.Namespace, console: Console | None = None) -> int:
-    """Exit status 0, or 2 for an unreadable trace file or a missing plot extra (one line on stderr)."""
-    console = console or Console()
+    """Exit status 0 once every file showed what it could (damaged lines: one warning per kind
+    on stderr), or 2 with one line on stderr: a file that cannot be opened or holds no readable
+    bootstrap span, a ``--png`` path that cannot be written, a missing plot extra."""
+    console = console or Console(markup=False)
     try:
-        lines = [timeline(read_spans(path), str(path)) for path in args.files]
+        if args.png is not None:
+            check_png_path(args.png)
+        lines, warnings = zip(*(_read_timeline(path) for path in args.files))
         if args.png is not None:
             write_png(lines, args.png)
-    except (TraceFileError, MissingExtra) as exc:
+    except (ConfigError, MissingExtra) as exc:  # TraceFileError is a ConfigError
         print(f"bootstrap: {exc}", file=sys.stderr)
         return 2
+    for warning in (w for file_warnings in warnings for w in file_warnings):
+        print(f"bootstrap: {warning}", file=sys.stderr)
     scale = max(line.end_s for line in lines)
     for line in lines:
         console.print(timeline_table(line, scale, bar_width(console.width)))
     if args.png is not None:
-        print(f"wrote {args.png}")
+        print(f"wrote {printable(str(args.png))}")
     return 0

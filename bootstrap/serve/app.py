@@ -1,5 +1,8 @@
 """The app factory: routes, errors, key check, metrics, and the lifespan that owns the bootstrap.
 
+With an API key, every route but ``/health``, ``/ready`` and ``/metrics`` needs it, the docs and
+``/openapi.json`` included (``bootstrap.serve.auth``); the app logs that once, never the key.
+
 The lifespan starts the bootstrap in the background and returns at once, so the server binds
 its port while the stages run. On shutdown (``state.begin_shutdown``, from a signal) the drain
 task cancels a bootstrap in progress (the pipeline rolls back), lets requests in flight finish
@@ -19,7 +22,7 @@ import anyio
 from fastapi import FastAPI
 
 from bootstrap.serve import bootstrap_routes, build_task, openai_routes
-from bootstrap.serve.auth import APIKeyMiddleware
+from bootstrap.serve.auth import OPEN, APIKeyMiddleware
 from bootstrap.serve.errors import install_handlers
 from bootstrap.serve.metrics import ServeMetrics
 from bootstrap.serve.state import ServeState
@@ -37,8 +40,10 @@ def create_app(state: ServeState, on_fatal: Callable[[], None] = lambda: None) -
     install_handlers(app)
     app.include_router(bootstrap_routes.router)
     app.include_router(openai_routes.router)
-    if state.options.api_key:
+    if state.options.api_key is not None:
         app.add_middleware(APIKeyMiddleware, key=state.options.api_key)
+        log.info("bootstrap serve: an API key is required ('Authorization: Bearer <key>') on every route "
+                 "except %s", ", ".join(sorted(OPEN)))  # fmt: skip
     return app
 
 

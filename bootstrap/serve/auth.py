@@ -1,7 +1,15 @@
-"""The optional API key, checked on every ``/v1`` route before anything else reads the request.
+"""The optional API key: once set, every route but the probes needs it, checked before anything
+else reads the request.
 
 ``Authorization: Bearer <key>``; the comparison is constant-time (``hmac.compare_digest``).
-Probes (``/health``, ``/ready``) and ``/metrics`` stay open for orchestrators and scrapers.
+Open without the key: ``/health``, ``/ready`` and ``/metrics`` (``OPEN``), for orchestrators and
+scrapers. Everything else is refused with 401 without it: the ``/v1`` routes, and also FastAPI's
+``/docs``, ``/redoc`` and ``/openapi.json`` (they describe every route and parameter), an
+unknown path (a 401, not a 404 that would map the server), and any route added later: the list
+names what is open, not what is guarded. The docs stay served to a client that sends the key.
+
+The configured key loses its surrounding whitespace first (``ServeOptions``): a key read from a
+file or an env file keeps its newline, and a client never sends it.
 """
 
 from __future__ import annotations
@@ -10,19 +18,20 @@ import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from bootstrap.config import ConfigError
 from bootstrap.serve.errors import APIError
 
-PROTECTED = "/v1"
+OPEN = frozenset({"/health", "/ready", "/metrics"})
 
 
 class APIKeyMiddleware:
     def __init__(self, app: ASGIApp, key: str) -> None:
-        if not key:
-            raise ValueError("api key: must be a non-empty string")
-        self.app, self._key = app, key.encode()
+        if not key.strip():
+            raise ConfigError("api_key: must not be empty or only whitespace")
+        self.app, self._key = app, key.strip().encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and _protected(scope["path"]):
+        if scope["type"] == "http" and scope["path"] not in OPEN:
             error = self._check(dict(scope["headers"]).get(b"authorization"))
             if error is not None:
                 await error.response()(scope, receive, send)
@@ -36,10 +45,6 @@ class APIKeyMiddleware:
         if not hmac.compare_digest(given.strip(), self._key):
             return _unauthorized("invalid API key")
         return None
-
-
-def _protected(path: str) -> bool:
-    return path == PROTECTED or path.startswith(PROTECTED + "/")
 
 
 def _unauthorized(message: str) -> APIError:

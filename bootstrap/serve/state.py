@@ -16,7 +16,7 @@ from typing import Any, Literal
 import anyio
 
 from bootstrap.backends.base import RequestExecutor
-from bootstrap.config import BootstrapConfig
+from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.pipeline.process import ProcessTimeline
 
 Phase = Literal["starting", "bootstrapping", "ready", "failed", "shutting_down"]
@@ -24,7 +24,8 @@ Phase = Literal["starting", "bootstrapping", "ready", "failed", "shutting_down"]
 
 @dataclass(frozen=True)
 class ServeOptions:
-    """The serve command's choices that are not part of the bootstrap config."""
+    """The serve command's choices that are not part of the bootstrap config; ``api_key`` is
+    kept without its surrounding whitespace (``clean_api_key``)."""
 
     model_id: str
     api_key: str | None = None
@@ -32,6 +33,24 @@ class ServeOptions:
     otlp: bool = False
     backend_factory: str | None = None  # "module:callable"; None: the backend config.backend names
     shutdown_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None:
+            object.__setattr__(self, "api_key", clean_api_key(self.api_key))
+
+
+def clean_api_key(key: str) -> str:
+    """``key`` without surrounding whitespace: a key file's newline, an env file's CR or spaces,
+    which no client sends. ``ConfigError`` when nothing is left, or for a control character
+    inside, which no HTTP header can carry: either key could never match."""
+    stripped = key.strip()
+    if not stripped:
+        raise ConfigError("api_key: must not be empty or only whitespace (--api-key or BOOTSTRAP_API_KEY)")
+    control = next((c for c in stripped if ord(c) < 0x20 or ord(c) == 0x7F), None)
+    if control is not None:
+        raise ConfigError(f"api_key: must not contain control characters such as {control!r} inside it "
+                          "(no HTTP header carries them); allowed: printable characters")  # fmt: skip
+    return stripped
 
 
 class Changes:
