@@ -5,15 +5,21 @@ JSON file per setup. The model cache (``--model-cache``, default ``~/.cache/exec
 where ``run`` and ``serve`` keep models) holds the default model's GGUF and its converted
 checkpoint, and every ``.gguf`` file converted once (``bootstrap.engine.sources.model_cache``).
 ``list`` prints each with its size; ``clear`` deletes both (``--plans`` or ``--models``: only that
-one) and prints what it removed and how much. Only what these caches write is touched: plan
-files, and the model cache's own entries, never another file in those directories. Sizes in
-decimal MB (10^6 bytes). Exit status 0; 2 for a cache path that is a file; 1 when an entry could
-not be deleted (the message names it). No torch is imported.
+one) and prints what it removed and how much. Only what these caches wrote is touched, however
+the directory was named (``--plan-cache .`` or ``~/.cache`` included): plan files recognised by
+name and first bytes (``plan_cache.is_own_file``), the model cache's entries by place, name and
+content (``model_cache.is_own``), never a link or what it points to, never another file. A folder
+goes only once the clear emptied it and only when it is the caches' own: the plan directory
+``PlanCache`` created, the model cache's ``downloads/`` and ``gguf/`` that held removed entries,
+the default model cache directory. Sizes in decimal MB (10^6 bytes). Exit status 0; 2 for a cache
+path that is a file; 1 when an entry could not be deleted (the message names it). No torch is
+imported.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,12 +34,13 @@ from bootstrap.engine.sources.model_cache import (
     Entry,
     default_cache_dir,
     entry,
+    is_own,
     remove,
     size_text,
 )
+from bootstrap.stages.plan_cache import MARKER, is_own_directory, is_own_file
 
 PLAN = "plan"
-PLAN_PATTERNS = ("*.json", "*.tmp")  # a plan, and the temporary file of a store that was killed
 
 
 def add_cache_args(cache: argparse.ArgumentParser) -> None:
@@ -50,7 +57,8 @@ def add_cache_args(cache: argparse.ArgumentParser) -> None:
 
 @dataclass(frozen=True)
 class Section:
-    """One cache: its entries, and the folders of its own that clearing removes once empty."""
+    """One cache: its entries, and the folders of its own that clearing removes once empty
+    (never a folder the cache did not create: see the module's docstring)."""
 
     label: str
     directory: Path
@@ -62,11 +70,12 @@ def main_cache(args: argparse.Namespace) -> int:
     sections = []
     if not args.models:
         plans = _directory(args.plan_cache, "--plan-cache")
-        sections.append(Section("cached plan(s)", plans, plan_entries(plans)))
+        own = (plans,) if is_own_directory(plans) else ()
+        sections.append(Section("cached plan(s)", plans, plan_entries(plans), own))
     if not args.plans:
         models = _directory(args.model_cache, "--model-cache")
-        sections.append(Section("model cache entries", models, model_entries(models),
-                                (models / DOWNLOADS, models / CONVERTED)))  # fmt: skip
+        entries = model_entries(models)
+        sections.append(Section("model cache entries", models, entries, model_folders(models, entries)))
     if args.action == "list":
         for section in sections:
             print_section(f"{len(section.entries)} {section.label} in {section.directory}", section)
@@ -84,16 +93,30 @@ def _directory(path: Path, flag: str) -> Path:
 
 
 def plan_entries(directory: Path) -> list[Entry]:
+    """The plans and killed stores' temporary files in ``directory``; nothing else it holds."""
     if not directory.is_dir():
         return []
-    return [entry(path, PLAN) for pattern in PLAN_PATTERNS for path in sorted(directory.glob(pattern))]
+    try:
+        names = sorted(directory.iterdir())
+    except OSError as exc:
+        raise ConfigError(f"--plan-cache: cannot list {directory}: {exc.strerror or exc}") from None
+    return [entry(path, PLAN) for path in names if is_own_file(path)]
 
 
 def model_entries(directory: Path) -> list[Entry]:
     """The model cache's own entries: the default model's, and the converted GGUF files."""
     if not directory.is_dir():
         return []
-    return smollm2.cache_entries(directory) + conversions.cache_entries(directory)
+    listed = smollm2.cache_entries(directory) + conversions.cache_entries(directory)
+    return [e for e in listed if is_own(e.path, directory)]
+
+
+def model_folders(directory: Path, entries: list[Entry]) -> tuple[Path, ...]:
+    """The layout's folders that hold entries (the cache's writers created them), and the default
+    cache directory: what a clear may remove once it has emptied them."""
+    held = {e.path.parent for e in entries}
+    layout = tuple(f for f in (directory / DOWNLOADS, directory / CONVERTED) if f in held)
+    return layout + ((directory,) if directory == default_cache_dir() else ())
 
 
 def print_section(title: str, section: Section, entries: list[Entry] | None = None) -> None:
@@ -117,14 +140,17 @@ def clear(section: Section) -> bool:
         except OSError as exc:
             print(f"bootstrap: could not delete {e.path}: {exc.strerror or exc}", file=sys.stderr)
             failed = True
-    for folder in (*section.folders, section.directory):
+    for folder in section.folders:
         _remove_if_empty(folder)
     print_section(f"removed {len(removed)} {section.label} from {section.directory}", section, removed)
     return failed
 
 
 def _remove_if_empty(directory: Path) -> None:
+    """``directory`` when nothing is left in it but the plan cache's own ``MARKER``."""
     try:
+        if os.listdir(directory) == [MARKER] and is_own_directory(directory):
+            (directory / MARKER).unlink()
         directory.rmdir()
     except OSError:  # not empty (other files are not ours to delete), or already gone
         pass

@@ -67,7 +67,9 @@ class StageRun:
             return artifact, undo
 
     async def _skip_or_attempts(self) -> tuple[Any, Undo, str]:
-        skip = self.stage.skip(**self.inputs) if self.stage.skip else None
+        # In a worker thread (with this context: the stage's span), never on the event loop: a
+        # skip check reads files (the plan cache).
+        skip = await anyio.to_thread.run_sync(partial(self.stage.skip, **self.inputs)) if self.stage.skip else None
         if isinstance(skip, Skip):
             self._span.set_attribute("bootstrap.skip_reason", skip.reason)
             self._skip_reason = skip.reason

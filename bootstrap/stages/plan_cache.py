@@ -6,6 +6,13 @@ It never demands equality with a fluctuating figure such as free memory at the l
 An entry that cannot be used (unreadable, damaged, written for another fingerprint) is ignored
 with one warning, and the start profiles again; so is a store that fails.
 
+An entry is read only when it is a regular file of at most ``MAX_ENTRY_BYTES`` (``read_entry``):
+never through a link, never from a FIFO or a device (the read runs where the stage's skip check
+runs, the event loop, so it must not block or read without end). A directory that cannot be
+written costs one warning: the plans already there are used, none is stored. ``bootstrap cache
+clear`` deletes only what ``is_own_file`` recognises, by name and by the first bytes ``store``
+writes, and the directory itself only when ``PlanCache`` created it (``MARKER``).
+
 The model enters the fingerprint as its normalized shape without the checkpoint's stored dtype
 (``model_key``): that dtype only picks the default dtype, which the fingerprint holds as the
 resolved one. So one model is one key however its config is read: a ``.gguf`` file's metadata
@@ -17,11 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import hashlib
 import json
 import logging
 import os
+import re
+import stat
 import tempfile
 from importlib import metadata
 from pathlib import Path
@@ -30,7 +40,7 @@ from typing import TYPE_CHECKING
 from bootstrap.backends.artifacts import ResolvedClasses
 from bootstrap.capacity import CapacityPlan, MemoryProfile
 from bootstrap.capacity.shape import ModelShape
-from bootstrap.config import BootstrapConfig, ConfigError, ensure_directory
+from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.devices import Device
 
 if TYPE_CHECKING:
@@ -44,6 +54,14 @@ log = logging.getLogger(__name__)
 # through its name and total memory; where plans are cached changes nothing.
 NOT_FINGERPRINTED = frozenset({"model", "draft_model", "device", "plan_cache"})
 LIBRARIES = ("executor-bootstrap", "torch", "transformers", "tensorrt-llm")
+
+MAX_ENTRY_BYTES = 1 << 20  # an entry is about 400 bytes; anything near this size is not one
+ENTRY_NAME = re.compile(r"(?P<key>[0-9a-f]{32})\.json")
+# ``store``'s temporary file (``<key>.<mkstemp's 8 characters>.tmp``; older versions: ``tmp<8>.tmp``)
+STAGING_NAME = re.compile(r"(?:(?P<key>[0-9a-f]{32})\.|tmp)[a-z0-9_]{8}\.tmp")
+HEADER = re.compile(rb'\{\s*"fingerprint":\s*"(?P<key>[0-9a-f]{32})"')  # how every file ``store`` writes begins
+MARKER = ".executor-bootstrap-plans"  # in a directory PlanCache created: clear may remove it once empty
+MARKER_TEXT = b"created by executor-bootstrap's plan cache; bootstrap cache clear removes it once empty\n"
 
 
 @functools.cache  # reading a distribution's metadata parses files (about 8 ms each); one process, one answer
@@ -97,12 +115,28 @@ class CachedPlan:
 
 class PlanCache:
     def __init__(self, directory: Path) -> None:
-        """Checks at once that ``directory`` can be created and written (``ConfigError`` if not)."""
-        self.directory = ensure_directory(Path(directory).expanduser(), "plan_cache")
+        """Creates ``directory`` if need be. A file in the way is an input error (``ConfigError``);
+        a directory that cannot be created or written (read-only, no permission) costs one
+        warning: its plans are still read, none is stored (``writable``)."""
+        self.directory = Path(directory).expanduser()
+        self.writable = self._prepare()
+
+    def _prepare(self) -> bool:
+        existed = os.path.isdir(self.directory)
         try:
+            self.directory.mkdir(parents=True, exist_ok=True)
             tempfile.TemporaryFile(dir=self.directory).close()
         except OSError as exc:
-            raise ConfigError(f"plan_cache: cannot write to {self.directory}: {exc.strerror or exc}") from None
+            if (blocker := _file_in_the_way(self.directory)) is not None:
+                raise ConfigError(f"plan_cache: cannot write to {self.directory}: {blocker} is not a directory") \
+                    from None
+            log.warning("plan cache: cannot write to %s (%s); using the plans there, storing none",
+                        self.directory, exc.strerror or exc)  # fmt: skip
+            return False
+        if not existed:
+            with contextlib.suppress(OSError):  # only what lets clear remove the directory is lost
+                (self.directory / MARKER).write_bytes(MARKER_TEXT)
+        return True
 
     def lookup(self, config: BootstrapConfig, resolved: ResolvedClasses, backend: Backend) -> CachedPlan | None:
         """The cached plan for this exact setup on ``backend``'s device, if there is one."""
@@ -110,21 +144,26 @@ class PlanCache:
 
     def remember(
         self, config: BootstrapConfig, resolved: ResolvedClasses, backend: Backend, profile: MemoryProfile, plan: CapacityPlan
-    ) -> Path:
+    ) -> Path | None:
+        """Store the plan; None when the directory cannot be written (its one warning came at
+        construction: a start must not warn again for each plan it cannot store)."""
+        if not self.writable:
+            return None
         return self.store(fingerprint(config, resolved, backend.device, backend.name), profile, plan)
 
     def load(self, key: str) -> CachedPlan | None:
         """The plan stored under ``key``; None if there is none, or (with one warning) if the
-        entry cannot be used: unreadable, truncated, not this format, or written for another key."""
+        entry cannot be used: not a regular file, too large, unreadable, truncated, not UTF-8,
+        nested too deeply, not this format, or written for another key."""
         path = self.directory / f"{key}.json"
         try:
-            blob = path.read_bytes()
+            return _parse(read_entry(path), key)
         except FileNotFoundError:
             return None
         except OSError as exc:
             return _ignored(path, exc.strerror or str(exc))
-        try:
-            return _parse(blob, key)
+        except RecursionError:
+            return _ignored(path, "JSON nested too deeply")
         except (ValueError, KeyError, TypeError, OverflowError) as exc:  # JSON and Unicode errors are ValueErrors
             return _ignored(path, str(exc) if type(exc) is ValueError else f"{type(exc).__name__}: {exc}")
 
@@ -132,10 +171,11 @@ class PlanCache:
         """Write atomically, so a concurrent or killed start never reads half a file; a failed
         write leaves no temporary file behind (and raises ``OSError``)."""
         data = {"fingerprint": key, "profile": dataclasses.asdict(profile), "kv_budget_bytes": plan.kv_budget_bytes}
-        fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+        text = json.dumps(data, indent=1)  # "fingerprint" first: the HEADER that marks the file as ours
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f"{key}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(data, f, indent=1)
+                f.write(text)
             path = self.directory / f"{key}.json"
             os.replace(tmp, path)
         except BaseException:
@@ -145,8 +185,79 @@ class PlanCache:
         return path
 
 
+def read_entry(path: Path) -> bytes:
+    """The bytes of ``path`` when it is a regular file of at most ``MAX_ENTRY_BYTES``; a link,
+    FIFO, device, directory or larger file raises ``OSError`` saying which, before any read
+    (``lstat`` first, then ``O_NOFOLLOW | O_NONBLOCK``, so nothing blocks or is followed)."""
+    _require_regular(path, os.lstat(path))
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        _require_regular(path, os.fstat(fd))  # replaced between the lstat and the open
+        chunks, size = [], 0
+        while chunk := os.read(fd, MAX_ENTRY_BYTES + 1 - size):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > MAX_ENTRY_BYTES:
+                raise OSError(f"larger than {MAX_ENTRY_BYTES} bytes, too large for a plan")
+    finally:
+        os.close(fd)
+    return b"".join(chunks)
+
+
+def _require_regular(path: Path, st: os.stat_result) -> None:
+    if stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    if not stat.S_ISREG(st.st_mode):
+        raise OSError(f"{_kind(st.st_mode)}, not a regular file")
+    if st.st_size > MAX_ENTRY_BYTES:
+        raise OSError(f"{st.st_size} bytes, more than the {MAX_ENTRY_BYTES} a plan may hold")
+
+
+def _kind(mode: int) -> str:
+    kinds = {stat.S_ISLNK: "a symbolic link", stat.S_ISFIFO: "a FIFO", stat.S_ISCHR: "a character device",
+             stat.S_ISBLK: "a block device", stat.S_ISSOCK: "a socket"}  # fmt: skip
+    return next((name for test, name in kinds.items() if test(mode)), "a special file")
+
+
+def is_own_file(path: Path) -> bool:
+    """True for a file ``store`` wrote: an entry or the temporary file of a killed store, by its
+    name and by how it begins (the fingerprint its name holds); never a link or another file."""
+    name = ENTRY_NAME.fullmatch(path.name) or STAGING_NAME.fullmatch(path.name)
+    if name is None:
+        return False
+    try:
+        header = HEADER.match(read_entry(path))
+    except OSError:
+        return False
+    return header is not None and name["key"] in (None, header["key"].decode())
+
+
+def is_own_directory(directory: Path) -> bool:
+    """True when ``PlanCache`` created ``directory`` (its ``MARKER`` holds ``MARKER_TEXT``)."""
+    try:
+        return read_entry(directory / MARKER) == MARKER_TEXT
+    except OSError:
+        return False
+
+
+def _file_in_the_way(path: Path) -> Path | None:
+    """The first of ``path`` and its parents that exists and is no directory: a mistyped path,
+    not a read-only disk (``mkdir`` says only "File exists" or "Not a directory")."""
+    for candidate in (path, *path.parents):
+        try:
+            if not stat.S_ISDIR(os.stat(candidate).st_mode):
+                return candidate
+        except OSError:  # absent, or not ours to look into
+            continue
+    return None
+
+
 def _parse(blob: bytes, key: str) -> CachedPlan:
-    data = json.loads(blob)
+    try:
+        text = blob.decode("utf-8")  # what store writes; json.loads would also take UTF-16 or UTF-32
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8 text: {exc.reason} at byte {exc.start}") from None
+    data = json.loads(text)
     if not isinstance(data, dict) or data.get("fingerprint") != key:
         raise ValueError("written for another setup, or by another version")
     budget = data["kv_budget_bytes"]

@@ -17,6 +17,7 @@ from bootstrap.cli.exits import BAD_INPUT, OK, STAGE_FAILED
 from bootstrap.cli.main import main
 from bootstrap.engine.sources import conversions, smollm2
 from bootstrap.engine.sources.model_cache import SOURCE_FILE
+from bootstrap.stages.plan_cache import PlanCache
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,11 +35,11 @@ def checkpoint(path: Path, weight_bytes: int, source: dict | None = None) -> Pat
 def caches(tmp_path) -> dict[str, Path]:
     """Two plans; a model cache with five entries of its own and two things that are not."""
     models, plans, user = tmp_path / "models", tmp_path / "plans", tmp_path / "user"
-    plans.mkdir()
+    PlanCache(plans)  # creates the directory as a start does (with its marker: clear may remove it)
     for key in ("a" * 32, "b" * 32):
         (plans / f"{key}.json").write_text(json.dumps({"fingerprint": key}))
     smollm2.gguf_path(models).parent.mkdir(parents=True)
-    smollm2.gguf_path(models).write_bytes(b"g" * 2_000_000)
+    smollm2.gguf_path(models).write_bytes(b"GGUF" + b"g" * 1_999_996)  # a GGUF file begins so
     checkpoint(smollm2.checkpoint_dir(models), 3_000_000)
     user.mkdir()
     (user / "mine.gguf").write_bytes(b"q" * 1000)

@@ -530,3 +530,29 @@ async def test_closing_the_device_thread_leaves_the_event_loop_free():
         tg.start_soon(open_gate)
     timer.cancel()
     assert opened_by == ["event loop"]
+
+
+async def test_a_skip_check_that_blocks_never_stalls_the_event_loop(device):
+    """A skip check reads files (the plan cache): it runs in a worker thread, so the loop keeps
+    answering (a health probe) while it blocks."""
+    import time
+
+    from bootstrap.pipeline.stage import Skip
+
+    def slow_skip(seed):
+        time.sleep(0.5)  # a read that blocks
+        return Skip("cached", "plan-cache")
+
+    pipeline = Pipeline([Stage("slow", lambda seed: None, "a", skip=slow_skip)], {"seed": 0}, device=device)
+    ticks: list[float] = []
+
+    async def probe() -> None:
+        while True:
+            ticks.append(time.monotonic())
+            await anyio.sleep(0.01)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(probe)
+        assert (await pipeline.run())["a"] == "cached"
+        tg.cancel_scope.cancel()
+    assert len(ticks) > 10 and max(b - a for a, b in zip(ticks, ticks[1:])) < 0.25

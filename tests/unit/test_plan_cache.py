@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import shutil
 
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -177,7 +178,7 @@ async def test_a_cache_directory_removed_after_the_start_began_is_a_warning(tmp_
     directory = tmp_path / "plans"
     device = sim_device("h100-80gb")
     pipeline = make_pipeline(BootstrapConfig.parse(**BASE, plan_cache=directory), SimBackend(device))
-    directory.rmdir()  # the check at construction passed; the store comes later
+    shutil.rmtree(directory)  # the check at construction passed (and left its marker); the store comes later
     await pipeline.run()
     await pipeline.aclose()
     (warning,) = cache_warnings(caplog)

@@ -9,15 +9,20 @@
     .<name>.<random>                            the staging of a fetch or conversion under way, or killed
 
 Every entry is written under a staging name and renamed into place (``publish``), so a reader
-never sees half of one. Nothing here imports torch: ``bootstrap cache`` lists and clears the
+never sees half of one. ``is_own`` tells these entries from anything else a directory holds
+(``bootstrap cache`` lists and clears only those): by place and name, and by content where an
+entry has one to show. Nothing here imports torch: ``bootstrap cache`` lists and clears the
 cache without it. Sizes are file sizes in bytes; ``size_text`` prints them in decimal MB
 (10^6 bytes, as pip does).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +30,10 @@ WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 DOWNLOADS = "downloads"
 CONVERTED = "gguf"
 SOURCE_FILE = "source.json"  # in a converted checkpoint: what it was converted from
+GGUF_MAGIC = b"GGUF"  # how every GGUF file begins
+CONVERTED_NAME = re.compile(r"[A-Za-z0-9._-]*-[0-9a-f]{16}")  # conversions.converted_dir: <stem>-<key>
+STAGING_NAME = re.compile(r"\.(?P<target>[A-Za-z0-9._-]+)\.[a-z0-9_]+")  # mkdtemp(prefix=".<target>.")
+MAX_SOURCE_BYTES = 1 << 16  # a source.json is a few hundred bytes
 
 
 def default_cache_dir() -> Path:
@@ -73,6 +82,59 @@ def is_staging(path: Path) -> bool:
     return path.name.startswith(".")
 
 
+def is_own(path: Path, cache_dir: Path) -> bool:
+    """True when ``path``, listed as an entry of ``cache_dir``, is recognisably this cache's own:
+    never a link, nor anything in a linked folder; a file only as a GGUF (its magic); a staging
+    directory by the name its writer gives it (its content is partial by design); a checkpoint
+    by its name (``<stem>-<key>`` in ``gguf/``) and its ``source.json`` or config and weights."""
+    try:
+        mode = path.lstat().st_mode
+    except OSError:
+        return False
+    if path.parent != cache_dir and path.parent.is_symlink():
+        return False
+    if stat.S_ISREG(mode):
+        return path.suffix == ".gguf" and _head(path, len(GGUF_MAGIC)) == GGUF_MAGIC
+    if not stat.S_ISDIR(mode):
+        return False
+    converted = path.parent == cache_dir / CONVERTED
+    if is_staging(path):
+        name = STAGING_NAME.fullmatch(path.name)
+        return name is not None and (not converted or CONVERTED_NAME.fullmatch(name["target"]) is not None)
+    if converted and not CONVERTED_NAME.fullmatch(path.name):
+        return False
+    return _has_source(path) or is_checkpoint(path)
+
+
+def _has_source(checkpoint: Path) -> bool:
+    """A ``source.json`` as the conversion writes it: a JSON object naming the ``gguf``."""
+    blob = _head(checkpoint / SOURCE_FILE, MAX_SOURCE_BYTES + 1)
+    if blob is None or len(blob) > MAX_SOURCE_BYTES:
+        return False
+    try:
+        data = json.loads(blob.decode("utf-8"))
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and "gguf" in data
+
+
+def _head(path: Path, size: int) -> bytes | None:
+    """Up to ``size`` first bytes of the regular file ``path``; None for anything else (a link is
+    not followed, a FIFO or device never opened: ``lstat`` first, then no blocking open)."""
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return None
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return os.read(fd, size) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def size_of(path: Path) -> int:
     """Bytes of a file, or of every file under a directory (links not followed); 0 if it is gone."""
     try:
@@ -91,7 +153,8 @@ def size_of(path: Path) -> int:
 
 
 def remove(path: Path) -> None:
-    """Delete a cache entry, file or directory; ``OSError`` if it cannot be deleted."""
+    """Delete a cache entry, file or directory (a link itself, never what it points to);
+    ``OSError`` if it cannot be deleted."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
     else:
