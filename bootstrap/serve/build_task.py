@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import time
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
