@@ -17,6 +17,26 @@ MAX_STOPS = 4
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    @field_validator("*")
+    @classmethod
+    def _encodable(cls, value: object) -> object:
+        """Text a tokenizer can take: a lone surrogate (valid in JSON as ``\\ud800``) is not
+        UTF-8, so every string of every request field, in lists too, is refused naming its field."""
+        for text in _strings(value):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"must be text UTF-8 can encode (a lone surrogate at character {exc.start})") from None
+        return value
+
+
+def _strings(value: object) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [text for item in value for text in _strings(item)]
+    return []
+
 
 class StreamOptions(_Strict):
     include_usage: bool = False

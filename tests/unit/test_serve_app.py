@@ -127,3 +127,25 @@ def test_stage_rows_show_retrying_skipped_and_failed_stages():
     assert (ready["stage"], ready["stage_state"], ready["ready"]) == ("profiling", "retrying", False)
     hub.publish(StageEvent("profiling", "failed", 2, "OutOfMemoryError: y"))
     assert bootstrap_view(state)["current_stage"] == "profiling" and ready_view(state)["stage_state"] == "failed"
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("/v1/completions", '{"model": "m", "prompt": "w4 \\ud800"}', "prompt"),
+    ("/v1/completions", '{"model": "m", "prompt": ["ok", "w4 \\udfff x"]}', "prompt"),
+    ("/v1/completions", '{"model": "m", "prompt": "ok", "stop": ["\\ud83d"]}', "stop"),
+    ("/v1/chat/completions", '{"model": "m", "messages": [{"role": "user", "content": "a \\ud800"}]}', "messages.0.content"),
+    ("/v1/chat/completions", '{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+     None),  # a union: both branches are reported, so no single param
+    ("/v1/chat/completions", '{"model": "m", "user": "\\udc00", "messages": [{"role": "user", "content": "a"}]}', "user"),
+])  # fmt: skip
+async def test_a_lone_surrogate_in_any_text_field_is_a_400_naming_it(route, body, param):
+    """Valid JSON, but not text UTF-8 (or any tokenizer) can encode: refused before any work."""
+    async with app_client() as http:
+        response = await http.post(route, content=body, headers={"content-type": "application/json"})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["type"] == "invalid_request_error", error
+    assert error["param"] == param and "lone surrogate" in error["message"], error
+    async with app_client() as http:  # a proper pair (an emoji) is text
+        fine = await http.post("/v1/completions", content='{"model": "m", "prompt": "\\ud83d\\ude00"}',
+                               headers={"content-type": "application/json"})  # fmt: skip
+    assert fine.status_code == 503  # not ready yet: it passed validation
