@@ -7,6 +7,11 @@ derives a new copy with ``model_copy(update=...)`` and records the change on its
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
+import stat
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -28,10 +33,49 @@ def ensure_directory(path: Path, field: str) -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+        blocker = file_in_the_way(path)
         reason = f"{blocker} is not a directory" if blocker else exc.strerror or str(exc)
         raise ConfigError(f"{field}: cannot write to {path}: {reason}") from None
     return path
+
+
+def file_in_the_way(path: Path) -> Path | None:
+    """The first of ``path`` and its parents that exists and is no directory: a mistyped path,
+    not a read-only disk (``mkdir`` says only "File exists" or "Not a directory")."""
+    for candidate in (path, *path.parents):
+        try:
+            if not stat.S_ISDIR(os.stat(candidate).st_mode):
+                return candidate
+        except OSError:  # absent, or not ours to look into
+            continue
+    return None
+
+
+@contextlib.contextmanager
+def open_regular(path: Path) -> Iterator[int]:
+    """A read-only descriptor of ``path`` when it is a regular file; a link, FIFO, device or
+    directory raises ``OSError`` saying which before anything is followed or blocks (``lstat``
+    first, then ``O_NOFOLLOW | O_NONBLOCK``, then ``fstat`` for a file replaced in between)."""
+    _require_regular(path, os.lstat(path))
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        _require_regular(path, os.fstat(fd))
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _require_regular(path: Path, st: os.stat_result) -> None:
+    if stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    if not stat.S_ISREG(st.st_mode):
+        raise OSError(f"{_kind(st.st_mode)}, not a regular file")
+
+
+def _kind(mode: int) -> str:
+    kinds = {stat.S_ISLNK: "a symbolic link", stat.S_ISFIFO: "a FIFO", stat.S_ISCHR: "a character device",
+             stat.S_ISBLK: "a block device", stat.S_ISSOCK: "a socket"}  # fmt: skip
+    return next((name for test, name in kinds.items() if test(mode)), "a special file")
 
 
 class BootstrapConfig(BaseModel):

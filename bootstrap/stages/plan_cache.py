@@ -7,11 +7,11 @@ An entry that cannot be used (unreadable, damaged, written for another fingerpri
 with one warning, and the start profiles again; so is a store that fails.
 
 An entry is read only when it is a regular file of at most ``MAX_ENTRY_BYTES`` (``read_entry``):
-never through a link, never from a FIFO or a device (the read runs where the stage's skip check
-runs, the event loop, so it must not block or read without end). A directory that cannot be
-written costs one warning: the plans already there are used, none is stored. ``bootstrap cache
-clear`` deletes only what ``is_own_file`` recognises, by name and by the first bytes ``store``
-writes, and the directory itself only when ``PlanCache`` created it (``MARKER``).
+never through a link, never from a FIFO or a device, so it never blocks nor reads without end
+(it runs where the stage's skip check runs: a worker thread, not the event loop). A directory
+that cannot be written costs one warning: the plans already there are used, none is stored.
+``bootstrap cache clear`` deletes only what ``is_own_file`` recognises, by name and by the first
+bytes ``store`` writes, and the directory itself only when ``PlanCache`` created it (``MARKER``).
 
 The model enters the fingerprint as its normalized shape without the checkpoint's stored dtype
 (``model_key``): that dtype only picks the default dtype, which the fingerprint holds as the
@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import functools
 import hashlib
 import json
 import logging
 import os
 import re
-import stat
 import tempfile
 from importlib import metadata
 from pathlib import Path
@@ -40,7 +38,7 @@ from typing import TYPE_CHECKING
 from bootstrap.backends.artifacts import ResolvedClasses
 from bootstrap.capacity import CapacityPlan, MemoryProfile
 from bootstrap.capacity.shape import ModelShape
-from bootstrap.config import BootstrapConfig, ConfigError
+from bootstrap.config import BootstrapConfig, ConfigError, file_in_the_way, open_regular
 from bootstrap.devices import Device
 
 if TYPE_CHECKING:
@@ -127,7 +125,7 @@ class PlanCache:
             self.directory.mkdir(parents=True, exist_ok=True)
             tempfile.TemporaryFile(dir=self.directory).close()
         except OSError as exc:
-            if (blocker := _file_in_the_way(self.directory)) is not None:
+            if (blocker := file_in_the_way(self.directory)) is not None:
                 raise ConfigError(f"plan_cache: cannot write to {self.directory}: {blocker} is not a directory") \
                     from None
             log.warning("plan cache: cannot write to %s (%s); using the plans there, storing none",
@@ -188,35 +186,17 @@ class PlanCache:
 def read_entry(path: Path) -> bytes:
     """The bytes of ``path`` when it is a regular file of at most ``MAX_ENTRY_BYTES``; a link,
     FIFO, device, directory or larger file raises ``OSError`` saying which, before any read
-    (``lstat`` first, then ``O_NOFOLLOW | O_NONBLOCK``, so nothing blocks or is followed)."""
-    _require_regular(path, os.lstat(path))
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        _require_regular(path, os.fstat(fd))  # replaced between the lstat and the open
+    (``config.open_regular``: nothing blocks or is followed)."""
+    with open_regular(path) as fd:
+        if (size := os.fstat(fd).st_size) > MAX_ENTRY_BYTES:
+            raise OSError(f"{size} bytes, more than the {MAX_ENTRY_BYTES} a plan may hold")
         chunks, size = [], 0
         while chunk := os.read(fd, MAX_ENTRY_BYTES + 1 - size):
             chunks.append(chunk)
             size += len(chunk)
             if size > MAX_ENTRY_BYTES:
                 raise OSError(f"larger than {MAX_ENTRY_BYTES} bytes, too large for a plan")
-    finally:
-        os.close(fd)
     return b"".join(chunks)
-
-
-def _require_regular(path: Path, st: os.stat_result) -> None:
-    if stat.S_ISDIR(st.st_mode):
-        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
-    if not stat.S_ISREG(st.st_mode):
-        raise OSError(f"{_kind(st.st_mode)}, not a regular file")
-    if st.st_size > MAX_ENTRY_BYTES:
-        raise OSError(f"{st.st_size} bytes, more than the {MAX_ENTRY_BYTES} a plan may hold")
-
-
-def _kind(mode: int) -> str:
-    kinds = {stat.S_ISLNK: "a symbolic link", stat.S_ISFIFO: "a FIFO", stat.S_ISCHR: "a character device",
-             stat.S_ISBLK: "a block device", stat.S_ISSOCK: "a socket"}  # fmt: skip
-    return next((name for test, name in kinds.items() if test(mode)), "a special file")
 
 
 def is_own_file(path: Path) -> bool:
@@ -238,18 +218,6 @@ def is_own_directory(directory: Path) -> bool:
         return read_entry(directory / MARKER) == MARKER_TEXT
     except OSError:
         return False
-
-
-def _file_in_the_way(path: Path) -> Path | None:
-    """The first of ``path`` and its parents that exists and is no directory: a mistyped path,
-    not a read-only disk (``mkdir`` says only "File exists" or "Not a directory")."""
-    for candidate in (path, *path.parents):
-        try:
-            if not stat.S_ISDIR(os.stat(candidate).st_mode):
-                return candidate
-        except OSError:  # absent, or not ours to look into
-            continue
-    return None
 
 
 def _parse(blob: bytes, key: str) -> CachedPlan:

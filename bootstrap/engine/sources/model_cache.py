@@ -26,6 +26,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from bootstrap.config import open_regular
+
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 DOWNLOADS = "downloads"
 CONVERTED = "gguf"
@@ -120,19 +122,12 @@ def _has_source(checkpoint: Path) -> bool:
 
 def _head(path: Path, size: int) -> bytes | None:
     """Up to ``size`` first bytes of the regular file ``path``; None for anything else (a link is
-    not followed, a FIFO or device never opened: ``lstat`` first, then no blocking open)."""
+    not followed, a FIFO or device never opened: ``config.open_regular``)."""
     try:
-        if not stat.S_ISREG(os.lstat(path).st_mode):
-            return None
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open_regular(path) as fd:
+            return os.read(fd, size)
     except OSError:
         return None
-    try:
-        return os.read(fd, size) if stat.S_ISREG(os.fstat(fd).st_mode) else None
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
 
 
 def size_of(path: Path) -> int:
