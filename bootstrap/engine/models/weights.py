@@ -132,16 +132,20 @@ def _place(stored: Stored, params: dict, modules: dict) -> tuple[str, torch.Tens
     return stored.name, param, index
 
 
-def _sliced_shape(index: Index, shape: tuple[int, ...]) -> tuple[int, ...]:
+def _bounds(index: Index, shape: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """(start, stop, step) of ``index`` in each dimension of ``shape`` (a missing one: all of it)."""
     full = tuple(index) + (slice(None),) * (len(shape) - len(index))
-    return tuple(len(range(*s.indices(n))) for s, n in zip(full, shape))
+    return [s.indices(n) for s, n in zip(full, shape)]
+
+
+def _sliced_shape(index: Index, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(len(range(*bounds)) for bounds in _bounds(index, shape))
 
 
 def _contiguous_start(index: Index, shape: tuple[int, ...]) -> int | None:
     """The first element of ``index``'s slice when the slice is one run of the stored tensor's
     elements (row slices are; column slices of a matrix are not): else None."""
-    full = tuple(index) + (slice(None),) * (len(shape) - len(index))
-    bounds = [s.indices(n) for s, n in zip(full, shape)]
+    bounds = _bounds(index, shape)
     if any(step != 1 for _, _, step in bounds):
         return None
     partial = [dim for dim, ((begin, end, _), n) in enumerate(zip(bounds, shape)) if (begin, end) != (0, n)]
