@@ -83,14 +83,19 @@ def _pieces(ranges: list[ByteRange], piece_bytes: int):
             yield r.file, r.offset + start, flat[start : start + piece_bytes]
 
 
+def _taken(pieces: collections.deque, failed: threading.Event):
+    """The pieces this thread takes from the shared queue, until it is empty or a thread failed."""
+    while not failed.is_set():
+        try:
+            yield pieces.popleft()
+        except IndexError:
+            return
+
+
 def _in_place(pieces: collections.deque, fds: dict, failed: threading.Event) -> None:
     """Read each piece straight into its (CPU) destination."""
     try:
-        while not failed.is_set():
-            try:
-                file, offset, target = pieces.popleft()
-            except IndexError:
-                return
+        for file, offset, target in _taken(pieces, failed):
             _pread_into(fds[file], file, offset, target)
     except BaseException:
         failed.set()
@@ -104,16 +109,15 @@ class _Staged:
         self.device, self.piece_bytes = device, piece_bytes
 
     def work(self, pieces: collections.deque, fds: dict, failed: threading.Event) -> None:
-        buffers = [_PageLocked(self.piece_bytes) for _ in range(2)]
-        stream = torch.cuda.Stream(self.device)
+        buffers: list[_PageLocked] = []
+        stream = None
         copied = [None, None]  # the event of each buffer's last copy
         try:
+            for _ in range(2):  # one by one: a failed second allocation still releases the first
+                buffers.append(_PageLocked(self.piece_bytes))
+            stream = torch.cuda.Stream(self.device)
             turn = 0
-            while not failed.is_set():
-                try:
-                    file, offset, target = pieces.popleft()
-                except IndexError:
-                    break
+            for file, offset, target in _taken(pieces, failed):
                 if copied[turn] is not None:
                     copied[turn].synchronize()  # the buffer's previous copy has left it
                 staging = buffers[turn].tensor[: target.numel()]
@@ -127,7 +131,8 @@ class _Staged:
             failed.set()
             raise
         finally:
-            stream.synchronize()
+            if stream is not None:
+                stream.synchronize()
             for buffer in buffers:
                 buffer.release()
 
