@@ -72,7 +72,7 @@ def main_run(args: argparse.Namespace) -> int:
         if needs_launch(config):
             check_tp_before_launch(config)
             return launch_ranks(args, config.tensor_parallel_size, main_run)
-        triton_start.begin(config.device, config.backend, config.tensor_parallel_size)
+        triton_start.begin_for(config.device, config.backend, config.tensor_parallel_size)
         result, error = anyio.run(run_command, args, config, rank_backend(config, args))
     except BAD_INPUT_ERRORS as exc:
         if rank_of(args) == 0:

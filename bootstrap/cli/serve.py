@@ -79,7 +79,7 @@ def main_serve(args: argparse.Namespace) -> int:
             options = serve_options(args, config)
             if options.backend_factory is None:
                 require_engine()
-                triton_start.begin(config.device, config.backend, config.tensor_parallel_size)
+                triton_start.begin_for(config.device, config.backend, config.tensor_parallel_size)
         announce(config, args)
     except BAD_INPUT_ERRORS as exc:
         print(f"bootstrap: {exc}", file=sys.stderr)

@@ -5,10 +5,10 @@ pays for Triton itself: its import, its ``gluon`` frontend's import, and ``trito
 of Triton's sources and of its 400 MB library that keys every cache entry. On the H200 machine
 that is about 1.2 s alone, and about three times that beside the weight read. None of it needs
 torch (Triton imports no torch module), so a command that will launch kernels on CUDA calls
-``begin`` as soon as it knows that, and this runs in a thread while the main thread imports
-torch; ``wait`` joins it before the engine's own modules import Triton, so the two threads never
-import the same module. A failure here only means the first kernel pays for it, as it would
-without this; it is logged, never raised.
+``begin_for`` as soon as it knows that (the kernels' compile-ahead calls ``begin`` too), and it
+runs in a thread while the main thread imports torch; ``wait`` joins it before the engine's own
+modules import Triton, so the two threads never import the same module. A failure here only
+means the first kernel pays for it, as it would without this; it is logged, never raised.
 """
 
 from __future__ import annotations
@@ -23,12 +23,16 @@ _lock = threading.Lock()
 _thread: threading.Thread | None = None
 
 
-def begin(device: str, backend: str, tensor_parallel_size: int) -> bool:
-    """Start Triton's start in a thread, once, for a single-process native run on CUDA with
-    Triton installed; True when it was started (now or before)."""
+def begin_for(device: str, backend: str, tensor_parallel_size: int) -> bool:
+    """``begin`` for a single-process native run on CUDA (a command's choice, from its config);
+    True when Triton's start was begun (now or before)."""
+    return device.startswith("cuda") and backend == "native" and tensor_parallel_size == 1 and begin()
+
+
+def begin() -> bool:
+    """Start Triton's start in a thread, once per process, when Triton is installed; True when
+    it was started (now or before)."""
     global _thread
-    if not (device.startswith("cuda") and backend == "native" and tensor_parallel_size == 1):
-        return False
     with _lock:
         if _thread is None:
             if find_spec("triton") is None:

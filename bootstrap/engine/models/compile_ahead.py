@@ -39,7 +39,7 @@ def compiling_ahead(model: torch.nn.Module) -> Iterator[None]:
     if not fused.usable(param):
         yield
         return
-    triton_start.begin(param.device.type, "native", 1)  # once per process: before any compile
+    triton_start.begin()  # once per process, before any compile
     by_kernel = itertools.groupby(sorted(set(_calls(model)), key=str), key=lambda call: call[0])
     groups = [list(calls) for _, calls in by_kernel]
     pool = ThreadPoolExecutor(len(groups), thread_name_prefix="bootstrap-kernel-compile")
