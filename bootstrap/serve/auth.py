@@ -18,17 +18,15 @@ import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from bootstrap.config import ConfigError
 from bootstrap.serve.errors import APIError
+from bootstrap.serve.state import clean_api_key
 
 OPEN = frozenset({"/health", "/ready", "/metrics"})
 
 
 class APIKeyMiddleware:
     def __init__(self, app: ASGIApp, key: str) -> None:
-        if not key.strip():
-            raise ConfigError("api_key: must not be empty or only whitespace")
-        self.app, self._key = app, key.strip().encode()
+        self.app, self._key = app, clean_api_key(key).encode()  # as ServeOptions keeps it
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN:
