@@ -10,8 +10,10 @@ its report. A failed build raises ``StageFailed`` and keeps every earlier artifa
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import time
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -178,7 +180,24 @@ async def build_executor(config: BootstrapConfig, **options: Any) -> tuple[Execu
     except BaseException:
         await boot.aclose()
         raise
-    return boot.detach()
+    executor, report = boot.detach()
+    shut_down_at_exit(executor)
+    return executor, report
+
+
+def shut_down_at_exit(executor: Executor) -> None:
+    """A program that ends without ``shutdown`` must not abort on a worker thread still in a
+    torch call as the interpreter finalizes: the native ``PyExecutor`` guards itself (an
+    ``atexit`` hook from its worker's start to its ``shutdown``); any other backend's executor
+    gets a hook here, holding it weakly so that its weights still go with the last reference."""
+    if not getattr(executor, "shuts_down_at_exit", False):
+        atexit.register(_shut_down_if_running, weakref.ref(executor))
+
+
+def _shut_down_if_running(ref: weakref.ref[Executor]) -> None:
+    executor = ref()
+    if executor is not None and executor.is_running:
+        executor.shutdown()
 
 
 @asynccontextmanager

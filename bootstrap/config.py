@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import os
 import stat
 from collections.abc import Iterator
@@ -118,6 +119,15 @@ class BootstrapConfig(BaseModel):
     cuda_graph_batch_sizes: tuple[int, ...] | None = Field(
         None, description="batch sizes to capture; default 1, 2, 4, 8, then multiples of 8 up to max_batch_size"
     )
+
+    @field_validator("free_gpu_memory_fraction", "cross_kv_cache_fraction", mode="before")
+    @classmethod
+    def _finite_fraction(cls, value: object, info: ValidationInfo) -> object:
+        """NaN fails every bound silently ("should be <= 1" for nan): say what is allowed."""
+        if isinstance(value, float) and not math.isfinite(value):
+            upper = "1]" if info.field_name == "free_gpu_memory_fraction" else "1)"
+            raise ValueError(f"must be a finite number in (0, {upper}")
+        return value
 
     @field_validator("max_num_tokens")
     @classmethod

@@ -34,9 +34,10 @@ if TYPE_CHECKING:
 
 
 class Backend(Protocol):
-    """Optional, not part of the protocol: ``check_config(config, shape) -> None``, raising
-    ``ConfigError`` for what this backend cannot do; ``resolve_classes`` calls it when a backend
-    defines it, before any load (the trtllm backend refuses multi-rank and V2 on 1.2.1 there)."""
+    """Optional, not part of the protocol: ``check_weights(config, shapes, dtype) -> None``,
+    raising ``ConfigError`` when the weights of ``shapes`` (the target and a draft) in ``dtype``
+    cannot fit the device; ``resolve_classes`` calls it when a backend defines it, before any
+    load (the native backend does: weights it cannot hold end in the kernel's OOM killer)."""
 
     name: str
     device: Device

@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from bootstrap.backends.artifacts import EstimationBuild, FinalBuild, LoadedModel, ResolvedClasses, Warmup
+from bootstrap.backends.native_checks import check_probe_tokens, check_weights_fit
 from bootstrap.backends.native_headroom import headroom_terms
 from bootstrap.backends.native_placement import device_for, rank_device, rank_env
 from bootstrap.capacity import CapacityPlan, MemoryProfile, dummy_request_lengths
@@ -161,6 +162,12 @@ class NativeBackend:
         if shape.attention_kind == "mla" or shape.num_recurrent_layers:
             kind = "multi-head latent attention" if shape.attention_kind == "mla" else "recurrent layers"
             raise ConfigError(f"model: {shape.architecture} uses {kind}, which the native paged KV cache does not hold")
+        check_probe_tokens(config, shape)
+
+    def check_weights(self, config: BootstrapConfig, shapes: list[ModelShape], dtype: str) -> None:
+        """The weights of ``shapes`` in ``dtype`` against the device's free bytes, before
+        ``load_model`` allocates any (``native_checks.check_weights_fit``)."""
+        check_weights_fit(config, shapes, dtype, self.device, self.tp)
 
     def kv_caps(self, resolved: ResolvedClasses, config: BootstrapConfig) -> dict[str, int]:
         """Extra caps on the KV budget, in bytes, by name (``limited_by``). On the CPU: what

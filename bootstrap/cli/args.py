@@ -8,6 +8,7 @@ cache flags. ``config_from_args`` validates them once, into the frozen config.
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,8 @@ from bootstrap.config import BootstrapConfig, ConfigError
 
 DEFAULT_PLAN_CACHE = Path.home() / ".cache" / "executor-bootstrap" / "plans"
 DEFAULT_MODEL = BootstrapConfig.model_fields["model"].default
+MAX_SEED = 2**63 - 1  # the engine's SamplingParams range (bootstrap.engine.sampling, which imports torch)
+MAX_SECONDS = 86_400.0  # a day: beyond it a timeout is a typo, and timedelta/asyncio overflow near inf
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -123,3 +126,43 @@ def check_positive(**values: int) -> None:
     for field, value in values.items():
         if value < 1:
             raise ConfigError(f"{field}: must be >= 1 (got {value})")
+
+
+def check_number(field: str, value: float, low: float, high: float = math.inf, *, low_open: bool = False,
+                 unit: str = "", note: str = "") -> None:  # fmt: skip
+    """A numeric flag in ``[low, high]`` (``(low, high]`` with ``low_open``), finite: NaN and inf
+    pass argparse's ``float`` and fail only once the bootstrap ran (a NaN deadline at SIGTERM)."""
+    above = value > low if low_open else value >= low
+    if math.isfinite(value) and above and value <= high:
+        return
+    bound = "inf)" if high == math.inf else f"{high:g}]"
+    where = f"{'(' if low_open else '['}{low:g}, {bound}"
+    raise ConfigError(f"{field}: must be {'>' if low_open else '>='} {low:g}{unit} (got {value!r}); allowed: a finite "
+                      f"number in {where}{note}")  # fmt: skip
+
+
+def check_run_values(args: argparse.Namespace) -> None:
+    """``run``'s own flags, before any stage: each one names the flag and its allowed range."""
+    check_positive(max_tokens=args.max_tokens)
+    check_number("temperature", args.temperature, 0.0, note=", 0 = greedy")
+    check_number("dist_timeout", args.dist_timeout, 0.0, MAX_SECONDS, low_open=True, unit=" seconds")
+    if args.seed is not None and not 0 <= args.seed <= MAX_SEED:
+        raise ConfigError(f"seed: must be an integer in [0, {MAX_SEED}] (got {args.seed})")
+
+
+def check_kv_tokens(config: BootstrapConfig) -> None:
+    """``max_kv_tokens`` against what the ``capacity`` stage will demand (``plan_capacity``: one KV
+    block, one request of ``max_seq_len``), with the figures known before the stages, so ``run``
+    and ``serve`` refuse it with exit 2 as ``bootstrap plan`` does instead of failing profiling
+    (a probe capped below its own dummy request). A ``max_seq_len`` taken from the model is
+    checked by the backend in ``resolve_classes``."""
+    if config.max_kv_tokens is None:
+        return
+    block = config.tokens_per_block
+    need, what = block, f"one KV block (tokens_per_block={block})"
+    if config.max_seq_len is not None:
+        need = -(-config.max_seq_len // block) * block
+        what = f"one request of max_seq_len={config.max_seq_len} ({need // block} blocks of {block})"
+    if config.max_kv_tokens < need:
+        raise ConfigError(f"max_kv_tokens: must be >= {need} to hold {what} (got {config.max_kv_tokens}); "
+                          "raise --max-kv-tokens or leave it out")  # fmt: skip

@@ -3,7 +3,7 @@
 | status | meaning |
 |---|---|
 | 0 | done: the executor was ready (``plan``, ``run``), the server stopped after a signal (``serve``), the command did its work (``trace``, ``cache``) |
-| 1 | a stage failed at run time: out of memory after its retries, an I/O error, a failed smoke request |
+| 1 | a stage failed at run time: out of memory after its retries, an I/O error, a failed smoke request; or ``run``'s generation failed after ready (a failed step, a rank that stopped) |
 | 2 | bad input, found before the run or by a stage during it: an invalid flag or value, a configuration that cannot fit (the capacity stage's ``CapacityError``), a model that cannot be read, a missing extra, an unreadable trace file |
 | 130 | interrupted (Ctrl-C); every completed stage was rolled back |
 
@@ -25,7 +25,8 @@ from bootstrap.pipeline.telemetry import MissingExtra
 OK, STAGE_FAILED, BAD_INPUT, INTERRUPTED = 0, 1, 2, 130
 MEANINGS = {
     OK: "done (serve: stopped by SIGTERM or SIGINT, its normal end)",
-    STAGE_FAILED: "a stage failed at run time (out of memory after its retries, I/O, a failed smoke request)",
+    STAGE_FAILED: "a stage failed at run time (out of memory after its retries, I/O, a failed smoke request), "
+    "or run's generation failed after ready",
     BAD_INPUT: "bad input, found before the run or by a stage (invalid value, a plan that cannot fit, "
     "an unreadable model or trace file, a missing extra)",
     INTERRUPTED: "interrupted; completed stages were rolled back",

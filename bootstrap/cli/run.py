@@ -12,7 +12,9 @@ markup (``plain_console``), and the progress marks are styled ``Text``, so ``odd
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import signal
 import sys
 import threading
@@ -26,7 +28,7 @@ from rich.text import Text
 
 from bootstrap.api import require_engine
 from bootstrap.backends.base import RequestExecutor, require_requests
-from bootstrap.cli.args import add_build_args, add_config_args, check_positive, config_from_args
+from bootstrap.cli.args import add_build_args, add_config_args, check_kv_tokens, check_run_values, config_from_args
 from bootstrap.cli.exits import BAD_INPUT, BAD_INPUT_ERRORS, INTERRUPTED, OK, STAGE_FAILED, exit_status
 from bootstrap.cli.plan import plan_line
 from bootstrap.cli.tp import check_tp_before_launch, launch_ranks, leave, needs_launch, rank_backend
@@ -65,7 +67,8 @@ def main_run(args: argparse.Namespace) -> int:
     try:
         with args.process.phase("checks"):
             config = config_from_args(args)
-            check_positive(max_tokens=args.max_tokens)
+            check_run_values(args)
+            check_kv_tokens(config)
             require_engine()
         if not args.json and rank_of(args) == 0:
             announce(config, args)
@@ -92,7 +95,8 @@ def main_run(args: argparse.Namespace) -> int:
 async def run_command(args: argparse.Namespace, config: BootstrapConfig,
                       backend: Any = None) -> tuple[dict[str, Any], Exception | None]:  # fmt: skip
     """Build, answer, release; returns the ``--json`` object and the failure, if any: a
-    ``StageFailed``, or a ``PromptError`` for a prompt the ready executor cannot take."""
+    ``StageFailed``, a ``PromptError`` for a prompt the ready executor cannot take, or any error
+    of the answer after ready (``answer_failed``): every failure is reported, none escapes."""
     from bootstrap.api import Bootstrap
 
     quiet = rank_of(args) > 0  # several ranks: rank 0 speaks for all of them
@@ -107,7 +111,7 @@ async def run_command(args: argparse.Namespace, config: BootstrapConfig,
         report = boot.report()
         result["ready_after_spawn_s"] = round((time.time_ns() - args.process.spawn_ns) / 1e9, 3)
         try:
-            with boot.phase("answer"):
+            with boot.phase("answer"), engine_log_lines(quiet):
                 if progress is not None:
                     # quiet ranks have no progress either
                     print_ready(report, plain_console(), result["ready_after_spawn_s"])
@@ -116,9 +120,45 @@ async def run_command(args: argparse.Namespace, config: BootstrapConfig,
             result.update(answer)
         except BAD_INPUT_ERRORS as exc:
             return {**result, **report.to_dict(), "error": str(exc)}, exc
+        except Exception as exc:  # noqa: BLE001 - after ready, a failure is one paragraph (exit 1), never a traceback
+            return {**result, **report.to_dict(), "error": answer_failed(exc)}, exc
         return {**result, **report.to_dict(), "error": None}, None
     finally:
         await boot.aclose()
+
+
+class OneLine(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return f"  engine: {record.getMessage()}"
+
+
+@contextlib.contextmanager
+def engine_log_lines(quiet: bool) -> Any:
+    """The engine's warnings during the answer, one line each on stderr (none on a quiet rank): a
+    failed step logs its exception, which the error paragraph reports; unconfigured, logging
+    would print its traceback too."""
+    logger = logging.getLogger("bootstrap.engine")
+    handler = logging.NullHandler() if quiet else logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(OneLine())
+    logger.addHandler(handler)
+    propagate, logger.propagate = logger.propagate, False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+
+
+class GenerationFailed(RuntimeError):
+    """The request ended with an error (its message, e.g. a failed step's ``RuntimeError: ...``)."""
+
+
+def answer_failed(exc: Exception) -> str:
+    """A failure of the answer after ready (a failed step, a rank that stopped answering, ...) as
+    one paragraph: errors from torch or a collective carry newlines and indented detail."""
+    detail = str(exc) if isinstance(exc, GenerationFailed) else f"{type(exc).__name__}: {exc}"
+    return "the generation failed after the executor was ready: " + " ".join(detail.split())
 
 
 def announce(config: BootstrapConfig, args: argparse.Namespace) -> None:
@@ -209,7 +249,9 @@ async def generate(args: argparse.Namespace, executor: RequestExecutor, max_seq_
         if speak:
             print(event.text, end="", flush=True)
         if event.finished and event.error:
-            raise RuntimeError(f"generation failed: {event.error}")
+            if speak:
+                print()  # the paragraph on stderr starts on a line of its own
+            raise GenerationFailed(event.error)
     if speak:
         print()
     return {"text": "".join(text), "token_ids": tokens, "finish_reason": event.finish_reason}

@@ -4,7 +4,8 @@ The port opens at once; the stages run in the background (``GET /ready`` says wh
 SIGTERM or SIGINT: stop accepting connections, let requests in flight finish for
 ``--shutdown-timeout`` seconds, cancel the rest (streams get a final chunk), shut the executor
 down, exit 0; during the bootstrap, the pipeline is cancelled and rolls back. A second SIGINT
-stops waiting for connections.
+skips the grace period: requests in flight are cancelled at once (streams still get their final
+chunk), then the same clean shutdown, exit 0, no traceback.
 
 Exit status: 0 after a signal; 2 bad input (before the port opens: the configuration; after it:
 a backend or trace file that cannot be used).
@@ -15,9 +16,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
+import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -25,12 +29,20 @@ from collections.abc import Iterator
 from typing import Any
 
 from bootstrap.api import require_engine
-from bootstrap.cli.args import add_build_args, add_config_args, config_from_args
+from bootstrap.cli.args import (
+    MAX_SECONDS,
+    add_build_args,
+    add_config_args,
+    check_kv_tokens,
+    check_number,
+    config_from_args,
+)
 from bootstrap.cli.exits import BAD_INPUT, BAD_INPUT_ERRORS, OK
 from bootstrap.engine import triton_start
 
 ENV_API_KEY = "BOOTSTRAP_API_KEY"
 FORCE_AFTER_S = 10.0  # past the grace period: how long cancelled streams get to send their final chunk
+FORCE_CLOSE_S = 3.0  # after a second SIGINT: how long cut streams get to send their final chunk
 THREAD_JOIN_S = 5.0
 
 log = logging.getLogger("bootstrap.serve")
@@ -61,8 +73,9 @@ def serve_options(args: argparse.Namespace, config: Any) -> Any:
                           "executor's request API (allowed: native; bootstrap run and plan take trtllm)")  # fmt: skip
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"port: must be in [0, 65535] (got {args.port})")
-    if args.shutdown_timeout < 0:
-        raise ConfigError(f"shutdown_timeout: must be >= 0 seconds (got {args.shutdown_timeout})")
+    check_number("shutdown_timeout", args.shutdown_timeout, 0.0, MAX_SECONDS, unit=" seconds")
+    check_host(getattr(args, "host", "127.0.0.1"))  # a Namespace made by hand may leave it out
+    check_kv_tokens(config)
     key = args.api_key if args.api_key is not None else os.environ.get(ENV_API_KEY)
     if key is not None and not key.strip():
         source = "--api-key" if args.api_key is not None else ENV_API_KEY
@@ -70,6 +83,33 @@ def serve_options(args: argparse.Namespace, config: Any) -> Any:
     return ServeOptions(model_id=args.served_model_name or config.model, api_key=key, trace_file=args.trace_file,
                         otlp=args.otlp, backend_factory=args.backend_factory,
                         shutdown_timeout_s=args.shutdown_timeout)  # fmt: skip
+
+
+def check_host(host: str) -> None:
+    """``--host`` resolved and bound on a test socket (port 0, closed at once) before anything
+    starts, so an address that is not this machine's fails in milliseconds with exit 2, not after
+    the engine's imports. Dotted digits that are no IPv4 address (``256.0.0.1``) are refused
+    before ``getaddrinfo``, which would send them to DNS as a name."""
+    from bootstrap.config import ConfigError
+
+    if not host or (re.fullmatch(r"[0-9.]+", host) and not _is_ipv4(host)):
+        raise ConfigError(f"host: {host!r} is not an IP address or host name (allowed: an address of this machine, "
+                          "e.g. 127.0.0.1, 0.0.0.0, ::1, localhost)")  # fmt: skip
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.bind(address)
+    except (OSError, UnicodeError) as exc:
+        raise ConfigError(f"host: cannot bind {host!r}: {exc} (allowed: an address of this machine, "
+                          "e.g. 127.0.0.1, 0.0.0.0, ::1, localhost)") from None  # fmt: skip
+
+
+def _is_ipv4(text: str) -> bool:
+    try:
+        ipaddress.IPv4Address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def main_serve(args: argparse.Namespace) -> int:
@@ -156,9 +196,10 @@ def _signals(state: Any, server: Any) -> Iterator[None]:
     loop = asyncio.get_running_loop()
 
     def on_signal(sig: signal.Signals) -> None:
-        log.warning("%s: shutting down (again with SIGINT: stop waiting for connections)", sig.name)
         if server.should_exit and sig == signal.SIGINT:
-            server.force_exit = True
+            _force(state, server, loop)
+            return
+        log.warning("%s: shutting down (again with SIGINT: cut requests short and exit)", sig.name)
         server.should_exit = True
         state.begin_shutdown()
 
@@ -169,6 +210,29 @@ def _signals(state: Any, server: Any) -> Iterator[None]:
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
+
+
+def _force(state: Any, server: Any, loop: asyncio.AbstractEventLoop) -> None:
+    """The second SIGINT: skip the grace period. Requests in flight are cancelled in the executor,
+    so each handler ends by itself (streams send ``cancelled`` and ``[DONE]``) and the shutdown goes
+    on as after the grace period: exit 0, everything released. Not uvicorn's ``force_exit``, which
+    skips the lifespan's shutdown and leaves the handlers to be cancelled mid-send (a traceback
+    each). A connection still open ``FORCE_CLOSE_S`` later is closed under its handler."""
+    from bootstrap.serve.app import cut_short
+
+    count = cut_short(state)
+    log.warning("SIGINT again: cancelled %d request(s) in flight; exiting without the grace period", count)
+    loop.call_later(FORCE_CLOSE_S, _close_connections, server)
+
+
+def _close_connections(server: Any) -> None:
+    """Close what a second SIGINT left open: its handler then sees the client gone and ends."""
+    connections = list(server.server_state.connections)
+    if connections:
+        log.warning("SIGINT again: closing %d connection(s) still open after %.0f s", len(connections),
+                    FORCE_CLOSE_S)  # fmt: skip
+    for connection in connections:
+        connection.transport.close()
 
 
 def _stop_tqdm_monitor() -> None:

@@ -32,10 +32,18 @@ the ``max_unclaimed`` most recent; a released id raises ``KeyError``. ``stats()`
 graphs; it is idempotent. A worker that does not stop in time does that itself when its step
 ends. Steps run under one lock, so a caller driving the loop and a worker started meanwhile
 never step at once.
+
+Exit. A program that ends with the worker running (no ``shutdown``) gets it shut down by an
+``atexit`` hook, registered when the worker starts and removed by ``shutdown``: a daemon thread
+still inside a torch call when the interpreter finalizes is killed by ``pthread_exit`` as it
+retakes the GIL, and the unwind through torch's C++ frames aborts the process ("terminate
+called without an active exception", SIGABRT). The hook runs before that, while the worker can
+still finish its step; unfinished requests end ``cancelled``.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -57,10 +65,13 @@ from bootstrap.engine.waiting import EventStream, Waiter
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_UNCLAIMED = 1024
+EXIT_TIMEOUT_S = 30.0  # how long the exit hook waits for a step to end
 
 
 class PyExecutor:
     """Scheduler, model runner and sampler wired into one loop; see the module docstring."""
+
+    shuts_down_at_exit = True  # its worker's atexit hook (module docstring, Exit): none needed from bootstrap.api
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler,
                  tokenizer: object | None = None, eos_token_ids: set[int] | None = None,
@@ -271,6 +282,7 @@ class PyExecutor:
             if not self._requests.worker_live:
                 self._requests.worker_live = True
                 self._worker = threading.Thread(target=self._loop, name="bootstrap-executor", daemon=True)
+                atexit.register(self._shutdown_at_exit)
                 self._worker.start()
 
     def _loop(self) -> None:
@@ -356,6 +368,7 @@ class PyExecutor:
             if self._closed:
                 return
             self._closed = True
+        atexit.unregister(self._shutdown_at_exit)
         self._stop.set()
         self._inbox.post(None)
         if self._worker is not None:
@@ -364,6 +377,14 @@ class PyExecutor:
                 raise RuntimeError(f"the executor worker did not stop within {timeout} s; it cancels "
                                    "what is unfinished and releases the KV pool when its step ends")
         self._teardown()
+
+    def _shutdown_at_exit(self) -> None:
+        """The ``atexit`` hook of a live worker (module docstring, Exit): shut down before the
+        interpreter finalizes; a worker stuck in a step costs one warning, not the exit."""
+        try:
+            self.shutdown(EXIT_TIMEOUT_S)
+        except RuntimeError as exc:
+            log.warning("at exit: %s", exc)
 
     def _teardown(self, died: BaseException | None = None) -> None:
         """Cancel every unfinished request and release the KV pool (idempotent); if the worker

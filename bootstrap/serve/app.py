@@ -23,6 +23,7 @@ from fastapi import FastAPI
 
 from bootstrap.serve import bootstrap_routes, build_task, openai_routes
 from bootstrap.serve.auth import OPEN, APIKeyMiddleware
+from bootstrap.serve.body_limit import BodyLimitMiddleware
 from bootstrap.serve.errors import install_handlers
 from bootstrap.serve.metrics import ServeMetrics
 from bootstrap.serve.state import ServeState
@@ -44,6 +45,7 @@ def create_app(state: ServeState, on_fatal: Callable[[], None] = lambda: None) -
         app.add_middleware(APIKeyMiddleware, key=state.options.api_key)
         log.info("bootstrap serve: an API key is required ('Authorization: Bearer <key>') on every route "
                  "except %s", ", ".join(sorted(OPEN)))  # fmt: skip
+    app.add_middleware(BodyLimitMiddleware)  # outermost: a body too large is refused before anything reads it
     return app
 
 
@@ -74,12 +76,20 @@ async def drain_on_shutdown(state: ServeState) -> None:
         state.build_scope.cancel()
     with anyio.move_on_after(state.options.shutdown_timeout_s):
         await state.inflight.wait_idle()
-    left = list(state.inflight)
-    if left:
-        log.warning("shutdown: cancelling %d request(s) still running after %.1f s", len(left),
+    if len(state.inflight):
+        log.warning("shutdown: cancelling %d request(s) still running after %.1f s", len(state.inflight),
                     state.options.shutdown_timeout_s)  # fmt: skip
+    cut_short(state)
+
+
+def cut_short(state: ServeState) -> int:
+    """Cancel every request in flight in the executor now; how many. Each one's handler then ends
+    by itself (a stream with its ``cancelled`` chunk and ``[DONE]``), so nothing is torn down
+    mid-send: the grace period's end and a second SIGINT both use it."""
+    left = list(state.inflight)
     for request_id in left:
         state.executor.cancel(request_id)
+    return len(left)
 
 
 async def release(state: ServeState) -> None:

@@ -2,7 +2,8 @@
 
 Every error the server answers goes through ``APIError`` or one of the handlers here, so a
 client sees one shape for a bad body (400), an unknown model (404), a missing or wrong key
-(401), a request before the executor is ready (503 with ``Retry-After``) and anything else.
+(401), a body over the size limit (413, ``body_limit``), a request before the executor is ready
+(503 with ``Retry-After``) and anything else.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-         405: "invalid_request_error", 409: "invalid_request_error", 503: "service_unavailable"}  # fmt: skip
+         405: "invalid_request_error", 409: "invalid_request_error",
+         413: "invalid_request_error", 503: "service_unavailable"}  # fmt: skip
 
 
 class APIError(Exception):

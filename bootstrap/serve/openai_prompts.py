@@ -2,6 +2,10 @@
 (``bootstrap.engine.prompts``, which ``bootstrap run`` uses too, so both give the same ids and
 refuse the same requests). Here: OpenAI's shapes (roles, prompt lists, which field carries the
 output length) and every ``PromptError`` as a 400 naming the field.
+
+Tokenizing and rendering a chat template cost CPU in proportion to the prompt, so they run on a
+worker thread, never on the event loop (issue 20: one 9 MB prompt stalled ``/health`` 19 s); and a
+text too long for ``max_seq_len`` under any tokenizer is refused before either (``check_chars``).
 """
 
 from __future__ import annotations
@@ -9,11 +13,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import anyio
+
 from bootstrap.engine import prompts
 from bootstrap.serve.errors import APIError, bad_request
 from bootstrap.serve.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, _Sampling
 
 ROLE_FOR_TEMPLATE = {"developer": "system"}  # templates rarely know OpenAI's newer role name
+# The most characters one token can stand for, in any tokenizer served. The longest entries of
+# common vocabularies (runs of spaces or of punctuation in code tokenizers) stay under 128
+# characters; byte-level BPE tokens are at most their bytes. 256 doubles that margin, so a text
+# refused by it could never have fit, whatever the tokenizer.
+MAX_CHARS_PER_TOKEN = 256
 T = TypeVar("T")
 
 
@@ -25,13 +36,28 @@ def _answered(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         raise APIError(400, str(exc), param=exc.field, code=exc.code) from exc
 
 
-def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage]) -> list[int]:
+def check_chars(chars: int, max_seq_len: int | None, field: str) -> None:
+    """Refuse, without tokenizing, a text of ``chars`` characters that cannot fit ``max_seq_len``
+    tokens under any tokenizer; the same 400 as a prompt counted too long."""
+    if max_seq_len is None:
+        return
+    limit = max_seq_len * MAX_CHARS_PER_TOKEN
+    if chars > limit:
+        raise APIError(400, f"{field}: {chars} characters cannot fit max_seq_len ({max_seq_len}) tokens (a token "
+                       f"covers at most {MAX_CHARS_PER_TOKEN} characters); allowed: at most {limit} characters",
+                       param=field, code="context_length_exceeded")  # fmt: skip
+
+
+async def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], max_seq_len: int | None) -> list[int]:
+    """The messages through the chat template, on a worker thread once the length allows it."""
     chat = [{"role": ROLE_FOR_TEMPLATE.get(m.role, m.role), "content": m.text()} for m in messages]
-    return _answered(prompts.chat_ids, tokenizer, chat)
+    check_chars(sum(len(m["content"]) for m in chat), max_seq_len, "messages")
+    return await anyio.to_thread.run_sync(_answered, prompts.chat_ids, tokenizer, chat)
 
 
-def completion_prompt_ids(tokenizer: Any, prompt: str | list[Any]) -> list[int]:
-    """One prompt: text, or token ids; a list of one text or one id list is that prompt."""
+async def completion_prompt_ids(tokenizer: Any, prompt: str | list[Any], max_seq_len: int | None) -> list[int]:
+    """One prompt: text, or token ids; a list of one text or one id list is that prompt. Text is
+    tokenized on a worker thread once the length allows it."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         if len(prompt) != 1:
             message = f"prompt: {len(prompt)} prompts sent; one prompt per request is supported"
@@ -39,7 +65,8 @@ def completion_prompt_ids(tokenizer: Any, prompt: str | list[Any]) -> list[int]:
         prompt = prompt[0]
     if isinstance(prompt, list):
         return list(prompt)
-    return _answered(prompts.text_ids, tokenizer, prompt)
+    check_chars(len(prompt), max_seq_len, "prompt")
+    return await anyio.to_thread.run_sync(_answered, prompts.text_ids, tokenizer, prompt)
 
 
 def token_limit(body: _Sampling) -> tuple[int | None, str]:

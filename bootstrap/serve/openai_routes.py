@@ -2,6 +2,7 @@
 
 Before the executor is ready every one of them answers 503 with ``Retry-After``. A client that
 disconnects, or a handler that is cancelled, cancels its request in the executor (``Job``).
+Prompts are tokenized on a worker thread (``openai_prompts``): the event loop only awaits.
 """
 
 from __future__ import annotations
@@ -63,13 +64,15 @@ async def list_models(request: Request) -> s.ModelList:
 
 @router.post("/completions", response_model=None)
 async def completions(body: s.CompletionRequest, request: Request) -> Response:
-    ids = completion_prompt_ids(serving_executor(request, body.model).tokenizer, body.prompt)
+    executor, max_seq_len = serving_executor(request, body.model), request.app.state.serve.max_seq_len
+    ids = await completion_prompt_ids(executor.tokenizer, body.prompt, max_seq_len)
     return await answer(request, body, ids, Render("completion", body.model))
 
 
 @router.post("/chat/completions", response_model=None)
 async def chat_completions(body: s.ChatCompletionRequest, request: Request) -> Response:
-    ids = chat_prompt_ids(serving_executor(request, body.model).tokenizer, body.messages)
+    executor, max_seq_len = serving_executor(request, body.model), request.app.state.serve.max_seq_len
+    ids = await chat_prompt_ids(executor.tokenizer, body.messages, max_seq_len)
     return await answer(request, body, ids, Render("chat", body.model))
 
 

@@ -19,12 +19,14 @@ def resolve_classes(config: BootstrapConfig, backend: Backend) -> ResolvedClasse
     shape = backend.model_shape(config.model)
     draft = backend.model_shape(config.draft_model) if config.draft_model else None
     _check_config(config, shape, draft)
-    for model in (shape, draft):
-        if model is not None:
-            backend.check_config(config, model)
+    models = [m for m in (shape, draft) if m is not None]
+    for model in models:
+        backend.check_config(config, model)
+    dtype = config.dtype if config.dtype != "auto" else backend.default_dtype(shape)
+    if (check_weights := getattr(backend, "check_weights", None)) is not None:
+        check_weights(config, models, dtype)  # before any weight is allocated
     manager = resolve_kv_manager(config, shape)
     max_seq_len = config.max_seq_len or shape.max_position_embeddings
-    dtype = config.dtype if config.dtype != "auto" else backend.default_dtype(shape)
     kv_dtype = config.kv_cache_dtype if config.kv_cache_dtype != "auto" else dtype
     resolved = ResolvedClasses(
         shape=shape,

@@ -1,0 +1,55 @@
+"""Every flag of ``run`` and ``serve`` is checked before any work (issue 20, item 10): exit 2 and
+one line naming the flag (as its field, as every error here does) and its allowed range, in well under a second of work, before any stage
+runs and (serve) before the port opens. The console script runs in a subprocess, as a user meets
+it; a bad value the old code let through ran the stages (a line per stage) or started the server."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+MODEL = ["--model", "random:smollm2-135m", "--device", "cpu", "--no-plan-cache"]
+CLI = [sys.executable, "-m", "bootstrap.cli"]
+PORT = {"run": [], "serve": ["--port", "0"]}  # serve: any free port, were it ever opened
+CASES = [  # (command, flags, what the one line names)
+    ("run", ["--temperature", "nan"], "temperature"),
+    ("run", ["--temperature", "inf"], "temperature"),
+    ("run", ["--temperature", "-1"], "temperature"),
+    ("run", ["--dist-timeout", "nan"], "dist_timeout"),
+    ("run", ["--dist-timeout", "inf"], "dist_timeout"),
+    ("run", ["--dist-timeout", "0"], "dist_timeout"),
+    ("run", ["--dist-timeout", "-1"], "dist_timeout"),
+    ("run", ["--seed", "-1"], "seed"),
+    ("run", ["--max-kv-tokens", "1"], "max_kv_tokens"),
+    ("run", ["--max-kv-tokens", "100", "--max-seq-len", "512", "--max-num-tokens", "64"], "max_kv_tokens"),
+    ("run", ["--free-gpu-memory-fraction", "nan"], "free_gpu_memory_fraction"),
+    ("serve", ["--shutdown-timeout", "nan"], "shutdown_timeout"),
+    ("serve", ["--shutdown-timeout", "inf"], "shutdown_timeout"),
+    ("serve", ["--shutdown-timeout", "-1"], "shutdown_timeout"),
+    ("serve", ["--host", "256.0.0.1"], "host"),
+    ("serve", ["--max-kv-tokens", "1"], "max_kv_tokens"),
+    ("serve", ["--free-gpu-memory-fraction", "inf"], "free_gpu_memory_fraction"),
+]
+
+
+@pytest.mark.parametrize(("command", "flags", "name"), CASES, ids=[f"{c}{' '.join(f)}" for c, f, _ in CASES])
+def test_a_bad_value_exits_2_at_once_with_one_line_naming_the_flag(command, flags, name, tmp_path):
+    env = {**os.environ, "HOME": str(tmp_path)}  # no plan or model cache of the user's touched
+    start = time.monotonic()
+    try:
+        done = subprocess.run([*CLI, command, *MODEL, *PORT[command], *flags], capture_output=True, text=True,
+                              timeout=30, env=env)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{command} {flags}: still running after 30 s (the bad value was not refused)")
+    elapsed = time.monotonic() - start
+    lines = [line for line in done.stderr.splitlines() if line.strip() and line != "bootstrap: invalid configuration:"]
+    assert done.returncode == 2, done.stderr
+    assert len(lines) == 1 and name in lines[0], done.stderr
+    assert "must be" in lines[0] or "allowed" in lines[0], done.stderr  # and its allowed range
+    assert "bootstrap serve:" not in done.stderr and "bootstrap run:" not in done.stderr  # nothing started
+    assert "Uvicorn" not in done.stderr and done.stdout == ""
+    assert elapsed < 10, f"took {elapsed:.1f} s"  # the imports only; no stage, no port
