@@ -2,11 +2,11 @@
 
 Callers ``enqueue`` token ids from any thread and get a request id back at once; a request that
 can never run (empty, too long for ``max_seq_len``, larger than the KV pool, token ids outside
-the vocabulary) is answered right away with an error instead of being queued. The worker thread
-(``start_worker``) repeats one step: admit and schedule, run the model, sample, append, detect
-stops, free what finished. When a step raises, its requests are run again one by one, and only
-those that fail alone get the error on their response; the loop goes on. The worker sleeps on
-its inbox when there is no work.
+the vocabulary) is answered right away with an error instead of being queued. The loop
+(``bootstrap.engine.loop``) runs on a worker thread (``start_worker``) or, without one, inside
+the calls that drive it: each step admits and schedules, runs the model, samples, appends,
+detects stops and frees what finished; when a step raises, its requests are run again one by
+one, and only those that fail alone get the error on their response; the loop goes on.
 
 Waiting. ``await_response`` / ``stream`` (threads) and ``await_response_async`` /
 ``stream_async`` (async tasks, anyio: asyncio or trio) wait on wakeups from the engine, never by
@@ -31,20 +31,12 @@ the ``max_unclaimed`` most recent; a released id raises ``KeyError``. ``stats()`
 ``finish_reason="cancelled"``, wakes every waiter and releases the KV pool and any captured CUDA
 graphs; it is idempotent. A worker that does not stop in time does that itself when its step
 ends. Steps run under one lock, so a caller driving the loop and a worker started meanwhile
-never step at once.
-
-Exit. A program that ends with the worker running (no ``shutdown``) gets it shut down by an
-``atexit`` hook, registered when the worker starts and removed by ``shutdown``: a daemon thread
-still inside a torch call when the interpreter finalizes is killed by ``pthread_exit`` as it
-retakes the GIL, and the unwind through torch's C++ frames aborts the process ("terminate
-called without an active exception", SIGABRT). The hook runs before that, while the worker can
-still finish its step; unfinished requests end ``cancelled``.
+never step at once. A program that ends with the worker running (no ``shutdown``) gets it shut
+down by an ``atexit`` hook instead of aborting (``bootstrap.engine.loop``, Exit).
 """
 
 from __future__ import annotations
 
-import atexit
-import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -52,26 +44,23 @@ from collections.abc import Sequence as Seq
 
 import anyio
 
-from bootstrap.engine.inbox import Inbox
+from bootstrap.engine.loop import EngineLoop
 from bootstrap.engine.model_runner import ModelRunner
 from bootstrap.engine.requests import Claim, Handle, RequestStats, RequestTable
 from bootstrap.engine.responses import ResponseWriter
 from bootstrap.engine.sampling import Sampler, SamplingParams, make_generator, model_eos_ids
-from bootstrap.engine.scheduler import ScheduledBatch, Scheduler
+from bootstrap.engine.scheduler import Scheduler
 from bootstrap.engine.sequence import Detokenizer, Response, Sequence, StreamEvent, next_request_id, token_id_list
 from bootstrap.engine.stats import EngineStats
 from bootstrap.engine.waiting import EventStream, Waiter
 
-log = logging.getLogger(__name__)
-
 DEFAULT_MAX_UNCLAIMED = 1024
-EXIT_TIMEOUT_S = 30.0  # how long the exit hook waits for a step to end
 
 
 class PyExecutor:
     """Scheduler, model runner and sampler wired into one loop; see the module docstring."""
 
-    shuts_down_at_exit = True  # its worker's atexit hook (module docstring, Exit): none needed from bootstrap.api
+    shuts_down_at_exit = True  # its worker's atexit hook (bootstrap.engine.loop, Exit): none needed from bootstrap.api
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler,
                  tokenizer: object | None = None, eos_token_ids: set[int] | None = None,
@@ -83,14 +72,10 @@ class PyExecutor:
         self.eos_token_ids = set(eos_token_ids) if eos_token_ids is not None else model_eos_ids(runner.model)
         self._requests = RequestTable(max_unclaimed)
         self._responses = ResponseWriter(self._requests, scheduler, self.eos_token_ids)
-        self._waiter = Waiter(self._requests, self._step_here)
+        self._loop = EngineLoop(runner, scheduler, sampler, self._requests, self._responses)
+        self._waiter = Waiter(self._requests, self._loop.step_here)
         self._lock = self._requests.lock  # also guards _closed and the worker's start
-        self._inbox = Inbox()
-        self._step_lock = threading.Lock()
-        self._stop = threading.Event()
-        self._worker: threading.Thread | None = None
         self._closed = False
-        self._load = (0, 0)  # (running, waiting) after the last loop round; replaced whole, read without a lock
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -109,11 +94,7 @@ class PyExecutor:
         wait still gets its end. Unknown ids are ignored. Without a worker, the cancellation is
         applied here, so the request's KV blocks are free when this returns."""
         self._requests.give_up(request_id)
-        if not self._requests.worker_live:
-            with self._step_lock:
-                if not self._requests.worker_live:
-                    self._inbox.drain_into(self.scheduler)
-                    self._cancel_given_up()
+        self._loop.cancel_here()
 
     def stats(self) -> RequestStats:
         """How many requests the executor holds: all, unfinished, unclaimed, with a wait attached."""
@@ -124,8 +105,8 @@ class PyExecutor:
         waits for a step: the KV figures are the pool's own snapshot, the request counts those
         of the last loop round (plus what is still in the inbox)."""
         kv = self.runner.kv_cache.stats()
-        running, waiting = self._load
-        return EngineStats(kv.total_blocks, kv.used_blocks, kv.capacity_tokens, running, waiting + self._inbox.pending())
+        running, waiting = self._loop.load
+        return EngineStats(kv.total_blocks, kv.used_blocks, kv.capacity_tokens, running, waiting + self._loop.inbox.pending())
 
     @property
     def is_running(self) -> bool:
@@ -228,7 +209,7 @@ class PyExecutor:
             self._requests.add(handles, claim)
             for handle, reason in zip(handles, reasons):
                 if reason is None:
-                    self._inbox.post(handle.seq)
+                    self._loop.inbox.post(handle.seq)
         for handle, reason in zip(handles, reasons):
             if reason is not None:
                 self._responses.complete(handle, "error", f"request rejected: {reason}")
@@ -253,111 +234,29 @@ class PyExecutor:
             for handle in handles:
                 self._requests.detach(handle, claim, give_up=True)
 
-    def _step_here(self) -> bool:
-        """One loop iteration in the calling thread, unless a worker runs the loop. False when
-        there was nothing to do."""
-        with self._step_lock:
-            if self._requests.worker_live:
-                return True
-            took = self._inbox.drain_into(self.scheduler)
-            self._cancel_given_up()
-            if not self.scheduler.has_work:
-                self._publish_load()
-                return took
-            self.step()
-            self._publish_load()
-            return True
-
-    # ---- loop ---------------------------------------------------------------------------------
+    # ---- loop (bootstrap.engine.loop) ---------------------------------------------------------
 
     @property
     def worker_running(self) -> bool:
         """True while a worker thread runs the loop (from ``start_worker`` until it ends)."""
         return self._requests.worker_live
 
+    @property
+    def _worker(self) -> threading.Thread | None:
+        """The worker thread, once started (it may have ended since)."""
+        return self._loop.thread
+
     def start_worker(self) -> None:
         """Start the daemon worker thread running the loop (no-op if it is running)."""
         with self._lock:  # two callers at once still start one worker
             self._check_open()
-            if not self._requests.worker_live:
-                self._requests.worker_live = True
-                self._worker = threading.Thread(target=self._loop, name="bootstrap-executor", daemon=True)
-                atexit.register(self._shutdown_at_exit)
-                self._worker.start()
-
-    def _loop(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self._iterate()
-        finally:  # also when shutdown() gave up waiting for this thread, or the thread died
-            self._teardown(None if self._stop.is_set() else RuntimeError("the executor worker stopped unexpectedly"))
-            self._requests.set_worker_live(False)  # waiters wake up and drive the loop themselves
-
-    def _iterate(self) -> None:
-        """One worker round: sleep on the inbox while there is no work (``enqueue`` and
-        ``shutdown`` post to it; with no work there is nothing to cancel), then take what came,
-        cancel what was given up and step, under the step lock shared with callers that drive
-        the loop."""
-        with self._step_lock:
-            idle = not self.scheduler.has_work
-        first = self._inbox.wait() if idle else None
-        with self._step_lock:
-            try:
-                self._inbox.drain_into(self.scheduler, first)
-                self._cancel_given_up()
-                if not self._stop.is_set() and self.scheduler.has_work:
-                    self.step()
-            except Exception as exc:  # a bug outside the guarded step: fail what is queued, keep going
-                log.exception("executor step failed outside the model step")
-                self._responses.fail(self.scheduler.drain(), exc)
-            self._publish_load()
-
-    def _publish_load(self) -> None:
-        """Record the scheduler's request counts for ``engine_stats`` (step lock held)."""
-        self._load = (len(self.scheduler.running), len(self.scheduler.waiting))
-
-    def _cancel_given_up(self) -> None:
-        """Finish the requests given up since the last round (``cancel``, ``cancel_on_abandon``)."""
-        for handle in self._requests.pop_cancelled():
-            if not handle.finished:
-                self.scheduler.finish(handle.seq)
-                self._responses.complete(handle, "cancelled")
+            self._loop.start(self.shutdown)
 
     def step(self) -> None:
-        """Schedule, run, sample and update once.
-
-        If the step raises, each of its requests is run again alone, so only the requests that
-        fail by themselves get an error; the loop goes on either way.
-        """
-        batch = self.scheduler.schedule()
-        if not batch.seqs:
-            return
-        alone = len(batch.seqs) == 1
-        if self._run(batch, fail=alone) or alone:
-            return
-        log.warning("a step of %d requests failed; running them one by one", len(batch.seqs))
-        for part in batch.split():
-            self._run(part, fail=True)
-
-    def _run(self, batch: ScheduledBatch, fail: bool) -> bool:
-        """Run one batch; on an exception fail its requests if ``fail``, and return False."""
-        try:
-            tokens = self._forward_and_sample(batch)
-        except Exception as exc:
-            if fail:
-                log.exception("step of %d requests failed", len(batch.seqs))
-                self._responses.fail(batch.seqs, exc)
-            return False
-        self._responses.record(batch, tokens)
-        return True
-
-    def _forward_and_sample(self, batch: ScheduledBatch) -> list[int]:
-        logits = self.runner.run(batch)
-        sampling = [s for s, samples in zip(batch.seqs, batch.samples()) if samples]
-        if not sampling:
-            return []
-        params = [s.params for s in sampling]
-        return self.sampler.sample(logits, params, [s.generator for s in sampling]).tolist()
+        """Schedule, run, sample and update once (``EngineLoop.step``): if the step raises, each
+        of its requests is run again alone, so only the requests that fail by themselves get an
+        error."""
+        self._loop.step()
 
     # ---- teardown -----------------------------------------------------------------------------
 
@@ -368,36 +267,8 @@ class PyExecutor:
             if self._closed:
                 return
             self._closed = True
-        atexit.unregister(self._shutdown_at_exit)
-        self._stop.set()
-        self._inbox.post(None)
-        if self._worker is not None:
-            self._worker.join(timeout)
-            if self._worker.is_alive():
-                raise RuntimeError(f"the executor worker did not stop within {timeout} s; it cancels "
-                                   "what is unfinished and releases the KV pool when its step ends")
-        self._teardown()
-
-    def _shutdown_at_exit(self) -> None:
-        """The ``atexit`` hook of a live worker (module docstring, Exit): shut down before the
-        interpreter finalizes; a worker stuck in a step costs one warning, not the exit."""
-        try:
-            self.shutdown(EXIT_TIMEOUT_S)
-        except RuntimeError as exc:
-            log.warning("at exit: %s", exc)
-
-    def _teardown(self, died: BaseException | None = None) -> None:
-        """Cancel every unfinished request and release the KV pool (idempotent); if the worker
-        ``died``, fail its requests with that error instead and keep the pool for callers."""
-        with self._step_lock:
-            self._inbox.drain_into(self.scheduler)
-            if died is not None:
-                return self._responses.fail(self.scheduler.drain(), died)
-            for seq in self.scheduler.drain():
-                self._responses.complete(self._responses.handle_of(seq), "cancelled", "the executor was shut down")
-            self.runner.release_graphs()
-            self.runner.kv_cache.release()
-            self._publish_load()
+        self._loop.stop(timeout)
+        self._loop.teardown()
 
     def __enter__(self) -> PyExecutor:
         return self
