@@ -12,7 +12,7 @@ from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.devices import CpuDevice, CudaDevice, Device
 
 if TYPE_CHECKING:
-    from bootstrap.parallel.torch_dist import RankEnv
+    from bootstrap.parallel.rank_env import RankEnv
 
 
 def device_for(spec: str) -> tuple[Device, torch.device]:
@@ -32,7 +32,7 @@ def device_for(spec: str) -> tuple[Device, torch.device]:
 
 def rank_env(config: BootstrapConfig) -> RankEnv:
     """This rank's place, as the launcher set it; a clear error when none did."""
-    from bootstrap.parallel.torch_dist import RankEnv
+    from bootstrap.parallel.rank_env import RankEnv
 
     env = RankEnv.from_env()
     tp = config.tensor_parallel_size

@@ -15,12 +15,9 @@ import argparse
 import contextlib
 import json
 import logging
-import signal
 import sys
-import threading
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 from rich.console import Console
@@ -31,7 +28,16 @@ from bootstrap.backends.base import RequestExecutor, require_requests
 from bootstrap.cli.args import add_build_args, add_config_args, check_kv_tokens, check_run_values, config_from_args
 from bootstrap.cli.exits import BAD_INPUT, BAD_INPUT_ERRORS, INTERRUPTED, OK, STAGE_FAILED, exit_status
 from bootstrap.cli.plan import plan_line
-from bootstrap.cli.tp import check_tp_before_launch, launch_ranks, leave, needs_launch, rank_backend
+from bootstrap.cli.stops import HeldStops, Stopped, held_stops, stop_name, until_stopped
+from bootstrap.cli.tp import (
+    check_rank_count,
+    check_tp_before_launch,
+    launch_ranks,
+    leave,
+    needs_launch,
+    rank_backend,  # fmt: skip
+    this_rank,
+)
 from bootstrap.config import BootstrapConfig
 from bootstrap.engine import triton_start
 from bootstrap.engine.prompts import chat_ids, checked_max_tokens, sampling_params, text_ids
@@ -40,7 +46,6 @@ from bootstrap.pipeline.events import StageEvent
 from bootstrap.pipeline.report import stage_table
 
 DEFAULT_MAX_TOKENS = 64
-T = TypeVar("T")
 DEFAULT_QUESTION = "What is the capital of France?"
 MARKS = {"done": ("done", "green"), "skipped": ("skipped", "cyan"), "failed": ("failed", "red"),
          "attempt_failed": ("attempt failed", "yellow"), "retrying": ("retrying", "yellow")}  # fmt: skip
@@ -63,49 +68,65 @@ def add_run_args(run: argparse.ArgumentParser) -> None:
 
 
 def main_run(args: argparse.Namespace) -> int:
-    """One rank's run (or the only one); ``--tp N`` without a launcher starts N ranks of it."""
+    """One rank's run (or the only one); ``--tp N`` without a launcher starts N ranks of it.
+    SIGTERM and SIGHUP are held throughout, and act only where a stop can roll back (``stops``)."""
+    with held_stops() as held:
+        try:
+            return _main_run(args, held)
+        finally:
+            leave()
+
+
+def _main_run(args: argparse.Namespace, held: HeldStops) -> int:
     try:
         with args.process.phase("checks"):
             config = config_from_args(args)
             check_run_values(args)
             check_kv_tokens(config)
+            check_rank_count(config)
             require_engine()
-        if not args.json and rank_of(args) == 0:
+            if needs_launch(config):
+                check_tp_before_launch(config)
+        if not args.json and rank_of(args) == 0 and not getattr(args, "announced", False):
             announce(config, args)
         if needs_launch(config):
-            check_tp_before_launch(config)
             return launch_ranks(args, config.tensor_parallel_size, main_run)
         triton_start.begin_for(config.device, config.backend, config.tensor_parallel_size)
-        result, error = anyio.run(run_command, args, config, rank_backend(config, args))
+        result, error = anyio.run(run_command, args, config, rank_backend(config, args), held)
     except BAD_INPUT_ERRORS as exc:
-        if rank_of(args) == 0:
-            emit({"text": "", "token_ids": [], "stages": [], "plan": {}, "error": str(exc)}, args.json)
-        return BAD_INPUT
+        return _ended_early(args, str(exc), BAD_INPUT)
+    except Stopped as exc:
+        return _ended_early(args, f"{stop_name(exc.signum)}; completed stages were rolled back", exc.status)
     except KeyboardInterrupt:
-        print("bootstrap: interrupted; completed stages were rolled back", file=sys.stderr)
-        return INTERRUPTED
-    finally:
-        leave()
+        return _ended_early(args, "interrupted; completed stages were rolled back", INTERRUPTED)
     if rank_of(args) > 0:
         return OK if error is None else STAGE_FAILED
     emit(result, args.json)
     return exit_status(error)
 
 
-async def run_command(args: argparse.Namespace, config: BootstrapConfig,
-                      backend: Any = None) -> tuple[dict[str, Any], Exception | None]:  # fmt: skip
+def _ended_early(args: argparse.Namespace, message: str, status: int) -> int:
+    """Bad input or a stop before a result: rank 0 says so (one object under ``--json`` too)."""
+    if rank_of(args) == 0:
+        emit({"text": "", "token_ids": [], "stages": [], "plan": {}, "error": message}, args.json)
+    return status
+
+
+async def run_command(args: argparse.Namespace, config: BootstrapConfig, backend: Any = None,
+                      held: HeldStops | None = None) -> tuple[dict[str, Any], Exception | None]:  # fmt: skip
     """Build, answer, release; returns the ``--json`` object and the failure, if any: a
     ``StageFailed``, a ``PromptError`` for a prompt the ready executor cannot take, or any error
     of the answer after ready (``answer_failed``): every failure is reported, none escapes."""
     from bootstrap.api import Bootstrap
 
     quiet = rank_of(args) > 0  # several ranks: rank 0 speaks for all of them
+    stops = (held, not quiet) if held is not None else ()
     boot = Bootstrap(config, backend=backend, trace_file=None if quiet else args.trace_file, otlp=args.otlp,
                      process=args.process)  # fmt: skip
     progress = None if args.json or quiet else plain_console(stderr=True)
     result: dict[str, Any] = {"text": "", "token_ids": []}
     try:
-        executor, failure = await until_interrupted(lambda: _build(boot, progress), lambda: rolling_back(boot))
+        executor, failure = await _build(boot, progress, stops)
         if failure is not None:
             return {**result, **boot.report().to_dict(), "error": failure_paragraph(failure)}, failure
         report = boot.report()
@@ -115,8 +136,8 @@ async def run_command(args: argparse.Namespace, config: BootstrapConfig,
                 if progress is not None:
                     # quiet ranks have no progress either
                     print_ready(report, plain_console(), result["ready_after_spawn_s"])
-                answer = await until_interrupted(lambda: generate(args, require_requests(executor), report.plan["max_seq_len"]),
-                                                 lambda: "shutting the executor down")  # fmt: skip
+                answer = await until_stopped(lambda: generate(args, require_requests(executor), report.plan["max_seq_len"]),
+                                             lambda: "shutting the executor down", *stops)  # fmt: skip
             result.update(answer)
         except BAD_INPUT_ERRORS as exc:
             return {**result, **report.to_dict(), "error": str(exc)}, exc
@@ -169,60 +190,34 @@ def announce(config: BootstrapConfig, args: argparse.Namespace) -> None:
           flush=True)  # fmt: skip
 
 
-async def until_interrupted(work: Callable[[], Awaitable[T]], doing: Callable[[], str]) -> T:
-    """``work()``, cancelled by Ctrl-C (SIGINT): the interrupt is acknowledged on stderr at once
-    (with ``doing()``: what happens now), and raised as ``KeyboardInterrupt`` once ``work`` has
-    unwound, its stages rolled back. A second Ctrl-C is Python's own."""
-    heard = False
-    finished: list[T] = []
-
-    async def watch(scope: anyio.CancelScope) -> None:
-        nonlocal heard
-        with anyio.open_signal_receiver(signal.SIGINT) as signals:
-            async for _ in signals:
-                heard = True
-                print(f"bootstrap: interrupted: {doing()} ...", file=sys.stderr, flush=True)
-                scope.cancel()
-                return
-
-    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
-        return await work()
-    raised: list[Exception] = []
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(watch, tg.cancel_scope)
-        try:
-            finished.append(await work())
-        except Exception as exc:  # carried out of the task group as itself, not in an exception group
-            raised.append(exc)
-        tg.cancel_scope.cancel()
-    if heard:
-        raise KeyboardInterrupt
-    if raised:
-        raise raised[0]
-    return finished[0]
-
-
 def rolling_back(boot: Any) -> str:
     """What an interrupt during the build does: the running stages stop, then every stage rolls back."""
     running = [s.stage for s in boot.pipeline.status.values() if s.state == "running"]
     return f"rolling back {', '.join(running) or 'the completed stages'}"
 
 
-async def _build(boot: Any, progress: Console | None) -> tuple[Any, StageFailed | None]:
-    """``boot.build()``, with one progress line per stage event meanwhile: the executor, or the
-    stage failure (caught inside the task group, so it is not wrapped in an exception group)."""
-    shown = anyio.Event()
+async def _build(boot: Any, progress: Console | None, stops: tuple[Any, ...] = ()) -> tuple[Any, StageFailed | None]:
+    """``boot.build()`` in a stop window (``until_stopped``), with one progress line per stage
+    event meanwhile: the executor, or the stage failure. The last lines are flushed outside the
+    window, so a stop that arrives once the failure is known is held and the failure is the
+    report. Caught inside the task group and raised after it: never wrapped in an exception group."""
+    shown, outcome = anyio.Event(), []
     async with anyio.create_task_group() as tg:
         if progress is not None:
             tg.start_soon(show_progress, boot.events(), progress, shown)
         try:
-            return await boot.build(), None
+            outcome.append((await until_stopped(boot.build, lambda: rolling_back(boot), *stops), None))
         except StageFailed as exc:
-            return None, exc
+            outcome.append((None, exc))
+        except Stopped as exc:
+            outcome.append(exc)
         finally:
             with anyio.move_on_after(1.0):  # let the last lines print, never wait for long
                 await shown.wait() if progress is not None else None
             tg.cancel_scope.cancel()
+    if isinstance(outcome[0], Stopped):
+        raise outcome[0]
+    return outcome[0]
 
 
 def prompt_ids(args: argparse.Namespace, tokenizer: Any) -> list[int]:
@@ -295,7 +290,7 @@ def print_ready(report: Any, console: Console, after_spawn_s: float) -> None:
 
 def rank_of(args: argparse.Namespace) -> int:
     """This process's rank when it is one of several (``bootstrap.cli.tp``), else 0."""
-    return getattr(args, "rank", 0)
+    return this_rank()
 
 
 def emit(result: dict[str, Any], as_json: bool) -> None:

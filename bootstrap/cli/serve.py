@@ -1,7 +1,7 @@
 """``bootstrap serve``: the OpenAI-compatible server, with the bootstrap running behind it.
 
 The port opens at once; the stages run in the background (``GET /ready`` says where they are).
-SIGTERM or SIGINT: stop accepting connections, let requests in flight finish for
+SIGTERM, SIGINT or SIGHUP: stop accepting connections, let requests in flight finish for
 ``--shutdown-timeout`` seconds, cancel the rest (streams get a final chunk), shut the executor
 down, exit 0; during the bootstrap, the pipeline is cancelled and rolls back. A second SIGINT
 skips the grace period: requests in flight are cancelled at once (streams still get their final
@@ -43,6 +43,7 @@ from bootstrap.engine import triton_start
 ENV_API_KEY = "BOOTSTRAP_API_KEY"
 FORCE_AFTER_S = 10.0  # past the grace period: how long cancelled streams get to send their final chunk
 FORCE_CLOSE_S = 3.0  # after a second SIGINT: how long cut streams get to send their final chunk
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # a closed terminal (SIGHUP) stops it like SIGTERM
 THREAD_JOIN_S = 5.0
 
 log = logging.getLogger("bootstrap.serve")
@@ -203,12 +204,12 @@ def _signals(state: Any, server: Any) -> Iterator[None]:
         server.should_exit = True
         state.begin_shutdown()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
     try:
         yield
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
 
 

@@ -1,76 +1,116 @@
-"""Start N ranks on this machine, as ``torchrun --nproc-per-node N`` would, and wait for them.
+"""Start N ranks on this machine with torch's own launcher, and wait for them.
 
-Each rank is a fresh (spawned) Python process running ``target(*args)`` with the launcher's
-contract in its environment: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``
-(127.0.0.1) and ``MASTER_PORT`` (a free port). The launcher waits for all of them; once one exits
-with an error, the others get ``grace_s`` to finish (their collectives time out and report which
-rank stopped answering), then are terminated. No rank outlives ``launch``.
+``launch`` is ``torchrun --standalone --nproc-per-node N`` called as a function: the elastic
+agent behind ``torchrun`` (``torch.distributed.launcher.api.elastic_launch``) with torchrun's
+single-machine settings. The ranks get torchrun's environment (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, the ``TORCHELASTIC_*`` variables, and
+``OMP_NUM_THREADS=1`` where it is unset), and the agent's handling of signals and failures:
+
+- SIGINT, SIGTERM, SIGHUP or SIGQUIT to the launcher: the agent sends that signal to every rank,
+  waits up to ``SHUTDOWN_S`` for them, kills what is left, and ``launch`` reports the signal.
+- A rank that ends with an error: the agent stops the others at once (SIGTERM, SIGKILL after
+  ``SHUTDOWN_S``); nothing is restarted.
+- The launcher killed outright: each rank gets SIGINT from the kernel (torch's spawn sets the
+  parent-death signal).
+
+Each rank runs in a session of its own, as torchrun's ranks do, so a terminal's Ctrl-C reaches
+the launcher alone and each rank hears it once, from the agent. No rank outlives ``launch``.
 """
 
 from __future__ import annotations
 
-import multiprocessing
+import contextlib
+import logging
 import os
-import socket
+import signal
 import sys
-import time
-from collections.abc import Callable
-from multiprocessing.connection import wait
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
-TERMINATE_WAIT_S = 10.0
+SHUTDOWN_S = 30  # torchrun's default: how long stopped ranks get before SIGKILL
+AGENT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+TORCH_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+@dataclass(frozen=True)
+class Launched:
+    """How the ranks ended. ``codes``: the exit status of each rank the agent saw end (a negative
+    status is the signal that killed it; a rank the agent stopped after another's failure is not
+    in it). ``signal``: the signal that stopped the launcher, if one did. ``raised``: the last
+    line of an exception that escaped a rank, by rank."""
+
+    codes: dict[int, int]
+    signal: int | None = None
+    raised: dict[int, str] = field(default_factory=dict)
 
 
-def launch(target: Callable[..., int | None], args: tuple[Any, ...], world_size: int, *, grace_s: float) -> list[int]:
-    """Run ``target(*args)`` on ``world_size`` ranks; their exit codes, by rank."""
+def launch(target: Callable[..., int | None], args: tuple[Any, ...], world_size: int) -> Launched:
+    """Run ``target(*args)`` on ``world_size`` ranks, each a spawned process, until they end."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    context = multiprocessing.get_context("spawn")
-    port = free_port()
-    ranks = [context.Process(target=_rank_main, args=(target, args, r, world_size, port), name=f"rank-{r}")
-             for r in range(world_size)]  # fmt: skip
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    with tempfile.TemporaryDirectory(prefix="bootstrap-ranks-") as logs, _agent_scope():
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=uuid.uuid4().hex,
+                              rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
+                              start_method="spawn", shutdown_timeout=SHUTDOWN_S,
+                              logs_specs=DefaultLogsSpecs(log_dir=logs))  # fmt: skip
+        try:
+            returned = elastic_launch(config, _rank_main)(target, args)
+        except ChildFailedError as exc:
+            return Launched({r: f.exitcode for r, f in exc.failures.items()},
+                            raised={r: _last_line(f.message) for r, f in exc.failures.items()
+                                    if os.path.isfile(f.error_file)})  # fmt: skip
+        except SignalException as exc:
+            return Launched({}, signal=int(exc.sigval))
+    return Launched({rank: int(code or 0) for rank, code in returned.items()})
+
+
+def _rank_main(target: Callable[..., int | None], args: tuple[Any, ...]) -> int:
+    """One rank: a session of its own (as torchrun's subprocess ranks), then ``target``; a
+    non-zero status is the process's exit status."""
+    os.setsid()
+    code = target(*args) or 0
+    if code:
+        sys.exit(code)
+    return 0
+
+
+@contextlib.contextmanager
+def _agent_scope() -> Iterator[None]:
+    """What the agent changes in this process, put back when it is done: its signal handlers,
+    the environment it sets for the ranks, and torch's log lines (``launch``'s caller reports)."""
+    handlers = {sig: signal.getsignal(sig) for sig in AGENT_SIGNALS}
+    environ = {key: os.environ.get(key) for key in ("OMP_NUM_THREADS", "TORCHELASTIC_SIGNALS_TO_HANDLE")}
+    loggers = {name: logging.getLogger(name).level for name in _torch_loggers()}
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several ranks on one machine
+    for name in loggers:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
-        for process in ranks:
-            process.start()
-        _wait(ranks, grace_s)
+        yield
     finally:
-        _stop(ranks)
-    return [p.exitcode if p.exitcode is not None else 1 for p in ranks]
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        for key, value in environ.items():
+            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+        for name, level in loggers.items():
+            logging.getLogger(name).setLevel(level)
 
 
-def _rank_main(target: Callable[..., int | None], args: tuple[Any, ...], rank: int, world_size: int, port: int) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
-    sys.exit(target(*args) or 0)
+def _torch_loggers() -> list[str]:
+    """The agent's loggers and their children (torch sets a level on each of them)."""
+    names = set(logging.root.manager.loggerDict) | set(TORCH_LOGGERS)
+    return sorted(n for n in names if n.startswith(TORCH_LOGGERS))
 
 
-def _wait(ranks: list[Any], grace_s: float) -> None:
-    """Until every rank ended, or ``grace_s`` after the first one failed."""
-    running, deadline = list(ranks), None
-    while running:
-        left = None if deadline is None else deadline - time.monotonic()
-        if left is not None and left <= 0:
-            return
-        wait([p.sentinel for p in running], timeout=left)
-        running = [p for p in running if p.exitcode is None]
-        if deadline is None and any(p.exitcode for p in ranks):
-            deadline = time.monotonic() + grace_s
-
-
-def _stop(ranks: list[Any]) -> None:
-    for process in ranks:
-        if process.is_alive():
-            process.terminate()
-    for process in ranks:
-        if process.pid is None:
-            continue
-        process.join(TERMINATE_WAIT_S)
-        if process.is_alive():
-            process.kill()
-            process.join()
+def _last_line(message: Any) -> str:
+    """The last line of the traceback torch's error file holds (a string, or a dict holding one)."""
+    text = message.get("message", "") if isinstance(message, dict) else message
+    lines = [line for line in str(text).strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "an exception"

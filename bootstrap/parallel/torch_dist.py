@@ -1,6 +1,6 @@
 """The ``Collective`` port over torch.distributed, and the process group of a rank.
 
-A rank learns who it is from the launcher's contract: ``RANK``, ``WORLD_SIZE`` and
+A rank learns who it is from the launcher's contract (``rank_env``): ``RANK``, ``WORLD_SIZE`` and
 ``LOCAL_RANK`` (set by ``torchrun``, or by ``bootstrap run --tp N`` for the ranks it starts),
 with ``MASTER_ADDR`` / ``MASTER_PORT`` for the rendezvous. The model's collectives run on the
 default group (NCCL on CUDA, gloo on the CPU); the pipeline's agreements run on a separate gloo
@@ -10,35 +10,17 @@ stopped answering is named. Every group has the same timeout: no collective wait
 
 from __future__ import annotations
 
-import os
 import re
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from bootstrap.parallel.rank_env import RankEnv
 from bootstrap.pipeline.collective import RankUnresponsive
 
 DEFAULT_TIMEOUT_S = 600.0
-
-
-@dataclass(frozen=True)
-class RankEnv:
-    """This process's place among the ranks, as the launcher set it."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-
-    @classmethod
-    def from_env(cls) -> RankEnv | None:
-        """None when no launcher set ``RANK`` and ``WORLD_SIZE``."""
-        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-            return None
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        return cls(rank, world, int(os.environ.get("LOCAL_RANK", rank)))
 
 
 class TorchCollective:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import anyio
@@ -60,7 +61,14 @@ def _dies_in_profiling(rank: int) -> None:
         ModelRunner.run = lambda self, batch: os._exit(17)
 
 
-HOOKS = {"oom_after_first_forward": _oom_after_first_forward, "skewed": _skewed, "dies_in_profiling": _dies_in_profiling}
+def _hangs_in_profiling(rank: int) -> None:
+    """Rank 1 stops answering when its profiling forward starts, and stays alive."""
+    if rank == 1:
+        ModelRunner.run = lambda self, batch: time.sleep(3600)
+
+
+HOOKS = {"oom_after_first_forward": _oom_after_first_forward, "skewed": _skewed, "dies_in_profiling": _dies_in_profiling,
+         "hangs_in_profiling": _hangs_in_profiling}  # fmt: skip
 
 
 def build_and_generate(model: str, out: str, hook: str | None, timeout_s: float, config_values: dict) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,11 +33,13 @@ def llama(tmp_path_factory) -> Path:
     return save_checkpoint("llama", tmp_path_factory.mktemp("tp") / "llama")
 
 
-def run_ranks(model: Path, out: Path, hook: str | None = None, **config) -> tuple[list[int], list[dict]]:
-    args = (str(model), str(out), hook, TIMEOUT_S, {**CONFIG, **config})
-    codes = launch(build_and_generate, args, 2, grace_s=TIMEOUT_S + 30)
+def run_ranks(model: Path, out: Path, hook: str | None = None, timeout_s: float = TIMEOUT_S,
+              **config) -> tuple[list[int | None], list[dict]]:  # fmt: skip
+    """Each rank's exit status (None: stopped by the launcher after another rank failed) and result."""
+    args = (str(model), str(out), hook, timeout_s, {**CONFIG, **config})
+    launched = launch(build_and_generate, args, 2)
     results = [json.loads(p.read_text()) if (p := out / f"rank{r}.json").exists() else None for r in range(2)]
-    return codes, results
+    return [launched.codes.get(r) for r in range(2)], results
 
 
 def spans(out: Path, rank: int) -> list[dict]:
@@ -122,9 +125,20 @@ def test_an_oom_on_rank_1_in_profiling_is_retried_on_both_ranks_the_same_way(lla
     assert results[0]["plan"] == results[1]["plan"]
 
 
-def test_a_rank_that_dies_mid_bootstrap_is_named_by_the_other_within_the_timeout(llama, tmp_path):
-    codes, (rank0, rank1) = run_ranks(llama, tmp_path, "dies_in_profiling")
-    assert codes == [1, 17] and rank1 is None
+def test_a_rank_that_dies_mid_bootstrap_ends_the_launch_without_waiting_for_the_timeout(llama, tmp_path):
+    """torch's agent sees rank 1's exit and stops rank 0 at once, whatever rank 0 is waiting on
+    (with NCCL a collective with a dead peer waits out the whole timeout)."""
+    started = time.monotonic()
+    codes, (_, rank1) = run_ranks(llama, tmp_path, "dies_in_profiling", timeout_s=600.0)
+    assert codes[1] == 17 and codes[0] in (None, 1) and rank1 is None
+    assert time.monotonic() - started < 300  # far from the 600 s collective timeout
+
+
+def test_a_rank_that_hangs_is_named_by_the_other_within_the_timeout(llama, tmp_path):
+    """A rank that hangs is alive to the agent: rank 0's collective times out, names it and ends
+    with the failure; the agent then stops the hung rank."""
+    codes, (rank0, rank1) = run_ranks(llama, tmp_path, "hangs_in_profiling", timeout_s=5.0)
+    assert codes[0] == 1 and rank1 is None
     assert "stage 'profiling' failed" in rank0["error"]
     assert "rank(s) 1 stopped answering" in rank0["error"]
     profiling = next(s for s in rank0["stages"] if s["id"] == "profiling")

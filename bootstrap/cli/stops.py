@@ -1,0 +1,128 @@
+"""How ``run`` ends on a signal: SIGINT (Ctrl-C), SIGTERM and SIGHUP all mean "stop".
+
+- During the build or the answer (``until_stopped``): the stop is acknowledged on stderr at once,
+  the work is cancelled, its stages roll back, and ``Stopped`` is raised once it has unwound; the
+  command exits with 128 + the signal's number (130, 143, 129: the exit table).
+- Before them (the checks, the imports), SIGTERM and SIGHUP are held, and the build does not
+  start; SIGINT there is Python's ``KeyboardInterrupt``, as it always was.
+- After them, while the run releases the executor and prints its report, SIGTERM and SIGHUP are
+  held and the report is the run's own: torch's launcher stops the other ranks the moment one
+  ends with an error, and that must not cut rank 0's report short.
+
+``held_stops`` holds SIGTERM and SIGHUP for a command's whole main thread. While a window is open
+the event loop's receiver has them instead; when it closes, asyncio puts back the default action
+and the hold is installed again in the same step (a window of a few bytecodes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TypeVar
+
+import anyio
+from anyio.abc import TaskStatus
+
+T = TypeVar("T")
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+HELD_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+class Stopped(KeyboardInterrupt):
+    """The command was stopped by ``signum``; its work is unwound and rolled back."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def status(self) -> int:
+        """The exit status: 128 + the signal's number, as a shell reports a signal."""
+        return 128 + self.signum
+
+
+class HeldStops:
+    """SIGTERM and SIGHUP noted instead of acted on; ``raise_if_heard`` acts on the first."""
+
+    def __init__(self) -> None:
+        self.heard: list[int] = []
+
+    def note(self, signum: int, frame: object) -> None:
+        self.heard.append(signum)
+
+    def install(self) -> None:
+        for sig in HELD_SIGNALS:
+            signal.signal(sig, self.note)
+
+    def raise_if_heard(self) -> None:
+        if self.heard:
+            raise Stopped(self.heard[0])
+
+
+NOT_HELD = HeldStops()  # off the main thread, or outside a command: nothing is ever noted
+
+
+def stop_name(signum: int) -> str:
+    return "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+
+
+@contextlib.contextmanager
+def held_stops() -> Iterator[HeldStops]:
+    """Hold SIGTERM and SIGHUP for the block (on the main thread; elsewhere signals never arrive)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield NOT_HELD
+        return
+    held, before = HeldStops(), {sig: signal.getsignal(sig) for sig in HELD_SIGNALS}
+    held.install()
+    try:
+        yield held
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+async def until_stopped(work: Callable[[], Awaitable[T]], doing: Callable[[], str], held: HeldStops = NOT_HELD,
+                        speak: bool = True) -> T:  # fmt: skip
+    """``work()``, cancelled by SIGINT, SIGTERM or SIGHUP: the stop is acknowledged on stderr at
+    once (with ``doing()``: what happens now; unless not ``speak``, as on the quiet ranks), and
+    raised as ``Stopped`` once ``work`` has unwound, its stages rolled back. A stop held before
+    the window means ``work`` never starts. A second Ctrl-C is Python's own; a second SIGTERM or
+    SIGHUP is held."""
+    held.raise_if_heard()
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        return await work()
+    heard: list[int] = []
+    finished: list[T] = []
+    raised: list[Exception] = []
+
+    async def watch(scope: anyio.CancelScope, *, task_status: TaskStatus[None]) -> None:
+        try:
+            with anyio.open_signal_receiver(*STOP_SIGNALS) as signals:
+                task_status.started()
+                async for signum in signals:
+                    heard.append(signum)
+                    break
+            if speak:
+                print(f"bootstrap: {stop_name(heard[0])}: {doing()} ...", file=sys.stderr, flush=True)
+            scope.cancel()
+        finally:
+            if held is not NOT_HELD:
+                held.install()  # the receiver just put back the default action
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(watch, tg.cancel_scope)  # the receiver is open before the work starts
+        heard.extend(held.heard[:1])  # noted while it opened
+        try:
+            if not heard:
+                finished.append(await work())
+        except Exception as exc:  # noqa: BLE001 - carried out of the task group as itself, not in a group
+            raised.append(exc)
+        tg.cancel_scope.cancel()
+    if heard:
+        raise Stopped(heard[0])
+    if raised:
+        raise raised[0]
+    return finished[0]

@@ -1,0 +1,72 @@
+"""How ``run`` meets SIGTERM and SIGHUP (``bootstrap.cli.stops``), in this process: held outside a
+stop window, acted on inside one once the work has unwound, and held again after it."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import anyio
+import pytest
+
+from bootstrap.cli.stops import Stopped, held_stops, until_stopped
+
+
+def test_outside_a_window_sigterm_and_sighup_are_held_not_fatal():
+    with held_stops() as held:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert held.heard == [signal.SIGTERM, signal.SIGHUP]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # given back as it was
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_a_stop_in_a_window_cancels_the_work_and_is_raised_once_it_unwound(sig, capsys):
+    unwound = []
+
+    async def work() -> None:
+        try:
+            os.kill(os.getpid(), sig)
+            await anyio.sleep(30)
+        finally:
+            unwound.append(True)
+
+    with held_stops() as held, pytest.raises(Stopped) as stopped:
+        anyio.run(until_stopped, work, lambda: "rolling back profiling", held)
+    assert unwound == [True] and stopped.value.status == 128 + sig
+    name = "interrupted" if sig == signal.SIGINT else f"stopped by {sig.name}"
+    assert capsys.readouterr().err == f"bootstrap: {name}: rolling back profiling ...\n"
+
+
+def test_after_a_window_the_hold_is_back_and_a_late_signal_is_only_noted():
+    async def quick() -> str:
+        return "done"
+
+    with held_stops() as held:
+        assert anyio.run(until_stopped, quick, lambda: "", held) == "done"
+        assert signal.getsignal(signal.SIGTERM) == held.note  # not asyncio's default action
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert held.heard == [signal.SIGTERM]
+
+
+def test_a_stop_held_before_the_window_means_the_work_never_starts():
+    started = []
+
+    async def work() -> None:
+        started.append(True)
+
+    with held_stops() as held:
+        os.kill(os.getpid(), signal.SIGHUP)
+        with pytest.raises(Stopped) as stopped:
+            anyio.run(until_stopped, work, lambda: "", held)
+    assert started == [] and stopped.value.status == 129
+
+
+def test_a_quiet_rank_says_nothing_when_stopped(capsys):
+    async def work() -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        await anyio.sleep(30)
+
+    with held_stops() as held, pytest.raises(Stopped):
+        anyio.run(until_stopped, work, lambda: "", held, False)
+    assert capsys.readouterr().err == ""
