@@ -70,10 +70,11 @@ def _require_regular(path: Path, st: os.stat_result) -> None:
     if stat.S_ISDIR(st.st_mode):
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
     if not stat.S_ISREG(st.st_mode):
-        raise OSError(f"{_kind(st.st_mode)}, not a regular file")
+        raise OSError(f"{file_kind(st.st_mode)}, not a regular file")
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a ``stat`` mode that is no regular file is, in words (\"a FIFO\")."""
     kinds = {stat.S_ISLNK: "a symbolic link", stat.S_ISFIFO: "a FIFO", stat.S_ISCHR: "a character device",
              stat.S_ISBLK: "a block device", stat.S_ISSOCK: "a socket"}  # fmt: skip
     return next((name for test, name in kinds.items() if test(mode)), "a special file")
@@ -86,7 +87,7 @@ class BootstrapConfig(BaseModel):
         "smollm2-135m-instruct",
         description="checkpoint dir, config.json, GGUF file, preset name, or random:<preset|config.json>",
     )
-    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto, cpu, cuda or cuda:N")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$", description="auto, cpu, cuda or cuda:N")
     dtype: Dtype = "auto"
     kv_cache_dtype: KvDtype = "auto"
     max_batch_size: int = Field(32, ge=1, le=4096, description="requests in one forward step")
@@ -166,7 +167,7 @@ class BootstrapConfig(BaseModel):
 
     @classmethod
     def parse(cls, **values: object) -> BootstrapConfig:
-        """Validate ``values``; raise ``ConfigError`` with one line per bad field."""
+        """Validate ``values``; raise ``ConfigError`` naming every bad field, on one line."""
         try:
             return cls(**values)
         except ValidationError as exc:
@@ -174,9 +175,11 @@ class BootstrapConfig(BaseModel):
 
 
 def describe_validation_error(exc: ValidationError) -> str:
-    lines = []
+    """Every bad field with its allowed range and the value given, on one line (``; ``
+    between fields): the CLI's contract is one line on stderr."""
+    parts = []
     for err in exc.errors():
         field = ".".join(str(p) for p in err["loc"]) or "config"
         message = err["msg"].removeprefix("Value error, ")
-        lines.append(f"{field}: {message} (got {err.get('input')!r})")
-    return "invalid configuration:\n  " + "\n  ".join(lines)
+        parts.append(f"{field}: {message} (got {err.get('input')!r})")
+    return "invalid configuration: " + "; ".join(parts)

@@ -9,15 +9,20 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
 from bootstrap.capacity.presets import preset_names
-from bootstrap.config import BootstrapConfig, ConfigError
+from bootstrap.config import BootstrapConfig, ConfigError, file_kind
+from bootstrap.engine.prompts import check_text
 
 DEFAULT_PLAN_CACHE = Path.home() / ".cache" / "executor-bootstrap" / "plans"
 DEFAULT_MODEL = BootstrapConfig.model_fields["model"].default
 MAX_SEED = 2**63 - 1  # the engine's SamplingParams range (bootstrap.engine.sampling, which imports torch)
+# free text that reaches a tokenizer (prompt, chat), an HTTP header (api_key) or a JSON body (served_model_name)
+TEXT_FLAGS = ("prompt", "chat", "api_key", "served_model_name")
 MAX_SECONDS = 86_400.0  # a day: beyond it a timeout is a typo, and timedelta/asyncio overflow near inf
 
 
@@ -112,13 +117,47 @@ def add_build_args(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> BootstrapConfig:
-    """The validated config; ``ConfigError`` naming each bad field and its allowed range."""
+    """The validated config; ``ConfigError`` naming each bad field and its allowed range (all on
+    one line), or a command's text or file flag that cannot be used (``check_flags``)."""
+    check_flags(args)
     values = {k: v for k, v in vars(args).items() if k in BootstrapConfig.model_fields and v is not None}
     if getattr(args, "no_plan_cache", False):
         values.pop("plan_cache", None)
     elif args.command in ("run", "serve"):
         values.setdefault("plan_cache", DEFAULT_PLAN_CACHE)
     return BootstrapConfig.parse(**values)
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """What ``plan``, ``run`` and ``serve`` take beyond the config, before any work: text UTF-8
+    cannot encode (``TEXT_FLAGS``: an argv byte that is not UTF-8 arrives as a lone surrogate),
+    and a ``--trace-file`` that is a FIFO (opening it to write blocks)."""
+    check_values_given(args)
+    for field in TEXT_FLAGS:
+        check_text(field, getattr(args, field, None))
+    trace = getattr(args, "trace_file", None)
+    if trace is not None:
+        check_output_file("trace_file", trace)
+
+
+def check_values_given(args: argparse.Namespace, lists: tuple[str, ...] = ("fault", "files")) -> None:
+    """argparse (3.11) reads ``--flag=--`` as the value ``[]``, whatever the flag's type: refused
+    naming the field, as an empty value would be. ``lists``: the flags whose value is a list."""
+    for field, value in vars(args).items():
+        if value == [] and field not in lists:
+            raise ConfigError(f"{field}: expected a value after '=' (got '--')")
+
+
+def check_output_file(field: str, path: Path) -> None:
+    """``ConfigError`` when ``path`` is a FIFO (links followed): opening it to write blocks until
+    a reader comes, before any message. A device (``/dev/null``, ``/dev/full``) is written as
+    asked; a directory is refused by the writer's open."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):  # absent (created later), or not ours to look into: the writer says why
+        return
+    if stat.S_ISFIFO(mode):
+        raise ConfigError(f"{field}: cannot write to {path}: {file_kind(mode)}, not a regular file")
 
 
 def check_positive(**values: int) -> None:

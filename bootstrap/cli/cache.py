@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from bootstrap.cli.args import DEFAULT_PLAN_CACHE
+from bootstrap.cli.args import DEFAULT_PLAN_CACHE, check_values_given
 from bootstrap.cli.exits import OK, STAGE_FAILED
 from bootstrap.config import ConfigError
 from bootstrap.engine.sources import conversions, smollm2
@@ -67,6 +67,7 @@ class Section:
 
 
 def main_cache(args: argparse.Namespace) -> int:
+    check_values_given(args)
     sections = []
     if not args.models:
         plans = _directory(args.plan_cache, "--plan-cache")
@@ -78,7 +79,7 @@ def main_cache(args: argparse.Namespace) -> int:
         sections.append(Section("model cache entries", models, entries, model_folders(models, entries)))
     if args.action == "list":
         for section in sections:
-            print_section(f"{len(section.entries)} {section.label} in {section.directory}", section)
+            print_section(f"{len(section.entries)} {section.label} in {shown(section.directory)}", section)
         return OK
     failed = [clear(section) for section in sections]
     return STAGE_FAILED if any(failed) else OK
@@ -126,7 +127,13 @@ def print_section(title: str, section: Section, entries: list[Entry] | None = No
     print(f"{title}: {size_text(sum(e.size_bytes for e in entries))}")
     for e in entries:
         if e.what != PLAN:
-            print(f"  {size_text(e.size_bytes):>10}  {e.path.relative_to(section.directory)}  {e.what}")
+            print(f"  {size_text(e.size_bytes):>10}  {shown(e.path.relative_to(section.directory))}  {e.what}")
+
+
+def shown(path: Path) -> str:
+    """``path`` as any stdout takes it: a byte that is not UTF-8 (a lone surrogate in the str)
+    is written as ``\\xff`` instead of failing the print."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
 def clear(section: Section) -> bool:
@@ -142,7 +149,7 @@ def clear(section: Section) -> bool:
             failed = True
     for folder in section.folders:
         _remove_if_empty(folder)
-    print_section(f"removed {len(removed)} {section.label} from {section.directory}", section, removed)
+    print_section(f"removed {len(removed)} {section.label} from {shown(section.directory)}", section, removed)
     return failed
 
 

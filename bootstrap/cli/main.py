@@ -30,8 +30,16 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Comman
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with a refused flag as one line (``bootstrap run: error: ...; see --help``)
+    instead of the usage block and then the error: every refusal of every command is one line."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="bootstrap", formatter_class=HelpFormatter, epilog=epilog(),
         description="LLM executor creation as an async pipeline of traced, retryable stages.",
     )  # fmt: skip
@@ -44,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, process: ProcessTimeline | None = None) -> int:
     """Run the command ``argv`` names; its exit status. ``process``: the timeline its trace
     starts from (the console script's starts at the spawn; default: now)."""
-    args = build_parser().parse_args(argv)  # a bad flag: argparse's usage line, exit status 2
+    args = build_parser().parse_args(argv)  # a bad flag: one line, exit status 2
     args.process = process or ProcessTimeline.from_now()
     try:
         return COMMANDS[args.command][2](args)

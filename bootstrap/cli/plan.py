@@ -27,6 +27,7 @@ from bootstrap.pipeline.telemetry import make_tracer_provider
 from bootstrap.stages import STAGE_IDS
 from bootstrap.stages.summary import plan_summary
 
+MAX_FAULT_DIGITS = 9
 FAULTABLE = ("load_model", "estimation_build", "profiling", "final_build", "scheduler_sampler")
 
 
@@ -52,8 +53,9 @@ def parse_fault(text: str) -> tuple[str, int]:
         kind = "allocates no device memory" if parts[0] in STAGE_IDS else "is not a stage"
         raise ConfigError(f"--fault {text!r}: {parts[0]!r} {kind}; allowed stages: {', '.join(FAULTABLE)}")
     count = parts[2] if len(parts) == 3 else "1"
-    if not count.isdigit() or int(count) < 1:
-        raise ConfigError(f"--fault {text!r}: N must be an integer >= 1, got {count!r}")
+    if not (count.isascii() and count.isdigit()) or len(count) > MAX_FAULT_DIGITS or int(count) < 1:
+        # isdigit alone takes '²' (int() refuses it) and 5000 digits (past int()'s limit)
+        raise ConfigError(f"--fault {text!r}: N must be an integer in [1, {10**MAX_FAULT_DIGITS - 1}], got {count!r}")
     return parts[0], int(count)
 
 

@@ -17,6 +17,8 @@ written: never read as rich markup, nor as matplotlib mathtext.
 from __future__ import annotations
 
 import argparse
+import os
+import stat
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -27,8 +29,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from bootstrap.cli.trace_file import STAGE_PREFIX, Skipped, read_spans
-from bootstrap.config import ConfigError
+from bootstrap.cli.args import check_values_given
+from bootstrap.cli.trace_file import STAGE_PREFIX, Skipped, TraceFileError, read_spans
+from bootstrap.config import ConfigError, file_kind
 from bootstrap.pipeline.process import PHASE_PREFIX, PROCESS_SPAN
 from bootstrap.pipeline.telemetry import ROOT_SPAN, MissingExtra
 
@@ -286,6 +289,10 @@ def _pyplot() -> Any:
 def check_png_path(out: Path) -> None:
     """Before any rendering: ``out`` (and its folder) can be created and written. A file that
     did not exist is removed again, so a later failure leaves nothing behind."""
+    special = _special_kind(out)
+    if special == file_kind(stat.S_IFIFO):  # its open would block until a reader comes
+        raise ConfigError(f"png: cannot write {printable(str(out))!r} ({special}, not a regular file); "
+                          "pass a file in a writable folder")  # fmt: skip
     try:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         existed = Path(out).exists()
@@ -335,8 +342,23 @@ def _draw(ax: Any, line: Timeline) -> None:
 # ---- the command ----------------------------------------------------------------------------
 
 
+def _special_kind(path: Path) -> str | None:
+    """What ``path`` is when it exists and is no regular file (links followed), else None."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):  # absent, or not ours to look into: the open says why
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    return "a directory" if stat.S_ISDIR(mode) else file_kind(mode)
+
+
 def _read_timeline(path: Path) -> tuple[Timeline, list[str]]:
-    """The file's timeline, and what it had to leave out: one warning per kind of damage."""
+    """The file's timeline, and what it had to leave out: one warning per kind of damage. A FIFO
+    or device is refused before it is opened (reading it would block, or never end)."""
+    special = _special_kind(path)
+    if special and special != "a directory":
+        raise TraceFileError(f"trace file {str(path)!r}: {special}, not a regular file")
     skipped = Skipped()
     spans = read_spans(path, skipped)
     return timeline(spans, str(path)), skipped.warnings(path)
@@ -353,6 +375,7 @@ def main_trace(args: argparse.Namespace, console: Console | None = None) -> int:
     bootstrap span, a ``--png`` path that cannot be written, a missing plot extra."""
     console = console or Console(markup=False)
     try:
+        check_values_given(args)
         if args.png is not None:
             check_png_path(args.png)
         lines, warnings = zip(*(_read_timeline(path) for path in args.files))

@@ -25,6 +25,24 @@ class PromptError(ConfigError):
         self.field, self.code = field, code
 
 
+def unencodable(text: str) -> str | None:
+    """Why ``text`` is no text a tokenizer can take, or None: a lone surrogate (a JSON
+    ``\\ud800`` escape, or an argv byte that is not UTF-8, which Python decodes with
+    ``surrogateescape``: ``--prompt $'w4 \\xff'``) has no UTF-8 encoding."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"must be text UTF-8 can encode (a lone surrogate at character {exc.start})"
+    return None
+
+
+def check_text(field: str, text: str | None) -> None:
+    """``PromptError`` naming ``field`` when ``text`` is given and UTF-8 cannot encode it."""
+    problem = None if text is None else unencodable(text)
+    if problem is not None:
+        raise PromptError(f"{field}: {problem}", field=field)
+
+
 def chat_ids(tokenizer: Any, messages: Sequence[Mapping[str, str]], field: str = "messages") -> list[int]:
     """``messages`` (``role``, ``content``) through the tokenizer's chat template, with the
     generation prompt appended."""
