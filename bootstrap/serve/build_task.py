@@ -19,7 +19,7 @@ import anyio
 
 from bootstrap.config import ConfigError
 from bootstrap.pipeline import StageFailed, failure_paragraph
-from bootstrap.serve.state import ServeState
+from bootstrap.serve.state import ServeState, factory_parts
 
 log = logging.getLogger("bootstrap.serve")
 BackendFactory = Callable[[Any], Any]
@@ -32,9 +32,7 @@ def load_backend_factory(spec: str | None) -> BackendFactory:
         from bootstrap.api import default_backend
 
         return default_backend
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ConfigError(f"backend_factory: expected 'module:callable', got {spec!r}")
+    module_name, attr = factory_parts(spec)
     factory = getattr(importlib.import_module(module_name), attr, None)
     if not callable(factory):
         raise ConfigError(f"backend_factory: {module_name} has no callable {attr!r} (got {spec!r})")

@@ -8,16 +8,20 @@ client sees one shape for a bad body (400), an unknown model (404), a missing or
 
 from __future__ import annotations
 
+import reprlib
+from itertools import islice
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
          405: "invalid_request_error", 409: "invalid_request_error",
          413: "invalid_request_error", 503: "service_unavailable"}  # fmt: skip
+MAX_DESCRIBED = 8  # bad fields named in one message; the rest are counted
 
 
 class APIError(Exception):
@@ -41,11 +45,13 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-def describe_validation(exc: RequestValidationError) -> APIError:
-    """One line per bad field: its dotted path, what is allowed, and what was sent."""
+def describe_validation(exc: RequestValidationError | ValidationError) -> APIError:
+    """One line per bad field (the first ``MAX_DESCRIBED``): its dotted path, what is allowed,
+    and an excerpt of what was sent."""
     lines: list[str] = []
     params: list[str | None] = []
-    for err in exc.errors():
+    errors = exc.errors(include_url=False) if isinstance(exc, ValidationError) else exc.errors()
+    for err in errors[:MAX_DESCRIBED]:
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         field = ".".join(loc) or "body"
         message = str(err.get("msg", "invalid")).removeprefix("Value error, ")
@@ -58,11 +64,34 @@ def describe_validation(exc: RequestValidationError) -> APIError:
             lines.append(f"{field}: required")
         else:
             lines.append(f"{field}: {message} (got {_short(err.get('input'))})")
+    if len(errors) > MAX_DESCRIBED:
+        lines.append(f"and {len(errors) - MAX_DESCRIBED} more")
     return bad_request("; ".join(lines), param=params[0] if len(params) == 1 else None)
 
 
+class _Excerpt(reprlib.Repr):
+    """``reprlib`` with small limits, and dicts in their own order: ``reprlib`` sorts all keys first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxlist, self.maxtuple, self.maxdict = 3, 8, 8, 8
+        self.maxstring = self.maxlong = self.maxother = 80
+
+    def repr_dict(self, x: dict, level: int) -> str:
+        if not x:
+            return "{}"
+        if level <= 0:
+            return "{...}"
+        items = [f"{self.repr1(k, level - 1)}: {self.repr1(v, level - 1)}" for k, v in islice(x.items(), self.maxdict)]
+        return "{" + ", ".join(items) + (", ..." if len(x) > self.maxdict else "") + "}"
+
+
+_EXCERPT = _Excerpt()
+
+
 def _short(value: Any) -> str:
-    text = repr(value)
+    """A bounded ``repr``: a value of millions of items costs no more than a few of them."""
+    text = _EXCERPT.repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 

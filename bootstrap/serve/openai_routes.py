@@ -2,7 +2,8 @@
 
 Before the executor is ready every one of them answers 503 with ``Retry-After``. A client that
 disconnects, or a handler that is cancelled, cancels its request in the executor (``Job``).
-Prompts are tokenized on a worker thread (``openai_prompts``): the event loop only awaits.
+Bodies are parsed and checked (``request_body``) and prompts tokenized (``openai_prompts``) on a
+worker thread: the event loop only awaits.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from bootstrap.serve.openai_prompts import (
     token_limit,
 )
 from bootstrap.serve.render import Render, collect, stream_body
+from bootstrap.serve.request_body import parsed
 from bootstrap.serve.state import ServeState
 
 RETRY_AFTER_S = {"starting": 1, "bootstrapping": 1, "failed": 5, "shutting_down": 5}
@@ -63,14 +65,16 @@ async def list_models(request: Request) -> s.ModelList:
 
 
 @router.post("/completions", response_model=None)
-async def completions(body: s.CompletionRequest, request: Request) -> Response:
+async def completions(request: Request) -> Response:
+    body = await parsed(request, s.CompletionRequest)
     executor, max_seq_len = serving_executor(request, body.model), request.app.state.serve.max_seq_len
     ids = await completion_prompt_ids(executor.tokenizer, body.prompt, max_seq_len)
     return await answer(request, body, ids, Render("completion", body.model))
 
 
 @router.post("/chat/completions", response_model=None)
-async def chat_completions(body: s.ChatCompletionRequest, request: Request) -> Response:
+async def chat_completions(request: Request) -> Response:
+    body = await parsed(request, s.ChatCompletionRequest)
     executor, max_seq_len = serving_executor(request, body.model), request.app.state.serve.max_seq_len
     ids = await chat_prompt_ids(executor.tokenizer, body.messages, max_seq_len)
     return await answer(request, body, ids, Render("chat", body.model))

@@ -2,32 +2,60 @@
 
 Requests forbid fields they do not know, so a parameter this server does not implement is a
 400 naming it rather than silently ignored. Ranges follow OpenAI's API reference.
+
+Every list is bounded (``MAX_ITEMS``) and stops at its first bad item: pydantic checks a list of
+numbers or texts in one call that the event loop waits out, and reports every bad item
+(issue 20: a body of millions of items held ``/health`` seconds). A bound is checked on the
+list's length, before any item.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from itertools import islice
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_SEED = 2**63 - 1
 MAX_STOPS = 4
+MAX_ITEMS = 2**17  # items of any list in a request: as many token ids as a 128k context holds
+
+
+def _items(item: Any, limit: int = MAX_ITEMS) -> Any:
+    return Annotated[list[item], Field(max_length=limit, fail_fast=True)]
+
+
+TokenIds = _items(int)
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _not_too_many_fields(cls, data: Any) -> Any:
+        """An object with more fields than the model has is refused in one line, not one per
+        unknown field (a body can carry a million)."""
+        if isinstance(data, dict) and len(data) > len(cls.model_fields):
+            unknown = list(islice((k for k in data if k not in cls.model_fields), 3))
+            raise ValueError(f"{len(data)} fields sent, {len(cls.model_fields)} exist; unknown: {unknown}")
+        return data
+
     @field_validator("*")
     @classmethod
     def _encodable(cls, value: object) -> object:
-        """Text a tokenizer can take: a lone surrogate (valid in JSON as ``\\ud800``) is not
-        UTF-8, so every string of every request field, in lists too, is refused naming its field."""
-        for text in _strings(value):
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise ValueError(f"must be text UTF-8 can encode (a lone surrogate at character {exc.start})") from None
-        return value
+        return encodable(value)
+
+
+def encodable(value: object) -> object:
+    """Text a tokenizer can take: a lone surrogate (valid in JSON as ``\\ud800``) is not UTF-8,
+    so every string of every request field, in lists too, is refused naming its field."""
+    for text in _strings(value):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"must be text UTF-8 can encode (a lone surrogate at character {exc.start})") from None
+    return value
 
 
 def _strings(value: object) -> list[str]:
@@ -51,7 +79,7 @@ class _Sampling(_Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = 1
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    stop: str | list[str] | None = None
+    stop: str | _items(str) | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -63,6 +91,13 @@ class _Sampling(_Strict):
     def _one_choice(cls, value: int) -> int:
         if value != 1:
             raise ValueError("only n=1 is supported; send one request per completion")
+        return value
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _few_stops(cls, value: Any) -> Any:
+        if isinstance(value, list) and len(value) > MAX_STOPS:  # before checking millions of them
+            raise ValueError(f"at most {MAX_STOPS} non-empty stop strings")
         return value
 
     @field_validator("stop")
@@ -90,12 +125,22 @@ class _Sampling(_Strict):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]] = Field(description="text or token ids; one prompt")
+    prompt: str | TokenIds | _items(str) | _items(TokenIds) = Field(description="text or token ids; one prompt")
     max_tokens: int | None = Field(16, ge=1, description="tokens to generate (OpenAI's default: 16)")
     echo: Literal[False] = False
     logprobs: None = None
     best_of: Literal[1] | None = None
     suffix: None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        """A list of texts or of id lists holds one prompt: more are refused before checking them."""
+        if isinstance(value, list) and len(value) > 1 and isinstance(value[0], str | list):
+            if len(value) <= MAX_ITEMS:
+                encodable(value)  # a lone surrogate is named first, as in any other text field
+            raise ValueError(f"{len(value)} prompts sent; one prompt per request is supported")
+        return value
 
 
 class TextPart(_Strict):
@@ -105,7 +150,7 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | _items(TextPart) | None = None
     name: str | None = None
 
     def text(self) -> str:
@@ -115,7 +160,7 @@ class ChatMessage(_Strict):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_ITEMS, fail_fast=True)
     max_completion_tokens: int | None = Field(None, ge=1, description="same as max_tokens, which it overrides")
     logprobs: Literal[False] | None = None
 

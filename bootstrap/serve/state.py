@@ -37,6 +37,17 @@ class ServeOptions:
     def __post_init__(self) -> None:
         if self.api_key is not None:
             object.__setattr__(self, "api_key", clean_api_key(self.api_key))
+        if self.backend_factory is not None:
+            factory_parts(self.backend_factory)
+
+
+def factory_parts(spec: str) -> tuple[str, str]:
+    """``module:callable`` split in two; ``ConfigError`` for any other shape (checked before the
+    port opens, so a typo is exit 2 at once, not a failed bootstrap)."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name.strip() or not attr.strip():
+        raise ConfigError(f"backend_factory: expected 'module:callable', got {spec!r}")
+    return module_name, attr
 
 
 def clean_api_key(key: str) -> str:
