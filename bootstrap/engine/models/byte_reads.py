@@ -159,7 +159,7 @@ def _pread_into(fd: int, file: Path, offset: int, target: torch.Tensor) -> None:
     done = 0
     while done < len(view):
         got = os.preadv(fd, [view[done:]], offset + done)
-        if got == 0:
-            raise ValueError(f"{file}: ends at byte {offset + done}, its header places a tensor up to byte "
+        if got == 0:  # the file's size, not this read's offset: a piece may start past the end
+            raise ValueError(f"{file}: ends at byte {os.fstat(fd).st_size}, its header places a tensor up to byte "
                              f"{offset + len(view)}")  # fmt: skip
         done += got
