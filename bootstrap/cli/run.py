@@ -125,27 +125,28 @@ async def run_command(args: argparse.Namespace, config: BootstrapConfig, backend
                      process=args.process)  # fmt: skip
     progress = None if args.json or quiet else plain_console(stderr=True)
     result: dict[str, Any] = {"text": "", "token_ids": []}
-    try:
-        executor, failure = await _build(boot, progress, stops)
-        if failure is not None:
-            return {**result, **boot.report().to_dict(), "error": failure_paragraph(failure)}, failure
-        report = boot.report()
-        result["ready_after_spawn_s"] = round((time.time_ns() - args.process.spawn_ns) / 1e9, 3)
+    with engine_log_lines(quiet):  # the engine's warnings until it is released: one line each, none on quiet ranks
         try:
-            with boot.phase("answer"), engine_log_lines(quiet):
-                if progress is not None:
-                    # quiet ranks have no progress either
-                    print_ready(report, plain_console(), result["ready_after_spawn_s"])
-                answer = await until_stopped(lambda: generate(args, require_requests(executor), report.plan["max_seq_len"]),
-                                             lambda: "shutting the executor down", *stops)  # fmt: skip
-            result.update(answer)
-        except BAD_INPUT_ERRORS as exc:
-            return {**result, **report.to_dict(), "error": str(exc)}, exc
-        except Exception as exc:  # noqa: BLE001 - after ready, a failure is one paragraph (exit 1), never a traceback
-            return {**result, **report.to_dict(), "error": answer_failed(exc)}, exc
-        return {**result, **report.to_dict(), "error": None}, None
-    finally:
-        await boot.aclose()
+            executor, failure = await _build(boot, progress, stops)
+            if failure is not None:
+                return {**result, **boot.report().to_dict(), "error": failure_paragraph(failure)}, failure
+            report = boot.report()
+            result["ready_after_spawn_s"] = round((time.time_ns() - args.process.spawn_ns) / 1e9, 3)
+            try:
+                with boot.phase("answer"):
+                    if progress is not None:
+                        # quiet ranks have no progress either
+                        print_ready(report, plain_console(), result["ready_after_spawn_s"])
+                    answer = await until_stopped(lambda: generate(args, require_requests(executor), report.plan["max_seq_len"]),
+                                                 lambda: "shutting the executor down", *stops)  # fmt: skip
+                result.update(answer)
+            except BAD_INPUT_ERRORS as exc:
+                return {**result, **report.to_dict(), "error": str(exc)}, exc
+            except Exception as exc:  # noqa: BLE001 - after ready, a failure is one paragraph (exit 1), never a traceback
+                return {**result, **report.to_dict(), "error": answer_failed(exc)}, exc
+            return {**result, **report.to_dict(), "error": None}, None
+        finally:
+            await boot.aclose()
 
 
 class OneLine(logging.Formatter):
@@ -155,9 +156,9 @@ class OneLine(logging.Formatter):
 
 @contextlib.contextmanager
 def engine_log_lines(quiet: bool) -> Any:
-    """The engine's warnings during the answer, one line each on stderr (none on a quiet rank): a
-    failed step logs its exception, which the error paragraph reports; unconfigured, logging
-    would print its traceback too."""
+    """The engine's warnings during the answer and the release, one line each on stderr (none on a
+    quiet rank): a failed step logs its exception, which the error paragraph reports; unconfigured,
+    logging would print its traceback too (a rank still stepping when the other was stopped)."""
     logger = logging.getLogger("bootstrap.engine")
     handler = logging.NullHandler() if quiet else logging.StreamHandler(sys.stderr)
     handler.setLevel(logging.WARNING)
