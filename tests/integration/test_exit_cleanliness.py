@@ -162,7 +162,9 @@ def test_run_leaves_nothing_and_exits_with_the_table_s_status(tp, ending, models
     elif ending in SIGNALS:
         name = "interrupted" if ending == "sigint" else f"stopped by {SIGNALS[ending][0].name}"
         assert lines[-1] == f"bootstrap: {name}; completed stages were rolled back"
-        assert len(lines) == 2  # the stop acknowledged, then the end: rank 1 said nothing
+        # before it, at most the acknowledgement of a stop that landed inside a window (one held
+        # until the next window has none); nothing from rank 1
+        assert len(lines) in (1, 2) and all(line.startswith(f"bootstrap: {name}: ") for line in lines[:-1]), lines
 
 
 def test_a_killed_rank_ends_the_launch_and_is_named(models, tmp_path):
