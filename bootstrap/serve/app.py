@@ -26,6 +26,7 @@ from bootstrap.serve.auth import OPEN, APIKeyMiddleware
 from bootstrap.serve.body_limit import BodyLimitMiddleware
 from bootstrap.serve.errors import install_handlers
 from bootstrap.serve.metrics import ServeMetrics
+from bootstrap.serve.request_body import document_bodies
 from bootstrap.serve.state import ServeState
 
 log = logging.getLogger("bootstrap.serve")
@@ -41,6 +42,7 @@ def create_app(state: ServeState, on_fatal: Callable[[], None] = lambda: None) -
     install_handlers(app)
     app.include_router(bootstrap_routes.router)
     app.include_router(openai_routes.router)
+    document_bodies(app)
     if state.options.api_key is not None:
         app.add_middleware(APIKeyMiddleware, key=state.options.api_key)
         log.info("bootstrap serve: an API key is required ('Authorization: Bearer <key>') on every route "

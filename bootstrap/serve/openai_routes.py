@@ -26,7 +26,7 @@ from bootstrap.serve.openai_prompts import (
     token_limit,
 )
 from bootstrap.serve.render import Render, collect, stream_body
-from bootstrap.serve.request_body import parsed
+from bootstrap.serve.request_body import body_of, parsed
 from bootstrap.serve.state import ServeState
 
 RETRY_AFTER_S = {"starting": 1, "bootstrapping": 1, "failed": 5, "shutting_down": 5}
@@ -64,7 +64,7 @@ async def list_models(request: Request) -> s.ModelList:
     return s.ModelList(data=[s.Model(id=state.options.model_id, created=created, max_model_len=state.max_seq_len)])
 
 
-@router.post("/completions", response_model=None)
+@router.post("/completions", response_model=None, openapi_extra=body_of(s.CompletionRequest))
 async def completions(request: Request) -> Response:
     body = await parsed(request, s.CompletionRequest)
     executor, max_seq_len = serving_executor(request, body.model), request.app.state.serve.max_seq_len
@@ -72,7 +72,7 @@ async def completions(request: Request) -> Response:
     return await answer(request, body, ids, Render("completion", body.model))
 
 
-@router.post("/chat/completions", response_model=None)
+@router.post("/chat/completions", response_model=None, openapi_extra=body_of(s.ChatCompletionRequest))
 async def chat_completions(request: Request) -> Response:
     body = await parsed(request, s.ChatCompletionRequest)
     executor, max_seq_len = serving_executor(request, body.model), request.app.state.serve.max_seq_len

@@ -13,19 +13,45 @@ Lists are bounded in ``schemas`` too, and an error shows a bounded excerpt (``er
 from __future__ import annotations
 
 import json
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
-from fastapi import Request
+from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError
 
 from bootstrap.serve.errors import bad_request, describe_validation
-from bootstrap.serve.schemas import MAX_ITEMS
+from bootstrap.serve.schemas import MAX_ITEMS, ChatCompletionRequest, CompletionRequest
 
 M = TypeVar("M", bound=BaseModel)
 MAX_VALUES = MAX_ITEMS + 2**10  # commas outside texts: token ids for a 128k context, and the other fields
 MAX_KEYS = 2**15  # colons outside texts: the fields of every object
 MAX_CONTAINERS = 2**13  # objects and arrays: messages and their content parts
+
+
+DOCUMENTED: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest)
+
+
+def body_of(model: type[BaseModel]) -> dict[str, Any]:
+    """The ``openapi_extra`` of a route that reads its own body: ``model`` as its JSON body."""
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def document_bodies(app: FastAPI) -> None:
+    """Put the request models of the routes that read their own body (``body_of``) back into
+    ``/openapi.json`` and ``/docs``: FastAPI lists only the models it parses itself."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            components = build().setdefault("components", {}).setdefault("schemas", {})
+            for model in DOCUMENTED:
+                schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(schema.pop("$defs", {}))
+                components[model.__name__] = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 async def parsed(request: Request, model: type[M]) -> M:

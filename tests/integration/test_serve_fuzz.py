@@ -381,3 +381,23 @@ def test_the_heaviest_body_still_parsed_keeps_health_fast(served, kind):
     check_answer(route, response, kind)
     assert "too_many_values" not in response.text, (kind, response.text[:300])
     assert health < HEALTH_BUDGET_S, f"/health took {health * 1000:.0f} ms during {kind} ({len(raw)} bytes)"
+
+
+def test_the_generation_routes_still_document_their_body():
+    """The routes read their own body (``request_body``), so FastAPI no longer lists the models:
+    ``document_bodies`` puts them back, and every ``$ref`` in ``/openapi.json`` resolves."""
+    from fastapi.testclient import TestClient
+
+    from bootstrap.config import BootstrapConfig
+    from bootstrap.serve.app import create_app
+    from bootstrap.serve.state import ServeOptions, ServeState
+
+    doc = TestClient(create_app(ServeState(BootstrapConfig(model="m"), ServeOptions(model_id="m")))).get("/openapi.json").json()
+    components = doc["components"]["schemas"]
+    for path, model in (("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatCompletionRequest")):
+        body = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/{model}"}
+    assert {"prompt", "max_tokens", "temperature"} <= set(components["CompletionRequest"]["properties"])
+    assert "messages" in components["ChatCompletionRequest"]["properties"]
+    refs = set(re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', json.dumps(doc)))
+    assert refs and refs <= set(components), refs - set(components)
