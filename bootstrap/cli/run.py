@@ -26,7 +26,7 @@ from rich.text import Text
 from bootstrap.api import require_engine
 from bootstrap.backends.base import RequestExecutor, require_requests
 from bootstrap.cli.args import add_build_args, add_config_args, check_kv_tokens, check_run_values, config_from_args
-from bootstrap.cli.exits import BAD_INPUT, BAD_INPUT_ERRORS, INTERRUPTED, OK, STAGE_FAILED, exit_status
+from bootstrap.cli.exits import BAD_INPUT, BAD_INPUT_ERRORS, INTERRUPTED, exit_status
 from bootstrap.cli.plan import plan_line
 from bootstrap.cli.stops import HeldStops, Stopped, held_stops, stop_name, until_stopped
 from bootstrap.cli.tp import (
@@ -99,10 +99,9 @@ def _main_run(args: argparse.Namespace, held: HeldStops) -> int:
         return _ended_early(args, f"{stop_name(exc.signum)}; completed stages were rolled back", exc.status)
     except KeyboardInterrupt:
         return _ended_early(args, "interrupted; completed stages were rolled back", INTERRUPTED)
-    if rank_of(args) > 0:
-        return OK if error is None else STAGE_FAILED
-    emit(result, args.json)
-    return exit_status(error)
+    if rank_of(args) == 0:
+        emit(result, args.json)
+    return exit_status(error)  # the same on every rank: the launcher may see rank 1's first
 
 
 def _ended_early(args: argparse.Namespace, message: str, status: int) -> int:

@@ -9,13 +9,15 @@
   held and the report is the run's own: torch's launcher stops the other ranks the moment one
   ends with an error, and that must not cut rank 0's report short.
 
-``held_stops`` holds SIGTERM and SIGHUP for a command's whole main thread. While a window is open
-the event loop's receiver has them instead; when it closes, asyncio puts back the default action
-and the hold is installed again in the same step (a window of a few bytecodes).
+``held_stops`` installs the one handler SIGTERM and SIGHUP have for a command's whole main
+thread: it notes the signal, and while a window is open it also wakes the event loop
+(``call_soon_threadsafe``, as asyncio's own Ctrl-C handler does) to cancel the work. The loop's
+receiver takes only SIGINT, so there is never a moment where SIGTERM has its default action.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import sys
@@ -45,13 +47,17 @@ class Stopped(KeyboardInterrupt):
 
 
 class HeldStops:
-    """SIGTERM and SIGHUP noted instead of acted on; ``raise_if_heard`` acts on the first."""
+    """SIGTERM and SIGHUP noted instead of acted on; ``raise_if_heard`` acts on the first, and
+    ``wake`` (set while a window is open) is called with each one as it arrives."""
 
     def __init__(self) -> None:
         self.heard: list[int] = []
+        self.wake: Callable[[int], None] | None = None
 
     def note(self, signum: int, frame: object) -> None:
         self.heard.append(signum)
+        if self.wake is not None:
+            self.wake(signum)
 
     def install(self) -> None:
         for sig in HELD_SIGNALS:
@@ -94,32 +100,40 @@ async def until_stopped(work: Callable[[], Awaitable[T]], doing: Callable[[], st
     held.raise_if_heard()
     if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
         return await work()
+    if held is NOT_HELD:
+        with held_stops() as own:
+            return await until_stopped(work, doing, own, speak)
     heard: list[int] = []
     finished: list[T] = []
     raised: list[Exception] = []
 
-    async def watch(scope: anyio.CancelScope, *, task_status: TaskStatus[None]) -> None:
-        try:
-            with anyio.open_signal_receiver(*STOP_SIGNALS) as signals:
+    async with anyio.create_task_group() as tg:
+
+        def stop(signum: int) -> None:
+            if not (heard or finished or raised):  # the first stop, while the work still runs
+                heard.append(signum)
+                if speak:
+                    print(f"bootstrap: {stop_name(signum)}: {doing()} ...", file=sys.stderr, flush=True)
+                tg.cancel_scope.cancel()
+
+        async def watch(*, task_status: TaskStatus[None]) -> None:
+            with anyio.open_signal_receiver(signal.SIGINT) as signals:  # SIGINT through the loop's own receiver
                 task_status.started()
                 async for signum in signals:
-                    heard.append(signum)
-                    break
-            if speak:
-                print(f"bootstrap: {stop_name(heard[0])}: {doing()} ...", file=sys.stderr, flush=True)
-            scope.cancel()
-        finally:
-            if held is not NOT_HELD:
-                held.install()  # the receiver just put back the default action
+                    stop(signum)
 
-    async with anyio.create_task_group() as tg:
-        await tg.start(watch, tg.cancel_scope)  # the receiver is open before the work starts
-        heard.extend(held.heard[:1])  # noted while it opened
+        await tg.start(watch)  # the receiver is open before the work starts
+        loop = asyncio.get_running_loop()
+        held.wake = lambda signum: loop.call_soon_threadsafe(stop, signum)
         try:
-            if not heard:
+            if held.heard:  # noted while the receiver opened
+                stop(held.heard[0])
+            else:
                 finished.append(await work())
         except Exception as exc:  # noqa: BLE001 - carried out of the task group as itself, not in a group
             raised.append(exc)
+        finally:
+            held.wake = None
         tg.cancel_scope.cancel()
     if heard:
         raise Stopped(heard[0])

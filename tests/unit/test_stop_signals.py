@@ -70,3 +70,17 @@ def test_a_quiet_rank_says_nothing_when_stopped(capsys):
     with held_stops() as held, pytest.raises(Stopped):
         anyio.run(until_stopped, work, lambda: "", held, False)
     assert capsys.readouterr().err == ""
+
+
+def test_sigterm_keeps_the_held_handler_inside_a_window_too():
+    """The loop's receiver takes SIGINT only: SIGTERM is never left at its default action, not
+    even for the moment a window opens or closes (asyncio's receiver resets it to SIG_DFL)."""
+    seen = []
+
+    async def work() -> None:
+        seen.append(signal.getsignal(signal.SIGTERM))
+
+    with held_stops() as held:
+        anyio.run(until_stopped, work, lambda: "", held)
+        seen.append(signal.getsignal(signal.SIGTERM))
+    assert seen == [held.note, held.note]
