@@ -27,6 +27,7 @@ import threading
 from collections.abc import Callable
 
 from bootstrap.engine.inbox import Inbox
+from bootstrap.engine.logits_processing import History, TokenLogprob
 from bootstrap.engine.model_runner import ModelRunner
 from bootstrap.engine.requests import RequestTable
 from bootstrap.engine.responses import ResponseWriter
@@ -173,22 +174,27 @@ class EngineLoop:
     def _run(self, batch: ScheduledBatch, fail: bool) -> bool:
         """Run one batch; on an exception fail its requests if ``fail``, and return False."""
         try:
-            tokens = self._forward_and_sample(batch)
+            tokens, logprobs = self._forward_and_sample(batch)
         except Exception as exc:
             if fail:
                 log.exception("step of %d requests failed", len(batch.seqs))
                 self.responses.fail(batch.seqs, exc)
             return False
-        self.responses.record(batch, tokens)
+        self.responses.record(batch, tokens, logprobs)
         return True
 
-    def _forward_and_sample(self, batch: ScheduledBatch) -> list[int]:
+    def _forward_and_sample(self, batch: ScheduledBatch) -> tuple[list[int], list[TokenLogprob | None]]:
+        """Run the model, then sample the requests that sample now: their tokens and logprobs."""
         logits = self.runner.run(batch)
         sampling = [s for s, samples in zip(batch.seqs, batch.samples()) if samples]
         if not sampling:
-            return []
+            return [], []
         params = [s.params for s in sampling]
-        return self.sampler.sample(logits, params, [s.generator for s in sampling]).tolist()
+        histories = [History(s.token_ids, s.num_prompt_tokens) for s in sampling]
+        sampled = self.sampler.sample_with_logprobs(
+            logits, params, [s.generator for s in sampling], histories, self.responses.eos_token_ids
+        )
+        return sampled.tokens.tolist(), sampled.logprobs
 
     # ---- teardown -----------------------------------------------------------------------------
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from collections.abc import Sequence as Seq
 
+from bootstrap.engine.logits_processing import TokenLogprob
 from bootstrap.engine.requests import Handle, RequestTable
 from bootstrap.engine.sampling import stop_reason, trim_stop_text
 from bootstrap.engine.scheduler import ScheduledBatch, Scheduler
@@ -29,15 +31,17 @@ class ResponseWriter:
         self.scheduler = scheduler
         self.eos_token_ids = eos_token_ids
 
-    def record(self, batch: ScheduledBatch, tokens: list[int]) -> None:
-        """After a step: advance every request of ``batch``, append each sampled token in order.
-        A request that fails here (a tokenizer error, say) gets an error; the others go on."""
+    def record(self, batch: ScheduledBatch, tokens: list[int], logprobs: Seq[TokenLogprob | None] | None = None) -> None:
+        """After a step: advance every request of ``batch``, append each sampled token (and its
+        logprobs, when asked) in order. A request that fails here (a tokenizer error, say) gets
+        an error; the others go on."""
         sampled = iter(tokens)
+        entries = iter(logprobs if logprobs is not None else [None] * len(tokens))
         for seq, count, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples()):
             seq.num_computed += count
             if samples:
                 try:
-                    self.append(self.handle_of(seq), next(sampled))
+                    self.append(self.handle_of(seq), next(sampled), next(entries))
                 except Exception as exc:
                     log.exception("request %d failed after its step", seq.request_id)
                     self.fail([seq], exc)
@@ -48,18 +52,21 @@ class ResponseWriter:
             raise RuntimeError(f"request {seq.request_id} runs but has no handle")
         return handle
 
-    def append(self, handle: Handle, token: int) -> None:
+    def append(self, handle: Handle, token: int, logprob: TokenLogprob | None = None) -> None:
         seq = handle.seq
         seq.append(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
         if handle.detokenizer is not None:
             handle.detokenizer.add(token)
         text = handle.detokenizer.text if handle.detokenizer is not None else ""
         reason = stop_reason(seq.output_token_ids, text, seq.params, self.eos_token_ids)
         if reason is None:
-            self.requests.publish(handle, StreamEvent(token, _release_text(handle, text, final=False)))
+            event = StreamEvent(token, _release_text(handle, text, final=False), **_logprob_fields(logprob))
+            self.requests.publish(handle, event)
             return
         self.scheduler.finish(seq)
-        self.complete(handle, reason, token=token)
+        self.complete(handle, reason, token=token, logprob=logprob)
 
     def fail(self, seqs: Iterable[Sequence], exc: BaseException) -> None:
         for seq in seqs:
@@ -68,7 +75,8 @@ class ResponseWriter:
             if handle is not None and not handle.finished:
                 self.complete(handle, "error", f"{type(exc).__name__}: {exc}")
 
-    def complete(self, handle: Handle, reason: str, error: str | None = None, token: int | None = None) -> None:
+    def complete(self, handle: Handle, reason: str, error: str | None = None, token: int | None = None,
+                 logprob: TokenLogprob | None = None) -> None:  # fmt: skip
         seq = handle.seq
         full = ""
         if handle.detokenizer is not None:
@@ -81,10 +89,16 @@ class ResponseWriter:
         seq.finish(reason, error)
         delta = _release_text(handle, full, final=True)
         text = trim_stop_text(full, seq.params)
+        logprobs = list(seq.logprobs) if seq.params.logprobs is not None else None
         response = Response(
-            seq.request_id, seq.prompt_token_ids, seq.output_token_ids, text, reason, error, seq.is_warmup
+            seq.request_id, seq.prompt_token_ids, seq.output_token_ids, text, reason, error, seq.is_warmup, logprobs
         )
-        self.requests.publish(handle, StreamEvent(token, delta, reason, error), response)
+        self.requests.publish(handle, StreamEvent(token, delta, reason, error, **_logprob_fields(logprob)), response)
+
+
+def _logprob_fields(entry: TokenLogprob | None) -> dict:
+    """The stream event's logprob fields for one token's ``TokenLogprob`` (empty when not asked)."""
+    return {} if entry is None else {"logprob": entry.logprob, "top_logprobs": entry.top}
 
 
 def _release_text(handle: Handle, text: str, final: bool) -> str:

@@ -6,6 +6,12 @@ remove a row's most likely token, so no row is ever left without a candidate), a
 with the exponential-race trick (``argmax(p / E)`` with ``E ~ Exp(1)``), which is an exact
 categorical draw. Each seeded request fills its own row of noise from its own
 ``torch.Generator``, so a seeded request gives the same tokens whatever else is in the batch.
+
+Before that, rows that use a penalty or have not reached their ``min_tokens`` get their logits
+changed (``bootstrap.engine.logits_processing``; greedy rows too, so a penalty can change the
+argmax), and ``min_p`` drops, after temperature, what is less likely than ``min_p`` times the
+row's most likely token. A batch with none of these pays nothing for them.
+``sample_with_logprobs`` adds, for the rows that ask, the logprobs of the raw model logits.
 """
 
 from __future__ import annotations
@@ -17,7 +23,10 @@ from typing import NoReturn
 
 import torch
 
+from bootstrap.engine.logits_processing import History, TokenLogprob, needs_processing, process, token_logprobs
+
 MAX_SEED = 2**63 - 1
+MAX_LOGPROBS = 20
 
 
 def _fail(name: str, allowed: str, value: object) -> NoReturn:
@@ -26,6 +35,10 @@ def _fail(name: str, allowed: str, value: object) -> NoReturn:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
 
 
 def _as_tuple(name: str, value: object) -> tuple:
@@ -46,6 +59,10 @@ class SamplingParams:
     ``stop_token_ids`` and ``stop`` (strings) end the request with reason ``"stop"``, as does
     an EOS token unless ``ignore_eos``. Lists given for the tuple fields are stored as tuples;
     a plain string for ``stop`` is one stop string (as in the OpenAI API), not its characters.
+
+    ``min_p == 0``, ``presence_penalty == frequency_penalty == 0`` and ``repetition_penalty == 1``
+    are off. ``min_tokens``: no stop (token, EOS or string) before that many tokens. ``logprobs``:
+    None, or how many top alternatives to return with each generated token's logprob.
     """
 
     max_tokens: int = 16
@@ -56,12 +73,19 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", _as_tuple("stop_token_ids", self.stop_token_ids))
         object.__setattr__(self, "stop", _as_tuple("stop", self.stop))
         self._check_numbers()
         self._check_stops()
+        self._check_surface()
 
     def _check_numbers(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -85,6 +109,21 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             _fail("ignore_eos", "a bool", self.ignore_eos)
 
+    def _check_surface(self) -> None:
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            _fail("min_p", "a number in [0, 1] (0 = off)", self.min_p)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                _fail(name, "a number in [-2, 2] (0 = off)", value)
+        r = self.repetition_penalty
+        if not _is_number(r) or not math.isfinite(r) or r <= 0:
+            _fail("repetition_penalty", "a finite number > 0 (1 = off)", r)
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            _fail("min_tokens", f"an integer in [0, max_tokens={self.max_tokens}]", self.min_tokens)
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            _fail("logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
+
     @property
     def greedy(self) -> bool:
         """True when the request takes the most likely token every step."""
@@ -98,6 +137,14 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator | 
     return torch.Generator(device=torch.device(device)).manual_seed(seed)
 
 
+@dataclass(frozen=True)
+class Sampled:
+    """A step's tokens ``[B]`` and, per row, its ``TokenLogprob`` (None where not asked)."""
+
+    tokens: torch.Tensor
+    logprobs: list[TokenLogprob | None]
+
+
 class Sampler:
     """Turns a batch of logits into one token id per row, each row by its own parameters."""
 
@@ -109,9 +156,14 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        histories: Sequence[History] | None = None,
+        eos_token_ids: set[int] | frozenset[int] = frozenset(),
     ) -> torch.Tensor:
-        """Token ids ``[B]`` (long) for ``logits [B, V]``; one params and generator per row."""
+        """Token ids ``[B]`` (long) for ``logits [B, V]``; one params and generator per row, and
+        one ``History`` per row when a row uses penalties or ``min_tokens`` (``eos_token_ids``
+        are what ``min_tokens`` holds back)."""
         self._check_batch(logits, params, generators)
+        logits = self._processed(logits, params, histories, eos_token_ids)
         tokens = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
@@ -123,6 +175,41 @@ class Sampler:
             )
             tokens = tokens.index_copy(0, index, drawn)
         return tokens.long()
+
+    def sample_with_logprobs(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        histories: Sequence[History] | None = None,
+        eos_token_ids: set[int] | frozenset[int] = frozenset(),
+    ) -> Sampled:
+        """``sample``, plus each asking row's logprobs under the raw ``logits`` (the model's own
+        distribution: before temperature, penalties and filters)."""
+        tokens = self.sample(logits, params, generators, histories, eos_token_ids)
+        return Sampled(tokens, token_logprobs(logits, tokens, params))
+
+    @staticmethod
+    def _processed(
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        histories: Sequence[History] | None,
+        eos_token_ids: set[int] | frozenset[int],
+    ) -> torch.Tensor:
+        """``logits`` with penalties and the ``min_tokens`` mask applied to the rows that need
+        them (as float32); the same tensor when no row does."""
+        if histories is not None and len(histories) != len(params):
+            raise ValueError(f"need one History per logits row: rows={len(params)}, histories={len(histories)}")
+        rows = [i for i, p in enumerate(params) if needs_processing(p, None if histories is None else histories[i])]
+        if not rows:
+            return logits
+        if histories is None:
+            raise ValueError("penalties and min_tokens need one History per logits row")
+        index = torch.tensor(rows, device=logits.device)
+        part = process(
+            logits.index_select(0, index).float(), [params[i] for i in rows], [histories[i] for i in rows], eos_token_ids
+        )
+        return logits.float().index_copy(0, index, part)
 
     @staticmethod
     def _check_batch(logits: torch.Tensor, params: Sequence, generators: Sequence) -> None:
@@ -145,6 +232,8 @@ class Sampler:
         # from the maximum: effectively greedy, as it should be.
         temps = self._column([p.temperature for p in params], logits).clamp_(min=torch.finfo(logits.dtype).tiny)
         logits = (logits - logits.amax(dim=-1, keepdim=True)) / temps
+        if any(p.min_p > 0 for p in params):
+            logits = self._min_p(logits, params)
         if any(p.top_k > 0 or p.top_p < 1 for p in params):
             logits = self._filter(logits, params)
         probs = torch.softmax(logits, dim=-1)
@@ -154,6 +243,14 @@ class Sampler:
     @staticmethod
     def _column(values: list, like: torch.Tensor) -> torch.Tensor:
         return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+
+    def _min_p(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """Mask (to -inf) what is less likely than ``min_p`` times the row's top probability.
+        ``logits`` have their row maximum at 0, so that is ``logit < log(min_p)``; the top
+        token (at 0) always stays."""
+        min_ps = self._column([p.min_p for p in params], logits)
+        below = (logits < min_ps.log()) & (logits < 0)
+        return logits.masked_fill(below, float("-inf"))
 
     def _filter(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
         """Mask (to -inf) what falls outside each row's top-k and top-p; the most likely token
@@ -187,8 +284,11 @@ def stop_reason(
     """Why a request with these generated tokens and text should finish, or None to go on.
 
     ``"stop"`` for a stop token, EOS (unless ``ignore_eos``) or a stop string anywhere in
-    ``text``; otherwise ``"length"`` once ``max_tokens`` tokens were generated.
+    ``text``, once at least ``min_tokens`` tokens were generated; otherwise ``"length"`` once
+    ``max_tokens`` tokens were generated.
     """
+    if len(token_ids) < params.min_tokens:
+        return None
     if token_ids:
         last = token_ids[-1]
         if last in params.stop_token_ids or (not params.ignore_eos and last in eos_token_ids):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bootstrap.engine.logits_processing import TokenLogprob
 from bootstrap.engine.sampling import SamplingParams
 
 _ids = itertools.count()
@@ -47,6 +48,7 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None
     text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, if asked
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -102,6 +104,7 @@ class Response:
     finish_reason: str
     error: str | None = None
     is_warmup: bool = False
+    logprobs: list[TokenLogprob] | None = None  # one per generated token when params.logprobs is set
 
     @property
     def ok(self) -> bool:
@@ -110,12 +113,16 @@ class Response:
 
 @dataclass(frozen=True)
 class StreamEvent:
-    """One streamed step: the new token and the text it completes; the last one has ``finish_reason``."""
+    """One streamed step: the new token and the text it completes; the last one has ``finish_reason``.
+    With ``params.logprobs`` set, ``logprob`` is the token's and ``top_logprobs`` the most likely
+    (token id, logprob) pairs, under the model's raw distribution."""
 
     token_id: int | None
     text: str
     finish_reason: str | None = None
     error: str | None = None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
     @property
     def finished(self) -> bool:
