@@ -82,5 +82,9 @@ def check_length(prompt_len: int, max_tokens: int | None, field: str, max_seq_le
 
 
 def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> Any:
+    """The engine's ``SamplingParams`` for ``body``; a refusal (``min_tokens`` over ``max_tokens``) is a 400."""
     return _answered(prompts.sampling_params, max_tokens, temperature=body.temperature, top_p=body.top_p,
-                     seed=body.seed, stop=body.stop_list)  # fmt: skip
+                     seed=body.seed, stop=body.stop_list, top_k=max(body.top_k, 0), min_p=body.min_p,
+                     presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                     repetition_penalty=body.repetition_penalty, stop_token_ids=tuple(body.stop_token_ids or ()),
+                     ignore_eos=body.ignore_eos, min_tokens=body.min_tokens)  # fmt: skip

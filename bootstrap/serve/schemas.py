@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_SEED = 2**63 - 1
 MAX_STOPS = 4
+MAX_STOP_IDS = 256
 MAX_ITEMS = 2**17  # items of any list in a request: as many token ids as a 128k context holds
 
 
@@ -83,8 +84,16 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's: minus this for a token generated before")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's: minus this times the token's count")
+    # the usual extensions (vLLM, SGLang, trtllm-serve)
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False,
+                                      description="a seen token's logit divided by it (positive) or times it (negative)")
+    top_k: int = Field(0, ge=-1, description="the k most likely tokens only; 0 or -1: off")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="tokens below min_p times the top token's probability dropped")
+    stop_token_ids: _items(Annotated[int, Field(ge=0)], MAX_STOP_IDS) | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, description="tokens before EOS, a stop token or a stop string may end it")
 
     @field_validator("n")
     @classmethod
@@ -106,13 +115,6 @@ class _Sampling(_Strict):
         stops = [value] if isinstance(value, str) else value or []
         if len(stops) > MAX_STOPS or any(not s for s in stops):
             raise ValueError(f"at most {MAX_STOPS} non-empty stop strings")
-        return value
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float) -> float:
-        if value != 0:
-            raise ValueError("penalties are not supported; allowed: 0")
         return value
 
     @property

@@ -202,8 +202,14 @@ SAMPLING = {
     "stream": st.booleans(),
     "stream_options": st.none() | st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
     "user": st.none() | TEXT,
-    "presence_penalty": st.sampled_from([0, 0.0, 0.5, -2]),
-    "frequency_penalty": st.sampled_from([0, 0.0, 0.5, -2]),
+    "presence_penalty": st.floats(-2, 2) | st.sampled_from([-2.01, 3, float("nan")]),
+    "frequency_penalty": st.floats(-2, 2) | st.sampled_from([-2.01, 3, float("inf")]),
+    "repetition_penalty": st.floats(0.5, 2) | st.sampled_from([0, -1, float("inf")]),
+    "top_k": st.integers(-1, 300) | st.sampled_from([-2, 10**30]),
+    "min_p": st.floats(0, 1) | st.sampled_from([-0.1, 1.5]),
+    "stop_token_ids": st.none() | st.lists(st.integers(-1, 300), max_size=4),
+    "ignore_eos": st.booleans(),
+    "min_tokens": st.integers(0, 4) | st.sampled_from([-1, 600]),
 }
 PART = st.fixed_dictionaries({"type": st.sampled_from(["text", "text", "image_url"]), "text": TEXT_OR_WORDS})
 MESSAGE = st.fixed_dictionaries(
