@@ -204,10 +204,16 @@ def printable(text: str) -> str:
     return text.encode("utf-8", "replace").decode("utf-8")
 
 
+MAX_OUTCOME = 24  # 'attempt_failed' and every outcome the stages write fit
+
+
 def _outcome(span: dict[str, Any]) -> str:
+    """The span's outcome; a damaged one (any JSON value) cut to ``MAX_OUTCOME`` characters, so it
+    cannot widen the table until the span labels are cut."""
     outcome = span["attributes"].get("bootstrap.outcome")
     if outcome:
-        return str(outcome)
+        text = str(outcome)
+        return text if len(text) <= MAX_OUTCOME else text[: MAX_OUTCOME - 1] + "…"
     return "failed" if span["status"] == "ERROR" else "ok"
 
 
