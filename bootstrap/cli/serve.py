@@ -38,12 +38,12 @@ from bootstrap.cli.args import (
     config_from_args,
 )
 from bootstrap.cli.exits import BAD_INPUT, BAD_INPUT_ERRORS, OK
+from bootstrap.cli.stops import STOP_SIGNALS
 from bootstrap.engine import triton_start
 
 ENV_API_KEY = "BOOTSTRAP_API_KEY"
 FORCE_AFTER_S = 10.0  # past the grace period: how long cancelled streams get to send their final chunk
 FORCE_CLOSE_S = 3.0  # after a second SIGINT: how long cut streams get to send their final chunk
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # a closed terminal (SIGHUP) stops it like SIGTERM
 THREAD_JOIN_S = 5.0
 
 log = logging.getLogger("bootstrap.serve")

@@ -29,7 +29,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 T = TypeVar("T")
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what stops run and serve (a closed terminal: SIGHUP)
 HELD_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 

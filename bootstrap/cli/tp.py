@@ -21,14 +21,14 @@ from typing import Any
 from bootstrap.capacity.config_json import shape_from_path
 from bootstrap.capacity.presets import preset_shape
 from bootstrap.capacity.shape import ModelShape, check_tp_split
-from bootstrap.cli.exits import BAD_INPUT, OK, STAGE_FAILED
+from bootstrap.cli.exits import BAD_INPUT, HUNG_UP, INTERRUPTED, OK, STAGE_FAILED, TERMINATED
 from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.parallel.rank_env import RankEnv
 from bootstrap.pipeline.process import ProcessTimeline
 
 # Statuses a rank ends with after it reported (or, on ranks > 0, after rank 0 reports the same
 # agreed failure): done, a stage failed, bad input, stopped by SIGINT / SIGTERM / SIGHUP.
-REPORTED = {OK, STAGE_FAILED, BAD_INPUT} | {128 + s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+REPORTED = {OK, STAGE_FAILED, BAD_INPUT, INTERRUPTED, TERMINATED, HUNG_UP}
 AGREED = {STAGE_FAILED, BAD_INPUT}  # every rank has the same failure, and rank 0 prints it
 
 

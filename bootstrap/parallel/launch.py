@@ -98,7 +98,10 @@ def _agent_scope() -> Iterator[None]:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         for key, value in environ.items():
-            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         for name, level in loggers.items():
             logging.getLogger(name).setLevel(level)
 

@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from bootstrap.engine.prompts import unencodable
+
 MAX_SEED = 2**63 - 1
 MAX_STOPS = 4
 MAX_STOP_IDS = 256
@@ -52,10 +54,9 @@ def encodable(value: object) -> object:
     """Text a tokenizer can take: a lone surrogate (valid in JSON as ``\\ud800``) is not UTF-8,
     so every string of every request field, in lists too, is refused naming its field."""
     for text in _strings(value):
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ValueError(f"must be text UTF-8 can encode (a lone surrogate at character {exc.start})") from None
+        problem = unencodable(text)
+        if problem is not None:
+            raise ValueError(problem)
     return value
 
 
@@ -113,7 +114,7 @@ class _Sampling(_Strict):
     @classmethod
     def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
         stops = [value] if isinstance(value, str) else value or []
-        if len(stops) > MAX_STOPS or any(not s for s in stops):
+        if any(not s for s in stops):  # more than MAX_STOPS: refused before (_few_stops)
             raise ValueError(f"at most {MAX_STOPS} non-empty stop strings")
         return value
 
