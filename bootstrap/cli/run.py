@@ -46,6 +46,7 @@ from bootstrap.pipeline.events import StageEvent
 from bootstrap.pipeline.report import stage_table
 
 DEFAULT_MAX_TOKENS = 64
+PEER_REFUSAL_S = 30.0  # how long a rank > 0 waits for rank 0's refusal to end it: torchrun's own grace for a stop
 DEFAULT_QUESTION = "What is the capital of France?"
 MARKS = {"done": ("done", "green"), "skipped": ("skipped", "cyan"), "failed": ("failed", "red"),
          "attempt_failed": ("attempt failed", "yellow"), "retrying": ("retrying", "yellow")}  # fmt: skip
@@ -80,13 +81,10 @@ def main_run(args: argparse.Namespace) -> int:
 def _main_run(args: argparse.Namespace, held: HeldStops) -> int:
     try:
         with args.process.phase("checks"):
-            config = config_from_args(args)
-            check_run_values(args)
-            check_kv_tokens(config)
-            check_rank_count(config)
-            require_engine()
-            if needs_launch(config):
-                check_tp_before_launch(config)
+            config = _checked_config(args)
+    except BAD_INPUT_ERRORS as exc:
+        return _refused(args, str(exc), held)
+    try:
         if not args.json and rank_of(args) == 0 and not getattr(args, "announced", False):
             announce(config, args)
         if needs_launch(config):
@@ -102,6 +100,32 @@ def _main_run(args: argparse.Namespace, held: HeldStops) -> int:
     if rank_of(args) == 0:
         emit(result, args.json)
     return exit_status(error)  # the same on every rank: the launcher may see rank 1's first
+
+
+def _checked_config(args: argparse.Namespace) -> BootstrapConfig:
+    """The config, refused before any work when a value is out of range; the same on every rank
+    (each has the same arguments and launcher environment)."""
+    config = config_from_args(args)
+    check_run_values(args)
+    check_kv_tokens(config)
+    check_rank_count(config)
+    require_engine()
+    if needs_launch(config):
+        check_tp_before_launch(config)
+    return config
+
+
+def _refused(args: argparse.Namespace, message: str, held: HeldStops) -> int:
+    """Bad input, found by the checks on every rank alike: rank 0 says so. A rank > 0 waits for
+    the launcher to stop it once rank 0 has ended: had it ended first, torch's launcher would
+    SIGTERM rank 0 at once, possibly before rank 0 can hold the signal or say anything."""
+    if rank_of(args) > 0:
+        try:
+            if held.wait(PEER_REFUSAL_S):
+                return Stopped(held.heard[0]).status
+        except KeyboardInterrupt:  # the launcher sends a Ctrl-C on: not held
+            return INTERRUPTED
+    return _ended_early(args, message, BAD_INPUT)
 
 
 def _ended_early(args: argparse.Namespace, message: str, status: int) -> int:

@@ -53,11 +53,17 @@ class HeldStops:
     def __init__(self) -> None:
         self.heard: list[int] = []
         self.wake: Callable[[int], None] | None = None
+        self._first = threading.Event()
 
     def note(self, signum: int, frame: object) -> None:
         self.heard.append(signum)
+        self._first.set()
         if self.wake is not None:
             self.wake(signum)
+
+    def wait(self, timeout: float) -> bool:
+        """Block (not spin) until a held stop arrives or ``timeout`` seconds pass; whether one came."""
+        return self._first.wait(timeout)
 
     def install(self) -> None:
         for sig in HELD_SIGNALS:

@@ -71,8 +71,15 @@ def test_the_start_line_is_printed_once_under_either_launcher(llama):
 
 
 @pytest.mark.skipif(not TORCHRUN, reason="torch ships torchrun; this environment has no console script for it")
-def test_torchrun_without_tp_is_refused_once_before_any_stage(llama):
-    done = torchrun(*RUN, "--model", str(llama))
+@pytest.mark.parametrize("late", [0, 3], ids=["together", "rank-0-starts-3s-late"])
+def test_torchrun_without_tp_is_refused_once_before_any_stage(llama, late, tmp_path):
+    # Rank 1 refuses first when rank 0 starts late (a loaded machine: CI met it); torchrun then
+    # SIGTERMs the rest at once, so rank 1 must wait for rank 0 to say it and end the run.
+    script = tmp_path / "late_rank_0.py"
+    script.write_text(f"import os, time\nif os.environ['RANK'] == '0':\n    time.sleep({late})\n"
+                      "from bootstrap.cli.main import entry\nentry()\n")  # fmt: skip
+    done = launched([TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()), str(script), *RUN,
+                     "--model", str(llama)])  # fmt: skip
     ours = [line for line in done.stderr.splitlines() if line.startswith("bootstrap: ")]
     assert ours == ["bootstrap: tensor_parallel_size: 1, but the launcher started 2 ranks (WORLD_SIZE 2); pass --tp 2"]
     assert "resolve_classes" not in done.stderr and done.returncode != 0  # torchrun's own status for failed ranks

@@ -84,3 +84,15 @@ def test_sigterm_keeps_the_held_handler_inside_a_window_too():
         anyio.run(until_stopped, work, lambda: "", held)
         seen.append(signal.getsignal(signal.SIGTERM))
     assert seen == [held.note, held.note]
+
+
+def test_wait_blocks_until_a_held_stop_arrives_from_another_thread():
+    import threading
+
+    with held_stops() as held:
+        assert held.wait(0.05) is False  # none came: the wait ends at its timeout
+        timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM))
+        timer.start()
+        assert held.wait(30) is True and held.heard == [signal.SIGTERM]
+        timer.join()
+        assert held.wait(0) is True  # a stop already heard ends any later wait at once
