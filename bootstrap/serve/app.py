@@ -86,7 +86,7 @@ async def drain_on_shutdown(state: ServeState) -> None:
 
 def cut_short(state: ServeState) -> int:
     """Cancel every request in flight in the executor now; how many. Each one's handler then ends
-    by itself (a stream with its ``cancelled`` chunk and ``[DONE]``), so nothing is torn down
+    by itself (a stream with its ``abort`` chunk and ``[DONE]``), so nothing is torn down
     mid-send: the grace period's end and a second SIGINT both use it."""
     left = list(state.inflight)
     for request_id in left:

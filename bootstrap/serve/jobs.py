@@ -16,6 +16,7 @@ from starlette.requests import Request
 
 from bootstrap.serve.errors import APIError
 from bootstrap.serve.metrics import ServeMetrics
+from bootstrap.serve.schemas import finish_reason
 from bootstrap.serve.state import ServeState
 
 CANCEL_WAIT_S = 10.0  # a cancel is taken at the executor's next step; this only bounds a stuck one
@@ -92,7 +93,7 @@ class Job:
             self.finish_reason = response.finish_reason  # "cancelled", or how it ended just before
 
     def _record(self) -> None:
-        reason = self.finish_reason or "cancelled"
+        reason = finish_reason(self.finish_reason or "cancelled")
         self.metrics.requests.labels(self.endpoint, reason).inc()
         self.metrics.prompt_tokens.inc(self.prompt_tokens)
         self.metrics.generated_tokens.inc(self.tokens)

@@ -87,4 +87,4 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens:
                      seed=body.seed, stop=body.stop_list, top_k=max(body.top_k, 0), min_p=body.min_p,
                      presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                      repetition_penalty=body.repetition_penalty, stop_token_ids=tuple(body.stop_token_ids or ()),
-                     ignore_eos=body.ignore_eos, min_tokens=body.min_tokens)  # fmt: skip
+                     ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, logprobs=body.engine_logprobs)  # fmt: skip

@@ -17,6 +17,7 @@ from starlette.background import BackgroundTask
 from bootstrap.serve import schemas as s
 from bootstrap.serve.errors import APIError
 from bootstrap.serve.jobs import Job, unless_disconnected
+from bootstrap.serve.logprobs import LogprobsOut
 from bootstrap.serve.metrics import ServeMetrics
 from bootstrap.serve.openai_prompts import (
     chat_prompt_ids,
@@ -69,7 +70,7 @@ async def completions(request: Request) -> Response:
     body = await parsed(request, s.CompletionRequest)
     executor, max_seq_len = serving_executor(request, body.model), request.app.state.serve.max_seq_len
     ids = await completion_prompt_ids(executor.tokenizer, body.prompt, max_seq_len)
-    return await answer(request, body, ids, Render("completion", body.model))
+    return await answer(request, body, ids, Render("completion", body.model, logprobs_out("completion", body, executor)))
 
 
 @router.post("/chat/completions", response_model=None, openapi_extra=body_of(s.ChatCompletionRequest))
@@ -77,7 +78,11 @@ async def chat_completions(request: Request) -> Response:
     body = await parsed(request, s.ChatCompletionRequest)
     executor, max_seq_len = serving_executor(request, body.model), request.app.state.serve.max_seq_len
     ids = await chat_prompt_ids(executor.tokenizer, body.messages, max_seq_len)
-    return await answer(request, body, ids, Render("chat", body.model))
+    return await answer(request, body, ids, Render("chat", body.model, logprobs_out("chat", body, executor)))
+
+
+def logprobs_out(kind: str, body: s.CompletionRequest | s.ChatCompletionRequest, executor: Any) -> LogprobsOut | None:
+    return None if body.engine_logprobs is None else LogprobsOut(kind, executor.tokenizer)
 
 
 def serving_executor(request: Request, model: str) -> Any:
@@ -110,11 +115,12 @@ async def answer(request: Request, body: s.CompletionRequest | s.ChatCompletionR
 
 
 async def whole(request: Request, job: Job, render: Render) -> Response:
-    result = await unless_disconnected(request, lambda: collect(job))
+    events = await unless_disconnected(request, lambda: collect(job))
     await job.close()
-    if result is None:
+    if events is None:
         return Response(status_code=CLIENT_CLOSED)
-    text, last = result
+    last = events[-1]
     if last.finish_reason == "error":
         raise APIError(500, f"generation failed: {last.error}", code="engine_error")
-    return JSONResponse(render.whole(text, last.finish_reason, s.Usage.of(job.prompt_tokens, job.tokens)).model_dump())
+    text, usage = "".join(e.text for e in events), s.Usage.of(job.prompt_tokens, job.tokens)
+    return JSONResponse(render.whole(text, last.finish_reason, usage, events).model_dump())

@@ -14,13 +14,14 @@ from __future__ import annotations
 from itertools import islice
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from bootstrap.engine.prompts import unencodable
 
 MAX_SEED = 2**63 - 1
 MAX_STOPS = 4
 MAX_STOP_IDS = 256
+MAX_LOGPROBS = 20  # alternatives per token, as vLLM allows (OpenAI: chat 20, completions 5)
 MAX_ITEMS = 2**17  # items of any list in a request: as many token ids as a 128k context holds
 
 
@@ -131,9 +132,14 @@ class CompletionRequest(_Sampling):
     prompt: str | TokenIds | _items(str) | _items(TokenIds) = Field(description="text or token ids; one prompt")
     max_tokens: int | None = Field(16, ge=1, description="tokens to generate (OpenAI's default: 16)")
     echo: Literal[False] = False
-    logprobs: None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="each token's logprob and this many alternatives")
     best_of: Literal[1] | None = None
     suffix: None = None
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        """What the engine's ``SamplingParams.logprobs`` takes: alternatives per token, or None."""
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -165,7 +171,20 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_ITEMS, fail_fast=True)
     max_completion_tokens: int | None = Field(None, ge=1, description="same as max_tokens, which it overrides")
-    logprobs: Literal[False] | None = None
+    logprobs: bool | None = Field(None, description="each token's logprob in choices[].logprobs.content")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="alternatives per token; needs logprobs")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):  # OpenAI's rule, and vLLM's
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        """What the engine's ``SamplingParams.logprobs`` takes: alternatives per token, or None."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def token_limit(self) -> int | None:
@@ -173,6 +192,14 @@ class ChatCompletionRequest(_Sampling):
 
 
 # ---- responses ------------------------------------------------------------------------------
+
+
+FINISH_REASONS = {"cancelled": "abort"}  # the engine's name -> the one clients know (vLLM's); stop, length pass
+
+
+def finish_reason(engine_reason: str | None) -> str | None:
+    """``finish_reason`` as responses and metrics give it: ``stop``, ``length`` or ``abort``."""
+    return FINISH_REASONS.get(engine_reason, engine_reason) if engine_reason else engine_reason
 
 
 class Usage(BaseModel):
@@ -186,10 +213,31 @@ class Usage(BaseModel):
 
 
 class Choice(BaseModel):
-    """What every choice carries: its index (``n`` is 1) and no logprobs."""
+    """What every choice carries: its index (``n`` is 1)."""
 
     index: int = 0
-    logprobs: None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+    refusal: None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
 
 
 class Envelope(BaseModel):
@@ -202,6 +250,7 @@ class Envelope(BaseModel):
 
 class CompletionChoice(Choice):
     text: str
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -218,6 +267,7 @@ class AssistantMessage(BaseModel):
 
 class ChatChoice(Choice):
     message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
     finish_reason: str
 
 
@@ -234,6 +284,7 @@ class Delta(BaseModel):
 
 class ChatChunkChoice(Choice):
     delta: Delta
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -375,7 +375,7 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_request(slow_server, c
     with httpx.stream("POST", f"{slow_server.url}/v1/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")  # generating; now hang up
-    wait_metric(slow_server, "bootstrap_requests_total", 1, endpoint="completion", finish_reason="cancelled")
+    wait_metric(slow_server, "bootstrap_requests_total", 1, endpoint="completion", finish_reason="abort")
     # the engine applies the cancel at its next step (at most one 100 ms step later), freeing every block
     wait_metric(slow_server, "bootstrap_kv_blocks_used", 0, timeout=5.0)
     wait_metric(slow_server, "bootstrap_requests_running", 0, timeout=5.0)
@@ -403,7 +403,7 @@ def test_sigterm_during_generation_lets_short_requests_finish_and_cuts_long_ones
     for thread in threads:
         thread.join(60)
     finishes = {name: _finish(lines) for name, lines in results.items()}
-    cut = {"long chat": "cancelled", "long completion": "cancelled", "whole": "cancelled"}
+    cut = {"long chat": "abort", "long completion": "abort", "whole": "abort"}
     assert finishes == {"short": "length", **cut}
     assert all(lines[-1] == "data: [DONE]" for name, lines in results.items() if name != "whole")
     assert "no thread left" in slow_server.log()

@@ -219,7 +219,7 @@ MESSAGE = st.fixed_dictionaries(
 ONLY = {
     "/v1/completions": {
         "prompt": TEXT_OR_WORDS | TOKEN_IDS | st.lists(TEXT_OR_WORDS, max_size=3) | st.lists(TOKEN_IDS, max_size=3),
-        "echo": st.sampled_from([False, True]), "logprobs": st.sampled_from([None, 1]),
+        "echo": st.sampled_from([False, True]), "logprobs": st.none() | st.integers(0, 20) | st.sampled_from([-1, 21]),
         "best_of": st.sampled_from([None, 1, 2]), "suffix": st.sampled_from([None, "x"]),
     },
     "/v1/chat/completions": {
@@ -227,6 +227,7 @@ ONLY = {
                                                             min_size=1, max_size=3),
         "max_completion_tokens": st.integers(1, 4) | st.sampled_from([0, -3, 600]),
         "logprobs": st.sampled_from([None, False, True]),
+        "top_logprobs": st.none() | st.integers(0, 20) | st.sampled_from([-1, 21]),
     },
     "/v1/bootstrap/retry": {},
 }  # fmt: skip

@@ -77,5 +77,5 @@ def test_a_second_sigint_ends_streams_and_exits_0_without_tracebacks(checkpoint,
     print(f"second SIGINT -> exit {status} in {took:.2f} s")
     assert took < 15, f"the second SIGINT took {took:.1f} s to end the server\n{log}"
     assert "Traceback" not in log and "Exception in ASGI application" not in log, log
-    assert [_finish(lines) for lines in results] == ["cancelled"] * STREAMS, (results, log)
+    assert [_finish(lines) for lines in results] == ["abort"] * STREAMS, (results, log)
     assert all(lines[-1] == "data: [DONE]" for lines in results), results
