@@ -10,6 +10,10 @@ sent to first text chunk) and end-to-end (request sent to ``[DONE]``) p50 and p9
 the number of failed requests. The clients run in this process on the same machine as the
 server: on a small CPU they share its cores. Prints JSON and writes it to ``--out``.
 
+``--logprobs off,5`` measures each level once per setting (``off``: none asked; K: ``logprobs``
+K on every request), on the same server, one right after the other, and adds each setting's
+throughput as a ratio to the first one's (``vs_first``): the feature's cost, side by side.
+
     python benchmarks/serve_load.py --model smollm2-135m-instruct --device cpu --levels 1,8,32,64 \
         --requests 64 --prompt-len 32 --gen-len 16 --out benchmarks/results/serve_load_cpu.json
 """
@@ -58,8 +62,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--gen-len", type=int, default=16)
     parser.add_argument("--vocab", type=int, default=49152, help="prompt token ids are drawn below this")
+    parser.add_argument("--logprobs", default="off", type=_logprobs_settings,
+                        help="comma-separated settings measured side by side: off, or K (0-20) logprobs per token")
     parser.add_argument("--out", type=Path)
     return parser.parse_args(argv)
+
+
+def _logprobs_settings(text: str) -> list[int | None]:
+    settings = [None if v.strip() == "off" else int(v) for v in text.split(",")]
+    if any(v is not None and not 0 <= v <= 20 for v in settings):
+        raise argparse.ArgumentTypeError(f"--logprobs: off or 0-20 each, got {text!r}")
+    return settings
 
 
 class Server:
@@ -104,9 +117,10 @@ async def wait_ready(http: httpx.AsyncClient) -> dict:
         await asyncio.sleep(0.2)
 
 
-async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int], gen_len: int) -> Sample:
+async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int], gen_len: int,
+                      logprobs: int | None = None) -> Sample:  # fmt: skip
     body = {"model": model, "prompt": prompt, "max_tokens": gen_len, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+            "stream_options": {"include_usage": True}, **({} if logprobs is None else {"logprobs": logprobs})}  # fmt: skip
     started, ttft, tokens = time.perf_counter(), None, 0
     async with http.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
@@ -123,7 +137,8 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int], ge
     return Sample(ttft, time.perf_counter() - started, tokens, True)
 
 
-async def run_level(http: httpx.AsyncClient, args: argparse.Namespace, model: str, clients: int) -> dict:
+async def run_level(http: httpx.AsyncClient, args: argparse.Namespace, model: str, clients: int,
+                    logprobs: int | None = None) -> dict:  # fmt: skip
     total = max(args.requests, clients)
     rng = random.Random(clients)
     prompts = [[rng.randrange(3, args.vocab) for _ in range(args.prompt_len)] for _ in range(total)]
@@ -134,11 +149,11 @@ async def run_level(http: httpx.AsyncClient, args: argparse.Namespace, model: st
 
     async def client() -> None:
         while not queue.empty():
-            samples.append(await one_request(http, model, queue.get_nowait(), args.gen_len))
+            samples.append(await one_request(http, model, queue.get_nowait(), args.gen_len, logprobs))
 
     started = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(clients)))
-    return summarize(clients, samples, time.perf_counter() - started)
+    return {**summarize(clients, samples, time.perf_counter() - started), "logprobs": logprobs}
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -177,8 +192,15 @@ async def measure(url: str, args: argparse.Namespace) -> tuple[dict, list[dict]]
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
         ready = await wait_ready(http)
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
-        await one_request(http, model, list(range(3, 3 + args.prompt_len)), args.gen_len)  # warm the path once
-        return ready, [await run_level(http, args, model, clients) for clients in levels]
+        for logprobs in args.logprobs:  # warm each path once
+            await one_request(http, model, list(range(3, 3 + args.prompt_len)), args.gen_len, logprobs)
+        results = []
+        for clients in levels:  # each setting right after the other at the same level: side by side
+            runs = [await run_level(http, args, model, clients, logprobs) for logprobs in args.logprobs]
+            first = runs[0]["output_tokens_per_s"] or None
+            results += [{**run, "vs_first": round(run["output_tokens_per_s"] / first, 3) if first else None}
+                        for run in runs]  # fmt: skip
+        return ready, results
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,9 +13,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from bootstrap.serve import build_task
 from bootstrap.serve.errors import APIError
-from bootstrap.serve.openai_routes import RETRY_AFTER_S, SSE_HEADERS
+from bootstrap.serve.openai_routes import RETRY_AFTER_S
 from bootstrap.serve.progress import bootstrap_view, ready_view
-from bootstrap.serve.render import sse
+from bootstrap.serve.render import SSE_HEADERS, sse
 from bootstrap.serve.state import ServeState
 
 SETTLED = ("ready", "failed", "shutting_down")

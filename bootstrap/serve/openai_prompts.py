@@ -55,18 +55,19 @@ async def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], max_seq_l
     return await anyio.to_thread.run_sync(_answered, prompts.chat_ids, tokenizer, chat)
 
 
-async def completion_prompt_ids(tokenizer: Any, prompt: str | list[Any], max_seq_len: int | None) -> list[int]:
-    """One prompt: text, or token ids; a list of one text or one id list is that prompt. Text is
-    tokenized on a worker thread once the length allows it."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        if len(prompt) != 1:
-            message = f"prompt: {len(prompt)} prompts sent; one prompt per request is supported"
-            raise bad_request(message, param="prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, list):
-        return list(prompt)
-    check_chars(len(prompt), max_seq_len, "prompt")
-    return await anyio.to_thread.run_sync(_answered, prompts.text_ids, tokenizer, prompt)
+async def completion_prompt_ids(tokenizer: Any, prompt: str | list[Any], max_seq_len: int | None) -> list[list[int]]:
+    """The prompts, in order: text, token ids, or a list of either (``schemas.MAX_PROMPTS`` at
+    most). Every text's length is checked first; then all are tokenized on one worker thread."""
+    many = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
+    items = prompt if many else [prompt]
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            check_chars(len(item), max_seq_len, f"prompt[{i}]" if many else "prompt")
+    return await anyio.to_thread.run_sync(_ids_of, tokenizer, items)
+
+
+def _ids_of(tokenizer: Any, items: list[Any]) -> list[list[int]]:
+    return [list(item) if isinstance(item, list) else _answered(prompts.text_ids, tokenizer, item) for item in items]
 
 
 def token_limit(body: _Sampling) -> tuple[int | None, str]:
@@ -79,6 +80,19 @@ def token_limit(body: _Sampling) -> tuple[int | None, str]:
 def check_length(prompt_len: int, max_tokens: int | None, field: str, max_seq_len: int) -> int:
     """``max_tokens`` (default: what ``max_seq_len`` leaves); 400 naming both numbers if too long."""
     return _answered(prompts.checked_max_tokens, prompt_len, max_tokens, max_seq_len, field)
+
+
+def check_lengths(prompt_ids: list[list[int]], max_tokens: int | None, field: str, max_seq_len: int) -> list[int]:
+    """``check_length`` of each prompt; with several, a refusal names the prompt (``prompt[i]: ...``)."""
+    limits = []
+    for i, ids in enumerate(prompt_ids):
+        try:
+            limits.append(check_length(len(ids), max_tokens, field, max_seq_len))
+        except APIError as exc:
+            if len(prompt_ids) == 1:
+                raise
+            raise APIError(exc.status, f"prompt[{i}]: {exc.message}", param=exc.param, code=exc.code) from exc
+    return limits
 
 
 def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> Any:

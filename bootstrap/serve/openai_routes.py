@@ -11,28 +11,25 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import JSONResponse, Response
 
 from bootstrap.serve import schemas as s
+from bootstrap.serve.choices import Choices, ChoicesStream
 from bootstrap.serve.errors import APIError
-from bootstrap.serve.jobs import Job, unless_disconnected
-from bootstrap.serve.logprobs import LogprobsOut
-from bootstrap.serve.metrics import ServeMetrics
+from bootstrap.serve.jobs import unless_disconnected
 from bootstrap.serve.openai_prompts import (
     chat_prompt_ids,
-    check_length,
+    check_lengths,
     completion_prompt_ids,
     sampling_params,
     token_limit,
 )
-from bootstrap.serve.render import Render, collect, stream_body
+from bootstrap.serve.render import Render
 from bootstrap.serve.request_body import body_of, parsed
 from bootstrap.serve.state import ServeState
 
 RETRY_AFTER_S = {"starting": 1, "bootstrapping": 1, "failed": 5, "shutting_down": 5}
 CLIENT_CLOSED = 499  # the client went away; nobody reads this status
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 router = APIRouter(prefix="/v1")
 
@@ -69,8 +66,8 @@ async def list_models(request: Request) -> s.ModelList:
 async def completions(request: Request) -> Response:
     body = await parsed(request, s.CompletionRequest)
     executor, max_seq_len = serving_executor(request, body.model), request.app.state.serve.max_seq_len
-    ids = await completion_prompt_ids(executor.tokenizer, body.prompt, max_seq_len)
-    return await answer(request, body, ids, Render("completion", body.model, logprobs_out("completion", body, executor)))
+    prompts = await completion_prompt_ids(executor.tokenizer, body.prompt, max_seq_len)
+    return await answer(request, body, prompts, Render("completion", body.model, logprobs_tokenizer(body, executor)))
 
 
 @router.post("/chat/completions", response_model=None, openapi_extra=body_of(s.ChatCompletionRequest))
@@ -78,11 +75,12 @@ async def chat_completions(request: Request) -> Response:
     body = await parsed(request, s.ChatCompletionRequest)
     executor, max_seq_len = serving_executor(request, body.model), request.app.state.serve.max_seq_len
     ids = await chat_prompt_ids(executor.tokenizer, body.messages, max_seq_len)
-    return await answer(request, body, ids, Render("chat", body.model, logprobs_out("chat", body, executor)))
+    return await answer(request, body, [ids], Render("chat", body.model, logprobs_tokenizer(body, executor)))
 
 
-def logprobs_out(kind: str, body: s.CompletionRequest | s.ChatCompletionRequest, executor: Any) -> LogprobsOut | None:
-    return None if body.engine_logprobs is None else LogprobsOut(kind, executor.tokenizer)
+def logprobs_tokenizer(body: s.CompletionRequest | s.ChatCompletionRequest, executor: Any) -> Any:
+    """The tokenizer that names the tokens of logprobs, when they are asked for."""
+    return None if body.engine_logprobs is None else executor.tokenizer
 
 
 def serving_executor(request: Request, model: str) -> Any:
@@ -93,34 +91,32 @@ def serving_executor(request: Request, model: str) -> Any:
     return executor
 
 
-async def answer(request: Request, body: s.CompletionRequest | s.ChatCompletionRequest, ids: list[int],
+async def answer(request: Request, body: s.CompletionRequest | s.ChatCompletionRequest, prompts: list[list[int]],
                  render: Render) -> Response:  # fmt: skip
-    """Enqueue; wait for the first event (a refusal is still a 400); stream or collect the rest."""
+    """Enqueue a job per prompt; wait for their first events (a refusal is still a 400); stream
+    or collect the rest."""
     state: ServeState = request.app.state.serve
-    metrics: ServeMetrics = request.app.state.metrics
     limit, field = token_limit(body)
-    params = sampling_params(body, check_length(len(ids), limit, field, state.max_seq_len))
-    job = Job(state, metrics, render.kind, ids, params)
+    params = [sampling_params(body, tokens) for tokens in check_lengths(prompts, limit, field, state.max_seq_len)]
+    choices = await Choices.start(state, request.app.state.metrics, render.kind, prompts, params)
     try:
-        if await unless_disconnected(request, job.first_event) is None:
+        if await unless_disconnected(request, choices.first_events) is None:
             return Response(status_code=CLIENT_CLOSED)
         if body.stream:
-            body_iter = stream_body(job, render, body.include_usage)
-            return StreamingResponse(body_iter, media_type="text/event-stream", headers=SSE_HEADERS,
-                                     background=BackgroundTask(job.close))  # fmt: skip
-        return await whole(request, job, render)
+            return ChoicesStream(choices, render, body.include_usage)
+        return await whole(request, choices, render)
     except BaseException:
-        await job.close()
+        await choices.close()
         raise
 
 
-async def whole(request: Request, job: Job, render: Render) -> Response:
-    events = await unless_disconnected(request, lambda: collect(job))
-    await job.close()
+async def whole(request: Request, choices: Choices, render: Render) -> Response:
+    events = await unless_disconnected(request, choices.collect)
+    await choices.close()
     if events is None:
         return Response(status_code=CLIENT_CLOSED)
-    last = events[-1]
-    if last.finish_reason == "error":
-        raise APIError(500, f"generation failed: {last.error}", code="engine_error")
-    text, usage = "".join(e.text for e in events), s.Usage.of(job.prompt_tokens, job.tokens)
-    return JSONResponse(render.whole(text, last.finish_reason, usage, events).model_dump())
+    failed = next((e[-1] for e in events if e[-1].finish_reason == "error"), None)
+    if failed is not None:
+        raise APIError(500, f"generation failed: {failed.error}", code="engine_error")
+    outcomes = [("".join(e.text for e in each), each[-1].finish_reason, each) for each in events]
+    return JSONResponse(render.whole(outcomes, choices.usage()).model_dump())

@@ -14,16 +14,16 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from pydantic import BaseModel
 
 from bootstrap.serve import schemas as s
-from bootstrap.serve.jobs import Job
 from bootstrap.serve.logprobs import LogprobsOut
 
 DONE = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def sse(data: BaseModel | dict[str, Any], event: str | None = None) -> str:
@@ -32,35 +32,50 @@ def sse(data: BaseModel | dict[str, Any], event: str | None = None) -> str:
 
 
 class Render:
-    """Bodies of one request (``chat`` or ``completion``), sharing its id, time and model."""
+    """Bodies of one request (``chat`` or ``completion``), sharing its id, time and model; choice
+    ``index`` i is the i-th job of ``bootstrap.serve.choices.Choices``. With a ``tokenizer``
+    (logprobs asked), each choice's logprobs are built from its events (``LogprobsOut``)."""
 
-    def __init__(self, kind: str, model: str, logprobs: LogprobsOut | None = None) -> None:
-        self.kind, self.model, self.logprobs = kind, model, logprobs
+    def __init__(self, kind: str, model: str, tokenizer: Any = None) -> None:
+        self.kind, self.model, self.tokenizer = kind, model, tokenizer
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self._logprobs: dict[int, LogprobsOut] = {}
 
-    def whole(self, text: str, finish: str, usage: s.Usage, events: Sequence[Any] = ()) -> BaseModel:
-        """The response of a request that delivered ``events`` (all of them, for the logprobs)."""
-        logprobs, finish = self._logprobs(events), s.finish_reason(finish)
+    @property
+    def with_logprobs(self) -> bool:
+        return self.tokenizer is not None
+
+    def whole(self, outcomes: Sequence[tuple[str, str, Sequence[Any]]], usage: s.Usage) -> BaseModel:
+        """The response: per choice, in index order, its text, finish reason and every event."""
         if self.kind == "chat":
-            choice = s.ChatChoice(message=s.AssistantMessage(content=text), finish_reason=finish, logprobs=logprobs)
-            return s.ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage)
-        choice = s.CompletionChoice(text=text, finish_reason=finish, logprobs=logprobs)
-        return s.Completion(id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage)
+            chats = [s.ChatChoice(index=i, message=s.AssistantMessage(content=text), finish_reason=s.finish_reason(end),
+                                  logprobs=self.logprobs(i, events)) for i, (text, end, events) in enumerate(outcomes)]  # fmt: skip
+            return s.ChatCompletion(id=self.id, created=self.created, model=self.model, choices=chats, usage=usage)
+        texts = [s.CompletionChoice(index=i, text=text, finish_reason=s.finish_reason(end), logprobs=self.logprobs(i, events))
+                 for i, (text, end, events) in enumerate(outcomes)]  # fmt: skip
+        return s.Completion(id=self.id, created=self.created, model=self.model, choices=texts, usage=usage)
 
-    def chunk(self, text: str | None = None, finish: str | None = None, role: bool = False,
+    def chunk(self, index: int, text: str | None = None, finish: str | None = None, role: bool = False,
               events: Sequence[Any] = ()) -> BaseModel:  # fmt: skip
-        """One chunk: text (and the logprobs of the ``events`` that delivered it), or the finish."""
-        logprobs = self._logprobs(events) if events else None
+        """One chunk of choice ``index``: text (and the logprobs of the ``events`` that delivered
+        it), or its finish."""
+        logprobs = self.logprobs(index, events) if events else None
         if self.kind == "chat":
             delta = s.Delta(role="assistant" if role else None, content=text)
-            choices = [s.ChatChunkChoice(delta=delta, finish_reason=s.finish_reason(finish), logprobs=logprobs)]
+            choices = [s.ChatChunkChoice(index=index, delta=delta, finish_reason=s.finish_reason(finish), logprobs=logprobs)]
             return s.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices)
-        choice = s.CompletionChoice(text=text or "", finish_reason=s.finish_reason(finish), logprobs=logprobs)
+        choice = s.CompletionChoice(index=index, text=text or "", finish_reason=s.finish_reason(finish), logprobs=logprobs)
         return s.Completion(id=self.id, created=self.created, model=self.model, choices=[choice])
 
-    def _logprobs(self, events: Sequence[Any]) -> Any:
-        return self.logprobs.of(events) if self.logprobs is not None else None
+    def logprobs(self, index: int, events: Sequence[Any]) -> Any:
+        """Choice ``index``'s logprobs for ``events`` (each passed once, in order), or None when not asked."""
+        if self.tokenizer is None:
+            return None
+        out = self._logprobs.get(index)
+        if out is None:
+            out = self._logprobs[index] = LogprobsOut(self.kind, self.tokenizer)
+        return out.of(events)
 
     def usage_chunk(self, usage: s.Usage) -> BaseModel:
         if self.kind == "chat":
@@ -68,27 +83,23 @@ class Render:
         return s.Completion(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
 
 
-async def stream_body(job: Job, render: Render, include_usage: bool) -> AsyncIterator[str]:
-    """The SSE body of a streaming request; the job is closed (cancelled if unfinished) at the end."""
-    try:
-        if render.kind == "chat":
-            yield sse(render.chunk(text="", role=True))
-        async for event in job.events():
-            if event.finished and event.finish_reason == "error":
-                yield sse({"error": {"message": f"generation failed: {event.error}", "type": "server_error",
-                                     "param": None, "code": "engine_error"}})  # fmt: skip
-                break
-            if event.text or (render.logprobs is not None and event.token_id is not None):
-                yield sse(render.chunk(text=event.text, events=[event]))
-            if event.finished:
-                yield sse(render.chunk(finish=event.finish_reason))
-        if include_usage:
-            yield sse(render.usage_chunk(s.Usage.of(job.prompt_tokens, job.tokens)))
-        yield DONE
-    finally:
-        await job.close()
-
-
-async def collect(job: Job) -> list[Any]:
-    """Every event of a non-streaming request, the final one last."""
-    return [event async for event in job.events()]
+async def stream_body(events: AsyncIterator[tuple[int, Any]], choices: int, render: Render,
+                      usage: Callable[[], s.Usage | None]) -> AsyncIterator[str]:  # fmt: skip
+    """The SSE body of a streaming request from its choices' ``(index, event)`` pairs, merged in
+    the order they came (``bootstrap.serve.choices``); ``usage()`` is the usage chunk's, if asked."""
+    if render.kind == "chat":
+        for index in range(choices):
+            yield sse(render.chunk(index, text="", role=True))
+    async for index, event in events:
+        if event.finished and event.finish_reason == "error":
+            yield sse({"error": {"message": f"generation failed: {event.error}", "type": "server_error",
+                                 "param": None, "code": "engine_error"}})  # fmt: skip
+            break
+        if event.text or (render.with_logprobs and event.token_id is not None):
+            yield sse(render.chunk(index, text=event.text, events=[event]))
+        if event.finished:
+            yield sse(render.chunk(index, finish=event.finish_reason))
+    totals = usage()
+    if totals is not None:
+        yield sse(render.usage_chunk(totals))
+    yield DONE

@@ -22,6 +22,7 @@ MAX_SEED = 2**63 - 1
 MAX_STOPS = 4
 MAX_STOP_IDS = 256
 MAX_LOGPROBS = 20  # alternatives per token, as vLLM allows (OpenAI: chat 20, completions 5)
+MAX_PROMPTS = 64  # completions' prompt list: each prompt is its own choice, enqueued at once
 MAX_ITEMS = 2**17  # items of any list in a request: as many token ids as a 128k context holds
 
 
@@ -129,7 +130,7 @@ class _Sampling(_Strict):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | TokenIds | _items(str) | _items(TokenIds) = Field(description="text or token ids; one prompt")
+    prompt: str | TokenIds | _items(str) | _items(TokenIds) = Field(description="text, token ids, or a list of either")
     max_tokens: int | None = Field(16, ge=1, description="tokens to generate (OpenAI's default: 16)")
     echo: Literal[False] = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="each token's logprob and this many alternatives")
@@ -143,12 +144,17 @@ class CompletionRequest(_Sampling):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, value: Any) -> Any:
-        """A list of texts or of id lists holds one prompt: more are refused before checking them."""
-        if isinstance(value, list) and len(value) > 1 and isinstance(value[0], str | list):
-            if len(value) <= MAX_ITEMS:
-                encodable(value)  # a lone surrogate is named first, as in any other text field
-            raise ValueError(f"{len(value)} prompts sent; one prompt per request is supported")
+    def _few_prompts(cls, value: Any) -> Any:
+        """A list of texts or of id lists holds at most ``MAX_PROMPTS``: more are refused before checking them."""
+        if isinstance(value, list) and len(value) > MAX_PROMPTS and isinstance(value[0], str | list):
+            raise ValueError(f"{len(value)} prompts sent; at most {MAX_PROMPTS} per request")
+        return value
+
+    @field_validator("prompt")
+    @classmethod
+    def _no_empty_list(cls, value: Any) -> Any:
+        if isinstance(value, list) and not value:
+            raise ValueError("an empty list: send a text, token ids, or a list of them")
         return value
 
 

@@ -89,3 +89,21 @@ def metric(text: str, name: str, **labels: str) -> float:
         if sample == name and ",".join(sorted(label_text.rstrip("}").split(","))) == wanted:
             return float(value)
     raise KeyError(f"{name}{{{wanted}}} not in the metrics page")
+
+
+def metric_or_0(page: str, name: str, **labels: str) -> float:
+    """``metric``, or 0 for a sample the page does not have yet (a counter never incremented)."""
+    try:
+        return metric(page, name, **labels)
+    except KeyError:
+        return 0.0
+
+
+def wait_metric(server: ServeProcess, name: str, value: float, timeout: float = 60.0, **labels: str) -> None:
+    """Poll ``/metrics`` until the sample equals ``value``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metric_or_0(httpx.get(f"{server.url}/metrics").text, name, **labels) == value:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"{name}{labels} never reached {value}")

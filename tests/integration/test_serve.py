@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 from helpers.serve_backends import open_gate, plugin_module
-from helpers.serve_process import ServeProcess, metric
+from helpers.serve_process import ServeProcess, metric, metric_or_0, wait_metric
 from helpers.tiny_models import CHAT_TEMPLATE, save_checkpoint
 
 from bootstrap.cli import main
@@ -234,18 +234,11 @@ def test_64_concurrent_chat_requests_half_streaming_all_complete(served, checkpo
     assert all(1 <= tokens <= 16 and finish in ("stop", "length") for _, tokens, finish in results)
     assert all(text for text, tokens, finish in results if finish == "length")
     page = httpx.get(f"{served.url}/metrics").text
-    ended = sum(_maybe(page, "bootstrap_requests_total", endpoint="chat", finish_reason=r) for r in ("stop", "length"))
-    ended_before = sum(_maybe(before, "bootstrap_requests_total", endpoint="chat", finish_reason=r)
+    ended = sum(metric_or_0(page, "bootstrap_requests_total", endpoint="chat", finish_reason=r) for r in ("stop", "length"))
+    ended_before = sum(metric_or_0(before, "bootstrap_requests_total", endpoint="chat", finish_reason=r)
                        for r in ("stop", "length"))  # fmt: skip
     assert ended - ended_before == 64 and metric(page, "bootstrap_kv_blocks_used") == 0
     assert metric(page, "bootstrap_requests_in_flight") == metric(page, "bootstrap_requests_running") == 0
-
-
-def _maybe(page: str, name: str, **labels: str) -> float:
-    try:
-        return metric(page, name, **labels)
-    except KeyError:
-        return 0.0
 
 
 # ---- a held bootstrap: readiness, key, failure and retry ---------------------------------------
@@ -359,15 +352,6 @@ def slow_server(checkpoint, tmp_path_factory):
     server.wait_state("ready")
     yield server
     server.stop()
-
-
-def wait_metric(server: ServeProcess, name: str, value: float, timeout: float = 60.0, **labels: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if _maybe(httpx.get(f"{server.url}/metrics").text, name, **labels) == value:
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"{name}{labels} never reached {value}")
 
 
 def test_a_client_that_disconnects_mid_stream_cancels_its_request(slow_server, checkpoint):
