@@ -37,6 +37,7 @@ down by an ``atexit`` hook instead of aborting (``bootstrap.engine.loop``, Exit)
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -48,13 +49,14 @@ from bootstrap.engine.loop import EngineLoop
 from bootstrap.engine.model_runner import ModelRunner
 from bootstrap.engine.requests import Claim, Handle, RequestStats, RequestTable
 from bootstrap.engine.responses import ResponseWriter
-from bootstrap.engine.sampling import Sampler, SamplingParams, make_generator, model_eos_ids
+from bootstrap.engine.sampling import MAX_SEED, Sampler, SamplingParams, make_generator, model_eos_ids
 from bootstrap.engine.scheduler import Scheduler
 from bootstrap.engine.sequence import Detokenizer, Response, Sequence, StreamEvent, next_request_id, token_id_list
 from bootstrap.engine.stats import EngineStats
 from bootstrap.engine.waiting import EventStream, Waiter
 
 DEFAULT_MAX_UNCLAIMED = 1024
+MAX_CHOICES = 16  # n of one prompt (OpenAI's n; vLLM has no bound)
 
 
 class PyExecutor:
@@ -87,6 +89,18 @@ class PyExecutor:
         self._check_open()
         [handle] = self._submit([self._sequence(prompt_token_ids, params, is_warmup)])
         return handle.request_id
+
+    def enqueue_choices(self, prompt_token_ids: Seq[int], params: SamplingParams | None = None, n: int = 1) -> list[int]:
+        """Queue ``n`` choices (1 to ``MAX_CHOICES``) of one prompt; their ids, one request each.
+        The prompt is prefilled once and its KV blocks shared (``bootstrap.engine.scheduler``).
+        With a seed, choice ``i`` samples with ``seed + i`` (wrapping past ``MAX_SEED``), so
+        choice 0 is what ``enqueue`` gives. All are answered the same way when impossible."""
+        self._check_open()
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
+            raise ValueError(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}")
+        first = self._sequence(prompt_token_ids, params)
+        first.forks = [self._sequence(first.prompt_token_ids, _choice_params(first.params, i)) for i in range(1, n)]
+        return [h.request_id for h in self._submit([first, *first.forks])]
 
     def cancel(self, request_id: int) -> None:
         """Give the request up: an unfinished one finishes with ``finish_reason="cancelled"``. It
@@ -200,7 +214,9 @@ class PyExecutor:
         those that can never run with an error."""
         detok = lambda s: None if s.is_warmup or self.tokenizer is None else Detokenizer(self.tokenizer)  # noqa: E731
         handles = [self._requests.new_handle(s, detok(s)) for s in seqs]
-        reasons = [self._rejection(s) for s in seqs]
+        carrier = {c.request_id: s for s in seqs for c in s.forks}  # forks are queued with the request carrying them
+        roots = {s.request_id: self._rejection(s) for s in seqs if s.request_id not in carrier}
+        reasons = [roots[carrier.get(s.request_id, s).request_id] for s in seqs]
         for seq, reason in zip(seqs, reasons):
             if reason is None:
                 seq.generator = make_generator(seq.params.seed, self.runner.device)
@@ -208,7 +224,7 @@ class PyExecutor:
             self._check_open()
             self._requests.add(handles, claim)
             for handle, reason in zip(handles, reasons):
-                if reason is None:
+                if reason is None and handle.request_id not in carrier:
                     self._loop.inbox.post(handle.seq)
         for handle, reason in zip(handles, reasons):
             if reason is not None:
@@ -222,7 +238,7 @@ class PyExecutor:
             return f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}"
         if seq.params.stop and self.tokenizer is None and not seq.is_warmup:
             return "stop strings need a tokenizer, and this executor has none"
-        return self.scheduler.capacity.rejection(seq)
+        return self.scheduler.rejection(seq)
 
     def _run_all(self, seqs: list[Sequence]) -> list[Response]:
         """Submit ``seqs`` and wait for every response; on any exit without them, cancel the rest."""
@@ -275,3 +291,8 @@ class PyExecutor:
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
+
+
+def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index``'s params: its own seed (``seed + index``), if seeded."""
+    return params if params.seed is None else dataclasses.replace(params, seed=(params.seed + index) % (MAX_SEED + 1))

@@ -13,9 +13,14 @@ Freed blocks are reused first (last in, first out), so the blocks ever touched s
 the peak load needs; on the CPU the pool's pages are mapped zeroed on first touch (``zeros``),
 so an idle pool costs no resident memory.
 
+Requests can share blocks (``fork``: the ``n`` choices of one prompt): a child gets the parent's
+full blocks by reference, counted, and a copy of its partial last block, the first block the
+choices write differently (copy-on-write where they diverge). A full block is never written
+again, so a shared one stays shared until every holder frees it.
+
 Byte figures in ``stats()``: ``total_bytes`` is the pool tensor, ``allocated_bytes`` the blocks
 handed to requests, ``used_bytes`` the tokens those requests hold (allocated minus the unfilled
-tail of each request's last block).
+tail of each request's last block). A shared block or token counts once.
 """
 
 from __future__ import annotations
@@ -122,6 +127,7 @@ class PagedKVCache:
         self._free: deque[int] = deque(range(num_blocks))
         self._tables: dict[Any, list[int]] = {}
         self._lengths: dict[Any, int] = {}
+        self._holders: dict[int, int] = {}  # block -> requests holding it, for blocks held by more than one
         self._lock = threading.Lock()  # stats() may be read from another thread than the engine's
 
     # ---- sizing -------------------------------------------------------------------------------
@@ -181,6 +187,7 @@ class PagedKVCache:
             self._kv = None
             self._tables.clear()
             self._lengths.clear()
+            self._holders.clear()
             self._free.clear()
 
     @property
@@ -234,13 +241,47 @@ class PagedKVCache:
                 f"{self.num_blocks} are free ({self.tokens_per_block} tokens per block)"
             )
 
+    def fork(self, parent_id: Any, child_id: Any) -> list[int]:
+        """Give ``child_id`` the tokens ``parent_id`` holds: its full blocks shared, its partial
+        last block (if any) copied into a block of the child's own."""
+        pool = self._pool()
+        if child_id in self._tables:
+            raise ValueError(f"request {child_id!r} already holds KV blocks; extend or free it")
+        length = self.num_tokens(parent_id)
+        full, table = length // self.tokens_per_block, self._tables[parent_id]
+        with self._lock:
+            self._take(len(table) - full, child_id)
+            copies = [self._free.popleft() for _ in table[full:]]
+            for block in table[:full]:
+                self._holders[block] = self._holders.get(block, 1) + 1
+            self._tables[child_id] = table[:full] + copies
+            self._lengths[child_id] = length
+        for source, copy in zip(table[full:], copies):
+            pool[:, :, copy].copy_(pool[:, :, source])
+        return self._tables[child_id]
+
     def free(self, request_id: Any) -> None:
-        """Return a request's blocks to the pool; unknown ids are ignored (idempotent)."""
+        """Return a request's blocks to the pool, each once no other request holds it; unknown
+        ids are ignored (idempotent)."""
         with self._lock:
             table = self._tables.pop(request_id, None)
             self._lengths.pop(request_id, None)
             if table and self._kv is not None:
-                self._free.extendleft(reversed(table))  # LIFO: reuse what was touched last
+                self._free.extendleft(reversed([b for b in table if not self._let_go(b)]))  # LIFO: reuse the last touched
+
+    def _let_go(self, block: int) -> bool:
+        """One holder fewer for ``block``; True while others still hold it (call under the lock)."""
+        holders = self._holders.get(block, 1)
+        if holders > 2:
+            self._holders[block] = holders - 1
+        elif holders == 2:
+            del self._holders[block]
+        return holders > 1
+
+    def shared_blocks(self) -> int:
+        """Blocks more than one request holds."""
+        with self._lock:
+            return len(self._holders)
 
     def holds(self, request_id: Any) -> bool:
         return request_id in self._tables
@@ -271,8 +312,9 @@ class PagedKVCache:
     def stats(self) -> KVCacheStats:
         """A consistent snapshot; safe to call from any thread."""
         with self._lock:
-            used_blocks = sum(len(t) for t in self._tables.values())
-            used_tokens = sum(self._lengths.values())
+            extra_holds = sum(self._holders.values()) - len(self._holders)  # a shared block's other holders
+            used_blocks = sum(len(t) for t in self._tables.values()) - extra_holds
+            used_tokens = sum(self._lengths.values()) - extra_holds * self.tokens_per_block  # shared: full blocks
             free_blocks = len(self._free)
             total_blocks = 0 if self._kv is None else self.num_blocks
         return KVCacheStats(

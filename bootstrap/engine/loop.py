@@ -26,6 +26,8 @@ import logging
 import threading
 from collections.abc import Callable
 
+import torch
+
 from bootstrap.engine.inbox import Inbox
 from bootstrap.engine.logits_processing import History, TokenLogprob
 from bootstrap.engine.model_runner import ModelRunner
@@ -172,9 +174,12 @@ class EngineLoop:
             self._run(part, fail=True)
 
     def _run(self, batch: ScheduledBatch, fail: bool) -> bool:
-        """Run one batch; on an exception fail its requests if ``fail``, and return False."""
+        """Run one batch; on an exception fail its requests (and forks joined to it) if ``fail``,
+        and return False."""
         try:
-            tokens, logprobs = self._forward_and_sample(batch)
+            logits = self.runner.run(batch)
+            batch = self.scheduler.fork(batch)  # after the forward: the prompts' KV is complete
+            tokens, logprobs = self._sample(batch, logits)
         except Exception as exc:
             if fail:
                 log.exception("step of %d requests failed", len(batch.seqs))
@@ -183,12 +188,13 @@ class EngineLoop:
         self.responses.record(batch, tokens, logprobs)
         return True
 
-    def _forward_and_sample(self, batch: ScheduledBatch) -> tuple[list[int], list[TokenLogprob | None]]:
-        """Run the model, then sample the requests that sample now: their tokens and logprobs."""
-        logits = self.runner.run(batch)
+    def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> tuple[list[int], list[TokenLogprob | None]]:
+        """Sample the requests that sample now (a fork from its parent's logits row): their tokens and logprobs."""
         sampling = [s for s, samples in zip(batch.seqs, batch.samples()) if samples]
         if not sampling:
             return [], []
+        if batch.rows is not None:
+            logits = logits.index_select(0, torch.tensor(batch.rows, device=logits.device))
         params = [s.params for s in sampling]
         histories = [History(s.token_ids, s.num_prompt_tokens) for s in sampling]
         sampled = self.sampler.sample_with_logprobs(

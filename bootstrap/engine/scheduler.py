@@ -11,6 +11,13 @@ token for every request in decode, then prefill chunks in admission order until
 ``max_num_tokens`` is reached (a long prompt is split over several steps: chunked prefill).
 
 ``Scheduler`` holds the queues and ties the two to the KV cache.
+
+The ``n`` choices of one prompt are one request until its prefill ends: the first choice is
+scheduled, carrying the others (``Sequence.forks``), and is admitted with the blocks of all of
+them, its prompt's full blocks counted once. The step that completes the prefill forks them
+(``fork``): each shares the prompt's full blocks, gets a copy of the partial last one, and
+samples its first token from the same logits row. Should the first choice end before that
+(cancelled, failed), the next live one takes its place at the head of the queue.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ class ScheduledBatch:
 
     seqs: list[Sequence]
     num_new_tokens: list[int]
+    rows: list[int] | None = None  # the logits row of each sampling request, when forks share their parent's
 
     @property
     def total_tokens(self) -> int:
@@ -83,21 +91,37 @@ class CapacityScheduler:
         problem = length_problem(seq.num_prompt_tokens, seq.params.max_tokens, self.max_seq_len)
         if problem is not None:
             return problem
-        need = self.kv_cache.blocks_needed(seq.max_kv_tokens)
+        need = self.blocks_of(seq)
         if need > self.kv_cache.num_blocks:
+            choices = f" for its {1 + len(seq.forks)} choices" if seq.forks else ""
             return (
-                f"the request needs {need} KV blocks ({seq.max_kv_tokens} tokens) but the whole pool has "
-                f"{self.kv_cache.num_blocks} blocks of {self.kv_cache.tokens_per_block} tokens"
+                f"the request needs {need} KV blocks{choices} ({seq.max_kv_tokens} tokens each) but the whole pool "
+                f"has {self.kv_cache.num_blocks} blocks of {self.kv_cache.tokens_per_block} tokens"
             )
         return None
 
+    def blocks_of(self, seq: Sequence) -> int:
+        """Blocks of ``seq``'s whole life and of its live forks', the prompt's full blocks once."""
+        own = self.kv_cache.blocks_needed(seq.max_kv_tokens)
+        return own + sum(not c.finished for c in seq.forks) * self.fork_blocks(seq)
+
+    def fork_blocks(self, seq: Sequence) -> int:
+        """Blocks a fork of ``seq`` adds over its life: all but the prompt's full blocks, which it shares."""
+        return self.kv_cache.blocks_needed(seq.max_kv_tokens) - seq.num_prompt_tokens // self.kv_cache.tokens_per_block
+
     def try_admit(self, seq: Sequence) -> bool:
-        """Reserve the blocks of ``seq``'s whole life if they are free; True on success."""
-        need = self.kv_cache.blocks_needed(seq.max_kv_tokens)
+        """Reserve the blocks of ``seq``'s whole life (and its forks') if they are free; True on success."""
+        need = self.blocks_of(seq)
         if self.reserved_blocks + need > self.kv_cache.num_blocks:
             return False
         self._reserved[seq.request_id] = need
         return True
+
+    def hand_over(self, parent: Sequence, child: Sequence) -> None:
+        """Move a fork's share of ``parent``'s reservation to the fork itself."""
+        share = self.fork_blocks(parent)
+        self._reserved[parent.request_id] -= share
+        self._reserved[child.request_id] = share
 
     def release(self, seq: Sequence) -> None:
         """Drop ``seq``'s reservation and return its blocks to the pool (idempotent)."""
@@ -141,10 +165,16 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> str | None:
         """Queue ``seq``; return the reason it can never run instead (then it is not queued)."""
-        reason = self.capacity.rejection(seq)
+        reason = self.rejection(seq)
         if reason is None:
             self.waiting.append(seq)
         return reason
+
+    def rejection(self, seq: Sequence) -> str | None:
+        """Why ``seq`` (with its forks) can never run here, or None."""
+        if 1 + len(seq.forks) > self.config.max_batch_size:
+            return f"n={1 + len(seq.forks)} choices cannot run at once with max_batch_size {self.config.max_batch_size}"
+        return self.capacity.rejection(seq)
 
     @property
     def has_work(self) -> bool:
@@ -162,24 +192,67 @@ class Scheduler:
         return batch
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.config.max_batch_size:
+        while self.waiting and len(self.running) + 1 + len(self.waiting[0].forks) <= self.config.max_batch_size:
             if not self.capacity.try_admit(self.waiting[0]):
                 break
             seq = self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
 
+    def fork(self, batch: ScheduledBatch) -> ScheduledBatch:
+        """After the forward of ``batch``: the forks of each request whose prefill it completes
+        join the running requests, and the batch, with no tokens of their own; ``rows`` maps
+        every sampling request to its logits row (a fork's is its parent's)."""
+        sampling = [s for s, samples in zip(batch.seqs, batch.samples()) if samples]
+        if not any(s.forks for s in sampling):
+            return batch
+        seqs, counts, rows = list(batch.seqs), list(batch.num_new_tokens), list(range(len(sampling)))
+        joined: list[tuple[Sequence, Sequence]] = []
+        try:
+            for row, parent in enumerate(sampling):
+                count = batch.num_new_tokens[batch.seqs.index(parent)]
+                for child in [c for c in parent.forks if not c.finished]:  # a cancelled one's share stays with the parent
+                    self.kv_cache.fork(parent.request_id, child.request_id)
+                    joined.append((parent, child))
+                    self.capacity.hand_over(parent, child)
+                    child.num_computed, child.status = parent.num_computed + count, SequenceStatus.RUNNING
+                    self.running.append(child)
+                    seqs, counts, rows = [*seqs, child], [*counts, 0], [*rows, row]
+        except BaseException:
+            self._unfork(joined)
+            raise
+        for parent in sampling:
+            parent.forks = []
+        return ScheduledBatch(seqs, counts, rows)
+
+    def _unfork(self, joined: list[tuple[Sequence, Sequence]]) -> None:
+        """Undo a fork that failed part way: the forks are carried again, as before it (the
+        step's failure then ends the parent, and the first of them takes its place)."""
+        for _, child in joined:
+            if child in self.running:
+                self.running.remove(child)
+            self.capacity.release(child)
+            child.num_computed, child.status = 0, SequenceStatus.WAITING
+
     def finish(self, seq: Sequence) -> None:
-        """Take ``seq`` out of the queues and free its KV blocks (idempotent)."""
+        """Take ``seq`` out of the queues and free its KV blocks (idempotent). Forks it still
+        carries go on without it: the first live one is queued first, carrying the rest."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.capacity.release(seq)
+        heirs, seq.forks = [c for c in seq.forks if not c.finished], []
+        if heirs:
+            heirs[0].forks = heirs[1:]
+            self.waiting.appendleft(heirs[0])
 
     def drain(self) -> list[Sequence]:
-        """Remove and return every queued and running request, freeing their blocks."""
-        seqs = [*self.running, *self.waiting]
+        """Remove and return every queued and running request and the forks they carry, freeing their blocks."""
+        carried = [c for s in [*self.running, *self.waiting] for c in s.forks if not c.finished]
+        for seq in [*self.running, *self.waiting]:
+            seq.forks = []
+        seqs = [*self.running, *self.waiting, *carried]
         for seq in seqs:
             self.finish(seq)
         return seqs

@@ -49,6 +49,7 @@ class Sequence:
     error: str | None = None
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, if asked
+    forks: list[Sequence] = field(default_factory=list)  # the other choices of its prompt, until its prefill ends
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import anyio
 
 from bootstrap.engine import prompts
-from bootstrap.serve.errors import APIError, bad_request
+from bootstrap.serve.errors import APIError
 from bootstrap.serve.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, _Sampling
 
 ROLE_FOR_TEMPLATE = {"developer": "system"}  # templates rarely know OpenAI's newer role name
