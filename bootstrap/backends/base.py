@@ -131,6 +131,10 @@ class RequestExecutor(Executor, Protocol):
         """Queue a request from any thread; its id. An impossible one is answered at once with
         an error event (``finish_reason="error"``, ``error`` starting ``request rejected: ``)."""
 
+    def enqueue_choices(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
+                        n: int = 1) -> list[int]:  # fmt: skip
+        """``n`` requests of one prompt, prefilled once; their ids (``PyExecutor.enqueue_choices``)."""
+
     def cancel(self, request_id: int) -> None:
         """Give the request up; unknown ids are ignored."""
 

@@ -47,6 +47,7 @@ import anyio
 
 from bootstrap.engine.loop import EngineLoop
 from bootstrap.engine.model_runner import ModelRunner
+from bootstrap.engine.prompts import MAX_CHOICES
 from bootstrap.engine.requests import Claim, Handle, RequestStats, RequestTable
 from bootstrap.engine.responses import ResponseWriter
 from bootstrap.engine.sampling import MAX_SEED, Sampler, SamplingParams, make_generator, model_eos_ids
@@ -56,7 +57,6 @@ from bootstrap.engine.stats import EngineStats
 from bootstrap.engine.waiting import EventStream, Waiter
 
 DEFAULT_MAX_UNCLAIMED = 1024
-MAX_CHOICES = 16  # n of one prompt (OpenAI's n; vLLM has no bound)
 
 
 class PyExecutor:

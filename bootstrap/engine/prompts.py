@@ -15,6 +15,8 @@ from typing import Any
 
 from bootstrap.config import ConfigError
 
+MAX_CHOICES = 16  # choices of one prompt (n), prefilled once: PyExecutor.enqueue_choices
+
 
 class PromptError(ConfigError):
     """A prompt or sampling value the executor cannot take; ``field`` names it, ``code`` is the

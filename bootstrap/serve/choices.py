@@ -1,5 +1,7 @@
-"""The choices of one OpenAI request: one ``Job`` per prompt (completions take a list), each
-answered as its own choice, ``index`` in prompt order.
+"""The choices of one OpenAI request: ``n`` jobs per prompt (completions take a list), each
+answered as its own choice, ``index`` = prompt index * ``n`` + choice (as vLLM numbers them).
+The ``n`` choices of a prompt are one prefill in the engine, their prompt's KV blocks shared
+(``PyExecutor.enqueue_choices``); ``usage`` counts each prompt once.
 
 Every job is enqueued before any is awaited, so the engine batches them. A refusal of any is the
 request's 400, and every job is closed whatever way the request ends. Streamed, the choices'
@@ -20,7 +22,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Send
 
 from bootstrap.serve import schemas as s
-from bootstrap.serve.jobs import Job
+from bootstrap.serve.jobs import Job, enqueue
 from bootstrap.serve.metrics import ServeMetrics
 from bootstrap.serve.render import SSE_HEADERS, Render, stream_body
 from bootstrap.serve.state import ServeState
@@ -35,12 +37,14 @@ class Choices:
 
     @classmethod
     async def start(cls, state: ServeState, metrics: ServeMetrics, endpoint: str, prompts: Sequence[list[int]],
-                    params: Sequence[Any]) -> Choices:  # fmt: skip
-        """Enqueue one job per prompt; if one cannot be (shutting down), those before it are closed."""
+                    params: Sequence[Any], n: int = 1) -> Choices:  # fmt: skip
+        """Enqueue ``n`` jobs per prompt (choice ``i * n + j`` is prompt i's j-th); if some
+        cannot be (shutting down), those before them are closed."""
         choices = cls(sum(len(ids) for ids in prompts))
         try:
             for ids, p in zip(prompts, params, strict=True):
-                choices.jobs.append(Job(state, metrics, endpoint, ids, p))
+                for request_id in enqueue(state, ids, p, n):
+                    choices.jobs.append(Job(state, metrics, endpoint, request_id, len(ids)))
         except BaseException:
             await choices.close()
             raise

@@ -24,15 +24,22 @@ REJECTED = "request rejected: "
 T = TypeVar("T")
 
 
+def enqueue(state: ServeState, ids: list[int], params: Any, n: int = 1) -> list[int]:
+    """The request ids of ``n`` choices of one prompt (``n`` > 1: prefilled once, its KV shared)."""
+    try:
+        return [state.executor.enqueue(ids, params)] if n == 1 else state.executor.enqueue_choices(ids, params, n)
+    except RuntimeError as exc:  # shut down between the readiness check and here
+        raise APIError(503, f"the executor is not taking requests: {exc}", code="shutting_down") from exc
+
+
 class Job:
-    def __init__(self, state: ServeState, metrics: ServeMetrics, endpoint: str, ids: list[int], params: Any) -> None:
+    """One enqueued request (``enqueue``), from its first event to ``close``."""
+
+    def __init__(self, state: ServeState, metrics: ServeMetrics, endpoint: str, request_id: int, prompt_tokens: int) -> None:
         self.executor, self.state, self.metrics, self.endpoint = state.executor, state, metrics, endpoint
-        self.prompt_tokens = len(ids)
+        self.prompt_tokens = prompt_tokens
         self.started = time.monotonic()
-        try:
-            self.request_id: int = self.executor.enqueue(ids, params)
-        except RuntimeError as exc:  # shut down between the readiness check and here
-            raise APIError(503, f"the executor is not taking requests: {exc}", code="shutting_down") from exc
+        self.request_id = request_id
         state.inflight.add(self.request_id)
         self._stream = self.executor.stream_async(self.request_id)
         self._first: Any = None

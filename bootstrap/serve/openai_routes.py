@@ -98,7 +98,7 @@ async def answer(request: Request, body: s.CompletionRequest | s.ChatCompletionR
     state: ServeState = request.app.state.serve
     limit, field = token_limit(body)
     params = [sampling_params(body, tokens) for tokens in check_lengths(prompts, limit, field, state.max_seq_len)]
-    choices = await Choices.start(state, request.app.state.metrics, render.kind, prompts, params)
+    choices = await Choices.start(state, request.app.state.metrics, render.kind, prompts, params, body.n)
     try:
         if await unless_disconnected(request, choices.first_events) is None:
             return Response(status_code=CLIENT_CLOSED)

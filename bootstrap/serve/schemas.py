@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from bootstrap.engine.prompts import unencodable
+from bootstrap.engine.prompts import MAX_CHOICES, unencodable
 
 MAX_SEED = 2**63 - 1
 MAX_STOPS = 4
@@ -81,7 +81,7 @@ class _Sampling(_Strict):
     max_tokens: int | None = Field(None, ge=1, description="tokens to generate; default: what max_seq_len leaves")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 is greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices per prompt: one prefill, the prompt's KV blocks shared")
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: str | _items(str) | None = None
     stream: bool = False
@@ -97,13 +97,6 @@ class _Sampling(_Strict):
     stop_token_ids: _items(Annotated[int, Field(ge=0)], MAX_STOP_IDS) | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, description="tokens before EOS, a stop token or a stop string may end it")
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("only n=1 is supported; send one request per completion")
-        return value
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -142,7 +142,7 @@ def test_errors_come_in_openai_shape_and_name_the_field(served, checkpoint):
     cases = {
         "malformed": (post(served, "/v1/chat/completions", "{not json"), 400, None, "not valid JSON"),
         "temperature": (post(served, "/v1/chat/completions", {**chat, "temperature": 5}), 400, "temperature", "less than or equal to 2"),
-        "n": (post(served, "/v1/chat/completions", {**chat, "n": 2}), 400, "n", "only n=1 is supported"),
+        "n": (post(served, "/v1/chat/completions", {**chat, "n": 17}), 400, "n", "less than or equal to 16"),
         "missing messages": (post(served, "/v1/chat/completions", {"model": model}), 400, "messages", "required"),
         "unknown field": (post(served, "/v1/completions", {"model": model, "prompt": "w5", "logit_bias": {}}), 400,
                           "logit_bias", "Extra inputs"),

@@ -1,6 +1,7 @@
 """Several choices in one request through a real server (issue 21): completions with a list of
-prompts (texts or token-id lists), each its own choice in prompt order, whole and streamed;
-refusals before anything runs; and a client that hangs up mid-stream cancels every choice."""
+prompts (texts or token-id lists), each its own choice in prompt order, whole and streamed; ``n``
+choices of a prompt (greedy: identical; seeded: the same on a second run), the prompt counted
+once; refusals before anything runs; and a client that hangs up mid-stream cancels every choice."""
 
 from __future__ import annotations
 
@@ -12,14 +13,14 @@ import openai
 import pytest
 from helpers.serve_backends import plugin_module
 from helpers.serve_process import ServeProcess, metric, wait_metric
-from helpers.tiny_models import save_checkpoint
+from helpers.tiny_models import CHAT_TEMPLATE, save_checkpoint
 
 PROMPTS = ["w5 w37 w33 w9", "w64 w42 w7", "w11 w12 w13 w14 w15"]
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    return save_checkpoint("llama", tmp_path_factory.mktemp("ckpt") / "llama")
+    return save_checkpoint("llama", tmp_path_factory.mktemp("ckpt") / "llama", chat_template=CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +107,31 @@ def test_hanging_up_mid_stream_cancels_every_choice(slow_server, checkpoint):
     wait_metric(slow_server, "bootstrap_requests_total", 3, endpoint="completion", finish_reason="abort")
     wait_metric(slow_server, "bootstrap_kv_blocks_used", 0, timeout=5.0)
     wait_metric(slow_server, "bootstrap_requests_in_flight", 0, timeout=5.0)
+
+
+def test_n_greedy_choices_are_identical_and_the_prompt_is_counted_once(served, checkpoint):
+    [alone] = one_by_one(served, checkpoint, PROMPTS[:1])
+    four = api(served).completions.create(model=str(checkpoint), prompt=PROMPTS[0], max_tokens=8, temperature=0, n=4)
+    assert [c.index for c in four.choices] == [0, 1, 2, 3]
+    assert {c.text for c in four.choices} == {alone.choices[0].text}
+    assert four.usage.prompt_tokens == alone.usage.prompt_tokens  # prefilled once, counted once
+    assert four.usage.completion_tokens == 4 * alone.usage.completion_tokens
+
+
+def test_n_seeded_chat_choices_repeat_on_a_second_run_streamed_or_not(served, checkpoint):
+    create = {"model": str(checkpoint), "messages": [{"role": "user", "content": "w9 w64 w42"}], "max_tokens": 10,
+              "temperature": 1.0, "seed": 1234, "n": 4}  # fmt: skip
+    whole = [c.message.content for c in api(served).chat.completions.create(**create).choices]
+    again = [c.message.content for c in api(served).chat.completions.create(**create).choices]
+    streamed: dict[int, str] = {}
+    for chunk in api(served).chat.completions.create(**create, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
+    assert whole == again == [streamed[i] for i in range(4)] and len(set(whole)) > 1  # each choice its own draw
+
+
+def test_n_choices_of_a_prompt_list_are_numbered_prompt_by_prompt(served, checkpoint):
+    alone = one_by_one(served, checkpoint, PROMPTS[:2])
+    both = api(served).completions.create(model=str(checkpoint), prompt=PROMPTS[:2], max_tokens=8, temperature=0, n=3)
+    assert [c.index for c in both.choices] == list(range(6))
+    assert [c.text for c in both.choices] == [a.choices[0].text for a in alone for _ in range(3)]

@@ -196,7 +196,7 @@ SAMPLING = {
     "max_tokens": st.integers(1, 4) | st.sampled_from([0, -1, 513, 10**6, 10**30, 2.0, 1.5, True]),
     "temperature": st.floats(0, 2) | st.sampled_from([-0.1, 2.01, 1e-300, float("nan"), float("inf")]),
     "top_p": st.floats(0, 1) | st.sampled_from([-1.0, 1.01, 1e-300, float("nan")]),
-    "n": st.sampled_from([1, 1, 2, 0, -1]),
+    "n": st.sampled_from([1, 1, 2, 4, 16, 0, -1, 17]),
     "seed": st.integers(0, 2**63 - 1) | st.sampled_from([-1, 2**63, 2**64]),
     "stop": st.none() | TEXT_OR_WORDS | st.lists(TEXT_OR_WORDS, max_size=6),
     "stream": st.booleans(),
