@@ -6,7 +6,10 @@ included, leaves the others whole and no block, handle or request behind."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import random
+from pathlib import Path
 
 import pytest
 from helpers.tiny_llama import build_model, make_executor, reference
@@ -114,3 +117,16 @@ def test_choices_cancelled_at_random_steps_are_all_accounted_for(model):
             assert ex.stats().handles == 0 and not ex.scheduler.has_work
     finally:
         ex.shutdown()
+
+
+def test_the_choices_benchmark_counts_the_prompt_once(tmp_path):
+    """``benchmarks/choices_kv.py`` end to end, small: one prefill and the prompt's blocks once."""
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "choices_kv.py"
+    spec = importlib.util.spec_from_file_location("choices_kv", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "choices.json"
+    assert module.main(["--prompt-len", "40", "--max-tokens", "4", "--n", "3", "--tpb", "8", "--out", str(out)]) == 0
+    together, apart = json.loads(out.read_text())["runs"]
+    assert together["same_outputs_as_separate"] and (together["prefill_tokens"], apart["prefill_tokens"]) == (40, 120)
+    assert (together["blocks_after_prefill"], apart["blocks_after_prefill"]) == (5, 15)  # 40 tokens: 5 full blocks, shared
