@@ -2,7 +2,8 @@
 
 The engine gives each generated token's logprob and its most likely alternatives as token ids,
 under the model's raw distribution (log-softmax of the logits, as vLLM returns by default). Here
-they become text, as vLLM does: each token decoded on its own, ``bytes`` its UTF-8 encoding.
+they become text, as vLLM does: each token decoded on its own, ``bytes`` its UTF-8 encoding (an
+executor without a tokenizer names them ``token_id:<id>``).
 
 - chat (``logprobs: true``, ``top_logprobs: k``): ``choices[].logprobs.content[]``, one entry per
   token with ``token``, ``logprob``, ``bytes`` and ``top_logprobs`` (k entries of the same shape).
@@ -57,8 +58,10 @@ class LogprobsOut:
         return s.ChatTokenLogprob(token=token, logprob=event.logprob, bytes=list(token.encode()), top_logprobs=top)
 
     def text(self, token_id: int) -> str:
-        """The token decoded on its own (cached: the same alternatives come back step after step)."""
+        """The token decoded on its own (cached: the same alternatives come back step after step);
+        ``token_id:<id>`` when the executor has no tokenizer (vLLM's spelling for token ids)."""
         text = self._texts.get(token_id)
         if text is None:
-            text = self._texts[token_id] = self.tokenizer.decode([token_id])
+            decoded = f"token_id:{token_id}" if self.tokenizer is None else self.tokenizer.decode([token_id])
+            text = self._texts[token_id] = decoded
         return text

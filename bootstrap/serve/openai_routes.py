@@ -67,7 +67,7 @@ async def completions(request: Request) -> Response:
     body = await parsed(request, s.CompletionRequest)
     executor, max_seq_len = serving_executor(request, body.model), request.app.state.serve.max_seq_len
     prompts = await completion_prompt_ids(executor.tokenizer, body.prompt, max_seq_len)
-    return await answer(request, body, prompts, Render("completion", body.model, logprobs_tokenizer(body, executor)))
+    return await answer(request, body, prompts, Render("completion", body.model, body.engine_logprobs is not None, executor.tokenizer))
 
 
 @router.post("/chat/completions", response_model=None, openapi_extra=body_of(s.ChatCompletionRequest))
@@ -75,12 +75,7 @@ async def chat_completions(request: Request) -> Response:
     body = await parsed(request, s.ChatCompletionRequest)
     executor, max_seq_len = serving_executor(request, body.model), request.app.state.serve.max_seq_len
     ids = await chat_prompt_ids(executor.tokenizer, body.messages, max_seq_len)
-    return await answer(request, body, [ids], Render("chat", body.model, logprobs_tokenizer(body, executor)))
-
-
-def logprobs_tokenizer(body: s.CompletionRequest | s.ChatCompletionRequest, executor: Any) -> Any:
-    """The tokenizer that names the tokens of logprobs, when they are asked for."""
-    return None if body.engine_logprobs is None else executor.tokenizer
+    return await answer(request, body, [ids], Render("chat", body.model, body.engine_logprobs is not None, executor.tokenizer))
 
 
 def serving_executor(request: Request, model: str) -> Any:

@@ -33,18 +33,15 @@ def sse(data: BaseModel | dict[str, Any], event: str | None = None) -> str:
 
 class Render:
     """Bodies of one request (``chat`` or ``completion``), sharing its id, time and model; choice
-    ``index`` i is the i-th job of ``bootstrap.serve.choices.Choices``. With a ``tokenizer``
-    (logprobs asked), each choice's logprobs are built from its events (``LogprobsOut``)."""
+    ``index`` i is the i-th job of ``bootstrap.serve.choices.Choices``. With ``logprobs``
+    asked, each choice's logprobs are built from its events (``LogprobsOut``, naming tokens
+    with ``tokenizer``)."""
 
-    def __init__(self, kind: str, model: str, tokenizer: Any = None) -> None:
-        self.kind, self.model, self.tokenizer = kind, model, tokenizer
+    def __init__(self, kind: str, model: str, logprobs: bool = False, tokenizer: Any = None) -> None:
+        self.kind, self.model, self.with_logprobs, self.tokenizer = kind, model, logprobs, tokenizer
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self._logprobs: dict[int, LogprobsOut] = {}
-
-    @property
-    def with_logprobs(self) -> bool:
-        return self.tokenizer is not None
 
     def whole(self, outcomes: Sequence[tuple[str, str, Sequence[Any]]], usage: s.Usage) -> BaseModel:
         """The response: per choice, in index order, its text, finish reason and every event."""
@@ -70,7 +67,7 @@ class Render:
 
     def logprobs(self, index: int, events: Sequence[Any]) -> Any:
         """Choice ``index``'s logprobs for ``events`` (each passed once, in order), or None when not asked."""
-        if self.tokenizer is None:
+        if not self.with_logprobs:
             return None
         out = self._logprobs.get(index)
         if out is None:
