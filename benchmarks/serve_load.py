@@ -83,7 +83,7 @@ class Server:
         command = [sys.executable, "-m", "bootstrap.cli", "serve", "--model", args.model, "--device", args.device,
                    "--port", "0", "--max-batch-size", str(args.max_batch_size), "--max-seq-len", str(args.max_seq_len),
                    "--no-plan-cache"]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         self.proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.url = self._port()
 
