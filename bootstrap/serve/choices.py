@@ -103,6 +103,7 @@ class ChoicesStream(StreamingResponse):
                 finally:
                     tg.cancel_scope.cancel()  # pumps still waiting: their jobs are cancelled by close()
         finally:
+            self._events.close()
             await self.choices.close()
 
 
