@@ -54,6 +54,7 @@ class ResponseWriter:
 
     def append(self, handle: Handle, token: int, logprob: TokenLogprob | None = None) -> None:
         seq = handle.seq
+        seq.clock.sampled()
         seq.append(token)
         if logprob is not None:
             seq.logprobs.append(logprob)
@@ -90,10 +91,11 @@ class ResponseWriter:
         delta = _release_text(handle, full, final=True)
         text = trim_stop_text(full, seq.params)
         logprobs = list(seq.logprobs) if seq.params.logprobs is not None else None
-        response = Response(
-            seq.request_id, seq.prompt_token_ids, seq.output_token_ids, text, reason, error, seq.is_warmup, logprobs
-        )
-        self.requests.publish(handle, StreamEvent(token, delta, reason, error, **_logprob_fields(logprob)), response)
+        timing = seq.clock.timing()
+        response = Response(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, text, reason, error,
+                            seq.is_warmup, logprobs, timing)  # fmt: skip
+        final = StreamEvent(token, delta, reason, error, **_logprob_fields(logprob), timing=timing)
+        self.requests.publish(handle, final, response)
 
 
 def _logprob_fields(entry: TokenLogprob | None) -> dict:

@@ -185,6 +185,7 @@ class Scheduler:
         self._admit()
         batch = self.micro_batch.plan(self.running)
         for seq, count in zip(batch.seqs, batch.num_new_tokens):
+            seq.clock.prefill_steps += seq.in_prefill
             if self.kv_cache.holds(seq.request_id):
                 self.kv_cache.extend(seq.request_id, count)
             else:
@@ -197,6 +198,7 @@ class Scheduler:
                 break
             seq = self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            seq.clock.scheduled()
             self.running.append(seq)
 
     def fork(self, batch: ScheduledBatch) -> ScheduledBatch:
@@ -216,6 +218,7 @@ class Scheduler:
                     joined.append((parent, child))
                     self.capacity.hand_over(parent, child)
                     child.num_computed, child.status = parent.num_computed + count, SequenceStatus.RUNNING
+                    child.clock.joined(parent.clock)
                     self.running.append(child)
                     seqs, counts, rows = [*seqs, child], [*counts, 0], [*rows, row]
         except BaseException:
@@ -241,6 +244,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        if self.kv_cache.holds(seq.request_id):
+            seq.clock.kv_blocks = len(self.kv_cache.block_table(seq.request_id))
         self.capacity.release(seq)
         heirs, seq.forks = [c for c in seq.forks if not c.finished], []
         if heirs:

@@ -18,6 +18,7 @@ import torch
 
 from bootstrap.engine.logits_processing import TokenLogprob
 from bootstrap.engine.sampling import SamplingParams
+from bootstrap.engine.timing import RequestClock, RequestTiming
 
 _ids = itertools.count()
 
@@ -50,6 +51,7 @@ class Sequence:
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, if asked
     forks: list[Sequence] = field(default_factory=list)  # the other choices of its prompt, until its prefill ends
+    clock: RequestClock = field(default_factory=RequestClock)  # its passage, written by the engine thread
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -106,6 +108,7 @@ class Response:
     error: str | None = None
     is_warmup: bool = False
     logprobs: list[TokenLogprob] | None = None  # one per generated token when params.logprobs is set
+    timing: RequestTiming | None = None  # when it was queued, admitted, first sampled and finished
 
     @property
     def ok(self) -> bool:
@@ -116,7 +119,8 @@ class Response:
 class StreamEvent:
     """One streamed step: the new token and the text it completes; the last one has ``finish_reason``.
     With ``params.logprobs`` set, ``logprob`` is the token's and ``top_logprobs`` the most likely
-    (token id, logprob) pairs, under the model's raw distribution."""
+    (token id, logprob) pairs, under the model's raw distribution. The final event carries the
+    request's ``timing``."""
 
     token_id: int | None
     text: str
@@ -124,6 +128,7 @@ class StreamEvent:
     error: str | None = None
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    timing: RequestTiming | None = None
 
     @property
     def finished(self) -> bool:
