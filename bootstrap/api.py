@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import TracerProvider
+from opentelemetry.trace import Tracer, TracerProvider
 
 from bootstrap.backends.base import Backend, Executor
 from bootstrap.config import BootstrapConfig
@@ -74,6 +74,12 @@ class Bootstrap:
         self.pipeline: Pipeline = make_pipeline(config, self.backend, tracer_provider=self._provider)
         self._started: float | None = None
         self._ready_s: float | None = None
+
+    @property
+    def tracer(self) -> Tracer:
+        """A tracer of this build's trace pipeline (its file and OTLP): the server's request
+        spans go there, and stay out of the build's report."""
+        return self._provider.get_tracer(TRACER_NAME)
 
     def events(self) -> AsyncIterator[StageEvent]:
         return self.pipeline.events()

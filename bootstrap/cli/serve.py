@@ -59,6 +59,9 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         f"(default: env {ENV_API_KEY})")  # fmt: skip
     add("--served-model-name", help="the model id clients send (default: --model as given)")
     add("--shutdown-timeout", type=float, default=30.0, help="seconds requests in flight get after a signal")
+    add("--request-trace-ratio", type=float, default=1.0, metavar="R",
+        help="with --trace-file or --otlp: the share of requests, in [0, 1], traced when the caller sends no "
+             "traceparent (a caller's traceparent decides by its sampled flag; default 1: every request)")  # fmt: skip
     add("--backend-factory", metavar="MODULE:CALLABLE",
         help="build the backend with CALLABLE(config) from MODULE instead of --backend "
              "(e.g. one wrapping the native engine; default: none)")  # fmt: skip
@@ -75,6 +78,8 @@ def serve_options(args: argparse.Namespace, config: Any) -> Any:
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"port: must be in [0, 65535] (got {args.port})")
     check_number("shutdown_timeout", args.shutdown_timeout, 0.0, MAX_SECONDS, unit=" seconds")
+    ratio = getattr(args, "request_trace_ratio", 1.0)  # a Namespace made by hand may leave it out
+    check_number("request_trace_ratio", ratio, 0.0, 1.0)
     check_host(getattr(args, "host", "127.0.0.1"))  # a Namespace made by hand may leave it out
     check_kv_tokens(config)
     key = args.api_key if args.api_key is not None else os.environ.get(ENV_API_KEY)
@@ -82,8 +87,8 @@ def serve_options(args: argparse.Namespace, config: Any) -> Any:
         source = "--api-key" if args.api_key is not None else ENV_API_KEY
         raise ConfigError(f"api_key: must not be empty (from {source})")
     return ServeOptions(model_id=args.served_model_name or config.model, api_key=key, trace_file=args.trace_file,
-                        otlp=args.otlp, backend_factory=args.backend_factory,
-                        shutdown_timeout_s=args.shutdown_timeout)  # fmt: skip
+                        otlp=args.otlp, request_trace_ratio=ratio,
+                        backend_factory=args.backend_factory, shutdown_timeout_s=args.shutdown_timeout)  # fmt: skip
 
 
 def check_host(host: str) -> None:

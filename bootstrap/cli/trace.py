@@ -1,5 +1,6 @@
-"""``bootstrap trace FILE [FILE ...] [--png OUT]``: a timeline of stages and attempts, read from
-``--trace-file`` JSON Lines (``docs/design.md``), in the terminal and as a PNG.
+"""``bootstrap trace FILE [FILE ...] [--png OUT] [--requests N]``: a timeline of stages and
+attempts, read from ``--trace-file`` JSON Lines (``docs/design.md``), in the terminal and as a
+PNG; for a ``bootstrap serve`` trace, its requests too, the slowest first (``trace_requests``).
 
 Each file becomes one timeline: a row per pipeline run, per stage and, for a stage that took more
 than one attempt, per attempt, placed by start and end time from the start of the file's first
@@ -17,8 +18,6 @@ written: never read as rich markup, nor as matplotlib mathtext.
 from __future__ import annotations
 
 import argparse
-import os
-import stat
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -31,13 +30,14 @@ from rich.text import Text
 
 from bootstrap.cli.args import check_values_given
 from bootstrap.cli.trace_file import STAGE_PREFIX, Skipped, TraceFileError, read_spans
-from bootstrap.config import ConfigError, file_kind
+from bootstrap.cli.trace_png import check_png_path, printable, special_kind, write_png
+from bootstrap.cli.trace_requests import DEFAULT_SHOWN, RequestRow, request_rows, requests_table
+from bootstrap.config import ConfigError
 from bootstrap.pipeline.process import PHASE_PREFIX, PROCESS_SPAN
 from bootstrap.pipeline.telemetry import ROOT_SPAN, MissingExtra
 
 ATTEMPT_SUFFIX = ".attempt"
 COLORS = {"ok": "green", "failed": "red", "cancelled": "dark_orange", "skipped": "bright_black", "unfinished": "blue"}
-PNG_COLORS = {"ok": "#2e7d32", "failed": "#c62828", "cancelled": "#ef6c00", "skipped": "#9e9e9e"}
 LABEL_COLUMNS = 72  # what the other columns of the table take, besides the bar and the note
 
 
@@ -198,12 +198,6 @@ def _bar(span: dict[str, Any], t0: int, label: str, level: int, note: str = "") 
     return Bar(printable(label), level, start, end, printable(_outcome(span)), printable(note))
 
 
-def printable(text: str) -> str:
-    """``text`` as any terminal or file takes it: a lone surrogate (a JSON ``\\ud800`` escape, a
-    path's undecodable byte) becomes ``?`` instead of failing the write."""
-    return text.encode("utf-8", "replace").decode("utf-8")
-
-
 MAX_OUTCOME = 24  # 'attempt_failed' and every outcome the stages write fit
 
 
@@ -278,101 +272,26 @@ def _text_bar(bar: Bar, scale_s: float, width: int) -> Text:
     return text
 
 
-# ---- PNG ------------------------------------------------------------------------------------
-
-
-def _pyplot() -> Any:
-    try:
-        import matplotlib
-    except ImportError as exc:
-        raise MissingExtra("the PNG timeline needs matplotlib: pip install 'executor-bootstrap[plot]'") from exc
-    matplotlib.use("Agg")  # files only, never a window
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def check_png_path(out: Path) -> None:
-    """Before any rendering: ``out`` (and its folder) can be created and written. A file that
-    did not exist is removed again, so a later failure leaves nothing behind."""
-    special = _special_kind(out)
-    if special == file_kind(stat.S_IFIFO):  # its open would block until a reader comes
-        raise ConfigError(f"png: cannot write {printable(str(out))!r} ({special}, not a regular file); "
-                          "pass a file in a writable folder")  # fmt: skip
-    try:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        existed = Path(out).exists()
-        with open(out, "ab"):
-            pass
-        if not existed:
-            Path(out).unlink()
-    except OSError as exc:
-        raise ConfigError(f"png: cannot write {str(out)!r} ({exc.strerror or exc}); "
-                          "pass a file in a writable folder") from None
-
-
-def write_png(lines: Sequence[Timeline], out: Path) -> Path:
-    """One panel per timeline, stacked, on one time axis (seconds); bars coloured by outcome.
-    Always PNG, whatever ``out`` ends with; labels are drawn as written (no mathtext)."""
-    plt = _pyplot()
-    heights = [max(len(line.bars), 1) * 0.32 + 0.8 for line in lines]
-    fig, axes = plt.subplots(len(lines), 1, figsize=(11, sum(heights)), sharex=True, squeeze=False,
-                             gridspec_kw={"height_ratios": heights})  # fmt: skip
-    for ax, line in zip(axes[:, 0], lines):
-        _draw(ax, line)
-    axes[-1, 0].set_xlabel("seconds since the first span")
-    fig.tight_layout()
-    try:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, dpi=120, format="png")
-    except OSError as exc:
-        raise ConfigError(f"png: cannot write {str(out)!r} ({exc.strerror or exc})") from None
-    finally:
-        plt.close(fig)
-    return Path(out)
-
-
-def _draw(ax: Any, line: Timeline) -> None:
-    for row, bar in enumerate(line.bars):
-        ax.barh(row, max(bar.duration_s, 1e-4), left=bar.start_s, color=PNG_COLORS.get(bar.outcome, "#1565c0"),
-                height=0.6 if bar.level else 0.8)  # fmt: skip
-        ax.text(bar.end_s, row, f"  {bar.duration_s * 1000:.0f} ms {bar.note[:60]}", va="center", fontsize=7,
-                parse_math=False)  # fmt: skip
-    ax.set_yticks(range(len(line.bars)), [("· " if b.level == 2 else "") + b.label for b in line.bars], fontsize=8,
-                  parse_math=False)  # fmt: skip
-    ax.invert_yaxis()
-    ax.set_title(f"{line.source}: {line.end_s:.3f} s", fontsize=9, loc="left", parse_math=False)
-    ax.grid(axis="x", alpha=0.3)
-
-
 # ---- the command ----------------------------------------------------------------------------
 
 
-def _special_kind(path: Path) -> str | None:
-    """What ``path`` is when it exists and is no regular file (links followed), else None."""
-    try:
-        mode = os.stat(path).st_mode
-    except (OSError, ValueError):  # absent, or not ours to look into: the open says why
-        return None
-    if stat.S_ISREG(mode):
-        return None
-    return "a directory" if stat.S_ISDIR(mode) else file_kind(mode)
-
-
-def _read_timeline(path: Path) -> tuple[Timeline, list[str]]:
-    """The file's timeline, and what it had to leave out: one warning per kind of damage. A FIFO
-    or device is refused before it is opened (reading it would block, or never end)."""
-    special = _special_kind(path)
+def _read_timeline(path: Path) -> tuple[Timeline, list[str], list[RequestRow]]:
+    """The file's timeline, what it had to leave out (one warning per kind of damage) and its
+    requests, slowest first. A FIFO or device is refused before it is opened (reading it would
+    block, or never end)."""
+    special = special_kind(path)
     if special and special != "a directory":
         raise TraceFileError(f"trace file {str(path)!r}: {special}, not a regular file")
     skipped = Skipped()
     spans = read_spans(path, skipped)
-    return timeline(spans, str(path)), skipped.warnings(path)
+    return timeline(spans, str(path)), skipped.warnings(path), request_rows(spans)
 
 
 def add_trace_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("files", nargs="+", type=Path, metavar="FILE", help="trace files written with --trace-file")
     parser.add_argument("--png", type=Path, help="also draw the timelines, one panel per file, into this PNG (default: none)")
+    parser.add_argument("--requests", type=int, default=DEFAULT_SHOWN, metavar="N",
+                        help=f"show the N slowest requests of a bootstrap serve trace (default {DEFAULT_SHOWN}; 0: none)")
 
 
 def main_trace(args: argparse.Namespace, console: Console | None = None) -> int:
@@ -382,9 +301,11 @@ def main_trace(args: argparse.Namespace, console: Console | None = None) -> int:
     console = console or Console(markup=False)
     try:
         check_values_given(args)
+        if getattr(args, "requests", 0) < 0:
+            raise ConfigError(f"requests: must be >= 0 (got {args.requests}); allowed: 0 (none) or more")
         if args.png is not None:
             check_png_path(args.png)
-        lines, warnings = zip(*(_read_timeline(path) for path in args.files))
+        lines, warnings, requests = zip(*(_read_timeline(path) for path in args.files))
         if args.png is not None:
             write_png(lines, args.png)
     except (ConfigError, MissingExtra) as exc:  # TraceFileError is a ConfigError
@@ -393,8 +314,11 @@ def main_trace(args: argparse.Namespace, console: Console | None = None) -> int:
     for warning in (w for file_warnings in warnings for w in file_warnings):
         print(f"bootstrap: {warning}", file=sys.stderr)
     scale = max(line.end_s for line in lines)
-    for line in lines:
-        console.print(timeline_table(line, scale, bar_width(console.width)))
+    for line, rows in zip(lines, requests):
+        if line.bars or not rows:
+            console.print(timeline_table(line, scale, bar_width(console.width)))
+        if rows and getattr(args, "requests", DEFAULT_SHOWN):
+            console.print(requests_table(rows, args.requests, max(10, min(40, console.width - 100))))
     if args.png is not None:
         print(f"wrote {printable(str(args.png))}")
     return 0

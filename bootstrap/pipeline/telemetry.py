@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import IO
 
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.context import Context
+from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -27,6 +28,8 @@ from bootstrap.config import ConfigError, ensure_directory
 
 ROOT_SPAN = "bootstrap.pipeline"
 TRACER_NAME = "bootstrap"
+REQUEST_SPAN = "bootstrap.request"  # one per traced HTTP generation request (``bootstrap.serve.request_trace``)
+CHOICE_SPAN = "bootstrap.request.choice"  # one per choice, parent of its queue, prefill and decode spans
 OTLP_TIMEOUT_S = 2.0  # per export, retries included; the collector is local or near in practice
 
 log = logging.getLogger(__name__)
@@ -38,6 +41,37 @@ def stage_span(stage_id: str) -> str:
 
 def attempt_span(stage_id: str) -> str:
     return f"bootstrap.stage.{stage_id}.attempt"
+
+
+def request_phase_span(phase: str) -> str:
+    """``queue``, ``prefill`` or ``decode`` of one choice."""
+    return f"{REQUEST_SPAN}.{phase}"
+
+
+def is_request_span(name: str) -> bool:
+    return name == REQUEST_SPAN or name.startswith(REQUEST_SPAN + ".")
+
+
+class SkipRequestSpans(SpanProcessor):
+    """Forwards every span but a request's to ``processor``: the in-memory copy a ``Bootstrap``
+    keeps for its report stays the bootstrap's, however long the server runs."""
+
+    def __init__(self, processor: SpanProcessor) -> None:
+        self._processor = processor
+
+    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
+        if not is_request_span(span.name):
+            self._processor.on_start(span, parent_context)
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if not is_request_span(span.name):
+            self._processor.on_end(span)
+
+    def shutdown(self) -> None:
+        self._processor.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self._processor.force_flush(timeout_millis)
 
 
 def span_record(span: ReadableSpan) -> dict:
@@ -162,8 +196,8 @@ def otlp_exporter() -> WarnOnce:
 def make_tracer_provider(
     *, trace_file: Path | None = None, otlp: bool = False, memory: InMemorySpanExporter | None = None
 ) -> TracerProvider:
-    """A provider with the asked-for destinations. The trace file and the in-memory exporter get
-    each span as it ends; OTLP gets batches from a background thread (flushed by ``shutdown()``)."""
+    """A provider with the asked-for destinations. The trace file and the in-memory exporter (which
+    skips request spans) get each span as it ends; OTLP gets batches from a background thread (flushed by ``shutdown()``)."""
     provider = TracerProvider(resource=Resource.create({"service.name": "executor-bootstrap"}))
     if trace_file is not None:
         exporter = JsonLinesSpanExporter(trace_file)
@@ -171,5 +205,5 @@ def make_tracer_provider(
     if otlp:
         provider.add_span_processor(BatchSpanProcessor(otlp_exporter()))
     if memory is not None:
-        provider.add_span_processor(SimpleSpanProcessor(memory))
+        provider.add_span_processor(SkipRequestSpans(SimpleSpanProcessor(memory)))
     return provider

@@ -27,6 +27,7 @@ from bootstrap.serve.body_limit import BodyLimitMiddleware
 from bootstrap.serve.errors import install_handlers
 from bootstrap.serve.metrics import ServeMetrics
 from bootstrap.serve.request_body import document_bodies
+from bootstrap.serve.request_trace import RequestTracing
 from bootstrap.serve.state import ServeState
 
 log = logging.getLogger("bootstrap.serve")
@@ -43,6 +44,8 @@ def create_app(state: ServeState, on_fatal: Callable[[], None] = lambda: None) -
     app.include_router(bootstrap_routes.router)
     app.include_router(openai_routes.router)
     document_bodies(app)
+    if state.options.traces:  # inside the key check: a refused request is not traced
+        app.add_middleware(RequestTracing, tracer=state.tracer, ratio=state.options.request_trace_ratio)
     if state.options.api_key is not None:
         app.add_middleware(APIKeyMiddleware, key=state.options.api_key)
         log.info("bootstrap serve: an API key is required ('Authorization: Bearer <key>') on every route "

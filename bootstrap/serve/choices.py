@@ -18,29 +18,35 @@ from typing import Any
 
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
+from opentelemetry.trace import Span
 from starlette.responses import StreamingResponse
 from starlette.types import Send
 
 from bootstrap.serve import schemas as s
 from bootstrap.serve.jobs import Job, enqueue
 from bootstrap.serve.metrics import ServeMetrics
+from bootstrap.serve.recent import RequestSummary
 from bootstrap.serve.render import SSE_HEADERS, Render, stream_body
+from bootstrap.serve.request_trace import record_choices
 from bootstrap.serve.state import ServeState
 
 
 class Choices:
-    """The jobs of one request, enqueued in order: job ``i`` is choice ``i`` (``start``)."""
+    """The jobs of one request, enqueued in order: job ``i`` is choice ``i`` (``start``). Once
+    closed, the request is in the server's recent requests and, when ``span`` records, its
+    choices are in the trace (``request_trace``)."""
 
-    def __init__(self, prompt_tokens: int) -> None:
+    def __init__(self, state: ServeState, endpoint: str, prompt_tokens: int, span: Span | None = None) -> None:
         self.jobs: list[Job] = []
-        self.prompt_tokens = prompt_tokens
+        self.state, self.endpoint, self.prompt_tokens, self.span = state, endpoint, prompt_tokens, span
+        self._recorded = False
 
     @classmethod
     async def start(cls, state: ServeState, metrics: ServeMetrics, endpoint: str, prompts: Sequence[list[int]],
-                    params: Sequence[Any], n: int = 1) -> Choices:  # fmt: skip
+                    params: Sequence[Any], n: int = 1, span: Span | None = None) -> Choices:  # fmt: skip
         """Enqueue ``n`` jobs per prompt (choice ``i * n + j`` is prompt i's j-th); if some
         cannot be (shutting down), those before them are closed."""
-        choices = cls(sum(len(ids) for ids in prompts))
+        choices = cls(state, endpoint, sum(len(ids) for ids in prompts), span)
         try:
             for ids, p in zip(prompts, params, strict=True):
                 for request_id in enqueue(state, ids, p, n):
@@ -73,9 +79,18 @@ class Choices:
         return s.Usage.of(self.prompt_tokens, sum(job.tokens for job in self.jobs))
 
     async def close(self) -> None:
-        """Close every job (idempotent; shielded inside each ``Job.close``)."""
+        """Close every job (idempotent; shielded inside each ``Job.close``), then record the request once."""
         for job in self.jobs:
             await job.close()
+        if not self._recorded:
+            self._recorded = True
+            self._record()
+
+    def _record(self) -> None:
+        recording = self.span is not None and self.span.is_recording()
+        trace_id = f"{self.span.get_span_context().trace_id:032x}" if recording else None
+        self.state.recent.add(RequestSummary.of(self.endpoint, self.jobs, self.prompt_tokens, trace_id))
+        record_choices(self.span, self.state.tracer(), self.endpoint, self.jobs, self.prompt_tokens)
 
 
 class ChoicesStream(StreamingResponse):

@@ -45,6 +45,8 @@ class Job:
         self._first: Any = None
         self.tokens = 0
         self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.timing: Any = None  # the engine's RequestTiming, once it ended there
         self._closed = False
 
     async def first_event(self) -> Any:
@@ -69,9 +71,15 @@ class Job:
             if self.tokens == 0:
                 self.metrics.ttft.labels(self.endpoint).observe(time.monotonic() - self.started)
             self.tokens += 1
+            self.state.tokens_generated += 1
         if event.finished:
-            self.finish_reason = event.finish_reason
+            self.finish_reason, self.error, self.timing = event.finish_reason, event.error, event.timing
         return event
+
+    @property
+    def reason(self) -> str:
+        """How it ended, as the server says it (``abort`` for a request cut short)."""
+        return finish_reason(self.finish_reason or "cancelled")
 
     async def close(self) -> None:
         """Idempotent; safe to call from a cancelled task (the clean-up is shielded)."""
@@ -97,10 +105,11 @@ class Job:
                 response = await self.executor.await_response_async(self.request_id)
             except (KeyError, TimeoutError):  # already forgotten: nothing is left to collect
                 return
-            self.finish_reason = response.finish_reason  # "cancelled", or how it ended just before
+            # "cancelled", or how it ended just before
+            self.finish_reason, self.error, self.timing = response.finish_reason, response.error, response.timing
 
     def _record(self) -> None:
-        reason = finish_reason(self.finish_reason or "cancelled")
+        reason = self.reason
         self.metrics.requests.labels(self.endpoint, reason).inc()
         self.metrics.prompt_tokens.inc(self.prompt_tokens)
         self.metrics.generated_tokens.inc(self.tokens)

@@ -26,6 +26,7 @@ from bootstrap.serve.openai_prompts import (
 )
 from bootstrap.serve.render import Render
 from bootstrap.serve.request_body import body_of, parsed
+from bootstrap.serve.request_trace import SCOPE_KEY
 from bootstrap.serve.state import ServeState
 
 RETRY_AFTER_S = {"starting": 1, "bootstrapping": 1, "failed": 5, "shutting_down": 5}
@@ -93,7 +94,8 @@ async def answer(request: Request, body: s.CompletionRequest | s.ChatCompletionR
     state: ServeState = request.app.state.serve
     limit, field = token_limit(body)
     params = [sampling_params(body, tokens) for tokens in check_lengths(prompts, limit, field, state.max_seq_len)]
-    choices = await Choices.start(state, request.app.state.metrics, render.kind, prompts, params, body.n)
+    span = getattr(request.state, SCOPE_KEY, None)  # set by RequestTracing when this request is traced
+    choices = await Choices.start(state, request.app.state.metrics, render.kind, prompts, params, body.n, span)
     try:
         if await unless_disconnected(request, choices.first_events) is None:
             return Response(status_code=CLIENT_CLOSED)

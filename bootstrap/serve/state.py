@@ -18,6 +18,7 @@ import anyio
 from bootstrap.backends.base import RequestExecutor
 from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.pipeline.process import ProcessTimeline
+from bootstrap.serve.recent import RecentRequests
 
 Phase = Literal["starting", "bootstrapping", "ready", "failed", "shutting_down"]
 
@@ -31,6 +32,7 @@ class ServeOptions:
     api_key: str | None = None
     trace_file: Path | None = None
     otlp: bool = False
+    request_trace_ratio: float = 1.0  # of the requests that come without a trace context, those traced
     backend_factory: str | None = None  # "module:callable"; None: the backend config.backend names
     shutdown_timeout_s: float = 30.0
 
@@ -39,6 +41,15 @@ class ServeOptions:
             object.__setattr__(self, "api_key", clean_api_key(self.api_key))
         if self.backend_factory is not None:
             factory_parts(self.backend_factory)
+        ratio = self.request_trace_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0.0 <= ratio <= 1.0:
+            raise ConfigError(f"request_trace_ratio: must be a number in [0, 1] (got {ratio!r}); 0 traces only "
+                              "requests whose caller's traceparent is sampled, 1 every request")  # fmt: skip
+
+    @property
+    def traces(self) -> bool:
+        """Whether spans go anywhere (a trace file or OTLP): requests are traced only then."""
+        return self.trace_file is not None or self.otlp
 
 
 def factory_parts(spec: str) -> tuple[str, str]:
@@ -121,6 +132,8 @@ class ServeState:
     fatal: BaseException | None = None  # the server could not even start its bootstrap
     started_at: float = field(default_factory=time.monotonic)
     inflight: Inflight = field(default_factory=Inflight)
+    recent: RecentRequests = field(default_factory=RecentRequests)  # answered lately, for the status page
+    tokens_generated: int = 0  # since the server started, counted as each token is streamed
     changes: Changes = field(default_factory=Changes)
     stopping: anyio.Event = field(default_factory=anyio.Event)
     build_scope: anyio.CancelScope | None = None  # the running build or retry, cancelled at shutdown
@@ -142,6 +155,11 @@ class ServeState:
         if self._process_phase is not None:
             self.process.finish(self._process_phase)
         self._process_phase = self.process.begin(name) if name is not None else None
+
+    def tracer(self) -> Any:
+        """The trace pipeline's tracer for request spans; None when spans go nowhere or the
+        bootstrap is not made yet."""
+        return self.boot.tracer if self.options.traces and self.boot is not None else None
 
     def elapsed_s(self) -> float:
         return time.monotonic() - self.started_at

@@ -1,0 +1,119 @@
+"""The requests of a ``bootstrap serve`` trace file (``bootstrap.serve.request_trace``), the
+slowest first: each one's queue, prefill and decode time (its slowest choice's), tokens, status
+and finish reasons, and a bar placing it on the file's request timeline, its phases coloured.
+Attributes are read as written, whatever their type: a damaged one shows as ``?``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rich.table import Table
+from rich.text import Text
+
+from bootstrap.pipeline.telemetry import CHOICE_SPAN, REQUEST_SPAN, request_phase_span
+
+PHASES = ("queue", "prefill", "decode")
+PHASE_COLORS = {"queue": "yellow", "prefill": "blue", "decode": "green", "server": "bright_black"}
+DEFAULT_SHOWN = 20
+MS_COLUMNS = ("start", "total", "queue", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class RequestRow:
+    """One traced request, in seconds from the file's first request."""
+
+    trace_id: str
+    endpoint: str
+    status: str
+    start_s: float
+    end_s: float
+    phases: dict[str, tuple[float, float]]  # its slowest choice's queue, prefill and decode: (start, end)
+    tokens: str
+    finish: str
+    kv_blocks: str
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+def request_rows(spans: Sequence[dict[str, Any]]) -> list[RequestRow]:
+    """Every request span of the file, slowest first."""
+    requests = [s for s in spans if s["name"] == REQUEST_SPAN]
+    if not requests:
+        return []
+    t0 = min(s["start_time_unix_nano"] for s in requests)
+    children: dict[str | None, list[dict[str, Any]]] = {}
+    for span in spans:
+        children.setdefault(span["parent_span_id"], []).append(span)
+    rows = [_row(span, t0, children) for span in requests]
+    return sorted(rows, key=lambda r: r.duration_s, reverse=True)
+
+
+def _row(span: dict[str, Any], t0: int, children: dict[str | None, list[dict[str, Any]]]) -> RequestRow:
+    attrs = span["attributes"]
+    choices = [c for c in children.get(span["span_id"], []) if c["name"] == CHOICE_SPAN]
+    slowest = max(choices, key=lambda c: c["end_time_unix_nano"] - c["start_time_unix_nano"], default=None)
+    phases: dict[str, tuple[float, float]] = {}
+    for phase in children.get(slowest["span_id"], []) if slowest else []:
+        name = next((p for p in PHASES if phase["name"] == request_phase_span(p)), None)
+        if name is not None:
+            phases[name] = ((phase["start_time_unix_nano"] - t0) / 1e9, (phase["end_time_unix_nano"] - t0) / 1e9)
+    reasons = attrs.get("gen_ai.response.finish_reasons")
+    finish = ",".join(map(str, reasons)) if isinstance(reasons, list) else ("" if reasons is None else "?")
+    blocks = [c["attributes"].get("bootstrap.kv_blocks") for c in choices]
+    return RequestRow(
+        str(span.get("trace_id", "?"))[:8], _text(attrs.get("bootstrap.endpoint") or attrs.get("url.path")),
+        _text(attrs.get("http.response.status_code")), (span["start_time_unix_nano"] - t0) / 1e9,
+        (span["end_time_unix_nano"] - t0) / 1e9, phases,
+        f"{_text(attrs.get('gen_ai.usage.input_tokens'))}→{_text(attrs.get('gen_ai.usage.output_tokens'))}",
+        finish[:24], "+".join(_text(b) for b in blocks),
+    )  # fmt: skip
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return ""
+    return str(value) if isinstance(value, str | int | float) and not isinstance(value, bool) else "?"
+
+
+def requests_table(rows: Sequence[RequestRow], shown: int = DEFAULT_SHOWN, width: int = 40) -> Table:
+    """The ``shown`` slowest requests: times in ms, and a bar on the requests' shared time axis."""
+    scale = max((r.end_s for r in rows), default=0.0) or 1.0
+    title = (f"requests, slowest first ({min(shown, len(rows))} of {len(rows)}; ms; "
+             "bar: queue yellow, prefill blue, decode green, the server's own time grey)")  # fmt: skip
+    table = Table(title=Text(title))
+    for column in ("trace", "request", "start", "total", "queue", "prefill", "decode", "tokens", "finish", "KV",
+                   "timeline"):  # fmt: skip
+        table.add_column(column, justify="right" if column in MS_COLUMNS else "left", no_wrap=column != "finish")
+    for row in rows[:shown]:
+        table.add_row(Text(row.trace_id), Text(f"{row.endpoint} {row.status}"), _ms(row.start_s), _ms(row.duration_s),
+                      *(_ms(_length(row.phases.get(p))) for p in PHASES), Text(row.tokens), Text(row.finish),
+                      Text(row.kv_blocks), _bar(row, scale, width))  # fmt: skip
+    return table
+
+
+def _length(span: tuple[float, float] | None) -> float | None:
+    return None if span is None else span[1] - span[0]
+
+
+def _ms(seconds: float | None) -> str:
+    return "" if seconds is None else f"{seconds * 1000:.1f}"
+
+
+def _bar(row: RequestRow, scale: float, width: int) -> Text:
+    """The request's extent on the shared axis: the server's own time grey, each phase in its colour."""
+    cells = ["server"] * width
+    begin = min(int(row.start_s / scale * width), width - 1)
+    end = max(min(round(row.end_s / scale * width), width), begin + 1)
+    for phase in PHASES:
+        if phase in row.phases:
+            lo, hi = (min(int(t / scale * width), width - 1) for t in row.phases[phase])
+            for cell in range(lo, max(hi, lo + 1)):
+                cells[cell] = phase
+    text = Text(" " * begin)
+    for cell in range(begin, end):
+        text.append("█", style=PHASE_COLORS[cells[cell]])
+    return text
