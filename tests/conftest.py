@@ -20,3 +20,17 @@ from helpers.smollm2 import smollm2_cache_dir  # noqa: E402
 def smollm2_cache() -> Path:
     """The SmolLM2 checkpoint's cache directory (skips when offline and not cached)."""
     return smollm2_cache_dir()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--screenshots", type=Path, default=None, metavar="DIR",
+                     help="where the browser tests save their screenshots (default: the test's tmp_path); "
+                          "docs/ holds the committed ones")  # fmt: skip
+
+
+@pytest.fixture
+def screenshots(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
+    """The folder the browser tests save screenshots in (``--screenshots``, else ``tmp_path``)."""
+    folder = request.config.getoption("--screenshots") or tmp_path
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder

@@ -21,7 +21,7 @@ from contextlib import asynccontextmanager
 import anyio
 from fastapi import FastAPI
 
-from bootstrap.serve import bootstrap_routes, build_task, openai_routes
+from bootstrap.serve import bootstrap_routes, build_task, openai_routes, status_routes
 from bootstrap.serve.auth import OPEN, APIKeyMiddleware
 from bootstrap.serve.body_limit import BodyLimitMiddleware
 from bootstrap.serve.errors import install_handlers
@@ -43,6 +43,7 @@ def create_app(state: ServeState, on_fatal: Callable[[], None] = lambda: None) -
     install_handlers(app)
     app.include_router(bootstrap_routes.router)
     app.include_router(openai_routes.router)
+    app.include_router(status_routes.router)
     document_bodies(app)
     if state.options.traces:  # inside the key check: a refused request is not traced
         app.add_middleware(RequestTracing, tracer=state.tracer, ratio=state.options.request_trace_ratio)

@@ -2,6 +2,13 @@
 else reads the request.
 
 ``Authorization: Bearer <key>``; the comparison is constant-time (``hmac.compare_digest``).
+A browser cannot send that header when it opens the status page (``GET /``) or follows its
+event stream, so HTTP Basic is taken too, the key as the password (any user name): a request
+for a page (``Accept: text/html``) without the key is challenged with ``Basic``, the browser
+asks for the key once and sends it with the page's own requests. Because a browser also sends
+those saved credentials with requests other sites make it send, a request that changes
+something (any method but GET, HEAD, OPTIONS) with Basic credentials from another site
+(``Sec-Fetch-Site``, ``Origin``) is refused with 403.
 Open without the key: ``/health``, ``/ready`` and ``/metrics`` (``OPEN``), for orchestrators and
 scrapers. Everything else is refused with 401 without it: the ``/v1`` routes, and also FastAPI's
 ``/docs``, ``/redoc`` and ``/openapi.json`` (they describe every route and parameter), an
@@ -14,6 +21,8 @@ file or an env file keeps its newline, and a client never sends it.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -22,6 +31,7 @@ from bootstrap.serve.errors import APIError
 from bootstrap.serve.state import clean_api_key
 
 OPEN = frozenset({"/health", "/ready", "/metrics"})
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
 class APIKeyMiddleware:
@@ -30,20 +40,48 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN:
-            error = self._check(dict(scope["headers"]).get(b"authorization"))
+            error = self._check(scope, dict(scope["headers"]))
             if error is not None:
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
-    def _check(self, header: bytes | None) -> APIError | None:
+    def _check(self, scope: Scope, headers: dict[bytes, bytes]) -> APIError | None:
+        header = headers.get(b"authorization")
         scheme, _, given = (header or b"").partition(b" ")
-        if header is None or scheme.lower() != b"bearer":
-            return _unauthorized("missing API key: send the header 'Authorization: Bearer <key>'")
-        if not hmac.compare_digest(given.strip(), self._key):
-            return _unauthorized("invalid API key")
+        scheme = scheme.lower()
+        browser = b"text/html" in headers.get(b"accept", b"")
+        if header is None or scheme not in (b"bearer", b"basic"):
+            return _unauthorized("missing API key: send the header 'Authorization: Bearer <key>'", browser)
+        key = given.strip() if scheme == b"bearer" else _basic_password(given)
+        if key is None or not hmac.compare_digest(key, self._key):
+            return _unauthorized("invalid API key", browser)
+        if scheme == b"basic" and scope["method"] not in SAFE_METHODS and _cross_site(headers):
+            return APIError(403, "refused: a request from another site with the browser's saved key (send the "
+                            "key as 'Authorization: Bearer <key>' instead)", code="cross_site")  # fmt: skip
         return None
 
 
-def _unauthorized(message: str) -> APIError:
-    return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+def _basic_password(credentials: bytes) -> bytes | None:
+    """The password of HTTP Basic credentials (any user name), or None when they do not decode."""
+    try:
+        _, sep, password = base64.b64decode(credentials.strip(), validate=True).partition(b":")
+    except (binascii.Error, ValueError):
+        return None
+    return password if sep else None
+
+
+def _cross_site(headers: dict[bytes, bytes]) -> bool:
+    """Whether the browser says the request comes from another site (``Sec-Fetch-Site``), or
+    names an ``Origin`` that is not this server's host."""
+    if headers.get(b"sec-fetch-site", b"same-origin") not in (b"same-origin", b"none"):
+        return True
+    origin = headers.get(b"origin")
+    return origin is not None and origin.partition(b"://")[2] != headers.get(b"host", b"")
+
+
+def _unauthorized(message: str, browser: bool) -> APIError:
+    """A 401 whose challenge a browser answers with its own key prompt (HTTP Basic, the key as
+    password) when it asked for a page; ``Bearer`` for every other client."""
+    challenge = 'Basic realm="executor-bootstrap", charset="UTF-8"' if browser else "Bearer"
+    return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": challenge})

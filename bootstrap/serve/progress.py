@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from bootstrap.serve.state import ServeState
+from bootstrap.stages import STAGE_IDS
 from bootstrap.stages.summary import plan_summary
 
 RETRYING = ("attempt_failed", "retrying")
@@ -19,8 +20,8 @@ def stage_rows(state: ServeState) -> list[dict[str, Any]]:
     """``id``, ``state`` (pending, running, retrying, done, skipped, failed, cancelled),
     ``attempts``, ``duration_s`` (so far while it runs), ``error``, ``skip_reason``, and while
     retrying the error of the attempt that failed and what the retry changes."""
-    if state.boot is None:
-        return []
+    if state.boot is None:  # the engine is still being imported: the stages it will run, none begun
+        return [_pending(stage) for stage in STAGE_IDS]
     history = state.stage_history()
     last = {event.stage: event for event in history}
     attempt_errors = {e.stage: e.message for e in history if e.kind == "attempt_failed"}
@@ -42,6 +43,11 @@ def stage_rows(state: ServeState) -> list[dict[str, Any]]:
             "figures": dict(status.figures),
         })  # fmt: skip
     return rows
+
+
+def _pending(stage: str) -> dict[str, Any]:
+    return {"id": stage, "state": "pending", "attempts": 0, "duration_s": None, "error": None, "last_attempt_error": None,
+            "retry_change": None, "skip_reason": None, "figures": {}}  # fmt: skip
 
 
 def _duration(status: Any) -> float | None:

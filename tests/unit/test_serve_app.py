@@ -14,6 +14,7 @@ from bootstrap.serve.app import create_app
 from bootstrap.serve.errors import APIError
 from bootstrap.serve.openai_prompts import check_length
 from bootstrap.serve.state import ServeOptions, ServeState
+from bootstrap.stages import STAGE_IDS
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -34,7 +35,8 @@ async def test_before_ready_probes_answer_and_generation_is_503_with_retry_after
         assert chat.json()["error"] == {"message": chat.json()["error"]["message"], "type": "service_unavailable",
                                         "param": None, "code": "not_ready"}  # fmt: skip
         assert (await http.get("/v1/models")).status_code == 503
-        assert (await http.get("/v1/bootstrap")).json()["stages"] == []
+        stages = (await http.get("/v1/bootstrap")).json()["stages"]  # the engine is not imported yet
+        assert [(s["id"], s["state"]) for s in stages] == [(stage, "pending") for stage in STAGE_IDS]
         assert (await http.post("/v1/bootstrap/retry")).status_code == 409
         assert "bootstrap_phase" in (await http.get("/metrics")).text
 
