@@ -14,6 +14,12 @@ server: on a small CPU they share its cores. Prints JSON and writes it to ``--ou
 K on every request), on the same server, one right after the other, and adds each setting's
 throughput as a ratio to the first one's (``vs_first``): the feature's cost, side by side.
 
+``--trace-ratios none,0,0.1,1`` starts one server per setting (``none``: no trace file; R:
+``--trace-file`` and ``--request-trace-ratio R``), all before any is measured, then measures
+each level on each server one right after the other, ``--rounds`` times: request tracing's
+cost, side by side (which setting goes first rotates from round to round; ``medians`` sums the
+rounds up). Each server's trace file is counted afterwards (``traced_requests``).
+
     python benchmarks/serve_load.py --model smollm2-135m-instruct --device cpu --levels 1,8,32,64 \
         --requests 64 --prompt-len 32 --gen-len 16 --out benchmarks/results/serve_load_cpu.json
 """
@@ -27,6 +33,7 @@ import os
 import platform
 import random
 import re
+import shlex
 import signal
 import statistics
 import subprocess
@@ -64,8 +71,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=49152, help="prompt token ids are drawn below this")
     parser.add_argument("--logprobs", default="off", type=_logprobs_settings,
                         help="comma-separated settings measured side by side: off, or K (0-20) logprobs per token")
+    parser.add_argument("--trace-ratios", default=[None], type=_ratio_settings,
+                        help="comma-separated: none (no trace file) or R in [0, 1], one server each (default: none)")
+    parser.add_argument("--rounds", type=int, default=1, help="times each level is measured on each setting")
+    parser.add_argument("--serve-args", default="", help="more flags for every server, one string "
+                        "(e.g. '--free-gpu-memory-fraction 0.2' for several servers on one GPU)")
     parser.add_argument("--out", type=Path)
     return parser.parse_args(argv)
+
+
+def _ratio_settings(text: str) -> list[float | None]:
+    try:
+        ratios = [None if v == "none" else float(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--trace-ratios: none or a number in [0, 1] each, got {text!r}") from None
+    if any(r is not None and not 0 <= r <= 1 for r in ratios):
+        raise argparse.ArgumentTypeError(f"--trace-ratios: each in [0, 1], got {text!r}")
+    return ratios
 
 
 def _logprobs_settings(text: str) -> list[int | None]:
@@ -78,11 +100,14 @@ def _logprobs_settings(text: str) -> list[int | None]:
 class Server:
     """``bootstrap serve`` in a subprocess on a free port; SIGTERM on exit."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, trace_ratio: float | None = None) -> None:
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        self.trace_ratio = trace_ratio
+        self.trace = None if trace_ratio is None else Path(tempfile.mkdtemp()) / "trace.jsonl"
+        tracing = [] if self.trace is None else ["--trace-file", str(self.trace), "--request-trace-ratio", str(trace_ratio)]
         command = [sys.executable, "-m", "bootstrap.cli", "serve", "--model", args.model, "--device", args.device,
                    "--port", "0", "--max-batch-size", str(args.max_batch_size), "--max-seq-len", str(args.max_seq_len),
-                   "--no-plan-cache"]  # fmt: skip
+                   "--no-plan-cache", *tracing, *shlex.split(args.serve_args)]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         self.proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.url = self._port()
@@ -95,6 +120,12 @@ class Server:
             time.sleep(0.05)
         raise RuntimeError(f"bootstrap serve exited:\n{Path(self.log.name).read_text()}")
 
+    def traced_requests(self) -> int | None:
+        """Request spans in this server's trace file (after ``stop``: every span is flushed)."""
+        if self.trace is None:
+            return None
+        return sum('"name": "bootstrap.request"' in line for line in self.trace.read_text().splitlines())
+
     def stop(self) -> int:
         """SIGTERM, wait; the server log is kept (and named on stderr) only when it did not exit 0."""
         self.proc.send_signal(signal.SIGTERM)
@@ -105,6 +136,11 @@ class Server:
         else:
             print(f"bootstrap serve exited with {code}; its log: {self.log.name}", file=sys.stderr)
         return code
+
+
+async def _ready(url: str) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        await wait_ready(http)
 
 
 async def wait_ready(http: httpx.AsyncClient) -> dict:
@@ -186,30 +222,61 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 1)
 
 
-async def measure(url: str, args: argparse.Namespace) -> tuple[dict, list[dict]]:
+async def measure(servers: list[tuple[str, float | None]], args: argparse.Namespace) -> tuple[dict, list[dict]]:
+    """Every level on every (server, logprobs) setting, one right after the other, ``--rounds`` times."""
     levels = [int(v) for v in args.levels.split(",")]
     limits = httpx.Limits(max_connections=max(levels) + 8, max_keepalive_connections=max(levels) + 8)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
-        ready = await wait_ready(http)
-        model = (await http.get("/v1/models")).json()["data"][0]["id"]
-        for logprobs in args.logprobs:  # warm each path once
+    clients = [httpx.AsyncClient(base_url=url, timeout=600, limits=limits) for url, _ in servers]
+    try:
+        ready = [await wait_ready(http) for http in clients]
+        model = (await clients[0].get("/v1/models")).json()["data"][0]["id"]
+        settings = [(http, ratio, logprobs) for http, (_, ratio) in zip(clients, servers) for logprobs in args.logprobs]
+        for http, _, logprobs in settings:  # warm each path once
             await one_request(http, model, list(range(3, 3 + args.prompt_len)), args.gen_len, logprobs)
         results = []
-        for clients in levels:  # each setting right after the other at the same level: side by side
-            runs = [await run_level(http, args, model, clients, logprobs) for logprobs in args.logprobs]
-            first = runs[0]["output_tokens_per_s"] or None
-            results += [{**run, "vs_first": round(run["output_tokens_per_s"] / first, 3) if first else None}
-                        for run in runs]  # fmt: skip
-        return ready, results
+        for round_number in range(1, args.rounds + 1):
+            for level in levels:  # each setting right after the other at the same level: side by side
+                order = [(i + round_number - 1) % len(settings) for i in range(len(settings))]  # who goes first rotates
+                runs: list[dict] = [{}] * len(settings)
+                for i in order:
+                    http, ratio, logprobs = settings[i]
+                    runs[i] = {**await run_level(http, args, model, level, logprobs), "trace_ratio": ratio,
+                               "round": round_number}  # fmt: skip
+                first = runs[0]["output_tokens_per_s"] or None
+                results += [{**run, "vs_first": round(run["output_tokens_per_s"] / first, 3) if first else None}
+                            for run in runs]  # fmt: skip
+        return ready[0], results
+    finally:
+        for http in clients:
+            await http.aclose()
+
+
+def medians(levels: list[dict]) -> list[dict]:
+    """Per level and setting: the median over the rounds of throughput and of ``vs_first``."""
+    groups: dict[tuple, list[dict]] = {}
+    for run in levels:
+        groups.setdefault((run["clients"], run["trace_ratio"], run["logprobs"]), []).append(run)
+    return [{"clients": clients, "trace_ratio": ratio, "logprobs": logprobs, "rounds": len(runs),
+             "output_tokens_per_s": statistics.median(r["output_tokens_per_s"] for r in runs),
+             "vs_first": statistics.median(r["vs_first"] for r in runs if r["vs_first"] is not None)
+             if any(r["vs_first"] is not None for r in runs) else None}
+            for (clients, ratio, logprobs), runs in groups.items()]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    server = None if args.url else Server(args)
+    if args.url and args.trace_ratios != [None]:
+        raise SystemExit("--trace-ratios starts its own servers: leave out --url")
+    servers: list[Server] = []
     try:
-        ready, levels = asyncio.run(measure(args.url or server.url, args))
+        for ratio in [] if args.url else args.trace_ratios:  # one at a time: each profiles the device alone
+            servers.append(Server(args, ratio))
+            asyncio.run(_ready(servers[-1].url))
+        urls = [(args.url, None)] if args.url else [(s.url, s.trace_ratio) for s in servers]
+        ready, levels = asyncio.run(measure(urls, args))
     finally:
-        exit_code = server.stop() if server is not None else None
+        exit_codes = [server.stop() for server in servers]
+    exit_code = exit_codes[0] if len(exit_codes) == 1 else (exit_codes or None)
     result = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "environment": {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
@@ -217,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model, "device": args.device, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
         "max_batch_size": args.max_batch_size, "time_to_ready_s": ready["time_to_ready_s"],
         "server_exit_code_after_sigterm": exit_code,
+        "traced_requests": {str(s.trace_ratio): s.traced_requests() for s in servers if s.trace is not None} or None,
+        "medians": medians(levels) if args.rounds > 1 or len(servers) > 1 else None,
         "levels": levels,
     }  # fmt: skip
     text = json.dumps(result, indent=2)
