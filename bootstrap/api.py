@@ -54,14 +54,16 @@ class Bootstrap:
 
     def __init__(
         self, config: BootstrapConfig, *, backend: Backend | None = None, trace_file: Path | None = None, otlp: bool = False,
-        process: ProcessTimeline | None = None,
+        process: ProcessTimeline | None = None, traces_requests: bool = False,
     ) -> None:  # fmt: skip
         """``process``: the command's timeline (``bootstrap.pipeline.process``); its spans, the
-        backend's creation among them, go to the same trace as the stages'."""
+        backend's creation among them, go to the same trace as the stages'. ``traces_requests``:
+        a server will trace its requests with ``tracer`` (their spans reach the file in batches)."""
         self.config = config
         self.process = process
         self._spans = InMemorySpanExporter()
-        self._provider = make_tracer_provider(trace_file=trace_file, otlp=otlp, memory=self._spans)
+        self._provider = make_tracer_provider(trace_file=trace_file, otlp=otlp, memory=self._spans,
+                                              requests=traces_requests)  # fmt: skip
         if process is not None:
             process.attach(self._provider.get_tracer(TRACER_NAME))
         try:

@@ -135,8 +135,9 @@ class RequestExecutor(Executor, Protocol):
                         n: int = 1) -> list[int]:  # fmt: skip
         """``n`` requests of one prompt, prefilled once; their ids (``PyExecutor.enqueue_choices``)."""
 
-    def cancel(self, request_id: int) -> None:
-        """Give the request up; unknown ids are ignored."""
+    def cancel(self, request_id: int, *, keep_response: bool = False) -> None:
+        """Give the request up (with ``keep_response``: cancel it, its response kept to be
+        taken); unknown ids are ignored."""
 
     def stream_async(self, request_id: int, *, cancel_on_abandon: bool = False) -> AsyncIterator[StreamEvent]:
         """Its events until the final one; a cancelled wait takes nothing."""

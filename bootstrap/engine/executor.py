@@ -102,12 +102,16 @@ class PyExecutor:
         first.forks = [self._sequence(first.prompt_token_ids, _choice_params(first.params, i)) for i in range(1, n)]
         return [h.request_id for h in self._submit([first, *first.forks])]
 
-    def cancel(self, request_id: int) -> None:
+    def cancel(self, request_id: int, *, keep_response: bool = False) -> None:
         """Give the request up: an unfinished one finishes with ``finish_reason="cancelled"``. It
         is released (its id becomes unknown) once finished and no wait is attached; an attached
-        wait still gets its end. Unknown ids are ignored. Without a worker, the cancellation is
-        applied here, so the request's KV blocks are free when this returns."""
-        self._requests.give_up(request_id)
+        wait still gets its end. With ``keep_response`` it is cancelled but kept: its response
+        (how far it got, its timing) waits to be taken like any finished one. Unknown ids are
+        ignored. Without a worker, the cancellation is applied here, so the request's KV blocks
+        are free when this returns."""
+        if not isinstance(keep_response, bool):
+            raise TypeError(f"keep_response must be a bool, got {type(keep_response).__name__}")
+        self._requests.give_up(request_id, keep_response)
         self._loop.cancel_here()
 
     def stats(self) -> RequestStats:

@@ -169,14 +169,19 @@ class RequestTable:
             finally:
                 self.lock.release()
 
-    def give_up(self, request_id: int) -> None:
+    def give_up(self, request_id: int, keep_response: bool = False) -> None:
         """The caller no longer wants the request: cancelled if unfinished, released once it is
-        finished and nobody is attached."""
+        finished and nobody is attached. With ``keep_response`` it is only cancelled: its
+        response stays to be taken, as any finished one does (within ``max_unclaimed``)."""
         with self.lock:
             self._reap()
             handle = self._handles.get(request_id)
-            if handle is not None:
+            if handle is None or handle.given_up:
+                return
+            if not keep_response:
                 self._give_up(handle)
+            elif not handle.finished:
+                self._cancelled.add(request_id)
 
     def take_event(self, handle: Handle) -> StreamEvent | None:
         """Hand the next event over (call under the lock); the final one releases the handle."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -52,19 +52,20 @@ def is_request_span(name: str) -> bool:
     return name == REQUEST_SPAN or name.startswith(REQUEST_SPAN + ".")
 
 
-class SkipRequestSpans(SpanProcessor):
-    """Forwards every span but a request's to ``processor``: the in-memory copy a ``Bootstrap``
-    keeps for its report stays the bootstrap's, however long the server runs."""
+class SpansWhere(SpanProcessor):
+    """Forwards to ``processor`` only the spans whose name ``keep`` accepts: request spans stay
+    out of the in-memory copy a ``Bootstrap`` keeps for its report (however long the server
+    runs), and go to the trace file in batches while the bootstrap's go as each ends."""
 
-    def __init__(self, processor: SpanProcessor) -> None:
-        self._processor = processor
+    def __init__(self, processor: SpanProcessor, keep: Callable[[str], bool]) -> None:
+        self._processor, self._keep = processor, keep
 
     def on_start(self, span: Span, parent_context: Context | None = None) -> None:
-        if not is_request_span(span.name):
+        if self._keep(span.name):
             self._processor.on_start(span, parent_context)
 
     def on_end(self, span: ReadableSpan) -> None:
-        if not is_request_span(span.name):
+        if self._keep(span.name):
             self._processor.on_end(span)
 
     def shutdown(self) -> None:
@@ -72,6 +73,10 @@ class SkipRequestSpans(SpanProcessor):
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self._processor.force_flush(timeout_millis)
+
+
+def not_request_span(name: str) -> bool:
+    return not is_request_span(name)
 
 
 def span_record(span: ReadableSpan) -> dict:
@@ -194,16 +199,24 @@ def otlp_exporter() -> WarnOnce:
 
 
 def make_tracer_provider(
-    *, trace_file: Path | None = None, otlp: bool = False, memory: InMemorySpanExporter | None = None
-) -> TracerProvider:
+    *, trace_file: Path | None = None, otlp: bool = False, memory: InMemorySpanExporter | None = None,
+    requests: bool = False,
+) -> TracerProvider:  # fmt: skip
     """A provider with the asked-for destinations. The trace file and the in-memory exporter (which
-    skips request spans) get each span as it ends; OTLP gets batches from a background thread (flushed by ``shutdown()``)."""
+    skips request spans) get each span as it ends; OTLP gets batches from a background thread
+    (flushed by ``shutdown()``). With ``requests`` (a server that traces its requests), request
+    spans reach the trace file in batches from a background thread too, so a request never
+    waits on the disk; that thread is flushed and joined by ``shutdown()``, before the file closes."""
     provider = TracerProvider(resource=Resource.create({"service.name": "executor-bootstrap"}))
     if trace_file is not None:
         exporter = JsonLinesSpanExporter(trace_file)
-        provider.add_span_processor(SimpleSpanProcessor(WarnOnce(exporter, str(exporter))))
+        to_file = WarnOnce(exporter, str(exporter))
+        if requests:  # added first: shut down (flushed into the still open file) first
+            provider.add_span_processor(SpansWhere(BatchSpanProcessor(to_file), is_request_span))
+        provider.add_span_processor(SpansWhere(SimpleSpanProcessor(to_file), not_request_span) if requests
+                                    else SimpleSpanProcessor(to_file))  # fmt: skip
     if otlp:
         provider.add_span_processor(BatchSpanProcessor(otlp_exporter()))
     if memory is not None:
-        provider.add_span_processor(SkipRequestSpans(SimpleSpanProcessor(memory)))
+        provider.add_span_processor(SpansWhere(SimpleSpanProcessor(memory), not_request_span))
     return provider

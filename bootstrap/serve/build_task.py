@@ -47,7 +47,7 @@ def make_bootstrap(state: ServeState) -> None:
     with state.process.phase("backend") if state.process is not None else contextlib.nullcontext():
         backend = load_backend_factory(state.options.backend_factory)(state.config)
     state.boot = Bootstrap(state.config, backend=backend, trace_file=state.options.trace_file, otlp=state.options.otlp,
-                           process=state.process)  # fmt: skip
+                           process=state.process, traces_requests=True)  # fmt: skip
 
 
 async def guarded(state: ServeState, build: Callable[..., Awaitable[None]], *args: Any) -> None:

@@ -95,18 +95,24 @@ class Job:
         self._record()
 
     async def _cancel(self) -> None:
-        self.executor.cancel(self.request_id)
+        """Cancel the request and collect its response (how it ended, its timing); a request
+        not collected within ``CANCEL_WAIT_S`` is given up, so the executor forgets it."""
+        self.executor.cancel(self.request_id, keep_response=True)
         try:
             await self._stream.aclose()
         except RuntimeError:  # still running in another task: the await below does not need it
             pass
-        with anyio.move_on_after(CANCEL_WAIT_S):
-            try:
+        collected = False
+        try:
+            with anyio.move_on_after(CANCEL_WAIT_S):
                 response = await self.executor.await_response_async(self.request_id)
-            except (KeyError, TimeoutError):  # already forgotten: nothing is left to collect
-                return
-            # "cancelled", or how it ended just before
-            self.finish_reason, self.error, self.timing = response.finish_reason, response.error, response.timing
+                self.finish_reason, self.error, self.timing = response.finish_reason, response.error, response.timing
+                collected = True
+        except (KeyError, TimeoutError, RuntimeError):  # released (past max_unclaimed), in use, or shut down
+            pass
+        finally:
+            if not collected:
+                self.executor.cancel(self.request_id)
 
     def _record(self) -> None:
         reason = self.reason

@@ -70,3 +70,26 @@ def test_the_final_stream_event_carries_the_timing_and_a_refused_request_has_no_
     assert events[-1].timing.prefill_steps == 1 and events[-1].timing.kv_blocks == 3  # 10 KV tokens
     assert refused.finish_reason == "error" and refused.timing.scheduled_ns is None and refused.timing.kv_blocks == 0
     assert refused.timing.prefill_s is None and refused.timing.decode_s is None
+
+
+def test_a_cancel_that_keeps_the_response_leaves_how_far_it_got_to_be_taken(model):
+    ex = make_executor(model, tokens_per_block=TPB, num_tokens=64, batch=1)
+    try:
+        running = ex.enqueue(PROMPT, SamplingParams(max_tokens=50, temperature=0))
+        queued = ex.enqueue(PROMPT[:9], SamplingParams(max_tokens=5, temperature=0))
+        stream = ex.stream(running)
+        next(stream), next(stream)  # two steps: the first request runs, the second waits for its slot
+        stream.close()
+        ex.cancel(queued, keep_response=True)
+        ex.cancel(running, keep_response=True)
+        cut, never_ran = ex.await_response(running, timeout=60), ex.await_response(queued, timeout=60)
+        with pytest.raises(TypeError, match="keep_response must be a bool"):
+            ex.cancel(running, keep_response="yes")
+        assert ex.stats().handles == 0 and ex.runner.kv_cache.stats().used_blocks == 0
+    finally:
+        ex.shutdown()
+    assert cut.finish_reason == "cancelled" and len(cut.token_ids) == 2 and cut.timing.first_token_ns is not None
+    assert cut.timing.kv_blocks == -(-(50 + 1) // TPB)  # no worker: two steps ran, 51 tokens' KV held
+    assert never_ran.finish_reason == "cancelled" and never_ran.timing.scheduled_ns is None
+    with pytest.raises(KeyError):  # taken: released, as every response is once taken
+        ex.await_response(running, timeout=1)

@@ -6,6 +6,7 @@ untraced paths are left alone."""
 from __future__ import annotations
 
 import random
+import threading
 
 import httpx
 import pytest
@@ -16,7 +17,7 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
-from bootstrap.pipeline.telemetry import REQUEST_SPAN, SkipRequestSpans
+from bootstrap.pipeline.telemetry import REQUEST_SPAN, SpansWhere, make_tracer_provider, not_request_span
 from bootstrap.serve.request_trace import SCOPE_KEY, RequestTracing
 
 CALLER_TRACE = "0af7651916cd43dd8448eb211c80319c"
@@ -118,7 +119,7 @@ async def test_server_errors_mark_the_span_and_untraced_paths_are_left_alone():
 def test_request_spans_stay_out_of_a_bootstraps_in_memory_copy():
     kept, everything = InMemorySpanExporter(), InMemorySpanExporter()
     provider = TracerProvider()
-    provider.add_span_processor(SkipRequestSpans(SimpleSpanProcessor(kept)))
+    provider.add_span_processor(SpansWhere(SimpleSpanProcessor(kept), not_request_span))
     provider.add_span_processor(SimpleSpanProcessor(everything))
     tracer = provider.get_tracer("test")
     for name in ("bootstrap.pipeline", REQUEST_SPAN, f"{REQUEST_SPAN}.choice", f"{REQUEST_SPAN}.decode", "bootstrap.requests"):
@@ -126,3 +127,17 @@ def test_request_spans_stay_out_of_a_bootstraps_in_memory_copy():
     assert [s.name for s in kept.get_finished_spans()] == ["bootstrap.pipeline", "bootstrap.requests"]
     assert len(everything.get_finished_spans()) == 5
     assert SCOPE_KEY == "request_span"  # the name the route handlers read from request.state
+
+
+def test_request_spans_reach_the_trace_file_in_batches_flushed_before_it_closes(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    provider = make_tracer_provider(trace_file=path, requests=True)
+    tracer = provider.get_tracer("test")
+    tracer.start_span("bootstrap.stage.load_model").end()
+    assert "bootstrap.stage.load_model" in path.read_text()  # the bootstrap's: written as each ends
+    for _ in range(50):
+        tracer.start_span(REQUEST_SPAN).end()
+    provider.shutdown()  # flushes the batches into the file, joins the exporting thread, then closes the file
+    names = [line.split('"name": "')[1].split('"')[0] for line in path.read_text().splitlines()]
+    assert names.count(REQUEST_SPAN) == 50 and names[0] == "bootstrap.stage.load_model"
+    assert not [t for t in threading.enumerate() if "OtelBatchSpanRecordProcessor" in t.name]
