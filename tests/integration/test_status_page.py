@@ -50,13 +50,14 @@ def held_server(tmp_path):
     os.mkfifo(gate)
     backend = plugin_module(tmp_path, gate=str(gate), gated="load_model", fail_once=("build_final",))
     server = ServeProcess(tmp_path / "serve.log", "--model", str(checkpoint), "--no-plan-cache", "--backend-factory",
-                          backend, "--api-key", KEY, pythonpath=(tmp_path,))  # fmt: skip
+                          backend, "--api-key", KEY, "--served-model-name", "tiny-llama",
+                          pythonpath=(tmp_path,))  # fmt: skip
     yield server, gate, checkpoint
     server.stop()
 
 
 def test_the_page_follows_a_bootstrap_through_a_failure_and_a_retry_to_serving(held_server, screenshots):
-    server, gate, checkpoint = held_server
+    server, gate, _ = held_server
     with chromium() as browser:
         browser.get(server.url.replace("http://", f"http://user:{KEY}@") + "/")  # the key as Basic credentials
         wait_for(browser, lambda b: state_of(b, "load_model") == "running", "load_model running")
@@ -87,12 +88,12 @@ def test_the_page_follows_a_bootstrap_through_a_failure_and_a_retry_to_serving(h
         auth = {"Authorization": f"Bearer {KEY}"}
         for tokens in (2, 9, 5):
             reply = httpx.post(f"{server.url}/v1/completions", headers=auth, timeout=60,
-                               json={"model": str(checkpoint), "prompt": "w5 w6 w7", "max_tokens": tokens, "temperature": 0})  # fmt: skip
+                               json={"model": "tiny-llama", "prompt": "w5 w6 w7", "max_tokens": tokens, "temperature": 0})  # fmt: skip
             assert reply.status_code == 200
         rows = wait_for(browser, lambda b: b.find_elements("css selector", "#slowest tbody tr") if visible(b, "slowest")
                         and len(b.find_elements("css selector", "#slowest tbody tr")) == 3 else None, "three requests")
         assert rows[0].find_elements("tag name", "td")[6].text == "3 → 9"  # the slowest first: 9 tokens
-        assert "KV blocks in use" in text(browser, "engine-figures") and "KV budget" in text(browser, "plan-figures")
+        assert text(browser, "model") == "tiny-llama" and "KV blocks in use" in text(browser, "engine-figures") and "KV budget" in text(browser, "plan-figures")
         browser.save_screenshot(str(screenshots / "status-page-ready.png"))
 
         browser.set_window_size(390, 844)  # a phone
