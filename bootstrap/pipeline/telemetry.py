@@ -30,6 +30,7 @@ ROOT_SPAN = "bootstrap.pipeline"
 TRACER_NAME = "bootstrap"
 REQUEST_SPAN = "bootstrap.request"  # one per traced HTTP generation request (``bootstrap.serve.request_trace``)
 CHOICE_SPAN = "bootstrap.request.choice"  # one per choice, parent of its queue, prefill and decode spans
+REQUEST_QUEUE = 16384  # request spans waiting for the file's exporting thread (5 a request; the SDK's 2048 overflowed)
 OTLP_TIMEOUT_S = 2.0  # per export, retries included; the collector is local or near in practice
 
 log = logging.getLogger(__name__)
@@ -212,7 +213,8 @@ def make_tracer_provider(
         exporter = JsonLinesSpanExporter(trace_file)
         to_file = WarnOnce(exporter, str(exporter))
         if requests:  # added first: shut down (flushed into the still open file) first
-            provider.add_span_processor(SpansWhere(BatchSpanProcessor(to_file), is_request_span))
+            batches = BatchSpanProcessor(to_file, max_queue_size=REQUEST_QUEUE, schedule_delay_millis=1000)
+            provider.add_span_processor(SpansWhere(batches, is_request_span))
         provider.add_span_processor(SpansWhere(SimpleSpanProcessor(to_file), not_request_span) if requests
                                     else SimpleSpanProcessor(to_file))  # fmt: skip
     if otlp:
