@@ -225,6 +225,7 @@ RULES: dict[str, Any] = {  # dest -> valid(parsed) given the base argv, or None:
     "dist_timeout": _finite(0.0, 86_400.0, low_open=True),
     "port": lambda v: 0 <= v <= 65535,
     "shutdown_timeout": _finite(0.0, 86_400.0),
+    "request_trace_ratio": _finite(0.0, 1.0),
     "prompt": _text, "chat": _text, "served_model_name": _text, "api_key": _api_key,
     "fault": lambda v: all(FAULT.fullmatch(f) and not f.endswith(":0") for f in v),
     "host": lambda v: True if v in ("127.0.0.1", "localhost", "0.0.0.0") else None,
@@ -237,6 +238,7 @@ RULES_BY_COMMAND: dict[tuple[str, str], Any] = {
     ("run", "max_kv_tokens"): lambda v: v >= 32,  # one block of 32 tokens
     ("serve", "max_kv_tokens"): lambda v: v >= 32,
     ("serve", "backend"): lambda v: v == "native",
+    ("trace", "requests"): lambda v: v >= 0,
 }
 
 

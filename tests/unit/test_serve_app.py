@@ -79,6 +79,7 @@ def test_the_api_key_comes_from_the_flag_before_the_environment(monkeypatch):
     ({"port": 70000}, "port: must be in [0, 65535] (got 70000)"),
     ({"shutdown_timeout": -1.0}, "shutdown_timeout: must be >= 0 seconds (got -1.0)"),
     ({"api_key": " "}, "api_key: must not be empty (from --api-key)"),
+    ({"request_trace_ratio": -0.1}, "request_trace_ratio: must be >= 0 (got -0.1); allowed: a finite number in [0, 1]"),
 ])  # fmt: skip
 def test_bad_serve_options_name_the_field_and_range(overrides, words):
     with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
@@ -151,3 +152,21 @@ async def test_a_lone_surrogate_in_any_text_field_is_a_400_naming_it(route, body
         fine = await http.post("/v1/completions", content='{"model": "m", "prompt": "\\ud83d\\ude00"}',
                                headers={"content-type": "application/json"})  # fmt: skip
     assert fine.status_code == 503  # not ready yet: it passed validation
+
+
+def test_requests_are_traced_at_the_flags_ratio_only_when_spans_go_somewhere(tmp_path):
+    from bootstrap.serve.request_trace import RequestTracing
+
+    config = BootstrapConfig(model="m")
+    traced = serve_options(args(request_trace_ratio=0.25, trace_file=tmp_path / "t.jsonl"), config)
+    untraced = serve_options(args(request_trace_ratio=0.25), config)
+    assert traced.request_trace_ratio == 0.25 and traced.traces and not untraced.traces
+
+    def tracing(options):
+        app = create_app(ServeState(config, options))
+        return [m.kwargs for m in app.user_middleware if m.cls is RequestTracing]
+
+    [kwargs] = tracing(traced)
+    assert kwargs["ratio"] == 0.25 and tracing(untraced) == []
+    with pytest.raises(ConfigError, match=r"request_trace_ratio: must be a number in \[0, 1\] \(got 2\)"):
+        ServeOptions(model_id="m", request_trace_ratio=2)
