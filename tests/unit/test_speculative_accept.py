@@ -1,0 +1,91 @@
+"""Speculative decoding's acceptance rules (``bootstrap.engine.speculative``). Greedy: the new
+tokens are exactly the target's greedy continuation, for any draft. Sampling: the output tokens
+are distributed as the target's, checked with a chi-square test on a 5-token vocabulary over
+40,000 seeded rows at significance 0.001; a seeded row repeats whatever else is in the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bootstrap.engine.speculative import accept_greedy, accept_sampled
+
+CHI2_999 = {4: 18.467}  # chi-square critical values at p = 0.999 by degrees of freedom (scipy.stats.chi2.ppf)
+
+
+def logits_with_argmax(best: list[list[int]], vocab: int = 8) -> torch.Tensor:
+    out = torch.randn(len(best), len(best[0]), vocab)
+    for b, row in enumerate(best):
+        for i, token in enumerate(row):
+            out[b, i, token] = 10.0
+    return out
+
+
+def test_greedy_keeps_the_matching_prefix_then_the_targets_own_next_token():
+    target = logits_with_argmax([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4]])
+    draft = torch.tensor([[1, 2, 3], [1, 5, 3], [6, 2, 3]])  # all kept; a miss at 1; a miss at 0
+    verdict = accept_greedy(draft, target)
+    assert verdict.accepted.tolist() == [3, 1, 0]
+    assert verdict.new_tokens() == [[1, 2, 3, 4], [1, 2], [1]]  # the bonus token; two corrections
+    assert verdict.tokens.tolist()[2] == [1, -1, -1, -1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 4), st.integers(1, 4), st.integers(0, 2**31 - 1), st.floats(0.0, 1.0))
+def test_greedy_output_is_the_targets_greedy_continuation_for_any_draft(k, rows, seed, miss_rate):
+    generator = torch.Generator().manual_seed(seed)
+    target = torch.randn(rows, k + 1, 7, generator=generator)
+    best = target.argmax(-1)
+    misses = torch.rand(rows, k, generator=generator) < miss_rate
+    draft = torch.where(misses, (best[:, :k] + 1) % 7, best[:, :k])
+    verdict = accept_greedy(draft, target)
+    for row, tokens in enumerate(verdict.new_tokens()):
+        assert tokens == best[row, : len(tokens)].tolist()  # exactly greedy decoding's tokens
+        assert len(tokens) == 1 + int((~misses[row]).long().cumprod(0).sum())  # the draft's lead before its first miss
+
+
+def chi_square(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    counts = torch.bincount(samples, minlength=probs.numel()).double()
+    expected = probs.double() * samples.numel()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_sampled_output_tokens_are_distributed_as_the_target():
+    torch.manual_seed(2026)
+    rows, k, vocab = 40_000, 3, 5
+    p = torch.softmax(torch.randn(k + 1, vocab) * 1.5, -1)  # the target at each position (independent of the prefix)
+    q = torch.softmax(torch.randn(k, vocab) * 1.5, -1)  # a draft that differs from it
+    draft = torch.stack([torch.multinomial(q[i], rows, replacement=True) for i in range(k)], dim=1)
+    verdict = accept_sampled(draft, q.expand(rows, k, vocab), p.expand(rows, k + 1, vocab), [None] * rows)
+    new = verdict.tokens
+    assert 0 < verdict.accepted.float().mean() < k  # some kept, some rejected: both paths run
+    for position in range(k + 1):
+        produced = verdict.accepted >= position  # rows that reached this position
+        if produced.sum() < 2_000:
+            continue
+        statistic = chi_square(new[produced, position], p[position])
+        assert statistic < CHI2_999[vocab - 1], (position, statistic)
+    # the acceptance rate is what theory says: E[min(1, p/q)] under q = sum(min(p, q)) per position
+    first_kept = (verdict.accepted >= 1).float().mean()
+    assert abs(first_kept - torch.minimum(p[0], q[0]).sum()) < 0.01
+
+
+def test_a_draft_equal_to_the_target_is_always_kept_and_a_seeded_row_repeats_in_any_batch():
+    p = torch.softmax(torch.randn(1, 4, 6), -1)
+    draft = torch.tensor([[2, 3, 1]])
+    always = accept_sampled(draft, p[:, :3], p, [torch.Generator().manual_seed(1)])
+    assert always.accepted.tolist() == [3]
+    q = torch.softmax(torch.randn(1, 3, 6), -1)
+    alone = accept_sampled(draft, q, p, [torch.Generator().manual_seed(9)])
+    batch = accept_sampled(draft.repeat(3, 1), q.repeat(3, 1, 1), p.repeat(3, 1, 1),
+                           [torch.Generator().manual_seed(s) for s in (4, 9, 5)])  # fmt: skip
+    assert batch.new_tokens()[1] == alone.new_tokens()[0]
+
+
+def test_shapes_that_do_not_fit_are_refused_naming_them():
+    with pytest.raises(ValueError, match=r"must be \[2, 4, V\] for 3 draft tokens"):
+        accept_greedy(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, 5))
+    with pytest.raises(ValueError, match="one generator"):
+        accept_sampled(torch.zeros(2, 1, dtype=torch.long), torch.full((2, 1, 3), 1 / 3), torch.full((2, 2, 3), 1 / 3), [None])
