@@ -234,6 +234,25 @@ class PagedKVCache:
             self._lengths[request_id] = length + num_tokens
         return table
 
+    def truncate(self, request_id: Any, num_tokens: int) -> list[int]:
+        """Keep only a request's first ``num_tokens`` tokens (a speculative step's rejected
+        tokens rolled back): the blocks past them go back to the pool. Refused when the cut
+        would leave the request writing into a block another request shares."""
+        length = self.num_tokens(request_id)
+        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or not 0 <= num_tokens <= length:
+            raise ValueError(f"num_tokens must be an integer in [0, {length}] (what request {request_id!r} holds), "
+                             f"got {num_tokens!r}")  # fmt: skip
+        table, keep = self._tables[request_id], self.blocks_needed(num_tokens)
+        with self._lock:
+            if num_tokens % self.tokens_per_block and self._holders.get(table[keep - 1], 1) > 1:
+                raise ValueError(f"request {request_id!r}: cannot cut to {num_tokens} tokens inside block "
+                                 f"{table[keep - 1]}, which another request shares")  # fmt: skip
+            dropped, table[keep:] = table[keep:], []
+            self._lengths[request_id] = num_tokens
+            if self._kv is not None:
+                self._free.extendleft(reversed([b for b in dropped if not self._let_go(b)]))
+        return table
+
     def _take(self, count: int, request_id: Any) -> None:
         if count > len(self._free):
             raise KVCacheFull(

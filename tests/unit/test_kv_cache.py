@@ -187,3 +187,35 @@ def test_stats_from_another_thread_while_requests_come_and_go():
         sys.setswitchinterval(previous)
     assert all(s.used_blocks + s.free_blocks == s.total_blocks for s in readings)
     assert all(s.used_tokens == s.used_blocks for s in readings)  # one token per block here
+
+
+def test_truncate_rolls_back_rejected_tokens_and_returns_their_blocks():
+    cache = PagedKVCache(SPEC, num_blocks=8, tokens_per_block=4, device="cpu")
+    cache.allocate("r", 10)  # 3 blocks
+    cache.extend("r", 5)  # a speculative step's 5 tokens: 15 tokens, 4 blocks
+    assert cache.num_free_blocks == 4
+    kept = list(cache.truncate("r", 11))  # 1 of them accepted
+    assert cache.num_tokens("r") == 11 and len(kept) == 3 and cache.num_free_blocks == 5
+    assert cache.stats().used_tokens == 11
+    cache.extend("r", 1)  # the next token goes where the rolled back ones were
+    assert cache.block_table("r") == kept and cache.num_tokens("r") == 12
+    for bad in (13, -1, 2.0, True):
+        with pytest.raises(ValueError, match=r"num_tokens must be an integer in \[0, 12\]"):
+            cache.truncate("r", bad)
+    cache.truncate("r", 0)
+    assert cache.block_table("r") == [] and cache.num_free_blocks == 8
+
+
+def test_truncate_never_leaves_a_request_writing_into_a_shared_block():
+    cache = PagedKVCache(SPEC, num_blocks=8, tokens_per_block=4, device="cpu")
+    cache.allocate("parent", 8)  # two full blocks, then shared with the fork
+    cache.fork("parent", "child")
+    cache.extend("child", 3)
+    cache.truncate("child", 8)  # back to the fork point, a block boundary: fine
+    assert cache.shared_blocks() == 2 and cache.num_free_blocks == 6
+    with pytest.raises(ValueError, match="inside block .* which another request shares"):
+        cache.truncate("child", 6)
+    assert cache.num_tokens("child") == 8  # refused: nothing changed
+    cache.free("child")
+    cache.truncate("parent", 6)  # nobody else holds it now
+    assert cache.num_free_blocks == 6 and cache.shared_blocks() == 0
