@@ -53,6 +53,7 @@ from bootstrap.engine.responses import ResponseWriter
 from bootstrap.engine.sampling import MAX_SEED, Sampler, SamplingParams, make_generator, model_eos_ids
 from bootstrap.engine.scheduler import Scheduler
 from bootstrap.engine.sequence import Detokenizer, Response, Sequence, StreamEvent, next_request_id, token_id_list
+from bootstrap.engine.speculation import Speculator
 from bootstrap.engine.stats import EngineStats
 from bootstrap.engine.waiting import EventStream, Waiter
 
@@ -66,7 +67,7 @@ class PyExecutor:
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler,
                  tokenizer: object | None = None, eos_token_ids: set[int] | None = None,
-                 max_unclaimed: int = DEFAULT_MAX_UNCLAIMED) -> None:  # fmt: skip
+                 max_unclaimed: int = DEFAULT_MAX_UNCLAIMED, speculator: Speculator | None = None) -> None:  # fmt: skip
         self.runner = runner
         self.scheduler = scheduler
         self.sampler = sampler
@@ -74,7 +75,8 @@ class PyExecutor:
         self.eos_token_ids = set(eos_token_ids) if eos_token_ids is not None else model_eos_ids(runner.model)
         self._requests = RequestTable(max_unclaimed)
         self._responses = ResponseWriter(self._requests, scheduler, self.eos_token_ids)
-        self._loop = EngineLoop(runner, scheduler, sampler, self._requests, self._responses)
+        self.speculator = speculator  # the draft model and its statistics, when it speculates
+        self._loop = EngineLoop(runner, scheduler, sampler, self._requests, self._responses, speculator)
         self._waiter = Waiter(self._requests, self._loop.step_here)
         self._lock = self._requests.lock  # also guards _closed and the worker's start
         self._closed = False
@@ -124,7 +126,9 @@ class PyExecutor:
         of the last loop round (plus what is still in the inbox)."""
         kv = self.runner.kv_cache.stats()
         running, waiting = self._loop.load
-        return EngineStats(kv.total_blocks, kv.used_blocks, kv.capacity_tokens, running, waiting + self._loop.inbox.pending())
+        spec = self.speculator.stats if self.speculator is not None else None
+        return EngineStats(kv.total_blocks, kv.used_blocks, kv.capacity_tokens, running, waiting + self._loop.inbox.pending(),
+                           spec.proposed if spec else 0, spec.accepted if spec else 0)  # fmt: skip
 
     @property
     def is_running(self) -> bool:

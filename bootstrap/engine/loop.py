@@ -35,6 +35,7 @@ from bootstrap.engine.requests import RequestTable
 from bootstrap.engine.responses import ResponseWriter
 from bootstrap.engine.sampling import Sampler
 from bootstrap.engine.scheduler import ScheduledBatch, Scheduler
+from bootstrap.engine.speculation import Speculator
 
 log = logging.getLogger("bootstrap.engine.executor")  # the executor's log: these are its steps
 
@@ -46,7 +47,8 @@ class EngineLoop:
     module docstring."""
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler, requests: RequestTable,
-                 responses: ResponseWriter) -> None:  # fmt: skip
+                 responses: ResponseWriter, speculator: Speculator | None = None) -> None:  # fmt: skip
+        self.speculator = speculator  # a draft model's proposals, verified by the target (speculative decoding)
         self.runner = runner
         self.scheduler = scheduler
         self.sampler = sampler
@@ -166,6 +168,9 @@ class EngineLoop:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return
+        depth = self.speculator.depth(batch) if self.speculator is not None else 0
+        if depth and self._speculate(batch, depth):
+            return
         alone = len(batch.seqs) == 1
         if self._run(batch, fail=alone) or alone:
             return
@@ -178,6 +183,8 @@ class EngineLoop:
         and return False."""
         try:
             logits = self.runner.run(batch)
+            if self.speculator is not None:
+                self.speculator.mirror(batch)  # the draft computes the same tokens, before any fork
             batch = self.scheduler.fork(batch)  # after the forward: the prompts' KV is complete
             tokens, logprobs = self._sample(batch, logits)
         except Exception as exc:
@@ -186,6 +193,17 @@ class EngineLoop:
                 self.responses.fail(batch.seqs, exc)
             return False
         self.responses.record(batch, tokens, logprobs)
+        return True
+
+    def _speculate(self, batch: ScheduledBatch, depth: int) -> bool:
+        """A speculative step of ``depth`` draft tokens per request; False (pools as they were)
+        when it raised, so the step runs as an ordinary one."""
+        try:
+            runs = self.speculator.step(batch, depth)
+        except Exception:
+            log.exception("a speculative step of %d requests failed; running it without the draft", len(batch.seqs))
+            return False
+        self.responses.record_runs(batch, runs)
         return True
 
     def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> tuple[list[int], list[TokenLogprob | None]]:

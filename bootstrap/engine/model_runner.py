@@ -88,6 +88,14 @@ class ModelRunner:
             inputs = self.prepare_mixed(batch)
         return self._forward(inputs.input_ids, inputs.positions, inputs.logits_index, inputs.metadata)
 
+    @torch.inference_mode()
+    def run_every_position(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Logits ``[T, vocab]`` at every new token of ``batch``, in order (speculative decoding's
+        verify pass: the target scores a request's last token and its draft tokens at once); eager."""
+        inputs = self.prepare_mixed(batch)
+        every = self._to_device(torch.arange(batch.total_tokens, dtype=torch.long))
+        return self._forward(inputs.input_ids, inputs.positions, every, inputs.metadata)
+
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_to_keep: torch.Tensor | int,
                  metadata: AttentionMetadata | DecodeMetadata) -> torch.Tensor:  # fmt: skip
         """The engine's own model code takes the metadata as an argument; a transformers model's

@@ -46,6 +46,21 @@ class ResponseWriter:
                     log.exception("request %d failed after its step", seq.request_id)
                     self.fail([seq], exc)
 
+    def record_runs(self, batch: ScheduledBatch, runs: Seq[list[int]]) -> None:
+        """After a speculative step (``num_computed`` already advanced): append each request's new
+        tokens in order until one finishes it (a stop, EOS or ``max_tokens`` inside the run: the
+        rest are dropped with its blocks)."""
+        for seq, run in zip(batch.seqs, runs):
+            try:
+                handle = self.handle_of(seq)
+                for token in run:
+                    self.append(handle, token)
+                    if seq.finished:
+                        break
+            except Exception as exc:
+                log.exception("request %d failed after its step", seq.request_id)
+                self.fail([seq], exc)
+
     def handle_of(self, seq: Sequence) -> Handle:
         handle = self.requests.get(seq.request_id)
         if handle is None:

@@ -221,6 +221,19 @@ class Sampler:
                 f"{logits.shape[0]}, params={len(params)}, generators={len(generators)}"
             )
 
+    def probabilities(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """``[B, V]`` float32: each sampled row's distribution after its temperature, ``min_p``,
+        top-k and top-p, the one ``sample`` draws from (speculative decoding's ``p`` and ``q``;
+        rows that need penalties or ``min_tokens`` are not handled here)."""
+        logits = logits.float()
+        temps = self._column([p.temperature for p in params], logits).clamp_(min=torch.finfo(logits.dtype).tiny)
+        logits = (logits - logits.amax(dim=-1, keepdim=True)) / temps
+        if any(p.min_p > 0 for p in params):
+            logits = self._min_p(logits, params)
+        if any(p.top_k > 0 or p.top_p < 1 for p in params):
+            logits = self._filter(logits, params)
+        return torch.softmax(logits, dim=-1)
+
     def _draw(
         self,
         logits: torch.Tensor,
@@ -230,13 +243,7 @@ class Sampler:
         # Shift each row's maximum to 0 before dividing, and keep temperatures above the float
         # range's smallest normal, so a tiny temperature gives -inf (not inf - inf = NaN) away
         # from the maximum: effectively greedy, as it should be.
-        temps = self._column([p.temperature for p in params], logits).clamp_(min=torch.finfo(logits.dtype).tiny)
-        logits = (logits - logits.amax(dim=-1, keepdim=True)) / temps
-        if any(p.min_p > 0 for p in params):
-            logits = self._min_p(logits, params)
-        if any(p.top_k > 0 or p.top_p < 1 for p in params):
-            logits = self._filter(logits, params)
-        probs = torch.softmax(logits, dim=-1)
+        probs = self.probabilities(logits, params)
         noise = self._exponential_noise(probs, generators)
         return (probs / noise).argmax(dim=-1)
 

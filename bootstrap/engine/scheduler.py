@@ -12,6 +12,11 @@ token for every request in decode, then prefill chunks in admission order until
 
 ``Scheduler`` holds the queues and ties the two to the KV cache.
 
+With a draft model (speculative decoding, ``bootstrap.engine.speculation``) the draft has a pool
+of its own, with the same block size: a request's reservation holds in both pools (admission
+counts the smaller one's blocks) and is freed in both. It needs no extra slots: a speculative
+step never writes past what the request's whole life reserves (its depth is capped there).
+
 The ``n`` choices of one prompt are one request until its prefill ends: the first choice is
 scheduled, carrying the others (``Sequence.forks``), and is admitted with the blocks of all of
 them, its prompt's full blocks counted once. The step that completes the prefill forks them
@@ -77,14 +82,22 @@ class ScheduledBatch:
 class CapacityScheduler:
     """Guaranteed-no-evict admission over one KV pool; see the module docstring."""
 
-    def __init__(self, kv_cache: PagedKVCache, max_seq_len: int) -> None:
+    def __init__(self, kv_cache: PagedKVCache, max_seq_len: int, draft_kv: PagedKVCache | None = None) -> None:
         self.kv_cache = kv_cache
         self.max_seq_len = max_seq_len
+        self.pools = [kv_cache] if draft_kv is None else [kv_cache, draft_kv]
+        if draft_kv is not None and draft_kv.tokens_per_block != kv_cache.tokens_per_block:
+            raise ValueError(f"the draft pool's blocks ({draft_kv.tokens_per_block} tokens) must be the target's "
+                             f"({kv_cache.tokens_per_block})")  # fmt: skip
+        self.num_blocks = min(pool.num_blocks for pool in self.pools)  # what a reservation must fit in, in each pool
         self._reserved: dict[int, int] = {}
 
     @property
     def reserved_blocks(self) -> int:
         return sum(self._reserved.values())
+
+    def _life_blocks(self, seq: Sequence) -> int:
+        return self.kv_cache.blocks_needed(seq.max_kv_tokens)
 
     def rejection(self, seq: Sequence) -> str | None:
         """Why ``seq`` can never run with this pool and limit, or None if it can."""
@@ -92,27 +105,26 @@ class CapacityScheduler:
         if problem is not None:
             return problem
         need = self.blocks_of(seq)
-        if need > self.kv_cache.num_blocks:
+        if need > self.num_blocks:
             choices = f" for its {1 + len(seq.forks)} choices" if seq.forks else ""
             return (
                 f"the request needs {need} KV blocks{choices} ({seq.max_kv_tokens} tokens each) but the whole pool "
-                f"has {self.kv_cache.num_blocks} blocks of {self.kv_cache.tokens_per_block} tokens"
+                f"has {self.num_blocks} blocks of {self.kv_cache.tokens_per_block} tokens"
             )
         return None
 
     def blocks_of(self, seq: Sequence) -> int:
         """Blocks of ``seq``'s whole life and of its live forks', the prompt's full blocks once."""
-        own = self.kv_cache.blocks_needed(seq.max_kv_tokens)
-        return own + sum(not c.finished for c in seq.forks) * self.fork_blocks(seq)
+        return self._life_blocks(seq) + sum(not c.finished for c in seq.forks) * self.fork_blocks(seq)
 
     def fork_blocks(self, seq: Sequence) -> int:
         """Blocks a fork of ``seq`` adds over its life: all but the prompt's full blocks, which it shares."""
-        return self.kv_cache.blocks_needed(seq.max_kv_tokens) - seq.num_prompt_tokens // self.kv_cache.tokens_per_block
+        return self._life_blocks(seq) - seq.num_prompt_tokens // self.kv_cache.tokens_per_block
 
     def try_admit(self, seq: Sequence) -> bool:
         """Reserve the blocks of ``seq``'s whole life (and its forks') if they are free; True on success."""
         need = self.blocks_of(seq)
-        if self.reserved_blocks + need > self.kv_cache.num_blocks:
+        if self.reserved_blocks + need > self.num_blocks:
             return False
         self._reserved[seq.request_id] = need
         return True
@@ -126,7 +138,8 @@ class CapacityScheduler:
     def release(self, seq: Sequence) -> None:
         """Drop ``seq``'s reservation and return its blocks to the pool (idempotent)."""
         self._reserved.pop(seq.request_id, None)
-        self.kv_cache.free(seq.request_id)
+        for pool in self.pools:
+            pool.free(seq.request_id)
 
 
 class MicroBatchScheduler:
@@ -155,10 +168,11 @@ class MicroBatchScheduler:
 class Scheduler:
     """Waiting queue, running list, admission and step planning over one KV pool."""
 
-    def __init__(self, kv_cache: PagedKVCache, config: SchedulerConfig) -> None:
+    def __init__(self, kv_cache: PagedKVCache, config: SchedulerConfig, draft_kv: PagedKVCache | None = None) -> None:
         self.config = config
         self.kv_cache = kv_cache
-        self.capacity = CapacityScheduler(kv_cache, config.max_seq_len)
+        self.draft_kv = draft_kv
+        self.capacity = CapacityScheduler(kv_cache, config.max_seq_len, draft_kv)
         self.micro_batch = MicroBatchScheduler(config.max_batch_size, config.max_num_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -216,6 +230,9 @@ class Scheduler:
                 for child in [c for c in parent.forks if not c.finished]:  # a cancelled one's share stays with the parent
                     self.kv_cache.fork(parent.request_id, child.request_id)
                     joined.append((parent, child))
+                    if self.draft_kv is not None and self.draft_kv.holds(parent.request_id):
+                        self.draft_kv.fork(parent.request_id, child.request_id)
+                        child.draft_computed = parent.draft_computed
                     self.capacity.hand_over(parent, child)
                     child.num_computed, child.status = parent.num_computed + count, SequenceStatus.RUNNING
                     child.clock.joined(parent.clock)

@@ -52,6 +52,7 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, if asked
     forks: list[Sequence] = field(default_factory=list)  # the other choices of its prompt, until its prefill ends
     clock: RequestClock = field(default_factory=RequestClock)  # its passage, written by the engine thread
+    draft_computed: int = 0  # leading tokens whose KV is in the draft's pool (speculative decoding)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

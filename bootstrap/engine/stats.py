@@ -16,3 +16,5 @@ class EngineStats:
     kv_capacity_tokens: int
     running: int
     waiting: int
+    draft_tokens_proposed: int = 0  # speculative decoding: draft tokens the target verified
+    draft_tokens_accepted: int = 0  # and kept

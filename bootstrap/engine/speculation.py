@@ -1,0 +1,231 @@
+"""Two-model speculative decoding in the engine loop: a draft model on its own KV pool proposes
+``k`` tokens per running request, the target verifies them in one forward, and the acceptance
+rules (``bootstrap.engine.speculative``) keep what the target would have produced.
+
+The draft keeps up with the target: after every ordinary step (prefill chunks, mixed steps)
+``mirror`` runs the draft over the tokens the target just computed, so a request's prompt is
+in both pools and the ``n`` choices of a prompt fork both. ``Sequence.draft_computed`` counts
+the tokens in the draft's pool; after a speculative step it may trail the target by one (when
+all ``k`` proposals were kept, the last one was never fed to the draft), and the next step's
+first draft pass catches up.
+
+A speculative step (``step``), for a step of requests all in decode:
+
+1. ``k`` draft passes: the first feeds what the draft lacks (the request's last token, and the
+   one before it after a full acceptance), each next one the token just proposed; greedy rows
+   propose the argmax, sampled rows draw from the draft's distribution ``q``.
+2. One target pass over each request's last token and its ``k`` proposals: logits at all
+   ``k + 1`` positions.
+3. The verdict per row; both pools are cut back to the tokens that were verified
+   (``PagedKVCache.truncate``): the rejected proposals' slots are given back.
+
+``k`` is the same for every row of a step: the smallest of the configured ``k`` and what each
+request still has room for (``max_tokens``, ``max_seq_len``). A step whose requests cannot all
+speculate (a prefill chunk, a row with penalties, ``min_tokens`` pending or logprobs asked, a
+request that still carries choices to fork) runs as an ordinary step. Seeded requests repeat
+with speculation, but their tokens are not those of the same seed without it: the draws differ,
+the distribution does not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from bootstrap.engine.kv_cache import PagedKVCache
+from bootstrap.engine.logits_processing import History, needs_processing
+from bootstrap.engine.model_runner import ModelRunner
+from bootstrap.engine.sampling import Sampler
+from bootstrap.engine.scheduler import ScheduledBatch
+from bootstrap.engine.sequence import Sequence
+from bootstrap.engine.speculative import Verdict, accept_greedy, accept_sampled
+
+DEFAULT_SPECULATIVE_TOKENS = 4
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(eq=False)
+class _View:
+    """A request as one pass sees it: its tokens up to this pass's last one, ``num_computed`` of
+    them already in the pool the pass writes (what ``ModelRunner`` reads of a ``Sequence``)."""
+
+    request_id: int
+    token_ids: list[int]
+    num_computed: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        return False
+
+
+@dataclass
+class SpeculationStats:
+    """Proposals and acceptances since the executor started, per draft position too."""
+
+    steps: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    accepted_at: list[int] = field(default_factory=list)  # [i]: proposals kept at draft position i
+    proposed_at: list[int] = field(default_factory=list)
+
+    def count(self, k: int, accepted: Seq[int]) -> None:
+        self.steps += 1
+        self.proposed += k * len(accepted)
+        self.accepted += sum(accepted)
+        for position in range(k):
+            if position >= len(self.proposed_at):
+                self.proposed_at.append(0)
+                self.accepted_at.append(0)
+            self.proposed_at[position] += len(accepted)
+            self.accepted_at[position] += sum(n > position for n in accepted)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.proposed if self.proposed else None
+
+
+class Speculator:
+    """The draft's runner on its pool, and the speculative step; see the module docstring."""
+
+    def __init__(self, draft: ModelRunner, target: ModelRunner, sampler: Sampler, k: int, max_seq_len: int) -> None:
+        if draft.vocab_size != target.vocab_size:
+            raise ValueError(f"the draft's vocabulary ({draft.vocab_size}) must be the target's ({target.vocab_size})")
+        self.draft, self.target, self.sampler = draft, target, sampler
+        self.k, self.max_seq_len = k, max_seq_len
+        self.stats = SpeculationStats()
+
+    @property
+    def pool(self) -> PagedKVCache:
+        return self.draft.kv_cache
+
+    # ---- which steps speculate ------------------------------------------------------------------
+
+    def depth(self, batch: ScheduledBatch) -> int:
+        """How many tokens this step may propose per request (0: run it as an ordinary step)."""
+        if not batch.is_decode or batch.rows is not None:
+            return 0
+        k = self.k
+        for seq in batch.seqs:
+            if seq.forks or seq.params.logprobs is not None or needs_processing(seq.params, _history(seq)):
+                return 0
+            left = seq.params.max_tokens - len(seq.output_token_ids)  # tokens it may still get
+            k = min(k, left - 1, self.max_seq_len - seq.num_tokens)
+        return max(k, 0)
+
+    # ---- the draft keeping up -------------------------------------------------------------------
+
+    def mirror(self, batch: ScheduledBatch) -> None:
+        """Before ``batch``'s requests advance: feed the draft what the target computes in this
+        ordinary step, so both pools hold the same tokens (logits unused)."""
+        fed = [(seq, self._fed(seq, seq.token_ids[: seq.num_computed + count]))
+               for seq, count in zip(batch.seqs, batch.num_new_tokens)
+               if seq.num_computed + count > seq.draft_computed]  # fmt: skip
+        if fed:
+            self.draft.run(ScheduledBatch([view for _, view in fed], [v.num_tokens - v.num_computed for _, v in fed]))
+            for seq, view in fed:
+                seq.draft_computed = view.num_tokens
+
+    def _fed(self, seq: Sequence, tokens: list[int]) -> _View:
+        """The draft's view of ``seq`` fed up to ``tokens``, its pool grown to hold them."""
+        if not self.pool.holds(seq.request_id):
+            self.pool.allocate(seq.request_id, len(tokens))
+        elif len(tokens) > self.pool.num_tokens(seq.request_id):
+            self.pool.extend(seq.request_id, len(tokens) - self.pool.num_tokens(seq.request_id))
+        return _View(seq.request_id, tokens, seq.draft_computed)
+
+    # ---- the speculative step -------------------------------------------------------------------
+
+    def step(self, batch: ScheduledBatch, k: int) -> list[list[int]]:
+        """Propose ``k`` tokens per request, verify them, cut both pools back; each request's new
+        tokens (its kept proposals, then the target's next token). The requests' ``num_computed``
+        and ``draft_computed`` are updated; their tokens are left for the caller to append."""
+        seqs = batch.seqs
+        starts = [(seq.num_computed, seq.num_tokens, seq.draft_computed) for seq in seqs]
+        try:
+            proposals, q = self._propose(seqs, k)
+            logits = self._verify(seqs, proposals, k)
+            verdict = self._judge(seqs, proposals, q, logits, k)
+        except BaseException:
+            self._undo(seqs, starts)
+            raise
+        runs = verdict.new_tokens()
+        for seq, (computed, length, _), run in zip(seqs, starts, runs):
+            kept = len(run) - 1
+            seq.num_computed = computed + 1 + kept
+            seq.draft_computed = min(seq.draft_computed, length + kept)
+            self.target.kv_cache.truncate(seq.request_id, seq.num_computed)
+            self.pool.truncate(seq.request_id, seq.draft_computed)
+        self.stats.count(k, [len(run) - 1 for run in runs])
+        return runs
+
+    def _propose(self, seqs: list[Sequence], k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``k`` draft passes: the proposals ``[B, k]``, and the draft's distributions ``[B, k, V]``
+        when any row samples (None when all are greedy)."""
+        greedy = all(seq.params.greedy for seq in seqs)
+        proposed: list[list[int]] = [[] for _ in seqs]
+        dists: list[torch.Tensor] = []
+        for _ in range(k):
+            views = [self._fed(seq, seq.token_ids + mine) for seq, mine in zip(seqs, proposed)]
+            counts = [view.num_tokens - view.num_computed for view in views]
+            logits = self.draft.run(ScheduledBatch(views, counts))
+            for seq, view in zip(seqs, views):
+                seq.draft_computed = view.num_tokens
+            if greedy:
+                tokens = logits.argmax(dim=-1)
+            else:
+                probs = self.sampler.probabilities(logits, [seq.params for seq in seqs])
+                dists.append(probs)
+                tokens = torch.stack([self._draw(seq, row) for seq, row in zip(seqs, probs)])
+            for mine, token in zip(proposed, tokens.tolist()):
+                mine.append(token)
+        device = self.target.device
+        return torch.tensor(proposed, dtype=torch.long, device=device), (
+            torch.stack(dists, dim=1).to(device) if dists else None)  # fmt: skip
+
+    @staticmethod
+    def _draw(seq: Sequence, probs: torch.Tensor) -> torch.Tensor:
+        if seq.params.greedy:
+            return probs.argmax()
+        return torch.multinomial(probs, 1, generator=seq.generator)[0]
+
+    def _verify(self, seqs: list[Sequence], proposals: torch.Tensor, k: int) -> torch.Tensor:
+        """The target over each request's last token and its proposals: logits ``[B, k + 1, V]``."""
+        views = []
+        for seq, mine in zip(seqs, proposals.tolist()):
+            self.target.kv_cache.extend(seq.request_id, k)  # the step's own token is already in
+            views.append(_View(seq.request_id, seq.token_ids + mine, seq.num_computed))
+        logits = self.target.run_every_position(ScheduledBatch(views, [k + 1] * len(views)))
+        return logits.view(len(seqs), k + 1, -1)
+
+    def _judge(self, seqs: list[Sequence], proposals: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor,
+               k: int) -> Verdict:  # fmt: skip
+        if q is None:
+            return accept_greedy(proposals, logits)
+        params = [seq.params for seq in seqs for _ in range(k + 1)]
+        p = self.sampler.probabilities(logits.reshape(len(seqs) * (k + 1), -1), params).view(len(seqs), k + 1, -1)
+        greedy = torch.tensor([seq.params.greedy for seq in seqs], device=logits.device)
+        sampled = accept_sampled(proposals, q, p, [seq.generator for seq in seqs])
+        if not greedy.any():
+            return sampled
+        exact = accept_greedy(proposals, logits)  # greedy rows of a mixed batch
+        return Verdict(torch.where(greedy, exact.accepted, sampled.accepted),
+                       torch.where(greedy[:, None], exact.tokens, sampled.tokens))  # fmt: skip
+
+    def _undo(self, seqs: list[Sequence], starts: list[tuple[int, int, int]]) -> None:
+        """A step that raised: both pools back to what the requests held before it (the target's
+        with this step's own token, as ``Scheduler.schedule`` left it)."""
+        for seq, (computed, _, drafted) in zip(seqs, starts):
+            seq.num_computed, seq.draft_computed = computed, drafted
+            for pool, keep in ((self.target.kv_cache, computed + 1), (self.pool, drafted)):
+                if pool.holds(seq.request_id) and pool.num_tokens(seq.request_id) > keep:
+                    pool.truncate(seq.request_id, keep)
+
+
+def _history(seq: Sequence) -> History:
+    return History(seq.token_ids, seq.num_prompt_tokens)

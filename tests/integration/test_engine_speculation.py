@@ -1,0 +1,163 @@
+"""Two-model speculative decoding on the real CPU engine (``bootstrap.engine.speculation``):
+greedy output with a draft is the target's own greedy output, token for token, on the tiny
+llama, mistral (window 8), qwen2 (a windowed layer) and gemma2 (soft-caps, windows), with a draft
+that always agrees (the target's own weights) and one that rarely does (other weights); under
+chunked prefill, a stop token or ``max_tokens`` inside an accepted run, ``n`` choices, and a
+cancel mid-stream; both pools empty afterwards. Seeded sampling with a draft repeats."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers.tiny_models import SHAPE
+from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
+
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**SHAPE),
+    "mistral-window": lambda: MistralConfig(**SHAPE, sliding_window=8),
+    "qwen2-hybrid-window": lambda: Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=6, max_window_layers=1),
+    "gemma2-softcaps-windows": lambda: Gemma2Config(**SHAPE, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                                                    attn_logit_softcapping=2.0, final_logit_softcapping=5.0),
+}  # fmt: skip
+PROMPTS = [[(7 * i + 3) % 250 + 3 for i in range(n)] for n in (5, 19, 40)]
+TPB = 4
+
+
+def model(name: str, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = CONFIGS[name]()
+    config.eos_token_id = config.bos_token_id = None
+    built = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for param in built.parameters():
+            if param.dim() > 1:
+                param.mul_(3.0 if name != "gemma2-softcaps-windows" else 1.5)
+    return built
+
+
+def executor(target, draft=None, k: int = 4, num_tokens: int = 16, batch: int = 8):
+    """An executor over copies of ``target`` (and ``draft``), chunked prefill of ``num_tokens`` a step."""
+    def pool(m):
+        return PagedKVCache.from_tokens(KVCacheSpec.from_config(m.config, torch.float32), 2048, TPB, "cpu")
+
+    drafted = None if draft is None else (copy.deepcopy(draft), pool(draft))
+    return create_executor(copy.deepcopy(target), pool(target), SchedulerConfig(batch, num_tokens, 256), start=False,
+                           draft=drafted, speculative_tokens=k)  # fmt: skip
+
+
+def outputs(ex, prompts, params):
+    ids = [ex.enqueue(p, params) for p in prompts]
+    return [ex.await_response(i, timeout=120) for i in ids]
+
+
+def empty(ex) -> bool:
+    pools = [ex.runner.kv_cache] + ([ex.speculator.pool] if ex.speculator else [])
+    return ex.stats().handles == 0 and all(p.stats().used_blocks == 0 for p in pools)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_output_with_a_draft_is_the_targets_own(name):
+    target, other = model(name, 1), model(name, 2)
+    params = SamplingParams(max_tokens=24, temperature=0)
+    plain = executor(target)
+    try:
+        want = [r.token_ids for r in outputs(plain, PROMPTS, params)]
+    finally:
+        plain.shutdown()
+    for draft, agrees in ((target, True), (other, False)):
+        ex = executor(target, draft)
+        try:
+            got = outputs(ex, PROMPTS, params)
+            stats = ex.speculator.stats
+            assert [r.token_ids for r in got] == want, (name, agrees)
+            assert all(r.finish_reason == "length" for r in got) and empty(ex)
+        finally:
+            ex.shutdown()
+        assert stats.steps > 0 and stats.proposed > 0
+        if agrees:  # every proposal kept: 24 tokens in far fewer steps than 24
+            assert stats.acceptance_rate == 1.0 and stats.accepted_at == stats.proposed_at
+        else:
+            assert stats.acceptance_rate < 0.9
+
+
+def test_stops_and_max_tokens_inside_an_accepted_run_end_where_they_would_without_a_draft():
+    target = model("llama", 1)
+    plain = executor(target)
+    try:
+        greedy = outputs(plain, PROMPTS[:1], SamplingParams(max_tokens=24, temperature=0))[0].token_ids
+        stop = SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[greedy[6]])
+        short = SamplingParams(max_tokens=7, temperature=0)
+        want = [r.token_ids for r in outputs(plain, PROMPTS[:1] * 2, stop)] + [
+            r.token_ids for r in outputs(plain, PROMPTS[:1], short)]  # fmt: skip
+    finally:
+        plain.shutdown()
+    ex = executor(target, target, k=4)
+    try:
+        got = [r for r in outputs(ex, PROMPTS[:1] * 2, stop)] + outputs(ex, PROMPTS[:1], short)
+        assert [r.token_ids for r in got] == want and len(want[2]) == 7
+        assert [r.finish_reason for r in got] == ["stop", "stop", "length"] and empty(ex)
+    finally:
+        ex.shutdown()
+
+
+def test_choices_fork_both_pools_and_a_cancel_mid_stream_frees_them():
+    target = model("llama", 1)
+    ex = executor(target, target)
+    try:
+        ids = ex.enqueue_choices(PROMPTS[2], SamplingParams(max_tokens=12, temperature=0), 3)
+        choices = [ex.await_response(i, timeout=120).token_ids for i in ids]
+        assert choices[0] == choices[1] == choices[2] and len(choices[0]) == 12
+        request = ex.enqueue(PROMPTS[1], SamplingParams(max_tokens=200, temperature=0))
+        stream = ex.stream(request)
+        for _ in range(5):
+            next(stream)
+        stream.close()
+        ex.cancel(request)
+        assert empty(ex)
+    finally:
+        ex.shutdown()
+
+
+def test_seeded_sampling_with_a_draft_repeats_and_keeps_to_max_tokens():
+    target, other = model("llama", 1), model("llama", 2)
+    params = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=7)
+    runs = []
+    for _ in range(2):
+        ex = executor(target, other)
+        try:
+            runs.append([r.token_ids for r in outputs(ex, PROMPTS, params)])
+            assert ex.speculator.stats.proposed > 0 and empty(ex)
+        finally:
+            ex.shutdown()
+    assert runs[0] == runs[1] and all(len(tokens) == 20 for tokens in runs[0])
+
+
+def test_each_step_keeps_exactly_the_verified_tokens_in_both_pools():
+    """A 5-token prompt, 21 tokens, k = 4 and a draft that always agrees: one ordinary step (the
+    prefill, which samples the first token), then 4 speculative steps of 5 tokens each; after
+    every step each pool holds exactly the tokens verified so far, none of the rejected ones."""
+    target, other = model("llama", 1), model("llama", 2)
+    for draft, speculative_steps in ((target, 4), (other, None)):
+        ex = executor(target, draft, k=4)
+        forwards = []
+        run = ex.runner.run
+        ex.runner.run = lambda batch: forwards.append(batch.total_tokens) or run(batch)
+        try:
+            request = ex.enqueue(PROMPTS[0], SamplingParams(max_tokens=21, temperature=0))
+            seq = ex._requests.get(request).seq
+            for _ in ex.stream(request):
+                if not seq.finished:
+                    assert ex.runner.kv_cache.num_tokens(request) == seq.num_computed == seq.num_tokens - 1
+                    assert ex.speculator.pool.num_tokens(request) == seq.draft_computed >= seq.num_computed - 1
+            assert empty(ex)
+        finally:
+            ex.shutdown()
+        if speculative_steps is not None:
+            assert forwards == [5] and ex.speculator.stats.steps == speculative_steps
+        else:  # rejections: every step speculates but, when one token is left, the last
+            assert forwards[0] == 5 and forwards[1:] in ([], [1])
+            assert ex.speculator.stats.accepted < ex.speculator.stats.proposed
