@@ -80,6 +80,10 @@ def file_kind(mode: int) -> str:
     return next((name for test, name in kinds.items() if test(mode)), "a special file")
 
 
+DEFAULT_SPECULATIVE_TOKENS = 4  # what vLLM and TensorRT-LLM users commonly run a draft with
+MAX_SPECULATIVE_TOKENS = 16
+
+
 class BootstrapConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
 
@@ -107,6 +111,9 @@ class BootstrapConfig(BaseModel):
     max_kv_tokens: int | None = Field(None, ge=1, description="explicit cap on KV capacity, in tokens")
     host_cache_bytes: int = Field(0, ge=0, description="host (CPU) KV tier size in bytes, 0 for none")
     draft_model: str | None = Field(None, description="two-model speculative decoding draft")
+    num_speculative_tokens: int | None = Field(
+        None, ge=1, le=MAX_SPECULATIVE_TOKENS, description="tokens the draft proposes per step (default 4 with a draft_model)"
+    )
     cross_kv_cache_fraction: float | None = Field(
         None, gt=0.0, lt=1.0, description="share of the KV budget for cross attention (encoder-decoder)"
     )
@@ -155,6 +162,19 @@ class BootstrapConfig(BaseModel):
         if value & (value - 1):
             raise ValueError("must be a power of two in [1, 1024]")
         return value
+
+    @property
+    def speculative_tokens(self) -> int:
+        """Draft tokens per step: ``num_speculative_tokens``, 4 with a draft by default, 0 without one."""
+        if self.draft_model is None:
+            return 0
+        return self.num_speculative_tokens if self.num_speculative_tokens is not None else DEFAULT_SPECULATIVE_TOKENS
+
+    @model_validator(mode="after")
+    def _speculation_needs_a_draft(self) -> BootstrapConfig:
+        if self.num_speculative_tokens is not None and self.draft_model is None:
+            raise ValueError("num_speculative_tokens needs a draft_model (the model that proposes the tokens)")
+        return self
 
     @model_validator(mode="after")
     def _one_memory_rule(self) -> BootstrapConfig:

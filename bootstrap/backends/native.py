@@ -28,7 +28,9 @@ Tensor parallelism (``collective`` of N ranks): each process is one rank; weight
 shard through transformers' TP plan, and every pool holds ``kv_heads / N`` heads per token.
 
 The draft model is loaded, profiled and given its own pool (``final_build``), released with the
-rest on rollback or shutdown; the started executor does not use it yet (no speculative decoding).
+rest on rollback or shutdown; the started executor speculates with it: each decode step the
+draft proposes ``config.speculative_tokens`` tokens and the target verifies them
+(``bootstrap.engine.speculation``).
 The native pool stores every layer at full length (sliding windows are applied as masks), so the
 model shape it reports carries no windows and the plan prices every layer for every token.
 """
@@ -45,7 +47,7 @@ from pathlib import Path
 import torch
 
 from bootstrap.backends.artifacts import EstimationBuild, FinalBuild, LoadedModel, ResolvedClasses, Warmup
-from bootstrap.backends.native_checks import check_probe_tokens, check_weights_fit
+from bootstrap.backends.native_checks import check_draft_tokenizer, check_probe_tokens, check_weights_fit
 from bootstrap.backends.native_headroom import headroom_terms
 from bootstrap.backends.native_placement import device_for, rank_device, rank_env
 from bootstrap.capacity import CapacityPlan, MemoryProfile, dummy_request_lengths
@@ -157,6 +159,7 @@ class NativeBackend:
                 f"launch {config.tensor_parallel_size} ranks (bootstrap run --tp N, or torchrun) or use {self.tp}"
             )
         check_tp_split(shape, self.tp, shard_kv_heads=True)
+        check_draft_tokenizer(config)
         if config.host_cache_bytes:
             raise ConfigError("host_cache_bytes: the native engine has no host KV tier; allowed: 0")
         if shape.attention_kind == "mla" or shape.num_recurrent_layers:
@@ -347,8 +350,11 @@ class NativeBackend:
         target = loaded.handle.target
         scheduler = SchedulerConfig(config.max_batch_size, plan.max_num_tokens, resolved.max_seq_len)
         runner = warmup.handle if warmup is not None else None
+        draft = loaded.handle.draft
+        drafted = (draft.model, final.handle.pools["draft"]) if draft is not None else None
         executor = create_executor(target.model, final.handle.pools["target"], scheduler, target.tokenizer,
-                                   set(target.eos_token_ids), start=False, runner=runner)  # fmt: skip
+                                   set(target.eos_token_ids), start=False, runner=runner, draft=drafted,
+                                   speculative_tokens=config.speculative_tokens or 1)  # fmt: skip
         undo.push(executor.shutdown)
         executor.start_worker()
         serve_smoke_request(executor)

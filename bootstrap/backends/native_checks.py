@@ -1,8 +1,12 @@
 """What the native backend refuses in ``resolve_classes`` from figures alone, before any weight
-is loaded: a ``max_kv_tokens`` below what profiling's dummy needs, and weights the device cannot
-hold (on the CPU those end in the kernel's OOM killer, not an error)."""
+is loaded: a ``max_kv_tokens`` below what profiling's dummy needs, weights the device cannot
+hold (on the CPU those end in the kernel's OOM killer, not an error), and a draft model whose
+tokenizer is not the target's."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 from bootstrap.backends.activations import weight_dtype_bytes
 from bootstrap.capacity import dummy_request_lengths
@@ -48,3 +52,39 @@ def weights_refusal(config: BootstrapConfig, dtype: str, need: int, free: int, d
     return (f"model: the weights of {models} in {dtype} need {fmt_bytes(need)}{per_rank}, but {device} has "
             f"{fmt_bytes(free)} available; use a smaller dtype{smaller}, another device (--device), more "
             "tensor_parallel_size, or a smaller model")  # fmt: skip
+
+
+def check_draft_tokenizer(config: BootstrapConfig) -> None:
+    """A draft whose tokenizer maps tokens to other ids than the target's (same vocabulary size,
+    other tokens) would propose ids that mean something else to the target: refused, naming
+    both, when both are checkpoint directories with a ``tokenizer.json`` (read, nothing loaded).
+    Sizes are compared for every source by ``resolve_classes`` itself."""
+    if config.draft_model is None:
+        return
+    vocabs = [_vocab(source) for source in (config.model, config.draft_model)]
+    if None in vocabs or vocabs[0] == vocabs[1]:
+        return
+    target, draft = vocabs
+    differ = sum(draft.get(token) != index for token, index in target.items()) + len(draft.keys() - target.keys())
+    raise ConfigError(
+        f"draft_model: {config.draft_model!r}'s tokenizer ({len(draft)} tokens) is not the target {config.model!r}'s "
+        f"({len(target)} tokens): {differ} tokens have other ids or are missing; a draft model must share the "
+        "target's tokenizer"
+    )
+
+
+def _vocab(source: str) -> dict[str, int] | None:
+    """Token → id of a checkpoint directory's ``tokenizer.json`` (its added tokens included); None
+    for any other source, or a file that does not read as one."""
+    path = Path(source) / "tokenizer.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    vocab = data.get("model", {}).get("vocab")
+    if isinstance(vocab, list):  # Unigram: [[piece, score], ...] in id order
+        vocab = {piece[0]: index for index, piece in enumerate(vocab) if isinstance(piece, list) and piece}
+    if not isinstance(vocab, dict):
+        return None
+    added = {t.get("content"): t.get("id") for t in data.get("added_tokens", []) if isinstance(t, dict)}
+    return {**vocab, **added}

@@ -65,6 +65,8 @@ def add_config_args(parser: argparse.ArgumentParser, command: str) -> None:
     add_model_arg(parser, command)
     add = parser.add_argument
     add("--draft-model", help="draft model for two-model speculative decoding (default: none)")
+    add("--num-speculative-tokens", type=int, metavar="N",
+        help="with --draft-model: tokens the draft proposes per step, 1-16 (default 4)")  # fmt: skip
     add("--tp", dest="tensor_parallel_size", type=int, default=default_of("tensor_parallel_size"),
         help="tensor-parallel size: ranks that each hold 1/N of the heads (must divide the heads and KV heads)")  # fmt: skip
     add("--dtype", default=default_of("dtype"),

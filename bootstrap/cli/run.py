@@ -273,7 +273,9 @@ async def generate(args: argparse.Namespace, executor: RequestExecutor, max_seq_
             raise GenerationFailed(event.error)
     if speak:
         print()
-    return {"text": "".join(text), "token_ids": tokens, "finish_reason": event.finish_reason}
+    speculator = getattr(executor, "speculator", None)  # the native executor's draft, when it has one
+    speculation = speculator.stats.to_dict() if speculator is not None else None
+    return {"text": "".join(text), "token_ids": tokens, "finish_reason": event.finish_reason, "speculation": speculation}
 
 
 async def show_progress(events: Any, console: Console, shown: anyio.Event) -> None:

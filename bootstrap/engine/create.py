@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import torch
 
+from bootstrap.config import DEFAULT_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS
 from bootstrap.engine.executor import DEFAULT_MAX_UNCLAIMED, PyExecutor
 from bootstrap.engine.kv_cache import PagedKVCache
 from bootstrap.engine.model_runner import ModelRunner
 from bootstrap.engine.sampling import Sampler
 from bootstrap.engine.scheduler import Scheduler, SchedulerConfig
-from bootstrap.engine.speculation import DEFAULT_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS, Speculator
+from bootstrap.engine.speculation import Speculator
 
 
 def create_executor(

@@ -42,9 +42,6 @@ from bootstrap.engine.scheduler import ScheduledBatch
 from bootstrap.engine.sequence import Sequence
 from bootstrap.engine.speculative import Verdict, accept_greedy, accept_sampled
 
-DEFAULT_SPECULATIVE_TOKENS = 4
-MAX_SPECULATIVE_TOKENS = 16
-
 
 @dataclass(eq=False)
 class _View:
@@ -88,6 +85,15 @@ class SpeculationStats:
     @property
     def acceptance_rate(self) -> float | None:
         return self.accepted / self.proposed if self.proposed else None
+
+    def to_dict(self) -> dict:
+        """``bootstrap run --json``'s ``speculation``: counts, the acceptance rate, the mean
+        accepted run per step and row, and the acceptance rate at each draft position."""
+        rows = self.proposed_at[0] if self.proposed_at else 0
+        return {"steps": self.steps, "proposed": self.proposed, "accepted": self.accepted,
+                "acceptance_rate": None if self.acceptance_rate is None else round(self.acceptance_rate, 4),
+                "mean_accepted_length": round(self.accepted / rows, 4) if rows else None,
+                "acceptance_by_position": [round(a / p, 4) for a, p in zip(self.accepted_at, self.proposed_at)]}  # fmt: skip
 
 
 class Speculator:

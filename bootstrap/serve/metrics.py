@@ -75,6 +75,21 @@ class StateCollector(Collector):
         yield GaugeMetricFamily("bootstrap_requests_running", "Requests the engine is running", value=stats.running)
         yield GaugeMetricFamily("bootstrap_requests_waiting", "Requests queued in the engine, not yet admitted",
                                 value=stats.waiting)  # fmt: skip
+        speculator = getattr(executor, "speculator", None)
+        if speculator is not None:
+            yield from _speculation(speculator.stats)
+
+
+def _speculation(stats: Any) -> Iterator[Metric]:
+    """Speculative decoding: draft tokens proposed and accepted, overall and by draft position."""
+    yield GaugeMetricFamily("bootstrap_spec_draft_tokens_proposed", "Draft tokens the target verified", value=stats.proposed)
+    yield GaugeMetricFamily("bootstrap_spec_draft_tokens_accepted", "Draft tokens the target kept", value=stats.accepted)
+    rate = GaugeMetricFamily("bootstrap_spec_acceptance_rate", "Draft tokens kept / proposed, by draft position",
+                             labels=["position"])  # fmt: skip
+    for position, (kept, proposed) in enumerate(zip(stats.accepted_at, stats.proposed_at)):
+        rate.add_metric([str(position)], kept / proposed if proposed else 0.0)
+    rate.add_metric(["all"], stats.acceptance_rate or 0.0)
+    yield rate
 
 
 def _statuses(state: ServeState) -> list[Any]:

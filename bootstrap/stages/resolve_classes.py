@@ -83,8 +83,8 @@ def _check_config(config: BootstrapConfig, shape: ModelShape, draft: ModelShape 
         )
     if draft is not None and draft.vocab_size != shape.vocab_size:
         raise ConfigError(
-            f"draft_model: its vocab_size ({draft.vocab_size}) differs from the target's ({shape.vocab_size}); "
-            "a draft model must share the target's tokenizer"
+            f"draft_model: {config.draft_model!r} has a vocabulary of {draft.vocab_size} tokens and the target "
+            f"{config.model!r} one of {shape.vocab_size}; a draft model must share the target's tokenizer"
         )
     tp = config.tensor_parallel_size
     for field, model in (("model", shape), ("draft_model", draft)):

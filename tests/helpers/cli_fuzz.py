@@ -226,6 +226,7 @@ RULES: dict[str, Any] = {  # dest -> valid(parsed) given the base argv, or None:
     "port": lambda v: 0 <= v <= 65535,
     "shutdown_timeout": _finite(0.0, 86_400.0),
     "request_trace_ratio": _finite(0.0, 1.0),
+    "num_speculative_tokens": lambda v: False,  # alone (one flag at a time): it needs a --draft-model
     "prompt": _text, "chat": _text, "served_model_name": _text, "api_key": _api_key,
     "fault": lambda v: all(FAULT.fullmatch(f) and not f.endswith(":0") for f in v),
     "host": lambda v: True if v in ("127.0.0.1", "localhost", "0.0.0.0") else None,

@@ -42,14 +42,15 @@ VALID = {"model": "qwen3-8b", "device": "cpu", "dtype": "float16", "kv_cache_dty
          "max_kv_bytes": 1 << 30, "max_kv_tokens": 1000, "host_cache_bytes": 1 << 30, "draft_model": "smollm2-135m",
          "cross_kv_cache_fraction": 0.5, "tensor_parallel_size": 2, "plan_cache": "/tmp/plans", "backend": "trtllm",
          "kv_manager": "auto", "kv_headroom_bytes": 1 << 30, "cuda_graphs": False,
-         "cuda_graph_batch_sizes": (1, 2)}  # fmt: skip
+         "cuda_graph_batch_sizes": (1, 2), "num_speculative_tokens": 3}  # fmt: skip
+NEEDS = {"num_speculative_tokens": {"draft_model": "smollm2-135m"}}  # a field valid only with another
 
 
 @pytest.mark.parametrize("field", sorted(BootstrapConfig.model_fields))
 def test_config_is_frozen_even_for_a_valid_value(field):
     config = BootstrapConfig.parse(max_num_tokens=4096)
     before = getattr(config, field)
-    BootstrapConfig.parse(**{field: VALID[field]})  # the value itself is valid
+    BootstrapConfig.parse(**{field: VALID[field]}, **NEEDS.get(field, {}))  # the value itself is valid
     with pytest.raises(ValidationError) as info:
         setattr(config, field, VALID[field])
     assert [e["type"] for e in info.value.errors()] == ["frozen_instance"]
@@ -78,3 +79,13 @@ def test_kv_headroom_bytes_replaces_the_fraction_and_both_at_once_is_an_error():
         BootstrapConfig.parse(kv_headroom_bytes=2**30, free_gpu_memory_fraction=0.9)
     with pytest.raises(ConfigError, match="kv_headroom_bytes: Input should be greater than or equal to 0"):
         BootstrapConfig.parse(kv_headroom_bytes=-1)
+
+
+def test_speculative_tokens_default_to_4_with_a_draft_and_need_one():
+    assert BootstrapConfig.parse(draft_model="d").speculative_tokens == 4
+    assert BootstrapConfig.parse(draft_model="d", num_speculative_tokens=7).speculative_tokens == 7
+    assert BootstrapConfig.parse().speculative_tokens == 0
+    with pytest.raises(ConfigError, match="num_speculative_tokens needs a draft_model"):
+        BootstrapConfig.parse(num_speculative_tokens=2)
+    with pytest.raises(ConfigError, match=r"num_speculative_tokens: Input should be less than or equal to 16"):
+        BootstrapConfig.parse(draft_model="d", num_speculative_tokens=17)

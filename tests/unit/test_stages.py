@@ -335,3 +335,13 @@ async def test_tp_that_does_not_divide_the_draft_heads_names_the_draft(tmp_path)
     with pytest.raises(StageFailed) as info:
         await pipeline.run()
     assert info.value.stage == "resolve_classes" and "draft_model" in str(info.value) and "9 attention heads" in str(info.value)
+
+
+async def test_a_draft_with_another_vocabulary_is_refused_naming_both_models_and_sizes():
+    pipeline, device, _ = setup(model="llama-3.1-8b", draft_model="qwen2.5-7b")
+    with pytest.raises(StageFailed) as info:
+        await pipeline.run()
+    message = str(info.value)
+    assert info.value.stage == "resolve_classes" and isinstance(info.value.cause, ConfigError)
+    assert "'qwen2.5-7b' has a vocabulary of 152064 tokens" in message and "'llama-3.1-8b' one of 128256" in message
+    assert device.live() == {} and device.peak_bytes() == 0
