@@ -82,6 +82,7 @@ def file_kind(mode: int) -> str:
 
 DEFAULT_SPECULATIVE_TOKENS = 4  # what vLLM and TensorRT-LLM users commonly run a draft with
 MAX_SPECULATIVE_TOKENS = 16
+AUTO_SPECULATIVE_CEILING = 8  # the deepest auto goes
 
 
 class BootstrapConfig(BaseModel):
@@ -111,8 +112,8 @@ class BootstrapConfig(BaseModel):
     max_kv_tokens: int | None = Field(None, ge=1, description="explicit cap on KV capacity, in tokens")
     host_cache_bytes: int = Field(0, ge=0, description="host (CPU) KV tier size in bytes, 0 for none")
     draft_model: str | None = Field(None, description="two-model speculative decoding draft")
-    num_speculative_tokens: int | None = Field(
-        None, ge=1, le=MAX_SPECULATIVE_TOKENS, description="tokens the draft proposes per step (default 4 with a draft_model)"
+    num_speculative_tokens: int | Literal["auto"] | None = Field(
+        None, description="tokens the draft proposes per step, or auto: per request from its acceptance (default 4)"
     )
     cross_kv_cache_fraction: float | None = Field(
         None, gt=0.0, lt=1.0, description="share of the KV budget for cross attention (encoder-decoder)"
@@ -165,10 +166,22 @@ class BootstrapConfig(BaseModel):
 
     @property
     def speculative_tokens(self) -> int:
-        """Draft tokens per step: ``num_speculative_tokens``, 4 with a draft by default, 0 without one."""
+        """Draft tokens per step (with ``auto``: the most a request may propose): 4 with a draft
+        by default, 0 without one."""
         if self.draft_model is None:
             return 0
+        if self.num_speculative_tokens == "auto":
+            return AUTO_SPECULATIVE_CEILING
         return self.num_speculative_tokens if self.num_speculative_tokens is not None else DEFAULT_SPECULATIVE_TOKENS
+
+    @field_validator("num_speculative_tokens", mode="before")
+    @classmethod
+    def _depth(cls, value: object) -> object:
+        ok = value is None or value == "auto" or (
+            isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_SPECULATIVE_TOKENS)
+        if not ok:
+            raise ValueError(f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}] or 'auto'")
+        return value
 
     @model_validator(mode="after")
     def _speculation_needs_a_draft(self) -> BootstrapConfig:

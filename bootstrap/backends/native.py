@@ -354,7 +354,8 @@ class NativeBackend:
         drafted = (draft.model, final.handle.pools["draft"]) if draft is not None else None
         executor = create_executor(target.model, final.handle.pools["target"], scheduler, target.tokenizer,
                                    set(target.eos_token_ids), start=False, runner=runner, draft=drafted,
-                                   speculative_tokens=config.speculative_tokens or 1)  # fmt: skip
+                                   speculative_tokens=config.speculative_tokens or 1,
+                                   adaptive=config.num_speculative_tokens == "auto")  # fmt: skip
         undo.push(executor.shutdown)
         executor.start_worker()
         serve_smoke_request(executor)

@@ -60,13 +60,24 @@ def add_model_arg(parser: argparse.ArgumentParser, command: str) -> None:
                              f"with random weights (presets: {presets})")  # fmt: skip
 
 
+def speculative_tokens(text: str) -> int | str:
+    """``--num-speculative-tokens``: ``auto`` or an integer (its range is the config's to check)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer in [1, 16] or auto, got {text!r}") from None
+
+
 def add_config_args(parser: argparse.ArgumentParser, command: str) -> None:
     """Every ``BootstrapConfig`` field as a flag."""
     add_model_arg(parser, command)
     add = parser.add_argument
     add("--draft-model", help="draft model for two-model speculative decoding (default: none)")
-    add("--num-speculative-tokens", type=int, metavar="N",
-        help="with --draft-model: tokens the draft proposes per step, 1-16 (default 4)")  # fmt: skip
+    add("--num-speculative-tokens", type=speculative_tokens, metavar="N|auto",
+        help="with --draft-model: tokens the draft proposes per step, 1-16, or auto: each request as deep as its "
+             "recent acceptance pays for, down to none (default 4)")  # fmt: skip
     add("--tp", dest="tensor_parallel_size", type=int, default=default_of("tensor_parallel_size"),
         help="tensor-parallel size: ranks that each hold 1/N of the heads (must divide the heads and KV heads)")  # fmt: skip
     add("--dtype", default=default_of("dtype"),

@@ -25,13 +25,15 @@ def create_executor(
     runner: ModelRunner | None = None,
     draft: tuple[torch.nn.Module, PagedKVCache] | None = None,
     speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS,
+    adaptive: bool = False,
 ) -> PyExecutor:
     """Wire a loaded model (switched to paged attention in place) and a KV pool into a
     ``PyExecutor``; its worker is started unless ``start=False``. ``max_unclaimed``: how many
     finished responses nobody waits for are kept (see the module docstring). ``runner``: one
     already made for this model and pool (with its CUDA graphs captured, say) instead of a new one.
     ``draft``: a draft model and its pool: each decode step proposes ``speculative_tokens``
-    tokens with it and verifies them with the target (``bootstrap.engine.speculation``)."""
+    tokens with it (with ``adaptive``, up to that many, as each request's acceptance pays for)
+    and verifies them with the target (``bootstrap.engine.speculation``)."""
     if runner is None:
         runner = ModelRunner(model, kv_cache, config.max_batch_size, config.max_seq_len)
     elif runner.model is not model or runner.kv_cache is not kv_cache or runner.max_batch_size < config.max_batch_size:
@@ -42,7 +44,7 @@ def create_executor(
         if not isinstance(speculative_tokens, int) or isinstance(speculative_tokens, bool) or not 1 <= speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {speculative_tokens!r}")
         draft_runner = ModelRunner(draft[0], draft[1], config.max_batch_size, config.max_seq_len)
-        speculator = Speculator(draft_runner, runner, sampler, speculative_tokens, config.max_seq_len)
+        speculator = Speculator(draft_runner, runner, sampler, speculative_tokens, config.max_seq_len, adaptive)
     scheduler = Scheduler(kv_cache, config, draft[1] if draft is not None else None)
     executor = PyExecutor(runner, scheduler, sampler, tokenizer, eos_token_ids, max_unclaimed, speculator)
     if start:

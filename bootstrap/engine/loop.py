@@ -168,8 +168,8 @@ class EngineLoop:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return
-        depth = self.speculator.depth(batch) if self.speculator is not None else 0
-        if depth and self._speculate(batch, depth):
+        limits = self.speculator.plan(batch) if self.speculator is not None else None
+        if limits is not None and self._speculate(batch, limits):
             return
         alone = len(batch.seqs) == 1
         if self._run(batch, fail=alone) or alone:
@@ -195,11 +195,11 @@ class EngineLoop:
         self.responses.record(batch, tokens, logprobs)
         return True
 
-    def _speculate(self, batch: ScheduledBatch, depth: int) -> bool:
-        """A speculative step of ``depth`` draft tokens per request; False (pools as they were)
-        when it raised, so the step runs as an ordinary one."""
+    def _speculate(self, batch: ScheduledBatch, limits: list[int]) -> bool:
+        """A speculative step, ``limits[i]`` draft tokens judged for request ``i``; False (pools
+        as they were) when it raised, so the step runs as an ordinary one."""
         try:
-            runs = self.speculator.step(batch, depth)
+            runs = self.speculator.step(batch, limits)
         except Exception:
             log.exception("a speculative step of %d requests failed; running it without the draft", len(batch.seqs))
             return False

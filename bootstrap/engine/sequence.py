@@ -18,6 +18,7 @@ import torch
 
 from bootstrap.engine.logits_processing import TokenLogprob
 from bootstrap.engine.sampling import SamplingParams
+from bootstrap.engine.speculative import Acceptance
 from bootstrap.engine.timing import RequestClock, RequestTiming
 
 _ids = itertools.count()
@@ -53,6 +54,7 @@ class Sequence:
     forks: list[Sequence] = field(default_factory=list)  # the other choices of its prompt, until its prefill ends
     clock: RequestClock = field(default_factory=RequestClock)  # its passage, written by the engine thread
     draft_computed: int = 0  # leading tokens whose KV is in the draft's pool (speculative decoding)
+    acceptance: Acceptance = field(default_factory=Acceptance)  # its draft's recent acceptance (auto)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

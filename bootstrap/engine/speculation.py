@@ -40,7 +40,7 @@ from bootstrap.engine.model_runner import ModelRunner
 from bootstrap.engine.sampling import Sampler
 from bootstrap.engine.scheduler import ScheduledBatch
 from bootstrap.engine.sequence import Sequence
-from bootstrap.engine.speculative import Verdict, accept_greedy, accept_sampled
+from bootstrap.engine.speculative import PROBE_EVERY, Verdict, accept_greedy, accept_sampled, best_depth
 
 
 @dataclass(eq=False)
@@ -71,15 +71,16 @@ class SpeculationStats:
     accepted_at: list[int] = field(default_factory=list)  # [i]: proposals kept at draft position i
     proposed_at: list[int] = field(default_factory=list)
 
-    def count(self, k: int, accepted: Seq[int]) -> None:
+    def count(self, limits: Seq[int], accepted: Seq[int]) -> None:
+        """One step: row ``i`` judged ``limits[i]`` proposals and kept ``accepted[i]``."""
         self.steps += 1
-        self.proposed += k * len(accepted)
+        self.proposed += sum(limits)
         self.accepted += sum(accepted)
-        for position in range(k):
+        for position in range(max(limits)):
             if position >= len(self.proposed_at):
                 self.proposed_at.append(0)
                 self.accepted_at.append(0)
-            self.proposed_at[position] += len(accepted)
+            self.proposed_at[position] += sum(limit > position for limit in limits)
             self.accepted_at[position] += sum(n > position for n in accepted)
 
     @property
@@ -99,11 +100,14 @@ class SpeculationStats:
 class Speculator:
     """The draft's runner on its pool, and the speculative step; see the module docstring."""
 
-    def __init__(self, draft: ModelRunner, target: ModelRunner, sampler: Sampler, k: int, max_seq_len: int) -> None:
+    def __init__(self, draft: ModelRunner, target: ModelRunner, sampler: Sampler, k: int, max_seq_len: int,
+                 adaptive: bool = False) -> None:  # fmt: skip
+        """``k``: the depth, or with ``adaptive`` (``auto``) the deepest a request may go."""
         if draft.vocab_size != target.vocab_size:
             raise ValueError(f"the draft's vocabulary ({draft.vocab_size}) must be the target's ({target.vocab_size})")
         self.draft, self.target, self.sampler = draft, target, sampler
-        self.k, self.max_seq_len = k, max_seq_len
+        self.k, self.max_seq_len, self.adaptive = k, max_seq_len, adaptive
+        self.cost = _weight_bytes(draft.model) / max(_weight_bytes(target.model), 1)  # decode reads every weight once
         self.stats = SpeculationStats()
 
     @property
@@ -112,17 +116,35 @@ class Speculator:
 
     # ---- which steps speculate ------------------------------------------------------------------
 
-    def depth(self, batch: ScheduledBatch) -> int:
-        """How many tokens this step may propose per request (0: run it as an ordinary step)."""
+    def plan(self, batch: ScheduledBatch) -> list[int] | None:
+        """How many proposals each request of this step considers (None: an ordinary step). The
+        step proposes the most of them for every row, never more than the request with the least
+        room left has (``max_tokens``, ``max_seq_len``): the verify pass writes that many slots."""
         if not batch.is_decode or batch.rows is not None:
-            return 0
-        k = self.k
+            return None
+        room = self.k
         for seq in batch.seqs:
             if seq.forks or seq.params.logprobs is not None or needs_processing(seq.params, _history(seq)):
-                return 0
+                return None
             left = seq.params.max_tokens - len(seq.output_token_ids)  # tokens it may still get
-            k = min(k, left - 1, self.max_seq_len - seq.num_tokens)
-        return max(k, 0)
+            room = min(room, left - 1, self.max_seq_len - seq.num_tokens)
+        limits = [min(self._wanted(seq), room) for seq in batch.seqs] if self.adaptive else [room] * len(batch.seqs)
+        return limits if max(limits, default=0) > 0 else None
+
+    def _wanted(self, seq: Sequence) -> int:
+        """``auto``: the request's best depth from its acceptance; at 0, one proposal every
+        ``PROBE_EVERY`` steps, so a draft that starts agreeing again is noticed."""
+        depth = best_depth(seq.acceptance.rate, self.cost, self.k)
+        if depth == 0:
+            seq.acceptance.idle_steps += 1
+            if seq.acceptance.idle_steps >= PROBE_EVERY:
+                return 1
+        return depth
+
+    def keeps_up(self, seq: Sequence) -> bool:
+        """Whether ordinary steps feed the draft this request's tokens: always with a fixed depth;
+        with ``auto`` only while it speculates (one that does not catches up when it tries again)."""
+        return not self.adaptive or best_depth(seq.acceptance.rate, self.cost, self.k) > 0
 
     # ---- the draft keeping up -------------------------------------------------------------------
 
@@ -131,7 +153,7 @@ class Speculator:
         ordinary step, so both pools hold the same tokens (logits unused)."""
         fed = [(seq, self._fed(seq, seq.token_ids[: seq.num_computed + count]))
                for seq, count in zip(batch.seqs, batch.num_new_tokens)
-               if seq.num_computed + count > seq.draft_computed]  # fmt: skip
+               if seq.num_computed + count > seq.draft_computed and self.keeps_up(seq)]  # fmt: skip
         if fed:
             self.draft.run(ScheduledBatch([view for _, view in fed], [v.num_tokens - v.num_computed for _, v in fed]))
             for seq, view in fed:
@@ -147,27 +169,30 @@ class Speculator:
 
     # ---- the speculative step -------------------------------------------------------------------
 
-    def step(self, batch: ScheduledBatch, k: int) -> list[list[int]]:
-        """Propose ``k`` tokens per request, verify them, cut both pools back; each request's new
-        tokens (its kept proposals, then the target's next token). The requests' ``num_computed``
-        and ``draft_computed`` are updated; their tokens are left for the caller to append."""
-        seqs = batch.seqs
+    def step(self, batch: ScheduledBatch, limits: list[int]) -> list[list[int]]:
+        """Propose ``max(limits)`` tokens per request, verify them, judge each row's first
+        ``limits[i]``, cut both pools back; each request's new tokens (its kept proposals, then
+        the target's next token). The requests' ``num_computed`` and ``draft_computed`` are
+        updated; their tokens are left for the caller to append."""
+        seqs, k = batch.seqs, max(limits)
         starts = [(seq.num_computed, seq.num_tokens, seq.draft_computed) for seq in seqs]
         try:
             proposals, q = self._propose(seqs, k)
             logits = self._verify(seqs, proposals, k)
-            verdict = self._judge(seqs, proposals, q, logits, k)
+            verdict = self._judge(seqs, proposals, q, logits, torch.tensor(limits, device=logits.device))
         except BaseException:
             self._undo(seqs, starts)
             raise
         runs = verdict.new_tokens()
-        for seq, (computed, length, _), run in zip(seqs, starts, runs):
+        for seq, (computed, length, _), run, limit in zip(seqs, starts, runs, limits):
             kept = len(run) - 1
             seq.num_computed = computed + 1 + kept
             seq.draft_computed = min(seq.draft_computed, length + kept)
             self.target.kv_cache.truncate(seq.request_id, seq.num_computed)
             self.pool.truncate(seq.request_id, seq.draft_computed)
-        self.stats.count(k, [len(run) - 1 for run in runs])
+            if limit:
+                seq.acceptance.observe(limit, kept)
+        self.stats.count(limits, [len(run) - 1 for run in runs])
         return runs
 
     def _propose(self, seqs: list[Sequence], k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -210,16 +235,17 @@ class Speculator:
         return logits.view(len(seqs), k + 1, -1)
 
     def _judge(self, seqs: list[Sequence], proposals: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor,
-               k: int) -> Verdict:  # fmt: skip
+               limits: torch.Tensor) -> Verdict:  # fmt: skip
+        k = proposals.shape[1]
         if q is None:
-            return accept_greedy(proposals, logits)
+            return accept_greedy(proposals, logits, limits)
         params = [seq.params for seq in seqs for _ in range(k + 1)]
         p = self.sampler.probabilities(logits.reshape(len(seqs) * (k + 1), -1), params).view(len(seqs), k + 1, -1)
         greedy = torch.tensor([seq.params.greedy for seq in seqs], device=logits.device)
-        sampled = accept_sampled(proposals, q, p, [seq.generator for seq in seqs])
+        sampled = accept_sampled(proposals, q, p, [seq.generator for seq in seqs], limits)
         if not greedy.any():
             return sampled
-        exact = accept_greedy(proposals, logits)  # greedy rows of a mixed batch
+        exact = accept_greedy(proposals, logits, limits)  # greedy rows of a mixed batch
         return Verdict(torch.where(greedy, exact.accepted, sampled.accepted),
                        torch.where(greedy[:, None], exact.tokens, sampled.tokens))  # fmt: skip
 
@@ -231,6 +257,10 @@ class Speculator:
             for pool, keep in ((self.target.kv_cache, computed + 1), (self.pool, drafted)):
                 if pool.holds(seq.request_id) and pool.num_tokens(seq.request_id) > keep:
                     pool.truncate(seq.request_id, keep)
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def _history(seq: Sequence) -> History:

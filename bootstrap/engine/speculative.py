@@ -22,6 +22,9 @@ after the first ``i`` draft tokens.
 
 ``Verdict.tokens[b, : accepted[b] + 1]`` are row ``b``'s new tokens: the kept draft tokens, then
 the correction or bonus token.
+
+For ``auto`` (``--num-speculative-tokens auto``) each request keeps its recent acceptance
+(``Acceptance``) and speculates as deep as ``best_depth`` says pays off for it, down to not at all.
 """
 
 from __future__ import annotations
@@ -46,18 +49,21 @@ class Verdict:
         return [row[:n] for row, n in zip(self.tokens.tolist(), counts)]
 
 
-def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Verdict:
-    """``draft_tokens`` [B, k] against ``target_logits`` [B, k + 1, V]: see the module docstring."""
+def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor, limits: torch.Tensor | None = None) -> Verdict:
+    """``draft_tokens`` [B, k] against ``target_logits`` [B, k + 1, V]: see the module docstring.
+    ``limits`` [B]: row ``b`` considers only its first ``limits[b]`` proposals (the rest are
+    padding: a request that speculates less this step)."""
     rows, k = _check(draft_tokens, target_logits)
     best = target_logits.argmax(dim=-1)  # [B, k + 1]
-    accepted = _kept_prefix(draft_tokens == best[:, :k])
+    accepted = _kept_prefix(_within(draft_tokens == best[:, :k], limits))
     return Verdict(accepted, _assemble(draft_tokens, accepted, best.gather(1, accepted[:, None])[:, 0]))
 
 
 def accept_sampled(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
-                   generators: Sequence[torch.Generator | None]) -> Verdict:  # fmt: skip
+                   generators: Sequence[torch.Generator | None], limits: torch.Tensor | None = None) -> Verdict:  # fmt: skip
     """``draft_tokens`` [B, k] drawn from ``draft_probs`` [B, k, V], against ``target_probs``
-    [B, k + 1, V], one generator (or None) per row: see the module docstring."""
+    [B, k + 1, V], one generator (or None) per row, ``limits`` as in ``accept_greedy``: see the
+    module docstring (a row that keeps all of its ``limits[b]`` draws its bonus token from ``p``)."""
     rows, k = _check(draft_tokens, target_probs)
     if draft_probs.shape != (rows, k, target_probs.shape[-1]):
         raise ValueError(f"draft_probs must be [{rows}, {k}, {target_probs.shape[-1]}], got {list(draft_probs.shape)}")
@@ -67,11 +73,12 @@ def accept_sampled(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target
     q = draft_probs.gather(2, draft_tokens[..., None])[..., 0]
     uniform = torch.stack([_uniform(k, g, target_probs.device) for g in generators]) if k else p
     kept = uniform * q < p  # u < p / q without dividing; a token the draft could not draw (q = 0) is never kept
-    accepted = _kept_prefix(kept)
+    accepted = _kept_prefix(_within(kept, limits))
+    ends = [k] * rows if limits is None else limits.tolist()
     nxt = torch.empty(rows, dtype=torch.long, device=target_probs.device)
-    for row, (n, generator) in enumerate(zip(accepted.tolist(), generators)):
+    for row, (n, end, generator) in enumerate(zip(accepted.tolist(), ends, generators)):
         target = target_probs[row, n]
-        if n < k:
+        if n < end:  # rejected at n: the residual; else every considered proposal was kept: a bonus from p
             residual = (target - draft_probs[row, n]).clamp_min(0)
             target = residual if residual.sum() > 0 else target
         nxt[row] = torch.multinomial(target / target.sum(), 1, generator=generator)[0]
@@ -86,6 +93,14 @@ def _check(draft_tokens: torch.Tensor, target: torch.Tensor) -> tuple[int, int]:
     if target.shape[:2] != (rows, k + 1):
         raise ValueError(f"the target's scores must be [{rows}, {k + 1}, V] for {k} draft tokens, got {list(target.shape)}")
     return rows, k
+
+
+def _within(kept: torch.Tensor, limits: torch.Tensor | None) -> torch.Tensor:
+    """``kept`` with every position at or past its row's limit false."""
+    if limits is None:
+        return kept
+    position = torch.arange(kept.shape[1], device=kept.device)
+    return kept & (position < limits.to(kept.device)[:, None])
 
 
 def _kept_prefix(kept: torch.Tensor) -> torch.Tensor:
@@ -104,3 +119,41 @@ def _assemble(draft_tokens: torch.Tensor, accepted: torch.Tensor, nxt: torch.Ten
     padded = torch.cat([draft_tokens, draft_tokens.new_full((rows, 1), -1)], dim=1)
     out = torch.where(position < accepted[:, None], padded, torch.full_like(padded, -1))
     return out.scatter(1, accepted[:, None], nxt[:, None])
+
+
+# ---- auto: how deep each request speculates ------------------------------------------------------
+
+
+@dataclass
+class Acceptance:
+    """``auto``: one request's recent acceptance, as decayed counts of kept proposals and of
+    proposals judged, starting from a prior of 0.8 over two proposals (a new request speculates)."""
+
+    kept: float = 1.6
+    judged: float = 2.0
+    idle_steps: int = 0  # steps since it last speculated, while its best depth is 0
+
+    def observe(self, limit: int, kept: int) -> None:
+        """A step that considered ``limit`` proposals kept ``kept``: ``kept`` successes, and one
+        failure unless all were kept (a full run says nothing of the next one)."""
+        self.kept, self.judged = self.kept * DECAY + kept, self.judged * DECAY + kept + (kept < limit)
+        self.idle_steps = 0
+
+    @property
+    def rate(self) -> float:
+        return self.kept / self.judged
+
+
+DECAY = 0.8  # weight of a request's older steps in its acceptance, per step
+PROBE_EVERY = 16  # steps a request that stopped speculating waits before it tries one proposal again
+
+
+def best_depth(rate: float, cost: float, ceiling: int) -> int:
+    """The depth that maximizes expected tokens per unit of time: a step of depth ``k`` yields
+    ``(1 - rate^(k+1)) / (1 - rate)`` tokens on average and costs ``1 + cost * k`` target steps
+    (``cost``: one draft pass against one target pass); 0 when no depth beats decoding alone."""
+    def tokens_per_cost(k: int) -> float:
+        expected = k + 1.0 if rate >= 1.0 else (1.0 - rate ** (k + 1)) / (1.0 - rate)
+        return expected / (1.0 + cost * k)
+
+    return max(range(ceiling + 1), key=lambda k: (round(tokens_per_cost(k), 9), -k))

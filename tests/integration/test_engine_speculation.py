@@ -161,3 +161,37 @@ def test_each_step_keeps_exactly_the_verified_tokens_in_both_pools():
         else:  # rejections: every step speculates but, when one token is left, the last
             assert forwards[0] == 5 and forwards[1:] in ([], [1])
             assert ex.speculator.stats.accepted < ex.speculator.stats.proposed
+
+
+@pytest.mark.parametrize("agrees", [True, False])
+def test_auto_goes_deep_with_a_draft_that_agrees_and_stops_speculating_with_one_that_does_not(agrees):
+    target = model("llama", 1)
+    draft = target if agrees else model("llama", 2)
+    plain = executor(target)
+    params = SamplingParams(max_tokens=60, temperature=0)
+    try:
+        want = [r.token_ids for r in outputs(plain, PROMPTS[:2], params)]
+    finally:
+        plain.shutdown()
+    ex = create_auto(target, draft)
+    ex.speculator.cost = 0.1  # a draft a tenth of the target's cost (the tiny test models are the same size)
+    forwards = []
+    run = ex.runner.run
+    ex.runner.run = lambda batch: forwards.append(batch.total_tokens) or run(batch)
+    try:
+        assert [r.token_ids for r in outputs(ex, PROMPTS[:2], params)] == want and empty(ex)
+    finally:
+        ex.shutdown()
+    stats = ex.speculator.stats
+    if agrees:  # deeper than the prior's depth once full runs come back, up to the ceiling of 8
+        assert len(stats.proposed_at) == 8 and stats.acceptance_rate == 1.0 and len(forwards) <= 6
+    else:  # a few steps to learn it, then ordinary steps, with one probing proposal every 16 steps
+        assert stats.acceptance_rate < 0.5 and stats.steps < 15 and len(forwards) > 40
+
+
+def create_auto(target, draft):
+    def pool(m):
+        return PagedKVCache.from_tokens(KVCacheSpec.from_config(m.config, torch.float32), 2048, TPB, "cpu")
+
+    return create_executor(copy.deepcopy(target), pool(target), SchedulerConfig(8, 16, 256), start=False,
+                           draft=(copy.deepcopy(draft), pool(draft)), speculative_tokens=8, adaptive=True)  # fmt: skip

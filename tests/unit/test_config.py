@@ -85,7 +85,9 @@ def test_speculative_tokens_default_to_4_with_a_draft_and_need_one():
     assert BootstrapConfig.parse(draft_model="d").speculative_tokens == 4
     assert BootstrapConfig.parse(draft_model="d", num_speculative_tokens=7).speculative_tokens == 7
     assert BootstrapConfig.parse().speculative_tokens == 0
+    assert BootstrapConfig.parse(draft_model="d", num_speculative_tokens="auto").speculative_tokens == 8  # its ceiling
     with pytest.raises(ConfigError, match="num_speculative_tokens needs a draft_model"):
         BootstrapConfig.parse(num_speculative_tokens=2)
-    with pytest.raises(ConfigError, match=r"num_speculative_tokens: Input should be less than or equal to 16"):
-        BootstrapConfig.parse(draft_model="d", num_speculative_tokens=17)
+    for bad in (17, 0, "often", True):
+        with pytest.raises(ConfigError, match=r"num_speculative_tokens: must be an integer in \[1, 16\] or 'auto'"):
+            BootstrapConfig.parse(draft_model="d", num_speculative_tokens=bad)

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bootstrap.engine.speculative import accept_greedy, accept_sampled
+from bootstrap.engine.speculative import Acceptance, accept_greedy, accept_sampled, best_depth
 
 CHI2_999 = {4: 18.467}  # chi-square critical values at p = 0.999 by degrees of freedom (scipy.stats.chi2.ppf)
 
@@ -89,3 +89,38 @@ def test_shapes_that_do_not_fit_are_refused_naming_them():
         accept_greedy(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, 5))
     with pytest.raises(ValueError, match="one generator"):
         accept_sampled(torch.zeros(2, 1, dtype=torch.long), torch.full((2, 1, 3), 1 / 3), torch.full((2, 2, 3), 1 / 3), [None])
+
+
+def test_limits_make_a_row_consider_only_its_first_proposals():
+    target = logits_with_argmax([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4]])
+    draft = torch.tensor([[1, 2, 3], [1, 2, 3], [9, 9, 9]])
+    verdict = accept_greedy(draft, target, limits=torch.tensor([3, 1, 0]))
+    assert verdict.new_tokens() == [[1, 2, 3, 4], [1, 2], [1]]  # row 1 stops after its one proposal: its bonus
+    torch.manual_seed(3)
+    rows, vocab = 40_000, 5
+    p = torch.softmax(torch.randn(3, vocab), -1)
+    q = torch.softmax(torch.randn(2, vocab), -1)
+    draft = torch.stack([torch.multinomial(q[i], rows, replacement=True) for i in range(2)], dim=1)
+    limited = accept_sampled(draft, q.expand(rows, 2, vocab), p.expand(rows, 3, vocab), [None] * rows,
+                             limits=torch.ones(rows, dtype=torch.long))  # fmt: skip
+    assert limited.accepted.max() == 1
+    second = limited.tokens[limited.accepted == 1, 1]  # the bonus after the one kept proposal: drawn from p[1]
+    assert chi_square(second, p[1]) < CHI2_999[vocab - 1]
+
+
+def test_best_depth_speculates_as_deep_as_acceptance_pays_for_and_not_at_all_when_it_does_not():
+    assert best_depth(1.0, 0.1, 8) == 8 and best_depth(0.0, 0.1, 8) == 0
+    assert best_depth(0.8, 0.1, 8) in (4, 5, 6) and best_depth(0.5, 0.1, 8) in (1, 2, 3)
+    assert best_depth(0.9, 1.0, 8) == 0  # a draft as costly as the target never pays
+    assert best_depth(0.6, 0.05, 8) < best_depth(0.8, 0.05, 8) <= best_depth(0.95, 0.05, 8)
+
+
+def test_a_requests_acceptance_follows_what_its_steps_keep():
+    record = Acceptance()
+    assert record.rate == pytest.approx(0.8)  # the prior: a new request speculates
+    for _ in range(20):
+        record.observe(4, 0)  # nothing kept
+    assert record.rate < 0.05
+    for _ in range(20):
+        record.observe(4, 4)  # all kept: no failure observed
+    assert record.rate > 0.95
