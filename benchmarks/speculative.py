@@ -1,0 +1,169 @@
+"""Speculative decoding's throughput against decoding without the draft, at a chosen acceptance.
+
+One bootstrap (the real stages) of ``--model`` with ``--draft-model`` builds the executor; the
+baseline is the same executor with its speculator switched off (the target alone, through its
+CUDA graphs), so both run on the same weights and pools, side by side, one right after the other.
+
+Real drafts with real acceptance cannot run here (random weights agree with nothing), so the
+acceptance is controlled: the draft runs its ``k`` passes as usual (its cost is real), then each
+proposal is replaced by the target's own greedy continuation (recorded from a baseline run) with
+probability ``--acceptance``, else by another token. With greedy verification a proposal is then
+kept exactly when it and every one before it are the target's, so the acceptance per position
+is the chosen rate. Each point: ``batch`` requests of ``--prompt-len`` random tokens,
+``--gen-len`` greedy tokens each; tokens per second of the whole batch, speculative against
+baseline, and the analytic expectation ``(1 - a^(k+1)) / (1 - a) / (1 + c k)`` for acceptance
+``a`` and the draft's cost ``c`` (its weight bytes over the target's). ``auto`` runs at
+acceptance 0 too: what a draft that never agrees costs once ``auto`` stops speculating.
+
+    python benchmarks/speculative.py --model /tmp/llama-8b --draft-model random:llama-3.2-1b --device cuda \\
+        --batches 1,8,32 --acceptance 0,0.5,0.7,0.9,1.0 --k 4 --out speculative.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bootstrap import BootstrapConfig  # noqa: E402
+from bootstrap.api import Bootstrap  # noqa: E402
+from bootstrap.engine import SamplingParams  # noqa: E402
+from bootstrap.engine.speculative import best_depth  # noqa: E402
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--draft-model", required=True)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--acceptance", default="0,0.5,0.7,0.9,1.0")
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--gen-len", type=int, default=64)
+    parser.add_argument("--max-seq-len", type=int, default=1024)
+    parser.add_argument("--out", type=Path)
+    return parser.parse_args(argv)
+
+
+def expected_speedup(rate: float, k: int, cost: float) -> float:
+    tokens = k + 1.0 if rate >= 1.0 else (1.0 - rate ** (k + 1)) / (1.0 - rate)
+    return tokens / (1.0 + cost * k)
+
+
+class Controlled:
+    """Replaces the speculator's proposals: the target's recorded continuation with probability
+    ``rate``, else another token; the draft's passes still run first."""
+
+    def __init__(self, speculator, references: dict[tuple[int, ...], list[int]], vocab: int) -> None:
+        self.speculator, self.references, self.vocab = speculator, references, vocab
+        self.original = speculator._propose
+        self.rate, self.rng = 1.0, random.Random(0)
+        speculator._propose = self.propose
+
+    def propose(self, seqs, k):
+        proposals, q = self.original(seqs, k)
+        rows = []
+        for seq in seqs:
+            ahead = self.references[tuple(seq.prompt_token_ids)][len(seq.output_token_ids) :]
+            row = []
+            for j in range(k):
+                right = ahead[j] if j < len(ahead) else 0
+                row.append(right if self.rng.random() < self.rate else (right + 1) % self.vocab)
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.long, device=proposals.device), q
+
+
+def timed(executor, prompts: list[list[int]], gen_len: int) -> tuple[float, list[list[int]]]:
+    params = SamplingParams(max_tokens=gen_len, temperature=0, ignore_eos=True)
+    started = time.perf_counter()
+    ids = [executor.enqueue(p, params) for p in prompts]
+    outs = [executor.await_response(i, timeout=600).token_ids for i in ids]
+    return time.perf_counter() - started, outs
+
+
+async def build(args: argparse.Namespace, auto: bool):
+    config = BootstrapConfig.parse(model=args.model, draft_model=args.draft_model, device=args.device,
+                                   max_seq_len=args.max_seq_len, num_speculative_tokens="auto" if auto else args.k,
+                                   max_batch_size=max(int(b) for b in args.batches.split(",")))  # fmt: skip
+    boot = Bootstrap(config)
+    executor = await boot.build()
+    return boot, executor
+
+
+def measure(args: argparse.Namespace, executor, auto: bool) -> list[dict]:
+    speculator, loop = executor.speculator, executor._loop
+    rng = random.Random(1)
+    vocab = executor.runner.vocab_size
+    results = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(batch)]
+        loop.speculator = None
+        timed(executor, prompts[:1], 4)  # warm
+        base_s, references = timed(executor, prompts, args.gen_len)
+        control = Controlled(speculator, {tuple(p): r for p, r in zip(prompts, references)}, vocab)
+        rates = [0.0] if auto else [float(a) for a in args.acceptance.split(",")]
+        for rate in rates:
+            control.rate = rate
+            loop.speculator = speculator
+            before = (speculator.stats.proposed, speculator.stats.accepted)
+            spec_s, outs = timed(executor, prompts, args.gen_len)
+            loop.speculator = None
+            again_s, _ = timed(executor, prompts, args.gen_len)  # the baseline once more, right after
+            base = (base_s + again_s) / 2
+            proposed, accepted = speculator.stats.proposed - before[0], speculator.stats.accepted - before[1]
+            tokens = batch * args.gen_len
+            results.append({
+                "batch": batch, "acceptance_set": rate, "auto": auto,
+                "acceptance_measured": round(accepted / proposed, 4) if proposed else None,
+                "speculative_tokens_per_s": round(tokens / spec_s, 1), "baseline_tokens_per_s": round(tokens / base, 1),
+                "speedup": round(base / spec_s, 3),
+                "expected_speedup": round(expected_speedup(rate, args.k, speculator.cost), 3) if not auto else
+                round(expected_speedup(rate, best_depth(rate, speculator.cost, speculator.k), speculator.cost), 3),
+                "outputs_equal": outs == references,
+            })  # fmt: skip
+            print(json.dumps(results[-1]), flush=True)
+        speculator._propose = control.original
+    return results
+
+
+async def run(args: argparse.Namespace) -> dict:
+    out = {}
+    for auto in (False, True):
+        boot, executor = await build(args, auto)
+        try:
+            out["auto" if auto else "fixed"] = measure(args, executor, auto)
+            out.setdefault("cost_ratio", round(executor.speculator.cost, 4))
+            out.setdefault("plan", boot.report().plan)
+        finally:
+            await boot.aclose()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = {"command": " ".join(["speculative.py", *(argv if argv is not None else sys.argv[1:])]),
+              "environment": {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
+                              "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
+              "k": args.k, "prompt_len": args.prompt_len, "gen_len": args.gen_len, **asyncio.run(run(args))}  # fmt: skip
+    text = json.dumps(result, indent=2, default=str)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
