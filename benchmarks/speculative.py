@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 from bootstrap import BootstrapConfig  # noqa: E402
 from bootstrap.api import Bootstrap  # noqa: E402
 from bootstrap.engine import SamplingParams  # noqa: E402
-from bootstrap.engine.speculative import best_depth  # noqa: E402
+from bootstrap.engine.speculative import StepCosts, best_depth  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -53,6 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--gen-len", type=int, default=64)
     parser.add_argument("--max-seq-len", type=int, default=1024)
+    parser.add_argument("--modes", default="fixed,auto", help="fixed (k = --k), auto, or both")
     parser.add_argument("--out", type=Path)
     return parser.parse_args(argv)
 
@@ -130,7 +131,7 @@ def measure(args: argparse.Namespace, executor, auto: bool) -> list[dict]:
                 "speculative_tokens_per_s": round(tokens / spec_s, 1), "baseline_tokens_per_s": round(tokens / base, 1),
                 "speedup": round(base / spec_s, 3),
                 "expected_speedup": round(expected_speedup(rate, args.k, speculator.cost), 3) if not auto else
-                round(expected_speedup(rate, best_depth(rate, speculator.cost, speculator.k), speculator.cost), 3),
+                round(expected_speedup(rate, best_depth(rate, StepCosts(speculator.cost), speculator.k), speculator.cost), 3),
                 "outputs_equal": outs == references,
             })  # fmt: skip
             print(json.dumps(results[-1]), flush=True)
@@ -140,7 +141,7 @@ def measure(args: argparse.Namespace, executor, auto: bool) -> list[dict]:
 
 async def run(args: argparse.Namespace) -> dict:
     out = {}
-    for auto in (False, True):
+    for auto in [mode == "auto" for mode in args.modes.split(",")]:
         boot, executor = await build(args, auto)
         try:
             out["auto" if auto else "fixed"] = measure(args, executor, auto)

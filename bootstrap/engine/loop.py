@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -172,7 +173,10 @@ class EngineLoop:
         if limits is not None and self._speculate(batch, limits):
             return
         alone = len(batch.seqs) == 1
+        started = time.perf_counter()
         if self._run(batch, fail=alone) or alone:
+            if self.speculator is not None:
+                self.speculator.ordinary(batch, time.perf_counter() - started)
             return
         log.warning("a step of %d requests failed; running them one by one", len(batch.seqs))
         for part in batch.split():

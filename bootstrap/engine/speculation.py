@@ -29,6 +29,7 @@ the distribution does not.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -40,7 +41,7 @@ from bootstrap.engine.model_runner import ModelRunner
 from bootstrap.engine.sampling import Sampler
 from bootstrap.engine.scheduler import ScheduledBatch
 from bootstrap.engine.sequence import Sequence
-from bootstrap.engine.speculative import PROBE_EVERY, Verdict, accept_greedy, accept_sampled, best_depth
+from bootstrap.engine.speculative import PROBE_EVERY, StepCosts, Verdict, accept_greedy, accept_sampled, best_depth
 
 
 @dataclass(eq=False)
@@ -108,6 +109,7 @@ class Speculator:
         self.draft, self.target, self.sampler = draft, target, sampler
         self.k, self.max_seq_len, self.adaptive = k, max_seq_len, adaptive
         self.cost = _weight_bytes(draft.model) / max(_weight_bytes(target.model), 1)  # decode reads every weight once
+        self.costs = StepCosts(self.cost)  # auto: what the passes take, as measured
         self.stats = SpeculationStats()
 
     @property
@@ -132,10 +134,11 @@ class Speculator:
         return limits if max(limits, default=0) > 0 else None
 
     def _wanted(self, seq: Sequence) -> int:
-        """``auto``: the request's best depth from its acceptance; at 0, one proposal every
-        ``PROBE_EVERY`` steps, so a draft that starts agreeing again is noticed."""
-        depth = best_depth(seq.acceptance.rate, self.cost, self.k)
-        if depth == 0:
+        """``auto``: the request's best depth from its acceptance and the measured costs; at 0,
+        one proposal every ``PROBE_EVERY`` steps, so a draft that starts agreeing again is
+        noticed, unless the costs say that no acceptance could pay for speculating at all."""
+        depth = best_depth(seq.acceptance.rate, self.costs, self.k)
+        if depth == 0 and best_depth(1.0, self.costs, self.k) > 0:
             seq.acceptance.idle_steps += 1
             if seq.acceptance.idle_steps >= PROBE_EVERY:
                 return 1
@@ -144,7 +147,13 @@ class Speculator:
     def keeps_up(self, seq: Sequence) -> bool:
         """Whether ordinary steps feed the draft this request's tokens: always with a fixed depth;
         with ``auto`` only while it speculates (one that does not catches up when it tries again)."""
-        return not self.adaptive or best_depth(seq.acceptance.rate, self.cost, self.k) > 0
+        return not self.adaptive or best_depth(seq.acceptance.rate, self.costs, self.k) > 0
+
+    def ordinary(self, batch: ScheduledBatch, seconds: float) -> None:
+        """An ordinary step of ``batch`` took ``seconds``: a decode-only one is what speculating
+        must beat (``auto``)."""
+        if batch.is_decode:
+            self.costs.record("decode", seconds)
 
     # ---- the draft keeping up -------------------------------------------------------------------
 
@@ -177,13 +186,17 @@ class Speculator:
         seqs, k = batch.seqs, max(limits)
         starts = [(seq.num_computed, seq.num_tokens, seq.draft_computed) for seq in seqs]
         try:
-            proposals, q = self._propose(seqs, k)
+            started = time.perf_counter()
+            proposals, q = self._propose(seqs, k)  # its passes end on the host (their tokens): timed whole
+            drafted = time.perf_counter()
             logits = self._verify(seqs, proposals, k)
             verdict = self._judge(seqs, proposals, q, logits, torch.tensor(limits, device=logits.device))
+            runs = verdict.new_tokens()
         except BaseException:
             self._undo(seqs, starts)
             raise
-        runs = verdict.new_tokens()
+        self.costs.record("draft", (drafted - started) / k)
+        self.costs.record("verify", time.perf_counter() - drafted)
         for seq, (computed, length, _), run, limit in zip(seqs, starts, runs, limits):
             kept = len(run) - 1
             seq.num_computed = computed + 1 + kept

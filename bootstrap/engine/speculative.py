@@ -24,7 +24,8 @@ after the first ``i`` draft tokens.
 the correction or bonus token.
 
 For ``auto`` (``--num-speculative-tokens auto``) each request keeps its recent acceptance
-(``Acceptance``) and speculates as deep as ``best_depth`` says pays off for it, down to not at all.
+(``Acceptance``) and speculates as deep as ``best_depth`` says pays off for it, given what the
+passes are measured to cost (``StepCosts``), down to not at all.
 """
 
 from __future__ import annotations
@@ -148,12 +149,43 @@ DECAY = 0.8  # weight of a request's older steps in its acceptance, per step
 PROBE_EVERY = 16  # steps a request that stopped speculating waits before it tries one proposal again
 
 
-def best_depth(rate: float, cost: float, ceiling: int) -> int:
-    """The depth that maximizes expected tokens per unit of time: a step of depth ``k`` yields
-    ``(1 - rate^(k+1)) / (1 - rate)`` tokens on average and costs ``1 + cost * k`` target steps
-    (``cost``: one draft pass against one target pass); 0 when no depth beats decoding alone."""
-    def tokens_per_cost(k: int) -> float:
-        expected = k + 1.0 if rate >= 1.0 else (1.0 - rate ** (k + 1)) / (1.0 - rate)
-        return expected / (1.0 + cost * k)
+@dataclass
+class StepCosts:
+    """``auto``: what an ordinary decode step, a verify pass and one draft pass take, in seconds,
+    as measured (decayed averages). Before its first measurement a verify pass counts as a decode
+    step and a draft pass as ``prior`` of one (the draft's weight bytes over the target's: decode
+    reads every weight once)."""
 
-    return max(range(ceiling + 1), key=lambda k: (round(tokens_per_cost(k), 9), -k))
+    prior: float
+    decode: float | None = None
+    verify: float | None = None
+    draft: float | None = None
+
+    def record(self, what: str, seconds: float) -> None:
+        """One measurement of ``decode``, ``verify`` or ``draft`` (per pass)."""
+        old = getattr(self, what)
+        setattr(self, what, seconds if old is None else COST_DECAY * old + (1 - COST_DECAY) * seconds)
+
+    def of(self) -> tuple[float, float, float]:
+        """(decode, verify, draft) in seconds, the prior standing in for what was not measured."""
+        decode = self.decode if self.decode is not None else 1.0
+        verify = self.verify if self.verify is not None else decode
+        return decode, verify, self.draft if self.draft is not None else self.prior * decode
+
+
+COST_DECAY = 0.7
+
+
+def best_depth(rate: float, costs: StepCosts, ceiling: int) -> int:
+    """The depth that gives the most tokens per second: decoding alone gives one token a decode
+    step; a step of depth ``k`` gives ``(1 - rate^(k+1)) / (1 - rate)`` on average and costs a
+    verify pass and ``k`` draft passes. 0 when no depth beats decoding alone."""
+    decode, verify, draft = costs.of()
+
+    def tokens_per_second(k: int) -> float:
+        if k == 0:
+            return 1.0 / decode
+        expected = k + 1.0 if rate >= 1.0 else (1.0 - rate ** (k + 1)) / (1.0 - rate)
+        return expected / (verify + draft * k)
+
+    return max(range(ceiling + 1), key=lambda k: (round(tokens_per_second(k) * decode, 9), -k))

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bootstrap.engine.speculative import Acceptance, accept_greedy, accept_sampled, best_depth
+from bootstrap.engine.speculative import Acceptance, StepCosts, accept_greedy, accept_sampled, best_depth
 
 CHI2_999 = {4: 18.467}  # chi-square critical values at p = 0.999 by degrees of freedom (scipy.stats.chi2.ppf)
 
@@ -109,10 +109,23 @@ def test_limits_make_a_row_consider_only_its_first_proposals():
 
 
 def test_best_depth_speculates_as_deep_as_acceptance_pays_for_and_not_at_all_when_it_does_not():
-    assert best_depth(1.0, 0.1, 8) == 8 and best_depth(0.0, 0.1, 8) == 0
-    assert best_depth(0.8, 0.1, 8) in (4, 5, 6) and best_depth(0.5, 0.1, 8) in (1, 2, 3)
-    assert best_depth(0.9, 1.0, 8) == 0  # a draft as costly as the target never pays
-    assert best_depth(0.6, 0.05, 8) < best_depth(0.8, 0.05, 8) <= best_depth(0.95, 0.05, 8)
+    cheap = StepCosts(prior=0.1)  # nothing measured: a verify pass as a decode step, a draft pass a tenth of one
+    assert best_depth(1.0, cheap, 8) == 8 and best_depth(0.0, cheap, 8) == 0
+    assert best_depth(0.8, cheap, 8) in (4, 5, 6) and best_depth(0.5, cheap, 8) in (1, 2, 3)
+    assert best_depth(0.9, StepCosts(prior=1.0), 8) == 0  # a draft as costly as the target never pays
+    assert best_depth(0.6, StepCosts(0.05), 8) < best_depth(0.8, StepCosts(0.05), 8) <= best_depth(0.95, StepCosts(0.05), 8)
+
+
+def test_measured_costs_decide_and_a_slow_verify_pass_turns_speculation_off():
+    costs = StepCosts(prior=0.15)
+    assert best_depth(0.8, costs, 8) > 0
+    costs.record("decode", 0.005)  # a captured decode step: 5 ms
+    costs.record("verify", 0.030)  # an eager verify pass: 30 ms
+    costs.record("draft", 0.010)
+    assert costs.of() == (0.005, 0.030, 0.010)
+    assert best_depth(1.0, costs, 8) == 0  # even a draft that always agrees cannot pay for these passes
+    costs.record("verify", 0.005)  # decayed averages: 0.7 of the old, 0.3 of the new
+    assert costs.verify == pytest.approx(0.7 * 0.030 + 0.3 * 0.005)
 
 
 def test_a_requests_acceptance_follows_what_its_steps_keep():
