@@ -124,6 +124,8 @@ class Speculator:
         room left has (``max_tokens``, ``max_seq_len``): the verify pass writes that many slots."""
         if not batch.is_decode or batch.rows is not None:
             return None
+        if self.adaptive and (self.costs.decode is None or best_depth(1.0, self.costs, self.k) == 0):
+            return None  # first a decode step alone, to know what speculating must beat; or it cannot pay at all
         room = self.k
         for seq in batch.seqs:
             if seq.forks or seq.params.logprobs is not None or needs_processing(seq.params, _history(seq)):
@@ -136,9 +138,9 @@ class Speculator:
     def _wanted(self, seq: Sequence) -> int:
         """``auto``: the request's best depth from its acceptance and the measured costs; at 0,
         one proposal every ``PROBE_EVERY`` steps, so a draft that starts agreeing again is
-        noticed, unless the costs say that no acceptance could pay for speculating at all."""
+        noticed (``plan`` asks only while some acceptance could pay for speculating)."""
         depth = best_depth(seq.acceptance.rate, self.costs, self.k)
-        if depth == 0 and best_depth(1.0, self.costs, self.k) > 0:
+        if depth == 0:
             seq.acceptance.idle_steps += 1
             if seq.acceptance.idle_steps >= PROBE_EVERY:
                 return 1
@@ -147,7 +149,9 @@ class Speculator:
     def keeps_up(self, seq: Sequence) -> bool:
         """Whether ordinary steps feed the draft this request's tokens: always with a fixed depth;
         with ``auto`` only while it speculates (one that does not catches up when it tries again)."""
-        return not self.adaptive or best_depth(seq.acceptance.rate, self.costs, self.k) > 0
+        if not self.adaptive:
+            return True
+        return self.costs.decode is not None and best_depth(seq.acceptance.rate, self.costs, self.k) > 0
 
     def ordinary(self, batch: ScheduledBatch, seconds: float) -> None:
         """An ordinary step of ``batch`` took ``seconds``: a decode-only one is what speculating

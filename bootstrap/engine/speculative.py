@@ -167,10 +167,13 @@ class StepCosts:
         setattr(self, what, seconds if old is None else COST_DECAY * old + (1 - COST_DECAY) * seconds)
 
     def of(self) -> tuple[float, float, float]:
-        """(decode, verify, draft) in seconds, the prior standing in for what was not measured."""
-        decode = self.decode if self.decode is not None else 1.0
-        verify = self.verify if self.verify is not None else decode
-        return decode, verify, self.draft if self.draft is not None else self.prior * decode
+        """(decode, verify, draft): the measured seconds, the prior standing in for a pass not
+        measured yet; all of the prior (in decode steps) until a decode step is measured, the
+        scale every other figure is weighed against."""
+        if self.decode is None:
+            return 1.0, 1.0, self.prior
+        verify = self.verify if self.verify is not None else self.decode
+        return self.decode, verify, self.draft if self.draft is not None else self.prior * self.decode
 
 
 COST_DECAY = 0.7

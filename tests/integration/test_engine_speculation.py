@@ -8,6 +8,7 @@ cancel mid-stream; both pools empty afterwards. Seeded sampling with a draft rep
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -177,7 +178,7 @@ def test_auto_goes_deep_with_a_draft_that_agrees_and_stops_speculating_with_one_
     ex = create_auto(target, draft)
     # a draft a tenth of the target's cost, passes as fast as a decode step (the tiny test models are
     # the same size, and on 2 shared cores the measured timings would decide by noise)
-    ex.speculator.costs = FixedCosts(prior=0.1)
+    ex.speculator.costs = FixedCosts(prior=0.1, decode=1.0)
     forwards = []
     run = ex.runner.run
     ex.runner.run = lambda batch: forwards.append(batch.total_tokens) or run(batch)
@@ -205,3 +206,29 @@ class FixedCosts(StepCosts):
 
     def record(self, what: str, seconds: float) -> None:
         pass
+
+
+def test_auto_measures_a_decode_step_first_and_stops_when_its_passes_cannot_pay():
+    """The first decode step runs alone (what speculating must beat); once a verify pass is
+    measured to cost as much as the decode steps that its tokens replace, speculating stops for
+    good, whatever the acceptance (a draft that always agrees here), and output stays the target's."""
+    target = model("llama", 1)
+    ex = create_auto(target, target)
+    ex.speculator.costs = StepCosts(prior=0.1)  # measured from here on; the prior of a draft a tenth of the target
+    slow = ex.speculator._verify
+
+    def slow_verify(*args):
+        time.sleep(0.05)  # a verify pass far dearer than a decode step
+        return slow(*args)
+
+    ex.speculator._verify = slow_verify
+    try:
+        got = outputs(ex, PROMPTS[:1], SamplingParams(max_tokens=40, temperature=0))[0].token_ids
+        assert ex.speculator.costs.decode is not None and ex.speculator.stats.steps == 1 and empty(ex)
+    finally:
+        ex.shutdown()
+    plain = executor(target)
+    try:
+        assert got == outputs(plain, PROMPTS[:1], SamplingParams(max_tokens=40, temperature=0))[0].token_ids
+    finally:
+        plain.shutdown()
