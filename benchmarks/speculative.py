@@ -9,7 +9,8 @@ acceptance is controlled: the draft runs its ``k`` passes as usual (its cost is 
 proposal is replaced by the target's own greedy continuation (recorded from a baseline run) with
 probability ``--acceptance``, else by another token. With greedy verification a proposal is then
 kept exactly when it and every one before it are the target's, so the acceptance per position
-is the chosen rate. Each point: ``batch`` requests of ``--prompt-len`` random tokens,
+is the chosen rate. Both paths run once at each batch size before it is timed (first-use kernel
+compilation is not counted; ``auto`` has then measured its passes). Each point: ``batch`` requests of ``--prompt-len`` random tokens,
 ``--gen-len`` greedy tokens each; tokens per second of the whole batch, speculative against
 baseline, and the analytic expectation ``(1 - a^(k+1)) / (1 - a) / (1 + c k)`` for acceptance
 ``a`` and the draft's cost ``c`` (its weight bytes over the target's). ``auto`` runs at
@@ -110,8 +111,9 @@ def measure(args: argparse.Namespace, executor, auto: bool) -> list[dict]:
     results = []
     for batch in (int(b) for b in args.batches.split(",")):
         prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(batch)]
-        loop.speculator = None
-        timed(executor, prompts[:1], 4)  # warm
+        for warm in (speculator, None):  # both paths once at this batch size: kernels compiled, shapes seen
+            loop.speculator = warm
+            timed(executor, prompts, 8)
         base_s, references = timed(executor, prompts, args.gen_len)
         control = Controlled(speculator, {tuple(p): r for p, r in zip(prompts, references)}, vocab)
         rates = [0.0] if auto else [float(a) for a in args.acceptance.split(",")]
