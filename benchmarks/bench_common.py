@@ -1,7 +1,9 @@
-"""What the GPU benchmarks share: the environment record, device sync and memory release, output.
+"""What the benchmarks share: the environment record, device sync and memory release, output.
 
 The scripts put this directory on ``sys.path`` first, so this module imports the same whether a
-script runs as ``python benchmarks/<script>.py`` or is loaded by path in a test.
+script runs as ``python benchmarks/<script>.py`` or is loaded by path in a test. torch and
+transformers are imported only by the functions that need them, so a client-side script (the
+load generator of ``serve_load.py``) can use the output helpers without paying for them.
 """
 
 from __future__ import annotations
@@ -12,26 +14,32 @@ import json
 import platform
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import transformers
+if TYPE_CHECKING:
+    import torch
 
 
 def resolve_device(name: str) -> torch.device:
     """``auto``: CUDA when torch sees one, else the CPU."""
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
 
 
 def synchronize(device: torch.device) -> None:
+    import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def release_memory(device: torch.device) -> None:
     """Collect garbage and hand torch's cached blocks back, so the next build starts clean."""
+    import torch
+
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -40,6 +48,9 @@ def release_memory(device: torch.device) -> None:
 
 def environment(device: torch.device) -> dict[str, Any]:
     """Device, memory, library versions and the date: what a result needs to be compared later."""
+    import torch
+    import transformers
+
     env: dict[str, Any] = {
         "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": str(device),

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import statistics
@@ -27,6 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when loaded by path
+from bench_common import emit  # noqa: E402
 
 from bootstrap.engine.timing import RequestTiming
 from bootstrap.pipeline.telemetry import TRACER_NAME, make_tracer_provider
@@ -93,11 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"command": " ".join(["request_trace_cost.py", *(argv if argv is not None else sys.argv[1:])]),
               "environment": {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count()},
               "warm_process": True, "requests_per_round": args.requests, "settings": rows}  # fmt: skip
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(result, args.out)
     return 0
 
 

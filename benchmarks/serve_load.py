@@ -46,6 +46,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_common, also when loaded by path
+from bench_common import emit  # noqa: E402
+
 STARTED = re.compile(r"Uvicorn running on (http://[\d.]+:\d+)")
 
 
@@ -288,11 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         "medians": medians(levels) if args.rounds > 1 or len(servers) > 1 else None,
         "levels": levels,
     }  # fmt: skip
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(result, args.out)
     return 0
 
 

@@ -36,6 +36,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_common, also when loaded by path
+from bench_common import emit  # noqa: E402
 
 from bootstrap import BootstrapConfig  # noqa: E402
 from bootstrap.api import Bootstrap  # noqa: E402
@@ -160,11 +162,7 @@ def main(argv: list[str] | None = None) -> int:
               "environment": {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
                               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
               "k": args.k, "prompt_len": args.prompt_len, "gen_len": args.gen_len, **asyncio.run(run(args))}  # fmt: skip
-    text = json.dumps(result, indent=2, default=str)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(result, args.out)
     return 0
 
 
