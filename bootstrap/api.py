@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import time
 import weakref
 from collections.abc import AsyncIterator, Sequence
@@ -77,10 +78,10 @@ class Bootstrap:
         self._started: float | None = None
         self._ready_s: float | None = None
 
-    @property
+    @functools.cached_property
     def tracer(self) -> Tracer:
         """A tracer of this build's trace pipeline (its file and OTLP): the server's request
-        spans go there, and stay out of the build's report."""
+        spans go there, and stay out of the build's report. Made once: a server asks per request."""
         return self._provider.get_tracer(TRACER_NAME)
 
     def events(self) -> AsyncIterator[StageEvent]:

@@ -19,8 +19,9 @@ A speculative step (``step``), for a step of requests all in decode:
 3. The verdict per row; both pools are cut back to the tokens that were verified
    (``PagedKVCache.truncate``): the rejected proposals' slots are given back.
 
-``k`` is the same for every row of a step: the smallest of the configured ``k`` and what each
-request still has room for (``max_tokens``, ``max_seq_len``). A step whose requests cannot all
+A step proposes the same number of tokens for every row: at most the configured ``k`` and what
+the request with the least room left may still write (``max_tokens``, ``max_seq_len``); with
+``auto`` each row then judges only as many as its own depth (``plan``). A step whose requests cannot all
 speculate (a prefill chunk, a row with penalties, ``min_tokens`` pending or logprobs asked, a
 request that still carries choices to fork) runs as an ordinary step. Seeded requests repeat
 with speculation, but their tokens are not those of the same seed without it: the draws differ,
@@ -108,9 +109,15 @@ class Speculator:
             raise ValueError(f"the draft's vocabulary ({draft.vocab_size}) must be the target's ({target.vocab_size})")
         self.draft, self.target, self.sampler = draft, target, sampler
         self.k, self.max_seq_len, self.adaptive = k, max_seq_len, adaptive
-        self.cost = _weight_bytes(draft.model) / max(_weight_bytes(target.model), 1)  # decode reads every weight once
-        self.costs = StepCosts(self.cost)  # auto: what the passes take, as measured
+        # auto: what the passes take, as measured; the prior is the draft's weight bytes over the
+        # target's (decode reads every weight once)
+        self.costs = StepCosts(_weight_bytes(draft.model) / max(_weight_bytes(target.model), 1))
         self.stats = SpeculationStats()
+
+    @property
+    def cost(self) -> float:
+        """A draft pass against a target pass, by weight bytes (``auto``'s prior)."""
+        return self.costs.prior
 
     @property
     def pool(self) -> PagedKVCache:
