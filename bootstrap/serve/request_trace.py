@@ -50,8 +50,9 @@ class RequestTracing:
             await self.app(scope, receive, send)
             return
         parent = _PROPAGATOR.extract(_headers(scope))
-        span = self._start(tracer, parent, scope)
-        context = span.get_span_context() if span is not None else _unsampled(parent)
+        remote = trace.get_current_span(parent).get_span_context()  # the caller's, valid when it sent one
+        span = self._start(tracer, parent, remote, scope)
+        context = span.get_span_context() if span is not None else _unsampled(remote)
         scope.setdefault("state", {})[SCOPE_KEY] = span
         header = (b"traceparent", traceparent(context).encode())
 
@@ -73,9 +74,8 @@ class RequestTracing:
             if span is not None:
                 span.end()
 
-    def _start(self, tracer: Tracer, parent: Context, scope: Scope) -> Span | None:
+    def _start(self, tracer: Tracer, parent: Context, remote: SpanContext, scope: Scope) -> Span | None:
         """The request's span when it is to be recorded, else None."""
-        remote = trace.get_current_span(parent).get_span_context()
         sampled = remote.trace_flags.sampled if remote.is_valid else self._draw() < self.ratio
         if not sampled:
             return None
@@ -88,10 +88,9 @@ def traceparent(context: SpanContext) -> str:
     return f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
 
 
-def _unsampled(parent: Context) -> SpanContext:
+def _unsampled(remote: SpanContext) -> SpanContext:
     """The context a request that is not recorded answers with: the caller's trace, else a new
     one, a span id of its own, and the ``sampled`` flag off."""
-    remote = trace.get_current_span(parent).get_span_context()
     trace_id = remote.trace_id if remote.is_valid else _IDS.generate_trace_id()
     return SpanContext(trace_id, _IDS.generate_span_id(), is_remote=False, trace_flags=TraceFlags(0))
 
