@@ -11,7 +11,9 @@ device thread, and pushes the release of everything it allocates on the attempt'
   estimation_build  probe pools of the estimation token count (target and draft), a temporary
                     executor on each (no worker); released by shutting the executors down
   profiling         dummy requests filling ``max_num_tokens`` (cut by ``max_seq_len``) through the
-                    probe executors (``engine.profile_run``: a failed step raises, it is never split);
+                    probe executors (``engine.profile_run``: a failed step raises, it is never split),
+                    and with a draft one speculative step of ``max_batch_size`` sampled requests at
+                    full depth (its draft and verify passes, its judging);
                     every figure of the profile is read from the device port, free memory after
                     torch's cached blocks are returned (else the activations' cached blocks would
                     count again as non-torch memory, and the plan would set them aside twice);
@@ -20,7 +22,8 @@ device thread, and pushes the release of everything it allocates on the attempt'
                     (``MemoryProfile.graph_bytes``; nothing is captured twice)
   final_build       the final pools, ``PagedKVCache.from_bytes`` of each pool's budget
   warmup            the target's ``ModelRunner`` on its final pool, its decode steps captured as
-                    CUDA graphs (``ModelRunner.capture_decode_graphs``); released by dropping them
+                    CUDA graphs (``ModelRunner.capture_decode_graphs``), with a draft its verify
+                    passes too, and the draft's runner with its passes; released by dropping them
   scheduler_sampler the ``PyExecutor`` on the target pool (and the warmup's runner), its worker
                     started, one smoke request
 
@@ -28,9 +31,7 @@ Tensor parallelism (``collective`` of N ranks): each process is one rank; weight
 shard through transformers' TP plan, and every pool holds ``kv_heads / N`` heads per token.
 
 The draft model is loaded, profiled and given its own pool (``final_build``), released with the
-rest on rollback or shutdown; the started executor speculates with it: each decode step the
-draft proposes ``config.speculative_tokens`` tokens and the target verifies them
-(``bootstrap.engine.speculation``).
+rest on rollback or shutdown; the started executor speculates with it (``native_speculation``).
 The native pool stores every layer at full length (sliding windows are applied as masks), so the
 model shape it reports carries no windows and the plan prices every layer for every token.
 """
@@ -39,8 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,29 +48,29 @@ import torch
 
 from bootstrap.backends.artifacts import EstimationBuild, FinalBuild, LoadedModel, ResolvedClasses, Warmup
 from bootstrap.backends.native_checks import check_draft_tokenizer, check_probe_tokens, check_weights_fit
+from bootstrap.backends.native_checks import unreadable_as_source_error
 from bootstrap.backends.native_headroom import headroom_terms
 from bootstrap.backends.native_placement import device_for, rank_device, rank_env
+from bootstrap.backends.native_speculation import graph_sizes, max_rows, rehearse_speculation
 from bootstrap.capacity import CapacityPlan, MemoryProfile, dummy_request_lengths
 from bootstrap.capacity.config_json import parse_config
 from bootstrap.capacity.cuda_graph_buckets import graph_batch_sizes
-from bootstrap.capacity.shape import ModelConfigError, ModelShape, check_tp_split
+from bootstrap.capacity.shape import ModelShape, check_tp_split
 from bootstrap.capacity.split import PoolBudgets
 from bootstrap.config import BootstrapConfig, ConfigError
-from bootstrap.devices import Device, is_oom
+from bootstrap.devices import Device
 from bootstrap.engine import triton_decode
 from bootstrap.engine.create import create_executor
 from bootstrap.engine.cuda_graphs import capture_reserve_bytes, release_workspaces
 from bootstrap.engine.executor import PyExecutor
 from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
-from bootstrap.engine.loader import LoadedWeights, ModelSourceError, config_dict, load_model
+from bootstrap.engine.loader import LoadedWeights, config_dict, load_model
 from bootstrap.engine.model_runner import ModelRunner
 from bootstrap.engine.profile_run import run_dummy_requests
 from bootstrap.engine.sampling import SamplingParams
 from bootstrap.engine.scheduler import SchedulerConfig
 from bootstrap.engine.sources.progress_lines import Progress, quiet, to_stderr
-from bootstrap.engine.sources.smollm2 import ModelFetchError
 from bootstrap.pipeline.collective import Collective
-from bootstrap.pipeline.stage import is_transient_io
 from bootstrap.pipeline.undo import Undo
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -232,13 +232,12 @@ class NativeBackend:
     # ---- estimation_build and profiling -------------------------------------------------------
 
     def estimation_overhead_bytes(self, resolved: ResolvedClasses, config: BootstrapConfig) -> int:
-        """Each probe executor's decode buffers: seven int64 rows of ``max_batch_size`` and the
+        """Each probe executor's decode buffers: seven int64 rows of its ``max_rows`` and the
         static-width block tables (``ModelRunner``'s ``DecodeBuffers``; their pinned host copies
         are host memory); the sampler keeps none. What a graph capture adds is measured by
         ``profile`` (``graph_bytes``)."""
-        models = 2 if resolved.draft_shape is not None else 1
         blocks = -(-resolved.max_seq_len // config.tokens_per_block)
-        return models * 8 * config.max_batch_size * (7 + blocks)
+        return sum(8 * rows * (7 + blocks) for rows in max_rows(config).values())
 
     def build_estimation(
         self, loaded: LoadedModel, resolved: ResolvedClasses, probe_tokens: int, config: BootstrapConfig, undo: Undo
@@ -247,9 +246,11 @@ class NativeBackend:
         pools = self._pools({n: probe_tokens for n in models.by_name()}, models, resolved, undo, PagedKVCache.from_tokens)
         scheduler = SchedulerConfig(config.max_batch_size, config.max_num_tokens, resolved.max_seq_len)
         executors = {}
+        rows = max_rows(config)
         for name, weights in models.by_name().items():
+            runner = ModelRunner(weights.model, pools[name], config.max_batch_size, resolved.max_seq_len, max_rows=rows[name])
             executors[name] = create_executor(weights.model, pools[name], scheduler, weights.tokenizer,
-                                              set(weights.eos_token_ids), start=False)  # fmt: skip
+                                              set(weights.eos_token_ids), start=False, runner=runner)  # fmt: skip
             undo.push(executors[name].shutdown)
         probe_bytes = sum(p.stats().total_bytes for p in pools.values())
         return EstimationBuild(NativeBuild(pools, executors), pools["target"].stats().capacity_tokens,
@@ -266,6 +267,8 @@ class NativeBackend:
         before, free_before = device.allocated_bytes(), device.free_bytes()
         for executor in build.executors.values():  # one after the other: the peak is the larger
             run_dummy_requests(executor, lengths)
+        if "draft" in build.executors:
+            rehearse_speculation(build.executors, config, loaded.handle.max_seq_len)
         device.synchronize()
         torch_peak, torch_used = device.peak_bytes(), device.allocated_bytes()
         self._return_cached()  # torch's cached blocks back first: "used - torch_used" is memory outside torch
@@ -279,20 +282,23 @@ class NativeBackend:
             probe_kv_bytes=estimation.probe_kv_bytes,
             max_num_tokens=max_num_tokens,
         )
-        graph_bytes = self._measure_graphs(build.executors["target"].runner, config) if self._captures(config) else 0
+        graph_bytes = self._measure_graphs(build, config) if self._captures(config) else 0
         return MemoryProfile(**figures, graph_bytes=graph_bytes)
 
     def _captures(self, config: BootstrapConfig) -> bool:
         return config.cuda_graphs and self.torch_device.type == "cuda" and self.tp == 1  # as skip_warmup
 
-    def _measure_graphs(self, runner: ModelRunner, config: BootstrapConfig) -> int:
-        """Device memory the warmup stage's graphs will take, estimated from one eager decode step
-        of the largest bucket on the probe (``capture_reserve_bytes``): capturing every bucket
-        here to measure it would double the capture time of a cold start. The warmup stage
-        measures what the capture really took next to this reserve."""
-        sizes = graph_batch_sizes(config.max_batch_size, config.cuda_graph_batch_sizes)
-        reserve, _ = capture_reserve_bytes(runner, sizes)  # profile() returned the cache just before
-        self._return_cached()
+    def _measure_graphs(self, build: NativeBuild, config: BootstrapConfig) -> int:
+        """Device memory the warmup stage's graphs will take (the target's, and the draft's when
+        there is one), estimated from one eager step of each one's largest bucket on the probe
+        (``capture_reserve_bytes``): capturing every bucket here to measure it would double the
+        capture time of a cold start. The warmup stage measures what the capture really took
+        next to this reserve."""
+        sizes = graph_sizes(config, graph_batch_sizes(config.max_batch_size, config.cuda_graph_batch_sizes))
+        reserve = 0
+        for name, executor in build.executors.items():  # profile() returned the cache just before
+            reserve += capture_reserve_bytes(executor.runner, sizes[name])[0]
+            self._return_cached()
         return reserve
 
     # ---- final_build and scheduler_sampler ----------------------------------------------------
@@ -319,22 +325,29 @@ class NativeBackend:
         undo: Undo,
     ) -> Warmup:
         """The target's runner on its final pool, its decode steps captured for ``batch_sizes``
-        (every width bucket); the memory figure is read from the device as in profiling."""
-        runner = ModelRunner(loaded.handle.target.model, final.handle.pools["target"], config.max_batch_size,
-                             resolved.max_seq_len)  # fmt: skip
+        (every width bucket), and with a draft its verify passes too, and the draft's runner on
+        its pool with its passes captured (``_graph_sizes``); the memory figure is read from the
+        device as in profiling. The handle: the runners by name."""
+        rows, sizes = max_rows(config), graph_sizes(config, batch_sizes)
+        runners = {name: ModelRunner(weights.model, final.handle.pools[name], config.max_batch_size,
+                                     resolved.max_seq_len, max_rows=rows[name])
+                   for name, weights in loaded.handle.by_name().items()}  # fmt: skip
         settle = self._settler()
 
         def release() -> None:
-            runner.release_graphs()
+            for runner in runners.values():
+                runner.release_graphs()
             settle()
 
         undo.push(release)
         self._return_cached()  # the bytes the capture took: in use after less before, cache emptied on both sides
         before = self.device.total_bytes() - self.device.free_bytes()
-        capture = runner.capture_decode_graphs(batch_sizes)
+        captures = {name: runner.capture_decode_graphs(sizes[name]) for name, runner in runners.items()}
         self._return_cached()
         used = max(self.device.total_bytes() - self.device.free_bytes() - before, 0)
-        return Warmup(runner, capture.batch_sizes, capture.widths, capture.num_graphs, used, plan.graph_bytes, capture.seconds)
+        target = captures["target"]
+        return Warmup(runners, target.batch_sizes, target.widths, sum(c.num_graphs for c in captures.values()), used,
+                      plan.graph_bytes, sum(c.seconds for c in captures.values()))  # fmt: skip
 
     def start_executor(
         self,
@@ -349,9 +362,9 @@ class NativeBackend:
         """With a ``warmup`` that captured graphs, its runner (and graphs) serve the executor."""
         target = loaded.handle.target
         scheduler = SchedulerConfig(config.max_batch_size, plan.max_num_tokens, resolved.max_seq_len)
-        runner = warmup.handle if warmup is not None else None
-        draft = loaded.handle.draft
-        drafted = (draft.model, final.handle.pools["draft"]) if draft is not None else None
+        runners = warmup.handle if warmup is not None and warmup.handle is not None else {}
+        runner, draft = runners.get("target"), loaded.handle.draft
+        drafted = runners.get("draft") or ((draft.model, final.handle.pools["draft"]) if draft is not None else None)
         executor = create_executor(target.model, final.handle.pools["target"], scheduler, target.tokenizer,
                                    set(target.eos_token_ids), start=False, runner=runner, draft=drafted,
                                    speculative_tokens=config.speculative_tokens or 1,
@@ -374,21 +387,6 @@ class NativeBackend:
             pools[name] = pool = make(spec, size, models.tokens_per_block, self.torch_device)
             undo.push(pool.release)
         return pools
-
-
-@contextmanager
-def unreadable_as_source_error(source: str) -> Iterator[None]:
-    """A file that is there but is not a model (corrupt weights, a GGUF that is not GGUF) is bad
-    input, reported in one line; out-of-memory, transient I/O and fetch errors pass unchanged
-    (the stage retries the first two; the last already says how to work offline)."""
-    try:
-        yield
-    except (ModelSourceError, ModelConfigError, ModelFetchError):
-        raise
-    except Exception as exc:
-        if is_oom(exc) or is_transient_io(exc):
-            raise
-        raise ModelSourceError(f"model {source!r} cannot be read: {type(exc).__name__}: {exc}") from exc
 
 
 def serve_smoke_request(executor: PyExecutor) -> None:

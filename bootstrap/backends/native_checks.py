@@ -1,19 +1,24 @@
 """What the native backend refuses in ``resolve_classes`` from figures alone, before any weight
 is loaded: a ``max_kv_tokens`` below what profiling's dummy needs, weights the device cannot
 hold (on the CPU those end in the kernel's OOM killer, not an error), and a draft model whose
-tokenizer is not the target's."""
+tokenizer is not the target's; and, while weights load, a file that is not a model."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from bootstrap.backends.activations import weight_dtype_bytes
 from bootstrap.capacity import dummy_request_lengths
 from bootstrap.capacity.errors import fmt_bytes
-from bootstrap.capacity.shape import ModelShape
+from bootstrap.capacity.shape import ModelConfigError, ModelShape
 from bootstrap.config import BootstrapConfig, ConfigError
-from bootstrap.devices import Device
+from bootstrap.devices import Device, is_oom
+from bootstrap.engine.loader import ModelSourceError
+from bootstrap.engine.sources.smollm2 import ModelFetchError
+from bootstrap.pipeline.stage import is_transient_io
 
 
 def check_probe_tokens(config: BootstrapConfig, shape: ModelShape) -> None:
@@ -88,3 +93,18 @@ def _vocab(source: str) -> dict[str, int] | None:
         return None
     added = {t.get("content"): t.get("id") for t in data.get("added_tokens", []) if isinstance(t, dict)}
     return {**vocab, **added}
+
+
+@contextmanager
+def unreadable_as_source_error(source: str) -> Iterator[None]:
+    """A file that is there but is not a model (corrupt weights, a GGUF that is not GGUF) is bad
+    input, reported in one line; out-of-memory, transient I/O and fetch errors pass unchanged
+    (the stage retries the first two; the last already says how to work offline)."""
+    try:
+        yield
+    except (ModelSourceError, ModelConfigError, ModelFetchError):
+        raise
+    except Exception as exc:
+        if is_oom(exc) or is_transient_io(exc):
+            raise
+        raise ModelSourceError(f"model {source!r} cannot be read: {type(exc).__name__}: {exc}") from exc

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 CUDA_GRAPH_MAX_SEQ_LEN = 8192  # widest captured context, in tokens (vLLM's max_seq_len_to_capture)
 CUDA_GRAPH_MIN_SEQ_LEN = 256  # narrowest captured context, in tokens
+SPECULATIVE_GRAPH_MAX_ROWS = 512  # most rows of a captured verify or draft pass (vLLM's max_capture_size)
 
 
 def default_batch_sizes(max_batch_size: int) -> list[int]:
@@ -22,6 +23,15 @@ def default_batch_sizes(max_batch_size: int) -> list[int]:
 def graph_batch_sizes(max_batch_size: int, configured: Sequence[int] | None) -> list[int]:
     """The configured batch sizes (sorted, unique), or the defaults for ``max_batch_size``."""
     return sorted(set(configured)) if configured else default_batch_sizes(max_batch_size)
+
+
+def speculative_batch_sizes(batch_sizes: Sequence[int], rows_per_request: int) -> list[int]:
+    """A speculating model's graph rows: each decode bucket, and that many requests' rows of a
+    pass where each has ``rows_per_request`` (the target's verify pass: ``k + 1``; the draft's
+    first pass, which may catch up on two tokens: 2), up to ``SPECULATIVE_GRAPH_MAX_ROWS``. A
+    pass of fewer proposals (``auto``, a request near its end) replays the next bucket up."""
+    more = (b * rows_per_request for b in batch_sizes if b * rows_per_request <= SPECULATIVE_GRAPH_MAX_ROWS)
+    return sorted({*batch_sizes, *more})
 
 
 def decode_widths(max_blocks: int, tokens_per_block: int, max_tokens: int = CUDA_GRAPH_MAX_SEQ_LEN) -> list[int]:

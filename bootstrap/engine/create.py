@@ -23,7 +23,7 @@ def create_executor(
     start: bool = True,
     max_unclaimed: int = DEFAULT_MAX_UNCLAIMED,
     runner: ModelRunner | None = None,
-    draft: tuple[torch.nn.Module, PagedKVCache] | None = None,
+    draft: tuple[torch.nn.Module, PagedKVCache] | ModelRunner | None = None,
     speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS,
     adaptive: bool = False,
 ) -> PyExecutor:
@@ -31,23 +31,36 @@ def create_executor(
     ``PyExecutor``; its worker is started unless ``start=False``. ``max_unclaimed``: how many
     finished responses nobody waits for are kept (see the module docstring). ``runner``: one
     already made for this model and pool (with its CUDA graphs captured, say) instead of a new one.
-    ``draft``: a draft model and its pool: each decode step proposes ``speculative_tokens``
-    tokens with it (with ``adaptive``, up to that many, as each request's acceptance pays for)
-    and verifies them with the target (``bootstrap.engine.speculation``)."""
+    ``draft``: a draft model and its pool, or a runner made for them: each decode step proposes
+    ``speculative_tokens`` tokens with it (with ``adaptive``, up to that many, as each request's
+    acceptance pays for) and verifies them with the target (``bootstrap.engine.speculation``);
+    the runners' steps then hold ``speculative_rows`` rows."""
+    if draft is not None and (not isinstance(speculative_tokens, int) or isinstance(speculative_tokens, bool)
+                              or not 1 <= speculative_tokens <= MAX_SPECULATIVE_TOKENS):  # fmt: skip
+        raise ValueError(f"speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {speculative_tokens!r}")
+    rows = speculative_rows(config.max_batch_size, speculative_tokens) if draft is not None else (0, 0)
     if runner is None:
-        runner = ModelRunner(model, kv_cache, config.max_batch_size, config.max_seq_len)
+        runner = ModelRunner(model, kv_cache, config.max_batch_size, config.max_seq_len, max_rows=rows[0])
     elif runner.model is not model or runner.kv_cache is not kv_cache or runner.max_batch_size < config.max_batch_size:
         raise ValueError("the runner given to create_executor was made for another model, pool or batch size")
     sampler = Sampler(runner.device)
     speculator = None
     if draft is not None:
-        if not isinstance(speculative_tokens, int) or isinstance(speculative_tokens, bool) or not 1 <= speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {speculative_tokens!r}")
-        draft_runner = ModelRunner(draft[0], draft[1], config.max_batch_size, config.max_seq_len)
-        speculator = Speculator(draft_runner, runner, sampler, speculative_tokens, config.max_seq_len, adaptive)
-    scheduler = Scheduler(kv_cache, config, draft[1] if draft is not None else None)
+        if not isinstance(draft, ModelRunner):
+            draft = ModelRunner(draft[0], draft[1], config.max_batch_size, config.max_seq_len, max_rows=rows[1])
+        if runner.max_rows < rows[0] or draft.max_rows < rows[1] or draft.max_batch_size < config.max_batch_size:
+            raise ValueError(f"speculating with {speculative_tokens} tokens needs runners of max_rows {rows[0]} (target) "
+                             f"and {rows[1]} (draft); the ones given have {runner.max_rows} and {draft.max_rows}")
+        speculator = Speculator(draft, runner, sampler, speculative_tokens, config.max_seq_len, adaptive)
+    scheduler = Scheduler(kv_cache, config, speculator.pool if speculator is not None else None)
     executor = PyExecutor(runner, scheduler, sampler, tokenizer, eos_token_ids, max_unclaimed, speculator)
     if start:
         executor.start_worker()
     return executor
 
+
+def speculative_rows(max_batch_size: int, speculative_tokens: int) -> tuple[int, int]:
+    """The most rows a step holds when speculating: the target's verify pass, ``k + 1`` per
+    request; the draft's first pass, two per request (after a full acceptance it catches up on
+    the last proposal and the target's token)."""
+    return max_batch_size * (speculative_tokens + 1), max_batch_size * 2

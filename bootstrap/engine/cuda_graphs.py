@@ -10,7 +10,8 @@ Buckets. A step of ``n`` requests whose longest block table has ``w`` blocks rep
 of the smallest captured batch size ``>= n`` and the smallest captured width ``>= w``; the rows
 past ``n`` repeat the last request (their logits are dropped, their KV writes are that request's
 own), the columns past each table are masked. Batch sizes default to 1, 2, 4, 8, then every
-multiple of 8 up to ``max_batch_size`` (and it). Widths: with the Triton paged kernel (CUDA
+multiple of 8 up to ``max_batch_size`` (and it); with a draft model, the verify pass's rows
+too (``bootstrap.capacity.cuda_graph_buckets.speculative_batch_sizes``). Widths: with the Triton paged kernel (CUDA
 builds of torch), one, the whole block table: the kernel stops at each row's context length, so
 one graph per batch size serves every length. With the gathering attention (no Triton), widths
 double from the blocks of 256 tokens up to those of ``min(max_seq_len, CUDA_GRAPH_MAX_SEQ_LEN)``:
@@ -83,7 +84,7 @@ class DecodeGraphs:
 
     def capture(self, batch_sizes: Sequence[int], widths: Sequence[int]) -> GraphCapture:
         runner = self.runner
-        sizes, widths = self._checked(batch_sizes, runner.max_batch_size, "batch size"), self._checked(
+        sizes, widths = self._checked(batch_sizes, runner.max_rows, "batch size"), self._checked(
             widths, runner.max_blocks_per_seq, "width")
         if runner.kv_cache.stats().used_blocks:
             raise RuntimeError("CUDA graphs are captured on an empty KV pool (the dummy steps write block 0)")
@@ -91,7 +92,7 @@ class DecodeGraphs:
         with _live_lock:
             _live.add(self)
         self._logits = torch.empty(sizes[-1], runner.vocab_size, dtype=_logits_dtype(runner), device=runner.device)
-        runner.decode_buffers.fill(_dummy_step(sizes[-1]), sizes[-1], widths[-1])
+        runner.decode_buffers.fill(DecodeStep.dummy(sizes[-1]), sizes[-1], widths[-1])
         with torch.inference_mode():
             for rows in reversed(sizes):
                 for width in reversed(widths):
@@ -173,7 +174,7 @@ def capture_reserve_bytes(runner: DecodeRunner, batch_sizes: Sequence[int]) -> t
     empty KV pool (the dummy step writes block 0), like ``DecodeGraphs.capture``."""
     device, sizes = runner.device, sorted(set(batch_sizes))
     rows, width = sizes[-1], runner.default_widths()[-1]
-    runner.decode_buffers.fill(_dummy_step(rows), rows, width)
+    runner.decode_buffers.fill(DecodeStep.dummy(rows), rows, width)
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -187,10 +188,6 @@ def capture_reserve_bytes(runner: DecodeRunner, batch_sizes: Sequence[int]) -> t
         "executables": GRAPH_EXEC_BYTES * len(sizes) * len(runner.default_widths()),
     }
     return sum(terms.values()), terms
-
-
-def _dummy_step(rows: int):
-    return DecodeStep([0] * rows, [0] * rows, [0] * rows, [[0]] * rows)
 
 
 def _logits_dtype(runner: DecodeRunner) -> torch.dtype:

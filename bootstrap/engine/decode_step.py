@@ -1,6 +1,12 @@
 """One decode step's inputs: ``DecodeStep`` on the host, ``DecodeBuffers`` on the device (the
 fixed-shape tensors a CUDA graph replays from), and ``DecodeRunner``, what capturing graphs
-needs from a model runner (``ModelRunner`` is one)."""
+needs from a model runner (``ModelRunner`` is one).
+
+A row is one token at its own position, attending its request's cache up to that position. A
+plain decode step has one row per request; speculative decoding's verify pass gives a request
+one row per token it scores (its last token and the draft's proposals, at consecutive
+positions), and so can a draft pass that catches up on two tokens: every layer writes the
+step's keys and values before it attends, so each row sees the rows of its request before it."""
 
 from __future__ import annotations
 
@@ -14,12 +20,19 @@ from bootstrap.engine.kv_cache import PagedKVCache
 
 @dataclass
 class DecodeStep:
-    """One decode step's values on the host: a token, position, slot and block table per row."""
+    """One decode step's values on the host: a token, position, slot and block table per row
+    (several rows may belong to one request, at consecutive positions)."""
 
     ids: list[int]
     positions: list[int]
     slots: list[int]
     tables: list[list[int]]
+
+    @classmethod
+    def dummy(cls, rows: int) -> DecodeStep:
+        """``rows`` rows of token 0 at position 0, all writing slot 0 of block 0 (graph capture
+        and profiling, on a pool that holds no request)."""
+        return cls([0] * rows, [0] * rows, [0] * rows, [[0]] * rows)
 
     @property
     def size(self) -> int:
@@ -32,29 +45,32 @@ class DecodeStep:
 
 
 class DecodeBuffers:
-    """Preallocated, fixed-shape inputs of a decode step (one token per request).
+    """Preallocated, fixed-shape inputs of a decode step (one token per row).
 
-    Five rows of ``max_batch_size`` (ids, positions, slots, context lengths, write rows) and the
+    Five rows of ``max_rows`` (ids, positions, slots, context lengths, write rows) and the
     block tables, on the device. On CUDA they are filled from pinned host buffers with
     asynchronous copies, so filling a step never waits for the GPU; the host buffers are
     rewritten only once the previous step's copies have finished (a recorded event).
     """
 
-    def __init__(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device) -> None:
-        self.max_batch_size, self.max_blocks_per_seq = max_batch_size, max_blocks_per_seq
+    def __init__(self, max_rows: int, max_blocks_per_seq: int, device: torch.device) -> None:
+        self.max_rows, self.max_blocks_per_seq = max_rows, max_blocks_per_seq
         pinned = device.type == "cuda"
-        self.rows = torch.zeros(5, max_batch_size, dtype=torch.long, device=device)
+        self.rows = torch.zeros(5, max_rows, dtype=torch.long, device=device)
         self.input_ids, self.positions, self.slot_mapping, self.context_lens, self.write_rows = self.rows
-        self.query_lens = torch.ones(max_batch_size, dtype=torch.long, device=device)
-        self.logits_index = torch.arange(max_batch_size, device=device)
-        self.block_tables = torch.zeros(max_batch_size, max_blocks_per_seq, dtype=torch.long, device=device)
-        self._host_rows = torch.zeros(5, max_batch_size, dtype=torch.long, pin_memory=pinned)
-        self._host_tables = torch.zeros(max_batch_size * max_blocks_per_seq, dtype=torch.long, pin_memory=pinned)
+        self.query_lens = torch.ones(max_rows, dtype=torch.long, device=device)
+        self.logits_index = torch.arange(max_rows, device=device)
+        self.block_tables = torch.zeros(max_rows, max_blocks_per_seq, dtype=torch.long, device=device)
+        self._host_rows = torch.zeros(5, max_rows, dtype=torch.long, pin_memory=pinned)
+        self._host_tables = torch.zeros(max_rows * max_blocks_per_seq, dtype=torch.long, pin_memory=pinned)
         self._copied = torch.cuda.Event() if pinned else None
 
-    def fill(self, step: DecodeStep, rows: int | None = None, width: int | None = None) -> int:
+    def fill(self, step: DecodeStep, rows: int | None = None, width: int | None = None,
+             tokens: torch.Tensor | None = None) -> int:  # fmt: skip
         """Copy ``step`` into the first ``rows`` rows and ``width`` block-table columns (default:
-        the step's own size and width); return the step's size.
+        the step's own size and width); return the step's size. ``tokens``: the step's ids as a
+        tensor on the device, in place of ``step.ids`` (a draft's proposals, which the host does
+        not know without waiting for the device).
 
         Rows past the step's size repeat its last row (a padded CUDA-graph replay); columns past
         a table's length hold block 0, which lies past the row's length and is masked out.
@@ -62,7 +78,7 @@ class DecodeBuffers:
         """
         size = step.size
         rows, width = rows or size, width or step.width
-        if not size <= rows <= self.max_batch_size or not step.width <= width <= self.max_blocks_per_seq:
+        if not size <= rows <= self.max_rows or not step.width <= width <= self.max_blocks_per_seq:
             raise ValueError(f"a decode step of {size} rows and {step.width} blocks does not fit {rows} x {width}")
         pad = rows - size
         if self._copied is not None:
@@ -76,6 +92,8 @@ class DecodeBuffers:
         host_tables.copy_(torch.tensor(tables + tables[-1:] * pad, dtype=torch.long))
         self.rows.copy_(self._host_rows, non_blocking=True)
         self.block_tables[:rows, :width].copy_(host_tables, non_blocking=True)
+        if tokens is not None:  # after the copy above, on the same stream; padding rows keep the host's
+            self.input_ids[:size].copy_(tokens)  # ids, and write their real row's keys (write_rows)
         if self._copied is not None:
             self._copied.record()
         return size
@@ -87,7 +105,7 @@ class DecodeRunner(Protocol):
     model: torch.nn.Module
     kv_cache: PagedKVCache
     device: torch.device
-    max_batch_size: int
+    max_rows: int
     max_blocks_per_seq: int
     vocab_size: int
     decode_buffers: DecodeBuffers

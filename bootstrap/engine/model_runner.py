@@ -9,12 +9,13 @@ reads it from a thread-local. The model computes logits only at the last token
 of each request that samples this step (``logits_to_keep`` with explicit indices), so the
 vocabulary projection never runs over a whole prompt.
 
-Decode steps fill preallocated buffers (inputs, positions, slots, lengths, and block tables of
-static width ``ceil(max_seq_len / tokens_per_block)``) and run on views of them. After
-``capture_decode_graphs`` (CUDA), a decode step whose size and block-table width a captured
-bucket covers is replayed as a CUDA graph, padded up to the bucket; mixed steps (prefill chunks
-and decode tokens), decode steps no bucket covers, and every step on the CPU run eagerly as
-before.
+Decode steps, and the other steps of one-token rows (``run_rows``: speculative decoding's verify
+and draft passes, where a request has a row per token), fill preallocated buffers (inputs,
+positions, slots, lengths, and block tables of static width ``ceil(max_seq_len /
+tokens_per_block)``) and run on views of them. After ``capture_decode_graphs`` (CUDA), such a
+step whose size and block-table width a captured bucket covers is replayed as a CUDA graph,
+padded up to the bucket; mixed steps (prefill chunks and decode tokens), steps no bucket
+covers, and every step on the CPU run eagerly as before.
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ class ModelRunner:
     """Owns the forward pass: input preparation, attention metadata, last-token logits."""
 
     def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, max_batch_size: int, max_seq_len: int,
-                 decode_kernel: str = "auto") -> None:  # fmt: skip
+                 decode_kernel: str = "auto", max_rows: int | None = None) -> None:  # fmt: skip
+        """``max_rows``: the most one-token rows a step of ``run_rows`` holds (default
+        ``max_batch_size``; speculative decoding's verify pass needs ``k + 1`` per request)."""
         self.model = model
         self.kv_cache = kv_cache
         self.device = next(model.parameters()).device
@@ -65,8 +68,9 @@ class ModelRunner:
         _check_positions(model, max_seq_len)
         _use_paged_attention(model)
         self.max_batch_size = max_batch_size
+        self.max_rows = max(max_rows or max_batch_size, max_batch_size)
         self.max_blocks_per_seq = kv_cache.blocks_needed(max_seq_len)
-        self.decode_buffers = DecodeBuffers(max_batch_size, self.max_blocks_per_seq, self.device)
+        self.decode_buffers = DecodeBuffers(self.max_rows, self.max_blocks_per_seq, self.device)
         self.graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
         self.decode_kernel = self._decode_kernel(decode_kernel)
 
@@ -74,27 +78,28 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits ``[S, vocab]`` at the last token of each request of ``batch`` that samples now.
 
-        A decode step replays a captured CUDA graph when one covers its size and width (padded
-        up to the graph's bucket); any other step runs eagerly.
+        A decode step runs as ``run_rows`` (a captured CUDA graph when one covers it); any other
+        step runs eagerly.
         """
         if batch.is_decode:
-            step = self.decode_step(batch)
-            bucket = self.graphs.bucket(step.size, step.width) if self.graphs is not None else None
-            if bucket is not None:
-                self.decode_buffers.fill(step, bucket[0])  # columns past the step's width: stale, masked
-                return self.graphs.replay(bucket)[: step.size]
-            inputs = self.prepare_decode(step)
-        else:
-            inputs = self.prepare_mixed(batch)
+            return self.run_rows(self.decode_step(batch))
+        inputs = self.prepare_mixed(batch)
         return self._forward(inputs.input_ids, inputs.positions, inputs.logits_index, inputs.metadata)
 
     @torch.inference_mode()
-    def run_every_position(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits ``[T, vocab]`` at every new token of ``batch``, in order (speculative decoding's
-        verify pass: the target scores a request's last token and its draft tokens at once); eager."""
-        inputs = self.prepare_mixed(batch)
-        every = self._to_device(torch.arange(batch.total_tokens, dtype=torch.long))
-        return self._forward(inputs.input_ids, inputs.positions, every, inputs.metadata)
+    def run_rows(self, step: DecodeStep, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[rows, vocab]`` of a step of one-token rows (``bootstrap.engine.decode_step``):
+        a decode step, a verify pass, a draft pass. Replays a captured CUDA graph when one covers
+        the step's size and width (padded up to the graph's bucket), else runs eagerly.
+        ``tokens``: the rows' ids on the device, in place of ``step.ids``."""
+        if step.size > self.max_rows:
+            raise ValueError(f"a step of {step.size} rows does not fit this runner's max_rows ({self.max_rows})")
+        bucket = self.graphs.bucket(step.size, step.width) if self.graphs is not None else None
+        if bucket is not None:
+            self.decode_buffers.fill(step, bucket[0], tokens=tokens)  # columns past the step's width: stale, masked
+            return self.graphs.replay(bucket)[: step.size]
+        inputs = self.prepare_decode(step, tokens)
+        return self._forward(inputs.input_ids, inputs.positions, inputs.logits_index, inputs.metadata)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_to_keep: torch.Tensor | int,
                  metadata: AttentionMetadata | DecodeMetadata) -> torch.Tensor:  # fmt: skip
@@ -108,16 +113,29 @@ class ModelRunner:
 
     def decode_step(self, batch: ScheduledBatch) -> DecodeStep:
         """The host-side values of a decode-only step."""
-        positions = [s.num_computed for s in batch.seqs]
-        tables = [self.kv_cache.block_table(s.request_id) for s in batch.seqs]
-        slots = [self._slot(table, pos) for table, pos in zip(tables, positions)]
-        return DecodeStep([s.token_ids[-1] for s in batch.seqs], positions, slots, tables)
+        return self.token_rows([(s.request_id, s.num_computed, [s.token_ids[-1]]) for s in batch.seqs])
 
-    def prepare_decode(self, step: DecodeStep | ScheduledBatch) -> StepInputs:
-        """Decode-only step on views of the preallocated buffers (eager: exact size and width)."""
+    def token_rows(self, requests: Sequence[tuple[int, int, Sequence[int]]]) -> DecodeStep:
+        """The rows of a step where each ``(request id, start, ids)`` runs ``ids`` at positions
+        ``start, start + 1, ...`` (their slots already allocated in the pool)."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        for request_id, start, tokens in requests:
+            table = self.kv_cache.block_table(request_id)
+            for position, token in enumerate(tokens, start):
+                ids.append(token)
+                positions.append(position)
+                slots.append(self._slot(table, position))
+                tables.append(table)
+        return DecodeStep(ids, positions, slots, tables)
+
+    def prepare_decode(self, step: DecodeStep | ScheduledBatch, tokens: torch.Tensor | None = None) -> StepInputs:
+        """A step of one-token rows on views of the preallocated buffers (eager: exact size and width)."""
         step = step if isinstance(step, DecodeStep) else self.decode_step(step)
         buf = self.decode_buffers
-        size = buf.fill(step)
+        size = buf.fill(step, tokens=tokens)
         metadata = AttentionMetadata.single(
             self.kv_cache,
             slot_mapping=buf.slot_mapping[:size],

@@ -15,6 +15,7 @@ from collections.abc import Sequence as Seq
 from bootstrap.engine.executor import PyExecutor
 from bootstrap.engine.sampling import SamplingParams
 from bootstrap.engine.sequence import Sequence, next_request_id
+from bootstrap.engine.speculation import Speculator
 
 # Sampled rows take the heaviest sampling path (softmax, top-k, top-p over the vocabulary).
 DUMMY_PARAMS = SamplingParams(max_tokens=1, temperature=1.0, top_k=50, top_p=0.9, ignore_eos=True)
@@ -53,3 +54,13 @@ def _step(executor: PyExecutor) -> None:
         seq.num_computed += count
     for seq in sampling:  # max_tokens is 1: a request that sampled is done
         executor.scheduler.finish(seq)
+
+
+def run_dummy_speculation(speculator: Speculator, batch_size: int) -> None:
+    """One speculative step of ``batch_size`` sampled dummy requests at full depth
+    (``Speculator.rehearse``): the draft's passes, the verify pass and the judging over the
+    draft's and the target's distributions. Both pools must hold no request."""
+    for pool in (speculator.pool, speculator.target.kv_cache):
+        if pool.stats().used_blocks:
+            raise RuntimeError("a dummy speculative step needs empty pools (its rows write block 0)")
+    speculator.rehearse([Sequence(next_request_id(), [0], DUMMY_PARAMS, is_warmup=True) for _ in range(batch_size)])

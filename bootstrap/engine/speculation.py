@@ -19,6 +19,12 @@ A speculative step (``step``), for a step of requests all in decode:
 3. The verdict per row; both pools are cut back to the tokens that were verified
    (``PagedKVCache.truncate``): the rejected proposals' slots are given back.
 
+Every pass is a step of one-token rows (``ModelRunner.run_rows``): the verify pass gives a
+request ``k + 1`` rows at consecutive positions, a catching-up draft pass two, so each pass
+replays a CUDA graph captured for its rows (``warmup`` captures the target's verify rows and the
+draft's passes). The proposals stay on the device, each pass's tokens the next one's input, so
+the step waits for the device once, for the verdict.
+
 A step proposes the same number of tokens for every row: at most the configured ``k`` and what
 the request with the least room left may still write (``max_tokens``, ``max_seq_len``); with
 ``auto`` each row then judges only as many as its own depth (``plan``). A step whose requests cannot all
@@ -30,12 +36,14 @@ the distribution does not.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
 
+from bootstrap.engine.decode_step import DecodeStep
 from bootstrap.engine.kv_cache import PagedKVCache
 from bootstrap.engine.logits_processing import History, needs_processing
 from bootstrap.engine.model_runner import ModelRunner
@@ -171,21 +179,15 @@ class Speculator:
     def mirror(self, batch: ScheduledBatch) -> None:
         """Before ``batch``'s requests advance: feed the draft what the target computes in this
         ordinary step, so both pools hold the same tokens (logits unused)."""
-        fed = [(seq, self._fed(seq, seq.token_ids[: seq.num_computed + count]))
+        fed = [(seq, _View(seq.request_id, seq.token_ids[: seq.num_computed + count], seq.draft_computed))
                for seq, count in zip(batch.seqs, batch.num_new_tokens)
                if seq.num_computed + count > seq.draft_computed and self.keeps_up(seq)]  # fmt: skip
         if fed:
+            for seq, view in fed:
+                self._fed(seq, view.num_tokens)
             self.draft.run(ScheduledBatch([view for _, view in fed], [v.num_tokens - v.num_computed for _, v in fed]))
             for seq, view in fed:
                 seq.draft_computed = view.num_tokens
-
-    def _fed(self, seq: Sequence, tokens: list[int]) -> _View:
-        """The draft's view of ``seq`` fed up to ``tokens``, its pool grown to hold them."""
-        if not self.pool.holds(seq.request_id):
-            self.pool.allocate(seq.request_id, len(tokens))
-        elif len(tokens) > self.pool.num_tokens(seq.request_id):
-            self.pool.extend(seq.request_id, len(tokens) - self.pool.num_tokens(seq.request_id))
-        return _View(seq.request_id, tokens, seq.draft_computed)
 
     # ---- the speculative step -------------------------------------------------------------------
 
@@ -197,17 +199,18 @@ class Speculator:
         seqs, k = batch.seqs, max(limits)
         starts = [(seq.num_computed, seq.num_tokens, seq.draft_computed) for seq in seqs]
         try:
-            started = time.perf_counter()
-            proposals, q = self._propose(seqs, k)  # its passes end on the host (their tokens): timed whole
-            drafted = time.perf_counter()
+            clock = _StepClock(self.target.device)
+            proposals, q = self._propose(seqs, k)
+            clock.drafted()
             logits = self._verify(seqs, proposals, k)
             verdict = self._judge(seqs, proposals, q, logits, torch.tensor(limits, device=logits.device))
-            runs = verdict.new_tokens()
+            runs = verdict.new_tokens()  # the step's one wait for the device
         except BaseException:
             self._undo(seqs, starts)
             raise
-        self.costs.record("draft", (drafted - started) / k)
-        self.costs.record("verify", time.perf_counter() - drafted)
+        drafting, verifying = clock.split()
+        self.costs.record("draft", drafting / k)
+        self.costs.record("verify", verifying)
         for seq, (computed, length, _), run, limit in zip(seqs, starts, runs, limits):
             kept = len(run) - 1
             seq.num_computed = computed + 1 + kept
@@ -221,27 +224,53 @@ class Speculator:
 
     def _propose(self, seqs: list[Sequence], k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``k`` draft passes: the proposals ``[B, k]``, and the draft's distributions ``[B, k, V]``
-        when any row samples (None when all are greedy)."""
+        when any row samples (None when all are greedy). The host never waits for a pass: each
+        pass's tokens feed the next on the device."""
         greedy = all(seq.params.greedy for seq in seqs)
-        proposed: list[list[int]] = [[] for _ in seqs]
+        for seq in seqs:  # the slots the k passes write: what the draft lacks, then k - 1 proposals
+            self._fed(seq, seq.num_tokens + k - 1)
         dists: list[torch.Tensor] = []
-        for _ in range(k):
-            views = [self._fed(seq, seq.token_ids + mine) for seq, mine in zip(seqs, proposed)]
-            counts = [view.num_tokens - view.num_computed for view in views]
-            logits = self.draft.run(ScheduledBatch(views, counts))
-            for seq, view in zip(seqs, views):
-                seq.draft_computed = view.num_tokens
-            if greedy:
-                tokens = logits.argmax(dim=-1)
-            else:
-                probs = self.sampler.probabilities(logits, [seq.params for seq in seqs])
-                dists.append(probs)
-                tokens = torch.stack([self._draw(seq, row) for seq, row in zip(seqs, probs)])
-            for mine, token in zip(proposed, tokens.tolist()):
-                mine.append(token)
+        drawn = [self._draw_pass(seqs, self._catch_up(seqs), greedy, dists)]
+        for j in range(1, k):  # pass j feeds proposal j at position num_tokens - 1 + j
+            step = self.draft.token_rows([(seq.request_id, seq.num_tokens - 1 + j, (0,)) for seq in seqs])
+            drawn.append(self._draw_pass(seqs, self.draft.run_rows(step, drawn[-1]), greedy, dists))
+        for seq in seqs:
+            seq.draft_computed = seq.num_tokens + k - 1
         device = self.target.device
-        return torch.tensor(proposed, dtype=torch.long, device=device), (
-            torch.stack(dists, dim=1).to(device) if dists else None)  # fmt: skip
+        return torch.stack(drawn, dim=1).to(device), (torch.stack(dists, dim=1).to(device) if dists else None)
+
+    def _catch_up(self, seqs: list[Sequence]) -> torch.Tensor:
+        """The first draft pass, over what the draft lacks of each request (its last token, the
+        one before it after a full acceptance): logits ``[B, V]`` at each request's last token.
+        A request far behind (``auto`` resuming one that stopped speculating) makes it a
+        prefill-like mixed pass instead of one row per token."""
+        lacking = [seq.token_ids[seq.draft_computed :] for seq in seqs]
+        counts = [len(tokens) for tokens in lacking]
+        if sum(counts) > self.draft.max_rows:
+            views = [_View(seq.request_id, seq.token_ids, seq.draft_computed) for seq in seqs]
+            return self.draft.run(ScheduledBatch(views, counts))
+        step = self.draft.token_rows([(seq.request_id, seq.draft_computed, tokens) for seq, tokens in zip(seqs, lacking)])
+        logits = self.draft.run_rows(step)
+        if step.size == len(seqs):
+            return logits
+        ends = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.long) - 1
+        return logits.index_select(0, ends.to(logits.device))
+
+    def _draw_pass(self, seqs: list[Sequence], logits: torch.Tensor, greedy: bool, dists: list[torch.Tensor]) -> torch.Tensor:
+        """One proposal per row ``[B]`` from a draft pass's logits; a sampling batch appends the
+        draft's distributions to ``dists``."""
+        if greedy:
+            return logits.argmax(dim=-1)
+        probs = self.sampler.probabilities(logits, [seq.params for seq in seqs])
+        dists.append(probs)
+        return torch.stack([self._draw(seq, row) for seq, row in zip(seqs, probs)])
+
+    def _fed(self, seq: Sequence, tokens: int) -> None:
+        """Grow the draft's pool to hold ``tokens`` of ``seq``."""
+        if not self.pool.holds(seq.request_id):
+            self.pool.allocate(seq.request_id, tokens)
+        elif tokens > self.pool.num_tokens(seq.request_id):
+            self.pool.extend(seq.request_id, tokens - self.pool.num_tokens(seq.request_id))
 
     @staticmethod
     def _draw(seq: Sequence, probs: torch.Tensor) -> torch.Tensor:
@@ -250,13 +279,15 @@ class Speculator:
         return torch.multinomial(probs, 1, generator=seq.generator)[0]
 
     def _verify(self, seqs: list[Sequence], proposals: torch.Tensor, k: int) -> torch.Tensor:
-        """The target over each request's last token and its proposals: logits ``[B, k + 1, V]``."""
-        views = []
-        for seq, mine in zip(seqs, proposals.tolist()):
+        """The target over each request's last token and its proposals, a row each: logits
+        ``[B, k + 1, V]``."""
+        rows = []
+        for seq in seqs:
             self.target.kv_cache.extend(seq.request_id, k)  # the step's own token is already in
-            views.append(_View(seq.request_id, seq.token_ids + mine, seq.num_computed))
-        logits = self.target.run_every_position(ScheduledBatch(views, [k + 1] * len(views)))
-        return logits.view(len(seqs), k + 1, -1)
+            rows.append((seq.request_id, seq.num_computed, [seq.token_ids[-1]] + [0] * k))
+        last = torch.tensor([seq.token_ids[-1] for seq in seqs], dtype=torch.long).to(proposals.device)
+        tokens = torch.cat([last[:, None], proposals], dim=1).view(-1)
+        return self.target.run_rows(self.target.token_rows(rows), tokens).view(len(seqs), k + 1, -1)
 
     def _judge(self, seqs: list[Sequence], proposals: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor,
                limits: torch.Tensor) -> Verdict:  # fmt: skip
@@ -273,6 +304,21 @@ class Speculator:
         return Verdict(torch.where(greedy, exact.accepted, sampled.accepted),
                        torch.where(greedy[:, None], exact.tokens, sampled.tokens))  # fmt: skip
 
+    def rehearse(self, seqs: list[Sequence]) -> None:
+        """A speculative step of ``seqs`` at full depth, its tokens thrown away: the draft's
+        first pass over two rows per request and its ``k - 1`` further passes, the verify pass
+        over ``k + 1`` rows per request, and the judging (profiling: its peak must include a
+        step's). Every row writes slot 0 of block 0, so both pools must hold no request."""
+        rows, k = len(seqs), self.k
+        greedy = all(seq.params.greedy for seq in seqs)
+        dists: list[torch.Tensor] = []
+        drawn = [self._draw_pass(seqs, self.draft.run_rows(DecodeStep.dummy(2 * rows))[:rows], greedy, dists)]
+        for _ in range(1, k):
+            drawn.append(self._draw_pass(seqs, self.draft.run_rows(DecodeStep.dummy(rows), drawn[-1]), greedy, dists))
+        proposals, q = torch.stack(drawn, dim=1), torch.stack(dists, dim=1) if dists else None
+        logits = self.target.run_rows(DecodeStep.dummy(rows * (k + 1))).view(rows, k + 1, -1)
+        self._judge(seqs, proposals, q, logits, torch.full((rows,), k, device=logits.device)).new_tokens()
+
     def _undo(self, seqs: list[Sequence], starts: list[tuple[int, int, int]]) -> None:
         """A step that raised: both pools back to what the requests held before it (the target's
         with this step's own token, as ``Scheduler.schedule`` left it)."""
@@ -281,6 +327,38 @@ class Speculator:
             for pool, keep in ((self.target.kv_cache, computed + 1), (self.pool, drafted)):
                 if pool.holds(seq.request_id) and pool.num_tokens(seq.request_id) > keep:
                     pool.truncate(seq.request_id, keep)
+
+
+class _StepClock:
+    """Where a speculative step's time goes: its wall time, split between the draft's passes and
+    the verify pass (with the judging) in the proportion the device spent on each. On CUDA the
+    host queues the passes without waiting, so the split is read from events; on the CPU every
+    operation ends before the next starts, and the host's clock splits it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.started = time.perf_counter()
+        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if device.type == "cuda" else None
+        self.drafted_at = self.started
+        if self.events is not None:
+            self.events[0].record()
+
+    def drafted(self) -> None:
+        self.drafted_at = time.perf_counter()
+        if self.events is not None:
+            self.events[1].record()
+
+    def split(self) -> tuple[float, float]:
+        """(seconds drafting, seconds verifying), once the step has waited for the device."""
+        wall = time.perf_counter() - self.started
+        if self.events is None:
+            share = (self.drafted_at - self.started) / wall if wall > 0 else 0.0
+        else:
+            start, drafted, end = self.events
+            end.record()
+            end.synchronize()
+            drafting, verifying = start.elapsed_time(drafted), drafted.elapsed_time(end)
+            share = drafting / (drafting + verifying) if drafting + verifying > 0 else 0.0
+        return wall * share, wall * (1 - share)
 
 
 def _weight_bytes(model: torch.nn.Module) -> int:

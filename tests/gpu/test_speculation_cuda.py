@@ -1,17 +1,26 @@
 """Speculative decoding on a CUDA device (float32, TF32 off): greedy output with a draft is the
 target's own (transformers' ``generate``) on llama and windowed qwen2, for a draft that agrees
 and one that does not, with the worker thread running and 32 requests at once; both pools empty
-afterwards."""
+afterwards. With CUDA graphs captured for the speculative passes (the target's verify rows, the
+draft's catching-up rows), every draft and verify pass replays one and none runs eagerly, output
+still the target's; and the stages with a draft capture both models' graphs in ``warmup``."""
 
 from __future__ import annotations
 
 import copy
 
+import anyio
 import pytest
 import torch
+from helpers.tiny_models import CHAT_TEMPLATE, save_checkpoint
 from test_engine_cuda import build, prompts, reference
 
+from bootstrap import BootstrapConfig
+from bootstrap.api import Bootstrap
+from bootstrap.capacity.cuda_graph_buckets import default_batch_sizes, speculative_batch_sizes
 from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
+from bootstrap.engine.create import speculative_rows
+from bootstrap.engine.model_runner import ModelRunner
 
 pytestmark = [
     pytest.mark.gpu,
@@ -48,3 +57,70 @@ def test_greedy_with_a_draft_on_cuda_is_the_targets_own(kind):
             ex.shutdown()
         assert got == want and stats.steps > 0
         assert (stats.acceptance_rate == 1.0) == (draft is model)
+
+
+def counted(runner: ModelRunner) -> dict[str, int]:
+    """Count a runner's graph replays and its eager steps of one-token rows."""
+    counts = {"replays": 0, "eager_rows": 0}
+    replay, eager = runner.graphs.replay, runner.prepare_decode
+
+    def replayed(bucket):
+        counts["replays"] += 1
+        return replay(bucket)
+
+    def eagerly(*args, **kwargs):
+        counts["eager_rows"] += 1
+        return eager(*args, **kwargs)
+
+    runner.graphs.replay, runner.prepare_decode = replayed, eagerly
+    return counts
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_speculative_passes_replay_cuda_graphs(kind):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model, k, batch = build(kind, torch.float32), 4, 8
+    rows = speculative_rows(batch, k)
+    runners = {}
+    for name, per_request, max_rows in (("target", k + 1, rows[0]), ("draft", 2, rows[1])):
+        pool = PagedKVCache.from_tokens(KVCacheSpec.from_config(model.config, torch.float32), 8192, 16, "cuda")
+        runners[name] = ModelRunner(copy.deepcopy(model), pool, batch, 256, max_rows=max_rows)
+        runners[name].capture_decode_graphs(speculative_batch_sizes(default_batch_sizes(batch), per_request))
+    counts = {name: counted(runner) for name, runner in runners.items()}
+    target = runners["target"]
+    ex = create_executor(target.model, target.kv_cache, SchedulerConfig(batch, 48, 256), runner=target,
+                         draft=runners["draft"], speculative_tokens=k)  # fmt: skip
+    asked = prompts(batch)
+    try:
+        got = [r.token_ids for r in ex.generate(asked, SamplingParams(max_tokens=24))]
+        steps = ex.speculator.stats.steps
+    finally:
+        ex.shutdown()
+    assert got == [reference(model, p, 24) for p in asked]
+    assert steps > 0 and counts["target"]["eager_rows"] == 0 and counts["draft"]["eager_rows"] == 0
+    assert counts["target"]["replays"] >= steps and counts["draft"]["replays"] >= k * steps
+
+
+def test_the_stages_capture_the_draft_and_verify_passes(tmp_path):
+    """``bootstrap`` with a draft: warmup captures the target's decode and verify rows and the
+    draft's passes; the started executor speculates through them."""
+    save_checkpoint("llama", tmp_path / "tiny", CHAT_TEMPLATE)
+    config = BootstrapConfig(model=str(tmp_path / "tiny"), draft_model=str(tmp_path / "tiny"), device="cuda",
+                             max_batch_size=8, max_seq_len=256, num_speculative_tokens=3)  # fmt: skip
+    boot = Bootstrap(config)
+
+    async def start():
+        return await boot.build()
+
+    executor = anyio.run(start)
+    try:
+        warmup = next(row for row in boot.report().stages if row["id"] == "warmup")
+        assert warmup["outcome"] == "ok", warmup
+        sizes = speculative_batch_sizes(default_batch_sizes(8), 4)
+        assert executor.runner.graphs.batch_sizes == tuple(sizes)
+        assert executor.speculator.draft.graphs.batch_sizes == tuple(speculative_batch_sizes(default_batch_sizes(8), 2))
+        assert executor.speculator.draft.graphs is not None and executor.runner.graphs is not None
+        executor.generate([[5, 6, 7]], SamplingParams(max_tokens=12))
+        assert executor.speculator.stats.steps > 0
+    finally:
+        anyio.run(boot.aclose)

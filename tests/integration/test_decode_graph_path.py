@@ -18,7 +18,12 @@ from test_engine_attention import DIM, HEADS, KV_HEADS, Layer, reference, setup
 from test_engine_parity import prompts
 from test_engine_parity import reference as generate_reference
 
-from bootstrap.capacity.cuda_graph_buckets import decode_widths, default_batch_sizes, fewer_batch_sizes
+from bootstrap.capacity.cuda_graph_buckets import (
+    decode_widths,
+    default_batch_sizes,
+    fewer_batch_sizes,
+    speculative_batch_sizes,
+)
 from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
 from bootstrap.engine.attention import DecodeMetadata, paged_attention, use_metadata
 from bootstrap.engine.cuda_graphs import DecodeGraphs
@@ -51,6 +56,9 @@ def test_bucket_sizes():
     assert decode_widths(3, 16) == [3]
     assert fewer_batch_sizes([1, 2, 4, 8, 16]) == [1, 2]
     assert fewer_batch_sizes([1]) == [1]
+    assert speculative_batch_sizes([1, 2, 4, 8], 5) == [1, 2, 4, 5, 8, 10, 20, 40]  # verify rows, k = 4
+    assert speculative_batch_sizes([64, 100, 128], 5) == [64, 100, 128, 320, 500]  # none past 512 rows
+    assert speculative_batch_sizes([1, 3], 2) == [1, 2, 3, 6]
 
 
 def test_bucket_choice_pads_up_and_falls_back_past_the_largest():
@@ -135,3 +143,5 @@ def test_decode_buffers_pad_rows_and_tables():
     assert buf.block_tables[:3].tolist() == [[3, 0, 0, 0, 7, 7], [5, 6, 8, 0, 7, 7], [5, 6, 8, 0, 7, 7]]
     with pytest.raises(ValueError):
         buf.fill(DecodeStep([1], [0], [0], [[1, 2, 3]]), rows=1, width=2)
+    buf.fill(DecodeStep([11, 12], [4, 9], [40, 91], [[3], [5, 6, 8]]), rows=3, tokens=torch.tensor([21, 22]))
+    assert buf.input_ids[:3].tolist() == [21, 22, 12]  # the device's ids; a padding row keeps the host's

@@ -16,6 +16,10 @@ from helpers.tiny_models import SHAPE
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
 
 from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
+from bootstrap.engine.model_runner import ModelRunner
+from bootstrap.engine.profile_run import run_dummy_speculation
+from bootstrap.engine.scheduler import ScheduledBatch
+from bootstrap.engine.speculation import _View
 from bootstrap.engine.speculative import StepCosts
 
 CONFIGS = {
@@ -218,7 +222,7 @@ def test_auto_measures_a_decode_step_first_and_stops_when_its_passes_cannot_pay(
     slow = ex.speculator._verify
 
     def slow_verify(*args):
-        time.sleep(0.05)  # a verify pass far dearer than a decode step
+        time.sleep(0.3)  # a verify pass dearer than the k + 1 decode steps its tokens replace
         return slow(*args)
 
     ex.speculator._verify = slow_verify
@@ -232,3 +236,46 @@ def test_auto_measures_a_decode_step_first_and_stops_when_its_passes_cannot_pay(
         assert got == outputs(plain, PROMPTS[:1], SamplingParams(max_tokens=40, temperature=0))[0].token_ids
     finally:
         plain.shutdown()
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_rows_of_one_request_score_each_position_as_the_whole_sequence_does(name):
+    """A verify pass: one request's tokens as rows at consecutive positions, after a prefill,
+    give at each row the logits the model gives at that position over the whole sequence; ids
+    given on the device in place of the host's do the same."""
+    target = model(name, 1)
+    want = target(input_ids=torch.tensor([PROMPTS[1]])).logits[0, 14:19]
+    pool = PagedKVCache.from_tokens(KVCacheSpec.from_config(target.config, torch.float32), 256, TPB, "cpu")
+    runner = ModelRunner(copy.deepcopy(target), pool, 4, 256, max_rows=20)
+    pool.allocate(7, 19)
+    runner.run(ScheduledBatch([_View(7, PROMPTS[1][:14], 0)], [14]))
+    rows = runner.token_rows([(7, 14, PROMPTS[1][14:19])])
+    assert rows.positions == [14, 15, 16, 17, 18] and len({tuple(t) for t in rows.tables}) == 1
+    torch.testing.assert_close(runner.run_rows(rows), want, atol=1e-4, rtol=1e-4)
+    blind = runner.token_rows([(7, 14, [0] * 5)])
+    torch.testing.assert_close(runner.run_rows(blind, torch.tensor(PROMPTS[1][14:19])), want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="max_rows"):
+        runner.run_rows(runner.token_rows([(7, 0, [1] * 19), (7, 0, [1] * 2)]))
+
+
+def test_the_dummy_speculative_step_runs_every_pass_at_its_largest_and_keeps_nothing():
+    """Profiling's dummy speculative step: the draft's first pass over two rows per request and
+    ``k - 1`` passes of one, the verify pass over ``k + 1``, sampled; both pools empty after,
+    and it refuses pools that hold a request."""
+    target = model("llama", 1)
+    ex = executor(target, model("llama", 2), k=3, batch=4)
+    sizes = {"target": [], "draft": []}
+    for name, runner in (("target", ex.runner), ("draft", ex.speculator.draft)):
+        def spy(step, tokens=None, run=runner.run_rows, name=name):
+            sizes[name].append(step.size)
+            return run(step, tokens)
+        runner.run_rows = spy
+    try:
+        run_dummy_speculation(ex.speculator, 4)
+        assert sizes == {"target": [16], "draft": [8, 4, 4]} and empty(ex)
+        ex.speculator.pool.allocate(99, 3)
+        with pytest.raises(RuntimeError, match="empty pools"):
+            run_dummy_speculation(ex.speculator, 4)
+    finally:
+        ex.speculator.pool.free(99)
+        ex.shutdown()
