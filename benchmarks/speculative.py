@@ -6,8 +6,9 @@ CUDA graphs), so both run on the same weights and pools, side by side, one right
 
 Real drafts with real acceptance cannot run here (random weights agree with nothing), so the
 acceptance is controlled: the draft runs its ``k`` passes as usual (its cost is real), then each
-proposal is replaced by the target's own greedy continuation (recorded from a baseline run) with
-probability ``--acceptance``, else by another token. With greedy verification a proposal is then
+proposal is replaced by the target's own greedy continuation (recorded from a baseline run, then
+recorded again through the verify pass: ``calibrated``) with probability ``--acceptance``, else
+by another token. With greedy verification a proposal is then
 kept exactly when it and every one before it are the target's, so the acceptance per position
 is the chosen rate. Both paths run once at each batch size before it is timed (first-use kernel
 compilation is not counted; ``auto`` has then measured its passes). Each point: ``batch`` requests of ``--prompt-len`` random tokens,
@@ -86,7 +87,8 @@ class Controlled:
                 right = ahead[j] if j < len(ahead) else 0
                 row.append(right if self.rng.random() < self.rate else (right + 1) % self.vocab)
             rows.append(row)
-        return torch.tensor(rows, dtype=torch.long, device=proposals.device), q
+        pinned = torch.tensor(rows, dtype=torch.long, pin_memory=proposals.is_cuda)  # queued, not waited for
+        return pinned.to(proposals.device, non_blocking=True), q
 
 
 def timed(executor, prompts: list[list[int]], gen_len: int) -> tuple[float, list[list[int]]]:
@@ -95,6 +97,22 @@ def timed(executor, prompts: list[list[int]], gen_len: int) -> tuple[float, list
     ids = [executor.enqueue(p, params) for p in prompts]
     outs = [executor.await_response(i, timeout=600).token_ids for i in ids]
     return time.perf_counter() - started, outs
+
+
+def calibrated(executor, control: Controlled, prompts: list[list[int]], gen_len: int) -> list[list[int]]:
+    """The target's greedy continuation as its verify pass computes it: a speculative run whose
+    proposals are all the recorded baseline's, its output the new references, twice. In bfloat16
+    the verify pass (``k + 1`` rows a request) and the decode step (one) multiply in other
+    orders, so on random weights, whose logits are near ties, their argmaxes part; each
+    position's verify logits do not depend on where the step boundaries fall (every step
+    replays the same bucket), so references recorded this way are kept as often as asked."""
+    loop, references = executor._loop, None
+    for _ in range(2):
+        control.rate, loop.speculator = 1.0, control.speculator
+        _, references = timed(executor, prompts, gen_len)
+        control.references = {tuple(p): r for p, r in zip(prompts, references)}
+    loop.speculator = None
+    return references
 
 
 async def build(args: argparse.Namespace, auto: bool):
@@ -116,8 +134,9 @@ def measure(args: argparse.Namespace, executor, auto: bool) -> list[dict]:
         for warm in (speculator, None):  # both paths once at this batch size: kernels compiled, shapes seen
             loop.speculator = warm
             timed(executor, prompts, 8)
-        base_s, references = timed(executor, prompts, args.gen_len)
-        control = Controlled(speculator, {tuple(p): r for p, r in zip(prompts, references)}, vocab)
+        base_s, baseline = timed(executor, prompts, args.gen_len)
+        control = Controlled(speculator, {tuple(p): r for p, r in zip(prompts, baseline)}, vocab)
+        references = calibrated(executor, control, prompts, args.gen_len)
         rates = [0.0] if auto else [float(a) for a in args.acceptance.split(",")]
         for rate in rates:
             control.rate = rate
@@ -136,7 +155,9 @@ def measure(args: argparse.Namespace, executor, auto: bool) -> list[dict]:
                 "speedup": round(base / spec_s, 3),
                 "expected_speedup": round(expected_speedup(rate, args.k, speculator.cost), 3) if not auto else
                 round(expected_speedup(rate, best_depth(rate, StepCosts(speculator.cost), speculator.k), speculator.cost), 3),
-                "outputs_equal": outs == references,
+                "outputs_equal": outs == references, "outputs_equal_baseline": outs == baseline,
+                "costs_ms": {name: round(getattr(speculator.costs, name) * 1e3, 3) if getattr(speculator.costs, name) else None
+                             for name in ("decode", "verify", "draft")},
             })  # fmt: skip
             print(json.dumps(results[-1]), flush=True)
         speculator._propose = control.original

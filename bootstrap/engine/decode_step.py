@@ -68,9 +68,10 @@ class DecodeBuffers:
     def fill(self, step: DecodeStep, rows: int | None = None, width: int | None = None,
              tokens: torch.Tensor | None = None) -> int:  # fmt: skip
         """Copy ``step`` into the first ``rows`` rows and ``width`` block-table columns (default:
-        the step's own size and width); return the step's size. ``tokens``: the step's ids as a
-        tensor on the device, in place of ``step.ids`` (a draft's proposals, which the host does
-        not know without waiting for the device).
+        the step's own size and width); return the step's size. ``tokens``: ids on the device in
+        place of ``step.ids`` (a draft's proposals, which the host does not know without waiting
+        for the device): ``[size]`` for every row, or ``[R, m]`` for the last ``m`` rows of each
+        of ``R`` equal groups (a verify pass: each request's proposals after its own last token).
 
         Rows past the step's size repeat its last row (a padded CUDA-graph replay); columns past
         a table's length hold block 0, which lies past the row's length and is masked out.
@@ -93,7 +94,8 @@ class DecodeBuffers:
         self.rows.copy_(self._host_rows, non_blocking=True)
         self.block_tables[:rows, :width].copy_(host_tables, non_blocking=True)
         if tokens is not None:  # after the copy above, on the same stream; padding rows keep the host's
-            self.input_ids[:size].copy_(tokens)  # ids, and write their real row's keys (write_rows)
+            ids = self.input_ids[:size]  # ids, and write their real row's keys (write_rows)
+            (ids if tokens.dim() == 1 else ids.view(tokens.shape[0], -1)[:, -tokens.shape[1] :]).copy_(tokens)
         if self._copied is not None:
             self._copied.record()
         return size

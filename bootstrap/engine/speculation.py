@@ -203,7 +203,7 @@ class Speculator:
             proposals, q = self._propose(seqs, k)
             clock.drafted()
             logits = self._verify(seqs, proposals, k)
-            verdict = self._judge(seqs, proposals, q, logits, torch.tensor(limits, device=logits.device))
+            verdict = self._judge(seqs, proposals, q, logits, _on(logits.device, limits))
             runs = verdict.new_tokens()  # the step's one wait for the device
         except BaseException:
             self._undo(seqs, starts)
@@ -253,8 +253,7 @@ class Speculator:
         logits = self.draft.run_rows(step)
         if step.size == len(seqs):
             return logits
-        ends = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.long) - 1
-        return logits.index_select(0, ends.to(logits.device))
+        return logits.index_select(0, _on(logits.device, [end - 1 for end in itertools.accumulate(counts)]))
 
     def _draw_pass(self, seqs: list[Sequence], logits: torch.Tensor, greedy: bool, dists: list[torch.Tensor]) -> torch.Tensor:
         """One proposal per row ``[B]`` from a draft pass's logits; a sampling batch appends the
@@ -285,9 +284,7 @@ class Speculator:
         for seq in seqs:
             self.target.kv_cache.extend(seq.request_id, k)  # the step's own token is already in
             rows.append((seq.request_id, seq.num_computed, [seq.token_ids[-1]] + [0] * k))
-        last = torch.tensor([seq.token_ids[-1] for seq in seqs], dtype=torch.long).to(proposals.device)
-        tokens = torch.cat([last[:, None], proposals], dim=1).view(-1)
-        return self.target.run_rows(self.target.token_rows(rows), tokens).view(len(seqs), k + 1, -1)
+        return self.target.run_rows(self.target.token_rows(rows), proposals).view(len(seqs), k + 1, -1)
 
     def _judge(self, seqs: list[Sequence], proposals: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor,
                limits: torch.Tensor) -> Verdict:  # fmt: skip
@@ -359,6 +356,14 @@ class _StepClock:
             drafting, verifying = start.elapsed_time(drafted), drafted.elapsed_time(end)
             share = drafting / (drafting + verifying) if drafting + verifying > 0 else 0.0
         return wall * share, wall * (1 - share)
+
+
+def _on(device: torch.device, values: list[int]) -> torch.Tensor:
+    """A small int64 tensor on ``device`` without waiting for it: a plain ``.to("cuda")`` of a
+    host tensor waits for the stream to drain, which would idle the device while the host
+    prepares the next pass; from pinned memory the copy is queued like a kernel."""
+    host = torch.tensor(values, dtype=torch.long, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
 
 
 def _weight_bytes(model: torch.nn.Module) -> int:

@@ -46,8 +46,8 @@ class Verdict:
 
     def new_tokens(self) -> list[list[int]]:
         """Each row's new tokens (``accepted[b] + 1`` of them), as Python lists."""
-        counts = (self.accepted + 1).tolist()
-        return [row[:n] for row, n in zip(self.tokens.tolist(), counts)]
+        rows = torch.cat([self.accepted[:, None] + 1, self.tokens], dim=1).tolist()  # one copy to the host
+        return [row[1 : 1 + row[0]] for row in rows]
 
 
 def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor, limits: torch.Tensor | None = None) -> Verdict:

@@ -145,3 +145,6 @@ def test_decode_buffers_pad_rows_and_tables():
         buf.fill(DecodeStep([1], [0], [0], [[1, 2, 3]]), rows=1, width=2)
     buf.fill(DecodeStep([11, 12], [4, 9], [40, 91], [[3], [5, 6, 8]]), rows=3, tokens=torch.tensor([21, 22]))
     assert buf.input_ids[:3].tolist() == [21, 22, 12]  # the device's ids; a padding row keeps the host's
+    verify = DecodeStep([11, 0, 13, 0], [4, 5, 9, 10], [40, 41, 91, 92], [[3], [3], [5, 6], [5, 6]])
+    buf.fill(verify, tokens=torch.tensor([[31], [32]]))  # each request's proposal after its own last token
+    assert buf.input_ids[:4].tolist() == [11, 31, 13, 32]
