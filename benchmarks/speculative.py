@@ -14,7 +14,8 @@ is the chosen rate. Both paths run once at each batch size before it is timed (f
 compilation is not counted; ``auto`` has then measured its passes). Each point: ``batch`` requests of ``--prompt-len`` random tokens,
 ``--gen-len`` greedy tokens each; tokens per second of the whole batch, speculative against
 baseline, and the analytic expectation ``(1 - a^(k+1)) / (1 - a) / (1 + c k)`` for acceptance
-``a`` and the draft's cost ``c`` (its weight bytes over the target's). ``auto`` runs at
+``a`` and the draft's cost ``c`` (its weight bytes over the target's), and the same from the
+passes' measured seconds (``expected_speedup_measured_costs``). ``auto`` runs at
 acceptance 0 too: what a draft that never agrees costs once ``auto`` stops speculating.
 
     python benchmarks/speculative.py --model /tmp/llama-8b --draft-model random:llama-3.2-1b --device cuda \\
@@ -65,6 +66,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def expected_speedup(rate: float, k: int, cost: float) -> float:
     tokens = k + 1.0 if rate >= 1.0 else (1.0 - rate ** (k + 1)) / (1.0 - rate)
     return tokens / (1.0 + cost * k)
+
+
+def measured_expectation(rate: float, speculator) -> float:
+    """The same expectation from the passes' measured seconds (``StepCosts``: an ordinary decode
+    step, a verify pass, a draft pass) instead of the weight bytes; with ``auto``, at the depth it
+    would choose from them."""
+    costs = speculator.costs
+    decode, verify, draft = costs.of()
+    k = best_depth(rate, costs, speculator.k) if speculator.adaptive else speculator.k
+    if k == 0:
+        return 1.0
+    tokens = k + 1.0 if rate >= 1.0 else (1.0 - rate ** (k + 1)) / (1.0 - rate)
+    return tokens * decode / (verify + draft * k)
 
 
 class Controlled:
@@ -153,6 +167,7 @@ def measure(args: argparse.Namespace, executor, auto: bool) -> list[dict]:
                 "acceptance_measured": round(accepted / proposed, 4) if proposed else None,
                 "speculative_tokens_per_s": round(tokens / spec_s, 1), "baseline_tokens_per_s": round(tokens / base, 1),
                 "speedup": round(base / spec_s, 3),
+                "expected_speedup_measured_costs": round(measured_expectation(rate, speculator), 3),
                 "expected_speedup": round(expected_speedup(rate, args.k, speculator.cost), 3) if not auto else
                 round(expected_speedup(rate, best_depth(rate, StepCosts(speculator.cost), speculator.k), speculator.cost), 3),
                 "outputs_equal": outs == references, "outputs_equal_baseline": outs == baseline,
