@@ -68,17 +68,17 @@ def expected_speedup(rate: float, k: int, cost: float) -> float:
     return tokens / (1.0 + cost * k)
 
 
-def measured_expectation(rate: float, speculator) -> float:
-    """The same expectation from the passes' measured seconds (``StepCosts``: an ordinary decode
-    step, a verify pass, a draft pass) instead of the weight bytes; with ``auto``, at the depth it
-    would choose from them."""
+def measured_expectation(rate: float, speculator, decode_s: float) -> float:
+    """The same expectation from measured seconds: ``decode_s``, the baseline's step (its wall
+    time over its tokens per request), and the verify and draft passes as the speculator
+    measured them (``StepCosts``); with ``auto``, at the depth it would choose from them."""
     costs = speculator.costs
-    decode, verify, draft = costs.of()
+    _, verify, draft = costs.of()
     k = best_depth(rate, costs, speculator.k) if speculator.adaptive else speculator.k
     if k == 0:
         return 1.0
     tokens = k + 1.0 if rate >= 1.0 else (1.0 - rate ** (k + 1)) / (1.0 - rate)
-    return tokens * decode / (verify + draft * k)
+    return tokens * decode_s / (verify + draft * k)
 
 
 class Controlled:
@@ -167,7 +167,7 @@ def measure(args: argparse.Namespace, executor, auto: bool) -> list[dict]:
                 "acceptance_measured": round(accepted / proposed, 4) if proposed else None,
                 "speculative_tokens_per_s": round(tokens / spec_s, 1), "baseline_tokens_per_s": round(tokens / base, 1),
                 "speedup": round(base / spec_s, 3),
-                "expected_speedup_measured_costs": round(measured_expectation(rate, speculator), 3),
+                "expected_speedup_measured_costs": round(measured_expectation(rate, speculator, base / args.gen_len), 3),
                 "expected_speedup": round(expected_speedup(rate, args.k, speculator.cost), 3) if not auto else
                 round(expected_speedup(rate, best_depth(rate, StepCosts(speculator.cost), speculator.k), speculator.cost), 3),
                 "outputs_equal": outs == references, "outputs_equal_baseline": outs == baseline,
