@@ -121,6 +121,7 @@ class Speculator:
         # target's (decode reads every weight once)
         self.costs = StepCosts(_weight_bytes(draft.model) / max(_weight_bytes(target.model), 1))
         self.stats = SpeculationStats()
+        self._mirrored = False  # whether the current ordinary step fed the draft (``ordinary``)
 
     @property
     def cost(self) -> float:
@@ -170,9 +171,12 @@ class Speculator:
 
     def ordinary(self, batch: ScheduledBatch, seconds: float) -> None:
         """An ordinary step of ``batch`` took ``seconds``: a decode-only one is what speculating
-        must beat (``auto``)."""
-        if batch.is_decode:
+        must beat (``auto``), unless ``mirror`` fed the draft in it (the step then took the
+        draft's pass too, and a request catching up after a pause makes that pass long; counted,
+        such steps would make decoding look dearer than it is, and speculating pay when it does not)."""
+        if batch.is_decode and not self._mirrored:
             self.costs.record("decode", seconds)
+        self._mirrored = False
 
     # ---- the draft keeping up -------------------------------------------------------------------
 
@@ -182,12 +186,27 @@ class Speculator:
         fed = [(seq, _View(seq.request_id, seq.token_ids[: seq.num_computed + count], seq.draft_computed))
                for seq, count in zip(batch.seqs, batch.num_new_tokens)
                if seq.num_computed + count > seq.draft_computed and self.keeps_up(seq)]  # fmt: skip
+        self._mirrored = bool(fed)
         if fed:
             for seq, view in fed:
                 self._fed(seq, view.num_tokens)
-            self.draft.run(ScheduledBatch([view for _, view in fed], [v.num_tokens - v.num_computed for _, v in fed]))
+            self._feed([view for _, view in fed])
             for seq, view in fed:
                 seq.draft_computed = view.num_tokens
+
+    def _feed(self, views: list[_View]) -> torch.Tensor:
+        """The draft over the tokens each view adds to its pool: logits ``[B, V]`` at each one's
+        last token. A few tokens a request (a decode step's, a catching-up pass's) run as rows,
+        a captured graph's; more (a prompt chunk, ``auto`` resuming a request that stopped
+        speculating) as a mixed step."""
+        counts = [view.num_tokens - view.num_computed for view in views]
+        if sum(counts) > self.draft.max_rows:
+            return self.draft.run(ScheduledBatch(views, counts))
+        step = self.draft.token_rows([(v.request_id, v.num_computed, v.token_ids[v.num_computed :]) for v in views])
+        logits = self.draft.run_rows(step)
+        if step.size == len(views):
+            return logits
+        return logits.index_select(0, _on(logits.device, [end - 1 for end in itertools.accumulate(counts)]))
 
     # ---- the speculative step -------------------------------------------------------------------
 
@@ -241,19 +260,8 @@ class Speculator:
 
     def _catch_up(self, seqs: list[Sequence]) -> torch.Tensor:
         """The first draft pass, over what the draft lacks of each request (its last token, the
-        one before it after a full acceptance): logits ``[B, V]`` at each request's last token.
-        A request far behind (``auto`` resuming one that stopped speculating) makes it a
-        prefill-like mixed pass instead of one row per token."""
-        lacking = [seq.token_ids[seq.draft_computed :] for seq in seqs]
-        counts = [len(tokens) for tokens in lacking]
-        if sum(counts) > self.draft.max_rows:
-            views = [_View(seq.request_id, seq.token_ids, seq.draft_computed) for seq in seqs]
-            return self.draft.run(ScheduledBatch(views, counts))
-        step = self.draft.token_rows([(seq.request_id, seq.draft_computed, tokens) for seq, tokens in zip(seqs, lacking)])
-        logits = self.draft.run_rows(step)
-        if step.size == len(seqs):
-            return logits
-        return logits.index_select(0, _on(logits.device, [end - 1 for end in itertools.accumulate(counts)]))
+        one before it after a full acceptance): logits ``[B, V]`` at each request's last token."""
+        return self._feed([_View(seq.request_id, seq.token_ids, seq.draft_computed) for seq in seqs])
 
     def _draw_pass(self, seqs: list[Sequence], logits: torch.Tensor, greedy: bool, dists: list[torch.Tensor]) -> torch.Tensor:
         """One proposal per row ``[B]`` from a draft pass's logits; a sampling batch appends the

@@ -19,6 +19,7 @@ from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, Schedule
 from bootstrap.engine.model_runner import ModelRunner
 from bootstrap.engine.profile_run import run_dummy_speculation
 from bootstrap.engine.scheduler import ScheduledBatch
+from bootstrap.engine.sequence import Sequence, next_request_id
 from bootstrap.engine.speculation import _View
 from bootstrap.engine.speculative import StepCosts
 
@@ -278,4 +279,31 @@ def test_the_dummy_speculative_step_runs_every_pass_at_its_largest_and_keeps_not
             run_dummy_speculation(ex.speculator, 4)
     finally:
         ex.speculator.pool.free(99)
+        ex.shutdown()
+
+
+def test_auto_does_not_take_a_step_that_fed_the_draft_for_a_decode_step():
+    """``auto`` weighs speculating against ordinary decode steps; one in which the draft was fed
+    too (a request catching up) is not one of them, else decoding would look dearer than it is."""
+    target = model("llama", 1)
+    ex = create_auto(target, target)
+    speculator = ex.speculator
+    seq = Sequence(next_request_id(), list(PROMPTS[0]), SamplingParams(max_tokens=8))
+    seq.append(9)
+    ex.runner.kv_cache.allocate(seq.request_id, seq.num_tokens)
+    seq.num_computed = seq.num_tokens - 1  # a decode step of its last token
+    batch = ScheduledBatch([seq], [1])
+    try:
+        speculator.costs = StepCosts(prior=0.1)  # a draft a tenth of the target: speculating pays
+        speculator.costs.record("decode", 0.01)
+        speculator.mirror(batch)  # the draft holds nothing of it: fed the whole sequence
+        assert seq.draft_computed == seq.num_tokens
+        speculator.ordinary(batch, 5.0)
+        assert speculator.costs.decode == 0.01
+        speculator.mirror(batch)  # nothing left to feed
+        speculator.ordinary(batch, 0.02)
+        assert speculator.costs.decode == pytest.approx(0.7 * 0.01 + 0.3 * 0.02)
+    finally:
+        speculator.pool.free(seq.request_id)
+        ex.runner.kv_cache.free(seq.request_id)
         ex.shutdown()
