@@ -73,12 +73,11 @@ def measured_expectation(rate: float, speculator, decode_s: float) -> float:
     time over its tokens per request), and the verify and draft passes as the speculator
     measured them (``StepCosts``); with ``auto``, at the depth it would choose from them."""
     costs = speculator.costs
-    _, verify, draft = costs.of()
     k = best_depth(rate, costs, speculator.k) if speculator.adaptive else speculator.k
-    if k == 0:
+    if k == 0 or costs.verify is None or costs.draft is None:
         return 1.0
     tokens = k + 1.0 if rate >= 1.0 else (1.0 - rate ** (k + 1)) / (1.0 - rate)
-    return tokens * decode_s / (verify + draft * k)
+    return tokens * decode_s / (costs.verify + costs.draft * k)
 
 
 class Controlled:

@@ -30,8 +30,7 @@ device thread, and pushes the release of everything it allocates on the attempt'
 Tensor parallelism (``collective`` of N ranks): each process is one rank; weights load as its
 shard through transformers' TP plan, and every pool holds ``kv_heads / N`` heads per token.
 
-The draft model is loaded, profiled and given its own pool (``final_build``), released with the
-rest on rollback or shutdown; the started executor speculates with it (``native_speculation``).
+A draft model is loaded, profiled, pooled and released like the target (``native_speculation``).
 The native pool stores every layer at full length (sliding windows are applied as masks), so the
 model shape it reports carries no windows and the plan prices every layer for every token.
 """
@@ -47,8 +46,12 @@ from pathlib import Path
 import torch
 
 from bootstrap.backends.artifacts import EstimationBuild, FinalBuild, LoadedModel, ResolvedClasses, Warmup
-from bootstrap.backends.native_checks import check_draft_tokenizer, check_probe_tokens, check_weights_fit
-from bootstrap.backends.native_checks import unreadable_as_source_error
+from bootstrap.backends.native_checks import (
+    check_draft_tokenizer,
+    check_probe_tokens,
+    check_weights_fit,
+    unreadable_as_source_error,
+)
 from bootstrap.backends.native_headroom import headroom_terms
 from bootstrap.backends.native_placement import device_for, rank_device, rank_env
 from bootstrap.backends.native_speculation import graph_sizes, max_rows, rehearse_speculation

@@ -50,7 +50,15 @@ from bootstrap.engine.model_runner import ModelRunner
 from bootstrap.engine.sampling import Sampler
 from bootstrap.engine.scheduler import ScheduledBatch
 from bootstrap.engine.sequence import Sequence
-from bootstrap.engine.speculative import PROBE_EVERY, StepCosts, Verdict, accept_greedy, accept_sampled, best_depth
+from bootstrap.engine.speculative import (
+    PROBE_EVERY,
+    REMEASURE_EVERY,
+    StepCosts,
+    Verdict,
+    accept_greedy,
+    accept_sampled,
+    best_depth,
+)
 
 
 @dataclass(eq=False)
@@ -122,6 +130,7 @@ class Speculator:
         self.costs = StepCosts(_weight_bytes(draft.model) / max(_weight_bytes(target.model), 1))
         self.stats = SpeculationStats()
         self._mirrored = False  # whether the current ordinary step fed the draft (``ordinary``)
+        self._since_measured = 0  # speculative steps since an ordinary decode step was timed (``auto``)
 
     @property
     def cost(self) -> float:
@@ -140,8 +149,8 @@ class Speculator:
         room left has (``max_tokens``, ``max_seq_len``): the verify pass writes that many slots."""
         if not batch.is_decode or batch.rows is not None:
             return None
-        if self.adaptive and (self.costs.decode is None or best_depth(1.0, self.costs, self.k) == 0):
-            return None  # first a decode step alone, to know what speculating must beat; or it cannot pay at all
+        if self.adaptive and (self._measuring or best_depth(1.0, self.costs, self.k) == 0):
+            return None  # a decode step alone, to know what speculating must beat; or it cannot pay at all
         room = self.k
         for seq in batch.seqs:
             if seq.forks or seq.params.logprobs is not None or needs_processing(seq.params, _history(seq)):
@@ -167,7 +176,15 @@ class Speculator:
         with ``auto`` only while it speculates (one that does not catches up when it tries again)."""
         if not self.adaptive:
             return True
-        return self.costs.decode is not None and best_depth(seq.acceptance.rate, self.costs, self.k) > 0
+        return not self._measuring and best_depth(seq.acceptance.rate, self.costs, self.k) > 0
+
+    @property
+    def _measuring(self) -> bool:
+        """``auto``: the next decode step runs alone, the draft not fed in it, and is timed: the
+        first one, then one every ``REMEASURE_EVERY`` speculative steps (what decoding costs
+        drifts with the batch and the contexts; measured only while speculating does not pay,
+        a first figure that was too high would keep it speculating for good)."""
+        return self.costs.decode is None or self._since_measured >= REMEASURE_EVERY
 
     def ordinary(self, batch: ScheduledBatch, seconds: float) -> None:
         """An ordinary step of ``batch`` took ``seconds``: a decode-only one is what speculating
@@ -176,6 +193,7 @@ class Speculator:
         such steps would make decoding look dearer than it is, and speculating pay when it does not)."""
         if batch.is_decode and not self._mirrored:
             self.costs.record("decode", seconds)
+            self._since_measured = 0
         self._mirrored = False
 
     # ---- the draft keeping up -------------------------------------------------------------------
@@ -239,6 +257,7 @@ class Speculator:
             if limit:
                 seq.acceptance.observe(limit, kept)
         self.stats.count(limits, [len(run) - 1 for run in runs])
+        self._since_measured += 1
         return runs
 
     def _propose(self, seqs: list[Sequence], k: int) -> tuple[torch.Tensor, torch.Tensor | None]:

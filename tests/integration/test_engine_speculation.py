@@ -15,7 +15,7 @@ import torch
 from helpers.tiny_models import SHAPE
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
 
-from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
+from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor, speculation
 from bootstrap.engine.model_runner import ModelRunner
 from bootstrap.engine.profile_run import run_dummy_speculation
 from bootstrap.engine.scheduler import ScheduledBatch
@@ -307,3 +307,25 @@ def test_auto_does_not_take_a_step_that_fed_the_draft_for_a_decode_step():
         speculator.pool.free(seq.request_id)
         ex.runner.kv_cache.free(seq.request_id)
         ex.shutdown()
+
+
+def test_auto_times_a_decode_step_again_every_so_many_speculative_steps(monkeypatch):
+    """A first decode figure far too high (say, a step that took a first-use cost) would keep
+    ``auto`` speculating for good; one step in ``REMEASURE_EVERY + 1`` runs alone, the draft not
+    fed, and is timed again, and the output stays the target's."""
+    monkeypatch.setattr(speculation, "REMEASURE_EVERY", 4)
+    target = model("llama", 1)
+    ex = create_auto(target, target)
+    ex.speculator.costs = StepCosts(prior=0.1)
+    ex.speculator.costs.record("decode", 5.0)  # stale: five seconds a decode step
+    params = SamplingParams(max_tokens=120, temperature=0)
+    try:
+        got = outputs(ex, PROMPTS[:1], params)[0].token_ids
+        assert ex.speculator.costs.decode < 2.5 and empty(ex)  # timed again at least twice (a decay of 0.7 each)
+    finally:
+        ex.shutdown()
+    plain = executor(target)
+    try:
+        assert got == outputs(plain, PROMPTS[:1], params)[0].token_ids
+    finally:
+        plain.shutdown()
