@@ -278,8 +278,7 @@ class Speculator:
         return torch.stack(drawn, dim=1).to(device), (torch.stack(dists, dim=1).to(device) if dists else None)
 
     def _catch_up(self, seqs: list[Sequence]) -> torch.Tensor:
-        """The first draft pass, over what the draft lacks of each request (its last token, the
-        one before it after a full acceptance): logits ``[B, V]`` at each request's last token."""
+        """The first draft pass, over what the draft lacks of each request: logits ``[B, V]``."""
         return self._feed([_View(seq.request_id, seq.token_ids, seq.draft_computed) for seq in seqs])
 
     def _draw_pass(self, seqs: list[Sequence], logits: torch.Tensor, greedy: bool, dists: list[torch.Tensor]) -> torch.Tensor:
