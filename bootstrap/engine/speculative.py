@@ -163,9 +163,15 @@ class StepCosts:
     draft: float | None = None
 
     def record(self, what: str, seconds: float) -> None:
-        """One measurement of ``decode``, ``verify`` or ``draft`` (per pass)."""
+        """One measurement of ``decode``, ``verify`` or ``draft`` (per pass). The decode figure
+        falls at once to a lower measurement and rises by the decay: a step that carried a
+        one-time cost (the first after the start) must not make speculating look worth it for
+        the many steps a decay would take to forget it."""
         old = getattr(self, what)
-        setattr(self, what, seconds if old is None else COST_DECAY * old + (1 - COST_DECAY) * seconds)
+        if old is None or (what == "decode" and seconds < old):
+            setattr(self, what, seconds)
+        else:
+            setattr(self, what, COST_DECAY * old + (1 - COST_DECAY) * seconds)
 
     def of(self) -> tuple[float, float, float]:
         """(decode, verify, draft): the measured seconds, the prior standing in for a pass not

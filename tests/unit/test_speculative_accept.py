@@ -137,3 +137,18 @@ def test_a_requests_acceptance_follows_what_its_steps_keep():
     for _ in range(20):
         record.observe(4, 4)  # all kept: no failure observed
     assert record.rate > 0.95
+
+
+def test_a_decode_figure_falls_at_once_and_rises_by_the_decay():
+    """A first decode step that carried a one-time cost must not keep speculating looking cheap:
+    the decode figure takes a lower measurement at once; a higher one, and the passes' figures,
+    move by the decay."""
+    costs = StepCosts(prior=0.1)
+    costs.record("decode", 0.018)
+    costs.record("decode", 0.005)
+    assert costs.decode == 0.005
+    costs.record("decode", 0.010)
+    assert costs.decode == pytest.approx(0.7 * 0.005 + 0.3 * 0.010)
+    costs.record("verify", 0.010)
+    costs.record("verify", 0.004)
+    assert costs.verify == pytest.approx(0.7 * 0.010 + 0.3 * 0.004)
