@@ -44,7 +44,7 @@ from bench_common import emit  # noqa: E402
 from bootstrap import BootstrapConfig  # noqa: E402
 from bootstrap.api import Bootstrap  # noqa: E402
 from bootstrap.engine import SamplingParams  # noqa: E402
-from bootstrap.engine.speculative import StepCosts, best_depth  # noqa: E402
+from bootstrap.engine.speculative import StepCosts, best_depth, expected_tokens  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -64,8 +64,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def expected_speedup(rate: float, k: int, cost: float) -> float:
-    tokens = k + 1.0 if rate >= 1.0 else (1.0 - rate ** (k + 1)) / (1.0 - rate)
-    return tokens / (1.0 + cost * k)
+    return expected_tokens(rate, k) / (1.0 + cost * k)
 
 
 def measured_expectation(rate: float, speculator, decode_s: float) -> float:
@@ -76,8 +75,7 @@ def measured_expectation(rate: float, speculator, decode_s: float) -> float:
     k = best_depth(rate, costs, speculator.k) if speculator.adaptive else speculator.k
     if k == 0 or costs.verify is None or costs.draft is None:
         return 1.0
-    tokens = k + 1.0 if rate >= 1.0 else (1.0 - rate ** (k + 1)) / (1.0 - rate)
-    return tokens * decode_s / (costs.verify + costs.draft * k)
+    return expected_tokens(rate, k) * decode_s / (costs.verify + costs.draft * k)
 
 
 class Controlled:

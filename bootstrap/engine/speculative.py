@@ -186,6 +186,12 @@ class StepCosts:
 COST_DECAY = 0.7
 
 
+def expected_tokens(rate: float, k: int) -> float:
+    """The tokens a step of depth ``k`` gives on average when each proposal is kept with
+    probability ``rate``: the kept run, then the target's own token."""
+    return k + 1.0 if rate >= 1.0 else (1.0 - rate ** (k + 1)) / (1.0 - rate)
+
+
 def best_depth(rate: float, costs: StepCosts, ceiling: int) -> int:
     """The depth that gives the most tokens per second: decoding alone gives one token a decode
     step; a step of depth ``k`` gives ``(1 - rate^(k+1)) / (1 - rate)`` on average and costs a
@@ -195,7 +201,6 @@ def best_depth(rate: float, costs: StepCosts, ceiling: int) -> int:
     def tokens_per_second(k: int) -> float:
         if k == 0:
             return 1.0 / decode
-        expected = k + 1.0 if rate >= 1.0 else (1.0 - rate ** (k + 1)) / (1.0 - rate)
-        return expected / (verify + draft * k)
+        return expected_tokens(rate, k) / (verify + draft * k)
 
     return max(range(ceiling + 1), key=lambda k: (round(tokens_per_second(k) * decode, 9), -k))
