@@ -53,8 +53,8 @@ class DecodeBuffers:
     rewritten only once the previous step's copies have finished (a recorded event).
     """
 
-    def __init__(self, max_rows: int, max_blocks_per_seq: int, device: torch.device) -> None:
-        self.max_rows, self.max_blocks_per_seq = max_rows, max_blocks_per_seq
+    def __init__(self, max_rows: int, max_blocks_per_seq: int, tokens_per_block: int, device: torch.device) -> None:
+        self.max_rows, self.max_blocks_per_seq, self.tokens_per_block = max_rows, max_blocks_per_seq, tokens_per_block
         pinned = device.type == "cuda"
         self.rows = torch.zeros(5, max_rows, dtype=torch.long, device=device)
         self.input_ids, self.positions, self.slot_mapping, self.context_lens, self.write_rows = self.rows
@@ -66,12 +66,15 @@ class DecodeBuffers:
         self._copied = torch.cuda.Event() if pinned else None
 
     def fill(self, step: DecodeStep, rows: int | None = None, width: int | None = None,
-             tokens: torch.Tensor | None = None) -> int:  # fmt: skip
+             tokens: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> int:  # fmt: skip
         """Copy ``step`` into the first ``rows`` rows and ``width`` block-table columns (default:
         the step's own size and width); return the step's size. ``tokens``: ids on the device in
         place of ``step.ids`` (a draft's proposals, which the host does not know without waiting
         for the device): ``[size]`` for every row, or ``[R, m]`` for the last ``m`` rows of each
         of ``R`` equal groups (a verify pass: each request's proposals after its own last token).
+        ``offsets``: ``[size]`` on the device, added to the rows' positions, their slots and
+        context lengths then derived on the device from the block tables (rows placed after a
+        verdict the host has not read yet: the draft's pass queued behind a verify pass).
 
         Rows past the step's size repeat its last row (a padded CUDA-graph replay); columns past
         a table's length hold block 0, which lies past the row's length and is masked out.
@@ -96,9 +99,21 @@ class DecodeBuffers:
         if tokens is not None:  # after the copy above, on the same stream; padding rows keep the host's
             ids = self.input_ids[:size]  # ids, and write their real row's keys (write_rows)
             (ids if tokens.dim() == 1 else ids.view(tokens.shape[0], -1)[:, -tokens.shape[1] :]).copy_(tokens)
+        if offsets is not None:
+            self._shift(offsets, size, rows)
         if self._copied is not None:
             self._copied.record()
         return size
+
+
+    def _shift(self, offsets: torch.Tensor, size: int, rows: int) -> None:
+        """Move rows ``:rows`` by ``offsets`` (padding rows by their real row's), on the device."""
+        moved = offsets.to(self.positions.dtype).index_select(0, self.write_rows[:rows])
+        positions = self.positions[:rows].add_(moved)
+        torch.add(positions, 1, out=self.context_lens[:rows])
+        per_block = self.tokens_per_block
+        blocks = self.block_tables[:rows].gather(1, (positions // per_block)[:, None])[:, 0]
+        torch.add(blocks * per_block, positions % per_block, out=self.slot_mapping[:rows])
 
 
 class DecodeRunner(Protocol):

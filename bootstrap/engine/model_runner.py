@@ -70,7 +70,7 @@ class ModelRunner:
         self.max_batch_size = max_batch_size
         self.max_rows = max(max_rows or max_batch_size, max_batch_size)
         self.max_blocks_per_seq = kv_cache.blocks_needed(max_seq_len)
-        self.decode_buffers = DecodeBuffers(self.max_rows, self.max_blocks_per_seq, self.device)
+        self.decode_buffers = DecodeBuffers(self.max_rows, self.max_blocks_per_seq, kv_cache.tokens_per_block, self.device)
         self.graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
         self.decode_kernel = self._decode_kernel(decode_kernel)
 
@@ -87,18 +87,20 @@ class ModelRunner:
         return self._forward(inputs.input_ids, inputs.positions, inputs.logits_index, inputs.metadata)
 
     @torch.inference_mode()
-    def run_rows(self, step: DecodeStep, tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def run_rows(self, step: DecodeStep, tokens: torch.Tensor | None = None,
+                 offsets: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """Logits ``[rows, vocab]`` of a step of one-token rows (``bootstrap.engine.decode_step``):
         a decode step, a verify pass, a draft pass. Replays a captured CUDA graph when one covers
         the step's size and width (padded up to the graph's bucket), else runs eagerly.
-        ``tokens``: the rows' ids on the device, in place of ``step.ids``."""
+        ``tokens``: the rows' ids on the device, in place of ``step.ids``; ``offsets``: moves of
+        the rows' positions, on the device (``DecodeBuffers.fill``)."""
         if step.size > self.max_rows:
             raise ValueError(f"a step of {step.size} rows does not fit this runner's max_rows ({self.max_rows})")
         bucket = self.graphs.bucket(step.size, step.width) if self.graphs is not None else None
         if bucket is not None:
-            self.decode_buffers.fill(step, bucket[0], tokens=tokens)  # columns past the step's width: stale, masked
+            self.decode_buffers.fill(step, bucket[0], tokens=tokens, offsets=offsets)  # columns past the width: masked
             return self.graphs.replay(bucket)[: step.size]
-        inputs = self.prepare_decode(step, tokens)
+        inputs = self.prepare_decode(step, tokens, offsets)
         return self._forward(inputs.input_ids, inputs.positions, inputs.logits_index, inputs.metadata)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_to_keep: torch.Tensor | int,
@@ -131,11 +133,12 @@ class ModelRunner:
                 tables.append(table)
         return DecodeStep(ids, positions, slots, tables)
 
-    def prepare_decode(self, step: DecodeStep | ScheduledBatch, tokens: torch.Tensor | None = None) -> StepInputs:
+    def prepare_decode(self, step: DecodeStep | ScheduledBatch, tokens: torch.Tensor | None = None,
+                       offsets: torch.Tensor | None = None) -> StepInputs:  # fmt: skip
         """A step of one-token rows on views of the preallocated buffers (eager: exact size and width)."""
         step = step if isinstance(step, DecodeStep) else self.decode_step(step)
         buf = self.decode_buffers
-        size = buf.fill(step, tokens=tokens)
+        size = buf.fill(step, tokens=tokens, offsets=offsets)
         metadata = AttentionMetadata.single(
             self.kv_cache,
             slot_mapping=buf.slot_mapping[:size],

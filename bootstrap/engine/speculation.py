@@ -37,9 +37,7 @@ the distribution does not.
 from __future__ import annotations
 
 import itertools
-import time
-from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -50,6 +48,7 @@ from bootstrap.engine.model_runner import ModelRunner
 from bootstrap.engine.sampling import Sampler
 from bootstrap.engine.scheduler import ScheduledBatch
 from bootstrap.engine.sequence import Sequence
+from bootstrap.engine.speculation_metrics import SpeculationStats, StepClock
 from bootstrap.engine.speculative import (
     PROBE_EVERY,
     REMEASURE_EVERY,
@@ -79,42 +78,6 @@ class _View:
         return False
 
 
-@dataclass
-class SpeculationStats:
-    """Proposals and acceptances since the executor started, per draft position too."""
-
-    steps: int = 0
-    proposed: int = 0
-    accepted: int = 0
-    accepted_at: list[int] = field(default_factory=list)  # [i]: proposals kept at draft position i
-    proposed_at: list[int] = field(default_factory=list)
-
-    def count(self, limits: Seq[int], accepted: Seq[int]) -> None:
-        """One step: row ``i`` judged ``limits[i]`` proposals and kept ``accepted[i]``."""
-        self.steps += 1
-        self.proposed += sum(limits)
-        self.accepted += sum(accepted)
-        for position in range(max(limits)):
-            if position >= len(self.proposed_at):
-                self.proposed_at.append(0)
-                self.accepted_at.append(0)
-            self.proposed_at[position] += sum(limit > position for limit in limits)
-            self.accepted_at[position] += sum(n > position for n in accepted)
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        return self.accepted / self.proposed if self.proposed else None
-
-    def to_dict(self) -> dict:
-        """``bootstrap run --json``'s ``speculation``: counts, the acceptance rate, the mean
-        accepted run per step and row, and the acceptance rate at each draft position."""
-        rows = self.proposed_at[0] if self.proposed_at else 0
-        return {"steps": self.steps, "proposed": self.proposed, "accepted": self.accepted,
-                "acceptance_rate": None if self.acceptance_rate is None else round(self.acceptance_rate, 4),
-                "mean_accepted_length": round(self.accepted / rows, 4) if rows else None,
-                "acceptance_by_position": [round(a / p, 4) for a, p in zip(self.accepted_at, self.proposed_at)]}  # fmt: skip
-
-
 class Speculator:
     """The draft's runner on its pool, and the speculative step; see the module docstring."""
 
@@ -131,6 +94,7 @@ class Speculator:
         self.stats = SpeculationStats()
         self._mirrored = False  # whether the current ordinary step fed the draft (``ordinary``)
         self._since_measured = 0  # speculative steps since an ordinary decode step was timed (``auto``)
+        self._ahead: _Ahead | None = None  # the next step's first draft pass, queued by the last step
 
     @property
     def cost(self) -> float:
@@ -235,51 +199,94 @@ class Speculator:
         updated; their tokens are left for the caller to append."""
         seqs, k = batch.seqs, max(limits)
         starts = [(seq.num_computed, seq.num_tokens, seq.draft_computed) for seq in seqs]
+        lagging = any(seq.num_tokens - seq.draft_computed > 2 for seq in seqs)  # a long first pass: not a draft pass's cost
         try:
-            clock = _StepClock(self.target.device)
-            proposals, q = self._propose(seqs, k)
+            clock = StepClock(self.target.device)
+            proposals, q, passes = self._propose(seqs, k)
             clock.drafted()
             logits = self._verify(seqs, proposals, k)
             verdict = self._judge(seqs, proposals, q, logits, _on(logits.device, limits))
-            runs = verdict.new_tokens()  # the step's one wait for the device
+            clock.verified()
+            on_host = verdict.to_host()
+            ahead = self._queue_ahead(seqs, proposals, verdict, k)
+            runs = on_host.new_tokens()  # the step's one wait for the device
         except BaseException:
             self._undo(seqs, starts)
             raise
         drafting, verifying = clock.split()
-        self.costs.record("draft", drafting / k)
+        if passes and not lagging:
+            self.costs.record("draft", drafting / passes)
         self.costs.record("verify", verifying)
         for seq, (computed, length, _), run, limit in zip(seqs, starts, runs, limits):
             kept = len(run) - 1
             seq.num_computed = computed + 1 + kept
-            seq.draft_computed = min(seq.draft_computed, length + kept)
+            seq.draft_computed = length + len(run) if ahead is not None else min(seq.draft_computed, length + kept)
             self.target.kv_cache.truncate(seq.request_id, seq.num_computed)
             self.pool.truncate(seq.request_id, seq.draft_computed)
             if limit:
                 seq.acceptance.observe(limit, kept)
+        if ahead is not None:
+            self._ahead = _Ahead(tuple((seq.request_id, seq.draft_computed) for seq in seqs), ahead)
         self.stats.count(limits, [len(run) - 1 for run in runs])
         self._since_measured += 1
         return runs
 
-    def _propose(self, seqs: list[Sequence], k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``k`` draft passes: the proposals ``[B, k]``, and the draft's distributions ``[B, k, V]``
-        when any row samples (None when all are greedy). The host never waits for a pass: each
-        pass's tokens feed the next on the device."""
+    def _propose(self, seqs: list[Sequence], k: int) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """``k`` proposals per request ``[B, k]``, the draft's distributions ``[B, k, V]`` when any
+        row samples (None when all are greedy), and the draft passes this step ran: ``k``, or
+        ``k - 1`` when the last step queued the first one (``_queue_ahead``). The host never
+        waits for a pass: each pass's tokens feed the next on the device."""
         greedy = all(seq.params.greedy for seq in seqs)
         for seq in seqs:  # the slots the k passes write: what the draft lacks, then k - 1 proposals
             self._fed(seq, seq.num_tokens + k - 1)
         dists: list[torch.Tensor] = []
-        drawn = [self._draw_pass(seqs, self._catch_up(seqs), greedy, dists)]
+        ahead = self._take_ahead(seqs)
+        drawn = [self._draw_pass(seqs, self._catch_up(seqs) if ahead is None else ahead, greedy, dists)]
         for j in range(1, k):  # pass j feeds proposal j at position num_tokens - 1 + j
             step = self.draft.token_rows([(seq.request_id, seq.num_tokens - 1 + j, (0,)) for seq in seqs])
             drawn.append(self._draw_pass(seqs, self.draft.run_rows(step, drawn[-1]), greedy, dists))
         for seq in seqs:
             seq.draft_computed = seq.num_tokens + k - 1
         device = self.target.device
-        return torch.stack(drawn, dim=1).to(device), (torch.stack(dists, dim=1).to(device) if dists else None)
+        q = torch.stack(dists, dim=1).to(device) if dists else None
+        return torch.stack(drawn, dim=1).to(device), q, k if ahead is None else k - 1
+
+    def _take_ahead(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """The logits the last step's queued pass left for these requests, if it was queued for
+        exactly them as they are now; used once."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None or ahead.key != tuple((seq.request_id, seq.num_tokens) for seq in seqs):
+            return None
+        return ahead.logits
 
     def _catch_up(self, seqs: list[Sequence]) -> torch.Tensor:
-        """The first draft pass, over what the draft lacks of each request: logits ``[B, V]``."""
-        return self._feed([_View(seq.request_id, seq.token_ids, seq.draft_computed) for seq in seqs])
+        """The first draft pass, over what the draft lacks of each request, at least its last
+        token (a pass queued ahead fed it, but for another batch): logits ``[B, V]``."""
+        return self._feed([_View(seq.request_id, seq.token_ids, min(seq.draft_computed, seq.num_tokens - 1))
+                           for seq in seqs])  # fmt: skip
+
+    def _queue_ahead(self, seqs: list[Sequence], proposals: torch.Tensor, verdict: Verdict, k: int) -> torch.Tensor | None:
+        """The next step's first draft pass, queued behind the verdict before the host reads it,
+        so the device works while the host does the step's bookkeeping and schedules the next:
+        each request's last kept token and the target's own, two rows at positions the count
+        kept moves on the device (``DecodeBuffers.fill``). Its logits at the second row
+        ``[B, V]``, or None (nothing queued) where a request may end with this step, or where
+        ``auto`` times a decode step next (that step would carry this pass)."""
+        if self.adaptive and self._since_measured + 1 >= REMEASURE_EVERY:
+            return None
+        for seq in seqs:
+            if seq.params.max_tokens - len(seq.output_token_ids) <= k + 1 or seq.num_tokens + k + 1 > self.max_seq_len:
+                return None
+        for seq in seqs:  # what the rows may write: up to the target's token after k kept
+            self._fed(seq, seq.num_tokens + k + 1)
+        accepted = verdict.accepted
+        last = _on(proposals.device, [seq.token_ids[-1] for seq in seqs])  # what precedes a run of none kept
+        before = torch.where(accepted > 0, proposals.gather(1, (accepted - 1).clamp_min(0)[:, None])[:, 0], last)
+        target = verdict.tokens.gather(1, accepted[:, None])[:, 0]
+        ids = torch.stack([before, target], dim=1).reshape(-1).to(self.draft.device)
+        step = self.draft.token_rows([(seq.request_id, seq.num_tokens - 1, (0, 0)) for seq in seqs])
+        logits = self.draft.run_rows(step, ids, accepted.repeat_interleave(2).to(self.draft.device))
+        return logits.view(len(seqs), 2, -1)[:, 1].clone()  # a graph's logits live until its next replay
 
     def _draw_pass(self, seqs: list[Sequence], logits: torch.Tensor, greedy: bool, dists: list[torch.Tensor]) -> torch.Tensor:
         """One proposal per row ``[B]`` from a draft pass's logits; a sampling batch appends the
@@ -330,8 +337,9 @@ class Speculator:
     def rehearse(self, seqs: list[Sequence]) -> None:
         """A speculative step of ``seqs`` at full depth, its tokens thrown away: the draft's
         first pass over two rows per request and its ``k - 1`` further passes, the verify pass
-        over ``k + 1`` rows per request, and the judging (profiling: its peak must include a
-        step's). Every row writes slot 0 of block 0, so both pools must hold no request."""
+        over ``k + 1`` rows per request, the judging, and the next first pass queued ahead
+        (profiling: its peak must include a step's). Every row writes slot 0 of block 0, so
+        both pools must hold no request."""
         rows, k = len(seqs), self.k
         greedy = all(seq.params.greedy for seq in seqs)
         dists: list[torch.Tensor] = []
@@ -340,11 +348,15 @@ class Speculator:
             drawn.append(self._draw_pass(seqs, self.draft.run_rows(DecodeStep.dummy(rows), drawn[-1]), greedy, dists))
         proposals, q = torch.stack(drawn, dim=1), torch.stack(dists, dim=1) if dists else None
         logits = self.target.run_rows(DecodeStep.dummy(rows * (k + 1))).view(rows, k + 1, -1)
-        self._judge(seqs, proposals, q, logits, torch.full((rows,), k, device=logits.device)).new_tokens()
+        on_host = self._judge(seqs, proposals, q, logits, torch.full((rows,), k, device=logits.device)).to_host()
+        still = torch.zeros(2 * rows, dtype=torch.long, device=self.draft.device)  # moved by nothing kept
+        self.draft.run_rows(DecodeStep.dummy(2 * rows), offsets=still).view(rows, 2, -1)[:, 1].clone()
+        on_host.new_tokens()
 
     def _undo(self, seqs: list[Sequence], starts: list[tuple[int, int, int]]) -> None:
         """A step that raised: both pools back to what the requests held before it (the target's
-        with this step's own token, as ``Scheduler.schedule`` left it)."""
+        with this step's own token, as ``Scheduler.schedule`` left it), nothing queued ahead."""
+        self._ahead = None
         for seq, (computed, _, drafted) in zip(seqs, starts):
             seq.num_computed, seq.draft_computed = computed, drafted
             for pool, keep in ((self.target.kv_cache, computed + 1), (self.pool, drafted)):
@@ -352,36 +364,13 @@ class Speculator:
                     pool.truncate(seq.request_id, keep)
 
 
-class _StepClock:
-    """Where a speculative step's time goes: its wall time, split between the draft's passes and
-    the verify pass (with the judging) in the proportion the device spent on each. On CUDA the
-    host queues the passes without waiting, so the split is read from events; on the CPU every
-    operation ends before the next starts, and the host's clock splits it."""
+@dataclass(frozen=True)
+class _Ahead:
+    """A pass ``_queue_ahead`` queued: logits ``[B, V]`` at each request's last token, for the
+    next step of these requests holding these many tokens (``key``: (request id, tokens))."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.started = time.perf_counter()
-        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if device.type == "cuda" else None
-        self.drafted_at = self.started
-        if self.events is not None:
-            self.events[0].record()
-
-    def drafted(self) -> None:
-        self.drafted_at = time.perf_counter()
-        if self.events is not None:
-            self.events[1].record()
-
-    def split(self) -> tuple[float, float]:
-        """(seconds drafting, seconds verifying), once the step has waited for the device."""
-        wall = time.perf_counter() - self.started
-        if self.events is None:
-            share = (self.drafted_at - self.started) / wall if wall > 0 else 0.0
-        else:
-            start, drafted, end = self.events
-            end.record()
-            end.synchronize()
-            drafting, verifying = start.elapsed_time(drafted), drafted.elapsed_time(end)
-            share = drafting / (drafting + verifying) if drafting + verifying > 0 else 0.0
-        return wall * share, wall * (1 - share)
+    key: tuple[tuple[int, int], ...]
+    logits: torch.Tensor
 
 
 def _on(device: torch.device, values: list[int]) -> torch.Tensor:

@@ -46,8 +46,34 @@ class Verdict:
 
     def new_tokens(self) -> list[list[int]]:
         """Each row's new tokens (``accepted[b] + 1`` of them), as Python lists."""
-        rows = torch.cat([self.accepted[:, None] + 1, self.tokens], dim=1).tolist()  # one copy to the host
-        return [row[1 : 1 + row[0]] for row in rows]
+        return self.to_host().new_tokens()
+
+    def to_host(self) -> HostVerdict:
+        """Start the verdict's one copy to the host without waiting for it (into pinned memory
+        on CUDA), so more work can be queued on the device before the host waits."""
+        rows = torch.cat([self.accepted[:, None] + 1, self.tokens], dim=1)
+        if not rows.is_cuda:
+            return HostVerdict(rows, None)
+        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+        host.copy_(rows, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return HostVerdict(host, copied)
+
+
+@dataclass(frozen=True)
+class HostVerdict:
+    """A verdict's rows on their way to the host: ``[B, k + 2]``, each row's count of new tokens
+    then its tokens; ``copied`` (None off CUDA) is recorded once the copy is queued."""
+
+    rows: torch.Tensor
+    copied: torch.cuda.Event | None
+
+    def new_tokens(self) -> list[list[int]]:
+        """Each row's new tokens, once the copy has landed (the one wait for the device)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return [row[1 : 1 + row[0]] for row in self.rows.tolist()]
 
 
 def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor, limits: torch.Tensor | None = None) -> Verdict:
@@ -163,12 +189,15 @@ class StepCosts:
     draft: float | None = None
 
     def record(self, what: str, seconds: float) -> None:
-        """One measurement of ``decode``, ``verify`` or ``draft`` (per pass). The decode figure
-        falls at once to a lower measurement and rises by the decay: a step that carried a
-        one-time cost (the first after the start) must not make speculating look worth it for
-        the many steps a decay would take to forget it."""
+        """One measurement of ``decode``, ``verify`` or ``draft`` (per pass). The decode and draft
+        figures fall at once to a lower measurement and rise by the decay: a step that carried a
+        one-time cost (the first after the start, a first use) must not make speculating look
+        worth it, or not worth it, for the many steps a decay would take to forget it; a draft
+        figure too high would stop speculating for good, since only speculative steps measure
+        it. The verify figure moves by the decay only: a verify pass measured below a decode step
+        would make proposals that are never kept look worth their draft pass."""
         old = getattr(self, what)
-        if old is None or (what == "decode" and seconds < old):
+        if old is None or (what != "verify" and seconds < old):
             setattr(self, what, seconds)
         else:
             setattr(self, what, COST_DECAY * old + (1 - COST_DECAY) * seconds)

@@ -132,7 +132,7 @@ def test_padded_buckets_match_generate_with_requests_finishing_mid_batch(name):
 def test_decode_buffers_pad_rows_and_tables():
     from bootstrap.engine.model_runner import DecodeBuffers, DecodeStep
 
-    buf = DecodeBuffers(4, 6, torch.device("cpu"))
+    buf = DecodeBuffers(4, 6, 10, torch.device("cpu"))
     buf.block_tables.fill_(7)
     size = buf.fill(DecodeStep([11, 12], [4, 9], [40, 91], [[3], [5, 6, 8]]), rows=3, width=4)
     assert size == 2
@@ -148,3 +148,19 @@ def test_decode_buffers_pad_rows_and_tables():
     verify = DecodeStep([11, 0, 13, 0], [4, 5, 9, 10], [40, 41, 91, 92], [[3], [3], [5, 6], [5, 6]])
     buf.fill(verify, tokens=torch.tensor([[31], [32]]))  # each request's proposal after its own last token
     assert buf.input_ids[:4].tolist() == [11, 31, 13, 32]
+
+
+def test_decode_buffers_move_rows_by_offsets_on_the_device():
+    """Rows placed by a verdict the host has not read: positions moved by device offsets, their
+    context lengths and slots (blocks of 10 tokens here) derived from the block tables, padding
+    rows moved with their real row."""
+    from bootstrap.engine.model_runner import DecodeBuffers, DecodeStep
+
+    buf = DecodeBuffers(4, 6, 10, torch.device("cpu"))
+    step = DecodeStep([11, 12], [4, 9], [34, 69], [[3], [5, 6, 8]])
+    buf.fill(step, rows=3, offsets=torch.tensor([2, 3]))
+    assert buf.positions[:3].tolist() == [6, 12, 12]
+    assert buf.context_lens[:3].tolist() == [7, 13, 13]
+    assert buf.slot_mapping[:3].tolist() == [36, 62, 62]  # block 3 at 6; block 6 (the second) at 2
+    buf.fill(step, rows=3)  # no offsets: the host's values again
+    assert buf.positions[:3].tolist() == [4, 9, 9] and buf.slot_mapping[:3].tolist() == [34, 69, 69]

@@ -170,6 +170,46 @@ def test_each_step_keeps_exactly_the_verified_tokens_in_both_pools():
             assert ex.speculator.stats.accepted < ex.speculator.stats.proposed
 
 
+def test_the_next_first_pass_is_queued_behind_the_verdict_and_used_only_by_the_same_requests():
+    """Each speculative step queues the next one's first draft pass behind its verdict (two rows
+    a request, placed on the device by the count kept), so a step then runs ``k - 1`` passes of
+    its own. When the batch changes (a request stopped inside a run), that pass goes unused and
+    the next step feeds the draft the requests' last tokens again. With the target as its own
+    draft every proposal is still kept, and the output is the target's."""
+    target = model("llama", 1)
+    plain = executor(target)
+    try:
+        greedy = outputs(plain, PROMPTS[:1], SamplingParams(max_tokens=30, temperature=0))[0].token_ids
+        params = [SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[greedy[9]]),
+                  SamplingParams(max_tokens=30, temperature=0)]  # fmt: skip
+        want = [plain.await_response(i, timeout=120).token_ids for i in
+                [plain.enqueue(p, sp) for p, sp in zip(PROMPTS[:2], params)]]  # fmt: skip
+    finally:
+        plain.shutdown()
+    ex = executor(target, target, k=4)
+    speculator, taken, passes = ex.speculator, [], []
+    take, run = speculator._take_ahead, speculator.draft.run_rows
+
+    def spy_take(seqs):
+        queued = speculator._ahead is not None
+        logits = take(seqs)
+        taken.append((queued, logits is not None))
+        return logits
+
+    speculator._take_ahead = spy_take
+    speculator.draft.run_rows = lambda step, tokens=None, offsets=None: passes.append(offsets is not None) or run(
+        step, tokens, offsets)  # fmt: skip
+    try:
+        got = [ex.await_response(i, timeout=120).token_ids for i in [ex.enqueue(p, sp) for p, sp in zip(PROMPTS[:2], params)]]
+        assert got == want and len(got[0]) < 30 and empty(ex)
+        assert (True, True) in taken and (True, False) in taken  # used, and once not (the batch changed)
+        stats = speculator.stats
+        assert stats.acceptance_rate == 1.0 and stats.steps == len(taken)  # none failed (and ran without the draft)
+        assert passes.count(True) == sum(queued for queued, _ in taken)  # each queued pass met the next step
+    finally:
+        ex.shutdown()
+
+
 @pytest.mark.parametrize("agrees", [True, False])
 def test_auto_goes_deep_with_a_draft_that_agrees_and_stops_speculating_with_one_that_does_not(agrees):
     target = model("llama", 1)
@@ -261,19 +301,20 @@ def test_rows_of_one_request_score_each_position_as_the_whole_sequence_does(name
 
 def test_the_dummy_speculative_step_runs_every_pass_at_its_largest_and_keeps_nothing():
     """Profiling's dummy speculative step: the draft's first pass over two rows per request and
-    ``k - 1`` passes of one, the verify pass over ``k + 1``, sampled; both pools empty after,
-    and it refuses pools that hold a request."""
+    ``k - 1`` passes of one, the verify pass over ``k + 1``, sampled, and the next first pass
+    queued ahead (two rows again); both pools empty after, and it refuses pools that hold a
+    request."""
     target = model("llama", 1)
     ex = executor(target, model("llama", 2), k=3, batch=4)
     sizes = {"target": [], "draft": []}
     for name, runner in (("target", ex.runner), ("draft", ex.speculator.draft)):
-        def spy(step, tokens=None, run=runner.run_rows, name=name):
+        def spy(step, tokens=None, offsets=None, run=runner.run_rows, name=name):
             sizes[name].append(step.size)
-            return run(step, tokens)
+            return run(step, tokens, offsets)
         runner.run_rows = spy
     try:
         run_dummy_speculation(ex.speculator, 4)
-        assert sizes == {"target": [16], "draft": [8, 4, 4]} and empty(ex)
+        assert sizes == {"target": [16], "draft": [8, 4, 4, 8]} and empty(ex)
         ex.speculator.pool.allocate(99, 3)
         with pytest.raises(RuntimeError, match="empty pools"):
             run_dummy_speculation(ex.speculator, 4)

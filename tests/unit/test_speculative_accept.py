@@ -139,16 +139,17 @@ def test_a_requests_acceptance_follows_what_its_steps_keep():
     assert record.rate > 0.95
 
 
-def test_a_decode_figure_falls_at_once_and_rises_by_the_decay():
-    """A first decode step that carried a one-time cost must not keep speculating looking cheap:
-    the decode figure takes a lower measurement at once; a higher one, and the passes' figures,
-    move by the decay."""
+def test_decode_and_draft_figures_fall_at_once_and_rise_by_the_decay():
+    """A first decode step that carried a one-time cost must not keep speculating looking cheap,
+    nor a first draft pass that did keep it looking dear: those figures take a lower measurement
+    at once; a higher one, and any verify measurement, move by the decay."""
     costs = StepCosts(prior=0.1)
-    costs.record("decode", 0.018)
-    costs.record("decode", 0.005)
-    assert costs.decode == 0.005
-    costs.record("decode", 0.010)
-    assert costs.decode == pytest.approx(0.7 * 0.005 + 0.3 * 0.010)
+    for what in ("decode", "draft"):
+        costs.record(what, 0.018)
+        costs.record(what, 0.005)
+        assert getattr(costs, what) == 0.005
+        costs.record(what, 0.010)
+        assert getattr(costs, what) == pytest.approx(0.7 * 0.005 + 0.3 * 0.010)
     costs.record("verify", 0.010)
     costs.record("verify", 0.004)
     assert costs.verify == pytest.approx(0.7 * 0.010 + 0.3 * 0.004)
