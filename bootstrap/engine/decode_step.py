@@ -116,6 +116,26 @@ class DecodeBuffers:
         torch.add(blocks * per_block, positions % per_block, out=self.slot_mapping[:rows])
 
 
+def request_runs(rows: list[tuple[int, int, int]]) -> list[tuple[int, int, list[int]]]:
+    """Rows ``(request id, position, token)`` as ``token_rows`` takes them: a run of consecutive
+    positions per request."""
+    runs: list[tuple[int, int, list[int]]] = []
+    for request_id, position, token in rows:
+        if runs and runs[-1][0] == request_id and runs[-1][1] + len(runs[-1][2]) == position:
+            runs[-1][2].append(token)
+        else:
+            runs.append((request_id, position, [token]))
+    return runs
+
+
+def queued_tensor(device: torch.device, values: list[int]) -> torch.Tensor:
+    """A small int64 tensor on ``device`` without waiting for it: a plain ``.to("cuda")`` of a
+    host tensor waits for the stream to drain, which would idle the device while the host
+    prepares the next pass; from pinned memory the copy is queued like a kernel."""
+    host = torch.tensor(values, dtype=torch.long, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
 class DecodeRunner(Protocol):
     """What ``DecodeGraphs`` reads and calls on the runner whose decode steps it captures."""
 

@@ -23,7 +23,12 @@ Every pass is a step of one-token rows (``ModelRunner.run_rows``): the verify pa
 request ``k + 1`` rows at consecutive positions, a catching-up draft pass two, so each pass
 replays a CUDA graph captured for its rows (``warmup`` captures the target's verify rows and the
 draft's passes). The proposals stay on the device, each pass's tokens the next one's input, so
-the step waits for the device once, for the verdict.
+the step waits for the device once, for the verdict. Before it waits, it queues the next step's
+first draft pass (``_queue_ahead``): each request's last kept token and the target's own, two
+rows whose positions the count kept sets on the device. The device runs it while the host reads
+the verdict, appends the tokens and schedules, and the next step of the same requests starts at
+its second pass; a step of other requests does not use it and feeds the draft their last tokens
+again.
 
 A step proposes the same number of tokens for every row: at most the configured ``k`` and what
 the request with the least room left may still write (``max_tokens``, ``max_seq_len``); with
@@ -41,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bootstrap.engine.decode_step import DecodeStep
+from bootstrap.engine.decode_step import DecodeStep, queued_tensor, request_runs
 from bootstrap.engine.kv_cache import PagedKVCache
 from bootstrap.engine.logits_processing import History, needs_processing
 from bootstrap.engine.model_runner import ModelRunner
@@ -58,6 +63,8 @@ from bootstrap.engine.speculative import (
     accept_sampled,
     best_depth,
 )
+
+ROW_TOKENS = PROBE_EVERY + 2  # the most tokens a request adds to the draft's pool as rows (``_feed``)
 
 
 @dataclass(eq=False)
@@ -178,17 +185,25 @@ class Speculator:
 
     def _feed(self, views: list[_View]) -> torch.Tensor:
         """The draft over the tokens each view adds to its pool: logits ``[B, V]`` at each one's
-        last token. A few tokens a request (a decode step's, a catching-up pass's) run as rows,
-        a captured graph's; more (a prompt chunk, ``auto`` resuming a request that stopped
-        speculating) as a mixed step."""
+        last token. A few tokens a request (a decode step's, a speculative step's catching up,
+        ``auto`` resuming a request that paused) run as rows, in passes of the draft's
+        ``max_rows`` (captured graphs'); more (a prompt chunk) as a mixed step. A mixed step
+        over cached context gathers it and builds masked attention for its shapes, which costs
+        tens of milliseconds for what row passes do in a few."""
         counts = [view.num_tokens - view.num_computed for view in views]
-        if sum(counts) > self.draft.max_rows:
+        if max(counts) > ROW_TOKENS:
             return self.draft.run(ScheduledBatch(views, counts))
-        step = self.draft.token_rows([(v.request_id, v.num_computed, v.token_ids[v.num_computed :]) for v in views])
-        logits = self.draft.run_rows(step)
-        if step.size == len(views):
-            return logits
-        return logits.index_select(0, _on(logits.device, [end - 1 for end in itertools.accumulate(counts)]))
+        rows = [(v.request_id, v.num_computed + i, token) for v in views for i, token in enumerate(v.token_ids[v.num_computed :])]
+        ends = [end - 1 for end in itertools.accumulate(counts)]  # each view's last row
+        passes = []
+        for start in range(0, len(rows), self.draft.max_rows):
+            chunk = rows[start : start + self.draft.max_rows]
+            logits = self.draft.run_rows(self.draft.token_rows(request_runs(chunk)))
+            wanted = [end - start for end in ends if start <= end < start + len(chunk)]
+            if wanted != list(range(len(chunk))):
+                logits = logits.index_select(0, queued_tensor(logits.device, wanted))
+            passes.append(logits)
+        return passes[0] if len(passes) == 1 else torch.cat(passes)
 
     # ---- the speculative step -------------------------------------------------------------------
 
@@ -205,7 +220,7 @@ class Speculator:
             proposals, q, passes = self._propose(seqs, k)
             clock.drafted()
             logits = self._verify(seqs, proposals, k)
-            verdict = self._judge(seqs, proposals, q, logits, _on(logits.device, limits))
+            verdict = self._judge(seqs, proposals, q, logits, queued_tensor(logits.device, limits))
             clock.verified()
             on_host = verdict.to_host()
             ahead = self._queue_ahead(seqs, proposals, verdict, k)
@@ -280,7 +295,7 @@ class Speculator:
         for seq in seqs:  # what the rows may write: up to the target's token after k kept
             self._fed(seq, seq.num_tokens + k + 1)
         accepted = verdict.accepted
-        last = _on(proposals.device, [seq.token_ids[-1] for seq in seqs])  # what precedes a run of none kept
+        last = queued_tensor(proposals.device, [seq.token_ids[-1] for seq in seqs])  # what precedes a run of none kept
         before = torch.where(accepted > 0, proposals.gather(1, (accepted - 1).clamp_min(0)[:, None])[:, 0], last)
         target = verdict.tokens.gather(1, accepted[:, None])[:, 0]
         ids = torch.stack([before, target], dim=1).reshape(-1).to(self.draft.device)
@@ -371,14 +386,6 @@ class _Ahead:
 
     key: tuple[tuple[int, int], ...]
     logits: torch.Tensor
-
-
-def _on(device: torch.device, values: list[int]) -> torch.Tensor:
-    """A small int64 tensor on ``device`` without waiting for it: a plain ``.to("cuda")`` of a
-    host tensor waits for the stream to drain, which would idle the device while the host
-    prepares the next pass; from pinned memory the copy is queued like a kernel."""
-    host = torch.tensor(values, dtype=torch.long, pin_memory=device.type == "cuda")
-    return host.to(device, non_blocking=True)
 
 
 def _weight_bytes(model: torch.nn.Module) -> int:

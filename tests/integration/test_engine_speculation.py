@@ -299,6 +299,30 @@ def test_rows_of_one_request_score_each_position_as_the_whole_sequence_does(name
         runner.run_rows(runner.token_rows([(7, 0, [1] * 19), (7, 0, [1] * 2)]))
 
 
+def test_a_catch_up_longer_than_the_drafts_rows_runs_in_passes_of_them():
+    """Tokens the draft lacks (``auto`` resuming a request that paused, a short prompt) run as
+    rows in passes of the draft's ``max_rows`` (4 here), not as a mixed step; each request's
+    logits are those of its whole sequence at its last token."""
+    draft = model("llama", 2)
+    ex = executor(model("llama", 1), draft, k=3, batch=2)
+    speculator, sizes = ex.speculator, []
+    run = speculator.draft.run_rows
+    speculator.draft.run_rows = lambda step, tokens=None, offsets=None: sizes.append(step.size) or run(step, tokens, offsets)
+    speculator.draft.run = None  # a mixed step would fail here
+    requests = [(next_request_id(), PROMPTS[1][:12]), (next_request_id(), PROMPTS[2][:9])]
+    try:
+        for request_id, tokens in requests:
+            speculator.pool.allocate(request_id, len(tokens))
+        got = speculator._feed([_View(request_id, tokens, 0) for request_id, tokens in requests])
+        want = torch.stack([draft(input_ids=torch.tensor([tokens])).logits[0, -1] for _, tokens in requests])
+        assert sizes == [4, 4, 4, 4, 4, 1]
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    finally:
+        for request_id, _ in requests:
+            speculator.pool.free(request_id)
+        ex.shutdown()
+
+
 def test_the_dummy_speculative_step_runs_every_pass_at_its_largest_and_keeps_nothing():
     """Profiling's dummy speculative step: the draft's first pass over two rows per request and
     ``k - 1`` passes of one, the verify pass over ``k + 1``, sampled, and the next first pass
