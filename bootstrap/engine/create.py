@@ -12,6 +12,7 @@ from bootstrap.engine.model_runner import ModelRunner
 from bootstrap.engine.sampling import Sampler
 from bootstrap.engine.scheduler import Scheduler, SchedulerConfig
 from bootstrap.engine.speculation import Speculator
+from bootstrap.engine.speculative import ROW_TOKENS
 
 
 def create_executor(
@@ -38,7 +39,7 @@ def create_executor(
     if draft is not None and (not isinstance(speculative_tokens, int) or isinstance(speculative_tokens, bool)
                               or not 1 <= speculative_tokens <= MAX_SPECULATIVE_TOKENS):  # fmt: skip
         raise ValueError(f"speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {speculative_tokens!r}")
-    rows = speculative_rows(config.max_batch_size, speculative_tokens) if draft is not None else (0, 0)
+    rows = speculative_rows(config.max_batch_size, speculative_tokens, adaptive) if draft is not None else (0, 0)
     if runner is None:
         runner = ModelRunner(model, kv_cache, config.max_batch_size, config.max_seq_len, max_rows=rows[0])
     elif runner.model is not model or runner.kv_cache is not kv_cache or runner.max_batch_size < config.max_batch_size:
@@ -59,8 +60,10 @@ def create_executor(
     return executor
 
 
-def speculative_rows(max_batch_size: int, speculative_tokens: int) -> tuple[int, int]:
+def speculative_rows(max_batch_size: int, speculative_tokens: int, adaptive: bool = False) -> tuple[int, int]:
     """The most rows a step holds when speculating: the target's verify pass, ``k + 1`` per
     request; the draft's first pass, two per request (after a full acceptance it catches up on
-    the last proposal and the target's token)."""
-    return max_batch_size * (speculative_tokens + 1), max_batch_size * 2
+    the last proposal and the target's token), and with ``adaptive`` (``auto``) ``ROW_TOKENS``,
+    so requests resuming after a pause catch up in one pass (logits kept at their last rows
+    only, so such a pass needs no more memory than a decode step)."""
+    return max_batch_size * (speculative_tokens + 1), max_batch_size * (ROW_TOKENS if adaptive else 2)

@@ -39,7 +39,7 @@ from bootstrap.engine.attention import (
     use_metadata,
 )
 from bootstrap.engine.cuda_graphs import DecodeGraphs, GraphCapture
-from bootstrap.engine.decode_step import DecodeBuffers, DecodeStep
+from bootstrap.engine.decode_step import DecodeBuffers, DecodeStep, queued_tensor
 from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
 from bootstrap.engine.models.decoder import DecoderLM
 from bootstrap.engine.scheduler import ScheduledBatch
@@ -87,21 +87,25 @@ class ModelRunner:
         return self._forward(inputs.input_ids, inputs.positions, inputs.logits_index, inputs.metadata)
 
     @torch.inference_mode()
-    def run_rows(self, step: DecodeStep, tokens: torch.Tensor | None = None,
-                 offsets: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def run_rows(self, step: DecodeStep, tokens: torch.Tensor | None = None, offsets: torch.Tensor | None = None,
+                 keep: Sequence[int] | None = None) -> torch.Tensor:  # fmt: skip
         """Logits ``[rows, vocab]`` of a step of one-token rows (``bootstrap.engine.decode_step``):
         a decode step, a verify pass, a draft pass. Replays a captured CUDA graph when one covers
         the step's size and width (padded up to the graph's bucket), else runs eagerly.
         ``tokens``: the rows' ids on the device, in place of ``step.ids``; ``offsets``: moves of
-        the rows' positions, on the device (``DecodeBuffers.fill``)."""
+        the rows' positions, on the device (``DecodeBuffers.fill``); ``keep``: the rows whose
+        logits are wanted (default all; an eager step computes only theirs)."""
         if step.size > self.max_rows:
             raise ValueError(f"a step of {step.size} rows does not fit this runner's max_rows ({self.max_rows})")
         bucket = self.graphs.bucket(step.size, step.width) if self.graphs is not None else None
+        rows = None if keep is None else queued_tensor(self.device, list(keep))
         if bucket is not None:
             self.decode_buffers.fill(step, bucket[0], tokens=tokens, offsets=offsets)  # columns past the width: masked
-            return self.graphs.replay(bucket)[: step.size]
+            logits = self.graphs.replay(bucket)[: step.size]
+            return logits if rows is None else logits.index_select(0, rows)
         inputs = self.prepare_decode(step, tokens, offsets)
-        return self._forward(inputs.input_ids, inputs.positions, inputs.logits_index, inputs.metadata)
+        return self._forward(inputs.input_ids, inputs.positions, inputs.logits_index if rows is None else rows,
+                             inputs.metadata)  # fmt: skip
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_to_keep: torch.Tensor | int,
                  metadata: AttentionMetadata | DecodeMetadata) -> torch.Tensor:  # fmt: skip

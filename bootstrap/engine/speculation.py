@@ -57,14 +57,13 @@ from bootstrap.engine.speculation_metrics import SpeculationStats, StepClock
 from bootstrap.engine.speculative import (
     PROBE_EVERY,
     REMEASURE_EVERY,
+    ROW_TOKENS,
     StepCosts,
     Verdict,
     accept_greedy,
     accept_sampled,
     best_depth,
 )
-
-ROW_TOKENS = PROBE_EVERY + 2  # the most tokens a request adds to the draft's pool as rows (``_feed``)
 
 
 @dataclass(eq=False)
@@ -187,7 +186,8 @@ class Speculator:
         """The draft over the tokens each view adds to its pool: logits ``[B, V]`` at each one's
         last token. A few tokens a request (a decode step's, a speculative step's catching up,
         ``auto`` resuming a request that paused) run as rows, in passes of the draft's
-        ``max_rows`` (captured graphs'); more (a prompt chunk) as a mixed step. A mixed step
+        ``max_rows`` (``speculative_rows``: with ``auto``, room for every request's catching
+        up at once); more (a prompt chunk) as a mixed step. A mixed step
         over cached context gathers it and builds masked attention for its shapes, which costs
         tens of milliseconds for what row passes do in a few."""
         counts = [view.num_tokens - view.num_computed for view in views]
@@ -198,11 +198,9 @@ class Speculator:
         passes = []
         for start in range(0, len(rows), self.draft.max_rows):
             chunk = rows[start : start + self.draft.max_rows]
-            logits = self.draft.run_rows(self.draft.token_rows(request_runs(chunk)))
             wanted = [end - start for end in ends if start <= end < start + len(chunk)]
-            if wanted != list(range(len(chunk))):
-                logits = logits.index_select(0, queued_tensor(logits.device, wanted))
-            passes.append(logits)
+            keep = None if wanted == list(range(len(chunk))) else wanted
+            passes.append(self.draft.run_rows(self.draft.token_rows(request_runs(chunk)), keep=keep))
         return passes[0] if len(passes) == 1 else torch.cat(passes)
 
     # ---- the speculative step -------------------------------------------------------------------

@@ -174,6 +174,7 @@ class Acceptance:
 DECAY = 0.8  # weight of a request's older steps in its acceptance, per step
 PROBE_EVERY = 16  # steps a request that stopped speculating waits before it tries one proposal again
 REMEASURE_EVERY = 32  # auto: speculative steps between two timed decode steps (one step in 33 not speculating)
+ROW_TOKENS = PROBE_EVERY + 2  # the most a request lags the draft by (a paused request's steps, then a step's two)
 
 
 @dataclass

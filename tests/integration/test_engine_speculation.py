@@ -21,7 +21,7 @@ from bootstrap.engine.profile_run import run_dummy_speculation
 from bootstrap.engine.scheduler import ScheduledBatch
 from bootstrap.engine.sequence import Sequence, next_request_id
 from bootstrap.engine.speculation import _View
-from bootstrap.engine.speculative import StepCosts
+from bootstrap.engine.speculative import ROW_TOKENS, StepCosts
 
 CONFIGS = {
     "llama": lambda: LlamaConfig(**SHAPE),
@@ -197,8 +197,8 @@ def test_the_next_first_pass_is_queued_behind_the_verdict_and_used_only_by_the_s
         return logits
 
     speculator._take_ahead = spy_take
-    speculator.draft.run_rows = lambda step, tokens=None, offsets=None: passes.append(offsets is not None) or run(
-        step, tokens, offsets)  # fmt: skip
+    speculator.draft.run_rows = lambda step, tokens=None, offsets=None, keep=None: passes.append(
+        offsets is not None) or run(step, tokens, offsets, keep)  # fmt: skip
     try:
         got = [ex.await_response(i, timeout=120).token_ids for i in [ex.enqueue(p, sp) for p, sp in zip(PROMPTS[:2], params)]]
         assert got == want and len(got[0]) < 30 and empty(ex)
@@ -299,23 +299,32 @@ def test_rows_of_one_request_score_each_position_as_the_whole_sequence_does(name
         runner.run_rows(runner.token_rows([(7, 0, [1] * 19), (7, 0, [1] * 2)]))
 
 
-def test_a_catch_up_longer_than_the_drafts_rows_runs_in_passes_of_them():
+@pytest.mark.parametrize("auto", [False, True])
+def test_a_catch_up_runs_as_rows_in_passes_of_the_drafts_max_rows(auto):
     """Tokens the draft lacks (``auto`` resuming a request that paused, a short prompt) run as
-    rows in passes of the draft's ``max_rows`` (4 here), not as a mixed step; each request's
-    logits are those of its whole sequence at its last token."""
+    rows, not as a mixed step: in passes of the draft's ``max_rows`` (4 for a fixed depth at
+    batch 2), or with ``auto``, whose draft holds ``ROW_TOKENS`` rows a request, in one pass
+    that computes logits at each request's last row only. Either way each request's logits
+    are those of its whole sequence at its last token."""
     draft = model("llama", 2)
-    ex = executor(model("llama", 1), draft, k=3, batch=2)
+    ex = create_auto(model("llama", 1), draft) if auto else executor(model("llama", 1), draft, k=3, batch=2)
     speculator, sizes = ex.speculator, []
     run = speculator.draft.run_rows
-    speculator.draft.run_rows = lambda step, tokens=None, offsets=None: sizes.append(step.size) or run(step, tokens, offsets)
-    speculator.draft.run = None  # a mixed step would fail here
+
+    def spy(step, tokens=None, offsets=None, keep=None):
+        logits = run(step, tokens, offsets, keep)
+        sizes.append((step.size, logits.shape[0]))
+        return logits
+
+    speculator.draft.run_rows, speculator.draft.run = spy, None  # a mixed step would fail here
     requests = [(next_request_id(), PROMPTS[1][:12]), (next_request_id(), PROMPTS[2][:9])]
     try:
         for request_id, tokens in requests:
             speculator.pool.allocate(request_id, len(tokens))
         got = speculator._feed([_View(request_id, tokens, 0) for request_id, tokens in requests])
         want = torch.stack([draft(input_ids=torch.tensor([tokens])).logits[0, -1] for _, tokens in requests])
-        assert sizes == [4, 4, 4, 4, 4, 1]
+        assert sizes == ([(21, 2)] if auto else [(4, 0), (4, 0), (4, 1), (4, 0), (4, 0), (1, 1)])
+        assert speculator.draft.max_rows == (8 * ROW_TOKENS if auto else 4)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     finally:
         for request_id, _ in requests:
@@ -332,9 +341,9 @@ def test_the_dummy_speculative_step_runs_every_pass_at_its_largest_and_keeps_not
     ex = executor(target, model("llama", 2), k=3, batch=4)
     sizes = {"target": [], "draft": []}
     for name, runner in (("target", ex.runner), ("draft", ex.speculator.draft)):
-        def spy(step, tokens=None, offsets=None, run=runner.run_rows, name=name):
+        def spy(step, tokens=None, offsets=None, keep=None, run=runner.run_rows, name=name):
             sizes[name].append(step.size)
-            return run(step, tokens, offsets)
+            return run(step, tokens, offsets, keep)
         runner.run_rows = spy
     try:
         run_dummy_speculation(ex.speculator, 4)
