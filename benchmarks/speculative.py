@@ -89,7 +89,7 @@ class Controlled:
         speculator._propose = self.propose
 
     def propose(self, seqs, k):
-        proposals, q, passes = self.original(seqs, k)
+        proposals, q = self.original(seqs, k)
         rows = []
         for seq in seqs:
             ahead = self.references[tuple(seq.prompt_token_ids)][len(seq.output_token_ids) :]
@@ -99,7 +99,7 @@ class Controlled:
                 row.append(right if self.rng.random() < self.rate else (right + 1) % self.vocab)
             rows.append(row)
         pinned = torch.tensor(rows, dtype=torch.long, pin_memory=proposals.is_cuda)  # queued, not waited for
-        return pinned.to(proposals.device, non_blocking=True), q, passes
+        return pinned.to(proposals.device, non_blocking=True), q
 
 
 def timed(executor, prompts: list[list[int]], gen_len: int) -> tuple[float, list[list[int]]]:

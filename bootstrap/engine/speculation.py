@@ -215,7 +215,7 @@ class Speculator:
         lagging = any(seq.num_tokens - seq.draft_computed > 2 for seq in seqs)  # a long first pass: not a draft pass's cost
         try:
             clock = StepClock(self.target.device)
-            proposals, q, passes = self._propose(seqs, k)
+            proposals, q = self._propose(seqs, k)
             clock.drafted()
             logits = self._verify(seqs, proposals, k)
             verdict = self._judge(seqs, proposals, q, logits, queued_tensor(logits.device, limits))
@@ -227,8 +227,8 @@ class Speculator:
             self._undo(seqs, starts)
             raise
         drafting, verifying = clock.split()
-        if passes and not lagging:
-            self.costs.record("draft", drafting / passes)
+        if not lagging:  # per pass, the one queued ahead counted: its share the device did not hide is in the wall time
+            self.costs.record("draft", drafting / k)
         self.costs.record("verify", verifying)
         for seq, (computed, length, _), run, limit in zip(seqs, starts, runs, limits):
             kept = len(run) - 1
@@ -244,11 +244,11 @@ class Speculator:
         self._since_measured += 1
         return runs
 
-    def _propose(self, seqs: list[Sequence], k: int) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-        """``k`` proposals per request ``[B, k]``, the draft's distributions ``[B, k, V]`` when any
-        row samples (None when all are greedy), and the draft passes this step ran: ``k``, or
-        ``k - 1`` when the last step queued the first one (``_queue_ahead``). The host never
-        waits for a pass: each pass's tokens feed the next on the device."""
+    def _propose(self, seqs: list[Sequence], k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``k`` proposals per request ``[B, k]``, and the draft's distributions ``[B, k, V]`` when
+        any row samples (None when all are greedy): ``k`` draft passes, the first of them queued
+        by the last step when it was of these requests (``_queue_ahead``). The host never waits
+        for a pass: each pass's tokens feed the next on the device."""
         greedy = all(seq.params.greedy for seq in seqs)
         for seq in seqs:  # the slots the k passes write: what the draft lacks, then k - 1 proposals
             self._fed(seq, seq.num_tokens + k - 1)
@@ -262,7 +262,7 @@ class Speculator:
             seq.draft_computed = seq.num_tokens + k - 1
         device = self.target.device
         q = torch.stack(dists, dim=1).to(device) if dists else None
-        return torch.stack(drawn, dim=1).to(device), q, k if ahead is None else k - 1
+        return torch.stack(drawn, dim=1).to(device), q
 
     def _take_ahead(self, seqs: list[Sequence]) -> torch.Tensor | None:
         """The logits the last step's queued pass left for these requests, if it was queued for
