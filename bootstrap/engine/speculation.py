@@ -165,6 +165,7 @@ class Speculator:
             self.costs.record("decode", seconds)
             self._since_measured = 0
         self._mirrored = False
+        self._ahead = None  # its requests have a token more now: the pass queued ahead is of no use
 
     # ---- the draft keeping up -------------------------------------------------------------------
 
@@ -187,9 +188,9 @@ class Speculator:
         last token. A few tokens a request (a decode step's, a speculative step's catching up,
         ``auto`` resuming a request that paused) run as rows, in passes of the draft's
         ``max_rows`` (``speculative_rows``: with ``auto``, room for every request's catching
-        up at once); more (a prompt chunk) as a mixed step. A mixed step
-        over cached context gathers it and builds masked attention for its shapes, which costs
-        tens of milliseconds for what row passes do in a few."""
+        up at once); more (a prompt chunk) as a mixed step. A mixed step over cached context
+        gathers it and builds masked attention for its shapes, which costs tens of
+        milliseconds for what row passes do in a few."""
         counts = [view.num_tokens - view.num_computed for view in views]
         if max(counts) > ROW_TOKENS:
             return self.draft.run(ScheduledBatch(views, counts))
@@ -261,8 +262,7 @@ class Speculator:
         for seq in seqs:
             seq.draft_computed = seq.num_tokens + k - 1
         device = self.target.device
-        q = torch.stack(dists, dim=1).to(device) if dists else None
-        return torch.stack(drawn, dim=1).to(device), q
+        return torch.stack(drawn, dim=1).to(device), (torch.stack(dists, dim=1).to(device) if dists else None)
 
     def _take_ahead(self, seqs: list[Sequence]) -> torch.Tensor | None:
         """The logits the last step's queued pass left for these requests, if it was queued for

@@ -383,6 +383,37 @@ def test_auto_does_not_take_a_step_that_fed_the_draft_for_a_decode_step():
         ex.shutdown()
 
 
+def test_auto_takes_no_draft_figure_from_a_step_that_caught_up_and_the_next_one_replaces_it():
+    """A step whose first draft pass caught up on many tokens (a request resuming) says nothing
+    of what a draft pass costs: its figure is not taken. The next step's is, and, being lower,
+    replaces a figure too high at once (only speculative steps measure it: a figure that stopped
+    speculation would never be measured again)."""
+    target = model("llama", 1)
+    ex = create_auto(target, target)
+    speculator = ex.speculator
+    seq = Sequence(next_request_id(), list(PROMPTS[1]), SamplingParams(max_tokens=40, temperature=0))
+    seq.append(9)
+    ex.runner.kv_cache.allocate(seq.request_id, seq.num_tokens)
+    seq.num_computed = seq.num_tokens - 1  # a decode step of its last token; the draft holds none of it
+    try:
+        speculator.costs = StepCosts(prior=0.1)
+        speculator.costs.draft = 123.0  # far too high: a draft pass of two minutes
+
+        def step() -> None:
+            for token in speculator.step(ScheduledBatch([seq], [1]), [2])[0]:
+                seq.append(token)
+            ex.runner.kv_cache.extend(seq.request_id, 1)  # the next step's own token, as the scheduler does
+
+        step()
+        assert speculator.costs.draft == 123.0 and speculator.costs.verify is not None  # caught up on 20 tokens
+        step()
+        assert speculator.costs.draft < 1.0 and speculator.stats.steps == 2
+    finally:
+        speculator.pool.free(seq.request_id)
+        ex.runner.kv_cache.free(seq.request_id)
+        ex.shutdown()
+
+
 def test_auto_times_a_decode_step_again_every_so_many_speculative_steps(monkeypatch):
     """A first decode figure far too high (say, a step that took a first-use cost) would keep
     ``auto`` speculating for good; one step in ``REMEASURE_EVERY + 1`` runs alone, the draft not
