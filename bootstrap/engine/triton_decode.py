@@ -1,17 +1,26 @@
 """Paged decode attention as one Triton kernel: each row's query heads against only the blocks
 its context fills, read once through its block table (no gathered copy of the context, no mask).
 
-One program per (row, KV head): the row's ``G`` query heads of that KV head (padded to 16 rows
-for ``tl.dot``) attend over the row's blocks up to its context length (from its window start
+One program per (row, KV head, split): the row's ``G`` query heads of that KV head (padded to 16
+rows for ``tl.dot``) attend over the row's blocks up to its context length (from its window start
 with a sliding window), with an online softmax in float32. The loop bound is read on the
 device, so a CUDA graph captured over a static-width block table replays any context length
 without reading the columns past it. Float32 inputs use IEEE products (no TF32), so float32
 output matches the reference attention to rounding. Needs Triton (it ships with CUDA builds of
 torch) and at least 16 tokens per block; ``available()`` says whether it can be used.
+
+A few rows (batch 1, a speculative request's verify rows, a small draft) give the device only
+``rows × KV heads`` programs, each walking its blocks one after the other: at batch 1 an 8B
+model's attention took 27 µs a layer over 576 tokens, its bandwidth all but idle. So each
+row's blocks are split in up to ``splits`` equal runs (flash-decoding): a program per run keeps
+its running maximum, sum and unnormalized output, and a second kernel merges a row's runs.
+``num_splits`` picks the count on the host from the grid and the table's width only, so a
+graph's count is fixed at capture; the runs' bounds come from the length on the device.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 
@@ -53,16 +62,18 @@ def _unspecialized(*names: str) -> dict[str, list[str]]:
 
 if triton is not None:
 
-    @triton.jit(**_unspecialized("Tables", "Lens", "window", "stride_tb"))
+    @triton.jit(**_unspecialized("Tables", "Lens", "window", "stride_tb", "splits"))
     def _paged_decode_kernel(
-        Q, K, V, Tables, Lens, Out,
-        scale, softcap, window,
+        Q, K, V, Tables, Lens, Out, Partial, Stats,
+        scale, softcap, window, splits,
         stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, stride_ob, stride_oh,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, TPB: tl.constexpr,
         HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr, STATIC_BLOCKS: tl.constexpr,
+        HEADS: tl.constexpr, SPLIT: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
+        split = tl.program_id(2)
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, D_PAD)
         t = tl.arange(0, TPB)
@@ -77,12 +88,17 @@ if triton is not None:
         denom = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
         first, last = start // TPB, tl.cdiv(length, TPB)
+        if SPLIT:  # this program's run of the row's blocks: the split-th of ``splits`` equal runs
+            per = tl.cdiv(last - first, splits)
+            first = first + split * per
+            last = tl.minimum(first + per, last)
+        lo, hi = first, last
         if STATIC_BLOCKS > 0:  # Triton's CPU interpreter: every column, the masks do the rest
             first, last = 0, STATIC_BLOCKS
         for i in range(first, last):
             block = tl.load(Tables + row * stride_tb + i).to(tl.int64)
             pos = i * TPB + t
-            valid = (pos < length) & (pos >= start)
+            valid = (pos < length) & (pos >= start) & (pos >= lo * TPB) & (pos < hi * TPB)
             kv_mask = valid[:, None] & (d < D)[None, :]
             offsets = block * stride_kb + t[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
             k = tl.load(K + offsets, mask=kv_mask, other=0.0).to(q.dtype)
@@ -104,8 +120,37 @@ if triton is not None:
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
-        out = acc / denom[:, None]
-        tl.store(Out + row * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty), mask=q_mask)
+        if SPLIT:  # the run's unnormalized output, maximum and sum, for _merge_splits_kernel
+            at = (row * splits + split) * HEADS + heads  # rows of [rows, splits, HEADS]
+            tl.store(Partial + at[:, None] * D + d[None, :], acc, mask=q_mask)
+            tl.store(Stats + at * 2, m, mask=g < GROUP)
+            tl.store(Stats + at * 2 + 1, denom, mask=g < GROUP)
+        else:
+            out = acc / denom[:, None]
+            tl.store(Out + row * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
+                     mask=q_mask)  # fmt: skip
+
+    @triton.jit(**_unspecialized("splits"))
+    def _merge_splits_kernel(
+        Partial, Stats, Out, splits, stride_ob, stride_oh, HEADS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        d = tl.arange(0, D_PAD)
+        m = tl.full([1], float("-inf"), tl.float32)
+        denom = tl.zeros([1], tl.float32)
+        acc = tl.zeros([D_PAD], tl.float32)
+        for split in range(splits):
+            at = (row * splits + split) * HEADS + head
+            m_run = tl.load(Stats + at * 2 + tl.arange(0, 1))
+            m_new = tl.maximum(m, m_run)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # runs with nothing valid so far
+            alpha, beta = tl.exp(m - m_safe), tl.exp(m_run - m_safe)
+            denom = denom * alpha + tl.load(Stats + at * 2 + 1 + tl.arange(0, 1)) * beta
+            acc = acc * alpha + tl.load(Partial + at * D + d, mask=d < D, other=0.0) * beta
+            m = m_new
+        out = acc / denom
+        tl.store(Out + row * stride_ob + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < D)
 
 
 if triton is not None:
@@ -154,23 +199,57 @@ def paged_decode(
     scale: float | None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """``q [B, H, D]`` (one token per row) against caches ``[blocks, tpb, KVH, D]``; ``[B, H, D]``.
-    ``scale`` None: ``head_dim ** -0.5``, as SDPA's default."""
+    ``scale`` None: ``head_dim ** -0.5``, as SDPA's default. ``splits``: runs per row (None:
+    ``num_splits`` for this grid and table width)."""
     rows, heads, head_dim = q.shape
     scale = scale if scale is not None else head_dim**-0.5
     _, tpb, kv_heads, _ = k_cache.shape
+    if splits is None:
+        splits = num_splits(rows * kv_heads, block_tables.shape[1], programs_wanted(q.device))
     q = q.contiguous()
     out = torch.empty_like(q)
-    group = heads // kv_heads
-    _paged_decode_kernel[(rows, kv_heads)](
-        q, k_cache, v_cache, block_tables, context_lens, out,
-        float(scale), float(softcap or 1.0), int(sliding_window or 0),
+    partial = stats = out  # unread without a split
+    if splits > 1:
+        partial = torch.empty(rows, splits, heads, head_dim, dtype=torch.float32, device=q.device)
+        stats = torch.empty(rows, splits, heads, 2, dtype=torch.float32, device=q.device)
+    group, d_pad = heads // kv_heads, max(16, triton.next_power_of_2(head_dim))
+    _paged_decode_kernel[(rows, kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, partial, stats,
+        float(scale), float(softcap or 1.0), int(sliding_window or 0), splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=head_dim,
-        D_PAD=max(16, triton.next_power_of_2(head_dim)), TPB=tpb,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=head_dim, D_PAD=d_pad, TPB=tpb,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32,
-        STATIC_BLOCKS=block_tables.shape[1] if _interpreting() else 0, num_warps=4,
+        STATIC_BLOCKS=block_tables.shape[1] if _interpreting() else 0, HEADS=heads, SPLIT=splits > 1, num_warps=4,
     )  # fmt: skip
+    if splits > 1:
+        _merge_splits_kernel[(rows, heads)](
+            partial, stats, out, splits, out.stride(0), out.stride(1),
+            HEADS=heads, D=head_dim, D_PAD=d_pad, num_warps=1,
+        )  # fmt: skip
     return out
+
+
+MIN_SPLIT_BLOCKS = 4  # a run shorter than this many table columns costs more to merge than it saves
+MAX_SPLITS = 16
+
+
+def num_splits(programs: int, width: int, wanted: int) -> int:
+    """Runs per row for a grid of ``programs`` (rows × KV heads) over a table ``width`` columns
+    wide: enough for about ``wanted`` programs in all, none under ``MIN_SPLIT_BLOCKS`` columns,
+    at most ``MAX_SPLITS``; 1 (no merge) once the grid fills the device by itself."""
+    return max(1, min(wanted // max(programs, 1), width // MIN_SPLIT_BLOCKS, MAX_SPLITS))
+
+
+@functools.cache
+def programs_wanted(device: torch.device) -> int:
+    """Four programs per streaming multiprocessor (Triton's interpreter: a fixed 16). On the
+    H200 (132) that splits rows in two at batch 32 of an 8-KV-head model (34 µs a layer down to
+    27 at 576 tokens, 203 to 138 at 4,096) and in none at 64, where splitting cost more
+    (``benchmarks/decode_attention_splits.py``)."""
+    if device.type != "cuda":
+        return 16
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count

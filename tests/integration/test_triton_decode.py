@@ -39,10 +39,12 @@ SCRIPT = textwrap.dedent('''
             s = s.masked_fill(torch.arange(n) < n - window, float("-inf"))
         return torch.einsum("hk,khd->hd", s.softmax(-1), v)
 
-    for window, softcap in [(None, None), (20, None), (None, 2.0), (7, 1.5)]:
-        got = paged_decode(q, kc, vc, tables, lens, 0.3, window, softcap).double()
-        for b in range(B):
-            torch.testing.assert_close(got[b], reference(b, window, softcap), atol=1e-5, rtol=1e-5)
+    # splits: None picks 1 here (a table 5 columns wide); at 3 and 5 some runs hold no block
+    for splits in [None, 1, 3, 5]:
+        for window, softcap in [(None, None), (20, None), (None, 2.0), (7, 1.5)]:
+            got = paged_decode(q, kc, vc, tables, lens, 0.3, window, softcap, splits).double()
+            for b in range(B):
+                torch.testing.assert_close(got[b], reference(b, window, softcap), atol=1e-5, rtol=1e-5)
 
     from bootstrap.engine.triton_decode import write_kv
 

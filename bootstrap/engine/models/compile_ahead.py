@@ -4,13 +4,14 @@ On a machine whose Triton cache does not hold them yet, compiling the kernels a 
 takes seconds, paid by its first forward (the profiling stage's). ``compiling_ahead(model)``
 launches each kernel once on zero tensors of the model's own widths and dtype (so Triton
 specializes it exactly as the real calls will) while the block runs (the weights being read):
-the norm, rotary and activation kernels (``layers.fused``) and the paged decode and KV-write
-kernels (``triton_decode``, for blocks of ``BootstrapConfig``'s default size: another size
-compiles at its first use). Each kernel function gets its own thread, so their compiles (and
-the compiler and linker processes they wait on) run side by side and no function is compiled
-by two threads at once; Triton's own start (``triton_start``) comes first, once. Every thread is
-joined when the block ends, so none outlives the load; an error there only means the real call
-compiles the kernel itself.
+the norm, rotary and activation kernels (``layers.fused``) and the paged decode kernel (whole
+rows, and rows split in runs with their merge kernel) and KV-write kernel (``triton_decode``,
+for blocks of ``BootstrapConfig``'s default size: another size compiles at its first use).
+Each kernel function gets its own thread, so their compiles (and the compiler and linker
+processes they wait on) run side by side and no function is compiled by two threads at once;
+Triton's own start (``triton_start``) comes first, once. Every thread is joined when the block
+ends, so none outlives the load; an error there only means the real call compiles the kernel
+itself.
 """
 
 from __future__ import annotations
@@ -104,5 +105,6 @@ def _launch(call: tuple, dtype: torch.dtype, device: torch.device) -> None:
     else:
         heads, kv_heads, head_dim, windowed, capped = shape
         cache, lengths = zeros(1, TOKENS_PER_BLOCK, kv_heads, head_dim), torch.ones(1, dtype=torch.long, device=device)
-        triton_decode.paged_decode(zeros(1, heads, head_dim), cache, cache, indices().view(1, 1), lengths, None,
-                                   8 if windowed else None, 30.0 if capped else None)  # fmt: skip
+        for splits in (1, 2):  # whole rows, and rows split in runs with the merge kernel after them
+            triton_decode.paged_decode(zeros(1, heads, head_dim), cache, cache, indices().view(1, 1), lengths, None,
+                                       8 if windowed else None, 30.0 if capped else None, splits)  # fmt: skip
