@@ -15,8 +15,10 @@ compilation is not counted; ``auto`` has then measured its passes). Each point: 
 ``--gen-len`` greedy tokens each; tokens per second of the whole batch, speculative against
 baseline, and the analytic expectation ``(1 - a^(k+1)) / (1 - a) / (1 + c k)`` for acceptance
 ``a`` and the draft's cost ``c`` (its weight bytes over the target's), and the same from the
-passes' measured seconds (``expected_speedup_measured_costs``). ``auto`` runs at
-acceptance 0 too: what a draft that never agrees costs once ``auto`` stops speculating.
+passes' measured seconds (``expected_speedup_measured_costs``), and where the speculative run's
+time went: its speculative and ordinary steps, counted and timed on the host (``StepTimes``).
+``auto`` runs at acceptance 0 too: what a draft that never agrees costs once ``auto`` stops
+speculating.
 
     python benchmarks/speculative.py --model /tmp/llama-8b --draft-model random:llama-3.2-1b --device cuda \\
         --batches 1,8,32 --acceptance 0,0.5,0.7,0.9,1.0 --k 4 --out speculative.json
@@ -102,6 +104,38 @@ class Controlled:
         return pinned.to(proposals.device, non_blocking=True), q
 
 
+class StepTimes:
+    """Counts and host wall time of the speculator's speculative steps (``step``) and of the
+    ordinary steps it is told of (``ordinary``: their run, sampling included), so a point says
+    where its time went: ``steps()`` since the last call."""
+
+    def __init__(self, speculator) -> None:
+        self.counts = {"speculative": [0, 0.0], "ordinary": [0, 0.0]}
+        self._step, self._ordinary = speculator.step, speculator.ordinary
+        speculator.step, speculator.ordinary = self.step, self.ordinary
+
+    def step(self, batch, limits):
+        started = time.perf_counter()
+        try:
+            return self._step(batch, limits)
+        finally:
+            self._add("speculative", time.perf_counter() - started)
+
+    def ordinary(self, batch, seconds):
+        self._add("ordinary", seconds)
+        return self._ordinary(batch, seconds)
+
+    def _add(self, kind: str, seconds: float) -> None:
+        self.counts[kind][0] += 1
+        self.counts[kind][1] += seconds
+
+    def steps(self) -> dict:
+        out = {f"{kind}_steps": n for kind, (n, _) in self.counts.items()}
+        out.update({f"{kind}_step_ms": round(s / n * 1e3, 3) if n else None for kind, (n, s) in self.counts.items()})
+        self.counts = {kind: [0, 0.0] for kind in self.counts}
+        return out
+
+
 def timed(executor, prompts: list[list[int]], gen_len: int) -> tuple[float, list[list[int]]]:
     params = SamplingParams(max_tokens=gen_len, temperature=0, ignore_eos=True)
     started = time.perf_counter()
@@ -137,6 +171,7 @@ async def build(args: argparse.Namespace, auto: bool):
 
 def measure(args: argparse.Namespace, executor, auto: bool) -> list[dict]:
     speculator, loop = executor.speculator, executor._loop
+    clock = StepTimes(speculator)
     rng = random.Random(1)
     vocab = executor.runner.vocab_size
     results = []
@@ -153,7 +188,9 @@ def measure(args: argparse.Namespace, executor, auto: bool) -> list[dict]:
             control.rate = rate
             loop.speculator = speculator
             before = (speculator.stats.proposed, speculator.stats.accepted)
+            clock.steps()
             spec_s, outs = timed(executor, prompts, args.gen_len)
+            steps = clock.steps()
             loop.speculator = None
             again_s, _ = timed(executor, prompts, args.gen_len)  # the baseline once more, right after
             base = (base_s + again_s) / 2
@@ -168,6 +205,7 @@ def measure(args: argparse.Namespace, executor, auto: bool) -> list[dict]:
                 "expected_speedup": round(expected_speedup(rate, args.k, speculator.cost), 3) if not auto else
                 round(expected_speedup(rate, best_depth(rate, StepCosts(speculator.cost), speculator.k), speculator.cost), 3),
                 "outputs_equal": outs == references, "outputs_equal_baseline": outs == baseline,
+                **steps,
                 "costs_ms": {name: round(getattr(speculator.costs, name) * 1e3, 3) if getattr(speculator.costs, name) else None
                              for name in ("decode", "verify", "draft")},
             })  # fmt: skip
