@@ -241,6 +241,12 @@ class ModelRunner:
             raise ValueError("decode_kernel 'triton' needs Triton, a CUDA device and at least 16 tokens per block")
         return "triton" if choice == "triton" or (choice == "auto" and usable) else "torch"
 
+    @property
+    def pass_rows(self) -> int:
+        """The most rows one pass of ``run_rows`` should hold: the largest captured graph's (two
+        replays cost less than one eager pass of their rows), else ``max_rows``."""
+        return self.graphs.batch_sizes[-1] if self.graphs is not None and self.graphs.batch_sizes else self.max_rows
+
     def release_graphs(self) -> None:
         """Drop every captured graph and its memory pool (idempotent)."""
         if self.graphs is not None:

@@ -187,9 +187,9 @@ class Speculator:
         """The draft over the tokens each view adds to its pool: logits ``[B, V]`` at each one's
         last token. A few tokens a request (a decode step's, a speculative step's catching up,
         ``auto`` resuming a request that paused) run as rows, in passes of the draft's
-        ``max_rows`` (``speculative_rows``: with ``auto``, room for every request's catching
-        up at once); more (a prompt chunk) as a mixed step. A mixed step over cached context
-        gathers it and builds masked attention for its shapes, which costs tens of
+        ``pass_rows`` (its largest graph; without graphs ``max_rows``, with ``auto`` room for
+        every request's catching up at once); more (a prompt chunk) as a mixed step, which
+        gathers the cached context and builds masked attention for its shapes: tens of
         milliseconds for what row passes do in a few."""
         counts = [view.num_tokens - view.num_computed for view in views]
         if max(counts) > ROW_TOKENS:
@@ -197,8 +197,9 @@ class Speculator:
         rows = [(v.request_id, v.num_computed + i, token) for v in views for i, token in enumerate(v.token_ids[v.num_computed :])]
         ends = [end - 1 for end in itertools.accumulate(counts)]  # each view's last row
         passes = []
-        for start in range(0, len(rows), self.draft.max_rows):
-            chunk = rows[start : start + self.draft.max_rows]
+        size = self.draft.pass_rows
+        for start in range(0, len(rows), size):
+            chunk = rows[start : start + size]
             wanted = [end - start for end in ends if start <= end < start + len(chunk)]
             keep = None if wanted == list(range(len(chunk))) else wanted
             passes.append(self.draft.run_rows(self.draft.token_rows(request_runs(chunk)), keep=keep))

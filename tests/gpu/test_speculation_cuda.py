@@ -17,10 +17,12 @@ from test_engine_cuda import build, prompts, reference
 
 from bootstrap import BootstrapConfig
 from bootstrap.api import Bootstrap
+from bootstrap.backends.native_speculation import graph_sizes
 from bootstrap.capacity.cuda_graph_buckets import default_batch_sizes, speculative_batch_sizes
 from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
 from bootstrap.engine.create import speculative_rows
 from bootstrap.engine.model_runner import ModelRunner
+from bootstrap.engine.speculative import PROBE_EVERY, ROW_TOKENS
 
 pytestmark = [
     pytest.mark.gpu,
@@ -99,6 +101,53 @@ def test_speculative_passes_replay_cuda_graphs(kind):
     assert got == [reference(model, p, 24) for p in asked]
     assert steps > 0 and counts["target"]["eager_rows"] == 0 and counts["draft"]["eager_rows"] == 0
     assert counts["target"]["replays"] >= steps and counts["draft"]["replays"] >= k * steps
+
+
+def test_auto_catch_ups_after_a_pause_replay_the_drafts_graphs():
+    """``auto`` with a draft that disagrees: requests stop speculating, then try one proposal
+    every ``PROBE_EVERY`` steps, the draft catching up on up to ``ROW_TOKENS`` tokens of each in
+    one pass. With the draft's graphs as ``graph_sizes`` gives them (8 requests × ``ROW_TOKENS``
+    rows among them) those passes replay a graph, none runs eagerly, and the output is still the
+    target's. The cost figures are held (a draft pass a fifth of a decode step), so tiny models
+    whose passes cost the same still speculate."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model, batch = build("llama", torch.float32), 8
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for param in other.parameters():
+            param.add_(torch.randn_like(param) * 0.5)
+    config = BootstrapConfig(model="random:llama-3.2-1b", draft_model="random:llama-3.2-1b", max_batch_size=batch,
+                             num_speculative_tokens="auto")  # fmt: skip
+    sizes, k = graph_sizes(config, default_batch_sizes(batch)), config.speculative_tokens  # auto's ceiling
+    assert batch * ROW_TOKENS in sizes["draft"]
+    rows = speculative_rows(batch, k, adaptive=True)
+    runners = {}
+    for name, weights, max_rows in (("target", model, rows[0]), ("draft", other, rows[1])):
+        pool = PagedKVCache.from_tokens(KVCacheSpec.from_config(weights.config, torch.float32), 16384, 16, "cuda")
+        runners[name] = ModelRunner(copy.deepcopy(weights), pool, batch, 256, max_rows=max_rows)
+        runners[name].capture_decode_graphs(sizes[name])
+    counts = counted(runners["draft"])
+    widest = {"rows": 0}
+    replay = runners["draft"].graphs.replay
+
+    def noted(bucket):
+        widest["rows"] = max(widest["rows"], bucket[0])
+        return replay(bucket)
+
+    runners["draft"].graphs.replay = noted
+    target = runners["target"]
+    ex = create_executor(target.model, target.kv_cache, SchedulerConfig(batch, 48, 256), runner=target,
+                         draft=runners["draft"], speculative_tokens=k, adaptive=True, start=False)  # fmt: skip
+    costs = ex.speculator.costs
+    costs.decode, costs.verify, costs.draft = 1.0, 1.0, 0.2
+    costs.record = lambda what, seconds: None
+    asked = prompts(batch)
+    try:
+        got = [r.token_ids for r in ex.generate(asked, SamplingParams(max_tokens=3 * PROBE_EVERY))]
+    finally:
+        ex.shutdown()
+    assert got == [reference(model, p, 3 * PROBE_EVERY) for p in asked]
+    assert counts["eager_rows"] == 0 and widest["rows"] > 2 * batch  # a catch-up of more than two rows each
 
 
 def test_the_stages_capture_the_draft_and_verify_passes(tmp_path):

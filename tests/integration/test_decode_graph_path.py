@@ -18,6 +18,8 @@ from test_engine_attention import DIM, HEADS, KV_HEADS, Layer, reference, setup
 from test_engine_parity import prompts
 from test_engine_parity import reference as generate_reference
 
+from bootstrap import BootstrapConfig
+from bootstrap.backends.native_speculation import graph_sizes
 from bootstrap.capacity.cuda_graph_buckets import (
     decode_widths,
     default_batch_sizes,
@@ -27,6 +29,7 @@ from bootstrap.capacity.cuda_graph_buckets import (
 from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
 from bootstrap.engine.attention import DecodeMetadata, paged_attention, use_metadata
 from bootstrap.engine.cuda_graphs import DecodeGraphs
+from bootstrap.engine.speculative import ROW_TOKENS
 
 
 class EagerBuckets:
@@ -59,6 +62,17 @@ def test_bucket_sizes():
     assert speculative_batch_sizes([1, 2, 4, 8], 5) == [1, 2, 4, 5, 8, 10, 20, 40]  # verify rows, k = 4
     assert speculative_batch_sizes([64, 100, 128], 5) == [64, 100, 128, 320, 500]  # none past 512 rows
     assert speculative_batch_sizes([1, 3], 2) == [1, 2, 3, 6]
+
+
+def test_with_auto_the_draft_captures_passes_of_requests_catching_up_after_a_pause():
+    def draft_sizes(depth):
+        config = BootstrapConfig(model="random:llama-3.2-1b", draft_model="random:llama-3.2-1b", max_batch_size=32,
+                                 num_speculative_tokens=depth)  # fmt: skip
+        return graph_sizes(config, default_batch_sizes(32))["draft"]
+
+    assert draft_sizes(4) == [1, 2, 4, 8, 16, 24, 32, 48, 64]  # the buckets, and two rows a request
+    assert ROW_TOKENS == 18  # then ROW_TOKENS rows a request, up to 512 rows
+    assert draft_sizes("auto") == [1, 2, 4, 8, 16, 18, 24, 32, 36, 48, 64, 72, 144, 288, 432]
 
 
 def test_bucket_choice_pads_up_and_falls_back_past_the_largest():
