@@ -10,7 +10,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bootstrap.engine.speculative import Acceptance, StepCosts, accept_greedy, accept_sampled, best_depth
+from bootstrap.engine.speculative import (
+    Acceptance,
+    StepCosts,
+    accept_greedy,
+    accept_sampled,
+    best_depth,
+    expected_tokens,
+)
 
 CHI2_999 = {4: 18.467}  # chi-square critical values at p = 0.999 by degrees of freedom (scipy.stats.chi2.ppf)
 
@@ -153,3 +160,22 @@ def test_decode_and_draft_figures_fall_at_once_and_rise_by_the_decay():
     costs.record("verify", 0.010)
     costs.record("verify", 0.004)
     assert costs.verify == pytest.approx(0.7 * 0.010 + 0.3 * 0.004)
+
+
+def test_best_depth_is_the_argmax_of_the_expected_rate_and_rises_with_acceptance():
+    """Against the definition (tokens a step over its cost, every depth in turn), on a grid of
+    acceptances, costs and ceilings: the depth chosen gives the most (to 1e-9), and never falls
+    as acceptance rises."""
+    figures = [(1.0, 1.0, 0.05), (5.6, 5.4, 0.65), (6.9, 6.3, 0.75), (1.0, 1.3, 0.3), (1.0, 1.0, 1.0)]
+    for decode, verify, draft in figures:
+        costs = StepCosts(0.1, decode, verify, draft)
+        for ceiling in (1, 4, 8):
+            depths = []
+            for step in range(101):
+                rate = step / 100
+                value = [1.0] + [expected_tokens(rate, k) * decode / (verify + draft * k)
+                                 for k in range(1, ceiling + 1)]  # fmt: skip
+                chosen = best_depth(rate, costs, ceiling)
+                assert value[chosen] >= max(value) - 1e-9, (rate, decode, verify, draft, ceiling)
+                depths.append(chosen)
+            assert depths == sorted(depths) and depths[0] == 0
