@@ -215,6 +215,7 @@ class Speculator:
         seqs, k = batch.seqs, max(limits)
         starts = [(seq.num_computed, seq.num_tokens, seq.draft_computed) for seq in seqs]
         lagging = any(seq.num_tokens - seq.draft_computed > 2 for seq in seqs)  # a long first pass: not a draft pass's cost
+        passes = k - 1 if self._ahead is not None and self._ahead.key == _key(seqs) else k  # the first may be queued
         try:
             clock = StepClock(self.target.device)
             proposals, q = self._propose(seqs, k)
@@ -229,8 +230,8 @@ class Speculator:
             self._undo(seqs, starts)
             raise
         drafting, verifying = clock.split()
-        if not lagging:  # per pass, the one queued ahead counted: its share the device did not hide is in the wall time
-            self.costs.record("draft", drafting / k)
+        if passes and not lagging:  # per pass, the one queued ahead counted: what the device did not hide of it is in
+            self.costs.record("draft", drafting / k)  # the wall time; a step whose one pass was queued ahead ran none
         self.costs.record("verify", verifying)
         for seq, (computed, length, _), run, limit in zip(seqs, starts, runs, limits):
             kept = len(run) - 1
@@ -269,7 +270,7 @@ class Speculator:
         """The logits the last step's queued pass left for these requests, if it was queued for
         exactly them as they are now; used once."""
         ahead, self._ahead = self._ahead, None
-        if ahead is None or ahead.key != tuple((seq.request_id, seq.num_tokens) for seq in seqs):
+        if ahead is None or ahead.key != _key(seqs):
             return None
         return ahead.logits
 
@@ -385,6 +386,10 @@ class _Ahead:
 
     key: tuple[tuple[int, int], ...]
     logits: torch.Tensor
+
+
+def _key(seqs: list[Sequence]) -> tuple[tuple[int, int], ...]:
+    return tuple((seq.request_id, seq.num_tokens) for seq in seqs)
 
 
 def _weight_bytes(model: torch.nn.Module) -> int:

@@ -414,6 +414,38 @@ def test_auto_takes_no_draft_figure_from_a_step_that_caught_up_and_the_next_one_
         ex.shutdown()
 
 
+def test_a_step_whose_one_draft_pass_was_queued_ahead_takes_no_draft_figure():
+    """Near a request's end its depth falls to what it may still write. A step of one proposal
+    whose one draft pass the last step queued ahead runs no pass of its own: its drafting time
+    says nothing of a pass (taken, it read near 0 on the H200 and, falling at once, made drafting
+    look free). A step of four with its first pass queued ahead still gives a figure."""
+    target = model("llama", 1)
+    ex = executor(target, target, k=4, batch=1)
+    speculator = ex.speculator
+    seq = Sequence(next_request_id(), list(PROMPTS[1]), SamplingParams(max_tokens=40, temperature=0))
+    seq.append(9)
+    ex.runner.kv_cache.allocate(seq.request_id, seq.num_tokens)
+    seq.num_computed = seq.num_tokens - 1  # a decode step of its last token; the draft holds none of it
+
+    def step(depth: int) -> None:
+        for token in speculator.step(ScheduledBatch([seq], [1]), [depth])[0]:
+            seq.append(token)
+        ex.runner.kv_cache.extend(seq.request_id, 1)  # the next step's own token, as the scheduler does
+
+    try:
+        step(4)  # catches up: no figure; queues the next first pass
+        for depth, taken in ((4, True), (1, False)):
+            assert speculator._ahead is not None and speculator._ahead.key == ((seq.request_id, seq.num_tokens),)
+            speculator.costs.draft = 7.0  # far too high: any figure taken replaces it at once
+            step(depth)
+            assert speculator.costs.draft < 1.0 if taken else speculator.costs.draft == 7.0
+        assert speculator.stats.steps == 3
+    finally:
+        speculator.pool.free(seq.request_id)
+        ex.runner.kv_cache.free(seq.request_id)
+        ex.shutdown()
+
+
 def test_auto_times_a_decode_step_again_every_so_many_speculative_steps(monkeypatch):
     """A first decode figure far too high (say, a step that took a first-use cost) would keep
     ``auto`` speculating for good; one step in ``REMEASURE_EVERY + 1`` runs alone, the draft not
