@@ -233,7 +233,7 @@ def paged_decode(
     return out
 
 
-MIN_SPLIT_BLOCKS = 4  # a run shorter than this many table columns costs more to merge than it saves
+MIN_SPLIT_BLOCKS = 4  # the fewest table columns a run may cover (the runs' real lengths follow the context)
 MAX_SPLITS = 16
 
 
