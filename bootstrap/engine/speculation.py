@@ -215,7 +215,7 @@ class Speculator:
         seqs, k = batch.seqs, max(limits)
         starts = [(seq.num_computed, seq.num_tokens, seq.draft_computed) for seq in seqs]
         lagging = any(seq.num_tokens - seq.draft_computed > 2 for seq in seqs)  # a long first pass: not a draft pass's cost
-        passes = k - 1 if self._ahead is not None and self._ahead.key == _key(seqs) else k  # the first may be queued
+        ran_none = k == 1 and self._queued_for(seqs)  # its one draft pass was the last step's, queued ahead
         try:
             clock = StepClock(self.target.device)
             proposals, q = self._propose(seqs, k)
@@ -230,8 +230,8 @@ class Speculator:
             self._undo(seqs, starts)
             raise
         drafting, verifying = clock.split()
-        if passes and not lagging:  # per pass, the one queued ahead counted: what the device did not hide of it is in
-            self.costs.record("draft", drafting / k)  # the wall time; a step whose one pass was queued ahead ran none
+        if not (lagging or ran_none):  # per pass, the one queued ahead counted: what the device did not hide of it
+            self.costs.record("draft", drafting / k)  # is in the wall time
         self.costs.record("verify", verifying)
         for seq, (computed, length, _), run, limit in zip(seqs, starts, runs, limits):
             kept = len(run) - 1
@@ -269,10 +269,13 @@ class Speculator:
     def _take_ahead(self, seqs: list[Sequence]) -> torch.Tensor | None:
         """The logits the last step's queued pass left for these requests, if it was queued for
         exactly them as they are now; used once."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is None or ahead.key != _key(seqs):
-            return None
-        return ahead.logits
+        logits = self._ahead.logits if self._queued_for(seqs) else None
+        self._ahead = None
+        return logits
+
+    def _queued_for(self, seqs: list[Sequence]) -> bool:
+        """Whether the pass queued ahead was queued for exactly these requests as they are now."""
+        return self._ahead is not None and self._ahead.key == tuple((seq.request_id, seq.num_tokens) for seq in seqs)
 
     def _catch_up(self, seqs: list[Sequence]) -> torch.Tensor:
         """The first draft pass, over what the draft lacks of each request, at least its last
@@ -386,10 +389,6 @@ class _Ahead:
 
     key: tuple[tuple[int, int], ...]
     logits: torch.Tensor
-
-
-def _key(seqs: list[Sequence]) -> tuple[tuple[int, int], ...]:
-    return tuple((seq.request_id, seq.num_tokens) for seq in seqs)
 
 
 def _weight_bytes(model: torch.nn.Module) -> int:

@@ -62,12 +62,14 @@ def test_greedy_with_a_draft_on_cuda_is_the_targets_own(kind):
 
 
 def counted(runner: ModelRunner) -> dict[str, int]:
-    """Count a runner's graph replays and its eager steps of one-token rows."""
-    counts = {"replays": 0, "eager_rows": 0}
+    """Count a runner's graph replays (and the most rows a replayed bucket had) and its eager
+    steps of one-token rows."""
+    counts = {"replays": 0, "widest_rows": 0, "eager_rows": 0}
     replay, eager = runner.graphs.replay, runner.prepare_decode
 
     def replayed(bucket):
         counts["replays"] += 1
+        counts["widest_rows"] = max(counts["widest_rows"], bucket[0])
         return replay(bucket)
 
     def eagerly(*args, **kwargs):
@@ -127,14 +129,6 @@ def test_auto_catch_ups_after_a_pause_replay_the_drafts_graphs():
         runners[name] = ModelRunner(copy.deepcopy(weights), pool, batch, 256, max_rows=max_rows)
         runners[name].capture_decode_graphs(sizes[name])
     counts = counted(runners["draft"])
-    widest = {"rows": 0}
-    replay = runners["draft"].graphs.replay
-
-    def noted(bucket):
-        widest["rows"] = max(widest["rows"], bucket[0])
-        return replay(bucket)
-
-    runners["draft"].graphs.replay = noted
     target = runners["target"]
     ex = create_executor(target.model, target.kv_cache, SchedulerConfig(batch, 48, 256), runner=target,
                          draft=runners["draft"], speculative_tokens=k, adaptive=True, start=False)  # fmt: skip
@@ -147,7 +141,7 @@ def test_auto_catch_ups_after_a_pause_replay_the_drafts_graphs():
     finally:
         ex.shutdown()
     assert got == [reference(model, p, 3 * PROBE_EVERY) for p in asked]
-    assert counts["eager_rows"] == 0 and widest["rows"] > 2 * batch  # a catch-up of more than two rows each
+    assert counts["eager_rows"] == 0 and counts["widest_rows"] > 2 * batch  # a catch-up of more than two rows each
 
 
 def test_the_stages_capture_the_draft_and_verify_passes(tmp_path):
