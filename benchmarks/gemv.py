@@ -1,14 +1,14 @@
-"""The few-row linear kernel (``bootstrap.engine.layers.gemv``) against cuBLAS, side by side.
+"""The one-row linear kernel (``bootstrap.engine.layers.gemv``) against cuBLAS, side by side.
 
 For each model shape and each of its matrices (fused q/k/v, o, fused gate/up, down, the
-output head) and each row count: microseconds per product inside a CUDA graph, for torch's
-``F.linear`` (cuBLAS) and for the kernel with the tile ``choose`` picks, and the time the
-weight's bytes take at the bandwidth the best of them reached (the table's ``GB/s``). The graph
-cycles through enough copies of the weight that L2 holds none of them when it is read, as in a
-model's pass. ``--sweep`` also times every tile of a small grid and reports the best, which is
-how ``choose``'s numbers were picked. Needs CUDA and Triton.
+output head): microseconds per one-row product inside a CUDA graph, for torch's ``F.linear``
+(cuBLAS) and for the kernel's tile, the bandwidth the faster reached, and each one's largest
+error against a float64 product. The graph cycles through enough copies of the weight that L2
+holds none of them when it is read, as in a model's pass. ``--sweep`` also times a grid of
+tiles and reports the five fastest, which is how the kernel's tile was picked. Needs CUDA and
+Triton.
 
-    python benchmarks/gemv.py --models llama-3.2-1b,llama-3.1-8b --rows 1,2,5,8 --out gemv.json
+    python benchmarks/gemv.py --models llama-3.2-1b,llama-3.1-8b --sweep --out gemv.json
 """
 
 from __future__ import annotations
@@ -55,36 +55,27 @@ def per_call_us(call, weights: list[torch.Tensor], replays: int) -> float:
     return round(start.elapsed_time(end) * 1000 / replays / len(weights), 2)
 
 
-def sweep_tiles(rows: int) -> list[gemv.Tile]:
-    """Tiles of both kinds whose partial sums fit a program's registers."""
-    if rows > 2:
-        grid = itertools.product((16, 32, 64), (64, 128, 256, 512), (1, 2, 4, 8), (2, 4))
-        return [gemv.Tile(n, k, s, w, dot=True) for n, k, s, w in grid if n * k <= 16384]
-    grid = itertools.product((4, 8, 16), (256, 512, 1024, 2048), (1, 2, 4, 8), (2, 4, 8))
-    return [gemv.Tile(n, k, s, w) for n, k, s, w in grid if n * k * rows <= 16384]
+def sweep_tiles() -> list[tuple[int, int]]:
+    """``(block_n, block_k)`` tiles whose partial sums fit a program's registers."""
+    return [(n, k) for n, k in itertools.product((4, 8, 16), (512, 1024, 2048)) if n * k <= 16384]
 
 
-def measure(name: str, shape: tuple[int, int], rows: int, args: argparse.Namespace) -> dict:
+def measure(name: str, shape: tuple[int, int], args: argparse.Namespace) -> dict:
     n, k = shape
     weight_bytes = n * k * 2
     copies = max(2, -(-ROTATE_BYTES // weight_bytes))
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
-    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    sms = gemv.streaming_multiprocessors(x.device)
-    tile = gemv.choose(rows, n, k, sms)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     reference = x.double() @ weights[0].double().T
     error = lambda out: (out.double() - reference).abs().max().item()  # noqa: E731
-    row = {"matrix": name, "out_features": n, "in_features": k, "rows": rows, "weight_mb": round(weight_bytes / 1e6, 1),
-           "tile": tile.__dict__, "cublas_us": per_call_us(lambda w: F.linear(x, w), weights, args.replays),
-           "kernel_us": per_call_us(lambda w: gemv.linear(x, w, tile=tile), weights, args.replays),
+    row = {"matrix": name, "out_features": n, "in_features": k, "weight_mb": round(weight_bytes / 1e6, 1),
+           "tile": [gemv.BLOCK_N, gemv.BLOCK_K], "cublas_us": per_call_us(lambda w: F.linear(x, w), weights, args.replays),
+           "kernel_us": per_call_us(lambda w: gemv.linear(x, w), weights, args.replays),
            "cublas_max_error": error(F.linear(x, weights[0])), "kernel_max_error": error(gemv.linear(x, weights[0]))}  # fmt: skip
     if args.sweep:
-        timed = [(per_call_us(lambda w, t=t: gemv.linear(x, w, tile=t), weights, args.replays), t) for t in sweep_tiles(rows)]
-        timed.sort(key=lambda pair: pair[0])
-        row |= {"sweep_best_us": timed[0][0], "sweep_best_tile": timed[0][1].__dict__,
-                "sweep_top": [[us, list(t.__dict__.values())] for us, t in timed[:5]]}  # fmt: skip
-    fastest = min(row["cublas_us"], row["kernel_us"], row.get("sweep_best_us", float("inf")))
-    row["best_gb_per_s"] = round(weight_bytes / fastest / 1e3, 1)
+        timed = [(per_call_us(lambda w, t=t: gemv.linear(x, w, *t), weights, args.replays), list(t)) for t in sweep_tiles()]
+        row["sweep_top"] = sorted(timed)[:5]
+    row["best_gb_per_s"] = round(weight_bytes / min(row["cublas_us"], row["kernel_us"]) / 1e3, 1)
     row["speedup"] = ratio(row["cublas_us"], row["kernel_us"])
     return row
 
@@ -92,9 +83,8 @@ def measure(name: str, shape: tuple[int, int], rows: int, args: argparse.Namespa
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="llama-3.2-1b,llama-3.1-8b")
-    parser.add_argument("--rows", default="1,2,5,8")
     parser.add_argument("--replays", type=int, default=20)
-    parser.add_argument("--sweep", action="store_true", help="also time a grid of tiles and report the best")
+    parser.add_argument("--sweep", action="store_true", help="also time a grid of tiles and report the five fastest")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or gemv.triton is None:
@@ -102,11 +92,10 @@ def main(argv: list[str] | None = None) -> None:
     report = {**report_header("gemv", argv, torch.device("cuda")), "results": []}
     for model in args.models.split(","):
         for name, shape in matrices(model).items():
-            for rows in (int(r) for r in args.rows.split(",")):
-                report["results"].append({"model": model, **measure(name, shape, rows, args)})
-                print(report["results"][-1], flush=True)
-                save(report, args.out)
-                torch.cuda.empty_cache()
+            report["results"].append({"model": model, **measure(name, shape, args)})
+            print(report["results"][-1], flush=True)
+            save(report, args.out)
+            torch.cuda.empty_cache()
     emit(report, args.out)
 
 

@@ -9,7 +9,7 @@ with one all-reduce (the bias added once, after it). One rank (``Shard()``) is t
 
 ``checkpoint_index`` names the part of a checkpoint tensor this rank reads, so the loader reads
 only that slice from the file, straight into its place. Every product goes through ``project``:
-a few rows of half-precision input on CUDA take ``gemv``'s kernel, the rest ``F.linear``.
+one row of half-precision input on CUDA takes ``gemv``'s kernel, the rest ``F.linear``.
 """
 
 from __future__ import annotations

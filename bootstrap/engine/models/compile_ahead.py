@@ -4,8 +4,8 @@ On a machine whose Triton cache does not hold them yet, compiling the kernels a 
 takes seconds, paid by its first forward (the profiling stage's). ``compiling_ahead(model)``
 launches each kernel once on zero tensors of the model's own widths and dtype (so Triton
 specializes it exactly as the real calls will) while the block runs (the weights being read):
-the norm, rotary and activation kernels (``layers.fused``), the few-row linear kernel
-(``layers.gemv``, for each projection's shape and each of its row classes), the paged decode
+the norm, rotary and activation kernels (``layers.fused``), the one-row linear kernel
+(``layers.gemv``, for each projection's shape), the paged decode
 kernel (whole rows, and rows split in runs with their merge kernel) and KV-write kernel (``triton_decode``,
 for blocks of ``BootstrapConfig``'s default size: another size compiles at its first use).
 Each kernel function gets its own thread, so their compiles (and the compiler and linker
@@ -31,7 +31,6 @@ from bootstrap.engine.layers import fused, gemv
 from bootstrap.engine.layers.norm import RMSNorm
 
 TOKENS_PER_BLOCK = BootstrapConfig.model_fields["tokens_per_block"].default
-ROW_CLASSES = (1, 2, 3)  # one row, two (each its own specialization), and the ``tl.dot`` tile for 3 to MAX_ROWS
 log = logging.getLogger(__name__)
 
 
@@ -105,8 +104,7 @@ def _launch(call: tuple, dtype: torch.dtype, device: torch.device) -> None:
     elif kind == "gemv":
         n, k, has_bias = shape
         weight = zeros(1, k).expand(n, k)  # the same specialization as the layer's [n, k] weight, for k elements
-        for rows in ROW_CLASSES:
-            gemv.linear(zeros(rows, k), weight, zeros(n) if has_bias else None)
+        gemv.linear(zeros(1, k), weight, zeros(n) if has_bias else None)
     elif kind == "write_kv":
         kv_heads, head_dim = shape
         cache, key = zeros(1, TOKENS_PER_BLOCK, kv_heads, head_dim), zeros(1, kv_heads, head_dim)
