@@ -105,3 +105,24 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise ValueError(f"expected an integer >= 1, got {text!r}")
     return value
+
+
+def graph_replay_us(call, replays: int) -> float:
+    """Microseconds per replay of ``call`` captured as one CUDA graph (run once before the capture,
+    so Triton compiles outside it; three replays to warm up; CUDA events over ``replays``)."""
+    import torch
+
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays * 1000

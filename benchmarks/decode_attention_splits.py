@@ -16,27 +16,13 @@ import argparse
 from pathlib import Path
 
 import torch
-from bench_common import emit, ratio, report_header, save
+from bench_common import emit, graph_replay_us, ratio, report_header, save
 
 from bootstrap.engine import triton_decode
 
 
 def replay_us(call, replays: int) -> float:
-    """Microseconds per replay of ``call`` captured as a CUDA graph (compiled before capture)."""
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return round(start.elapsed_time(end) / replays * 1000, 2)
+    return round(graph_replay_us(call, replays), 2)
 
 
 def measure(args: argparse.Namespace, rows: int, context: int) -> dict:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_common import emit, ratio, report_header, save
+from bench_common import emit, graph_replay_us, ratio, report_header, save
 
 from bootstrap.capacity.presets import preset_shape
 from bootstrap.engine.layers import gemv
@@ -38,21 +38,7 @@ def matrices(model: str) -> dict[str, tuple[int, int]]:
 
 def per_call_us(call, weights: list[torch.Tensor], replays: int) -> float:
     """Microseconds per ``call(weight)``, one call per copy captured in one graph, replayed."""
-    for w in weights[:1]:
-        call(w)  # compiles before capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for w in weights:
-            call(w)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return round(start.elapsed_time(end) * 1000 / replays / len(weights), 2)
+    return round(graph_replay_us(lambda: [call(w) for w in weights], replays) / len(weights), 2)
 
 
 def sweep_tiles() -> list[tuple[int, int]]:
