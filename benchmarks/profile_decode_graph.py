@@ -4,8 +4,11 @@ Random weights of ``--model``, a KV pool with every row at ``--context`` tokens,
 graph per ``--batch-sizes`` entry replayed ``--replays`` times under ``torch.profiler`` (CUPTI
 sees the kernels inside graphs). Prints, per batch size, the replay time (CUDA events), the
 top kernels, and the share of time in GEMMs, attention and everything else; writes JSON.
+``--rows-per-request R`` gives each request ``R`` rows at consecutive positions over one block
+table: a speculative verify pass at ``R = k + 1``, a draft pass catching up at 2.
 
     python benchmarks/profile_decode_graph.py --model random:llama-3.1-8b --batch-sizes 1,64 --context 288
+    python benchmarks/profile_decode_graph.py --batch-sizes 1 --rows-per-request 1,5 --context 512
 """
 
 from __future__ import annotations
@@ -31,32 +34,49 @@ def classify(name: str) -> str:
     return "other"
 
 
+def rows_step(size: int, per_request: int, context: int, blocks: int, tpb: int) -> DecodeStep:
+    """``size`` requests of ``context`` cached tokens, each with ``per_request`` rows at
+    positions ``context, context + 1, ...`` over its own block table."""
+    ids, positions, slots, tables = [], [], [], []
+    for request in range(size):
+        table = list(range(request * blocks, (request + 1) * blocks))
+        for position in range(context, context + per_request):
+            ids.append(7)
+            positions.append(position)
+            slots.append(table[position // tpb] * tpb + position % tpb)
+            tables.append(table)
+    return DecodeStep(ids, positions, slots, tables)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="random:llama-3.1-8b")
     parser.add_argument("--batch-sizes", default="1,64")
     parser.add_argument("--context", type=int, default=288)
+    parser.add_argument("--rows-per-request", default="1", help="comma-separated; each is profiled at each batch size")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--kernel", default="auto")
     parser.add_argument("--compile-norms", choices=["auto", "yes", "no"], default="auto")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     sizes = [int(b) for b in args.batch_sizes.split(",")]
+    per_request = [int(r) for r in args.rows_per_request.split(",")]
     loaded = load_model(args.model, device=torch.device("cuda"), dtype=torch.bfloat16)
     tpb, seq_len = 32, args.context + 64
     spec = KVCacheSpec.from_config(loaded.hf_config, torch.bfloat16)
     cache = PagedKVCache.from_tokens(spec, max(sizes) * (seq_len + tpb), tpb, "cuda")
-    ex = create_executor(loaded.model, cache, SchedulerConfig(max(sizes), max(sizes) * 64, seq_len), start=False)
+    rows_max = max(sizes) * max(per_request)
+    ex = create_executor(loaded.model, cache, SchedulerConfig(rows_max, rows_max * 64, seq_len), start=False)
     ex.runner.decode_kernel = ex.runner._decode_kernel(args.kernel)
-    capture = ex.runner.capture_decode_graphs(sizes, compile_norms={"yes": True, "no": False}.get(args.compile_norms))
-    blocks = -(-(args.context + 1) // tpb)
+    shapes = [(size, r) for size in sizes for r in per_request]
+    capture = ex.runner.capture_decode_graphs(sorted({size * r for size, r in shapes}),
+                                              compile_norms={"yes": True, "no": False}.get(args.compile_norms))  # fmt: skip
+    blocks = -(-(args.context + max(per_request)) // tpb)
     report = {"model": args.model, "context": args.context, "kernel": ex.runner.decode_kernel,
               "compile_norms": args.compile_norms, "widths": capture.widths, "results": []}  # fmt: skip
-    for size in sizes:
-        tables = [list(range(r * blocks, (r + 1) * blocks)) for r in range(size)]
-        slots = [t[args.context // tpb] * tpb + args.context % tpb for t in tables]
-        step = DecodeStep([7] * size, [args.context] * size, slots, tables)
-        bucket = ex.runner.graphs.bucket(size, blocks)
+    for size, r in shapes:
+        step = rows_step(size, r, args.context, blocks, tpb)
+        bucket = ex.runner.graphs.bucket(step.size, blocks)
         ex.runner.decode_buffers.fill(step, bucket[0])
         for _ in range(3):
             ex.runner.graphs.replay(bucket)
@@ -77,7 +97,7 @@ def main() -> None:
         shares: dict[str, float] = {}
         for name, ms, _ in kernels:
             shares[classify(name)] = shares.get(classify(name), 0.0) + ms
-        row = {"batch_size": size, "step_ms": round(step_ms, 3), "kernels_per_step": sum(k[2] for k in kernels),
+        row = {"batch_size": size, "rows_per_request": r, "step_ms": round(step_ms, 3), "kernels_per_step": sum(k[2] for k in kernels),
                "ms_by_class": {k: round(v, 3) for k, v in shares.items()},
                "top": [{"kernel": n[:90], "ms": round(ms, 3), "count": c} for n, ms, c in kernels[:15]]}  # fmt: skip
         print(json.dumps(row, indent=1), flush=True)
