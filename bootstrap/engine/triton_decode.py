@@ -209,8 +209,8 @@ def paged_decode(
     _, tpb, kv_heads, _ = k_cache.shape
     if splits is None:
         splits = num_splits(rows * kv_heads, block_tables.shape[1], programs_wanted(q.device))
-    q = q.contiguous()
-    out = torch.empty_like(q)
+    q = q if q.stride(-1) == 1 else q.contiguous()  # rows and heads go by their strides: a q/k/v view needs no copy
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     partial = stats = out  # unread without a split
     if splits > 1:
         partial = torch.empty(rows, splits, heads, head_dim, dtype=torch.float32, device=q.device)

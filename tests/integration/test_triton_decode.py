@@ -46,6 +46,13 @@ SCRIPT = textwrap.dedent('''
             for b in range(B):
                 torch.testing.assert_close(got[b], reference(b, window, softcap), atol=1e-5, rtol=1e-5)
 
+    # q as attention gets it: a view of the fused q/k/v rows (row stride past H * D), read in place
+    qkv = torch.randn(B, (H + 2 * KVH) * D)
+    view = qkv[:, : H * D].view(B, H, D)
+    assert not view.is_contiguous()
+    assert torch.equal(paged_decode(view, kc, vc, tables, lens, 0.3, None, None, 3),
+                       paged_decode(view.contiguous(), kc, vc, tables, lens, 0.3, None, None, 3))
+
     from bootstrap.engine.triton_decode import write_kv
 
     key = torch.randn(1, KVH, 4, D)[0].transpose(0, 1)  # [T, KVH, D] as attention gets it: strided
