@@ -23,6 +23,7 @@ from typing import NoReturn
 
 import torch
 
+from bootstrap.engine.argmax import argmax
 from bootstrap.engine.logits_processing import History, TokenLogprob, needs_processing, process, token_logprobs
 
 MAX_SEED = 2**63 - 1
@@ -164,7 +165,7 @@ class Sampler:
         are what ``min_tokens`` holds back)."""
         self._check_batch(logits, params, generators)
         logits = self._processed(logits, params, histories, eos_token_ids)
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax(logits)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
             index = torch.tensor(rows, device=logits.device)
@@ -245,7 +246,7 @@ class Sampler:
         # from the maximum: effectively greedy, as it should be.
         probs = self.probabilities(logits, params)
         noise = self._exponential_noise(probs, generators)
-        return (probs / noise).argmax(dim=-1)
+        return argmax(probs / noise)
 
     @staticmethod
     def _column(values: list, like: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bootstrap.engine.argmax import argmax
 from bootstrap.engine.decode_step import DecodeStep, queued_tensor, request_runs
 from bootstrap.engine.kv_cache import PagedKVCache
 from bootstrap.engine.logits_processing import History, needs_processing
@@ -310,7 +311,7 @@ class Speculator:
         """One proposal per row ``[B]`` from a draft pass's logits; a sampling batch appends the
         draft's distributions to ``dists``."""
         if greedy:
-            return logits.argmax(dim=-1)
+            return argmax(logits)
         probs = self.sampler.probabilities(logits, [seq.params for seq in seqs])
         dists.append(probs)
         return torch.stack([self._draw(seq, row) for seq, row in zip(seqs, probs)])
@@ -325,7 +326,7 @@ class Speculator:
     @staticmethod
     def _draw(seq: Sequence, probs: torch.Tensor) -> torch.Tensor:
         if seq.params.greedy:
-            return probs.argmax()
+            return argmax(probs)
         return torch.multinomial(probs, 1, generator=seq.generator)[0]
 
     def _verify(self, seqs: list[Sequence], proposals: torch.Tensor, k: int) -> torch.Tensor:

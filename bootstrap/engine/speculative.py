@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from bootstrap.engine.argmax import argmax
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -81,7 +83,7 @@ def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor, limit
     ``limits`` [B]: row ``b`` considers only its first ``limits[b]`` proposals (the rest are
     padding: a request that speculates less this step)."""
     rows, k = _check(draft_tokens, target_logits)
-    best = target_logits.argmax(dim=-1)  # [B, k + 1]
+    best = argmax(target_logits)  # [B, k + 1]
     accepted = _kept_prefix(_within(draft_tokens == best[:, :k], limits))
     return Verdict(accepted, _assemble(draft_tokens, accepted, best.gather(1, accepted[:, None])[:, 0]))
 
