@@ -163,7 +163,7 @@ from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, Schedule
 from bootstrap.engine.models import load_own_model
 def fused_entries():
     names = ("_rms_norm_kernel", "_rotary_kernel", "_act_mul_kernel", "_paged_decode_kernel", "_write_kv_kernel",
-             "_merge_splits_kernel")
+             "_merge_splits_kernel", "_gemv_kernel")
     return sorted(str(p) for p in pathlib.Path({str(tmp_path / "triton")!r}).rglob("*") if p.name.startswith(names))
 model = load_own_model(pathlib.Path({str(tmp_path / "ckpt")!r}), torch.device("cuda"), torch.bfloat16)
 after_load = fused_entries()

@@ -1,6 +1,7 @@
 """The one-row linear kernel (``bootstrap.engine.layers.gemv``) compiled on CUDA: against a
 float64 product, no further from it than cuBLAS is, for the projection shapes of real models;
-inside a CUDA graph, replaying new inputs; and ``usable`` refusing what it does not take."""
+inside a CUDA graph, replaying new inputs; and the layers' ``project`` taking it exactly where
+``usable`` says."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from bootstrap.engine.layers import gemv
+from bootstrap.engine.layers.linear import project
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or gemv.triton is None, reason="needs CUDA and Triton")
 CUDA = torch.device("cuda")
@@ -35,18 +37,18 @@ def test_a_captured_product_replays_new_inputs():
     w = torch.randn(2048, 8192, device=CUDA, dtype=torch.bfloat16) / 90
     x = torch.randn(1, 8192, device=CUDA, dtype=torch.bfloat16)
     assert gemv.usable(x, w)
-    gemv.linear(x, w)  # compiled before the capture
+    project(x, w)  # compiled before the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = gemv.linear(x, w)
+        out = project(x, w)
     for seed in range(3):
         x.copy_(torch.randn(1, 8192, generator=torch.Generator().manual_seed(seed)).to(x))
         graph.replay()
         assert torch.equal(out, gemv.linear(x, w))  # the same kernel, the same order: equal bits
 
 
-def test_usable_takes_one_row_of_half_precision_on_cuda_only():
+def test_project_takes_the_kernel_only_where_usable_says():
     w = torch.randn(64, 128, device=CUDA, dtype=torch.bfloat16)
     one, two = torch.randn(1, 128, device=CUDA, dtype=torch.bfloat16), torch.randn(2, 128, device=CUDA)
     assert gemv.usable(one, w)
@@ -54,3 +56,4 @@ def test_usable_takes_one_row_of_half_precision_on_cuda_only():
     assert not gemv.usable(one.float(), w.float())  # float32: cuBLAS
     assert not gemv.usable(one.cpu(), w.cpu())
     assert not gemv.usable(one, w.t().contiguous().t())  # a weight whose rows are not contiguous
+    torch.testing.assert_close(project(two, w.float()), F.linear(two, w.float()))

@@ -13,8 +13,7 @@ kernel (``BLOCK_N`` 4, ``BLOCK_K`` 1,024): Llama-3.1-8B's q/k/v 15.5 / 15.7, o 1
 gate/up 61.4 / 57.3, down 31.4 / 29.9, the output head 272 / 238; Llama-3.2-1B's q/k/v 6.1 /
 5.7, o 6.0 / 4.8, gate/up 18.4 / 19.1, down 12.6 / 11.6, head 140 / 120. At two rows or more it lost or tied in most shapes (that
 sweep's earlier form of this kernel also took 2 to 8 rows, with per-thread sums and with
-``tl.dot``), so it takes one row only. ``usable`` says when it can take a product. Not yet
-called by the layers: its final form has not run end to end on a GPU (see benchmarks/README.md).
+``tl.dot``), so those go to cuBLAS. ``usable`` says when the layers take this path.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ rank's input columns, multiplies the rank's activations, and sums the ranks' par
 with one all-reduce (the bias added once, after it). One rank (``Shard()``) is the plain layer.
 
 ``checkpoint_index`` names the part of a checkpoint tensor this rank reads, so the loader reads
-only that slice from the file, straight into its place.
+only that slice from the file, straight into its place. Every product goes through ``project``:
+one row of half-precision input on CUDA takes ``gemv``'s kernel, the rest ``F.linear``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from bootstrap.engine.layers import gemv
+
 Index = tuple[slice, ...]
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)``: ``gemv.linear`` where ``gemv.usable`` says, else ``F.linear``."""
+    if gemv.usable(x, weight):
+        return gemv.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 @dataclass(frozen=True)
@@ -70,6 +80,9 @@ class FusedLinear(torch.nn.Linear):
                              f"{tuple(target.shape) if target is not None else 'no bias'}")  # fmt: skip
         return target[rows]
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return project(x, self.weight, self.bias)
+
     def split(self, out: torch.Tensor) -> list[torch.Tensor]:
         return list(out.split([s.stop - s.start for s in self.parts.values()], dim=-1))
 
@@ -86,7 +99,14 @@ class RowLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shard.size == 1:
-            return super().forward(x)
+            return project(x, self.weight, self.bias)
         out = F.linear(x, self.weight)
         torch.distributed.all_reduce(out)
         return out if self.bias is None else out + self.bias
+
+
+class HeadLinear(torch.nn.Linear):
+    """The output head: whole on every rank, its product through ``project``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return project(x, self.weight, self.bias)

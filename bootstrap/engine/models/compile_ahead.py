@@ -4,8 +4,9 @@ On a machine whose Triton cache does not hold them yet, compiling the kernels a 
 takes seconds, paid by its first forward (the profiling stage's). ``compiling_ahead(model)``
 launches each kernel once on zero tensors of the model's own widths and dtype (so Triton
 specializes it exactly as the real calls will) while the block runs (the weights being read):
-the norm, rotary and activation kernels (``layers.fused``) and the paged decode kernel (whole
-rows, and rows split in runs with their merge kernel) and KV-write kernel (``triton_decode``,
+the norm, rotary and activation kernels (``layers.fused``), the one-row linear kernel
+(``layers.gemv``, for each projection's shape), the paged decode
+kernel (whole rows, and rows split in runs with their merge kernel) and KV-write kernel (``triton_decode``,
 for blocks of ``BootstrapConfig``'s default size: another size compiles at its first use).
 Each kernel function gets its own thread, so their compiles (and the compiler and linker
 processes they wait on) run side by side and no function is compiled by two threads at once;
@@ -26,7 +27,7 @@ import torch
 
 from bootstrap.config import BootstrapConfig
 from bootstrap.engine import triton_decode, triton_start
-from bootstrap.engine.layers import fused
+from bootstrap.engine.layers import fused, gemv
 from bootstrap.engine.layers.norm import RMSNorm
 
 TOKENS_PER_BLOCK = BootstrapConfig.model_fields["tokens_per_block"].default
@@ -65,6 +66,8 @@ def _launch_each(calls: list[tuple], dtype: torch.dtype, device: torch.device) -
 def _calls(model: torch.nn.Module) -> Iterator[tuple]:
     """One tuple per distinct kernel specialization the forward launches, the kernel's name first."""
     for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module.weight.dtype in gemv.HALF_DTYPES:
+            yield ("gemv", *module.weight.shape, module.bias is not None)
         if isinstance(module, RMSNorm):
             yield ("norm", module.weight.shape[0], module.offset)
         attention = getattr(module, "self_attn", None)
@@ -98,6 +101,10 @@ def _launch(call: tuple, dtype: torch.dtype, device: torch.device) -> None:
     elif kind == "act":
         width, activation = shape
         fused.act_mul(zeros(1, width), activation)
+    elif kind == "gemv":
+        n, k, has_bias = shape
+        weight = zeros(1, k).expand(n, k)  # the same specialization as the layer's [n, k] weight, for k elements
+        gemv.linear(zeros(1, k), weight, zeros(n) if has_bias else None)
     elif kind == "write_kv":
         kv_heads, head_dim = shape
         cache, key = zeros(1, TOKENS_PER_BLOCK, kv_heads, head_dim), zeros(1, kv_heads, head_dim)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from bootstrap.capacity.shape import ModelShape
 from bootstrap.engine.attention import ATTN_IMPLEMENTATION, AttentionMetadata, DecodeMetadata, attend
 from bootstrap.engine.layers import fused
-from bootstrap.engine.layers.linear import FusedLinear, RowLinear, Shard
+from bootstrap.engine.layers.linear import FusedLinear, HeadLinear, RowLinear, Shard
 from bootstrap.engine.layers.norm import RMSNorm
 from bootstrap.engine.layers.rotary import Rotary, rotate_qk
 
@@ -233,7 +233,7 @@ class DecoderLM(torch.nn.Module):
         self.tp_size = shard.size
         self.generation_config = SimpleNamespace(eos_token_id=generation_eos)
         self.model = DecoderBody(config, device, shard)
-        self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=device)
+        self.lm_head = HeadLinear(config.hidden_size, config.vocab_size, bias=False, device=device)
         self.tie_weights()
 
     def tie_weights(self) -> None:
