@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bootstrap.engine.argmax import argmax, chunks_for
+from bootstrap.engine.argmax import argmax, chunks_for, split
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 CUDA = torch.device("cuda")
@@ -21,9 +21,10 @@ def test_two_stages_equal_torch_on_ties_and_nan(vocab, rows, dtype):
     x[0, vocab - 1] = x[0].max() + 1  # the last index alone
     if rows > 2:
         x[2, vocab // 2], x[2, 7] = float("nan"), float("nan")
-    assert chunks_for(vocab) > 1
-    assert torch.equal(argmax(x), x.argmax(dim=-1))
-    assert torch.equal(argmax(x.view(rows, 1, vocab)), x.argmax(dim=-1)[:, None])
+    want = x.argmax(dim=-1)
+    assert torch.equal(argmax(x), want)  # split or not, as ``split`` picks
+    assert torch.equal(argmax(x, chunks_for(vocab)), want)  # split at every vocabulary and row count
+    assert torch.equal(argmax(x.view(rows, 1, vocab), chunks_for(vocab)), want[:, None])
 
 
 def test_inside_a_graph_it_follows_new_logits():
@@ -33,6 +34,7 @@ def test_inside_a_graph_it_follows_new_logits():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = argmax(x)
+    assert split(128256, 5) > 1  # the split path is the one captured
     for seed in range(3):
         torch.manual_seed(seed)
         x.copy_(torch.randn_like(x).round())
