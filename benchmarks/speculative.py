@@ -8,7 +8,7 @@ Real drafts with real acceptance cannot run here (random weights agree with noth
 acceptance is controlled: the draft runs its ``k`` passes as usual (its cost is real), then each
 proposal is replaced by the target's own greedy continuation (recorded from a baseline run, then
 recorded again through the verify pass: ``calibrated``) with probability ``--acceptance``, else
-by another token. With greedy verification a proposal is then
+by another token, one draw per request and output position (``Controlled``). With greedy verification a proposal is then
 kept exactly when it and every one before it are the target's, so the acceptance per position
 is the chosen rate. Both paths run once at each batch size before it is timed (first-use kernel
 compilation is not counted; ``auto`` has then measured its passes). Each point: ``batch`` requests of ``--prompt-len`` random tokens,
@@ -82,23 +82,31 @@ def measured_expectation(rate: float, speculator, decode_s: float) -> float:
 
 class Controlled:
     """Replaces the speculator's proposals: the target's recorded continuation with probability
-    ``rate``, else another token; the draft's passes still run first."""
+    ``rate``, else another token; the draft's passes still run first. Whether the proposal for a
+    request's output position is the right one is fixed per (request, position): one uniform
+    draw each, kept below ``rate``. So a run repeats its accepted runs exactly, whatever the
+    step boundaries (two commits compare at the same drawn acceptance), and a higher rate keeps
+    every position a lower one kept."""
 
     def __init__(self, speculator, references: dict[tuple[int, ...], list[int]], vocab: int) -> None:
         self.speculator, self.references, self.vocab = speculator, references, vocab
         self.original = speculator._propose
-        self.rate, self.rng = 1.0, random.Random(0)
+        self.rate = 1.0
+        span = max(len(r) for r in references.values()) + speculator.k + 1
+        self.draws = {prompt: [rng.random() for _ in range(span)]
+                      for prompt, rng in ((p, random.Random(i)) for i, p in enumerate(references))}  # fmt: skip
         speculator._propose = self.propose
 
     def propose(self, seqs, k):
         proposals, q = self.original(seqs, k)
         rows = []
         for seq in seqs:
-            ahead = self.references[tuple(seq.prompt_token_ids)][len(seq.output_token_ids) :]
+            prompt, done = tuple(seq.prompt_token_ids), len(seq.output_token_ids)
+            ahead, draws = self.references[prompt][done:], self.draws[prompt][done:]
             row = []
             for j in range(k):
                 right = ahead[j] if j < len(ahead) else 0
-                row.append(right if self.rng.random() < self.rate else (right + 1) % self.vocab)
+                row.append(right if draws[j] < self.rate else (right + 1) % self.vocab)
             rows.append(row)
         pinned = torch.tensor(rows, dtype=torch.long, pin_memory=proposals.is_cuda)  # queued, not waited for
         return pinned.to(proposals.device, non_blocking=True), q
