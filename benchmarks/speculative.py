@@ -168,6 +168,21 @@ def calibrated(executor, control: Controlled, prompts: list[list[int]], gen_len:
     return references
 
 
+def controlled(executor, prompts: list[list[int]],
+               gen_len: int) -> tuple[float, list[list[int]], Controlled, list[list[int]]]:  # fmt: skip
+    """One point's setup: both paths run once at this batch size (kernels compiled, shapes seen),
+    the baseline timed, its speculator's proposals put under ``Controlled`` and its references
+    calibrated. Returns the baseline's seconds and outputs, the control and the references; the
+    speculator is left switched off."""
+    speculator, loop = executor.speculator, executor._loop
+    for warm in (speculator, None):
+        loop.speculator = warm
+        timed(executor, prompts, 8)
+    base_s, baseline = timed(executor, prompts, gen_len)
+    control = Controlled(speculator, {tuple(p): r for p, r in zip(prompts, baseline)}, executor.runner.vocab_size)
+    return base_s, baseline, control, calibrated(executor, control, prompts, gen_len)
+
+
 async def build(args: argparse.Namespace, auto: bool):
     config = BootstrapConfig.parse(model=args.model, draft_model=args.draft_model, device=args.device,
                                    max_seq_len=args.max_seq_len, num_speculative_tokens="auto" if auto else args.k,
@@ -185,12 +200,7 @@ def measure(args: argparse.Namespace, executor, auto: bool) -> list[dict]:
     results = []
     for batch in (int(b) for b in args.batches.split(",")):
         prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(batch)]
-        for warm in (speculator, None):  # both paths once at this batch size: kernels compiled, shapes seen
-            loop.speculator = warm
-            timed(executor, prompts, 8)
-        base_s, baseline = timed(executor, prompts, args.gen_len)
-        control = Controlled(speculator, {tuple(p): r for p, r in zip(prompts, baseline)}, vocab)
-        references = calibrated(executor, control, prompts, args.gen_len)
+        base_s, baseline, control, references = controlled(executor, prompts, args.gen_len)
         rates = [0.0] if auto else [float(a) for a in args.acceptance.split(",")]
         for rate in rates:
             control.rate = rate

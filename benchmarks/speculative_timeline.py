@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_common import emit  # noqa: E402
-from speculative import Controlled, StepTimes, build, calibrated, timed  # noqa: E402
+from speculative import StepTimes, build, controlled, timed  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -118,12 +118,7 @@ def measure(args: argparse.Namespace, executor) -> dict:
     vocab = executor.runner.vocab_size
     rng = random.Random(1)
     prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.batch)]
-    for warm in (speculator, None):
-        loop.speculator = warm
-        timed(executor, prompts, 8)
-    _, baseline = timed(executor, prompts, args.gen_len)
-    control = Controlled(speculator, {tuple(p): r for p, r in zip(prompts, baseline)}, vocab)
-    calibrated(executor, control, prompts, args.gen_len)
+    control = controlled(executor, prompts, args.gen_len)[2]
     control.rate, loop.speculator = args.acceptance, speculator
     clock = StepTimes(speculator)
     before = (speculator.stats.proposed, speculator.stats.accepted)
