@@ -97,7 +97,8 @@ def main() -> None:
         shares: dict[str, float] = {}
         for name, ms, _ in kernels:
             shares[classify(name)] = shares.get(classify(name), 0.0) + ms
-        row = {"batch_size": size, "rows_per_request": r, "step_ms": round(step_ms, 3), "kernels_per_step": sum(k[2] for k in kernels),
+        row = {"batch_size": size, "rows_per_request": r, "step_ms": round(step_ms, 3),
+               "kernels_per_step": sum(k[2] for k in kernels),
                "ms_by_class": {k: round(v, 3) for k, v in shares.items()},
                "top": [{"kernel": n[:90], "ms": round(ms, 3), "count": c} for n, ms, c in kernels[:15]]}  # fmt: skip
         print(json.dumps(row, indent=1), flush=True)

@@ -11,9 +11,9 @@ Measured side by side in CUDA graphs over weights that L2 does not hold (``bench
 ``benchmarks/results/gemv_sweep_h200_rows_1_2_5.json``), µs at one row, cuBLAS against this
 kernel (``BLOCK_N`` 4, ``BLOCK_K`` 1,024): Llama-3.1-8B's q/k/v 15.5 / 15.7, o 12.5 / 10.6,
 gate/up 61.4 / 57.3, down 31.4 / 29.9, the output head 272 / 238; Llama-3.2-1B's q/k/v 6.1 /
-5.7, o 6.0 / 4.8, gate/up 18.4 / 19.1, down 12.6 / 11.6, head 140 / 120. At two rows or more it lost or tied in most shapes (that
-sweep's earlier form of this kernel also took 2 to 8 rows, with per-thread sums and with
-``tl.dot``), so those go to cuBLAS. ``usable`` says when the layers take this path.
+5.7, o 6.0 / 4.8, gate/up 18.4 / 19.1, down 12.6 / 11.6, head 140 / 120. At two rows or more it
+lost or tied in most shapes (that sweep's earlier form of this kernel also took 2 to 8 rows,
+with per-thread sums and with ``tl.dot``), so those go to cuBLAS. ``usable`` says when the layers take this path.
 """
 
 from __future__ import annotations
