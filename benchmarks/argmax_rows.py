@@ -1,4 +1,4 @@
-"""The two-stage argmax (``bootstrap.engine.argmax``) against ``torch.argmax``, side by side.
+"""The two-stage argmax (``bootstrap.engine.sampling.argmax``) against ``torch.argmax``, side by side.
 
 For each vocabulary, row count and dtype: microseconds per argmax over ``[rows, vocab]`` inside a
 CUDA graph (as a decode step's sampler, a draft pass and a verify pass take it), for
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from bench_common import emit, graph_replay_us, ratio, report_header, save
 
-from bootstrap.engine.argmax import argmax, chunks_for
+from bootstrap.engine.sampling.argmax import argmax, chunks_for
 
 
 def tied_logits(rows: int, vocab: int, dtype: torch.dtype) -> torch.Tensor:

@@ -5,7 +5,7 @@ One process, one model, two starts through the native backend, side by side:
 - ``fraction_0.9``: ``free_gpu_memory_fraction`` 0.9 given explicitly: TensorRT-LLM's rule and
   semantics (KV gets 0.9 of the memory left after the measured peak);
 - ``default``: no memory rule given: on CUDA the native engine's default headroom
-  (``bootstrap.backends.native_headroom``: the measured activation peak again, one continued
+  (``bootstrap.backends.native.headroom``: the measured activation peak again, one continued
   prompt chunk's gathered context and mask, 512 MiB of workspaces) is kept free and KV gets the
   rest; elsewhere the default is the fraction rule;
 - with ``--headroom-bytes N``, a third start with ``kv_headroom_bytes`` N.
@@ -48,10 +48,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also w
 from bench_common import emit, failure, positive_int, ratio, release_memory, report_header, resolve_device, save  # noqa: E402
 
 from bootstrap.api import Bootstrap  # noqa: E402
-from bootstrap.backends.native import DTYPES  # noqa: E402
+from bootstrap.backends.native.backend import DTYPES  # noqa: E402
 from bootstrap.config import BootstrapConfig  # noqa: E402
 from bootstrap.devices import is_oom  # noqa: E402
-from bootstrap.engine.sampling import SamplingParams  # noqa: E402
+from bootstrap.engine.sampling.sampler import SamplingParams  # noqa: E402
 
 TAIL_STEPS = 3  # decode-only steps at full occupancy after the last prefill
 GOALS = {"kv_fraction_of_physical": 0.97, "worst_case_ooms": 0, "defaults_for_comparison": 0.9}

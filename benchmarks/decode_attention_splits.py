@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from bench_common import emit, graph_replay_us, ratio, report_header, save
 
-from bootstrap.engine import triton_decode
+from bootstrap.engine.kernels import paged_kv
 
 
 def replay_us(call, replays: int) -> float:
@@ -33,10 +33,10 @@ def measure(args: argparse.Namespace, rows: int, context: int) -> dict:
     tables = torch.randperm(rows * width, device="cuda").view(rows, width)
     lens = torch.full((rows,), context, dtype=torch.long, device="cuda")
     q = torch.randn(rows, args.heads, args.head_dim, device="cuda", dtype=torch.bfloat16)
-    auto = triton_decode.num_splits(rows * args.kv_heads, width, triton_decode.programs_wanted(q.device))
+    auto = paged_kv.num_splits(rows * args.kv_heads, width, paged_kv.programs_wanted(q.device))
 
     def run(splits: int) -> float:
-        return replay_us(lambda: triton_decode.paged_decode(q, kc, vc, tables, lens, None, splits=splits), args.replays)
+        return replay_us(lambda: paged_kv.paged_decode(q, kc, vc, tables, lens, None, splits=splits), args.replays)
 
     row = {"rows": rows, "context": context, "table_width": width, "auto_splits": auto, "whole_us": run(1),
            "auto_us": run(auto), "forced_us": {str(s): run(s) for s in args.splits if s != 1}}  # fmt: skip
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--replays", type=int, default=200)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available() or not triton_decode.available(torch.device("cuda"), args.tokens_per_block):
+    if not torch.cuda.is_available() or not paged_kv.available(torch.device("cuda"), args.tokens_per_block):
         raise SystemExit("needs CUDA and Triton")
     report = {**report_header("decode_attention_splits", argv, torch.device("cuda")),
               "shape": {k: getattr(args, k) for k in ("heads", "kv_heads", "head_dim", "tokens_per_block")},

@@ -46,9 +46,9 @@ import transformers
 
 from bootstrap.capacity.cuda_graph_buckets import default_batch_sizes
 from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
-from bootstrap.engine.executor import PyExecutor
-from bootstrap.engine.layers import fused
-from bootstrap.engine.loader import DEFAULT_MODEL, LoadedWeights, load_model
+from bootstrap.engine.executor.py_executor import PyExecutor
+from bootstrap.engine.kernels import fused
+from bootstrap.engine.sources.loader import DEFAULT_MODEL, LoadedWeights, load_model
 from bootstrap.engine.models.decoder import DecoderLM
 from bootstrap.engine.models.weights import checkpoint_tensors
 

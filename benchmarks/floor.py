@@ -140,9 +140,9 @@ def load_file_read(files: list[Path], device: Any) -> dict[str, float]:
 def forward_and_captures(model: Any, args: argparse.Namespace, device: Any) -> dict[str, float]:
 
     from bootstrap.capacity.cuda_graph_buckets import default_batch_sizes
-    from bootstrap.engine.create import create_executor
+    from bootstrap.engine.executor.create import create_executor
     from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
-    from bootstrap.engine.profile_run import run_dummy_requests
+    from bootstrap.engine.executor.profile_run import run_dummy_requests
     from bootstrap.engine.scheduler import SchedulerConfig
 
     start = time.perf_counter()

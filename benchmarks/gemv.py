@@ -1,4 +1,4 @@
-"""The one-row linear kernel (``bootstrap.engine.layers.gemv``) against cuBLAS, side by side.
+"""The one-row linear kernel (``bootstrap.engine.kernels.gemv``) against cuBLAS, side by side.
 
 For each model shape and each of its matrices (fused q/k/v, o, fused gate/up, down, the
 output head): microseconds per one-row product inside a CUDA graph, for torch's ``F.linear``
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from bench_common import emit, graph_replay_us, ratio, report_header, save
 
 from bootstrap.capacity.presets import preset_shape
-from bootstrap.engine.layers import gemv
+from bootstrap.engine.kernels import gemv
 
 ROTATE_BYTES = 400 << 20  # the weight copies a graph cycles through: well past the H200's 50 MB of L2
 

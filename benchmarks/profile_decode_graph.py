@@ -21,8 +21,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bootstrap.engine import KVCacheSpec, PagedKVCache, SchedulerConfig, create_executor
-from bootstrap.engine.loader import load_model
-from bootstrap.engine.model_runner import DecodeStep
+from bootstrap.engine.sources.loader import load_model
+from bootstrap.engine.step.runner import DecodeStep
 
 
 def classify(name: str) -> str:

@@ -30,7 +30,7 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when loaded by path
 from bench_common import emit  # noqa: E402
 
-from bootstrap.engine.timing import RequestTiming
+from bootstrap.engine.request.timing import RequestTiming
 from bootstrap.pipeline.telemetry import TRACER_NAME, make_tracer_provider
 from bootstrap.serve.request_trace import SCOPE_KEY, RequestTracing, record_choices
 

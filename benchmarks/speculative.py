@@ -46,7 +46,7 @@ from bench_common import emit  # noqa: E402
 from bootstrap import BootstrapConfig  # noqa: E402
 from bootstrap.api import Bootstrap  # noqa: E402
 from bootstrap.engine import SamplingParams  # noqa: E402
-from bootstrap.engine.speculative import StepCosts, best_depth, expected_tokens  # noqa: E402
+from bootstrap.engine.spec.depth import StepCosts, best_depth, expected_tokens  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

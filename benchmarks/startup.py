@@ -50,14 +50,14 @@ from bench_common import (  # noqa: E402
 )
 
 from bootstrap.api import Bootstrap  # noqa: E402
-from bootstrap.backends.native import DTYPES  # noqa: E402
+from bootstrap.backends.native.backend import DTYPES  # noqa: E402
 from bootstrap.capacity.config_json import parse_config  # noqa: E402
 from bootstrap.capacity.cuda_graph_buckets import default_batch_sizes  # noqa: E402
 from bootstrap.config import BootstrapConfig  # noqa: E402
-from bootstrap.engine.create import create_executor  # noqa: E402
+from bootstrap.engine.executor.create import create_executor  # noqa: E402
 from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
-from bootstrap.engine.loader import load_hf_config, load_model  # noqa: E402
-from bootstrap.engine.profile_run import run_dummy_requests  # noqa: E402
+from bootstrap.engine.sources.loader import load_hf_config, load_model  # noqa: E402
+from bootstrap.engine.executor.profile_run import run_dummy_requests  # noqa: E402
 from bootstrap.engine.scheduler import SchedulerConfig  # noqa: E402
 
 DEFAULT_MODELS = "random:llama-3.2-1b,random:llama-3.1-8b,random:qwen2.5-14b"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from bootstrap.engine.loader import load_model
+from bootstrap.engine.sources.loader import load_model
 
 
 def main(argv: list[str] | None = None) -> int:

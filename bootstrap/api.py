@@ -170,8 +170,8 @@ def default_backend(config: BootstrapConfig) -> Backend:
     """The backend ``config.backend`` names on ``config.device``; without torch, or ``trtllm``
     without TensorRT-LLM installed, ``MissingExtra`` naming the install command."""
     require_engine()
-    from bootstrap.backends.native import NativeBackend  # imports torch: only when asked for
-    from bootstrap.backends.native_placement import device_for
+    from bootstrap.backends.native.backend import NativeBackend  # imports torch: only when asked for
+    from bootstrap.backends.native.placement import device_for
 
     if config.backend == "trtllm":
         from bootstrap.backends.trtllm import create_backend

@@ -28,9 +28,9 @@ from bootstrap.devices import Device
 from bootstrap.pipeline.undo import Undo
 
 if TYPE_CHECKING:
-    from bootstrap.engine.sampling import SamplingParams
-    from bootstrap.engine.sequence import Response, StreamEvent
-    from bootstrap.engine.stats import EngineStats
+    from bootstrap.engine.sampling.sampler import SamplingParams
+    from bootstrap.engine.request.sequence import Response, StreamEvent
+    from bootstrap.engine.executor.stats import EngineStats
 
 
 class Backend(Protocol):

@@ -1,6 +1,6 @@
 """CUDA-graph buckets, pure (no torch): which batch sizes and block-table widths are captured.
 
-``bootstrap.engine.cuda_graphs`` captures one decode graph per (batch size, width) bucket; the
+``bootstrap.engine.step.graphs`` captures one decode graph per (batch size, width) bucket; the
 stages choose the batch sizes (and fewer of them after an out-of-memory error) with these
 functions, so planning and the CLI need no torch.
 """

@@ -11,7 +11,7 @@ apply, and which the ``capacity`` span records (``bootstrap.memory_rule``, ``.so
    probe_kv) * fraction``. Give one of the two; both is a ``ConfigError``.
 3. Neither given: the backend's own headroom where it knows a bound on what its executor can
    still need beyond the profile (``Backend.default_headroom_bytes``; the native engine on CUDA
-   with its paged decode kernel, ``backends/native_headroom.py``), else TensorRT-LLM's default
+   with its paged decode kernel, ``backends/native/headroom.py``), else TensorRT-LLM's default
    fraction, 0.9. The backend's headroom partly depends on the measured activation peak: before
    profiling (the probe cap) it is the part known from the config, and ``capacity`` recomputes it
    from the profile; the rule itself (which of the three, and why) does not change.

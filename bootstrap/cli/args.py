@@ -16,11 +16,11 @@ from typing import Any
 
 from bootstrap.capacity.presets import preset_names
 from bootstrap.config import BootstrapConfig, ConfigError, file_kind
-from bootstrap.engine.prompts import check_text
+from bootstrap.engine.request.prompts import check_text
 
 DEFAULT_PLAN_CACHE = Path.home() / ".cache" / "executor-bootstrap" / "plans"
 DEFAULT_MODEL = BootstrapConfig.model_fields["model"].default
-MAX_SEED = 2**63 - 1  # the engine's SamplingParams range (bootstrap.engine.sampling, which imports torch)
+MAX_SEED = 2**63 - 1  # the engine's SamplingParams range (bootstrap.engine.sampling.sampler, which imports torch)
 # free text that reaches a tokenizer (prompt, chat), an HTTP header (api_key) or a JSON body (served_model_name)
 TEXT_FLAGS = ("prompt", "chat", "api_key", "served_model_name")
 MAX_SECONDS = 86_400.0  # a day: beyond it a timeout is a typo, and timedelta/asyncio overflow near inf

@@ -17,7 +17,7 @@ from bootstrap.cli.exits import BAD_INPUT, BAD_INPUT_ERRORS, INTERRUPTED, epilog
 from bootstrap.cli.plan import add_plan_args, main_plan
 from bootstrap.cli.run import add_run_args, main_run
 from bootstrap.cli.serve import add_serve_args, main_serve
-from bootstrap.cli.trace import add_trace_args, main_trace
+from bootstrap.cli.trace.command import add_trace_args, main_trace
 from bootstrap.pipeline.process import ProcessTimeline
 
 Command = Callable[[argparse.Namespace], int]

@@ -32,7 +32,7 @@ FAULTABLE = ("load_model", "estimation_build", "profiling", "final_build", "sche
 
 
 def add_plan_args(plan: argparse.ArgumentParser) -> None:
-    from bootstrap.backends.sim_gpus import SIM_GPUS
+    from bootstrap.backends.sim.gpus import SIM_GPUS
 
     add_config_args(plan, "plan")
     add = plan.add_argument
@@ -80,8 +80,8 @@ def main_plan(args: argparse.Namespace) -> int:
 
 
 async def run_plan(args: argparse.Namespace) -> tuple[dict[str, Any], StageFailed | None]:
-    from bootstrap.backends.sim import SimBackend
-    from bootstrap.backends.sim_gpus import sim_device
+    from bootstrap.backends.sim.backend import SimBackend
+    from bootstrap.backends.sim.gpus import sim_device
 
     config = config_from_args(args)
     faults = [parse_fault(f) for f in args.fault]

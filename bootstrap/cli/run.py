@@ -39,8 +39,8 @@ from bootstrap.cli.tp import (
     this_rank,
 )
 from bootstrap.config import BootstrapConfig
-from bootstrap.engine import triton_start
-from bootstrap.engine.prompts import chat_ids, checked_max_tokens, sampling_params, text_ids
+from bootstrap.engine.kernels import triton_start
+from bootstrap.engine.request.prompts import chat_ids, checked_max_tokens, sampling_params, text_ids
 from bootstrap.pipeline import StageFailed, failure_paragraph
 from bootstrap.pipeline.events import StageEvent
 from bootstrap.pipeline.report import stage_table

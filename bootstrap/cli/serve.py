@@ -39,7 +39,7 @@ from bootstrap.cli.args import (
 )
 from bootstrap.cli.exits import BAD_INPUT, BAD_INPUT_ERRORS, OK
 from bootstrap.cli.stops import STOP_SIGNALS
-from bootstrap.engine import triton_start
+from bootstrap.engine.kernels import triton_start
 
 ENV_API_KEY = "BOOTSTRAP_API_KEY"
 FORCE_AFTER_S = 10.0  # past the grace period: how long cancelled streams get to send their final chunk

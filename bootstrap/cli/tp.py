@@ -115,8 +115,8 @@ def rank_backend(config: Any, args: argparse.Namespace) -> Any:
     rank (the default backend)."""
     if config.tensor_parallel_size == 1 or config.backend != "native":
         return None
-    from bootstrap.backends.native import NativeBackend
-    from bootstrap.backends.native_placement import rank_device, rank_env
+    from bootstrap.backends.native.backend import NativeBackend
+    from bootstrap.backends.native.placement import rank_device, rank_env
     from bootstrap.parallel.torch_dist import init_ranks
 
     env = rank_env(config)

@@ -1,7 +1,7 @@
 """The native PyTorch inference engine: paged KV cache, paged attention for transformers models,
 capacity and micro-batch scheduling, sampling, and the ``PyExecutor`` loop.
 
-Names are exported lazily, so importing a light submodule (``bootstrap.engine.sampling``) does
+Names are exported lazily, so importing a light submodule (``bootstrap.engine.sampling.sampler``) does
 not import transformers.
 """
 
@@ -15,31 +15,31 @@ _EXPORTS = {
     "KVCacheSpec": "kv_cache",
     "KVCacheStats": "kv_cache",
     "PagedKVCache": "kv_cache",
-    "ATTN_IMPLEMENTATION": "attention",
-    "AttentionMetadata": "attention",
-    "paged_attention": "attention",
-    "use_metadata": "attention",
-    "ModelRunner": "model_runner",
-    "Sequence": "sequence",
-    "SequenceStatus": "sequence",
+    "ATTN_IMPLEMENTATION": "layers.attention",
+    "AttentionMetadata": "layers.attention",
+    "paged_attention": "layers.attention",
+    "use_metadata": "layers.attention",
+    "ModelRunner": "step.runner",
+    "Sequence": "request.sequence",
+    "SequenceStatus": "request.sequence",
     "CapacityScheduler": "scheduler",
     "MicroBatchScheduler": "scheduler",
-    "ScheduledBatch": "scheduler",
+    "ScheduledBatch": "step.batch",
     "Scheduler": "scheduler",
     "SchedulerConfig": "scheduler",
-    "PyExecutor": "executor",
-    "RequestInUse": "requests",
-    "RequestStats": "requests",
-    "Response": "sequence",
-    "StreamEvent": "sequence",
-    "create_executor": "create",
-    "EngineStats": "stats",
-    "load_model": "loader",
-    "load_hf_config": "loader",
-    "resolve_source": "loader",
-    "ModelSourceError": "loader",
-    "Sampler": "sampling",
-    "SamplingParams": "sampling",
+    "PyExecutor": "executor.py_executor",
+    "RequestInUse": "executor.request_table",
+    "RequestStats": "executor.request_table",
+    "Response": "request.sequence",
+    "StreamEvent": "request.sequence",
+    "create_executor": "executor.create",
+    "EngineStats": "executor.stats",
+    "load_model": "sources.loader",
+    "load_hf_config": "sources.loader",
+    "resolve_source": "sources.loader",
+    "ModelSourceError": "sources.loader",
+    "Sampler": "sampling.sampler",
+    "SamplingParams": "sampling.sampler",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -12,7 +12,7 @@ token for every request in decode, then prefill chunks in admission order until
 
 ``Scheduler`` holds the queues and ties the two to the KV cache.
 
-With a draft model (speculative decoding, ``bootstrap.engine.speculation``) the draft has a pool
+With a draft model (speculative decoding, ``bootstrap.engine.spec.speculator``) the draft has a pool
 of its own, with the same block size: a request's reservation holds in both pools (admission
 counts the smaller one's blocks) and is freed in both. It needs no extra slots: a speculative
 step never writes past what the request's whole life reserves (its depth is capped there).
@@ -31,8 +31,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from bootstrap.engine.kv_cache import PagedKVCache
-from bootstrap.engine.prompts import length_problem
-from bootstrap.engine.sequence import Sequence, SequenceStatus
+from bootstrap.engine.request.prompts import length_problem
+from bootstrap.engine.request.sequence import Sequence, SequenceStatus
+from bootstrap.engine.step.batch import ScheduledBatch
 
 
 @dataclass(frozen=True)
@@ -51,32 +52,6 @@ class SchedulerConfig:
                 f"SchedulerConfig.max_batch_size ({self.max_batch_size}) must be <= max_num_tokens "
                 f"({self.max_num_tokens}): every request in a step needs at least one token"
             )
-
-
-@dataclass
-class ScheduledBatch:
-    """One forward step: ``num_new_tokens[i]`` tokens of ``seqs[i]``, in this order."""
-
-    seqs: list[Sequence]
-    num_new_tokens: list[int]
-    rows: list[int] | None = None  # the logits row of each sampling request, when forks share their parent's
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    @property
-    def is_decode(self) -> bool:
-        """True when every request runs exactly its one last sampled token."""
-        return all(n == 1 and not s.in_prefill for s, n in zip(self.seqs, self.num_new_tokens))
-
-    def split(self) -> list[ScheduledBatch]:
-        """One single-request batch per request, same tokens."""
-        return [ScheduledBatch([s], [n]) for s, n in zip(self.seqs, self.num_new_tokens)]
-
-    def samples(self) -> list[bool]:
-        """Per request: does this step complete its pending tokens, so a token gets sampled?"""
-        return [s.num_computed + n == s.num_tokens for s, n in zip(self.seqs, self.num_new_tokens)]
 
 
 class CapacityScheduler:

@@ -21,12 +21,15 @@ from contextlib import asynccontextmanager
 import anyio
 from fastapi import FastAPI
 
-from bootstrap.serve import bootstrap_routes, build_task, openai_routes, status_routes
+from bootstrap.serve.openai import routes as openai_routes
+from bootstrap.serve.startup import routes as startup_routes
+from bootstrap.serve.startup import task as build_task
+from bootstrap.serve.status import routes as status_routes
 from bootstrap.serve.auth import OPEN, APIKeyMiddleware
 from bootstrap.serve.body_limit import BodyLimitMiddleware
 from bootstrap.serve.errors import install_handlers
 from bootstrap.serve.metrics import ServeMetrics
-from bootstrap.serve.request_body import document_bodies
+from bootstrap.serve.openai.bodies import document_bodies
 from bootstrap.serve.request_trace import RequestTracing
 from bootstrap.serve.state import ServeState
 
@@ -41,7 +44,7 @@ def create_app(state: ServeState, on_fatal: Callable[[], None] = lambda: None) -
     app.state.metrics = ServeMetrics(state)
     app.state.created = time.time()
     install_handlers(app)
-    app.include_router(bootstrap_routes.router)
+    app.include_router(startup_routes.router)
     app.include_router(openai_routes.router)
     app.include_router(status_routes.router)
     document_bodies(app)

@@ -11,7 +11,7 @@ response carries a ``traceparent`` naming the server's span, so a caller can fin
 The request span runs from the request's arrival to its last byte (or its error) and holds the
 endpoint, the HTTP status, tokens in and out and the finish reasons. Once its choices are
 closed (``Choices.close``), each gets a ``bootstrap.request.choice`` span with its queue, prefill
-and decode spans, placed from the engine's own timing (``bootstrap.engine.timing``): the KV
+and decode spans, placed from the engine's own timing (``bootstrap.engine.request.timing``): the KV
 blocks it held, its prefill steps and its decode steps.
 """
 

@@ -18,7 +18,7 @@ import anyio
 from bootstrap.backends.base import RequestExecutor
 from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.pipeline.process import ProcessTimeline
-from bootstrap.serve.recent import RecentRequests
+from bootstrap.serve.status.recent import RecentRequests
 
 Phase = Literal["starting", "bootstrapping", "ready", "failed", "shutting_down"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bootstrap.engine.argmax import argmax, chunks_for, split
+from bootstrap.engine.sampling.argmax import argmax, chunks_for, split
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 CUDA = torch.device("cuda")

@@ -16,7 +16,7 @@ from test_engine_cuda import SHAPE, build, prompts, reference
 import bootstrap
 from bootstrap.devices import CudaDevice
 from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
-from bootstrap.engine.cuda_graphs import release_workspaces
+from bootstrap.engine.step.graphs import release_workspaces
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,4 +1,4 @@
-"""The own model code's Triton kernels (``bootstrap.engine.layers.fused``) against the eager
+"""The own model code's Triton kernels (``bootstrap.engine.kernels.fused``) against the eager
 PyTorch code they replace (the layers' CPU path, run here on the same CUDA tensors), and the own
 model on CUDA, kernels and decode graphs included, against transformers."""
 
@@ -12,8 +12,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Qwen3Config
 
-from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor, triton_decode
-from bootstrap.engine.layers import fused
+from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
+from bootstrap.engine.kernels import paged_kv
+from bootstrap.engine.kernels import fused
 from bootstrap.engine.layers.norm import RMSNorm
 from bootstrap.engine.layers.rotary import Rotary, apply_rotary, rotate_qk
 from bootstrap.engine.models import load_own_model
@@ -89,15 +90,15 @@ def test_paged_decode_split_in_runs_matches_whole_rows_in_a_graph(window):
         tables = torch.randperm(6 * width, device=CUDA)[: rows * width].view(rows, width)
         lens = torch.zeros(rows, dtype=torch.long, device=CUDA)
         q = torch.randn(rows, heads, dim, device=CUDA, dtype=torch.bfloat16)
-        assert triton_decode.num_splits(rows * kv_heads, width, triton_decode.programs_wanted(CUDA)) > 1
+        assert paged_kv.num_splits(rows * kv_heads, width, paged_kv.programs_wanted(CUDA)) > 1
         graph, out = torch.cuda.CUDAGraph(), None
-        triton_decode.paged_decode(q, kc, vc, tables, lens.fill_(1), None, window)  # compiled before capture
+        paged_kv.paged_decode(q, kc, vc, tables, lens.fill_(1), None, window)  # compiled before capture
         with torch.cuda.graph(graph):
-            out = triton_decode.paged_decode(q, kc, vc, tables, lens, None, window)
+            out = paged_kv.paged_decode(q, kc, vc, tables, lens, None, window)
         for lengths in ([1, 31, 700, 1000, 2048][:rows], [37, 33, 65, 999, 2][:rows]):
             lens.copy_(torch.tensor(lengths))
             graph.replay()
-            whole = triton_decode.paged_decode(q, kc, vc, tables, lens, None, window, splits=1)
+            whole = paged_kv.paged_decode(q, kc, vc, tables, lens, None, window, splits=1)
             for row, n in enumerate(lengths):
                 slots = tables[row, torch.arange(n, device=CUDA) // tpb] * tpb + torch.arange(n, device=CUDA) % tpb
                 k = kc.view(-1, kv_heads, dim)[slots].double().repeat_interleave(heads // kv_heads, 1)

@@ -1,4 +1,4 @@
-"""The one-row linear kernel (``bootstrap.engine.layers.gemv``) compiled on CUDA: against a
+"""The one-row linear kernel (``bootstrap.engine.kernels.gemv``) compiled on CUDA: against a
 float64 product, no further from it than cuBLAS is, for the projection shapes of real models;
 inside a CUDA graph, replaying new inputs; and the layers' ``project`` taking it exactly where
 ``usable`` says."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bootstrap.engine.layers import gemv
+from bootstrap.engine.kernels import gemv
 from bootstrap.engine.layers.linear import project
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or gemv.triton is None, reason="needs CUDA and Triton")

@@ -33,8 +33,8 @@ from bootstrap.api import Bootstrap  # noqa: E402
 from bootstrap.capacity import dummy_workload_tokens  # noqa: E402
 from bootstrap.config import BootstrapConfig  # noqa: E402
 from bootstrap.devices import CudaDevice  # noqa: E402
-from bootstrap.engine.cuda_graphs import release_workspaces  # noqa: E402
-from bootstrap.engine.sampling import SamplingParams  # noqa: E402
+from bootstrap.engine.step.graphs import release_workspaces  # noqa: E402
+from bootstrap.engine.sampling.sampler import SamplingParams  # noqa: E402
 from bootstrap.pipeline import StageFailed  # noqa: E402
 from bootstrap.stages import STAGE_IDS  # noqa: E402
 

@@ -17,12 +17,12 @@ from test_engine_cuda import build, prompts, reference
 
 from bootstrap import BootstrapConfig
 from bootstrap.api import Bootstrap
-from bootstrap.backends.native_speculation import graph_sizes
+from bootstrap.engine.spec.rows import graph_sizes
 from bootstrap.capacity.cuda_graph_buckets import default_batch_sizes, speculative_batch_sizes
 from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
-from bootstrap.engine.create import speculative_rows
-from bootstrap.engine.model_runner import ModelRunner
-from bootstrap.engine.speculative import PROBE_EVERY, ROW_TOKENS
+from bootstrap.engine.spec.rows import speculative_rows
+from bootstrap.engine.step.runner import ModelRunner
+from bootstrap.engine.spec.depth import PROBE_EVERY, ROW_TOKENS
 
 pytestmark = [
     pytest.mark.gpu,

@@ -68,7 +68,7 @@ def test_triton_starts_in_a_thread_without_importing_torch():
 
     script = """
 import sys
-from bootstrap.engine import triton_start
+from bootstrap.engine.kernels import triton_start
 assert triton_start.begin_for("cuda", "native", 1) and not triton_start.begin_for("cpu", "native", 1)
 triton_start.wait()
 torch_modules = [m for m in sys.modules if m.partition(".")[0] == "torch"]

@@ -13,8 +13,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bootstrap.backends.native import NativeBackend
-from bootstrap.backends.native_placement import device_for
+from bootstrap.backends.native.backend import NativeBackend
+from bootstrap.backends.native.placement import device_for
 
 
 class GatedBackend(NativeBackend):

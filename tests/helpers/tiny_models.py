@@ -102,7 +102,7 @@ def last_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     code (which attends through the paged KV cache) in one prefill step of an executor."""
     from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
     from bootstrap.engine.models.decoder import DecoderLM
-    from bootstrap.engine.sequence import Sequence, next_request_id
+    from bootstrap.engine.request.sequence import Sequence, next_request_id
 
     if not isinstance(model, DecoderLM):
         with torch.no_grad():

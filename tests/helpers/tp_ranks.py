@@ -17,11 +17,11 @@ import anyio
 import torch
 
 from bootstrap.api import Bootstrap
-from bootstrap.backends.native import NativeBackend
+from bootstrap.backends.native.backend import NativeBackend
 from bootstrap.config import BootstrapConfig
 from bootstrap.devices import CpuDevice
-from bootstrap.engine.model_runner import ModelRunner
-from bootstrap.engine.sampling import SamplingParams
+from bootstrap.engine.step.runner import ModelRunner
+from bootstrap.engine.sampling.sampler import SamplingParams
 from bootstrap.parallel.torch_dist import RankEnv, init_ranks, leave_ranks
 from bootstrap.pipeline import StageFailed
 

@@ -9,7 +9,7 @@ from typing import Any
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from bootstrap.api import make_pipeline
-from bootstrap.backends.sim_gpus import sim_device
+from bootstrap.backends.sim.gpus import sim_device
 from bootstrap.backends.trtllm import TrtllmBackend
 from bootstrap.config import BootstrapConfig
 from bootstrap.devices import FakeDevice

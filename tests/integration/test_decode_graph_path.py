@@ -19,7 +19,7 @@ from test_engine_parity import prompts
 from test_engine_parity import reference as generate_reference
 
 from bootstrap import BootstrapConfig
-from bootstrap.backends.native_speculation import graph_sizes
+from bootstrap.engine.spec.rows import graph_sizes
 from bootstrap.capacity.cuda_graph_buckets import (
     decode_widths,
     default_batch_sizes,
@@ -27,9 +27,9 @@ from bootstrap.capacity.cuda_graph_buckets import (
     speculative_batch_sizes,
 )
 from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
-from bootstrap.engine.attention import DecodeMetadata, paged_attention, use_metadata
-from bootstrap.engine.cuda_graphs import DecodeGraphs
-from bootstrap.engine.speculative import ROW_TOKENS
+from bootstrap.engine.layers.attention import DecodeMetadata, paged_attention, use_metadata
+from bootstrap.engine.step.graphs import DecodeGraphs
+from bootstrap.engine.spec.depth import ROW_TOKENS
 
 
 class EagerBuckets:
@@ -144,7 +144,7 @@ def test_padded_buckets_match_generate_with_requests_finishing_mid_batch(name):
 
 
 def test_decode_buffers_pad_rows_and_tables():
-    from bootstrap.engine.model_runner import DecodeBuffers, DecodeStep
+    from bootstrap.engine.step.runner import DecodeBuffers, DecodeStep
 
     buf = DecodeBuffers(4, 6, 10, torch.device("cpu"))
     buf.block_tables.fill_(7)
@@ -168,7 +168,7 @@ def test_decode_buffers_move_rows_by_offsets_on_the_device():
     """Rows placed by a verdict the host has not read: positions moved by device offsets, their
     context lengths and slots (blocks of 10 tokens here) derived from the block tables, padding
     rows moved with their real row."""
-    from bootstrap.engine.model_runner import DecodeBuffers, DecodeStep
+    from bootstrap.engine.step.runner import DecodeBuffers, DecodeStep
 
     buf = DecodeBuffers(4, 6, 10, torch.device("cpu"))
     step = DecodeStep([11, 12], [4, 9], [34, 69], [[3], [5, 6, 8]])

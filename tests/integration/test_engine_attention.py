@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from bootstrap.engine.attention import AttentionGroup, AttentionMetadata, paged_attention, use_metadata
+from bootstrap.engine.layers.attention import AttentionGroup, AttentionMetadata, paged_attention, use_metadata
 from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
 
 HEADS, KV_HEADS, DIM, TPB = 4, 2, 8, 4

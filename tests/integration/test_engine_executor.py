@@ -14,7 +14,7 @@ from tokenizers import Tokenizer, decoders, models
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
-from bootstrap.engine.sequence import Detokenizer
+from bootstrap.engine.request.sequence import Detokenizer
 
 VOCAB = 256
 POISON = 13  # a token id the fault-injection hook refuses

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
-from bootstrap.engine.loader import load_model
+from bootstrap.engine.sources.loader import load_model
 from tests.helpers.tiny_models import save_checkpoint
 
 CPU = torch.device("cpu")

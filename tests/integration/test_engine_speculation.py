@@ -1,4 +1,4 @@
-"""Two-model speculative decoding on the real CPU engine (``bootstrap.engine.speculation``):
+"""Two-model speculative decoding on the real CPU engine (``bootstrap.engine.spec.speculator``):
 greedy output with a draft is the target's own greedy output, token for token, on the tiny
 llama, mistral (window 8), qwen2 (a windowed layer) and gemma2 (soft-caps, windows), with a draft
 that always agrees (the target's own weights) and one that rarely does (other weights); under
@@ -15,13 +15,13 @@ import torch
 from helpers.tiny_models import SHAPE
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
 
-from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor, speculation
-from bootstrap.engine.model_runner import ModelRunner
-from bootstrap.engine.profile_run import run_dummy_speculation
-from bootstrap.engine.scheduler import ScheduledBatch
-from bootstrap.engine.sequence import Sequence, next_request_id
-from bootstrap.engine.speculation import _View
-from bootstrap.engine.speculative import ROW_TOKENS, StepCosts
+from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
+from bootstrap.engine.step.runner import ModelRunner
+from bootstrap.engine.executor.profile_run import run_dummy_speculation
+from bootstrap.engine.step.batch import ScheduledBatch
+from bootstrap.engine.request.sequence import Sequence, next_request_id
+from bootstrap.engine.spec.speculator import _View
+from bootstrap.engine.spec.depth import ROW_TOKENS, StepCosts
 
 CONFIGS = {
     "llama": lambda: LlamaConfig(**SHAPE),
@@ -450,7 +450,7 @@ def test_auto_times_a_decode_step_again_every_so_many_speculative_steps(monkeypa
     """A first decode figure far too high (say, a step that took a first-use cost) would keep
     ``auto`` speculating for good; one step in ``REMEASURE_EVERY + 1`` runs alone, the draft not
     fed, and is timed again, and the output stays the target's."""
-    monkeypatch.setattr(speculation, "REMEASURE_EVERY", 4)
+    monkeypatch.setattr("bootstrap.engine.spec.speculator.REMEASURE_EVERY", 4)
     target = model("llama", 1)
     ex = create_auto(target, target)
     ex.speculator.costs = StepCosts(prior=0.1)

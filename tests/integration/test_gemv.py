@@ -1,4 +1,4 @@
-"""The one-row linear kernel (``bootstrap.engine.layers.gemv``) against a float64 product, in
+"""The one-row linear kernel (``bootstrap.engine.kernels.gemv``) against a float64 product, in
 Triton's CPU interpreter (a subprocess with ``TRITON_INTERPRET=1``); skipped where Triton is not
 installed (CPU builds of torch come without it). On CUDA, tests/gpu runs the compiled kernel in
 half precision, inside CUDA graphs, against cuBLAS."""
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 SCRIPT = textwrap.dedent('''
     import torch
-    from bootstrap.engine.layers.gemv import linear
+    from bootstrap.engine.kernels.gemv import linear
 
     torch.manual_seed(0)
     cases = [  # out and in features (neither a multiple of the tile), tile, bias

@@ -21,7 +21,7 @@ from helpers.tiny_gguf import write_tiny_gguf
 from helpers.tiny_models import last_logits
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from bootstrap.engine.loader import config_dict, load_model
+from bootstrap.engine.sources.loader import config_dict, load_model
 from bootstrap.engine.models.decoder import DecoderLM
 from bootstrap.engine.sources import checkpoint, conversions
 from bootstrap.engine.sources.model_cache import SOURCE_FILE, size_of, size_text

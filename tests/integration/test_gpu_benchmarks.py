@@ -120,7 +120,7 @@ def test_an_oom_in_a_step_is_counted_even_when_the_reruns_succeed(tiny, monkeypa
 
     from bootstrap.api import Bootstrap
     from bootstrap.config import BootstrapConfig
-    from bootstrap.engine.model_runner import ModelRunner
+    from bootstrap.engine.step.runner import ModelRunner
 
     capacity = load_script("capacity")
     real_run, calls = ModelRunner.run, []

@@ -12,7 +12,7 @@ from helpers.tiny_models import last_logits
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from bootstrap.engine.loader import ModelSourceError, load_hf_config, load_model, resolve_source
+from bootstrap.engine.sources.loader import ModelSourceError, load_hf_config, load_model, resolve_source
 from bootstrap.engine.models.decoder import DecoderLM
 from bootstrap.engine.models.weights import checkpoint_tensors
 from bootstrap.engine.sources import smollm2

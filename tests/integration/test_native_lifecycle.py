@@ -17,10 +17,10 @@ from helpers.tiny_models import save_checkpoint
 
 import bootstrap
 from bootstrap.api import Bootstrap
-from bootstrap.backends import native
+from bootstrap.backends.native import backend as native
 from bootstrap.config import BootstrapConfig
 from bootstrap.engine.kv_cache import PagedKVCache
-from bootstrap.engine.sampling import SamplingParams
+from bootstrap.engine.sampling.sampler import SamplingParams
 from bootstrap.pipeline import StageFailed
 
 

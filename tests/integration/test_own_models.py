@@ -30,7 +30,7 @@ from bootstrap.capacity.presets import MODEL_PRESETS
 from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor, load_model
 from bootstrap.engine.models import FAMILIES, load_own_model, own_model_problem
 from bootstrap.engine.models.decoder import DecoderLM
-from bootstrap.engine.sequence import Sequence, next_request_id
+from bootstrap.engine.request.sequence import Sequence, next_request_id
 
 CPU = torch.device("cpu")
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -17,7 +17,7 @@ from helpers.tiny_models import save_checkpoint
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bootstrap.cli import main
-from bootstrap.engine.model_runner import ModelRunner
+from bootstrap.engine.step.runner import ModelRunner
 from bootstrap.stages import STAGE_IDS
 
 PROMPT = "w5 w17 w33 w9 w100 w42 w7"

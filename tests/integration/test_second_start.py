@@ -19,7 +19,7 @@ from helpers.tiny_gguf import write_tiny_gguf
 from helpers.tiny_models import build, save_checkpoint
 
 from bootstrap.api import Bootstrap
-from bootstrap.backends.native import NativeBackend
+from bootstrap.backends.native.backend import NativeBackend
 from bootstrap.config import BootstrapConfig
 from bootstrap.devices import CpuDevice
 from bootstrap.engine.sources import smollm2

@@ -32,9 +32,9 @@ from helpers.tiny_models import CHAT_TEMPLATE, save_checkpoint
 from hypothesis import HealthCheck, Phase, event, given, seed, settings
 from hypothesis import strategies as st
 
-from bootstrap.serve import schemas as s
+from bootstrap.serve.openai import schemas as s
 from bootstrap.serve.body_limit import MAX_BODY_BYTES
-from bootstrap.serve.request_body import MAX_CONTAINERS, MAX_KEYS, MAX_VALUES
+from bootstrap.serve.openai.bodies import MAX_CONTAINERS, MAX_KEYS, MAX_VALUES
 
 SMALL_EXAMPLES, SMALL_SEED = 300, 202003  # as the docstring says
 LARGE_EXAMPLES, LARGE_SEED = 30, 202004

@@ -18,8 +18,8 @@ from helpers.serve_process import ServeProcess, metric, wait_metric
 from helpers.tiny_models import CHAT_TEMPLATE, save_checkpoint
 
 from bootstrap.cli import main
-from bootstrap.cli.trace import read_spans
-from bootstrap.cli.trace_requests import request_rows
+from bootstrap.cli.trace.command import read_spans
+from bootstrap.cli.trace.requests import request_rows
 
 CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN = "00f067aa0ba902b7"

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
-from bootstrap.engine.loader import LoadedWeights, load_model
+from bootstrap.engine.sources.loader import LoadedWeights, load_model
 from bootstrap.engine.models.decoder import DecoderLM
-from bootstrap.engine.sequence import Sequence, next_request_id
+from bootstrap.engine.request.sequence import Sequence, next_request_id
 from bootstrap.engine.sources import smollm2
 
 pytestmark = pytest.mark.slow

@@ -159,7 +159,7 @@ def test_run_tp_2_launches_the_ranks_and_only_rank_0_prints(llama, tmp_path):
 
 
 def test_tensor_parallel_without_ranks_is_a_clear_config_error():
-    from bootstrap.backends.native import NativeBackend
+    from bootstrap.backends.native.backend import NativeBackend
     from bootstrap.config import BootstrapConfig, ConfigError
 
     with pytest.raises(ConfigError, match="tensor_parallel_size: 2 needs 2 ranks.*torchrun --nproc-per-node 2"):

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 SCRIPT = textwrap.dedent('''
     import torch
-    from bootstrap.engine.triton_decode import available, paged_decode
+    from bootstrap.engine.kernels.paged_kv import available, paged_decode
 
     assert available(torch.device("cpu"), 16) and not available(torch.device("cpu"), 8)
     torch.manual_seed(0)
@@ -53,7 +53,7 @@ SCRIPT = textwrap.dedent('''
     assert torch.equal(paged_decode(view, kc, vc, tables, lens, 0.3, None, None, 3),
                        paged_decode(view.contiguous(), kc, vc, tables, lens, 0.3, None, None, 3))
 
-    from bootstrap.engine.triton_decode import write_kv
+    from bootstrap.engine.kernels.paged_kv import write_kv
 
     key = torch.randn(1, KVH, 4, D)[0].transpose(0, 1)  # [T, KVH, D] as attention gets it: strided
     value = torch.randn(1, 4, KVH, D)[0]

@@ -28,8 +28,8 @@ import math
 from pathlib import Path
 
 from bootstrap.api import make_pipeline
-from bootstrap.backends.sim import SimBackend
-from bootstrap.backends.sim_gpus import sim_device
+from bootstrap.backends.sim.backend import SimBackend
+from bootstrap.backends.sim.gpus import sim_device
 from bootstrap.capacity import CacheCost, CapacityPlan
 from bootstrap.capacity.split import split_budgets
 from bootstrap.config import BootstrapConfig

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bootstrap.engine.argmax import FEW_ROWS, MIN_PIECE, argmax, chunks_for, split
+from bootstrap.engine.sampling.argmax import FEW_ROWS, MIN_PIECE, argmax, chunks_for, split
 
 
 @st.composite

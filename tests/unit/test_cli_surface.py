@@ -11,8 +11,8 @@ import json
 import pytest
 from rich.console import Console
 
-from bootstrap.backends.sim import SimBackend
-from bootstrap.backends.sim_gpus import sim_device
+from bootstrap.backends.sim.backend import SimBackend
+from bootstrap.backends.sim.gpus import sim_device
 from bootstrap.capacity.presets import preset_config, preset_names
 from bootstrap.cli import main
 from bootstrap.cli import run as run_command
@@ -118,7 +118,7 @@ def test_a_run_whose_stage_fails_at_run_time_exits_1(monkeypatch, capsys):
 @pytest.mark.parametrize("command, target", [
     ("plan", "bootstrap.cli.plan.anyio.run"),
     ("run", "bootstrap.cli.run.anyio.run"),
-    ("trace", "bootstrap.cli.trace.read_spans"),
+    ("trace", "bootstrap.cli.trace.command.read_spans"),
 ], ids=str)  # fmt: skip
 def test_ctrl_c_exits_130(command, target, monkeypatch, tmp_path, capsys):
     trace = tmp_path / "t.jsonl"

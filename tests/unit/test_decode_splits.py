@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from bootstrap.engine.triton_decode import MAX_SPLITS, MIN_SPLIT_BLOCKS, num_splits
+from bootstrap.engine.kernels.paged_kv import MAX_SPLITS, MIN_SPLIT_BLOCKS, num_splits
 
 WANTED = 528  # four programs per multiprocessor of an H200
 

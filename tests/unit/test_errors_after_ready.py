@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 from helpers.tiny_models import save_checkpoint
 
-from bootstrap.backends.sim import SimBackend
-from bootstrap.backends.sim_gpus import sim_device
+from bootstrap.backends.sim.backend import SimBackend
+from bootstrap.backends.sim.gpus import sim_device
 from bootstrap.cli import main
 from bootstrap.cli import run as run_command
 from bootstrap.cli.exits import STAGE_FAILED
-from bootstrap.engine.sequence import StreamEvent
+from bootstrap.engine.request.sequence import StreamEvent
 from bootstrap.stages import STAGE_IDS
 
 GLOO = "RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer\n  [127.0.0.1]:29500"
@@ -51,7 +51,7 @@ class FailingExecutor:
         try:
             raise RuntimeError(GLOO)
         except RuntimeError:  # as the worker logs a failed step: unconfigured logging prints its traceback
-            logging.getLogger("bootstrap.engine.executor").exception("step of 1 requests failed")
+            logging.getLogger("bootstrap.engine.executor.py_executor").exception("step of 1 requests failed")
         yield StreamEvent(None, "", "error", GLOO)
 
     def cancel(self, request_id) -> None:
@@ -103,7 +103,7 @@ import os, sys
 
 def rank_main(argv):  # rank 1 dies at its third step after ready, as a killed rank would
     if os.environ["RANK"] == "1":
-        from bootstrap.backends.native import NativeBackend
+        from bootstrap.backends.native.backend import NativeBackend
         start = NativeBackend.start_executor
 
         def start_then_die(self, *args, **kwargs):

@@ -5,8 +5,8 @@ and the plan cache keeps plans of either rule apart."""
 from __future__ import annotations
 
 from bootstrap.api import make_pipeline
-from bootstrap.backends.sim import SimBackend
-from bootstrap.backends.sim_gpus import sim_device
+from bootstrap.backends.sim.backend import SimBackend
+from bootstrap.backends.sim.gpus import sim_device
 from bootstrap.config import BootstrapConfig
 from bootstrap.stages.summary import plan_summary
 

@@ -7,11 +7,11 @@ import threading
 
 import torch
 
-from bootstrap.engine.inbox import Inbox
+from bootstrap.engine.executor.inbox import Inbox
 from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
-from bootstrap.engine.sampling import SamplingParams
+from bootstrap.engine.sampling.sampler import SamplingParams
 from bootstrap.engine.scheduler import Scheduler, SchedulerConfig
-from bootstrap.engine.sequence import Sequence, next_request_id
+from bootstrap.engine.request.sequence import Sequence, next_request_id
 
 
 def scheduler() -> Scheduler:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from bootstrap.engine.sequence import StreamEvent
-from bootstrap.serve.logprobs import LogprobsOut
+from bootstrap.engine.request.sequence import StreamEvent
+from bootstrap.serve.openai.logprobs import LogprobsOut
 
 
 class Words:

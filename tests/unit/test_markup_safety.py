@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from bootstrap.backends.sim import SimBackend
-from bootstrap.backends.sim_gpus import sim_device
+from bootstrap.backends.sim.backend import SimBackend
+from bootstrap.backends.sim.gpus import sim_device
 from bootstrap.cli import main
 from bootstrap.cli import run as run_command
 from bootstrap.cli.exits import BAD_INPUT, STAGE_FAILED

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from bootstrap.api import make_pipeline
-from bootstrap.backends import native
-from bootstrap.backends.native import NativeBackend
+from bootstrap.backends.native import backend as native
+from bootstrap.backends.native.backend import NativeBackend
 from bootstrap.capacity.presets import preset_shape
 from bootstrap.cli.exits import BAD_INPUT, exit_status
 from bootstrap.config import BootstrapConfig, ConfigError

@@ -12,10 +12,10 @@ import torch
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from bootstrap.api import make_pipeline
-from bootstrap.backends.native import NativeBackend
-from bootstrap.backends.native_headroom import WORKSPACE_BYTES, headroom_terms
-from bootstrap.backends.sim import SimBackend
-from bootstrap.backends.sim_gpus import sim_device
+from bootstrap.backends.native.backend import NativeBackend
+from bootstrap.backends.native.headroom import WORKSPACE_BYTES, headroom_terms
+from bootstrap.backends.sim.backend import SimBackend
+from bootstrap.backends.sim.gpus import sim_device
 from bootstrap.capacity import MemoryProfile
 from bootstrap.capacity.rules import DEFAULT_FRACTION
 from bootstrap.config import BootstrapConfig

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from bootstrap.backends import native
-from bootstrap.backends.native import NativeBackend
+from bootstrap.backends.native import backend as native
+from bootstrap.backends.native.backend import NativeBackend
 from bootstrap.devices import FakeDevice, GiB
 from bootstrap.pipeline.undo import Undo
 

@@ -13,8 +13,8 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from bootstrap.api import make_pipeline
-from bootstrap.backends.sim import SimBackend
-from bootstrap.backends.sim_gpus import sim_device
+from bootstrap.backends.sim.backend import SimBackend
+from bootstrap.backends.sim.gpus import sim_device
 from bootstrap.config import BootstrapConfig
 from bootstrap.pipeline.telemetry import make_tracer_provider
 from bootstrap.stages.plan_cache import PlanCache, fingerprint

@@ -8,8 +8,8 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from bootstrap.api import make_pipeline
-from bootstrap.backends.sim import SimBackend, executor_state_bytes
-from bootstrap.backends.sim_gpus import sim_device
+from bootstrap.backends.sim.backend import SimBackend, executor_state_bytes
+from bootstrap.backends.sim.gpus import sim_device
 from bootstrap.capacity import GIB, CapacityError, dummy_workload_tokens
 from bootstrap.config import BootstrapConfig
 from bootstrap.pipeline import StageFailed

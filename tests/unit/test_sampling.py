@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bootstrap.engine.sampling import Sampler, SamplingParams, make_generator, stop_reason, trim_stop_text
+from bootstrap.engine.sampling.sampler import Sampler, SamplingParams, make_generator, stop_reason, trim_stop_text
 
 CPU = torch.device("cpu")
 

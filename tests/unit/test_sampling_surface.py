@@ -8,9 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bootstrap.engine import sampling
-from bootstrap.engine.logits_processing import History, process, token_logprobs
-from bootstrap.engine.sampling import Sampler, SamplingParams, make_generator, stop_reason
+from bootstrap.engine.sampling import sampler as sampling
+from bootstrap.engine.sampling.processing import History, process, token_logprobs
+from bootstrap.engine.sampling.sampler import Sampler, SamplingParams, make_generator, stop_reason
 
 CPU = torch.device("cpu")
 VOCAB = 12

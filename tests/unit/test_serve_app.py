@@ -12,7 +12,7 @@ from bootstrap.cli.serve import ENV_API_KEY, serve_options
 from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.serve.app import create_app
 from bootstrap.serve.errors import APIError
-from bootstrap.serve.openai_prompts import check_length
+from bootstrap.serve.openai.inputs import check_length
 from bootstrap.serve.state import ServeOptions, ServeState
 from bootstrap.stages import STAGE_IDS
 
@@ -111,7 +111,7 @@ def test_stage_rows_show_retrying_skipped_and_failed_stages():
     from types import SimpleNamespace
 
     from bootstrap.pipeline.events import EventHub, StageEvent
-    from bootstrap.serve.progress import bootstrap_view, ready_view
+    from bootstrap.serve.startup.progress import bootstrap_view, ready_view
 
     hub = EventHub(["load_model", "estimation_build", "profiling", "final_build"])
     events = [("load_model", "started", ""), ("load_model", "done", ""), ("estimation_build", "started", ""),

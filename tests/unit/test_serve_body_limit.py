@@ -17,7 +17,7 @@ import pytest
 from bootstrap.config import BootstrapConfig
 from bootstrap.serve.app import create_app
 from bootstrap.serve.body_limit import MAX_BODY_BYTES
-from bootstrap.serve.openai_prompts import MAX_CHARS_PER_TOKEN
+from bootstrap.serve.openai.inputs import MAX_CHARS_PER_TOKEN
 from bootstrap.serve.state import ServeOptions, ServeState
 
 MAX_SEQ_LEN = 32768

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from bootstrap.backends.activations import CUBLAS_WORKSPACE_BYTES, activation_peak, sampler_state_bytes
-from bootstrap.backends.sim import SimBackend, SimExecutor, rank_weight_bytes
-from bootstrap.backends.sim_gpus import sim_device
+from bootstrap.backends.sim.backend import SimBackend, SimExecutor, rank_weight_bytes
+from bootstrap.backends.sim.gpus import sim_device
 from bootstrap.capacity import estimation_tokens, plan_capacity
 from bootstrap.capacity.presets import preset_shape
 from bootstrap.capacity.split import split_budgets

@@ -2,7 +2,7 @@
 
 import pytest
 
-from bootstrap.backends.sim_gpus import CUDA_CONTEXT_BYTES, SIM_GPUS, parse_bytes, resolve_sim_gpu, sim_device
+from bootstrap.backends.sim.gpus import CUDA_CONTEXT_BYTES, SIM_GPUS, parse_bytes, resolve_sim_gpu, sim_device
 
 MiB = 1024**2
 

@@ -1,4 +1,4 @@
-"""Speculative decoding's acceptance rules (``bootstrap.engine.speculative``). Greedy: the new
+"""Speculative decoding's acceptance rules (``bootstrap.engine.spec.verify``). Greedy: the new
 tokens are exactly the target's greedy continuation, for any draft. Sampling: the output tokens
 are distributed as the target's, checked with a chi-square test on a 5-token vocabulary over
 40,000 seeded rows at significance 0.001; a seeded row repeats whatever else is in the batch."""
@@ -10,14 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bootstrap.engine.speculative import (
-    Acceptance,
-    StepCosts,
-    accept_greedy,
-    accept_sampled,
-    best_depth,
-    expected_tokens,
-)
+from bootstrap.engine.spec.verify import accept_greedy, accept_sampled
+from bootstrap.engine.spec.depth import StepCosts, best_depth, expected_tokens
+from bootstrap.engine.request.acceptance import Acceptance
 
 CHI2_999 = {4: 18.467}  # chi-square critical values at p = 0.999 by degrees of freedom (scipy.stats.chi2.ppf)
 

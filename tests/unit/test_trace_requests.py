@@ -1,4 +1,4 @@
-"""``bootstrap trace``'s request view (``bootstrap.cli.trace_requests``) on spans written by hand
+"""``bootstrap trace``'s request view (``bootstrap.cli.trace.requests``) on spans written by hand
 in the trace file's shape: the slowest request first, its slowest choice's phases, the refused
 request without any, and attributes of the wrong type shown as ``?`` instead of failing."""
 
@@ -9,7 +9,7 @@ import json
 import pytest
 from rich.console import Console
 
-from bootstrap.cli.trace_requests import request_rows, requests_table
+from bootstrap.cli.trace.requests import request_rows, requests_table
 
 MS = 1_000_000
 

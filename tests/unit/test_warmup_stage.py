@@ -11,8 +11,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from bootstrap.api import make_pipeline
 from bootstrap.backends.artifacts import Warmup
-from bootstrap.backends.sim import SimBackend, allocate
-from bootstrap.backends.sim_gpus import sim_device
+from bootstrap.backends.sim.backend import SimBackend, allocate
+from bootstrap.backends.sim.gpus import sim_device
 from bootstrap.capacity import CacheCost, MemoryProfile, plan_capacity
 from bootstrap.capacity.cuda_graph_buckets import graph_batch_sizes
 from bootstrap.config import BootstrapConfig

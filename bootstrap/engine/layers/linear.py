@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from bootstrap.engine.layers import gemv
+from bootstrap.engine.kernels import gemv
 
 Index = tuple[slice, ...]
 

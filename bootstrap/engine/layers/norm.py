@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from bootstrap.engine.layers import fused
+from bootstrap.engine.kernels import fused
 
 
 class RMSNorm(torch.nn.Module):

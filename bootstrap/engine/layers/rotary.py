@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from bootstrap.engine.layers import fused
+from bootstrap.engine.kernels import fused
 
 SCALINGS = ("default", "linear", "llama3", "yarn")
 REFUSED = {

@@ -6,7 +6,7 @@ launches each kernel once on zero tensors of the model's own widths and dtype (s
 specializes it exactly as the real calls will) while the block runs (the weights being read):
 the norm, rotary and activation kernels (``layers.fused``), the one-row linear kernel
 (``layers.gemv``, for each projection's shape), the paged decode
-kernel (whole rows, and rows split in runs with their merge kernel) and KV-write kernel (``triton_decode``,
+kernel (whole rows, and rows split in runs with their merge kernel) and KV-write kernel (``kernels.paged_kv``,
 for blocks of ``BootstrapConfig``'s default size: another size compiles at its first use).
 Each kernel function gets its own thread, so their compiles (and the compiler and linker
 processes they wait on) run side by side and no function is compiled by two threads at once;
@@ -26,8 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from bootstrap.config import BootstrapConfig
-from bootstrap.engine import triton_decode, triton_start
-from bootstrap.engine.layers import fused, gemv
+from bootstrap.engine.kernels import paged_kv, triton_start
+from bootstrap.engine.kernels import fused, gemv
 from bootstrap.engine.layers.norm import RMSNorm
 
 TOKENS_PER_BLOCK = BootstrapConfig.model_fields["tokens_per_block"].default
@@ -108,10 +108,10 @@ def _launch(call: tuple, dtype: torch.dtype, device: torch.device) -> None:
     elif kind == "write_kv":
         kv_heads, head_dim = shape
         cache, key = zeros(1, TOKENS_PER_BLOCK, kv_heads, head_dim), zeros(1, kv_heads, head_dim)
-        triton_decode.write_kv(key, key, indices(), indices(), cache, cache)
+        paged_kv.write_kv(key, key, indices(), indices(), cache, cache)
     else:
         heads, kv_heads, head_dim, windowed, capped = shape
         cache, lengths = zeros(1, TOKENS_PER_BLOCK, kv_heads, head_dim), torch.ones(1, dtype=torch.long, device=device)
         for splits in (1, 2):  # whole rows, and rows split in runs with the merge kernel after them
-            triton_decode.paged_decode(zeros(1, heads, head_dim), cache, cache, indices().view(1, 1), lengths, None,
+            paged_kv.paged_decode(zeros(1, heads, head_dim), cache, cache, indices().view(1, 1), lengths, None,
                                        8 if windowed else None, 30.0 if capped else None, splits)  # fmt: skip

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from bootstrap.capacity.shape import ModelShape
-from bootstrap.engine.attention import ATTN_IMPLEMENTATION, AttentionMetadata, DecodeMetadata, attend
-from bootstrap.engine.layers import fused
+from bootstrap.engine.layers.attention import ATTN_IMPLEMENTATION, AttentionMetadata, DecodeMetadata, attend
+from bootstrap.engine.kernels import fused
 from bootstrap.engine.layers.linear import FusedLinear, HeadLinear, RowLinear, Shard
 from bootstrap.engine.layers.norm import RMSNorm
 from bootstrap.engine.layers.rotary import Rotary, rotate_qk
@@ -246,7 +246,7 @@ class DecoderLM(torch.nn.Module):
                 metadata: Metadata) -> SimpleNamespace:  # fmt: skip
         """``input_ids, position_ids [1, T]``; logits ``[1, kept, vocab]`` at ``logits_to_keep``
         (indices, or the last N tokens; 0: all), as the runner asks a transformers model; the
-        step's attention ``metadata`` (``bootstrap.engine.attention``) as an argument."""
+        step's attention ``metadata`` (``bootstrap.engine.layers.attention``) as an argument."""
         hidden = self.model(input_ids[0], position_ids[0], metadata)
         if isinstance(logits_to_keep, int):
             hidden = hidden[-logits_to_keep:] if logits_to_keep else hidden

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import save_model
 
-from bootstrap.engine.attention import ATTN_IMPLEMENTATION, register
+from bootstrap.engine.layers.attention import ATTN_IMPLEMENTATION, register
 from bootstrap.engine.layers.linear import Shard
 from bootstrap.engine.models import load_own_model
 from bootstrap.engine.sources.model_cache import SOURCE_FILE, publish, size_of, size_text

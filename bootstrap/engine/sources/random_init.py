@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bootstrap.engine.attention import ATTN_IMPLEMENTATION, register
+from bootstrap.engine.layers.attention import ATTN_IMPLEMENTATION, register
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

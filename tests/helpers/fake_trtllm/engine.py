@@ -14,7 +14,7 @@ import copy
 from typing import Any
 
 from bootstrap.backends.activations import activation_peak, sampler_state_bytes, weight_dtype_bytes
-from bootstrap.backends.sim import rank_weight_bytes
+from bootstrap.backends.sim.backend import rank_weight_bytes
 from bootstrap.capacity.presets import resolve_model_shape
 from helpers.fake_trtllm import checked, export
 

@@ -1,0 +1,401 @@
+"""``NativeBackend``: the backend protocol over this package's own engine (``bootstrap.engine``).
+
+The stages decide sizes and retries; this module does the torch work, always on the pipeline's
+device thread, and pushes the release of everything it allocates on the attempt's ``Undo``:
+
+  load_model        weights (and draft weights) through the engine's loader; released by moving
+                    every parameter to the ``meta`` device, so no stray reference keeps them alive.
+                    The loader's slow first-use steps (in ``resolve_classes`` the default
+                    model's fetch and a GGUF file's metadata read, here its conversion) print
+                    progress lines to stderr (``progress``; only rank 0 of several)
+  estimation_build  probe pools of the estimation token count (target and draft), a temporary
+                    executor on each (no worker); released by shutting the executors down
+  profiling         dummy requests filling ``max_num_tokens`` (cut by ``max_seq_len``) through the
+                    probe executors (``engine.profile_run``: a failed step raises, it is never split),
+                    and with a draft one speculative step of ``max_batch_size`` sampled requests at
+                    full depth (its draft and verify passes, its judging);
+                    every figure of the profile is read from the device port, free memory after
+                    torch's cached blocks are returned (else the activations' cached blocks would
+                    count again as non-torch memory, and the plan would set them aside twice);
+                    with CUDA graphs on, the memory of the warmup stage's graphs is estimated from
+                    one eager decode step of the largest bucket on the probe
+                    (``MemoryProfile.graph_bytes``; nothing is captured twice)
+  final_build       the final pools, ``PagedKVCache.from_bytes`` of each pool's budget
+  warmup            the target's ``ModelRunner`` on its final pool, its decode steps captured as
+                    CUDA graphs (``ModelRunner.capture_decode_graphs``), with a draft its verify
+                    passes too, and the draft's runner with its passes; released by dropping them
+  scheduler_sampler the ``PyExecutor`` on the target pool (and the warmup's runner), its worker
+                    started, one smoke request
+
+Tensor parallelism (``collective`` of N ranks): each process is one rank; weights load as its
+shard through transformers' TP plan, and every pool holds ``kv_heads / N`` heads per token.
+
+A draft model is loaded, profiled, pooled and released like the target (``engine.spec.rows``, ``executor.profile_run``).
+The native pool stores every layer at full length (sliding windows are applied as masks), so the
+model shape it reports carries no windows and the plan prices every layer for every token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bootstrap.backends.artifacts import EstimationBuild, FinalBuild, LoadedModel, ResolvedClasses, Warmup
+from bootstrap.backends.native.checks import (
+    check_draft_tokenizer,
+    check_probe_tokens,
+    check_weights_fit,
+    unreadable_as_source_error,
+)
+from bootstrap.backends.native.headroom import headroom_terms
+from bootstrap.backends.native.placement import device_for, rank_device, rank_env
+from bootstrap.engine.executor.profile_run import rehearse_speculation
+from bootstrap.engine.spec.rows import graph_sizes, max_rows
+from bootstrap.capacity import CapacityPlan, MemoryProfile, dummy_request_lengths
+from bootstrap.capacity.config_json import parse_config
+from bootstrap.capacity.cuda_graph_buckets import graph_batch_sizes
+from bootstrap.capacity.shape import ModelShape, check_tp_split
+from bootstrap.capacity.split import PoolBudgets
+from bootstrap.config import BootstrapConfig, ConfigError
+from bootstrap.devices import Device
+from bootstrap.engine.kernels import paged_kv
+from bootstrap.engine.executor.create import create_executor
+from bootstrap.engine.step.graphs import capture_reserve_bytes, release_workspaces
+from bootstrap.engine.executor.py_executor import PyExecutor
+from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
+from bootstrap.engine.sources.loader import LoadedWeights, config_dict, load_model
+from bootstrap.engine.step.runner import ModelRunner
+from bootstrap.engine.executor.profile_run import run_dummy_requests
+from bootstrap.engine.sampling.sampler import SamplingParams
+from bootstrap.engine.scheduler import SchedulerConfig
+from bootstrap.engine.sources.progress_lines import Progress, quiet, to_stderr
+from bootstrap.pipeline.collective import Collective
+from bootstrap.pipeline.undo import Undo
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SMOKE_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class NativeModels:
+    """``LoadedModel.handle``: the loaded target and draft, and the pool geometry they share."""
+
+    target: LoadedWeights
+    draft: LoadedWeights | None
+    tokens_per_block: int
+    max_seq_len: int
+
+    def by_name(self) -> dict[str, LoadedWeights]:
+        return {"target": self.target} | ({"draft": self.draft} if self.draft is not None else {})
+
+
+@dataclass(frozen=True)
+class NativeBuild:
+    """Handle of a probe or final build: one pool (and, for probes, one executor) per model."""
+
+    pools: Mapping[str, PagedKVCache]
+    executors: Mapping[str, PyExecutor] = dataclasses.field(default_factory=dict)
+
+
+class NativeBackend:
+    """The backend protocol over ``bootstrap.engine`` (see the module docstring)."""
+
+    name = "native"
+    kv_manager = "PagedKVCache"
+
+    def __init__(
+        self, device: Device, torch_device: torch.device, cache_dir: Path | None = None,
+        collective: Collective | None = None, progress: Progress | None = None,
+    ) -> None:  # fmt: skip
+        """``progress``: where the loader's first-use steps report; default stderr, on rank 0 only."""
+        self.device = device
+        self.torch_device = torch_device
+        self.cache_dir = cache_dir
+        self.collective = collective  # several ranks: the pipeline agrees every attempt through it
+        self.tp = collective.world_size if collective is not None else 1
+        if progress is None:
+            progress = to_stderr if collective is None or collective.rank == 0 else quiet
+        self.progress = progress
+
+    @classmethod
+    def for_config(
+        cls, config: BootstrapConfig, cache_dir: Path | None = None, collective: Collective | None = None
+    ) -> NativeBackend:
+        """At ``tensor_parallel_size`` > 1 this process is one rank (``bootstrap.pipeline.collective``):
+        ``collective`` given, or joined here from the launcher's ``RANK`` / ``WORLD_SIZE``."""
+        if config.tensor_parallel_size == 1:
+            return cls(*device_for(config.device), cache_dir=cache_dir)
+        env = rank_env(config)
+        device, torch_device = device_for(rank_device(config.device, env.local_rank))
+        if collective is None:
+            from bootstrap.parallel.torch_dist import init_ranks
+
+            collective = init_ranks(env, torch_device.type)
+        return cls(device, torch_device, cache_dir=cache_dir, collective=collective)
+
+    # ---- resolve_classes ----------------------------------------------------------------------
+
+    def model_shape(self, spec: str) -> ModelShape:
+        """The shape as the native pool stores it: every attention layer at full length."""
+        with unreadable_as_source_error(spec):
+            shape = parse_config(config_dict(spec, cache_dir=self.cache_dir, progress=self.progress))
+        return dataclasses.replace(shape, layer_windows=(None,) * shape.num_layers)
+
+    def default_dtype(self, shape: ModelShape) -> str:
+        """float32 on the CPU (exact parity with transformers); the checkpoint's 16-bit dtype,
+        else bfloat16, on CUDA."""
+        if self.torch_device.type == "cpu":
+            return "float32"
+        return shape.torch_dtype if shape.torch_dtype in ("bfloat16", "float16") else "bfloat16"
+
+    def check_config(self, config: BootstrapConfig, shape: ModelShape) -> None:
+        """What the native engine cannot run, refused before any weight is loaded."""
+        if config.kv_cache_dtype == "fp8":
+            raise ConfigError("kv_cache_dtype: fp8 is not supported by the native engine; allowed: auto, float32, bfloat16, float16")
+        if config.tensor_parallel_size != self.tp:
+            raise ConfigError(
+                f"tensor_parallel_size: {config.tensor_parallel_size}, but this backend runs on {self.tp} rank(s); "
+                f"launch {config.tensor_parallel_size} ranks (bootstrap run --tp N, or torchrun) or use {self.tp}"
+            )
+        check_tp_split(shape, self.tp, shard_kv_heads=True)
+        check_draft_tokenizer(config)
+        if config.host_cache_bytes:
+            raise ConfigError("host_cache_bytes: the native engine has no host KV tier; allowed: 0")
+        if shape.attention_kind == "mla" or shape.num_recurrent_layers:
+            kind = "multi-head latent attention" if shape.attention_kind == "mla" else "recurrent layers"
+            raise ConfigError(f"model: {shape.architecture} uses {kind}, which the native paged KV cache does not hold")
+        check_probe_tokens(config, shape)
+
+    def check_weights(self, config: BootstrapConfig, shapes: list[ModelShape], dtype: str) -> None:
+        """The weights of ``shapes`` in ``dtype`` against the device's free bytes, before
+        ``load_model`` allocates any (``native_checks.check_weights_fit``)."""
+        check_weights_fit(config, shapes, dtype, self.device, self.tp)
+
+    def kv_caps(self, resolved: ResolvedClasses, config: BootstrapConfig) -> dict[str, int]:
+        """Extra caps on the KV budget, in bytes, by name (``limited_by``). On the CPU: what
+        ``max_batch_size`` requests of ``max_seq_len`` can ever use, so a laptop's memory is not
+        planned for a cache that no schedule could fill (a GPU is filled, as its peers do)."""
+        if self.device.kind != "cpu":
+            return {}
+        blocks = -(-resolved.max_seq_len // config.tokens_per_block) * config.max_batch_size
+        return {"max_batch_size": resolved.total_cost.bytes_for_tokens(blocks * config.tokens_per_block)}
+
+    def default_headroom_bytes(
+        self, profile: MemoryProfile | None, resolved: ResolvedClasses, config: BootstrapConfig
+    ) -> int | None:
+        """On CUDA with the Triton paged decode kernel, ``native_headroom``'s bound; else None."""
+        if self.torch_device.type != "cuda" or not paged_kv.available(self.torch_device, config.tokens_per_block):
+            return None
+        return headroom_terms(profile, resolved, config)["total"]
+
+    # ---- load_model ---------------------------------------------------------------------------
+
+    def load_model(self, config: BootstrapConfig, resolved: ResolvedClasses, undo: Undo) -> LoadedModel:
+        target = self._load(config.model, resolved.dtype, undo)
+        draft = self._load(config.draft_model, resolved.dtype, undo) if config.draft_model else None
+        total = target.weight_bytes + (draft.weight_bytes if draft else 0)
+        models = NativeModels(target, draft, config.tokens_per_block, resolved.max_seq_len)
+        return LoadedModel(models, total, draft_handle=draft, tokenizer=target.tokenizer)
+
+    def _load(self, source: str, dtype: str, undo: Undo) -> LoadedWeights:
+        undo.push(self._settler())  # a load that fails half way leaves garbage for the allocator's cache
+        with unreadable_as_source_error(source):
+            weights = load_model(source, device=self.torch_device, dtype=DTYPES[dtype], cache_dir=self.cache_dir,
+                                 tp_size=self.tp, progress=self.progress)  # fmt: skip
+        undo.push(lambda: weights.model.to(torch.device("meta")))  # frees the storage even if a reference survives
+        return weights
+
+    def _return_cached(self) -> None:
+        """Torch's cached blocks back to the device, after the work queued so far; cuBLAS
+        workspaces too when no CUDA graph is alive (``release_workspaces``)."""
+        self.device.synchronize()
+        if self.torch_device.type == "cuda":
+            release_workspaces()
+        self.device.empty_cache()
+
+    def _settler(self) -> Callable[[], None]:
+        """An undo entry that returns the allocator's cache once everything pushed after it is
+        released, with a full garbage collection first only if bytes are still allocated beyond
+        what was allocated now: a reference cycle (a failed attempt's traceback) holds tensors.
+        A full collection walks every Python object (a quarter of a second with torch and
+        transformers loaded), so a clean release, the common case, must not pay for one."""
+        baseline = self.device.allocated_bytes()
+
+        def settle() -> None:
+            if self.device.allocated_bytes() > baseline:
+                gc.collect()
+            self._return_cached()
+
+        return settle
+
+    # ---- estimation_build and profiling -------------------------------------------------------
+
+    def estimation_overhead_bytes(self, resolved: ResolvedClasses, config: BootstrapConfig) -> int:
+        """Each probe executor's decode buffers: seven int64 rows of its ``max_rows`` and the
+        static-width block tables (``ModelRunner``'s ``DecodeBuffers``; their pinned host copies
+        are host memory); the sampler keeps none. What a graph capture adds is measured by
+        ``profile`` (``graph_bytes``)."""
+        blocks = -(-resolved.max_seq_len // config.tokens_per_block)
+        return sum(8 * rows * (7 + blocks) for rows in max_rows(config).values())
+
+    def build_estimation(
+        self, loaded: LoadedModel, resolved: ResolvedClasses, probe_tokens: int, config: BootstrapConfig, undo: Undo
+    ) -> EstimationBuild:
+        models: NativeModels = loaded.handle
+        pools = self._pools({n: probe_tokens for n in models.by_name()}, models, resolved, undo, PagedKVCache.from_tokens)
+        scheduler = SchedulerConfig(config.max_batch_size, config.max_num_tokens, resolved.max_seq_len)
+        executors = {}
+        rows = max_rows(config)
+        for name, weights in models.by_name().items():
+            runner = ModelRunner(weights.model, pools[name], config.max_batch_size, resolved.max_seq_len, max_rows=rows[name])
+            executors[name] = create_executor(weights.model, pools[name], scheduler, weights.tokenizer,
+                                              set(weights.eos_token_ids), start=False, runner=runner)  # fmt: skip
+            undo.push(executors[name].shutdown)
+        probe_bytes = sum(p.stats().total_bytes for p in pools.values())
+        return EstimationBuild(NativeBuild(pools, executors), pools["target"].stats().capacity_tokens,
+                               probe_bytes, config.max_num_tokens)  # fmt: skip
+
+    def profile(
+        self, estimation: EstimationBuild, loaded: LoadedModel, max_num_tokens: int, config: BootstrapConfig, undo: Undo
+    ) -> MemoryProfile:
+        """Peak reset, the dummy requests through every probe executor, figures after."""
+        device, build = self.device, estimation.handle
+        lengths = dummy_request_lengths(max_num_tokens, loaded.handle.max_seq_len)
+        self._return_cached()
+        device.reset_peak()
+        before, free_before = device.allocated_bytes(), device.free_bytes()
+        for executor in build.executors.values():  # one after the other: the peak is the larger
+            run_dummy_requests(executor, lengths)
+        if "draft" in build.executors:
+            rehearse_speculation(build.executors, config, loaded.handle.max_seq_len)
+        device.synchronize()
+        torch_peak, torch_used = device.peak_bytes(), device.allocated_bytes()
+        self._return_cached()  # torch's cached blocks back first: "used - torch_used" is memory outside torch
+        figures = dict(
+            total_bytes=device.total_bytes(),
+            free_before_bytes=free_before,
+            model_bytes=max(before - estimation.probe_kv_bytes, 0),
+            torch_peak_bytes=torch_peak,
+            torch_used_bytes=torch_used,
+            used_bytes=device.total_bytes() - device.free_bytes(),
+            probe_kv_bytes=estimation.probe_kv_bytes,
+            max_num_tokens=max_num_tokens,
+        )
+        graph_bytes = self._measure_graphs(build, config) if self._captures(config) else 0
+        return MemoryProfile(**figures, graph_bytes=graph_bytes)
+
+    def _captures(self, config: BootstrapConfig) -> bool:
+        return config.cuda_graphs and self.torch_device.type == "cuda" and self.tp == 1  # as skip_warmup
+
+    def _measure_graphs(self, build: NativeBuild, config: BootstrapConfig) -> int:
+        """Device memory the warmup stage's graphs will take (the target's, and the draft's when
+        there is one), estimated from one eager step of each one's largest bucket on the probe
+        (``capture_reserve_bytes``): capturing every bucket here to measure it would double the
+        capture time of a cold start. The warmup stage measures what the capture really took
+        next to this reserve."""
+        sizes = graph_sizes(config, graph_batch_sizes(config.max_batch_size, config.cuda_graph_batch_sizes))
+        reserve = 0
+        for name, executor in build.executors.items():  # profile() returned the cache just before
+            reserve += capture_reserve_bytes(executor.runner, sizes[name])[0]
+            self._return_cached()
+        return reserve
+
+    # ---- final_build and scheduler_sampler ----------------------------------------------------
+
+    def build_final(
+        self, loaded: LoadedModel, resolved: ResolvedClasses, budgets: PoolBudgets, undo: Undo
+    ) -> FinalBuild:
+        wanted = {p.name: p.gpu_bytes for p in budgets.pools()}
+        pools = self._pools(wanted, loaded.handle, resolved, undo, PagedKVCache.from_bytes)
+        return FinalBuild(
+            handle=NativeBuild(pools),
+            pool_bytes={n: p.stats().total_bytes for n, p in pools.items()},
+            pool_tokens={n: p.stats().capacity_tokens for n, p in pools.items()},
+        )
+
+    def capture_graphs(
+        self,
+        loaded: LoadedModel,
+        resolved: ResolvedClasses,
+        final: FinalBuild,
+        plan: CapacityPlan,
+        config: BootstrapConfig,
+        batch_sizes: tuple[int, ...],
+        undo: Undo,
+    ) -> Warmup:
+        """The target's runner on its final pool, its decode steps captured for ``batch_sizes``
+        (every width bucket), and with a draft its verify passes too, and the draft's runner on
+        its pool with its passes captured (``_graph_sizes``); the memory figure is read from the
+        device as in profiling. The handle: the runners by name."""
+        rows, sizes = max_rows(config), graph_sizes(config, batch_sizes)
+        runners = {name: ModelRunner(weights.model, final.handle.pools[name], config.max_batch_size,
+                                     resolved.max_seq_len, max_rows=rows[name])
+                   for name, weights in loaded.handle.by_name().items()}  # fmt: skip
+        settle = self._settler()
+
+        def release() -> None:
+            for runner in runners.values():
+                runner.release_graphs()
+            settle()
+
+        undo.push(release)
+        self._return_cached()  # the bytes the capture took: in use after less before, cache emptied on both sides
+        before = self.device.total_bytes() - self.device.free_bytes()
+        captures = {name: runner.capture_decode_graphs(sizes[name]) for name, runner in runners.items()}
+        self._return_cached()
+        used = max(self.device.total_bytes() - self.device.free_bytes() - before, 0)
+        target = captures["target"]
+        return Warmup(runners, target.batch_sizes, target.widths, sum(c.num_graphs for c in captures.values()), used,
+                      plan.graph_bytes, sum(c.seconds for c in captures.values()))  # fmt: skip
+
+    def start_executor(
+        self,
+        loaded: LoadedModel,
+        resolved: ResolvedClasses,
+        final: FinalBuild,
+        plan: CapacityPlan,
+        config: BootstrapConfig,
+        undo: Undo,
+        warmup: Warmup | None = None,
+    ) -> PyExecutor:
+        """With a ``warmup`` that captured graphs, its runner (and graphs) serve the executor."""
+        target = loaded.handle.target
+        scheduler = SchedulerConfig(config.max_batch_size, plan.max_num_tokens, resolved.max_seq_len)
+        runners = warmup.handle if warmup is not None and warmup.handle is not None else {}
+        runner, draft = runners.get("target"), loaded.handle.draft
+        drafted = runners.get("draft") or ((draft.model, final.handle.pools["draft"]) if draft is not None else None)
+        executor = create_executor(target.model, final.handle.pools["target"], scheduler, target.tokenizer,
+                                   set(target.eos_token_ids), start=False, runner=runner, draft=drafted,
+                                   speculative_tokens=config.speculative_tokens or 1,
+                                   adaptive=config.num_speculative_tokens == "auto")  # fmt: skip
+        undo.push(executor.shutdown)
+        executor.start_worker()
+        serve_smoke_request(executor)
+        return executor
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def _pools(self, sizes: Mapping[str, int], models: NativeModels, resolved: ResolvedClasses, undo: Undo,
+               make: Callable[..., PagedKVCache]) -> dict[str, PagedKVCache]:  # fmt: skip
+        """One pool per model, ``make(spec, sizes[name], ...)``; each release pushed at once."""
+        pools: dict[str, PagedKVCache] = {}
+        weights = models.by_name()
+        undo.push(self._settler())  # last in the rollback: the allocator's cache goes back to the device
+        for name, size in sizes.items():
+            spec = KVCacheSpec.from_config(weights[name].hf_config, DTYPES[resolved.kv_dtype], tp=self.tp)
+            pools[name] = pool = make(spec, size, models.tokens_per_block, self.torch_device)
+            undo.push(pool.release)
+        return pools
+
+
+def serve_smoke_request(executor: PyExecutor) -> None:
+    """One request through the started worker: prompt of one token, one token generated."""
+    rid = executor.enqueue([0], SamplingParams(max_tokens=1, ignore_eos=True), is_warmup=True)
+    response = executor.await_response(rid, SMOKE_TIMEOUT_S)
+    if response.finish_reason not in ("length", "stop"):
+        raise RuntimeError(f"the smoke request failed ({response.finish_reason}): {response.error}")

@@ -1,0 +1,110 @@
+"""What the native backend refuses in ``resolve_classes`` from figures alone, before any weight
+is loaded: a ``max_kv_tokens`` below what profiling's dummy needs, weights the device cannot
+hold (on the CPU those end in the kernel's OOM killer, not an error), and a draft model whose
+tokenizer is not the target's; and, while weights load, a file that is not a model."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from bootstrap.backends.activations import weight_dtype_bytes
+from bootstrap.capacity import dummy_request_lengths
+from bootstrap.capacity.errors import fmt_bytes
+from bootstrap.capacity.shape import ModelConfigError, ModelShape
+from bootstrap.config import BootstrapConfig, ConfigError
+from bootstrap.devices import Device, is_oom
+from bootstrap.engine.sources.loader import ModelSourceError
+from bootstrap.engine.sources.smollm2 import ModelFetchError
+from bootstrap.pipeline.stage import is_transient_io
+
+
+def check_probe_tokens(config: BootstrapConfig, shape: ModelShape) -> None:
+    """``max_kv_tokens`` caps the probe; below the largest profiling dummy it fails profiling
+    (exit 1) though it is a bad value: refused here, once ``max_seq_len`` is known."""
+    if config.max_kv_tokens is None:
+        return
+    max_seq_len = config.max_seq_len or shape.max_position_embeddings
+    dummy = max(dummy_request_lengths(config.max_num_tokens, max_seq_len))
+    need = -(-dummy // config.tokens_per_block) * config.tokens_per_block
+    if config.max_kv_tokens < need:
+        raise ConfigError(
+            f"max_kv_tokens: must be >= {need} (got {config.max_kv_tokens}): profiling runs a dummy request of "
+            f"{dummy} tokens (max_num_tokens={config.max_num_tokens}, max_seq_len={max_seq_len}); raise "
+            "max_kv_tokens, or lower max_num_tokens or max_seq_len"
+        )
+
+
+def check_weights_fit(config: BootstrapConfig, shapes: list[ModelShape], dtype: str, device: Device, tp: int) -> None:
+    """The weights' bytes (the target's and a draft's, in ``dtype``), known from the shapes,
+    against ``device``'s free bytes. Each rank holds 1/tp of the parameters. Tolerance: none
+    beyond counting low: the count leaves out buffers, parts replicated on every rank and the
+    allocator's rounding, so a refusal is never wrong; what else must fit (KV, activations) is
+    the later stages' to plan."""
+    need = sum(-(-shape.weight_bytes(weight_dtype_bytes(dtype)) // tp) for shape in shapes)
+    free = device.free_bytes()
+    if need > free:
+        raise ConfigError(weights_refusal(config, dtype, need, free, device.name, tp))
+
+
+def weights_refusal(config: BootstrapConfig, dtype: str, need: int, free: int, device: str, tp: int) -> str:
+    """The figures of weights that cannot fit, and what to change."""
+    models = f"{config.model} + draft {config.draft_model}" if config.draft_model else config.model
+    per_rank = f" per rank (1/{tp} of the parameters)" if tp > 1 else ""
+    smaller = " (e.g. --dtype bfloat16)" if dtype == "float32" else ""
+    return (f"model: the weights of {models} in {dtype} need {fmt_bytes(need)}{per_rank}, but {device} has "
+            f"{fmt_bytes(free)} available; use a smaller dtype{smaller}, another device (--device), more "
+            "tensor_parallel_size, or a smaller model")  # fmt: skip
+
+
+def check_draft_tokenizer(config: BootstrapConfig) -> None:
+    """A draft whose tokenizer maps tokens to other ids than the target's (same vocabulary size,
+    other tokens) would propose ids that mean something else to the target: refused, naming
+    both, when both are checkpoint directories with a ``tokenizer.json`` (read, nothing loaded).
+    Sizes are compared for every source by ``resolve_classes`` itself."""
+    if config.draft_model is None:
+        return
+    vocabs = [_vocab(source) for source in (config.model, config.draft_model)]
+    if None in vocabs or vocabs[0] == vocabs[1]:
+        return
+    target, draft = vocabs
+    differ = sum(draft.get(token) != index for token, index in target.items()) + len(draft.keys() - target.keys())
+    raise ConfigError(
+        f"draft_model: {config.draft_model!r}'s tokenizer ({len(draft)} tokens) is not the target {config.model!r}'s "
+        f"({len(target)} tokens): {differ} tokens have other ids or are missing; a draft model must share the "
+        "target's tokenizer"
+    )
+
+
+def _vocab(source: str) -> dict[str, int] | None:
+    """Token → id of a checkpoint directory's ``tokenizer.json`` (its added tokens included); None
+    for any other source, or a file that does not read as one."""
+    path = Path(source) / "tokenizer.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    vocab = data.get("model", {}).get("vocab")
+    if isinstance(vocab, list):  # Unigram: [[piece, score], ...] in id order
+        vocab = {piece[0]: index for index, piece in enumerate(vocab) if isinstance(piece, list) and piece}
+    if not isinstance(vocab, dict):
+        return None
+    added = {t.get("content"): t.get("id") for t in data.get("added_tokens", []) if isinstance(t, dict)}
+    return {**vocab, **added}
+
+
+@contextmanager
+def unreadable_as_source_error(source: str) -> Iterator[None]:
+    """A file that is there but is not a model (corrupt weights, a GGUF that is not GGUF) is bad
+    input, reported in one line; out-of-memory, transient I/O and fetch errors pass unchanged
+    (the stage retries the first two; the last already says how to work offline)."""
+    try:
+        yield
+    except (ModelSourceError, ModelConfigError, ModelFetchError):
+        raise
+    except Exception as exc:
+        if is_oom(exc) or is_transient_io(exc):
+            raise
+        raise ModelSourceError(f"model {source!r} cannot be read: {type(exc).__name__}: {exc}") from exc

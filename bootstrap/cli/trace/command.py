@@ -1,0 +1,324 @@
+"""``bootstrap trace FILE [FILE ...] [--png OUT] [--requests N]``: a timeline of stages and
+attempts, read from ``--trace-file`` JSON Lines (``docs/design.md``), in the terminal and as a
+PNG; for a ``bootstrap serve`` trace, its requests too, the slowest first (``trace_requests``).
+
+Each file becomes one timeline: a row per pipeline run, per stage and, for a stage that took more
+than one attempt, per attempt, placed by start and end time from the start of the file's first
+span. Several files (a cold and a warm start, say) share one time scale, so their bars compare
+directly. The PNG needs matplotlib (the ``plot`` extra).
+
+A damaged file shows what can be read (``trace_file``): a line cut short (a writer that was
+killed), not UTF-8, not JSON, or with a field of the wrong type is left out, with one warning per
+kind of damage and its count on stderr; a stage of which only attempts survived is shown ``unfinished``. Exit
+status 2 (one line) only when a file cannot be opened or holds no readable bootstrap span, or
+``--png`` cannot be written (checked before anything is drawn). Text from the file is shown as
+written: never read as rich markup, nor as matplotlib mathtext.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from bootstrap.cli.args import check_values_given
+from bootstrap.cli.trace.spans import STAGE_PREFIX, Skipped, TraceFileError, read_spans
+from bootstrap.cli.trace.png import check_png_path, printable, special_kind, write_png
+from bootstrap.cli.trace.requests import DEFAULT_SHOWN, RequestRow, request_rows, requests_table
+from bootstrap.config import ConfigError
+from bootstrap.pipeline.process import PHASE_PREFIX, PROCESS_SPAN
+from bootstrap.pipeline.telemetry import ROOT_SPAN, MissingExtra
+
+ATTEMPT_SUFFIX = ".attempt"
+COLORS = {"ok": "green", "failed": "red", "cancelled": "dark_orange", "skipped": "bright_black", "unfinished": "blue"}
+LABEL_COLUMNS = 72  # what the other columns of the table take, besides the bar and the note
+
+
+@dataclass(frozen=True)
+class Bar:
+    """One row of a timeline: a run, a stage or an attempt, in seconds from the file's start."""
+
+    label: str
+    level: int  # 0 run, 1 stage, 2 attempt
+    start_s: float
+    end_s: float
+    outcome: str
+    note: str = ""
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+@dataclass(frozen=True)
+class Timeline:
+    source: str
+    bars: list[Bar]
+
+    @property
+    def end_s(self) -> float:
+        return max((b.end_s for b in self.bars), default=0.0)
+
+
+# ---- the timeline ---------------------------------------------------------------------------
+
+
+def timeline(spans: Sequence[dict[str, Any]], source: str = "") -> Timeline:
+    """The process (when the command traced it: ``bootstrap.pipeline.process``) and its phases,
+    runs, stages and (when a stage took more than one) attempts, in start order. A run whose
+    root span is missing (the process ended before the run did) is shown as ``unfinished``, and
+    so is a stage of which only attempts reached the file."""
+    spans = [*spans, *_missing_stages(spans)]
+    t0 = min(s["start_time_unix_nano"] for s in spans)
+    children = _by_parent(spans)
+    blocks: list[tuple[int, list[Bar]]] = []
+    for run_number, root in enumerate(_sorted([*_roots(spans), *_missing_roots(spans, children)]), 1):
+        bars = [_bar(root, t0, f"pipeline run {run_number}", 0)]
+        for stage in _sorted(s for s in children.get(root["span_id"], []) if _is_stage(s)):
+            bars.append(_bar(stage, t0, stage["name"].removeprefix(STAGE_PREFIX), 1, _stage_note(stage)))
+            attempts = [s for s in children.get(stage["span_id"], []) if _is_attempt(s)]
+            if len(attempts) > 1:
+                bars += [_bar(a, t0, f"attempt {_attempt_number(a)}", 2, _attempt_note(a)) for a in _sorted(attempts)]
+        blocks.append((root["start_time_unix_nano"], bars))
+    for phase in (s for s in spans if s["name"].startswith(PHASE_PREFIX)):
+        blocks.append((phase["start_time_unix_nano"], [_bar(phase, t0, phase["name"].removeprefix(PHASE_PREFIX), 0)]))
+    process = [_bar(p, t0, "process", 0, _coverage_note(spans, p)) for p in spans if p["name"] == PROCESS_SPAN]
+    ordered = [bar for _, bars in sorted(blocks, key=lambda b: b[0]) for bar in bars]
+    return Timeline(printable(source), process + ordered)
+
+
+def coverage(spans: Sequence[dict[str, Any]], process: dict[str, Any]) -> dict[str, float] | None:
+    """The share of spawn → ready and of ready → the process span's end that the process's
+    child spans cover (ready: the end of its last pipeline run); None without a finished run."""
+    runs = [s for s in spans if s["name"] == ROOT_SPAN and s["parent_span_id"] == process["span_id"]]
+    if not runs:
+        return None
+    children = sorted((s["start_time_unix_nano"], s["end_time_unix_nano"]) for s in spans
+                      if s["parent_span_id"] == process["span_id"])  # fmt: skip
+    ready = max(s["end_time_unix_nano"] for s in runs)
+    spawn, end = process["start_time_unix_nano"], process["end_time_unix_nano"]
+    return {"to_ready": _covered(children, spawn, ready) / max(ready - spawn, 1),
+            "after_ready": _covered(children, ready, end) / max(end - ready, 1)}  # fmt: skip
+
+
+def _covered(intervals: list[tuple[int, int]], lo: int, hi: int) -> int:
+    """Nanoseconds of [lo, hi] inside the union of ``intervals`` (sorted by start)."""
+    total, reach = 0, lo
+    for start, end in intervals:
+        start, end = max(start, reach), min(end, hi)
+        if end > start:
+            total, reach = total + end - start, end
+    return total
+
+
+def _coverage_note(spans: Sequence[dict[str, Any]], process: dict[str, Any]) -> str:
+    share = coverage(spans, process)
+    if share is None:
+        return "spawn to exit"
+    return f"spans cover {share['to_ready']:.0%} to ready, {share['after_ready']:.0%} after"
+
+
+def _roots(spans: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [s for s in spans if s["name"] == ROOT_SPAN]
+
+
+def _missing_roots(spans: Sequence[dict[str, Any]], children: dict[str | None, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """A stand-in root for stage spans whose parent is not a run in the file (it never reached
+    the file, or its line was damaged), over their extent."""
+    known = {s["span_id"] for s in _roots(spans)}
+    orphans = {s["parent_span_id"] for s in spans if _is_stage(s) and s["parent_span_id"] not in known}
+    return [
+        {"name": ROOT_SPAN, "span_id": parent, "status": "UNSET", "attributes": {"bootstrap.outcome": "unfinished"},
+         "start_time_unix_nano": min(s["start_time_unix_nano"] for s in children[parent]),
+         "end_time_unix_nano": max(s["end_time_unix_nano"] for s in children[parent])}
+        for parent in orphans
+    ]  # fmt: skip
+
+
+def _missing_stages(spans: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A stand-in stage for attempt spans whose stage span never reached the file (the writer
+    stopped during the stage), in the run of its trace when the file shows that run."""
+    stages = {s["span_id"] for s in spans if _is_stage(s)}
+    runs = {_trace_id(s): s["parent_span_id"] for s in spans if _is_stage(s)}
+    runs.update({_trace_id(s): s["span_id"] for s in _roots(spans)})
+    runs.pop(None, None)  # a span without a trace id tells no run
+    orphans: dict[str, list[dict[str, Any]]] = {}
+    for span in spans:
+        if _is_attempt(span) and span["parent_span_id"] not in stages:
+            orphans.setdefault(span["parent_span_id"], []).append(span)
+    return [_stand_in_stage(parent, attempts, runs.get(_trace_id(attempts[0])))
+            for parent, attempts in orphans.items() if parent is not None]  # fmt: skip
+
+
+def _stand_in_stage(span_id: str, attempts: list[dict[str, Any]], run: str | None) -> dict[str, Any]:
+    """An ``unfinished`` stage over its attempts, with the last one's error as its note."""
+    last = max(attempts, key=lambda s: s["end_time_unix_nano"])
+    error = {k: v for k, v in last["attributes"].items() if k == "error.type"}
+    return {"name": last["name"].removesuffix(ATTEMPT_SUFFIX), "span_id": span_id, "parent_span_id": run,
+            "status": "UNSET", "attributes": {"bootstrap.outcome": "unfinished", "bootstrap.attempts": len(attempts),
+                                              **error}, "events": last.get("events", []),
+            "start_time_unix_nano": min(s["start_time_unix_nano"] for s in attempts),
+            "end_time_unix_nano": last["end_time_unix_nano"]}  # fmt: skip
+
+
+def _trace_id(span: dict[str, Any]) -> str | None:
+    trace_id = span.get("trace_id")
+    return trace_id if isinstance(trace_id, str) else None
+
+
+def _by_parent(spans: Iterable[dict[str, Any]]) -> dict[str | None, list[dict[str, Any]]]:
+    out: dict[str | None, list[dict[str, Any]]] = {}
+    for span in spans:
+        out.setdefault(span["parent_span_id"], []).append(span)
+    return out
+
+
+def _sorted(spans: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    return sorted(spans, key=lambda s: s["start_time_unix_nano"])
+
+
+def _is_stage(span: dict[str, Any]) -> bool:
+    return span["name"].startswith(STAGE_PREFIX) and not span["name"].endswith(ATTEMPT_SUFFIX)
+
+
+def _is_attempt(span: dict[str, Any]) -> bool:
+    return span["name"].startswith(STAGE_PREFIX) and span["name"].endswith(ATTEMPT_SUFFIX)
+
+
+def _bar(span: dict[str, Any], t0: int, label: str, level: int, note: str = "") -> Bar:
+    start = (span["start_time_unix_nano"] - t0) / 1e9
+    end = (span["end_time_unix_nano"] - t0) / 1e9
+    return Bar(printable(label), level, start, end, printable(_outcome(span)), printable(note))
+
+
+MAX_OUTCOME = 24  # 'attempt_failed' and every outcome the stages write fit
+
+
+def _outcome(span: dict[str, Any]) -> str:
+    """The span's outcome; a damaged one (any JSON value) cut to ``MAX_OUTCOME`` characters, so it
+    cannot widen the table until the span labels are cut."""
+    outcome = span["attributes"].get("bootstrap.outcome")
+    if outcome:
+        text = str(outcome)
+        return text if len(text) <= MAX_OUTCOME else text[: MAX_OUTCOME - 1] + "…"
+    return "failed" if span["status"] == "ERROR" else "ok"
+
+
+def _attempt_number(span: dict[str, Any]) -> str:
+    number = span["attributes"].get("bootstrap.attempt")
+    return str(number) if isinstance(number, int) and not isinstance(number, bool) else "?"
+
+
+def _stage_note(span: dict[str, Any]) -> str:
+    attrs = span["attributes"]
+    if attrs.get("bootstrap.skip_reason"):
+        return f"skipped: {attrs['bootstrap.skip_reason']}"
+    attempts = attrs.get("bootstrap.attempts", 1)
+    return f"{attempts} attempts" if attempts != 1 else _error(span)
+
+
+def _attempt_note(span: dict[str, Any]) -> str:
+    changes = [f"{k.removeprefix('bootstrap.adapt.')}: {v}" for k, v in span["attributes"].items()
+               if k.startswith("bootstrap.adapt.")]  # fmt: skip
+    return "; ".join([*changes, _error(span)] if _error(span) else changes)
+
+
+def _error(span: dict[str, Any]) -> str:
+    kind = span["attributes"].get("error.type")
+    if not kind:
+        return ""
+    messages = [(e.get("attributes") or {}).get("exception.message") for e in span.get("events", [])]
+    message = next((m for m in messages if m), "")
+    return f"{kind}: {message}"[:100] if message else str(kind)
+
+
+# ---- terminal -------------------------------------------------------------------------------
+
+
+def bar_width(console_width: int) -> int:
+    """Characters for the bar: what the console leaves beside the other columns, 12 to 60."""
+    return max(12, min(60, console_width - LABEL_COLUMNS - 20))
+
+
+def timeline_table(line: Timeline, scale_s: float | None = None, width: int = 40) -> Table:
+    """A rich table: label, outcome, start and duration in ms, a bar on a shared scale, notes.
+    Labels, notes and the title come from the file: ``Text``, never read as rich markup."""
+    scale = scale_s or line.end_s or 1.0
+    table = Table(title=Text(f"{line.source} ({line.end_s * 1000:.1f} ms)") if line.source else None)
+    for column, justify in (("span", "left"), ("outcome", "left"), ("start", "right"), ("duration", "right"),
+                            ("timeline", "left"), ("note", "left")):  # fmt: skip
+        table.add_column(column, justify=justify, no_wrap=column != "note", overflow="fold")
+    for bar in line.bars:
+        table.add_row(
+            Text("  " * bar.level + bar.label), Text(bar.outcome, style=COLORS.get(bar.outcome, "")),
+            f"{bar.start_s * 1000:.1f} ms", f"{bar.duration_s * 1000:.1f} ms", _text_bar(bar, scale, width),
+            Text(bar.note),
+        )  # fmt: skip
+    return table
+
+
+def _text_bar(bar: Bar, scale_s: float, width: int) -> Text:
+    begin = min(int(bar.start_s / scale_s * width), width - 1)
+    length = max(round(bar.duration_s / scale_s * width), 1)
+    text = Text(" " * begin)
+    text.append("█" * min(length, width - begin), style=COLORS.get(bar.outcome, ""))
+    return text
+
+
+# ---- the command ----------------------------------------------------------------------------
+
+
+def _read_timeline(path: Path) -> tuple[Timeline, list[str], list[RequestRow]]:
+    """The file's timeline, what it had to leave out (one warning per kind of damage) and its
+    requests, slowest first. A FIFO or device is refused before it is opened (reading it would
+    block, or never end)."""
+    special = special_kind(path)
+    if special and special != "a directory":
+        raise TraceFileError(f"trace file {str(path)!r}: {special}, not a regular file")
+    skipped = Skipped()
+    spans = read_spans(path, skipped)
+    return timeline(spans, str(path)), skipped.warnings(path), request_rows(spans)
+
+
+def add_trace_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("files", nargs="+", type=Path, metavar="FILE", help="trace files written with --trace-file")
+    parser.add_argument("--png", type=Path, help="also draw the timelines, one panel per file, into this PNG (default: none)")
+    parser.add_argument("--requests", type=int, default=DEFAULT_SHOWN, metavar="N",
+                        help=f"show the N slowest requests of a bootstrap serve trace (default {DEFAULT_SHOWN}; 0: none)")
+
+
+def main_trace(args: argparse.Namespace, console: Console | None = None) -> int:
+    """Exit status 0 once every file showed what it could (damaged lines: one warning per kind
+    on stderr), or 2 with one line on stderr: a file that cannot be opened or holds no readable
+    bootstrap span, a ``--png`` path that cannot be written, a missing plot extra."""
+    console = console or Console(markup=False)
+    try:
+        check_values_given(args)
+        if getattr(args, "requests", 0) < 0:
+            raise ConfigError(f"requests: must be >= 0 (got {args.requests}); allowed: 0 (none) or more")
+        if args.png is not None:
+            check_png_path(args.png)
+        lines, warnings, requests = zip(*(_read_timeline(path) for path in args.files))
+        if args.png is not None:
+            write_png(lines, args.png)
+    except (ConfigError, MissingExtra) as exc:  # TraceFileError is a ConfigError
+        print(f"bootstrap: {exc}", file=sys.stderr)
+        return 2
+    for warning in (w for file_warnings in warnings for w in file_warnings):
+        print(f"bootstrap: {warning}", file=sys.stderr)
+    scale = max(line.end_s for line in lines)
+    for line, rows in zip(lines, requests):
+        if line.bars or not rows:
+            console.print(timeline_table(line, scale, bar_width(console.width)))
+        if rows and getattr(args, "requests", DEFAULT_SHOWN):
+            console.print(requests_table(rows, args.requests, max(10, min(40, console.width - 100))))
+    if args.png is not None:
+        print(f"wrote {printable(str(args.png))}")
+    return 0

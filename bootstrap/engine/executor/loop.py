@@ -1,0 +1,241 @@
+"""``EngineLoop``: the loop behind ``PyExecutor``, its step, its rounds and its worker thread.
+
+One step: admit and schedule, run the model, sample, append, detect stops, free what finished.
+When a step raises, its requests are run again one by one, and only those that fail alone get
+the error on their response; the loop goes on. A round takes what reached the inbox, finishes
+what was given up (``cancel``, ``cancel_on_abandon``) and steps if there is work. The worker
+thread (``start``) repeats rounds and sleeps on the inbox when there is no work; without it,
+the executor's waits run rounds in the calling thread (``step_here``). Rounds run under one
+lock (``step_lock``), so a caller driving the loop and a worker started meanwhile never step at
+once. ``teardown`` cancels what is unfinished and releases the KV pool and any captured CUDA
+graphs; a worker that does not stop in time does that itself when its step ends, and one that
+dies fails its requests with that error instead and leaves the pool to callers driving the loop.
+
+Exit. A program that ends with the worker running (no ``shutdown``) gets it shut down by an
+``atexit`` hook, registered when the worker starts and removed by ``stop``: a daemon thread
+still inside a torch call when the interpreter finalizes is killed by ``pthread_exit`` as it
+retakes the GIL, and the unwind through torch's C++ frames aborts the process ("terminate
+called without an active exception", SIGABRT). The hook runs before that, while the worker can
+still finish its step; unfinished requests end ``cancelled``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from bootstrap.engine.executor.inbox import Inbox
+from bootstrap.engine.sampling.processing import History, TokenLogprob
+from bootstrap.engine.step.runner import ModelRunner
+from bootstrap.engine.executor.request_table import RequestTable
+from bootstrap.engine.executor.responses import ResponseWriter
+from bootstrap.engine.sampling.sampler import Sampler
+from bootstrap.engine.scheduler import Scheduler
+from bootstrap.engine.step.batch import ScheduledBatch
+from bootstrap.engine.spec.speculator import Speculator
+
+log = logging.getLogger("bootstrap.engine.executor.py_executor")  # the executor's log: these are its steps
+
+EXIT_TIMEOUT_S = 30.0  # how long the exit hook waits for a step to end
+
+
+class EngineLoop:
+    """Scheduler, model runner and sampler run in rounds for one executor's requests; see the
+    module docstring."""
+
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler, requests: RequestTable,
+                 responses: ResponseWriter, speculator: Speculator | None = None) -> None:  # fmt: skip
+        self.speculator = speculator  # a draft model's proposals, verified by the target (speculative decoding)
+        self.runner = runner
+        self.scheduler = scheduler
+        self.sampler = sampler
+        self.requests = requests
+        self.responses = responses
+        self.inbox = Inbox()
+        self.step_lock = threading.Lock()
+        self.load = (0, 0)  # (running, waiting) after the last round; replaced whole, read without a lock
+        self.thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._shutdown: Callable[[float | None], None] | None = None
+
+    # ---- rounds in the calling thread ---------------------------------------------------------
+
+    def step_here(self) -> bool:
+        """One round in the calling thread, unless a worker runs the loop. False when there was
+        nothing to do."""
+        with self.step_lock:
+            if self.requests.worker_live:
+                return True
+            took = self.inbox.drain_into(self.scheduler)
+            self._cancel_given_up()
+            if not self.scheduler.has_work:
+                self._publish_load()
+                return took
+            self.step()
+            self._publish_load()
+            return True
+
+    def cancel_here(self) -> None:
+        """Apply every pending cancellation in the calling thread, unless a worker runs the loop."""
+        if not self.requests.worker_live:
+            with self.step_lock:
+                if not self.requests.worker_live:
+                    self.inbox.drain_into(self.scheduler)
+                    self._cancel_given_up()
+
+    # ---- the worker ---------------------------------------------------------------------------
+
+    def start(self, shutdown: Callable[[float | None], None]) -> None:
+        """Start the daemon worker thread (no-op if it is running; the caller holds the request
+        table's lock) and register the exit hook that calls ``shutdown`` (module docstring, Exit)."""
+        if not self.requests.worker_live:
+            self.requests.worker_live = True
+            self.thread = threading.Thread(target=self._work, name="bootstrap-executor", daemon=True)
+            self._shutdown = shutdown
+            atexit.register(self._shutdown_at_exit)
+            self.thread.start()
+
+    def stop(self, timeout: float | None) -> None:
+        """Remove the exit hook, stop and join the worker. Raises if it is still in a step after
+        ``timeout`` s (it tears down itself when that step ends)."""
+        atexit.unregister(self._shutdown_at_exit)
+        self._stop.set()
+        self.inbox.post(None)
+        if self.thread is not None:
+            self.thread.join(timeout)
+            if self.thread.is_alive():
+                raise RuntimeError(f"the executor worker did not stop within {timeout} s; it cancels "
+                                   "what is unfinished and releases the KV pool when its step ends")
+
+    def _shutdown_at_exit(self) -> None:
+        """The ``atexit`` hook of a live worker (module docstring, Exit): shut down before the
+        interpreter finalizes; a worker stuck in a step costs one warning, not the exit."""
+        try:
+            assert self._shutdown is not None  # registered by start, with it
+            self._shutdown(EXIT_TIMEOUT_S)
+        except RuntimeError as exc:
+            log.warning("at exit: %s", exc)
+
+    def _work(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._iterate()
+        finally:  # also when shutdown() gave up waiting for this thread, or the thread died
+            self.teardown(None if self._stop.is_set() else RuntimeError("the executor worker stopped unexpectedly"))
+            self.requests.set_worker_live(False)  # waiters wake up and drive the loop themselves
+
+    def _iterate(self) -> None:
+        """One worker round: sleep on the inbox while there is no work (``enqueue`` and
+        ``shutdown`` post to it; with no work there is nothing to cancel), then take what came,
+        cancel what was given up and step, under the step lock shared with callers that drive
+        the loop."""
+        with self.step_lock:
+            idle = not self.scheduler.has_work
+        first = self.inbox.wait() if idle else None
+        with self.step_lock:
+            try:
+                self.inbox.drain_into(self.scheduler, first)
+                self._cancel_given_up()
+                if not self._stop.is_set() and self.scheduler.has_work:
+                    self.step()
+            except Exception as exc:  # a bug outside the guarded step: fail what is queued, keep going
+                log.exception("executor step failed outside the model step")
+                self.responses.fail(self.scheduler.drain(), exc)
+            self._publish_load()
+
+    def _publish_load(self) -> None:
+        """Record the scheduler's request counts for ``engine_stats`` (step lock held)."""
+        self.load = (len(self.scheduler.running), len(self.scheduler.waiting))
+
+    def _cancel_given_up(self) -> None:
+        """Finish the requests given up since the last round (``cancel``, ``cancel_on_abandon``)."""
+        for handle in self.requests.pop_cancelled():
+            if not handle.finished:
+                self.scheduler.finish(handle.seq)
+                self.responses.complete(handle, "cancelled")
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Schedule, run, sample and update once.
+
+        If the step raises, each of its requests is run again alone, so only the requests that
+        fail by themselves get an error; the loop goes on either way.
+        """
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return
+        limits = self.speculator.plan(batch) if self.speculator is not None else None
+        if limits is not None and self._speculate(batch, limits):
+            return
+        alone = len(batch.seqs) == 1
+        started = time.perf_counter()
+        if self._run(batch, fail=alone) or alone:
+            if self.speculator is not None:
+                self.speculator.ordinary(batch, time.perf_counter() - started)
+            return
+        log.warning("a step of %d requests failed; running them one by one", len(batch.seqs))
+        for part in batch.split():
+            self._run(part, fail=True)
+
+    def _run(self, batch: ScheduledBatch, fail: bool) -> bool:
+        """Run one batch; on an exception fail its requests (and forks joined to it) if ``fail``,
+        and return False."""
+        try:
+            logits = self.runner.run(batch)
+            if self.speculator is not None:
+                self.speculator.mirror(batch)  # the draft computes the same tokens, before any fork
+            batch = self.scheduler.fork(batch)  # after the forward: the prompts' KV is complete
+            tokens, logprobs = self._sample(batch, logits)
+        except Exception as exc:
+            if fail:
+                log.exception("step of %d requests failed", len(batch.seqs))
+                self.responses.fail(batch.seqs, exc)
+            return False
+        self.responses.record(batch, tokens, logprobs)
+        return True
+
+    def _speculate(self, batch: ScheduledBatch, limits: list[int]) -> bool:
+        """A speculative step, ``limits[i]`` draft tokens judged for request ``i``; False (pools
+        as they were) when it raised, so the step runs as an ordinary one."""
+        try:
+            runs = self.speculator.step(batch, limits)
+        except Exception:
+            log.exception("a speculative step of %d requests failed; running it without the draft", len(batch.seqs))
+            return False
+        self.responses.record_runs(batch, runs)
+        return True
+
+    def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> tuple[list[int], list[TokenLogprob | None]]:
+        """Sample the requests that sample now (a fork from its parent's logits row): their tokens and logprobs."""
+        sampling = [s for s, samples in zip(batch.seqs, batch.samples()) if samples]
+        if not sampling:
+            return [], []
+        if batch.rows is not None:
+            logits = logits.index_select(0, torch.tensor(batch.rows, device=logits.device))
+        params = [s.params for s in sampling]
+        histories = [History(s.token_ids, s.num_prompt_tokens) for s in sampling]
+        sampled = self.sampler.sample_with_logprobs(
+            logits, params, [s.generator for s in sampling], histories, self.responses.eos_token_ids
+        )
+        return sampled.tokens.tolist(), sampled.logprobs
+
+    # ---- teardown -----------------------------------------------------------------------------
+
+    def teardown(self, died: BaseException | None = None) -> None:
+        """Cancel every unfinished request and release the KV pool (idempotent); if the worker
+        ``died``, fail its requests with that error instead and keep the pool for callers."""
+        with self.step_lock:
+            self.inbox.drain_into(self.scheduler)
+            if died is not None:
+                return self.responses.fail(self.scheduler.drain(), died)
+            for seq in self.scheduler.drain():
+                self.responses.complete(self.responses.handle_of(seq), "cancelled", "the executor was shut down")
+            self.runner.release_graphs()
+            self.runner.kv_cache.release()
+            self._publish_load()

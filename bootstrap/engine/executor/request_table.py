@@ -1,0 +1,287 @@
+"""Request handles: where the engine leaves each request's events and response, and where
+callers (threads or async tasks) pick them up.
+
+Rules, relied on by ``PyExecutor`` and documented there for its callers:
+
+- **One consumer at a time.** A stream or an await attaches to a request while it runs; a
+  second one meanwhile raises ``RequestInUse``. When the first detaches (done, timed out,
+  cancelled, closed), the request is free for the next consumer.
+- **Nothing is lost to a cancelled wait.** An event or response leaves its handle only in the
+  consumer's own thread or task, under the lock, at the moment it is handed over
+  (``take_event``, ``take_response``). A wait that is cancelled or times out has taken nothing.
+- **Bounded retention.** A handle lives from enqueue until its final event is streamed or its
+  response taken. A request given up (``give_up``: ``cancel``, or a consumer leaving with
+  ``cancel_on_abandon``) is released as soon as it is finished and no consumer is attached.
+  Finished responses that nobody is attached to are kept, the ``max_unclaimed`` most recently
+  finished; older ones are released. A released request id is unknown (``KeyError``).
+- **Wakeups, not polling.** The engine notifies a per-handle condition (threads) and the
+  ``Waker`` of an async consumer, which schedules ``Event.set`` on that consumer's event loop
+  without blocking the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import anyio
+
+from bootstrap.engine.request.sequence import Detokenizer, Response, Sequence, StreamEvent
+
+log = logging.getLogger(__name__)
+
+
+class RequestInUse(RuntimeError):
+    """A second stream or await on a request that already has one attached."""
+
+
+class Waker:
+    """Wakes one async task from any thread, without blocking that thread."""
+
+    def __init__(self) -> None:
+        self.event = anyio.Event()
+        self._call_soon = _call_soon_threadsafe()
+
+    def wake(self) -> None:
+        try:
+            self._call_soon(self.event.set)
+        except RuntimeError:  # its event loop has ended: nobody waits on it any more
+            pass
+
+
+def _call_soon_threadsafe() -> Callable[[Callable[[], object]], object]:
+    """How another thread schedules a callback on the running event loop (asyncio or trio)."""
+    try:
+        return asyncio.get_running_loop().call_soon_threadsafe
+    except RuntimeError:  # not asyncio: trio, anyio's other backend
+        import trio
+
+        return trio.lowlevel.current_trio_token().run_sync_soon
+
+
+@dataclass(eq=False)
+class Handle:
+    """One request as callers see it; fields other than ``seq``, ``detokenizer`` and ``emitted``
+    (the engine's own) change only under the table's lock."""
+
+    seq: Sequence
+    detokenizer: Detokenizer | None
+    changed: threading.Condition
+    events: deque[StreamEvent] = field(default_factory=deque)
+    response: Response | None = None
+    emitted: int = 0
+    consumer: Claim | None = None
+    waker: Waker | None = None
+    given_up: bool = False
+
+    @property
+    def request_id(self) -> int:
+        return self.seq.request_id
+
+    @property
+    def finished(self) -> bool:
+        return self.response is not None
+
+
+@dataclass(eq=False)
+class Claim:
+    """One consumer's hold on one or more handles (``generate`` holds all of its requests)."""
+
+    label: str
+    handle: Handle | None = None
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    """``handles``: every request the executor holds; ``unfinished``: of those, not answered
+    yet; ``unclaimed``: answered and waiting for nobody (bounded); ``attached``: with a consumer."""
+
+    handles: int
+    unfinished: int
+    unclaimed: int
+    attached: int
+
+
+class RequestTable:
+    """Every request's handle, from enqueue until it is taken or released; see the module docstring.
+
+    Consumers leave through ``detach``, which never blocks on the lock, so it is safe in a
+    ``finally`` that a garbage collector may run while this thread holds the lock: it queues the
+    departure, and every locked operation applies queued departures first (``_reap``).
+    """
+
+    def __init__(self, max_unclaimed: int) -> None:
+        if not isinstance(max_unclaimed, int) or isinstance(max_unclaimed, bool) or max_unclaimed < 0:
+            raise ValueError(f"max_unclaimed must be an integer >= 0, got {max_unclaimed!r}")
+        self.lock = threading.Lock()
+        self.max_unclaimed = max_unclaimed
+        self.worker_live = False  # a worker thread runs the loop; changes under the lock
+        self._handles: dict[int, Handle] = {}
+        self._unclaimed: OrderedDict[int, None] = OrderedDict()
+        self._cancelled: set[int] = set()  # given up unfinished: the engine must still cancel them
+        self._departures: deque[tuple[Handle, Claim, bool]] = deque()
+
+    def new_handle(self, seq: Sequence, detokenizer: Detokenizer | None) -> Handle:
+        return Handle(seq, detokenizer, threading.Condition(self.lock))
+
+    def add(self, handles: Iterable[Handle], claim: Claim | None = None) -> None:
+        """Register new handles, held by ``claim`` if given (call under the lock)."""
+        for handle in handles:
+            handle.consumer = claim
+            self._handles[handle.request_id] = handle
+
+    def get(self, request_id: int) -> Handle | None:
+        """The engine's view: the handle of an unfinished request (or of a retained one)."""
+        return self._handles.get(request_id)
+
+    # ---- consumers ----------------------------------------------------------------------------
+
+    def attach(self, request_id: int, label: str) -> Claim:
+        """Attach a consumer to the request, or raise ``KeyError`` / ``RequestInUse``."""
+        with self.lock:
+            self._reap()
+            handle = self._handles.get(request_id)
+            if handle is None or handle.given_up:
+                raise KeyError(
+                    f"unknown request id {request_id} (never enqueued, its response already taken, "
+                    "or released: cancelled, or finished and unclaimed past the retention bound)"
+                )
+            if handle.consumer is not None:
+                raise RequestInUse(
+                    f"request {request_id} is already being consumed by {handle.consumer.label}; one "
+                    "stream or await per request at a time (finish or close the other one first)"
+                )
+            handle.consumer = Claim(label, handle)
+            self._unclaimed.pop(request_id, None)
+            return handle.consumer
+
+    def detach(self, handle: Handle, claim: Claim, give_up: bool = False) -> None:
+        """``claim`` lets go of ``handle``; with ``give_up`` the request goes too (cancelled if
+        unfinished). Never blocks: applied now if the lock is free, else by the next operation."""
+        self._departures.append((handle, claim, give_up))
+        if self.lock.acquire(blocking=False):
+            try:
+                self._reap()
+            finally:
+                self.lock.release()
+
+    def give_up(self, request_id: int, keep_response: bool = False) -> None:
+        """The caller no longer wants the request: cancelled if unfinished, released once it is
+        finished and nobody is attached. With ``keep_response`` it is only cancelled: its
+        response stays to be taken, as any finished one does (within ``max_unclaimed``)."""
+        with self.lock:
+            self._reap()
+            handle = self._handles.get(request_id)
+            if handle is None or handle.given_up:
+                return
+            if not keep_response:
+                self._give_up(handle)
+            elif not handle.finished:
+                self._cancelled.add(request_id)
+
+    def take_event(self, handle: Handle) -> StreamEvent | None:
+        """Hand the next event over (call under the lock); the final one releases the handle."""
+        if not handle.events:
+            return None
+        event = handle.events.popleft()
+        if event.finished:
+            self._drop(handle)
+        return event
+
+    def take_response(self, handle: Handle) -> Response | None:
+        """Hand the response over once there is one (call under the lock), releasing the handle."""
+        if handle.response is not None:
+            self._drop(handle)
+        return handle.response
+
+    def arm(self, handle: Handle) -> Waker:
+        """A fresh waker for the async consumer of ``handle`` (call under the lock). A waker left
+        behind by a finished wait is harmless: waking it sets an event nobody waits on."""
+        handle.waker = Waker()
+        return handle.waker
+
+    # ---- the engine ---------------------------------------------------------------------------
+
+    def publish(self, handle: Handle, event: StreamEvent, response: Response | None = None) -> None:
+        """Leave ``event`` (and, at the end, ``response``) for the consumer and wake it."""
+        with self.lock:
+            self._reap()
+            handle.events.append(event)
+            if response is not None:
+                handle.response = response
+                self._cancelled.discard(handle.request_id)
+                if handle.consumer is None:
+                    self._settle(handle)
+            self._wake(handle)
+
+    def pop_cancelled(self) -> list[Handle]:
+        """Unfinished requests given up since the last call, for the engine to cancel."""
+        with self.lock:
+            self._reap()
+            handles = [self._handles[i] for i in self._cancelled if i in self._handles]
+            self._cancelled.clear()
+            return handles
+
+    def set_worker_live(self, live: bool) -> None:
+        """Record whether a worker runs the loop; when it stops, wake every consumer, so those
+        waiting on it drive the loop themselves."""
+        with self.lock:
+            self._reap()
+            self.worker_live = live
+            for handle in self._handles.values():
+                self._wake(handle)
+
+    def stats(self) -> RequestStats:
+        with self.lock:
+            self._reap()
+            handles = list(self._handles.values())
+            unclaimed = len(self._unclaimed)
+        unfinished = sum(not h.finished for h in handles)
+        attached = sum(h.consumer is not None for h in handles)
+        return RequestStats(len(handles), unfinished, unclaimed, attached)
+
+    # ---- under the lock -----------------------------------------------------------------------
+
+    def _reap(self) -> None:
+        """Apply the departures ``detach`` queued."""
+        while self._departures:
+            handle, claim, give_up = self._departures.popleft()
+            if handle.consumer is not claim:
+                continue
+            handle.consumer = handle.waker = None
+            if give_up:
+                self._give_up(handle)
+            elif handle.finished and self._handles.get(handle.request_id) is handle:
+                self._settle(handle)
+
+    def _give_up(self, handle: Handle) -> None:
+        handle.given_up = True
+        if not handle.finished:
+            self._cancelled.add(handle.request_id)
+        elif handle.consumer is None:
+            self._drop(handle)
+
+    @staticmethod
+    def _wake(handle: Handle) -> None:
+        handle.changed.notify_all()
+        if handle.waker is not None:
+            handle.waker.wake()
+
+    def _settle(self, handle: Handle) -> None:
+        """A finished request nobody is attached to: release it if given up, else retain it."""
+        if handle.given_up:
+            return self._drop(handle)
+        self._unclaimed[handle.request_id] = None
+        while len(self._unclaimed) > self.max_unclaimed:
+            oldest, _ = self._unclaimed.popitem(last=False)
+            self._handles.pop(oldest, None)
+            log.debug("released the unclaimed response of request %d (max_unclaimed=%d)", oldest, self.max_unclaimed)
+
+    def _drop(self, handle: Handle) -> None:
+        if self._handles.get(handle.request_id) is handle:
+            del self._handles[handle.request_id]
+        self._unclaimed.pop(handle.request_id, None)

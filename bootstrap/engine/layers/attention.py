@@ -1,0 +1,356 @@
+"""Paged attention, plugged into transformers through its ``AttentionInterface``.
+
+Importing this module registers ``paged_attention`` under the name ``"bootstrap_paged"``; a model
+set to ``attn_implementation="bootstrap_paged"`` then calls it from every attention layer, with
+no model code copied. transformers builds no attention mask for a name it has no mask function
+for, so the forward stays cheap; the mask is ours, built from per-step metadata.
+
+A step runs a ragged batch flattened into ``[1, total_tokens]``: request ``b`` contributes
+``query_lens[b]`` new tokens (a prefill chunk or one decode token) and, after the step, holds
+``context_lens[b]`` tokens in the cache. The metadata (slot of every new token, block tables,
+lengths) reaches the attention function through a thread-local set by ``use_metadata``. Each
+layer writes the new keys and values into their slots, then attends per group of requests
+(``ModelRunner`` groups one-token queries, fresh prompt chunks and continued prompt chunks):
+
+- one-token queries, where Triton runs (``kernel="triton"``): the paged decode kernel reads each
+  row's blocks in place, so a mixed step copies nothing of the running requests' contexts;
+- fresh prompt chunks (nothing cached before them), without a soft-cap or a window shorter than
+  the chunk: their own new keys and values under a causal flag (SDPA's flash kernel, no mask);
+- anything else: every request's cached keys and values gathered through its block table, and
+  one padded, masked ``scaled_dot_product_attention`` (causal, grouped-query, with the layer's
+  sliding window when it has one; Gemma 2's logit soft-cap too).
+
+The three give the same result; the scaling is the one the model passes in.
+
+Every tensor of a group is derived with device operations of static shape from the block
+tables, the lengths and three integers (``num_tokens``, ``max_query_len``, ``kv_blocks``).
+
+Decode steps captured as CUDA graphs (``bootstrap.engine.step.graphs``) use ``DecodeMetadata``
+instead: one token per row, every tensor a view of the runner's static buffers, and no
+host-side value read during the forward. Each layer gathers whole blocks of a fixed number of
+block-table columns, masks the positions at or past each row's context length (and outside its
+sliding window), and runs one grouped-query ``scaled_dot_product_attention`` with the query
+heads of a KV head as its query rows, so keys and values are never repeated per query head.
+Padding rows of a graph repeat the last real row, and write that row's keys and values
+(``write_rows``), so two writes to one slot always carry the same bits. Where Triton runs
+(CUDA builds of torch), ``kernel="triton"`` replaces the gather, mask and SDPA with one paged
+kernel that reads only the blocks each row's context fills (``bootstrap.engine.kernels.paged_kv``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from bootstrap.engine.kv_cache import PagedKVCache
+from bootstrap.engine.kernels.paged_kv import paged_decode, write_kv
+
+ATTN_IMPLEMENTATION = "bootstrap_paged"
+
+_local = threading.local()
+
+
+@dataclass
+class AttentionGroup:
+    """Requests attended together in one padded call: ``[b, Qmax]`` queries, ``[b, K]`` keys.
+
+    ``query_starts[i]`` is where request ``i``'s new tokens begin among the step's ``T`` tokens.
+    """
+
+    block_tables: torch.Tensor  # [b, W] long: block ids, padded with any valid block id
+    context_lens: torch.Tensor  # [b] long: tokens cached per request after this step
+    query_lens: torch.Tensor  # [b] long: new tokens per request in this step
+    query_starts: torch.Tensor  # [b] long
+    num_tokens: int  # sum of query_lens
+    max_query_len: int
+    kv_blocks: int  # block-table columns gathered per request (<= W)
+    tokens_per_block: int
+    fresh: bool = False  # no member has cached tokens before this step: its keys are the step's own
+    kernel: str = "torch"  # "triton": a group of one-token queries runs the paged decode kernel
+    token_ids: torch.Tensor = field(init=False)  # [n]: the group's tokens among the T
+    rows: torch.Tensor = field(init=False)  # [n]: row of each of those tokens in [b * Qmax]
+    query_index: torch.Tensor = field(init=False)  # [b, Qmax]: token feeding each padded row
+    query_pos: torch.Tensor = field(init=False)  # [b, Qmax]: position of each padded row
+    kv_slots: torch.Tensor = field(init=False)  # [b, kv_blocks * tpb]: slots to gather
+    _masks: dict[int | None, torch.Tensor] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        lens, device = self.query_lens, self.query_lens.device
+        rows = torch.arange(self.max_query_len, device=device).unsqueeze(0)
+        clamped = torch.minimum(rows, (lens - 1).unsqueeze(1))  # padded rows repeat the last token
+        self.query_index = self.query_starts.unsqueeze(1) + clamped
+        self.query_pos = (self.context_lens - lens).unsqueeze(1) + clamped
+        owner = torch.repeat_interleave(torch.arange(lens.shape[0], device=device), lens, output_size=self.num_tokens)
+        local = torch.arange(self.num_tokens, device=device) - (torch.cumsum(lens, 0) - lens)[owner]
+        self.rows = owner * self.max_query_len + local
+        self.token_ids = self.query_starts[owner] + local
+        tables = self.block_tables[:, : self.kv_blocks]
+        offsets = torch.arange(self.tokens_per_block, device=device)
+        self.kv_slots = (tables.unsqueeze(-1) * self.tokens_per_block + offsets).reshape(tables.shape[0], -1)
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        """``[b, 1, Qmax, K]`` bool: causal over each request's own tokens, within the window."""
+        if sliding_window not in self._masks:
+            kv_pos = torch.arange(self.kv_slots.shape[1], device=self.kv_slots.device)
+            q_pos = self.query_pos.unsqueeze(-1)
+            allowed = kv_pos <= q_pos
+            if sliding_window is not None:
+                allowed &= kv_pos > q_pos - sliding_window
+            self._masks[sliding_window] = allowed.unsqueeze(1)
+        return self._masks[sliding_window]
+
+
+@dataclass
+class AttentionMetadata:
+    """What one forward step needs: where the new tokens go, and the groups to attend.
+
+    Decode tokens and prefill chunks go in separate groups, so one-token queries are not padded
+    to the length of a prompt chunk. A single group always covers all ``T`` tokens in order.
+    """
+
+    kv_cache: PagedKVCache
+    slot_mapping: torch.Tensor  # [T] long: flat cache slot of each new token
+    groups: list[AttentionGroup]
+
+    @classmethod
+    def single(
+        cls,
+        kv_cache: PagedKVCache,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        query_lens: torch.Tensor,
+        max_query_len: int,
+        kv_blocks: int,
+        kernel: str = "torch",
+    ) -> AttentionMetadata:
+        """All requests in one group, their tokens back to back in request order."""
+        starts = torch.cumsum(query_lens, 0) - query_lens
+        group = AttentionGroup(
+            block_tables, context_lens, query_lens, starts, slot_mapping.shape[0],
+            max_query_len, kv_blocks, kv_cache.tokens_per_block, kernel=kernel,
+        )  # fmt: skip
+        return cls(kv_cache, slot_mapping, [group])
+
+
+@dataclass
+class DecodeMetadata:
+    """A decode step of static shape: ``B`` rows of one token, ``W`` block-table columns each."""
+
+    kv_cache: PagedKVCache
+    slot_mapping: torch.Tensor  # [B] long: slot each row's new token is written to
+    write_rows: torch.Tensor  # [B] long: row whose key and value go to that slot
+    block_tables: torch.Tensor  # [B, W] long: valid block ids; columns past a row's length are masked
+    context_lens: torch.Tensor  # [B] long: tokens cached per row after this step
+    kernel: str = "torch"  # "triton": one paged kernel (bootstrap.engine.kernels.paged_kv), no gather
+    _masks: dict[int | None, torch.Tensor] = field(init=False, default_factory=dict)
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        """``[B, 1, 1, W * tpb]`` bool: positions below the context length, within the window."""
+        if sliding_window not in self._masks:
+            width = self.block_tables.shape[1] * self.kv_cache.tokens_per_block
+            kv_pos = torch.arange(width, device=self.context_lens.device)
+            lens = self.context_lens.unsqueeze(1)
+            allowed = kv_pos < lens
+            if sliding_window is not None:
+                allowed &= kv_pos >= lens - sliding_window
+            self._masks[sliding_window] = allowed[:, None, None, :]
+        return self._masks[sliding_window]
+
+
+@contextmanager
+def use_metadata(metadata: AttentionMetadata | DecodeMetadata) -> Iterator[AttentionMetadata]:
+    """Make ``metadata`` the one ``paged_attention`` reads in this thread, for one forward."""
+    previous = getattr(_local, "metadata", None)
+    _local.metadata = metadata
+    try:
+        yield metadata
+    finally:
+        _local.metadata = previous
+
+
+def current_metadata() -> AttentionMetadata | DecodeMetadata:
+    metadata = getattr(_local, "metadata", None)
+    if metadata is None:
+        raise RuntimeError(
+            f"attention '{ATTN_IMPLEMENTATION}' was called outside a step: run the model through "
+            "ModelRunner (or inside use_metadata(...))"
+        )
+    return metadata
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: ``query [1, H, T, D]``, ``key/value [1, KVH, T, D]``,
+    the step's metadata from the thread-local ``use_metadata`` set.
+
+    Returns ``[1, T, H, D]``, as transformers' own attention functions do.
+    """
+    if kwargs.get("s_aux") is not None:
+        raise ValueError(f"attention sinks (s_aux) are not supported by '{ATTN_IMPLEMENTATION}'")
+    layer = getattr(module, "layer_idx", None)
+    if layer is None:
+        raise ValueError(f"{type(module).__name__} has no layer_idx; '{ATTN_IMPLEMENTATION}' needs it to find its cache")
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    return attend(current_metadata(), layer, q, k, v, scaling, sliding_window, softcap).unsqueeze(0), None
+
+
+def attend(
+    meta: AttentionMetadata | DecodeMetadata,
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """One layer's paged attention over a step: ``query [T, H, D]``, ``key/value [T, KVH, D]``
+    (written to the layer's cache first), output ``[T, H, D]``. The engine's own model code
+    calls this with the step's metadata as an argument."""
+    k_cache, v_cache = meta.kv_cache.k_cache(layer), meta.kv_cache.v_cache(layer)
+    if isinstance(meta, DecodeMetadata):
+        if meta.kernel == "triton":
+            write_kv(key, value, meta.write_rows, meta.slot_mapping, k_cache, v_cache)
+        else:
+            _write(k_cache, v_cache, key.index_select(0, meta.write_rows), value.index_select(0, meta.write_rows),
+                   meta.slot_mapping)  # fmt: skip
+        return _attend_decode(query, k_cache, v_cache, meta, scaling, sliding_window, softcap)
+    _write(k_cache, v_cache, key, value, meta.slot_mapping)
+    if len(meta.groups) == 1:
+        return _attend(query, (key, value), k_cache, v_cache, meta.groups[0], scaling, sliding_window, softcap)
+    out = torch.empty_like(query)
+    for group in meta.groups:
+        part = _attend(query, (key, value), k_cache, v_cache, group, scaling, sliding_window, softcap)
+        out.index_copy_(0, group.token_ids, part)
+    return out
+
+
+def _attend(
+    tokens: torch.Tensor,
+    new_kv: tuple[torch.Tensor, torch.Tensor],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: AttentionGroup,
+    scaling: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Attention output ``[n, H, D]`` for the group's tokens, in the order of ``group.token_ids``,
+    by the first of the module docstring's three ways that applies to the group."""
+    if group.max_query_len == 1 and group.kernel == "triton":
+        tables = group.block_tables[:, : group.kv_blocks]
+        return paged_decode(tokens.index_select(0, group.token_ids), k_cache, v_cache, tables, group.context_lens,
+                            scaling, sliding_window, softcap)  # fmt: skip
+    q = tokens[group.query_index].transpose(1, 2)  # [b, H, Qmax, D]
+    if group.fresh and softcap is None and (sliding_window is None or sliding_window >= group.max_query_len):
+        return _attend_fresh(q, new_kv, group, scaling)
+    k = _gather(k_cache, group.kv_slots, q.dtype)
+    v = _gather(v_cache, group.kv_slots, q.dtype)
+    mask = group.mask(sliding_window)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
+    else:
+        out = _softcapped_attention(q, k, v, mask, scaling, softcap)
+    return _unpad(out, group)
+
+
+def _attend_fresh(
+    q: torch.Tensor, new_kv: tuple[torch.Tensor, torch.Tensor], group: AttentionGroup, scaling: float | None
+) -> torch.Tensor:
+    """Prompts with nothing cached before this step: keys and values are the step's own, padded
+    like the queries (a padded row repeats its request's last token), and a causal flag is the
+    whole mask. A real row ``i`` sees keys ``0..i``, all real; padded rows are dropped."""
+    k, v = (part[group.query_index].transpose(1, 2).to(q.dtype) for part in new_kv)  # [b, KVH, Qmax, D]
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
+    return _unpad(out, group)
+
+
+def _unpad(out: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+    """``[b, H, Qmax, D]`` padded output to ``[n, H, D]``: the group's real rows, in token order."""
+    batch, heads, q_max, head_dim = out.shape
+    return out.transpose(1, 2).reshape(batch * q_max, heads, head_dim).index_select(0, group.rows)
+
+
+def _attend_decode(
+    tokens: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: DecodeMetadata,
+    scaling: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """``[B, H, D]``: one query token per row against the row's blocks (static shapes only)."""
+    rows, heads, head_dim = tokens.shape
+    if meta.kernel == "triton":
+        return paged_decode(tokens, k_cache, v_cache, meta.block_tables, meta.context_lens, scaling, sliding_window, softcap)
+    kv_heads = k_cache.shape[2]
+    q = tokens.reshape(rows, kv_heads, heads // kv_heads, head_dim)  # query heads grouped by KV head
+    k = _gather_blocks(k_cache, meta.block_tables, q.dtype)
+    v = _gather_blocks(v_cache, meta.block_tables, q.dtype)
+    mask = meta.mask(sliding_window)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+    else:
+        out = _softcapped_attention(q, k, v, mask, scaling, softcap)
+    return out.reshape(rows, heads, head_dim)
+
+
+def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, KVH, W * tpb, D]``: whole blocks of every row, in position order."""
+    rows, width = tables.shape
+    blocks = cache.index_select(0, tables.reshape(-1))  # [B * W, tpb, KVH, D]
+    return blocks.view(rows, width * cache.shape[1], *cache.shape[2:]).transpose(1, 2).to(dtype)
+
+
+def _write(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store the step's keys and values ``[T, KVH, D]`` at their flat slots."""
+    k_flat = k_cache.view(-1, *k_cache.shape[2:])
+    v_flat = v_cache.view(-1, *v_cache.shape[2:])
+    k_flat.index_copy_(0, slots, key.to(k_flat.dtype))
+    v_flat.index_copy_(0, slots, value.to(v_flat.dtype))
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, KVH, K, D]``: the cached tokens of every request, in position order."""
+    flat = cache.view(-1, *cache.shape[2:])
+    return flat[slots].transpose(1, 2).to(dtype)
+
+
+def _softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float | None, softcap: float
+) -> torch.Tensor:
+    """Attention with tanh logit soft-capping (Gemma 2), which SDPA does not offer."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)
+
+
+def register() -> None:
+    """Register ``paged_attention`` with transformers as ``"bootstrap_paged"`` (idempotent), for
+    the models that run through transformers' classes; imports transformers, so it is called
+    only on their way in (the engine's own model code calls ``paged_attention`` directly)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)

@@ -1,0 +1,168 @@
+"""Logits processing for the batched sampler: penalties, ``min_tokens`` and logprobs.
+
+Everything here works on whole batches with a few tensor operations, and only on the rows
+that ask for it: the sampler calls ``needs_processing`` first and skips this module when no
+row of the batch uses a penalty or an unmet ``min_tokens``.
+
+- **Repetition** (HF/vLLM), over the prompt and the generated tokens: a token seen has its
+  logit divided by ``r`` when positive, multiplied by ``r`` otherwise.
+- **Presence and frequency** (OpenAI), over the generated tokens only:
+  ``logit[t] -= presence * (count[t] > 0) + frequency * count[t]``.
+- **min_tokens**: until that many tokens were generated, EOS ids (unless ``ignore_eos``) and
+  ``stop_token_ids`` get ``-inf``.
+
+Token counts come from one ``scatter_add_`` over a padded ``[R, L]`` tensor of ids (padding
+goes to an extra column that is cut off). Logprobs are ``log_softmax`` of the raw model logits,
+the model's own distribution (as vLLM returns by default), for the rows that ask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+import torch
+
+
+class SamplingParams(Protocol):
+    """The fields of ``bootstrap.engine.sampling.sampler.SamplingParams`` used here (a protocol, so this
+    module does not import the one that imports it)."""
+
+    @property
+    def presence_penalty(self) -> float: ...
+    @property
+    def frequency_penalty(self) -> float: ...
+    @property
+    def repetition_penalty(self) -> float: ...
+    @property
+    def min_tokens(self) -> int: ...
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]: ...
+    @property
+    def ignore_eos(self) -> bool: ...
+    @property
+    def logprobs(self) -> int | None: ...
+
+
+class History(NamedTuple):
+    """One row's tokens so far: the prompt followed by the generated tokens."""
+
+    token_ids: Sequence[int]
+    num_prompt: int
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's logprob and the ``top`` (token id, logprob) pairs, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def uses_penalties(p: SamplingParams) -> bool:
+    return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+
+
+def needs_processing(p: SamplingParams, history: History | None) -> bool:
+    """True when the row's logits must be changed before sampling this step."""
+    if uses_penalties(p):
+        return True
+    return p.min_tokens > 0 and (history is None or history.num_generated < p.min_tokens)
+
+
+def process(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[History],
+    eos_token_ids: Sequence[int] | set[int] | frozenset[int],
+) -> torch.Tensor:
+    """Penalties, then the ``min_tokens`` mask, for float ``logits [R, V]`` (one row per params)."""
+    if any(uses_penalties(p) for p in params):
+        logits = _apply_penalties(logits, params, histories)
+    return _mask_early_stops(logits, params, histories, eos_token_ids)
+
+
+def _apply_penalties(
+    logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[History]
+) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    output = _counts([h.token_ids[h.num_prompt :] for h in histories], vocab, logits.device)
+    if any(p.repetition_penalty != 1 for p in params):
+        prompt = _counts([h.token_ids[: h.num_prompt] for h in histories], vocab, logits.device)
+        r = _column([p.repetition_penalty for p in params], logits)
+        seen = (prompt + output) > 0
+        logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    if any(p.presence_penalty != 0 or p.frequency_penalty != 0 for p in params):
+        presence = _column([p.presence_penalty for p in params], logits)
+        frequency = _column([p.frequency_penalty for p in params], logits)
+        counts = output.to(logits.dtype)
+        logits = logits - presence * (counts > 0).to(logits.dtype) - frequency * counts
+    return logits
+
+
+def _counts(rows: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """``[R, V]`` counts of each token id per row (ids outside the vocabulary are ignored)."""
+    width = max((len(r) for r in rows), default=0)
+    if width == 0:
+        return torch.zeros(len(rows), vocab, dtype=torch.long, device=device)
+    padded = torch.tensor([list(r) + [vocab] * (width - len(r)) for r in rows], dtype=torch.long)
+    ids = padded.masked_fill_((padded < 0) | (padded > vocab), vocab).to(device)
+    counts = torch.zeros(len(rows), vocab + 1, dtype=torch.long, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids))
+    return counts[:, :vocab]
+
+
+def _mask_early_stops(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[History],
+    eos_token_ids: Sequence[int] | set[int] | frozenset[int],
+) -> torch.Tensor:
+    """``-inf`` for the stop and EOS ids of each row that has not generated ``min_tokens`` yet."""
+    vocab = logits.shape[-1]
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, (p, h) in enumerate(zip(params, histories)):
+        if h.num_generated < p.min_tokens:
+            ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            ids = sorted(t for t in ids if 0 <= t < vocab)
+            rows += [i] * len(ids)
+            cols += ids
+    if not rows:
+        return logits
+    index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+    return logits.index_put(index, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+
+
+def token_logprobs(
+    raw_logits: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams]
+) -> list[TokenLogprob | None]:
+    """Per row: the chosen token's logprob and its top-``logprobs`` under the raw logits, or
+    None for rows that did not ask. One ``log_softmax`` and one ``topk`` for the asking rows."""
+    out: list[TokenLogprob | None] = [None] * len(params)
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return out
+    index = torch.tensor(rows, device=raw_logits.device)
+    logp = torch.log_softmax(raw_logits.index_select(0, index).float(), dim=-1)
+    chosen = tokens.index_select(0, index).long()
+    picked = logp.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    k = min(max(params[i].logprobs for i in rows), logp.shape[-1])  # type: ignore[type-var]
+    top_values, top_ids = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
+    picked_l, chosen_l = picked.tolist(), chosen.tolist()
+    values_l, ids_l = top_values.tolist(), top_ids.tolist()
+    for j, i in enumerate(rows):
+        n = params[i].logprobs or 0
+        top = tuple(zip(ids_l[j][:n], values_l[j][:n]))
+        out[i] = TokenLogprob(chosen_l[j], picked_l[j], top)
+    return out
+
+
+def _column(values: list, like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)

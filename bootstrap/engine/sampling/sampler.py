@@ -1,0 +1,325 @@
+"""Sampling: per-request parameters, a batched device sampler, and stop checks.
+
+The sampler handles a whole batch in a few tensor operations: greedy rows take the argmax,
+sampled rows are scaled by their temperature, cut by their own top-k and top-p (which never
+remove a row's most likely token, so no row is ever left without a candidate), and drawn
+with the exponential-race trick (``argmax(p / E)`` with ``E ~ Exp(1)``), which is an exact
+categorical draw. Each seeded request fills its own row of noise from its own
+``torch.Generator``, so a seeded request gives the same tokens whatever else is in the batch.
+
+Before that, rows that use a penalty or have not reached their ``min_tokens`` get their logits
+changed (``bootstrap.engine.sampling.processing``; greedy rows too, so a penalty can change the
+argmax), and ``min_p`` drops, after temperature, what is less likely than ``min_p`` times the
+row's most likely token. A batch with none of these pays nothing for them.
+``sample_with_logprobs`` adds, for the rows that ask, the logprobs of the raw model logits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NoReturn
+
+import torch
+
+from bootstrap.engine.sampling.argmax import argmax
+from bootstrap.engine.sampling.processing import History, TokenLogprob, needs_processing, process, token_logprobs
+
+MAX_SEED = 2**63 - 1
+MAX_LOGPROBS = 20
+
+
+def _fail(name: str, allowed: str, value: object) -> NoReturn:
+    raise ValueError(f"SamplingParams.{name} must be {allowed}, got {value!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+
+
+def _as_tuple(name: str, value: object) -> tuple:
+    """``value`` as a tuple; a lone string is one item, a non-iterable a clear error."""
+    if isinstance(value, str):
+        return (value,)
+    try:
+        return tuple(value)  # type: ignore[arg-type]
+    except TypeError:
+        _fail(name, "a list or tuple", value)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one request, and when to stop it.
+
+    ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` switch those filters off.
+    ``stop_token_ids`` and ``stop`` (strings) end the request with reason ``"stop"``, as does
+    an EOS token unless ``ignore_eos``. Lists given for the tuple fields are stored as tuples;
+    a plain string for ``stop`` is one stop string (as in the OpenAI API), not its characters.
+
+    ``min_p == 0``, ``presence_penalty == frequency_penalty == 0`` and ``repetition_penalty == 1``
+    are off. ``min_tokens``: no stop (token, EOS or string) before that many tokens. ``logprobs``:
+    None, or how many top alternatives to return with each generated token's logprob.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", _as_tuple("stop_token_ids", self.stop_token_ids))
+        object.__setattr__(self, "stop", _as_tuple("stop", self.stop))
+        self._check_numbers()
+        self._check_stops()
+        self._check_surface()
+
+    def _check_numbers(self) -> None:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            _fail("max_tokens", "an integer >= 1", self.max_tokens)
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            _fail("temperature", "a finite number >= 0 (0 = greedy)", t)
+        if not _is_int(self.top_k) or self.top_k < 0:
+            _fail("top_k", "an integer >= 0 (0 = off)", self.top_k)
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            _fail("top_p", "a number in (0, 1] (1 = off)", p)
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            _fail("seed", f"None or an integer in [0, {MAX_SEED}]", self.seed)
+
+    def _check_stops(self) -> None:
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            _fail("stop_token_ids", "a tuple of integers >= 0", self.stop_token_ids)
+        if not all(isinstance(s, str) and s for s in self.stop):
+            _fail("stop", "a tuple of non-empty strings", self.stop)
+        if not isinstance(self.ignore_eos, bool):
+            _fail("ignore_eos", "a bool", self.ignore_eos)
+
+    def _check_surface(self) -> None:
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            _fail("min_p", "a number in [0, 1] (0 = off)", self.min_p)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                _fail(name, "a number in [-2, 2] (0 = off)", value)
+        r = self.repetition_penalty
+        if not _is_number(r) or not math.isfinite(r) or r <= 0:
+            _fail("repetition_penalty", "a finite number > 0 (1 = off)", r)
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            _fail("min_tokens", f"an integer in [0, max_tokens={self.max_tokens}]", self.min_tokens)
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            _fail("logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request takes the most likely token every step."""
+        return self.temperature == 0
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+    """A generator on ``device`` seeded with ``seed``, or None (use the global RNG)."""
+    if seed is None:
+        return None
+    return torch.Generator(device=torch.device(device)).manual_seed(seed)
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """A step's tokens ``[B]`` and, per row, its ``TokenLogprob`` (None where not asked)."""
+
+    tokens: torch.Tensor
+    logprobs: list[TokenLogprob | None]
+
+
+class Sampler:
+    """Turns a batch of logits into one token id per row, each row by its own parameters."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        histories: Sequence[History] | None = None,
+        eos_token_ids: set[int] | frozenset[int] = frozenset(),
+    ) -> torch.Tensor:
+        """Token ids ``[B]`` (long) for ``logits [B, V]``; one params and generator per row, and
+        one ``History`` per row when a row uses penalties or ``min_tokens`` (``eos_token_ids``
+        are what ``min_tokens`` holds back)."""
+        self._check_batch(logits, params, generators)
+        logits = self._processed(logits, params, histories, eos_token_ids)
+        tokens = argmax(logits)
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if rows:
+            index = torch.tensor(rows, device=logits.device)
+            drawn = self._draw(
+                logits.index_select(0, index).float(),
+                [params[i] for i in rows],
+                [generators[i] for i in rows],
+            )
+            tokens = tokens.index_copy(0, index, drawn)
+        return tokens.long()
+
+    def sample_with_logprobs(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        histories: Sequence[History] | None = None,
+        eos_token_ids: set[int] | frozenset[int] = frozenset(),
+    ) -> Sampled:
+        """``sample``, plus each asking row's logprobs under the raw ``logits`` (the model's own
+        distribution: before temperature, penalties and filters)."""
+        tokens = self.sample(logits, params, generators, histories, eos_token_ids)
+        return Sampled(tokens, token_logprobs(logits, tokens, params))
+
+    @staticmethod
+    def _processed(
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        histories: Sequence[History] | None,
+        eos_token_ids: set[int] | frozenset[int],
+    ) -> torch.Tensor:
+        """``logits`` with penalties and the ``min_tokens`` mask applied to the rows that need
+        them (as float32); the same tensor when no row does."""
+        if histories is not None and len(histories) != len(params):
+            raise ValueError(f"need one History per logits row: rows={len(params)}, histories={len(histories)}")
+        rows = [i for i, p in enumerate(params) if needs_processing(p, None if histories is None else histories[i])]
+        if not rows:
+            return logits
+        if histories is None:
+            raise ValueError("penalties and min_tokens need one History per logits row")
+        index = torch.tensor(rows, device=logits.device)
+        part = process(
+            logits.index_select(0, index).float(), [params[i] for i in rows], [histories[i] for i in rows], eos_token_ids
+        )
+        return logits.float().index_copy(0, index, part)
+
+    @staticmethod
+    def _check_batch(logits: torch.Tensor, params: Sequence, generators: Sequence) -> None:
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
+        if not len(params) == len(generators) == logits.shape[0]:
+            raise ValueError(
+                f"need one SamplingParams and one generator per logits row: rows="
+                f"{logits.shape[0]}, params={len(params)}, generators={len(generators)}"
+            )
+
+    def probabilities(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """``[B, V]`` float32: each sampled row's distribution after its temperature, ``min_p``,
+        top-k and top-p, the one ``sample`` draws from (speculative decoding's ``p`` and ``q``;
+        rows that need penalties or ``min_tokens`` are not handled here)."""
+        logits = logits.float()
+        temps = self._column([p.temperature for p in params], logits).clamp_(min=torch.finfo(logits.dtype).tiny)
+        logits = (logits - logits.amax(dim=-1, keepdim=True)) / temps
+        if any(p.min_p > 0 for p in params):
+            logits = self._min_p(logits, params)
+        if any(p.top_k > 0 or p.top_p < 1 for p in params):
+            logits = self._filter(logits, params)
+        return torch.softmax(logits, dim=-1)
+
+    def _draw(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> torch.Tensor:
+        # Shift each row's maximum to 0 before dividing, and keep temperatures above the float
+        # range's smallest normal, so a tiny temperature gives -inf (not inf - inf = NaN) away
+        # from the maximum: effectively greedy, as it should be.
+        probs = self.probabilities(logits, params)
+        noise = self._exponential_noise(probs, generators)
+        return argmax(probs / noise)
+
+    @staticmethod
+    def _column(values: list, like: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+
+    def _min_p(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """Mask (to -inf) what is less likely than ``min_p`` times the row's top probability.
+        ``logits`` have their row maximum at 0, so that is ``logit < log(min_p)``; the top
+        token (at 0) always stays."""
+        min_ps = self._column([p.min_p for p in params], logits)
+        below = (logits < min_ps.log()) & (logits < 0)
+        return logits.masked_fill(below, float("-inf"))
+
+    def _filter(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """Mask (to -inf) what falls outside each row's top-k and top-p; the most likely token
+        always stays, so no row is left empty (a ``top_p`` below float32's range rounds to 0)."""
+        vocab = logits.shape[-1]
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ks = self._column([p.top_k if p.top_k > 0 else vocab for p in params], logits)
+        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+        sorted_logits = sorted_logits.masked_fill(ranks >= ks, float("-inf"))
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        top_ps = self._column([p.top_p for p in params], logits)
+        outside = (mass_before >= top_ps) & (top_ps < 1) & (ranks > 0)
+        sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
+        return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+    @staticmethod
+    def _exponential_noise(
+        probs: torch.Tensor, generators: Sequence[torch.Generator | None]
+    ) -> torch.Tensor:
+        noise = torch.empty_like(probs).exponential_()
+        for row, gen in enumerate(generators):
+            if gen is not None:
+                noise[row].exponential_(generator=gen)
+        return noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # a 0 would divide 0 into NaN
+
+
+def stop_reason(
+    token_ids: list[int], text: str, params: SamplingParams, eos_token_ids: set[int]
+) -> str | None:
+    """Why a request with these generated tokens and text should finish, or None to go on.
+
+    ``"stop"`` for a stop token, EOS (unless ``ignore_eos``) or a stop string anywhere in
+    ``text``, once at least ``min_tokens`` tokens were generated; otherwise ``"length"`` once
+    ``max_tokens`` tokens were generated.
+    """
+    if len(token_ids) < params.min_tokens:
+        return None
+    if token_ids:
+        last = token_ids[-1]
+        if last in params.stop_token_ids or (not params.ignore_eos and last in eos_token_ids):
+            return "stop"
+    if any(s in text for s in params.stop):
+        return "stop"
+    if len(token_ids) >= params.max_tokens:
+        return "length"
+    return None
+
+
+def model_eos_ids(model: object) -> set[int]:
+    """EOS token ids from a transformers model's generation config, else its config."""
+    generation = getattr(model, "generation_config", None)
+    value = getattr(generation, "eos_token_id", None)
+    if value is None:
+        value = getattr(model.config.get_text_config(), "eos_token_id", None)  # type: ignore[attr-defined]
+    if value is None:
+        return set()
+    return {value} if isinstance(value, int) else set(value)
+
+
+def trim_stop_text(text: str, params: SamplingParams) -> str:
+    """``text`` cut just before the earliest stop string in it (OpenAI semantics)."""
+    cuts = [i for i in (text.find(s) for s in params.stop) if i >= 0]
+    return text[: min(cuts)] if cuts else text

@@ -1,0 +1,343 @@
+"""Runs a scheduled batch through a causal LM over the paged KV cache: the engine's own model
+code (``bootstrap.engine.models``) or a transformers model.
+
+The batch is flattened into one row: ``input_ids`` and ``position_ids`` of shape
+``[1, total_tokens]``, every request's new tokens back to back. The engine's own model takes the
+step's attention metadata as an argument; a transformers model's attention layers call
+``paged_attention`` (the model is switched to ``attn_implementation="bootstrap_paged"``), which
+reads it from a thread-local. The model computes logits only at the last token
+of each request that samples this step (``logits_to_keep`` with explicit indices), so the
+vocabulary projection never runs over a whole prompt.
+
+Decode steps, and the other steps of one-token rows (``run_rows``: speculative decoding's verify
+and draft passes, where a request has a row per token), fill preallocated buffers (inputs,
+positions, slots, lengths, and block tables of static width ``ceil(max_seq_len /
+tokens_per_block)``) and run on views of them. After ``capture_decode_graphs`` (CUDA), such a
+step whose size and block-table width a captured bucket covers is replayed as a CUDA graph,
+padded up to the bucket; mixed steps (prefill chunks and decode tokens), steps no bucket
+covers, and every step on the CPU run eagerly as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from bootstrap.capacity.cuda_graph_buckets import decode_widths
+from bootstrap.engine.kernels import paged_kv
+from bootstrap.engine.layers.attention import (
+    ATTN_IMPLEMENTATION,
+    AttentionGroup,
+    AttentionMetadata,
+    DecodeMetadata,
+    paged_attention,
+    register,
+    use_metadata,
+)
+from bootstrap.engine.step.graphs import DecodeGraphs, GraphCapture
+from bootstrap.engine.step.decode_step import DecodeBuffers, DecodeStep, queued_tensor
+from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
+from bootstrap.engine.models.decoder import DecoderLM
+from bootstrap.engine.step.batch import ScheduledBatch
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [1, T]
+    positions: torch.Tensor  # [1, T]
+    logits_index: torch.Tensor  # [S]: flat index of the last token of each sampling request
+    metadata: AttentionMetadata
+
+
+class ModelRunner:
+    """Owns the forward pass: input preparation, attention metadata, last-token logits."""
+
+    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, max_batch_size: int, max_seq_len: int,
+                 decode_kernel: str = "auto", max_rows: int | None = None) -> None:  # fmt: skip
+        """``max_rows``: the most one-token rows a step of ``run_rows`` holds (default
+        ``max_batch_size``; speculative decoding's verify pass needs ``k + 1`` per request)."""
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = next(model.parameters()).device
+        self.vocab_size = model.config.get_text_config().vocab_size
+        _check_cache_matches(model, kv_cache)
+        _check_positions(model, max_seq_len)
+        _use_paged_attention(model)
+        self.max_batch_size = max_batch_size
+        self.max_rows = max(max_rows or max_batch_size, max_batch_size)
+        self.max_blocks_per_seq = kv_cache.blocks_needed(max_seq_len)
+        self.decode_buffers = DecodeBuffers(self.max_rows, self.max_blocks_per_seq, kv_cache.tokens_per_block, self.device)
+        self.graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
+        self.decode_kernel = self._decode_kernel(decode_kernel)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Logits ``[S, vocab]`` at the last token of each request of ``batch`` that samples now.
+
+        A decode step runs as ``run_rows`` (a captured CUDA graph when one covers it); any other
+        step runs eagerly.
+        """
+        if batch.is_decode:
+            return self.run_rows(self.decode_step(batch))
+        inputs = self.prepare_mixed(batch)
+        return self._forward(inputs.input_ids, inputs.positions, inputs.logits_index, inputs.metadata)
+
+    @torch.inference_mode()
+    def run_rows(self, step: DecodeStep, tokens: torch.Tensor | None = None, offsets: torch.Tensor | None = None,
+                 keep: Sequence[int] | None = None) -> torch.Tensor:  # fmt: skip
+        """Logits ``[rows, vocab]`` of a step of one-token rows (``bootstrap.engine.step.decode_step``):
+        a decode step, a verify pass, a draft pass. Replays a captured CUDA graph when one covers
+        the step's size and width (padded up to the graph's bucket), else runs eagerly.
+        ``tokens``: the rows' ids on the device, in place of ``step.ids``; ``offsets``: moves of
+        the rows' positions, on the device (``DecodeBuffers.fill``); ``keep``: the rows whose
+        logits are wanted (default all; an eager step computes only theirs)."""
+        if step.size > self.max_rows:
+            raise ValueError(f"a step of {step.size} rows does not fit this runner's max_rows ({self.max_rows})")
+        bucket = self.graphs.bucket(step.size, step.width) if self.graphs is not None else None
+        rows = None if keep is None else queued_tensor(self.device, list(keep))
+        if bucket is not None:
+            self.decode_buffers.fill(step, bucket[0], tokens=tokens, offsets=offsets)  # columns past the width: masked
+            logits = self.graphs.replay(bucket)[: step.size]
+            return logits if rows is None else logits.index_select(0, rows)
+        inputs = self.prepare_decode(step, tokens, offsets)
+        return self._forward(inputs.input_ids, inputs.positions, inputs.logits_index if rows is None else rows,
+                             inputs.metadata)  # fmt: skip
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_to_keep: torch.Tensor | int,
+                 metadata: AttentionMetadata | DecodeMetadata) -> torch.Tensor:  # fmt: skip
+        """The engine's own model code takes the metadata as an argument; a transformers model's
+        attention layers read it from the thread-local ``use_metadata`` sets."""
+        if isinstance(self.model, DecoderLM):
+            return self.model(input_ids, positions, logits_to_keep, metadata).logits[0]
+        with use_metadata(metadata):
+            out = self.model(input_ids=input_ids, position_ids=positions, logits_to_keep=logits_to_keep, use_cache=False)
+        return out.logits[0]
+
+    def decode_step(self, batch: ScheduledBatch) -> DecodeStep:
+        """The host-side values of a decode-only step."""
+        return self.token_rows([(s.request_id, s.num_computed, [s.token_ids[-1]]) for s in batch.seqs])
+
+    def token_rows(self, requests: Sequence[tuple[int, int, Sequence[int]]]) -> DecodeStep:
+        """The rows of a step where each ``(request id, start, ids)`` runs ``ids`` at positions
+        ``start, start + 1, ...`` (their slots already allocated in the pool)."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        for request_id, start, tokens in requests:
+            table = self.kv_cache.block_table(request_id)
+            for position, token in enumerate(tokens, start):
+                ids.append(token)
+                positions.append(position)
+                slots.append(self._slot(table, position))
+                tables.append(table)
+        return DecodeStep(ids, positions, slots, tables)
+
+    def prepare_decode(self, step: DecodeStep | ScheduledBatch, tokens: torch.Tensor | None = None,
+                       offsets: torch.Tensor | None = None) -> StepInputs:  # fmt: skip
+        """A step of one-token rows on views of the preallocated buffers (eager: exact size and width)."""
+        step = step if isinstance(step, DecodeStep) else self.decode_step(step)
+        buf = self.decode_buffers
+        size = buf.fill(step, tokens=tokens, offsets=offsets)
+        metadata = AttentionMetadata.single(
+            self.kv_cache,
+            slot_mapping=buf.slot_mapping[:size],
+            block_tables=buf.block_tables[:size],
+            context_lens=buf.context_lens[:size],
+            query_lens=buf.query_lens[:size],
+            max_query_len=1,
+            kv_blocks=step.width,
+            kernel=self.decode_kernel,
+        )
+        ids, pos = buf.input_ids[:size].unsqueeze(0), buf.positions[:size].unsqueeze(0)
+        return StepInputs(ids, pos, buf.logits_index[:size], metadata)
+
+    def decode_metadata(self, rows: int, width: int) -> DecodeMetadata:
+        """Static-shape metadata over the first ``rows`` x ``width`` of the decode buffers."""
+        buf = self.decode_buffers
+        return DecodeMetadata(self.kv_cache, buf.slot_mapping[:rows], buf.write_rows[:rows],
+                              buf.block_tables[:rows, :width], buf.context_lens[:rows], self.decode_kernel)  # fmt: skip
+
+    def forward_decode(self, rows: int, width: int) -> torch.Tensor:
+        """Logits ``[rows, vocab]`` of a static-shape decode step over the buffers as filled
+        (what a CUDA graph captures; runs eagerly as well, on any device)."""
+        buf = self.decode_buffers
+        metadata = self.decode_metadata(rows, width)
+        return self._forward(buf.input_ids[:rows].unsqueeze(0), buf.positions[:rows].unsqueeze(0), 0, metadata)
+
+    def capture_decode_graphs(
+        self, batch_sizes: Sequence[int], widths: Sequence[int] | None = None, compile_norms: bool | None = None,
+        compile_layers: bool = False,
+    ) -> GraphCapture:  # fmt: skip
+        """Capture decode steps as CUDA graphs for every batch size x width bucket (CUDA only;
+        see ``bootstrap.engine.step.graphs``). Replaces any earlier capture. ``compile_norms``:
+        first ``torch.compile`` the model's RMSNorm modules (eight kernels each to one; a second
+        or so of compiling at the first shapes; every later step, eager ones too, uses them).
+        Default: for a transformers model where the Triton decode kernel runs (Triton, which the
+        compiler needs, is there); never for the engine's own code, whose norms are fused kernels.
+        ``compile_layers`` (experimental): compile whole decoder layers instead, the attention
+        function left out of the compiled graphs (longer to compile, fewer kernels still)."""
+        self.release_graphs()
+        if compile_layers:
+            self.compile_layers()
+        if compile_norms if compile_norms is not None else self._compiles_norms():
+            self.compile_norms()
+        graphs = DecodeGraphs(self)
+        try:
+            report = graphs.capture(batch_sizes, widths if widths is not None else self.default_widths())
+        except BaseException:
+            graphs.release()
+            raise
+        self.graphs = graphs
+        return report
+
+    def _compiles_norms(self) -> bool:
+        """By default, a transformers model's norms where the Triton decode kernel runs; the
+        engine's own model code has its fused kernels (``layers.fused``) instead."""
+        return self.decode_kernel == "triton" and not isinstance(self.model, DecoderLM)
+
+    def compile_norms(self) -> int:
+        """``torch.compile`` (dynamic shapes) every module whose class is an RMSNorm, in place:
+        one compiled graph serves all of them. Returns how many were compiled."""
+        norms = [m for m in self.model.modules() if type(m).__name__.endswith("RMSNorm")]
+        pending = [m for m in norms if getattr(m, "_compiled_call_impl", None) is None]  # a probe's runner did some
+        if pending:
+            # What ``Module.compile`` sets, from one compiled callable: building a torch.compile
+            # wrapper costs about 4 ms (its config), times some 65 norms for an 8B model.
+            compiled = torch.compile(torch.nn.Module._call_impl, dynamic=True)
+            for module in pending:
+                module._compiled_call_impl = functools.partial(compiled, module)
+        return len(norms)
+
+    def compile_layers(self) -> int:
+        """``torch.compile`` (dynamic shapes) every decoder layer in place; the paged attention
+        function runs outside the compiled graphs (``torch.compiler.disable``), so each layer
+        compiles to the part before it and the part after it."""
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(ATTN_IMPLEMENTATION, torch.compiler.disable(paged_attention))
+        layers = [m for m in self.model.modules() if type(m).__name__.endswith("DecoderLayer")]
+        for module in layers:
+            if getattr(module, "_compiled_call_impl", None) is None:
+                module.compile(dynamic=True)
+        return len(layers)
+
+    def default_widths(self) -> list[int]:
+        """The paged kernel reads only each row's context: one graph width, the whole table.
+        The gathering path reads its whole width: doubling widths up to 8,192 tokens."""
+        if self.decode_kernel == "triton":
+            return [self.max_blocks_per_seq]
+        return decode_widths(self.max_blocks_per_seq, self.kv_cache.tokens_per_block)
+
+    def _decode_kernel(self, choice: str) -> str:
+        usable = paged_kv.available(self.device, self.kv_cache.tokens_per_block)
+        if choice not in ("auto", "triton", "torch"):
+            raise ValueError(f"decode_kernel must be auto, triton or torch, got {choice!r}")
+        if choice == "triton" and not usable:
+            raise ValueError("decode_kernel 'triton' needs Triton, a CUDA device and at least 16 tokens per block")
+        return "triton" if choice == "triton" or (choice == "auto" and usable) else "torch"
+
+    @property
+    def pass_rows(self) -> int:
+        """The most rows one pass of ``run_rows`` should hold: the largest captured graph's (two
+        replays cost less than one eager pass of their rows), else ``max_rows``."""
+        return self.graphs.batch_sizes[-1] if self.graphs is not None and self.graphs.batch_sizes else self.max_rows
+
+    def release_graphs(self) -> None:
+        """Drop every captured graph and its memory pool (idempotent)."""
+        if self.graphs is not None:
+            graphs, self.graphs = self.graphs, None
+            graphs.release()
+
+    def _slot(self, table: list[int], position: int) -> int:
+        tpb = self.kv_cache.tokens_per_block
+        return table[position // tpb] * tpb + position % tpb
+
+    def prepare_mixed(self, batch: ScheduledBatch) -> StepInputs:
+        """Any step: prefill chunks and decode tokens of several requests, flattened."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[torch.Tensor] = []
+        for seq, count in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed
+            ids += seq.token_ids[start : start + count]
+            positions += range(start, start + count)
+            slots.append(self.kv_cache.slots(seq.request_id, start, start + count))
+        counts = torch.tensor(batch.num_new_tokens, dtype=torch.long)
+        ends = torch.cumsum(counts, 0) - 1
+        keep = ends[torch.tensor(batch.samples(), dtype=torch.bool)]
+        metadata = AttentionMetadata(self.kv_cache, self._to_device(torch.cat(slots)), self._groups(batch))
+        as_row = self._to_device(torch.tensor([ids, positions], dtype=torch.long))
+        return StepInputs(as_row[0:1], as_row[1:2], self._to_device(keep), metadata)
+
+    def _groups(self, batch: ScheduledBatch) -> list[AttentionGroup]:
+        """Attention groups: one-token queries; prompt chunks with nothing cached before them
+        (fresh: they attend their own keys); continued chunks of a prompt longer than a step
+        (they gather their cached context; the scheduler splits at most one prompt per step,
+        so at most one request is here). A group alone covers every token, in order."""
+        counts, seqs = batch.num_new_tokens, batch.seqs
+        starts = [0, *itertools.accumulate(counts)][:-1]
+        kinds: dict[str, list[int]] = {"short": [], "fresh": [], "continued": []}
+        for i, n in enumerate(counts):
+            kinds["short" if n == 1 else "fresh" if seqs[i].num_computed == 0 else "continued"].append(i)
+        groups = [members for members in kinds.values() if members]
+        if len(groups) == 1:
+            return [self._group(batch, list(range(len(counts))), starts)]
+        return [self._group(batch, members, starts) for members in groups]
+
+    def _group(self, batch: ScheduledBatch, members: list[int], starts: list[int]) -> AttentionGroup:
+        tables = [self.kv_cache.block_table(batch.seqs[i].request_id) for i in members]
+        width = max(len(t) for t in tables)
+        counts = [batch.num_new_tokens[i] for i in members]
+        lengths = [[batch.seqs[i].num_computed + batch.num_new_tokens[i] for i in members], counts, [starts[i] for i in members]]
+        context_lens, query_lens, query_starts = self._to_device(torch.tensor(lengths, dtype=torch.long))
+        return AttentionGroup(
+            block_tables=self._to_device(torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)),
+            context_lens=context_lens,
+            query_lens=query_lens,
+            query_starts=query_starts,
+            num_tokens=sum(counts),
+            max_query_len=max(counts),
+            kv_blocks=width,
+            tokens_per_block=self.kv_cache.tokens_per_block,
+            fresh=all(batch.seqs[i].num_computed == 0 for i in members),
+            kernel=self.decode_kernel,
+        )
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.device, non_blocking=True)
+
+
+def _use_paged_attention(model: torch.nn.Module) -> None:
+    """Switch ``model`` (in place) to the paged attention function, or say why it cannot be."""
+    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        register()
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        raise ValueError(
+            f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
+            f"so '{ATTN_IMPLEMENTATION}' cannot be set on it; the native engine cannot run this model"
+        )
+
+
+def _check_positions(model: torch.nn.Module, max_seq_len: int) -> None:
+    """Refuse a ``max_seq_len`` past the model's positions (an index error deep in the model)."""
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if isinstance(limit, int) and max_seq_len > limit:
+        raise ValueError(
+            f"SchedulerConfig.max_seq_len ({max_seq_len}) exceeds the model's max_position_embeddings "
+            f"({limit}); use max_seq_len <= {limit}"
+        )
+
+
+def _check_cache_matches(model: torch.nn.Module, kv_cache: PagedKVCache) -> None:
+    """The pool holds this rank's KV heads: all of them, or ``kv_heads / tp`` for a model
+    sharded by transformers' tensor-parallel plan (its ``tp_size``)."""
+    tp = getattr(model, "tp_size", None) or 1
+    expected = KVCacheSpec.from_config(model.config, kv_cache.spec.dtype, tp=tp)
+    if expected != kv_cache.spec:
+        raise ValueError(f"the KV cache was built for {kv_cache.spec}, but the model needs {expected}")

@@ -1,0 +1,128 @@
+"""The choices of one OpenAI request: ``n`` jobs per prompt (completions take a list), each
+answered as its own choice, ``index`` = prompt index * ``n`` + choice (as vLLM numbers them).
+The ``n`` choices of a prompt are one prefill in the engine, their prompt's KV blocks shared
+(``PyExecutor.enqueue_choices``); ``usage`` counts each prompt once.
+
+Every job is enqueued before any is awaited, so the engine batches them. A refusal of any is the
+request's 400, and every job is closed whatever way the request ends. Streamed, the choices'
+events are merged in the order they come: each job has a pump task, in a task group that
+``ChoicesStream`` opens around the sending of the body. No task group is held across a ``yield``
+of the body: that would break when a disconnected client's body is closed from another task.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+from anyio.streams.memory import MemoryObjectSendStream
+from opentelemetry.trace import Span
+from starlette.responses import StreamingResponse
+from starlette.types import Send
+
+from bootstrap.serve.openai import schemas as s
+from bootstrap.serve.openai.jobs import Job, enqueue
+from bootstrap.serve.metrics import ServeMetrics
+from bootstrap.serve.status.recent import RequestSummary
+from bootstrap.serve.openai.render import SSE_HEADERS, Render, stream_body
+from bootstrap.serve.request_trace import record_choices
+from bootstrap.serve.state import ServeState
+
+
+class Choices:
+    """The jobs of one request, enqueued in order: job ``i`` is choice ``i`` (``start``). Once
+    closed, the request is in the server's recent requests and, when ``span`` records, its
+    choices are in the trace (``request_trace``)."""
+
+    def __init__(self, state: ServeState, endpoint: str, prompt_tokens: int, span: Span | None = None) -> None:
+        self.jobs: list[Job] = []
+        self.state, self.endpoint, self.prompt_tokens, self.span = state, endpoint, prompt_tokens, span
+        self._recorded = False
+
+    @classmethod
+    async def start(cls, state: ServeState, metrics: ServeMetrics, endpoint: str, prompts: Sequence[list[int]],
+                    params: Sequence[Any], n: int = 1, span: Span | None = None) -> Choices:  # fmt: skip
+        """Enqueue ``n`` jobs per prompt (choice ``i * n + j`` is prompt i's j-th); if some
+        cannot be (shutting down), those before them are closed."""
+        choices = cls(state, endpoint, sum(len(ids) for ids in prompts), span)
+        try:
+            for ids, p in zip(prompts, params, strict=True):
+                for request_id in enqueue(state, ids, p, n):
+                    choices.jobs.append(Job(state, metrics, endpoint, request_id, len(ids)))
+        except BaseException:
+            await choices.close()
+            raise
+        return choices
+
+    async def first_events(self) -> bool:
+        """Wait for each job's first event: a request the executor refused is a 400 (``Job.first_event``)."""
+        for job in self.jobs:
+            await job.first_event()
+        return True
+
+    async def collect(self) -> list[list[Any]]:
+        """Every event of every job, per choice; the jobs are awaited together."""
+        events: list[list[Any]] = [[] for _ in self.jobs]
+
+        async def collect_one(index: int) -> None:
+            events[index] = [event async for event in self.jobs[index].events()]
+
+        async with anyio.create_task_group() as tg:
+            for index in range(len(self.jobs)):
+                tg.start_soon(collect_one, index)
+        return events
+
+    def usage(self) -> s.Usage:
+        """Each prompt counted once; every choice's generated tokens."""
+        return s.Usage.of(self.prompt_tokens, sum(job.tokens for job in self.jobs))
+
+    async def close(self) -> None:
+        """Close every job (idempotent; shielded inside each ``Job.close``), then record the request once."""
+        for job in self.jobs:
+            await job.close()
+        if not self._recorded:
+            self._recorded = True
+            self._record()
+
+    def _record(self) -> None:
+        recording = self.span is not None and self.span.is_recording()
+        trace_id = f"{self.span.get_span_context().trace_id:032x}" if recording else None
+        self.state.recent.add(RequestSummary.of(self.endpoint, self.jobs, self.prompt_tokens, trace_id))
+        record_choices(self.span, self.state.tracer(), self.endpoint, self.jobs, self.prompt_tokens)
+
+
+class ChoicesStream(StreamingResponse):
+    """The SSE response of ``choices``: their events pumped by tasks of a task group that lives
+    exactly as long as the body is sent; the jobs are closed after it, however it ended (a
+    client gone mid-body skips starlette's background tasks, so the close is not one)."""
+
+    def __init__(self, choices: Choices, render: Render, include_usage: bool) -> None:
+        self.choices = choices
+        # unbounded, as the engine's own event queues are: at most max_tokens events per job
+        send, self._events = anyio.create_memory_object_stream[tuple[int, Any]](max_buffer_size=math.inf)
+        self._send = send
+        usage = (lambda: choices.usage()) if include_usage else (lambda: None)
+        super().__init__(stream_body(self._events, len(choices.jobs), render, usage), media_type="text/event-stream",
+                         headers=SSE_HEADERS)  # fmt: skip
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                async with self._send:
+                    for index, job in enumerate(self.choices.jobs):
+                        tg.start_soon(_pump, index, job, self._send.clone())
+                try:
+                    await super().stream_response(send)
+                finally:
+                    tg.cancel_scope.cancel()  # pumps still waiting: their jobs are cancelled by close()
+        finally:
+            self._events.close()
+            await self.choices.close()
+
+
+async def _pump(index: int, job: Job, out: MemoryObjectSendStream[tuple[int, Any]]) -> None:
+    async with out:
+        async for event in job.events():
+            await out.send((index, event))

@@ -1,0 +1,151 @@
+"""One request in the executor, from ``enqueue`` to its final event, cancelled however it ends.
+
+``Job.close`` runs whatever way the request's handler ends (done, client gone, handler
+cancelled, server shutting down): a request that has not finished is cancelled in the executor
+explicitly, and its response is collected so the executor forgets it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import anyio
+from starlette.requests import Request
+
+from bootstrap.serve.errors import APIError
+from bootstrap.serve.metrics import ServeMetrics
+from bootstrap.serve.openai.schemas import finish_reason
+from bootstrap.serve.state import ServeState
+
+CANCEL_WAIT_S = 10.0  # a cancel is taken at the executor's next step; this only bounds a stuck one
+REJECTED = "request rejected: "
+T = TypeVar("T")
+
+
+def enqueue(state: ServeState, ids: list[int], params: Any, n: int = 1) -> list[int]:
+    """The request ids of ``n`` choices of one prompt (``n`` > 1: prefilled once, its KV shared)."""
+    try:
+        return [state.executor.enqueue(ids, params)] if n == 1 else state.executor.enqueue_choices(ids, params, n)
+    except RuntimeError as exc:  # shut down between the readiness check and here
+        raise APIError(503, f"the executor is not taking requests: {exc}", code="shutting_down") from exc
+
+
+class Job:
+    """One enqueued request (``enqueue``), from its first event to ``close``."""
+
+    def __init__(self, state: ServeState, metrics: ServeMetrics, endpoint: str, request_id: int, prompt_tokens: int) -> None:
+        self.executor, self.state, self.metrics, self.endpoint = state.executor, state, metrics, endpoint
+        self.prompt_tokens = prompt_tokens
+        self.started = time.monotonic()
+        self.request_id = request_id
+        state.inflight.add(self.request_id)
+        self._stream = self.executor.stream_async(self.request_id)
+        self._first: Any = None
+        self.tokens = 0
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.timing: Any = None  # the engine's RequestTiming, once it ended there
+        self._closed = False
+
+    async def first_event(self) -> Any:
+        """The first event; a request the executor refused at once is a 400 with its reason."""
+        self._first = await self._next()
+        if self._first.finished and self._first.error and self._first.error.startswith(REJECTED):
+            await self.close()
+            raise APIError(400, self._first.error.removeprefix(REJECTED), code="invalid_request")
+        return self._first
+
+    async def events(self) -> AsyncIterator[Any]:
+        """Every event, the first one included, until the final one (``finish_reason`` set)."""
+        if self._first is None:
+            await self.first_event()
+        yield self._first
+        while self.finish_reason is None:
+            yield await self._next()
+
+    async def _next(self) -> Any:
+        event = await self._stream.__anext__()
+        if event.token_id is not None:
+            if self.tokens == 0:
+                self.metrics.ttft.labels(self.endpoint).observe(time.monotonic() - self.started)
+            self.tokens += 1
+            self.state.tokens_generated += 1
+        if event.finished:
+            self.finish_reason, self.error, self.timing = event.finish_reason, event.error, event.timing
+        return event
+
+    @property
+    def reason(self) -> str:
+        """How it ended, as the server says it (``abort`` for a request cut short)."""
+        return finish_reason(self.finish_reason or "cancelled")
+
+    async def close(self) -> None:
+        """Idempotent; safe to call from a cancelled task (the clean-up is shielded)."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            if self.finish_reason is None:
+                await self._cancel()
+            else:  # one more step lets stream_async forget the request (it does after its last event)
+                await _drain(self._stream)
+        self.state.inflight.discard(self.request_id)
+        self._record()
+
+    async def _cancel(self) -> None:
+        """Cancel the request and collect its response (how it ended, its timing); a request
+        not collected within ``CANCEL_WAIT_S`` is given up, so the executor forgets it."""
+        self.executor.cancel(self.request_id, keep_response=True)
+        try:
+            await self._stream.aclose()
+        except RuntimeError:  # still running in another task: the await below does not need it
+            pass
+        collected = False
+        try:
+            with anyio.move_on_after(CANCEL_WAIT_S):
+                response = await self.executor.await_response_async(self.request_id)
+                self.finish_reason, self.error, self.timing = response.finish_reason, response.error, response.timing
+                collected = True
+        except (KeyError, TimeoutError, RuntimeError):  # released (past max_unclaimed), in use, or shut down
+            pass
+        finally:
+            if not collected:
+                self.executor.cancel(self.request_id)
+
+    def _record(self) -> None:
+        reason = self.reason
+        self.metrics.requests.labels(self.endpoint, reason).inc()
+        self.metrics.prompt_tokens.inc(self.prompt_tokens)
+        self.metrics.generated_tokens.inc(self.tokens)
+        if reason in ("stop", "length"):
+            self.metrics.e2e.labels(self.endpoint).observe(time.monotonic() - self.started)
+
+
+async def _drain(stream: Any) -> None:
+    async for _ in stream:
+        pass
+
+
+async def unless_disconnected(request: Request, fn: Callable[[], Awaitable[T]]) -> T | None:
+    """``await fn()``, or None once the client disconnects (``fn`` is then cancelled). Errors
+    of ``fn`` come out as they are, not wrapped in an exception group."""
+    outcome: dict[str, Any] = {}
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_cancel_when_gone, request, tg.cancel_scope)
+        try:
+            outcome["value"] = await fn()
+        except Exception as exc:
+            outcome["error"] = exc
+        finally:
+            tg.cancel_scope.cancel()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
+
+
+async def _cancel_when_gone(request: Request, scope: anyio.CancelScope) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()

@@ -1,0 +1,67 @@
+"""Token logprobs in OpenAI's two response shapes, from the engine's stream events.
+
+The engine gives each generated token's logprob and its most likely alternatives as token ids,
+under the model's raw distribution (log-softmax of the logits, as vLLM returns by default). Here
+they become text, as vLLM does: each token decoded on its own, ``bytes`` its UTF-8 encoding (an
+executor without a tokenizer names them ``token_id:<id>``).
+
+- chat (``logprobs: true``, ``top_logprobs: k``): ``choices[].logprobs.content[]``, one entry per
+  token with ``token``, ``logprob``, ``bytes`` and ``top_logprobs`` (k entries of the same shape).
+- completions (``logprobs: k``): ``choices[].logprobs`` with the lists ``tokens``,
+  ``token_logprobs``, ``top_logprobs`` (per token a dict of up to k + 1 entries: the k most
+  likely and the sampled token, as OpenAI documents) and ``text_offset`` (where the token's text
+  starts in the choice's text).
+
+Streamed, each chunk carries the entries of the tokens it delivers; ``text_offset`` counts from
+the start of the whole completion, not the chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from bootstrap.serve.openai import schemas as s
+
+
+class LogprobsOut:
+    """One choice's logprobs bodies, built event by event (each event is passed once, in order)."""
+
+    def __init__(self, kind: str, tokenizer: Any) -> None:
+        self.kind, self.tokenizer = kind, tokenizer
+        self._texts: dict[int, str] = {}
+        self._offset = 0  # characters of the choice's text delivered before the next event
+
+    def of(self, events: Iterable[Any]) -> s.ChatLogprobs | s.CompletionLogprobs:
+        """The logprobs of the tokens ``events`` deliver (events without a token add none)."""
+        if self.kind == "chat":
+            return s.ChatLogprobs(content=[self._chat_entry(e) for e in self._tokens_of(events)])
+        out = s.CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        for event in events:
+            if event.token_id is not None and event.logprob is not None:
+                top = {self.text(i): lp for i, lp in event.top_logprobs}
+                top.setdefault(self.text(event.token_id), event.logprob)
+                out.tokens.append(self.text(event.token_id))
+                out.token_logprobs.append(event.logprob)
+                out.top_logprobs.append(top)
+                out.text_offset.append(self._offset)
+            self._offset += len(event.text)
+        return out
+
+    def _tokens_of(self, events: Iterable[Any]) -> list[Any]:
+        return [e for e in events if e.token_id is not None and e.logprob is not None]
+
+    def _chat_entry(self, event: Any) -> s.ChatTokenLogprob:
+        token = self.text(event.token_id)
+        top = [s.TopLogprob(token=t, logprob=lp, bytes=list(t.encode())) for t, lp in
+               ((self.text(i), lp) for i, lp in event.top_logprobs)]  # fmt: skip
+        return s.ChatTokenLogprob(token=token, logprob=event.logprob, bytes=list(token.encode()), top_logprobs=top)
+
+    def text(self, token_id: int) -> str:
+        """The token decoded on its own (cached: the same alternatives come back step after step);
+        ``token_id:<id>`` when the executor has no tokenizer (vLLM's spelling for token ids)."""
+        text = self._texts.get(token_id)
+        if text is None:
+            decoded = f"token_id:{token_id}" if self.tokenizer is None else self.tokenizer.decode([token_id])
+            text = self._texts[token_id] = decoded
+        return text

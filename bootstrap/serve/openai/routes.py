@@ -1,0 +1,119 @@
+"""OpenAI-compatible ``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions``.
+
+Before the executor is ready every one of them answers 503 with ``Retry-After``. A client that
+disconnects, or a handler that is cancelled, cancels its request in the executor (``Job``).
+Bodies are parsed and checked (``request_body``) and prompts tokenized (``openai_prompts``) on a
+worker thread: the event loop only awaits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from bootstrap.serve.openai import schemas as s
+from bootstrap.serve.openai.choices import Choices, ChoicesStream
+from bootstrap.serve.errors import APIError
+from bootstrap.serve.openai.jobs import unless_disconnected
+from bootstrap.serve.openai.inputs import (
+    chat_prompt_ids,
+    check_lengths,
+    completion_prompt_ids,
+    sampling_params,
+    token_limit,
+)
+from bootstrap.serve.openai.render import Render
+from bootstrap.serve.openai.bodies import body_of, parsed
+from bootstrap.serve.request_trace import SCOPE_KEY
+from bootstrap.serve.state import ServeState
+
+RETRY_AFTER_S = {"starting": 1, "bootstrapping": 1, "failed": 5, "shutting_down": 5}
+CLIENT_CLOSED = 499  # the client went away; nobody reads this status
+
+router = APIRouter(prefix="/v1")
+
+
+def ready_executor(state: ServeState) -> Any:
+    """The executor, or 503 with ``Retry-After`` and what the bootstrap is doing."""
+    if state.phase == "ready" and state.executor is not None:
+        return state.executor
+    if state.phase == "shutting_down":
+        message = "the server is shutting down"
+    elif state.phase == "failed":
+        message = f"the bootstrap failed: {state.error}; see GET /v1/bootstrap, POST /v1/bootstrap/retry"
+    else:
+        message = "the executor is not ready yet (bootstrap in progress; see GET /ready or /v1/bootstrap)"
+    code = {"failed": "bootstrap_failed", "shutting_down": "shutting_down"}.get(state.phase, "not_ready")
+    raise APIError(503, message, code=code, headers={"Retry-After": str(RETRY_AFTER_S.get(state.phase, 1))})
+
+
+def check_model(state: ServeState, model: str) -> None:
+    if model != state.options.model_id:
+        raise APIError(404, f"model {model!r} does not exist; this server serves {state.options.model_id!r}",
+                       param="model", code="model_not_found")  # fmt: skip
+
+
+@router.get("/models")
+async def list_models(request: Request) -> s.ModelList:
+    state: ServeState = request.app.state.serve
+    ready_executor(state)
+    created = int(request.app.state.created)
+    return s.ModelList(data=[s.Model(id=state.options.model_id, created=created, max_model_len=state.max_seq_len)])
+
+
+@router.post("/completions", response_model=None, openapi_extra=body_of(s.CompletionRequest))
+async def completions(request: Request) -> Response:
+    body = await parsed(request, s.CompletionRequest)
+    executor, max_seq_len = serving_executor(request, body.model), request.app.state.serve.max_seq_len
+    prompts = await completion_prompt_ids(executor.tokenizer, body.prompt, max_seq_len)
+    return await answer(request, body, prompts, Render("completion", body.model, body.engine_logprobs is not None, executor.tokenizer))
+
+
+@router.post("/chat/completions", response_model=None, openapi_extra=body_of(s.ChatCompletionRequest))
+async def chat_completions(request: Request) -> Response:
+    body = await parsed(request, s.ChatCompletionRequest)
+    executor, max_seq_len = serving_executor(request, body.model), request.app.state.serve.max_seq_len
+    ids = await chat_prompt_ids(executor.tokenizer, body.messages, max_seq_len)
+    return await answer(request, body, [ids], Render("chat", body.model, body.engine_logprobs is not None, executor.tokenizer))
+
+
+def serving_executor(request: Request, model: str) -> Any:
+    """The ready executor, for a request that names this server's model (else 503 or 404)."""
+    state: ServeState = request.app.state.serve
+    executor = ready_executor(state)
+    check_model(state, model)
+    return executor
+
+
+async def answer(request: Request, body: s.CompletionRequest | s.ChatCompletionRequest, prompts: list[list[int]],
+                 render: Render) -> Response:  # fmt: skip
+    """Enqueue a job per prompt; wait for their first events (a refusal is still a 400); stream
+    or collect the rest."""
+    state: ServeState = request.app.state.serve
+    limit, field = token_limit(body)
+    params = [sampling_params(body, tokens) for tokens in check_lengths(prompts, limit, field, state.max_seq_len)]
+    span = getattr(request.state, SCOPE_KEY, None)  # set by RequestTracing when this request is traced
+    choices = await Choices.start(state, request.app.state.metrics, render.kind, prompts, params, body.n, span)
+    try:
+        if await unless_disconnected(request, choices.first_events) is None:
+            return Response(status_code=CLIENT_CLOSED)
+        if body.stream:
+            return ChoicesStream(choices, render, body.include_usage)
+        return await whole(request, choices, render)
+    except BaseException:
+        await choices.close()
+        raise
+
+
+async def whole(request: Request, choices: Choices, render: Render) -> Response:
+    events = await unless_disconnected(request, choices.collect)
+    await choices.close()
+    if events is None:
+        return Response(status_code=CLIENT_CLOSED)
+    failed = next((e[-1] for e in events if e[-1].finish_reason == "error"), None)
+    if failed is not None:
+        raise APIError(500, f"generation failed: {failed.error}", code="engine_error")
+    outcomes = [("".join(e.text for e in each), each[-1].finish_reason, each) for each in events]
+    return JSONResponse(render.whole(outcomes, choices.usage()).model_dump())
