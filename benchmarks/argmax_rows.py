@@ -32,8 +32,15 @@ def measure(vocab: int, rows: int, dtype: torch.dtype, extra: list[int], replays
     x = tied_logits(rows, vocab, dtype)
     want = x.argmax(dim=-1)
     counts = sorted({chunks_for(vocab), *(c for c in extra if vocab % c == 0)})
-    row = {"vocab": vocab, "rows": rows, "dtype": str(dtype).removeprefix("torch."), "chunks_picked": chunks_for(vocab),
-           "torch_us": round(graph_replay_us(lambda: x.argmax(dim=-1), replays), 2), "two_stage_us": {}, "equal": {}}  # fmt: skip
+    row = {
+        "vocab": vocab,
+        "rows": rows,
+        "dtype": str(dtype).removeprefix("torch."),
+        "chunks_picked": chunks_for(vocab),
+        "torch_us": round(graph_replay_us(lambda: x.argmax(dim=-1), replays), 2),
+        "two_stage_us": {},
+        "equal": {},
+    }
     for chunks in counts:
         row["two_stage_us"][chunks] = round(graph_replay_us(lambda c=chunks: argmax(x, c), replays), 2)
         row["equal"][chunks] = bool(torch.equal(argmax(x, chunks), want))

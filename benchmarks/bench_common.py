@@ -52,7 +52,7 @@ def environment(device: torch.device) -> dict[str, Any]:
     import transformers
 
     env: dict[str, Any] = {
-        "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "device": str(device),
         "device_name": platform.processor() or "cpu",
         "torch": torch.__version__,
@@ -62,8 +62,12 @@ def environment(device: torch.device) -> dict[str, Any]:
     }
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        env.update(device_name=torch.cuda.get_device_name(device), total_bytes=total, free_bytes_at_start=free,
-                   cuda=torch.version.cuda)  # fmt: skip
+        env.update(
+            device_name=torch.cuda.get_device_name(device),
+            total_bytes=total,
+            free_bytes_at_start=free,
+            cuda=torch.version.cuda,
+        )
     return env
 
 

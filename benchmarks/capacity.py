@@ -45,13 +45,13 @@ import anyio
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when loaded by path
-from bench_common import emit, failure, positive_int, ratio, release_memory, report_header, resolve_device, save  # noqa: E402
+from bench_common import emit, failure, positive_int, ratio, release_memory, report_header, resolve_device, save
 
-from bootstrap.api import Bootstrap  # noqa: E402
-from bootstrap.backends.native.backend import DTYPES  # noqa: E402
-from bootstrap.config import BootstrapConfig  # noqa: E402
-from bootstrap.devices import is_oom  # noqa: E402
-from bootstrap.engine.sampling.sampler import SamplingParams  # noqa: E402
+from bootstrap.api import Bootstrap
+from bootstrap.backends.native.backend import DTYPES
+from bootstrap.config import BootstrapConfig
+from bootstrap.devices import is_oom
+from bootstrap.engine.sampling.sampler import SamplingParams
 
 TAIL_STEPS = 3  # decode-only steps at full occupancy after the last prefill
 GOALS = {"kv_fraction_of_physical": 0.97, "worst_case_ooms": 0, "defaults_for_comparison": 0.9}
@@ -80,8 +80,12 @@ def idle_reading(device: torch.device) -> dict[str, int]:
     release_memory(device)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        return {"total": total, "used": total - free, "allocated": torch.cuda.memory_allocated(device),
-                "reserved": torch.cuda.memory_reserved(device)}  # fmt: skip
+        return {
+            "total": total,
+            "used": total - free,
+            "allocated": torch.cuda.memory_allocated(device),
+            "reserved": torch.cuda.memory_reserved(device),
+        }
     import psutil
 
     memory, rss = psutil.virtual_memory(), psutil.Process().memory_info().rss
@@ -143,7 +147,9 @@ def simulate(prompts: list[int], outputs: list[int], max_num_tokens: int) -> tup
     return done_prefill, finished
 
 
-def staggered_lengths(requests: int, max_seq_len: int, max_num_tokens: int, tail: int = TAIL_STEPS) -> list[tuple[int, int]]:
+def staggered_lengths(
+    requests: int, max_seq_len: int, max_num_tokens: int, tail: int = TAIL_STEPS
+) -> list[tuple[int, int]]:
     """(prompt, output) per request, each summing to ``max_seq_len``, so that every request
     finishes about ``tail`` steps after the last prefill step (a few rounds of ``simulate``)."""
     outputs = [1] * requests
@@ -230,14 +236,22 @@ def collect(executor: Any, requests: list[int], deadline: float) -> tuple[list[A
     responses, unfinished = [], 0
     for rid in requests:
         try:
-            responses.append(executor.await_response(rid, max(deadline - time.perf_counter(), 0.001), cancel_on_abandon=True))
+            responses.append(
+                executor.await_response(rid, max(deadline - time.perf_counter(), 0.001), cancel_on_abandon=True)
+            )
         except (TimeoutError, KeyError):  # KeyError: released unclaimed (more than max_unclaimed finished first)
             unfinished += 1
     return responses, unfinished
 
 
-def load_report(lengths: list[tuple[int, int]], answered: tuple[list[Any], int], errors: StepErrors,
-                plan: dict[str, Any], device: torch.device, seconds: float) -> dict[str, Any]:  # fmt: skip
+def load_report(
+    lengths: list[tuple[int, int]],
+    answered: tuple[list[Any], int],
+    errors: StepErrors,
+    plan: dict[str, Any],
+    device: torch.device,
+    seconds: float,
+) -> dict[str, Any]:
     responses, unfinished = answered
     errored = [r for r in responses if r.finish_reason == "error"]
     tokens = sum(p + o for p, o in lengths)
@@ -266,9 +280,14 @@ def load_report(lengths: list[tuple[int, int]], answered: tuple[list[Any], int],
 def make_config(args: argparse.Namespace, **rule: Any) -> BootstrapConfig:
     """The benchmark's shape under a memory ``rule`` (none: the backend's default)."""
     return BootstrapConfig(
-        model=args.model, device=args.device, dtype=args.dtype, max_seq_len=args.max_seq_len,
-        max_num_tokens=args.max_num_tokens, max_batch_size=args.max_batch_size, **rule,
-    )  # fmt: skip
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_seq_len=args.max_seq_len,
+        max_num_tokens=args.max_num_tokens,
+        max_batch_size=args.max_batch_size,
+        **rule,
+    )
 
 
 async def one_start(label: str, config: BootstrapConfig, device: torch.device, timeout_s: float) -> dict[str, Any]:
@@ -286,8 +305,14 @@ async def one_start(label: str, config: BootstrapConfig, device: torch.device, t
         await boot.aclose()
     del boot
     release_memory(device)
-    return {"label": label, "config": config_record(config), "plan": plan_record(plan), "figures": figures,
-            "kv_fraction_of_physical": ratio(plan["kv_budget_bytes"], figures["physical_limit_bytes"]), "load": load}  # fmt: skip
+    return {
+        "label": label,
+        "config": config_record(config),
+        "plan": plan_record(plan),
+        "figures": figures,
+        "kv_fraction_of_physical": ratio(plan["kv_budget_bytes"], figures["physical_limit_bytes"]),
+        "load": load,
+    }
 
 
 def headroom_use(load: dict[str, Any], figures: dict[str, int], plan: dict[str, Any]) -> dict[str, Any]:
@@ -297,17 +322,38 @@ def headroom_use(load: dict[str, Any], figures: dict[str, int], plan: dict[str, 
     resident = figures["weights_and_state_bytes"] + plan["kv_budget_bytes"]
     room = figures["total_bytes"] - figures["non_torch_bytes"] - resident
     transient = load["peak_reserved_bytes"] - resident
-    return {"transient_peak_bytes": transient, "room_beside_pool_bytes": room, "room_used_fraction": ratio(transient, room)}
+    return {
+        "transient_peak_bytes": transient,
+        "room_beside_pool_bytes": room,
+        "room_used_fraction": ratio(transient, room),
+    }
 
 
 def config_record(config: BootstrapConfig) -> dict[str, Any]:
-    keys = ("model", "dtype", "max_seq_len", "max_num_tokens", "max_batch_size", "free_gpu_memory_fraction", "kv_headroom_bytes")
+    keys = (
+        "model",
+        "dtype",
+        "max_seq_len",
+        "max_num_tokens",
+        "max_batch_size",
+        "free_gpu_memory_fraction",
+        "kv_headroom_bytes",
+    )
     return {k: getattr(config, k) for k in keys}
 
 
 def plan_record(plan: dict[str, Any]) -> dict[str, Any]:
-    keys = ("kv_budget_bytes", "planned_kv_budget_bytes", "kv_tokens", "kv_blocks", "kv_requests", "limited_by",
-            "headroom_bytes", "fraction", "profile")  # fmt: skip
+    keys = (
+        "kv_budget_bytes",
+        "planned_kv_budget_bytes",
+        "kv_tokens",
+        "kv_blocks",
+        "kv_requests",
+        "limited_by",
+        "headroom_bytes",
+        "fraction",
+        "profile",
+    )
     return {k: plan.get(k) for k in keys}
 
 
@@ -329,7 +375,9 @@ async def measure(args: argparse.Namespace, device: torch.device, report: dict[s
         report["summary"] = summary(report["starts"], report["peers"])
 
 
-async def guarded(label: str, config: BootstrapConfig, device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
+async def guarded(
+    label: str, config: BootstrapConfig, device: torch.device, args: argparse.Namespace
+) -> dict[str, Any]:
     """``one_start``, or its error: a start that fails is a result too."""
     try:
         return await one_start(label, config, device, args.load_timeout_s)
@@ -341,7 +389,9 @@ async def guarded(label: str, config: BootstrapConfig, device: torch.device, arg
 
 def summary(starts: list[dict[str, Any]], peers: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The figures benchmarks/README.md shows: KV as a fraction of the physical limit, OOMs under load."""
-    out: dict[str, Any] = {name: {"kv_fraction_of_physical": rule["fraction_of_physical"]} for name, rule in peers.items()}
+    out: dict[str, Any] = {
+        name: {"kv_fraction_of_physical": rule["fraction_of_physical"]} for name, rule in peers.items()
+    }
     for start in starts:
         if "error" in start:
             out[start["label"]] = {"error": start["error"]}

@@ -17,11 +17,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-from bench_common import emit, positive_int, report_header, resolve_device  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+import torch
+from bench_common import emit, positive_int, report_header, resolve_device
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor  # noqa: E402
+from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -38,8 +38,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def build(device: torch.device, args: argparse.Namespace, batch: int):
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=args.layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+    )
     model = LlamaForCausalLM(config).eval().to(device)
     cache = PagedKVCache.from_tokens(KVCacheSpec.from_config(config, torch.float32), 64 * 1024, args.tpb, device)
     executor = create_executor(model, cache, SchedulerConfig(batch, 4096, 2048), start=False, eos_token_ids=set())
@@ -67,16 +74,26 @@ def measure(args: argparse.Namespace, device: torch.device, n: int, shared: bool
     prompt = [(31 * i + 7) % 1000 + 3 for i in range(args.prompt_len)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     try:
-        ids = executor.enqueue_choices(prompt, params, n) if shared else [executor.enqueue(prompt, params) for _ in range(n)]
+        ids = (
+            executor.enqueue_choices(prompt, params, n)
+            if shared
+            else [executor.enqueue(prompt, params) for _ in range(n)]
+        )
         executor._loop.step_here()  # the prefill step (the whole prompt fits one step's 4096 tokens)
         after_prefill = executor.runner.kv_cache.stats().used_blocks
         shared_blocks = executor.runner.kv_cache.shared_blocks()
         outputs = [executor.await_response(i, timeout=600).token_ids for i in ids]
     finally:
         executor.shutdown()
-    return {"n": n, "way": "choices" if shared else "separate", "prefill_tokens": counted.tokens - n * (args.max_tokens - 1),
-            "blocks_after_prefill": after_prefill, "blocks_peak": max(counted.blocks), "blocks_shared": shared_blocks,
-            "outputs": outputs}  # fmt: skip
+    return {
+        "n": n,
+        "way": "choices" if shared else "separate",
+        "prefill_tokens": counted.tokens - n * (args.max_tokens - 1),
+        "blocks_after_prefill": after_prefill,
+        "blocks_peak": max(counted.blocks),
+        "blocks_shared": shared_blocks,
+        "outputs": outputs,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,15 +48,26 @@ WORDS = 512  # the word-level tokenizer written beside the weights: w0 .. w511
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
-    add("--shape", default="smollm2-135m", help="a preset (bootstrap plan's presets) or a config.json: the checkpoint's shape")
+    add(
+        "--shape",
+        default="smollm2-135m",
+        help="a preset (bootstrap plan's presets) or a config.json: the checkpoint's shape",
+    )
     add("--device", default="cpu", help="cpu or cuda")
     add("--repeats", type=int, default=3)
     add("--max-seq-len", type=int, default=8192)
     add("--max-num-tokens", type=int, default=8192)
     add("--max-batch-size", type=int, default=64)
-    add("--poll-interval", type=float, default=0.1, help="seconds between the client's tries of the port and of "
-        "/ready, as a start script polls (each try costs the starting server some of the GIL)")  # fmt: skip
-    add("--workdir", type=Path, default=None, help="where the checkpoint and caches go (default: a temporary directory)")
+    add(
+        "--poll-interval",
+        type=float,
+        default=0.1,
+        help="seconds between the client's tries of the port and of "
+        "/ready, as a start script polls (each try costs the starting server some of the GIL)",
+    )
+    add(
+        "--workdir", type=Path, default=None, help="where the checkpoint and caches go (default: a temporary directory)"
+    )
     add("--out", type=Path, default=None, help="also write the JSON here")
     return parser.parse_args(argv)
 
@@ -66,8 +77,23 @@ def write_checkpoint(args: argparse.Namespace, path: Path) -> dict[str, Any]:
     if (path / "config.json").is_file():
         return {"checkpoint": str(path), "written": False}
     dtype = "bfloat16" if args.device == "cuda" else "float32"
-    done = subprocess.run([sys.executable, str(HERE / "write_checkpoint.py"), "--model", args.shape, "--out", str(path),
-                           "--device", args.device, "--dtype", dtype], capture_output=True, text=True, check=True)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(HERE / "write_checkpoint.py"),
+            "--model",
+            args.shape,
+            "--out",
+            str(path),
+            "--device",
+            args.device,
+            "--dtype",
+            dtype,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     words = min(WORDS, json.loads((path / "config.json").read_text())["vocab_size"])
@@ -75,8 +101,11 @@ def write_checkpoint(args: argparse.Namespace, path: Path) -> dict[str, Any]:
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "w1",
-                                                            "eos_token": "w2", "unk_token": "w0"}))  # fmt: skip
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "w1", "eos_token": "w2", "unk_token": "w0"}
+        )
+    )
     return {"checkpoint": str(path), "written": True, **json.loads(done.stdout.strip().splitlines()[-1])}
 
 
@@ -85,8 +114,14 @@ class Child:
 
     def __init__(self, argv: list[str], env: dict[str, str]) -> None:
         self.t0 = time.perf_counter()
-        self.proc = subprocess.Popen([sys.executable, "-m", "bootstrap.cli", *argv], env=env, text=True, bufsize=1,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bootstrap.cli", *argv],
+            env=env,
+            text=True,
+            bufsize=1,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         self.lines: dict[str, list[tuple[float, str]]] = {"stdout": [], "stderr": []}
         self._readers = [threading.Thread(target=self._read, args=(name,), daemon=True) for name in self.lines]
         for reader in self._readers:
@@ -113,42 +148,98 @@ def caches(work: Path, mode: str, repeat: int) -> tuple[dict[str, str], Path]:
     where = work / f"caches-{repeat}"
     if mode == "cold" and where.exists():
         shutil.rmtree(where)
-    env = {**os.environ, "TRITON_CACHE_DIR": str(where / "triton"), "TORCHINDUCTOR_CACHE_DIR": str(where / "inductor"),
-           "PYTHONUNBUFFERED": "1"}  # fmt: skip
+    env = {
+        **os.environ,
+        "TRITON_CACHE_DIR": str(where / "triton"),
+        "TORCHINDUCTOR_CACHE_DIR": str(where / "inductor"),
+        "PYTHONUNBUFFERED": "1",
+    }
     return env, where / "plans"
 
 
 def shape_flags(args: argparse.Namespace) -> list[str]:
-    return ["--device", args.device, "--max-seq-len", str(args.max_seq_len), "--max-num-tokens", str(args.max_num_tokens),
-            "--max-batch-size", str(args.max_batch_size)]  # fmt: skip
+    return [
+        "--device",
+        args.device,
+        "--max-seq-len",
+        str(args.max_seq_len),
+        "--max-num-tokens",
+        str(args.max_num_tokens),
+        "--max-batch-size",
+        str(args.max_batch_size),
+    ]
 
 
 def time_run(args: argparse.Namespace, model: Path, work: Path, mode: str, repeat: int) -> dict[str, Any]:
     env, plans = caches(work, mode, repeat)
     trace = work / f"run-{mode}-{repeat}.jsonl"
-    child = Child(["run", "--model", str(model), *shape_flags(args), "--plan-cache", str(plans), "--trace-file",
-                   str(trace), "--prompt", "w5 w7 w9 w11", "--max-tokens", "16", "--temperature", "0"], env)  # fmt: skip
+    child = Child(
+        [
+            "run",
+            "--model",
+            str(model),
+            *shape_flags(args),
+            "--plan-cache",
+            str(plans),
+            "--trace-file",
+            str(trace),
+            "--prompt",
+            "w5 w7 w9 w11",
+            "--max-tokens",
+            "16",
+            "--temperature",
+            "0",
+        ],
+        env,
+    )
     code, exited = child.wait()
     timed = spans(trace)
     answered = timed.get("trace_answer_end_s")
-    return {"code": code, "first_line_s": _first(child.lines["stderr"]), "exit_s": exited,
-            "exit_after_answer_s": round(exited - answered, 3) if answered else None, **timed}  # fmt: skip
+    return {
+        "code": code,
+        "first_line_s": _first(child.lines["stderr"]),
+        "exit_s": exited,
+        "exit_after_answer_s": round(exited - answered, 3) if answered else None,
+        **timed,
+    }
 
 
 def time_serve(args: argparse.Namespace, model: Path, work: Path, mode: str, repeat: int) -> dict[str, Any]:
     env, plans = caches(work, mode, repeat)
     trace = work / f"serve-{mode}-{repeat}.jsonl"
     port = _free_port()
-    child = Child(["serve", "--model", str(model), *shape_flags(args), "--plan-cache", str(plans), "--trace-file",
-                   str(trace), "--port", str(port)], env)  # fmt: skip
+    child = Child(
+        [
+            "serve",
+            "--model",
+            str(model),
+            *shape_flags(args),
+            "--plan-cache",
+            str(plans),
+            "--trace-file",
+            str(trace),
+            "--port",
+            str(port),
+        ],
+        env,
+    )
     opened = _poll(child, lambda: socket.create_connection(("127.0.0.1", port), timeout=1).close(), args.poll_interval)
-    ready = _poll(child, lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2), args.poll_interval)
+    ready = _poll(
+        child, lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2), args.poll_interval
+    )
     first_token = _first_token(child, port, str(model)) if ready is not None else None
     sigterm = child.now()
     child.proc.send_signal(signal.SIGTERM)
     code, exited = child.wait()
-    return {"code": code, "first_line_s": _first(child.lines["stderr"]), "port_open_s": opened, "ready_s": ready,
-            "first_token_s": first_token, "exit_after_sigterm_s": round(exited - sigterm, 3), **spans(trace)}  # fmt: skip
+    return {
+        "code": code,
+        "first_line_s": _first(child.lines["stderr"]),
+        "port_open_s": opened,
+        "ready_s": ready,
+        "first_token_s": first_token,
+        "exit_after_sigterm_s": round(exited - sigterm, 3),
+        **spans(trace),
+    }
 
 
 def _first(lines: list[tuple[float, str]]) -> float | None:
@@ -175,8 +266,9 @@ def _poll(child: Child, probe: Any, interval: float, timeout: float = 600.0) -> 
 
 def _first_token(child: Child, port: int, model: str) -> float | None:
     body = json.dumps({"model": model, "prompt": "w5 w7 w9", "max_tokens": 8, "stream": True})
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body.encode(),
-                                     headers={"content-type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions", data=body.encode(), headers={"content-type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=120) as stream:
         for line in stream:
             if line.startswith(b"data: {"):
@@ -190,23 +282,49 @@ def spans(trace: Path) -> dict[str, Any]:
         return {"spans": None}
     records = read_spans(trace)
     process = next((s for s in records if s["name"] == "bootstrap.process"), None)
-    durations = {s["name"].removeprefix("bootstrap."): round((s["end_time_unix_nano"] - s["start_time_unix_nano"]) / 1e9, 3)
-                 for s in records if not s["name"].endswith(".attempt")}  # fmt: skip
+    durations = {
+        s["name"].removeprefix("bootstrap."): round((s["end_time_unix_nano"] - s["start_time_unix_nano"]) / 1e9, 3)
+        for s in records
+        if not s["name"].endswith(".attempt")
+    }
     share = coverage(records, process) if process is not None else None
     since_spawn = {}  # when (from the spawn) the pipeline and the answer ended
     for name, key in (("bootstrap.pipeline", "trace_ready_s"), ("bootstrap.process.answer", "trace_answer_end_s")):
         ends = [s["end_time_unix_nano"] for s in records if s["name"] == name]
         if process is not None and ends:
             since_spawn[key] = round((max(ends) - process["start_time_unix_nano"]) / 1e9, 3)
-    return {**since_spawn, "spans": durations, "coverage": {k: round(v, 4) for k, v in share.items()} if share else None}
+    return {
+        **since_spawn,
+        "spans": durations,
+        "coverage": {k: round(v, 4) for k, v in share.items()} if share else None,
+    }
 
 
 def measure_floor(args: argparse.Namespace, model: Path, pool_bytes: int, env: dict[str, str]) -> dict[str, Any]:
     """``floor.py`` in a fresh process, with ``env``'s (filled) Triton cache: no kernel compile in it."""
-    done = subprocess.run([sys.executable, str(HERE / "floor.py"), "--model", str(model), "--device", args.device,
-                           "--pool-bytes", str(pool_bytes), "--max-seq-len", str(args.max_seq_len), "--max-num-tokens",
-                           str(args.max_num_tokens), "--max-batch-size", str(args.max_batch_size)],
-                          capture_output=True, text=True, timeout=600, check=False, env=env)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(HERE / "floor.py"),
+            "--model",
+            str(model),
+            "--device",
+            args.device,
+            "--pool-bytes",
+            str(pool_bytes),
+            "--max-seq-len",
+            str(args.max_seq_len),
+            "--max-num-tokens",
+            str(args.max_num_tokens),
+            "--max-batch-size",
+            str(args.max_batch_size),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env=env,
+    )
     if done.returncode != 0:
         return {"error": done.stderr[-2000:]}
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -216,9 +334,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="cold-start-"))
     model = work / f"checkpoint-{Path(args.shape).stem}"
-    result: dict[str, Any] = {"benchmark": "cold_start", "command": " ".join(sys.argv), "shape": args.shape,
-                              "device": args.device, "poll_interval_s": args.poll_interval, "checkpoint": write_checkpoint(args, model),
-                              "repeats": []}  # fmt: skip
+    result: dict[str, Any] = {
+        "benchmark": "cold_start",
+        "command": " ".join(sys.argv),
+        "shape": args.shape,
+        "device": args.device,
+        "poll_interval_s": args.poll_interval,
+        "checkpoint": write_checkpoint(args, model),
+        "repeats": [],
+    }
     for repeat in range(args.repeats):
         row = {mode: {"run": time_run(args, model, work, mode, repeat)} for mode in ("cold", "warm")}
         for mode in ("cold", "warm"):
@@ -240,8 +364,14 @@ def over_floor(result: dict[str, Any]) -> dict[str, list[float]] | None:
     floor_s = result["floor"].get("floor_s")
     if not floor_s:
         return None
-    return {f"serve_first_token_{mode}": [round(r[mode]["serve"]["first_token_s"] / floor_s, 3) for r in result["repeats"]
-                                          if r[mode]["serve"].get("first_token_s")] for mode in ("cold", "warm")}  # fmt: skip
+    return {
+        f"serve_first_token_{mode}": [
+            round(r[mode]["serve"]["first_token_s"] / floor_s, 3)
+            for r in result["repeats"]
+            if r[mode]["serve"].get("first_token_s")
+        ]
+        for mode in ("cold", "warm")
+    }
 
 
 def _pool_bytes(trace: Path) -> int | None:

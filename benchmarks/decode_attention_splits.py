@@ -38,8 +38,15 @@ def measure(args: argparse.Namespace, rows: int, context: int) -> dict:
     def run(splits: int) -> float:
         return replay_us(lambda: paged_kv.paged_decode(q, kc, vc, tables, lens, None, splits=splits), args.replays)
 
-    row = {"rows": rows, "context": context, "table_width": width, "auto_splits": auto, "whole_us": run(1),
-           "auto_us": run(auto), "forced_us": {str(s): run(s) for s in args.splits if s != 1}}  # fmt: skip
+    row = {
+        "rows": rows,
+        "context": context,
+        "table_width": width,
+        "auto_splits": auto,
+        "whole_us": run(1),
+        "auto_us": run(auto),
+        "forced_us": {str(s): run(s) for s in args.splits if s != 1},
+    }
     row["speedup_auto"] = ratio(row["whole_us"], row["auto_us"])
     return row
 
@@ -59,9 +66,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or not paged_kv.available(torch.device("cuda"), args.tokens_per_block):
         raise SystemExit("needs CUDA and Triton")
-    report = {**report_header("decode_attention_splits", argv, torch.device("cuda")),
-              "shape": {k: getattr(args, k) for k in ("heads", "kv_heads", "head_dim", "tokens_per_block")},
-              "results": []}  # fmt: skip
+    report = {
+        **report_header("decode_attention_splits", argv, torch.device("cuda")),
+        "shape": {k: getattr(args, k) for k in ("heads", "kv_heads", "head_dim", "tokens_per_block")},
+        "results": [],
+    }
     for context in (int(c) for c in args.contexts.split(",")):
         for rows in (int(r) for r in args.rows.split(",")):
             report["results"].append(measure(args, rows, context))

@@ -48,9 +48,9 @@ from bootstrap.capacity.cuda_graph_buckets import default_batch_sizes
 from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
 from bootstrap.engine.executor.py_executor import PyExecutor
 from bootstrap.engine.kernels import fused
-from bootstrap.engine.sources.loader import DEFAULT_MODEL, LoadedWeights, load_model
 from bootstrap.engine.models.decoder import DecoderLM
 from bootstrap.engine.models.weights import checkpoint_tensors
+from bootstrap.engine.sources.loader import DEFAULT_MODEL, LoadedWeights, load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOKENS_PER_BLOCK = 32
@@ -79,21 +79,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL, help="any loader source, e.g. random:llama-3.1-8b")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
-    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="auto: float32 on CPU, bfloat16 on CUDA")
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", *DTYPES], help="auto: float32 on CPU, bfloat16 on CUDA"
+    )
     parser.add_argument("--batch-sizes", type=positive_ints, default=[1, 8, 32], help="e.g. 1,8,32")
     parser.add_argument("--prompt-len", type=positive_int, default=128, help="prompt tokens per request")
     parser.add_argument("--gen-len", type=positive_int, default=32, help="generated tokens per request (>= 2)")
     parser.add_argument("--repeats", type=positive_int, default=2, help="timed runs per figure; the best counts")
-    parser.add_argument("--cache-dir", type=Path, default=None, help="model cache (default ~/.cache/executor-bootstrap)")
-    parser.add_argument("--cuda-graphs", choices=["both", "on", "off"], default="both",
-                        help="engine sides on CUDA: graphs on and off side by side (both), or one of them")
-    parser.add_argument("--graph-variants", default="auto",
-                        help="engine_graphs sides, comma-separated: auto (the runner's choice: the Triton kernel and compiled "
-                        "RMSNorms where Triton runs), triton, torch (gathering attention), each with +compile or +eager "
-                        "(RMSNorms compiled or not) or +layers (whole decoder layers compiled), and +unfused (the own model "
-                        "code's small ops as eager PyTorch instead of its fused Triton kernels), e.g. auto,triton+compile+unfused")
-    parser.add_argument("--bandwidth-bytes", type=positive_int, default=None,
-                        help="size of the copy that measures bandwidth (default 2 GiB on CUDA, 256 MiB on the CPU)")
+    parser.add_argument(
+        "--cache-dir", type=Path, default=None, help="model cache (default ~/.cache/executor-bootstrap)"
+    )
+    parser.add_argument(
+        "--cuda-graphs",
+        choices=["both", "on", "off"],
+        default="both",
+        help="engine sides on CUDA: graphs on and off side by side (both), or one of them",
+    )
+    parser.add_argument(
+        "--graph-variants",
+        default="auto",
+        help="engine_graphs sides, comma-separated: auto (the runner's choice: the Triton kernel and compiled "
+        "RMSNorms where Triton runs), triton, torch (gathering attention), each with +compile or +eager "
+        "(RMSNorms compiled or not) or +layers (whole decoder layers compiled), and +unfused (the own model "
+        "code's small ops as eager PyTorch instead of its fused Triton kernels), e.g. auto,triton+compile+unfused",
+    )
+    parser.add_argument(
+        "--bandwidth-bytes",
+        type=positive_int,
+        default=None,
+        help="size of the copy that measures bandwidth (default 2 GiB on CUDA, 256 MiB on the CPU)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
     if args.gen_len < 2:
@@ -123,7 +138,9 @@ def make_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[lis
     return torch.randint(10, vocab, (batch, length), generator=gen).tolist()
 
 
-def build_engine(loaded: LoadedWeights, args: argparse.Namespace, device: torch.device, graphs: str | None = None) -> PyExecutor:
+def build_engine(
+    loaded: LoadedWeights, args: argparse.Namespace, device: torch.device, graphs: str | None = None
+) -> PyExecutor:
     """An executor sized for the largest batch: every prompt prefills in one step. With a
     ``graphs`` variant, its decode steps are captured for the default buckets up to that batch."""
     batch = max(args.batch_sizes)
@@ -135,12 +152,27 @@ def build_engine(loaded: LoadedWeights, args: argparse.Namespace, device: torch.
     if graphs:
         kernel, *options = graphs.split("+")
         executor.runner.decode_kernel = executor.runner._decode_kernel(kernel)
-        compile_norms = True if "compile" in options else False if "eager" in options else None  # None: the runner's default
+        compile_norms = (
+            True if "compile" in options else False if "eager" in options else None
+        )  # None: the runner's default
         with unfused_small_ops("unfused" in options):
-            capture = executor.runner.capture_decode_graphs(default_batch_sizes(batch), compile_norms=compile_norms,
-                                                            compile_layers="layers" in options)  # fmt: skip
-        print(json.dumps({"variant": graphs, "kernel": executor.runner.decode_kernel, "captured": capture.num_graphs, "batch_sizes": capture.batch_sizes, "widths": capture.widths,
-                          "capture_s": round(capture.seconds, 2)}), file=sys.stderr, flush=True)  # fmt: skip
+            capture = executor.runner.capture_decode_graphs(
+                default_batch_sizes(batch), compile_norms=compile_norms, compile_layers="layers" in options
+            )
+        print(
+            json.dumps(
+                {
+                    "variant": graphs,
+                    "kernel": executor.runner.decode_kernel,
+                    "captured": capture.num_graphs,
+                    "batch_sizes": capture.batch_sizes,
+                    "widths": capture.widths,
+                    "capture_s": round(capture.seconds, 2),
+                }
+            ),
+            file=sys.stderr,
+            flush=True,
+        )
     return executor
 
 
@@ -178,7 +210,9 @@ def measure_bandwidth(device: torch.device, nbytes: int) -> float:
     return 2 * (nbytes // 2) * 2 / best
 
 
-def roofline(batch: int, args: argparse.Namespace, weight_bytes: int, kv_bytes_per_token: int, bandwidth: float) -> dict:
+def roofline(
+    batch: int, args: argparse.Namespace, weight_bytes: int, kv_bytes_per_token: int, bandwidth: float
+) -> dict:
     context = args.prompt_len + args.gen_len / 2
     step_bytes = weight_bytes + batch * kv_bytes_per_token * context
     return {
@@ -228,10 +262,14 @@ def hf_generate(model: torch.nn.Module, device: torch.device) -> Generate:
         ids = torch.tensor(prompts, device=device)
         with torch.inference_mode():
             out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens,
-                min_new_tokens=max_tokens, pad_token_id=0,
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                pad_token_id=0,
             )
-        return out[:, ids.shape[1]:].tolist()
+        return out[:, ids.shape[1] :].tolist()
 
     return run
 
@@ -281,7 +319,9 @@ def ratios(engine: dict, reference: dict) -> dict | None:
     }
 
 
-def run_batch_sizes(args, device, sides: dict[str, Generate], vocab: int, limits: dict, graphed: dict[str, PyExecutor]) -> list[dict]:
+def run_batch_sizes(
+    args, device, sides: dict[str, Generate], vocab: int, limits: dict, graphed: dict[str, PyExecutor]
+) -> list[dict]:
     results = []
     for batch in args.batch_sizes:
         prompts = make_prompts(batch, args.prompt_len, vocab, seed=batch)
@@ -290,7 +330,9 @@ def run_batch_sizes(args, device, sides: dict[str, Generate], vocab: int, limits
         row.update({name: figures(batch, args, b["prefill_s"], b["total_s"]) for name, b in best.items()})
         for name in sides:
             decode = row[name]["decode_tok_s"]
-            row[name]["decode_roofline_fraction"] = float(f"{decode / row['roofline']['roofline_tok_s']:.3g}") if decode else None
+            row[name]["decode_roofline_fraction"] = (
+                float(f"{decode / row['roofline']['roofline_tok_s']:.3g}") if decode else None
+            )
         for name, executor in graphed.items():
             row[name]["graph_step_ms"] = graph_step_ms(executor, batch, args)
         for name in sides:
@@ -310,8 +352,9 @@ def load_pair(args, device, dtype) -> tuple[LoadedWeights, LoadedWeights, float]
     start = time.perf_counter()
     engine_side = load_model(args.model, device=device, dtype=dtype, cache_dir=args.cache_dir)
     load_s = time.perf_counter() - start
-    reference = load_model(args.model, device=device, dtype=dtype, cache_dir=args.cache_dir,
-                           attn_implementation="sdpa")  # transformers' own model and attention: the reference
+    reference = load_model(
+        args.model, device=device, dtype=dtype, cache_dir=args.cache_dir, attn_implementation="sdpa"
+    )  # transformers' own model and attention: the reference
     if isinstance(engine_side.model, DecoderLM) and args.model.startswith("random:"):
         # random weights drawn in the own code differ from transformers' draw: the reference takes the engine's
         missing, unexpected = reference.model.load_state_dict(checkpoint_tensors(engine_side.model), strict=False)
@@ -343,18 +386,30 @@ def main(argv: list[str] | None = None) -> dict:
     modes = modes if device.type == "cuda" else [None]
     # torch.compile changes the model in place: variants that compile get their own copy of the weights
     own = isinstance(engine_side.model, DecoderLM)
-    compiles = [v for v in modes if v and ({"compile", "layers"} & set(v.split("+")[1:])
-                                           or (v in ("auto", "triton") and device.type == "cuda" and not own))]  # fmt: skip
+    compiles = [
+        v
+        for v in modes
+        if v
+        and (
+            {"compile", "layers"} & set(v.split("+")[1:])
+            or (v in ("auto", "triton") and device.type == "cuda" and not own)
+        )
+    ]
     compiled = load_model(args.model, device=device, dtype=dtype, cache_dir=args.cache_dir) if compiles else None
-    executors = {side_name(v): build_engine(compiled if v in compiles else engine_side, args, device, graphs=v)
-                 for v in modes}  # fmt: skip
+    executors = {
+        side_name(v): build_engine(compiled if v in compiles else engine_side, args, device, graphs=v) for v in modes
+    }
     sides = {side_name(v): engine_generate(executors[side_name(v)], unfused=bool(v and "+unfused" in v)) for v in modes}
     sides["transformers"] = hf_generate(reference.model, device)
     warm = make_prompts(1, min(args.prompt_len, 8), vocab)
     for run in sides.values():
         run(warm, 2)
     spec = KVCacheSpec.from_config(engine_side.hf_config, engine_side.model.dtype)
-    limits = {"weight_bytes": engine_side.weight_bytes, "kv_bytes_per_token": spec.bytes_per_token, "bandwidth": bandwidth}
+    limits = {
+        "weight_bytes": engine_side.weight_bytes,
+        "kv_bytes_per_token": spec.bytes_per_token,
+        "bandwidth": bandwidth,
+    }
     try:
         graphed = {name: ex for name, ex in executors.items() if ex.runner.graphs is not None}
         results = run_batch_sizes(args, device, sides, vocab, limits, graphed)
@@ -363,7 +418,9 @@ def main(argv: list[str] | None = None) -> dict:
             executor.shutdown()
     report = {
         "benchmark": "engine_throughput",
-        "command": " ".join(["python", "benchmarks/engine_throughput.py", *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(
+            ["python", "benchmarks/engine_throughput.py", *(argv if argv is not None else sys.argv[1:])]
+        ),
         "model": args.model,
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),

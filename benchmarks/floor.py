@@ -141,16 +141,17 @@ def forward_and_captures(model: Any, args: argparse.Namespace, device: Any) -> d
 
     from bootstrap.capacity.cuda_graph_buckets import default_batch_sizes
     from bootstrap.engine.executor.create import create_executor
-    from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
     from bootstrap.engine.executor.profile_run import run_dummy_requests
+    from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
     from bootstrap.engine.scheduler import SchedulerConfig
 
     start = time.perf_counter()
     pool = PagedKVCache.from_bytes(KVCacheSpec.from_config(model.config, model.dtype), args.pool_bytes, 32, device)
     synchronize(device)
     allocated = time.perf_counter()
-    executor = create_executor(model, pool, SchedulerConfig(args.max_batch_size, args.max_num_tokens, args.max_seq_len),
-                               start=False)  # fmt: skip
+    executor = create_executor(
+        model, pool, SchedulerConfig(args.max_batch_size, args.max_num_tokens, args.max_seq_len), start=False
+    )
     full, rest = divmod(args.max_num_tokens, args.max_seq_len - 1)  # each prompt leaves room for its sampled token
     run_dummy_requests(executor, [args.max_seq_len - 1] * full + ([rest] if rest else []))
     synchronize(device)
@@ -160,8 +161,11 @@ def forward_and_captures(model: Any, args: argparse.Namespace, device: Any) -> d
     done = time.perf_counter()
     executor.shutdown()
     pool.release()
-    return {"pool_s": round(allocated - start, 3), "forward_s": round(forward - allocated, 3),
-            "capture_s": round(done - forward, 3)}  # fmt: skip
+    return {
+        "pool_s": round(allocated - start, 3),
+        "forward_s": round(forward - allocated, 3),
+        "capture_s": round(done - forward, 3),
+    }
 
 
 def main() -> None:
@@ -181,12 +185,25 @@ def main() -> None:
     model, reads["engine_loader"] = engine_loader(args.model, device)
     reads["safetensors_load_file"] = load_file_read(files, device)
     rest = forward_and_captures(model, args, device)
-    parts = {"spawn_to_script_s": round(SCRIPT_START_S, 3), "import_torch_s": round(imported - began, 3),
-             "device_init_s": round(initialised - imported, 3)}  # fmt: skip
+    parts = {
+        "spawn_to_script_s": round(SCRIPT_START_S, 3),
+        "import_torch_s": round(imported - began, 3),
+        "device_init_s": round(initialised - imported, 3),
+    }
     fastest = min(reads, key=lambda k: reads[k]["s"])
     floor_s = sum(parts.values()) + reads[fastest]["s"] + sum(rest.values())
-    print(json.dumps({**parts, "weights": reads, "fastest_weights": fastest, **rest, "floor_s": round(floor_s, 3),
-                      "pool_bytes": args.pool_bytes}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                **parts,
+                "weights": reads,
+                "fastest_weights": fastest,
+                **rest,
+                "floor_s": round(floor_s, 3),
+                "pool_bytes": args.pool_bytes,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

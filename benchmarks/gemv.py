@@ -31,9 +31,13 @@ def matrices(model: str) -> dict[str, tuple[int, int]]:
     """Each projection's ``(out, in)`` features for a preset's shape (one rank)."""
     s = preset_shape(model)
     qkv = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
-    return {"qkv": (qkv, s.hidden_size), "o": (s.hidden_size, s.num_heads * s.head_dim),
-            "gate_up": (2 * s.intermediate_size, s.hidden_size), "down": (s.hidden_size, s.intermediate_size),
-            "lm_head": (s.vocab_size, s.hidden_size)}  # fmt: skip
+    return {
+        "qkv": (qkv, s.hidden_size),
+        "o": (s.hidden_size, s.num_heads * s.head_dim),
+        "gate_up": (2 * s.intermediate_size, s.hidden_size),
+        "down": (s.hidden_size, s.intermediate_size),
+        "lm_head": (s.vocab_size, s.hidden_size),
+    }
 
 
 def per_call_us(call, weights: list[torch.Tensor], replays: int) -> float:
@@ -54,12 +58,21 @@ def measure(name: str, shape: tuple[int, int], args: argparse.Namespace) -> dict
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     reference = x.double() @ weights[0].double().T
     error = lambda out: (out.double() - reference).abs().max().item()  # noqa: E731
-    row = {"matrix": name, "out_features": n, "in_features": k, "weight_mb": round(weight_bytes / 1e6, 1),
-           "tile": [gemv.BLOCK_N, gemv.BLOCK_K], "cublas_us": per_call_us(lambda w: F.linear(x, w), weights, args.replays),
-           "kernel_us": per_call_us(lambda w: gemv.linear(x, w), weights, args.replays),
-           "cublas_max_error": error(F.linear(x, weights[0])), "kernel_max_error": error(gemv.linear(x, weights[0]))}  # fmt: skip
+    row = {
+        "matrix": name,
+        "out_features": n,
+        "in_features": k,
+        "weight_mb": round(weight_bytes / 1e6, 1),
+        "tile": [gemv.BLOCK_N, gemv.BLOCK_K],
+        "cublas_us": per_call_us(lambda w: F.linear(x, w), weights, args.replays),
+        "kernel_us": per_call_us(lambda w: gemv.linear(x, w), weights, args.replays),
+        "cublas_max_error": error(F.linear(x, weights[0])),
+        "kernel_max_error": error(gemv.linear(x, weights[0])),
+    }
     if args.sweep:
-        timed = [(per_call_us(lambda w, t=t: gemv.linear(x, w, *t), weights, args.replays), list(t)) for t in sweep_tiles()]
+        timed = [
+            (per_call_us(lambda w, t=t: gemv.linear(x, w, *t), weights, args.replays), list(t)) for t in sweep_tiles()
+        ]
         row["sweep_top"] = sorted(timed)[:5]
     row["best_gb_per_s"] = round(weight_bytes / min(row["cublas_us"], row["kernel_us"]) / 1e3, 1)
     row["speedup"] = ratio(row["cublas_us"], row["kernel_us"])

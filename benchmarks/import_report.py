@@ -38,16 +38,20 @@ def parse_importtime(text: str) -> dict:
         modules.add(name.strip())
         packages[name.strip().split(".")[0]] += int(own) / 1e6
     top = sorted(packages.items(), key=lambda kv: -kv[1])
-    return {"import_s": round(sum(packages.values()), 3), "modules": len(modules),
-            "transformers": any(m == "transformers" or m.startswith("transformers.") for m in modules),
-            "packages": {name: round(seconds, 3) for name, seconds in top[:12]}}  # fmt: skip
+    return {
+        "import_s": round(sum(packages.values()), 3),
+        "modules": len(modules),
+        "transformers": any(m == "transformers" or m.startswith("transformers.") for m in modules),
+        "packages": {name: round(seconds, 3) for name, seconds in top[:12]},
+    }
 
 
 def run(args: list[str], log: Path, timeout_s: float) -> dict:
     started = time.perf_counter()
     with log.open("w") as err, log.with_suffix(".stdout").open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "bootstrap.cli", *args],
-                                stdout=out, stderr=err)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-X", "importtime", "-m", "bootstrap.cli", *args], stdout=out, stderr=err
+        )
         ready_s = _wait_ready(proc, args, timeout_s, started) if args and args[0] == "serve" else None
         code = proc.wait(timeout=timeout_s)
     return {"code": code, "wall_s": round(time.perf_counter() - started, 2), "ready_s": ready_s}
@@ -79,8 +83,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     log = (args.out or Path("import_report.json")).with_suffix(".importtime.log")
-    result = {"benchmark": "import_report", "command": ["bootstrap", *command], **run(command, log, args.timeout),
-              **parse_importtime(log.read_text())}  # fmt: skip
+    result = {
+        "benchmark": "import_report",
+        "command": ["bootstrap", *command],
+        **run(command, log, args.timeout),
+        **parse_importtime(log.read_text()),
+    }
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

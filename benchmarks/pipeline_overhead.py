@@ -35,7 +35,10 @@ def named_input(name: str):
         return trivial(inputs[name], undo)
 
     body.__signature__ = inspect.Signature(
-        [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY), inspect.Parameter("undo", inspect.Parameter.KEYWORD_ONLY)]
+        [
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY),
+            inspect.Parameter("undo", inspect.Parameter.KEYWORD_ONLY),
+        ]
     )
     return body
 

@@ -22,14 +22,17 @@ from torch.profiler import ProfilerActivity, profile
 
 from bootstrap.engine import KVCacheSpec, PagedKVCache, SchedulerConfig, create_executor
 from bootstrap.engine.sources.loader import load_model
-from bootstrap.engine.step.runner import DecodeStep
+from bootstrap.engine.step.model_runner import DecodeStep
 
 
 def classify(name: str) -> str:
     lowered = name.lower()
     if any(k in lowered for k in ("gemm", "gemv", "cutlass", "sm90_xmma", "nvjet", "splitk")):
         return "gemm"
-    if any(k in lowered for k in ("paged_decode", "attention", "fmha", "flash", "index_select", "index_copy", "indexselect")):
+    if any(
+        k in lowered
+        for k in ("paged_decode", "attention", "fmha", "flash", "index_select", "index_copy", "indexselect")
+    ):
         return "attention"
     return "other"
 
@@ -69,11 +72,18 @@ def main() -> None:
     ex = create_executor(loaded.model, cache, SchedulerConfig(rows_max, rows_max * 64, seq_len), start=False)
     ex.runner.decode_kernel = ex.runner._decode_kernel(args.kernel)
     shapes = [(size, r) for size in sizes for r in per_request]
-    capture = ex.runner.capture_decode_graphs(sorted({size * r for size, r in shapes}),
-                                              compile_norms={"yes": True, "no": False}.get(args.compile_norms))  # fmt: skip
+    capture = ex.runner.capture_decode_graphs(
+        sorted({size * r for size, r in shapes}), compile_norms={"yes": True, "no": False}.get(args.compile_norms)
+    )
     blocks = -(-(args.context + max(per_request)) // tpb)
-    report = {"model": args.model, "context": args.context, "kernel": ex.runner.decode_kernel,
-              "compile_norms": args.compile_norms, "widths": capture.widths, "results": []}  # fmt: skip
+    report = {
+        "model": args.model,
+        "context": args.context,
+        "kernel": ex.runner.decode_kernel,
+        "compile_norms": args.compile_norms,
+        "widths": capture.widths,
+        "results": [],
+    }
     for size, r in shapes:
         step = rows_step(size, r, args.context, blocks, tpb)
         bucket = ex.runner.graphs.bucket(step.size, blocks)
@@ -91,16 +101,23 @@ def main() -> None:
             for _ in range(args.replays):
                 ex.runner.graphs.replay(bucket)
             torch.cuda.synchronize()
-        kernels = [(e.key, e.device_time_total / args.replays / 1000, e.count // args.replays) for e in prof.key_averages()
-                   if e.device_time_total > 0]  # fmt: skip
+        kernels = [
+            (e.key, e.device_time_total / args.replays / 1000, e.count // args.replays)
+            for e in prof.key_averages()
+            if e.device_time_total > 0
+        ]
         kernels.sort(key=lambda k: -k[1])
         shares: dict[str, float] = {}
         for name, ms, _ in kernels:
             shares[classify(name)] = shares.get(classify(name), 0.0) + ms
-        row = {"batch_size": size, "rows_per_request": r, "step_ms": round(step_ms, 3),
-               "kernels_per_step": sum(k[2] for k in kernels),
-               "ms_by_class": {k: round(v, 3) for k, v in shares.items()},
-               "top": [{"kernel": n[:90], "ms": round(ms, 3), "count": c} for n, ms, c in kernels[:15]]}  # fmt: skip
+        row = {
+            "batch_size": size,
+            "rows_per_request": r,
+            "step_ms": round(step_ms, 3),
+            "kernels_per_step": sum(k[2] for k in kernels),
+            "ms_by_class": {k: round(v, 3) for k, v in shares.items()},
+            "top": [{"kernel": n[:90], "ms": round(ms, 3), "count": c} for n, ms, c in kernels[:15]],
+        }
         print(json.dumps(row, indent=1), flush=True)
         report["results"].append(row)
     ex.shutdown()

@@ -28,20 +28,31 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when loaded by path
-from bench_common import emit  # noqa: E402
+from bench_common import emit
 
 from bootstrap.engine.request.timing import RequestTiming
 from bootstrap.pipeline.telemetry import TRACER_NAME, make_tracer_provider
 from bootstrap.serve.request_trace import SCOPE_KEY, RequestTracing, record_choices
 
-SCOPE = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [(b"content-type", b"application/json")]}
+SCOPE = {
+    "type": "http",
+    "method": "POST",
+    "path": "/v1/completions",
+    "headers": [(b"content-type", b"application/json")],
+}
 
 
 def handler(tracer):
     async def app(scope, receive, send) -> None:
         now = time.time_ns()
-        job = SimpleNamespace(timing=RequestTiming(now - 3_000_000, now - 2_900_000, now - 2_000_000, now, 1, 2),
-                              tokens=16, reason="length", request_id=1, prompt_tokens=32, error=None)  # fmt: skip
+        job = SimpleNamespace(
+            timing=RequestTiming(now - 3_000_000, now - 2_900_000, now - 2_000_000, now, 1, 2),
+            tokens=16,
+            reason="length",
+            request_id=1,
+            prompt_tokens=32,
+            error=None,
+        )
         record_choices(scope.get("state", {}).get(SCOPE_KEY), tracer, "completion", [job], 32)
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"{}"})
@@ -88,13 +99,23 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for setting, each in runs.items():
         medians = {k: statistics.median(r[k] for r in each) for k in ("loop_us", "cpu_us")}
-        rows.append({"setting": "none" if setting is None else setting, "rounds": len(each),
-                     "loop_us_per_request": round(medians["loop_us"], 1), "cpu_us_per_request": round(medians["cpu_us"], 1),
-                     "added_loop_us": round(medians["loop_us"] - base["loop_us"], 1),
-                     "added_cpu_us": round(medians["cpu_us"] - base["cpu_us"], 1)})  # fmt: skip
-    result = {"command": " ".join(["request_trace_cost.py", *(argv if argv is not None else sys.argv[1:])]),
-              "environment": {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count()},
-              "warm_process": True, "requests_per_round": args.requests, "settings": rows}  # fmt: skip
+        rows.append(
+            {
+                "setting": "none" if setting is None else setting,
+                "rounds": len(each),
+                "loop_us_per_request": round(medians["loop_us"], 1),
+                "cpu_us_per_request": round(medians["cpu_us"], 1),
+                "added_loop_us": round(medians["loop_us"] - base["loop_us"], 1),
+                "added_cpu_us": round(medians["cpu_us"] - base["cpu_us"], 1),
+            }
+        )
+    result = {
+        "command": " ".join(["request_trace_cost.py", *(argv if argv is not None else sys.argv[1:])]),
+        "environment": {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count()},
+        "warm_process": True,
+        "requests_per_round": args.requests,
+        "settings": rows,
+    }
     emit(result, args.out)
     return 0
 

@@ -72,13 +72,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--gen-len", type=int, default=16)
     parser.add_argument("--vocab", type=int, default=49152, help="prompt token ids are drawn below this")
-    parser.add_argument("--logprobs", default="off", type=_logprobs_settings,
-                        help="comma-separated settings measured side by side: off, or K (0-20) logprobs per token")
-    parser.add_argument("--trace-ratios", default=[None], type=_ratio_settings,
-                        help="comma-separated: none (no trace file) or R in [0, 1], one server each (default: none)")
+    parser.add_argument(
+        "--logprobs",
+        default="off",
+        type=_logprobs_settings,
+        help="comma-separated settings measured side by side: off, or K (0-20) logprobs per token",
+    )
+    parser.add_argument(
+        "--trace-ratios",
+        default=[None],
+        type=_ratio_settings,
+        help="comma-separated: none (no trace file) or R in [0, 1], one server each (default: none)",
+    )
     parser.add_argument("--rounds", type=int, default=1, help="times each level is measured on each setting")
-    parser.add_argument("--serve-args", default="", help="more flags for every server, one string "
-                        "(e.g. '--free-gpu-memory-fraction 0.2' for several servers on one GPU)")
+    parser.add_argument(
+        "--serve-args",
+        default="",
+        help="more flags for every server, one string "
+        "(e.g. '--free-gpu-memory-fraction 0.2' for several servers on one GPU)",
+    )
     parser.add_argument("--out", type=Path)
     return parser.parse_args(argv)
 
@@ -107,10 +119,28 @@ class Server:
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
         self.trace_ratio = trace_ratio
         self.trace = None if trace_ratio is None else Path(tempfile.mkdtemp()) / "trace.jsonl"
-        tracing = [] if self.trace is None else ["--trace-file", str(self.trace), "--request-trace-ratio", str(trace_ratio)]
-        command = [sys.executable, "-m", "bootstrap.cli", "serve", "--model", args.model, "--device", args.device,
-                   "--port", "0", "--max-batch-size", str(args.max_batch_size), "--max-seq-len", str(args.max_seq_len),
-                   "--no-plan-cache", *tracing, *shlex.split(args.serve_args)]  # fmt: skip
+        tracing = (
+            [] if self.trace is None else ["--trace-file", str(self.trace), "--request-trace-ratio", str(trace_ratio)]
+        )
+        command = [
+            sys.executable,
+            "-m",
+            "bootstrap.cli",
+            "serve",
+            "--model",
+            args.model,
+            "--device",
+            args.device,
+            "--port",
+            "0",
+            "--max-batch-size",
+            str(args.max_batch_size),
+            "--max-seq-len",
+            str(args.max_seq_len),
+            "--no-plan-cache",
+            *tracing,
+            *shlex.split(args.serve_args),
+        ]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         self.proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.url = self._port()
@@ -156,10 +186,18 @@ async def wait_ready(http: httpx.AsyncClient) -> dict:
         await asyncio.sleep(0.2)
 
 
-async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int], gen_len: int,
-                      logprobs: int | None = None) -> Sample:  # fmt: skip
-    body = {"model": model, "prompt": prompt, "max_tokens": gen_len, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, **({} if logprobs is None else {"logprobs": logprobs})}  # fmt: skip
+async def one_request(
+    http: httpx.AsyncClient, model: str, prompt: list[int], gen_len: int, logprobs: int | None = None
+) -> Sample:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": gen_len,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **({} if logprobs is None else {"logprobs": logprobs}),
+    }
     started, ttft, tokens = time.perf_counter(), None, 0
     async with http.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
@@ -176,8 +214,9 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int], ge
     return Sample(ttft, time.perf_counter() - started, tokens, True)
 
 
-async def run_level(http: httpx.AsyncClient, args: argparse.Namespace, model: str, clients: int,
-                    logprobs: int | None = None) -> dict:  # fmt: skip
+async def run_level(
+    http: httpx.AsyncClient, args: argparse.Namespace, model: str, clients: int, logprobs: int | None = None
+) -> dict:
     total = max(args.requests, clients)
     rng = random.Random(clients)
     prompts = [[rng.randrange(3, args.vocab) for _ in range(args.prompt_len)] for _ in range(total)]
@@ -243,11 +282,15 @@ async def measure(servers: list[tuple[str, float | None]], args: argparse.Namesp
                 runs: list[dict] = [{}] * len(settings)
                 for i in order:
                     http, ratio, logprobs = settings[i]
-                    runs[i] = {**await run_level(http, args, model, level, logprobs), "trace_ratio": ratio,
-                               "round": round_number}  # fmt: skip
+                    runs[i] = {
+                        **await run_level(http, args, model, level, logprobs),
+                        "trace_ratio": ratio,
+                        "round": round_number,
+                    }
                 first = runs[0]["output_tokens_per_s"] or None
-                results += [{**run, "vs_first": round(run["output_tokens_per_s"] / first, 3) if first else None}
-                            for run in runs]  # fmt: skip
+                results += [
+                    {**run, "vs_first": round(run["output_tokens_per_s"] / first, 3) if first else None} for run in runs
+                ]
         return ready[0], results
     finally:
         for http in clients:
@@ -259,11 +302,19 @@ def medians(levels: list[dict]) -> list[dict]:
     groups: dict[tuple, list[dict]] = {}
     for run in levels:
         groups.setdefault((run["clients"], run["trace_ratio"], run["logprobs"]), []).append(run)
-    return [{"clients": clients, "trace_ratio": ratio, "logprobs": logprobs, "rounds": len(runs),
-             "output_tokens_per_s": statistics.median(r["output_tokens_per_s"] for r in runs),
-             "vs_first": statistics.median(r["vs_first"] for r in runs if r["vs_first"] is not None)
-             if any(r["vs_first"] is not None for r in runs) else None}
-            for (clients, ratio, logprobs), runs in groups.items()]  # fmt: skip
+    return [
+        {
+            "clients": clients,
+            "trace_ratio": ratio,
+            "logprobs": logprobs,
+            "rounds": len(runs),
+            "output_tokens_per_s": statistics.median(r["output_tokens_per_s"] for r in runs),
+            "vs_first": statistics.median(r["vs_first"] for r in runs if r["vs_first"] is not None)
+            if any(r["vs_first"] is not None for r in runs)
+            else None,
+        }
+        for (clients, ratio, logprobs), runs in groups.items()
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -282,15 +333,23 @@ def main(argv: list[str] | None = None) -> int:
     exit_code = exit_codes[0] if len(exit_codes) == 1 else (exit_codes or None)
     result = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        "environment": {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
-                        "platform": platform.platform()},  # fmt: skip
-        "model": args.model, "device": args.device, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
-        "max_batch_size": args.max_batch_size, "time_to_ready_s": ready["time_to_ready_s"],
+        "environment": {
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+        },
+        "model": args.model,
+        "device": args.device,
+        "prompt_len": args.prompt_len,
+        "gen_len": args.gen_len,
+        "max_batch_size": args.max_batch_size,
+        "time_to_ready_s": ready["time_to_ready_s"],
         "server_exit_code_after_sigterm": exit_code,
         "traced_requests": {str(s.trace_ratio): s.traced_requests() for s in servers if s.trace is not None} or None,
         "medians": medians(levels) if args.rounds > 1 or len(servers) > 1 else None,
         "levels": levels,
-    }  # fmt: skip
+    }
     emit(result, args.out)
     return 0
 

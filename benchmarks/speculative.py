@@ -93,8 +93,10 @@ class Controlled:
         self.original = speculator._propose
         self.rate = 1.0
         span = max(len(r) for r in references.values()) + speculator.k + 1
-        self.draws = {prompt: [rng.random() for _ in range(span)]
-                      for prompt, rng in ((p, random.Random(i)) for i, p in enumerate(references))}  # fmt: skip
+        self.draws = {
+            prompt: [rng.random() for _ in range(span)]
+            for prompt, rng in ((p, random.Random(i)) for i, p in enumerate(references))
+        }
         speculator._propose = self.propose
 
     def propose(self, seqs, k):
@@ -168,8 +170,9 @@ def calibrated(executor, control: Controlled, prompts: list[list[int]], gen_len:
     return references
 
 
-def controlled(executor, prompts: list[list[int]],
-               gen_len: int) -> tuple[float, list[list[int]], Controlled, list[list[int]]]:  # fmt: skip
+def controlled(
+    executor, prompts: list[list[int]], gen_len: int
+) -> tuple[float, list[list[int]], Controlled, list[list[int]]]:
     """One point's setup: both paths run once at this batch size (kernels compiled, shapes seen),
     the baseline timed, its speculator's proposals put under ``Controlled`` and its references
     calibrated. Returns the baseline's seconds and outputs, the control and the references; the
@@ -184,9 +187,14 @@ def controlled(executor, prompts: list[list[int]],
 
 
 async def build(args: argparse.Namespace, auto: bool):
-    config = BootstrapConfig.parse(model=args.model, draft_model=args.draft_model, device=args.device,
-                                   max_seq_len=args.max_seq_len, num_speculative_tokens="auto" if auto else args.k,
-                                   max_batch_size=max(int(b) for b in args.batches.split(",")))  # fmt: skip
+    config = BootstrapConfig.parse(
+        model=args.model,
+        draft_model=args.draft_model,
+        device=args.device,
+        max_seq_len=args.max_seq_len,
+        num_speculative_tokens="auto" if auto else args.k,
+        max_batch_size=max(int(b) for b in args.batches.split(",")),
+    )
     boot = Bootstrap(config)
     executor = await boot.build()
     return boot, executor
@@ -214,19 +222,37 @@ def measure(args: argparse.Namespace, executor, auto: bool) -> list[dict]:
             base = (base_s + again_s) / 2
             proposed, accepted = speculator.stats.proposed - before[0], speculator.stats.accepted - before[1]
             tokens = batch * args.gen_len
-            results.append({
-                "batch": batch, "acceptance_set": rate, "auto": auto,
-                "acceptance_measured": round(accepted / proposed, 4) if proposed else None,
-                "speculative_tokens_per_s": round(tokens / spec_s, 1), "baseline_tokens_per_s": round(tokens / base, 1),
-                "speedup": round(base / spec_s, 3),
-                "expected_speedup_measured_costs": round(measured_expectation(rate, speculator, base / args.gen_len), 3),
-                "expected_speedup": round(expected_speedup(rate, args.k, speculator.cost), 3) if not auto else
-                round(expected_speedup(rate, best_depth(rate, StepCosts(speculator.cost), speculator.k), speculator.cost), 3),
-                "outputs_equal": outs == references, "outputs_equal_baseline": outs == baseline,
-                **steps,
-                "costs_ms": {name: round(getattr(speculator.costs, name) * 1e3, 3) if getattr(speculator.costs, name) else None
-                             for name in ("decode", "verify", "draft")},
-            })  # fmt: skip
+            results.append(
+                {
+                    "batch": batch,
+                    "acceptance_set": rate,
+                    "auto": auto,
+                    "acceptance_measured": round(accepted / proposed, 4) if proposed else None,
+                    "speculative_tokens_per_s": round(tokens / spec_s, 1),
+                    "baseline_tokens_per_s": round(tokens / base, 1),
+                    "speedup": round(base / spec_s, 3),
+                    "expected_speedup_measured_costs": round(
+                        measured_expectation(rate, speculator, base / args.gen_len), 3
+                    ),
+                    "expected_speedup": round(expected_speedup(rate, args.k, speculator.cost), 3)
+                    if not auto
+                    else round(
+                        expected_speedup(
+                            rate, best_depth(rate, StepCosts(speculator.cost), speculator.k), speculator.cost
+                        ),
+                        3,
+                    ),
+                    "outputs_equal": outs == references,
+                    "outputs_equal_baseline": outs == baseline,
+                    **steps,
+                    "costs_ms": {
+                        name: round(getattr(speculator.costs, name) * 1e3, 3)
+                        if getattr(speculator.costs, name)
+                        else None
+                        for name in ("decode", "verify", "draft")
+                    },
+                }
+            )
             print(json.dumps(results[-1]), flush=True)
         speculator._propose = control.original
     return results
@@ -247,10 +273,19 @@ async def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    result = {"command": " ".join(["speculative.py", *(argv if argv is not None else sys.argv[1:])]),
-              "environment": {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
-                              "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
-              "k": args.k, "prompt_len": args.prompt_len, "gen_len": args.gen_len, **asyncio.run(run(args))}  # fmt: skip
+    result = {
+        "command": " ".join(["speculative.py", *(argv if argv is not None else sys.argv[1:])]),
+        "environment": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cpus": os.cpu_count(),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        },
+        "k": args.k,
+        "prompt_len": args.prompt_len,
+        "gen_len": args.gen_len,
+        **asyncio.run(run(args)),
+    }
     emit(result, args.out)
     return 0
 

@@ -74,9 +74,14 @@ def kernel_runs(intervals: list[tuple[float, float]], gap_us: float) -> list[dic
             runs[-1]["end"], runs[-1]["kernels"] = max(end, runs[-1]["end"]), runs[-1]["kernels"] + 1
         else:
             runs.append({"start": start, "end": end, "kernels": 1})
-    return [{"us": round(r["end"] - r["start"], 1), "kernels": r["kernels"],
-             "idle_after_us": round(nxt["start"] - r["end"], 1) if nxt else None}
-            for r, nxt in zip(runs, [*runs[1:], None])]  # fmt: skip
+    return [
+        {
+            "us": round(r["end"] - r["start"], 1),
+            "kernels": r["kernels"],
+            "idle_after_us": round(nxt["start"] - r["end"], 1) if nxt else None,
+        }
+        for r, nxt in zip(runs, [*runs[1:], None])
+    ]
 
 
 def kernels(trace: dict) -> list[dict]:
@@ -101,16 +106,26 @@ def profiled(executor, prompts: list[list[int]], args: argparse.Namespace) -> di
     intervals = [(e["ts"], e["ts"] + e["dur"]) for e in events]
     runs = kernel_runs(intervals, args.gap_us)
     middle = max(0, len(runs) // 2 - args.window // 2)
-    return {"wall_s": wall_s, "outs": outs, "busy_s": busy_us(intervals) / 1e6, "kernels": len(events),
-            "top": [{"kernel": n, "ms": round(sum(d) / 1e3, 3), "count": len(d)} for n, d in ranked[: args.top]],
-            "timeline": runs[middle : middle + args.window]}  # fmt: skip
+    return {
+        "wall_s": wall_s,
+        "outs": outs,
+        "busy_s": busy_us(intervals) / 1e6,
+        "kernels": len(events),
+        "top": [{"kernel": n, "ms": round(sum(d) / 1e3, 3), "count": len(d)} for n, d in ranked[: args.top]],
+        "timeline": runs[middle : middle + args.window],
+    }
 
 
 def per_step(run: dict, steps: int) -> dict:
-    return {"steps": steps, "wall_ms_per_step": round(run["wall_s"] / steps * 1e3, 3),
-            "busy_ms_per_step": round(run["busy_s"] / steps * 1e3, 3),
-            "idle_ms_per_step": round((run["wall_s"] - run["busy_s"]) / steps * 1e3, 3),
-            "kernels_per_step": round(run["kernels"] / steps, 1), "top": run["top"], "timeline": run["timeline"]}  # fmt: skip
+    return {
+        "steps": steps,
+        "wall_ms_per_step": round(run["wall_s"] / steps * 1e3, 3),
+        "busy_ms_per_step": round(run["busy_s"] / steps * 1e3, 3),
+        "idle_ms_per_step": round((run["wall_s"] - run["busy_s"]) / steps * 1e3, 3),
+        "kernels_per_step": round(run["kernels"] / steps, 1),
+        "top": run["top"],
+        "timeline": run["timeline"],
+    }
 
 
 def measure(args: argparse.Namespace, executor) -> dict:
@@ -128,10 +143,15 @@ def measure(args: argparse.Namespace, executor) -> dict:
     base = profiled(executor, prompts, args)
     proposed, accepted = speculator.stats.proposed - before[0], speculator.stats.accepted - before[1]
     spec_steps = counts["speculative_steps"] + counts["ordinary_steps"]
-    return {"batch": args.batch, "acceptance_set": args.acceptance,
-            "acceptance_measured": round(accepted / proposed, 4) if proposed else None,
-            "speedup": round(base["wall_s"] / spec["wall_s"], 3), **counts,
-            "speculative": per_step(spec, spec_steps), "baseline": per_step(base, args.gen_len)}  # fmt: skip
+    return {
+        "batch": args.batch,
+        "acceptance_set": args.acceptance,
+        "acceptance_measured": round(accepted / proposed, 4) if proposed else None,
+        "speedup": round(base["wall_s"] / spec["wall_s"], 3),
+        **counts,
+        "speculative": per_step(spec, spec_steps),
+        "baseline": per_step(base, args.gen_len),
+    }
 
 
 async def run(args: argparse.Namespace) -> dict:
@@ -144,8 +164,13 @@ async def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    result = {"command": " ".join(["speculative_timeline.py", *(argv if argv is not None else sys.argv[1:])]),
-              "k": args.k, "prompt_len": args.prompt_len, "gen_len": args.gen_len, **asyncio.run(run(args))}  # fmt: skip
+    result = {
+        "command": " ".join(["speculative_timeline.py", *(argv if argv is not None else sys.argv[1:])]),
+        "k": args.k,
+        "prompt_len": args.prompt_len,
+        "gen_len": args.gen_len,
+        **asyncio.run(run(args)),
+    }
     emit(result, args.out)
     return 0
 

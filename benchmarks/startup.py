@@ -37,7 +37,7 @@ import anyio
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when loaded by path
-from bench_common import (  # noqa: E402
+from bench_common import (
     emit,
     failure,
     positive_int,
@@ -49,16 +49,16 @@ from bench_common import (  # noqa: E402
     synchronize,
 )
 
-from bootstrap.api import Bootstrap  # noqa: E402
-from bootstrap.backends.native.backend import DTYPES  # noqa: E402
-from bootstrap.capacity.config_json import parse_config  # noqa: E402
-from bootstrap.capacity.cuda_graph_buckets import default_batch_sizes  # noqa: E402
-from bootstrap.config import BootstrapConfig  # noqa: E402
-from bootstrap.engine.executor.create import create_executor  # noqa: E402
-from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
-from bootstrap.engine.sources.loader import load_hf_config, load_model  # noqa: E402
-from bootstrap.engine.executor.profile_run import run_dummy_requests  # noqa: E402
-from bootstrap.engine.scheduler import SchedulerConfig  # noqa: E402
+from bootstrap.api import Bootstrap
+from bootstrap.backends.native.backend import DTYPES
+from bootstrap.capacity.config_json import parse_config
+from bootstrap.capacity.cuda_graph_buckets import default_batch_sizes
+from bootstrap.config import BootstrapConfig
+from bootstrap.engine.executor.create import create_executor
+from bootstrap.engine.executor.profile_run import run_dummy_requests
+from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
+from bootstrap.engine.scheduler import SchedulerConfig
+from bootstrap.engine.sources.loader import load_hf_config, load_model
 
 DEFAULT_MODELS = "random:llama-3.2-1b,random:llama-3.1-8b,random:qwen2.5-14b"
 GOALS = {"cold_over_floor": 1.3, "warm_over_cold": 0.6}
@@ -82,10 +82,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def make_config(source: str, args: argparse.Namespace, plan_cache: Path, graphs: bool) -> BootstrapConfig:
     return BootstrapConfig(
-        model=source, device=args.device, dtype=args.dtype, max_seq_len=args.max_seq_len,
-        max_num_tokens=args.max_num_tokens, max_batch_size=args.max_batch_size, plan_cache=plan_cache,
+        model=source,
+        device=args.device,
+        dtype=args.dtype,
+        max_seq_len=args.max_seq_len,
+        max_num_tokens=args.max_num_tokens,
+        max_batch_size=args.max_batch_size,
+        plan_cache=plan_cache,
         cuda_graphs=graphs,
-    )  # fmt: skip
+    )
 
 
 async def timed_start(config: BootstrapConfig, device: torch.device, trace_file: Path | None) -> dict[str, Any]:
@@ -104,12 +109,23 @@ async def timed_start(config: BootstrapConfig, device: torch.device, trace_file:
     release_memory(device)
     return {
         "ready_s": round(ready_s, 4),
-        "stages": {row["id"]: {"outcome": row["outcome"], "skip_reason": row["skip_reason"],
-                               "duration_s": round(row["duration_s"], 4)} for row in report.stages},  # fmt: skip
+        "stages": {
+            row["id"]: {
+                "outcome": row["outcome"],
+                "skip_reason": row["skip_reason"],
+                "duration_s": round(row["duration_s"], 4),
+            }
+            for row in report.stages
+        },
         "plan": {k: report.plan[k] for k in ("kv_budget_bytes", "kv_tokens", "max_num_tokens", "limited_by")},
-        "graphs": {"num_graphs": warmup.num_graphs, "captured_bytes": warmup.graph_bytes,
-                   "reserved_bytes": warmup.reserved_bytes, "capture_s": round(warmup.capture_s, 4)}
-        if warmup is not None and warmup.num_graphs else None,  # fmt: skip
+        "graphs": {
+            "num_graphs": warmup.num_graphs,
+            "captured_bytes": warmup.graph_bytes,
+            "reserved_bytes": warmup.reserved_bytes,
+            "capture_s": round(warmup.capture_s, 4),
+        }
+        if warmup is not None and warmup.num_graphs
+        else None,
         "trace_file": str(trace_file) if trace_file else None,
     }
 
@@ -128,8 +144,9 @@ def floor(source: str, args: argparse.Namespace, device: torch.device, pool_byte
     pool = PagedKVCache.from_bytes(spec, pool_bytes, BootstrapConfig.model_fields["tokens_per_block"].default, device)
     synchronize(device)
     allocated = time.perf_counter()
-    executor = create_executor(weights.model, pool, SchedulerConfig(args.max_batch_size, args.max_num_tokens,
-                                                                    args.max_seq_len), start=False)  # fmt: skip
+    executor = create_executor(
+        weights.model, pool, SchedulerConfig(args.max_batch_size, args.max_num_tokens, args.max_seq_len), start=False
+    )
     full, rest = divmod(args.max_num_tokens, args.max_seq_len - 1)  # each prompt leaves room for its sampled token
     run_dummy_requests(executor, [args.max_seq_len - 1] * full + ([rest] if rest else []))
     synchronize(device)
@@ -142,15 +159,23 @@ def floor(source: str, args: argparse.Namespace, device: torch.device, pool_byte
     pool.release()
     del pool, weights, executor
     release_memory(device)
-    parts = {"weights_s": loaded - start, "pool_s": allocated - loaded, "forward_s": forward - allocated,
-             "capture_s": done - forward, "floor_s": done - start}  # fmt: skip
+    parts = {
+        "weights_s": loaded - start,
+        "pool_s": allocated - loaded,
+        "forward_s": forward - allocated,
+        "capture_s": done - forward,
+        "floor_s": done - start,
+    }
     return {**{k: round(v, 4) for k, v in parts.items()}, "weight_bytes": weight_bytes, "pool_bytes": pool_bytes}
 
 
-async def one_round(source: str, args: argparse.Namespace, device: torch.device, round_no: int,
-                    graphs: bool) -> dict[str, Any]:  # fmt: skip
+async def one_round(
+    source: str, args: argparse.Namespace, device: torch.device, round_no: int, graphs: bool
+) -> dict[str, Any]:
     slug = source.removeprefix("random:").replace("/", "_") + ("_graphs" if graphs else "")
-    trace = (lambda kind: args.trace_dir / f"{slug}_{kind}_r{round_no}.jsonl") if args.trace_dir else (lambda kind: None)
+    trace = (
+        (lambda kind: args.trace_dir / f"{slug}_{kind}_r{round_no}.jsonl") if args.trace_dir else (lambda kind: None)
+    )
     with tempfile.TemporaryDirectory(prefix="plans-") as cache:
         config = make_config(source, args, Path(cache), graphs)
         cold = await timed_start(config, device, trace("cold"))
@@ -162,9 +187,13 @@ async def one_round(source: str, args: argparse.Namespace, device: torch.device,
 def shape_record(source: str) -> dict[str, Any]:
     shape = parse_config(load_hf_config(source).to_dict())
     return {
-        "architecture": shape.architecture, "parameters": shape.parameter_count(), "layers": shape.num_layers,
-        "heads": shape.num_heads, "kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
-    }  # fmt: skip
+        "architecture": shape.architecture,
+        "parameters": shape.parameter_count(),
+        "layers": shape.num_layers,
+        "heads": shape.num_heads,
+        "kv_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim,
+    }
 
 
 def summarize(source: str, graphs: bool, rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -224,8 +253,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch.ones(8, 8, device=device).matmul(torch.ones(8, 8, device=device))  # CUDA context and cuBLAS, untimed
     report = {
         **report_header("startup", argv, device),
-        "settings": {k: getattr(args, k) for k in ("dtype", "max_seq_len", "max_num_tokens", "max_batch_size", "repeats",
-                                                  "graphs")},  # fmt: skip
+        "settings": {
+            k: getattr(args, k)
+            for k in ("dtype", "max_seq_len", "max_num_tokens", "max_batch_size", "repeats", "graphs")
+        },
         "goals": GOALS,
         "models": [],
     }

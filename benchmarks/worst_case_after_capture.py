@@ -46,10 +46,15 @@ async def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     depth = args.num_speculative_tokens
-    config = bootstrap.BootstrapConfig(model=args.model, device="cuda", max_batch_size=args.max_batch_size,
-                                       max_num_tokens=args.max_num_tokens, max_seq_len=args.max_seq_len,
-                                       draft_model=args.draft_model,
-                                       num_speculative_tokens=depth if depth in (None, "auto") else int(depth))  # fmt: skip
+    config = bootstrap.BootstrapConfig(
+        model=args.model,
+        device="cuda",
+        max_batch_size=args.max_batch_size,
+        max_num_tokens=args.max_num_tokens,
+        max_seq_len=args.max_seq_len,
+        draft_model=args.draft_model,
+        num_speculative_tokens=depth if depth in (None, "auto") else int(depth),
+    )
     temperature = args.temperature if args.temperature is not None else (1.0 if args.draft_model else 0.0)
     ex, report = await bootstrap.build_executor(config, trace_file=args.trace_file)
     try:
@@ -65,19 +70,31 @@ async def main() -> None:
         poller = threading.Thread(target=poll, daemon=True)
         poller.start()
         start = time.perf_counter()
-        responses = ex.generate(prompts, SamplingParams(max_tokens=args.gen_len, ignore_eos=True, temperature=temperature))
+        responses = ex.generate(
+            prompts, SamplingParams(max_tokens=args.gen_len, ignore_eos=True, temperature=temperature)
+        )
         seconds = time.perf_counter() - start
         done.set()
         poller.join()
         stats = ex.engine_stats()
         result = {
-            "command": "python benchmarks/worst_case_after_capture.py " + " ".join(
-                f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
+            "command": "python benchmarks/worst_case_after_capture.py "
+            + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
             "device_name": torch.cuda.get_device_name(),
             "torch": torch.__version__,
             "stages": report.stages,
-            "plan": {k: report.plan.get(k) for k in ("kv_budget_bytes", "kv_tokens", "graph_bytes", "peak_bytes",
-                                                       "max_num_tokens", "max_batch_size", "max_seq_len")},
+            "plan": {
+                k: report.plan.get(k)
+                for k in (
+                    "kv_budget_bytes",
+                    "kv_tokens",
+                    "graph_bytes",
+                    "peak_bytes",
+                    "max_num_tokens",
+                    "max_batch_size",
+                    "max_seq_len",
+                )
+            },
             "free_after_ready_bytes": free_ready,
             "free_after_load_bytes": torch.cuda.mem_get_info()[0],
             "torch_peak_during_load_bytes": torch.cuda.max_memory_allocated(),

@@ -31,8 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     # Built by transformers (an attention other than the engine's keeps random: there), whose
     # save_pretrained writes the directory as a Hugging Face checkpoint sits on disk.
-    loaded = load_model(f"random:{args.model}", device=torch.device(args.device), dtype=getattr(torch, args.dtype),
-                        attn_implementation="sdpa")  # fmt: skip
+    loaded = load_model(
+        f"random:{args.model}",
+        device=torch.device(args.device),
+        dtype=getattr(torch, args.dtype),
+        attn_implementation="sdpa",
+    )
     loaded.model.save_pretrained(args.out, max_shard_size=args.shard_size)
     size = sum(p.stat().st_size for p in args.out.iterdir())
     print(json.dumps({"checkpoint": str(args.out), "bytes": size, "write_s": round(time.perf_counter() - start, 2)}))

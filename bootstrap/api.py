@@ -47,24 +47,36 @@ class BootstrapReport:
     time_to_ready_s: float | None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"stages": self.stages, "plan": self.plan, "trace_id": self.trace_id, "time_to_ready_s": self.time_to_ready_s}
+        return {
+            "stages": self.stages,
+            "plan": self.plan,
+            "trace_id": self.trace_id,
+            "time_to_ready_s": self.time_to_ready_s,
+        }
 
 
 class Bootstrap:
     """One executor build on ``backend`` (the native engine on ``config.device`` by default)."""
 
     def __init__(
-        self, config: BootstrapConfig, *, backend: Backend | None = None, trace_file: Path | None = None, otlp: bool = False,
-        process: ProcessTimeline | None = None, traces_requests: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        config: BootstrapConfig,
+        *,
+        backend: Backend | None = None,
+        trace_file: Path | None = None,
+        otlp: bool = False,
+        process: ProcessTimeline | None = None,
+        traces_requests: bool = False,
+    ) -> None:
         """``process``: the command's timeline (``bootstrap.pipeline.process``); its spans, the
         backend's creation among them, go to the same trace as the stages'. ``traces_requests``:
         a server will trace its requests with ``tracer`` (their spans reach the file in batches)."""
         self.config = config
         self.process = process
         self._spans = InMemorySpanExporter()
-        self._provider = make_tracer_provider(trace_file=trace_file, otlp=otlp, memory=self._spans,
-                                              requests=traces_requests)  # fmt: skip
+        self._provider = make_tracer_provider(
+            trace_file=trace_file, otlp=otlp, memory=self._spans, requests=traces_requests
+        )
         if process is not None:
             process.attach(self._provider.get_tracer(TRACER_NAME))
         try:
@@ -162,8 +174,10 @@ def require_engine() -> None:
     """``MissingExtra`` naming the install command when torch is missing (the planner needs none;
     every real backend does)."""
     if find_spec("torch") is None:
-        raise MissingExtra("this command runs a real engine, which needs torch: "
-                           "pip install torch==2.13.0 && pip install -e '.[engine]' (a CUDA build of torch on a GPU)")  # fmt: skip
+        raise MissingExtra(
+            "this command runs a real engine, which needs torch: "
+            "pip install torch==2.13.0 && pip install -e '.[engine]' (a CUDA build of torch on a GPU)"
+        )
 
 
 def default_backend(config: BootstrapConfig) -> Backend:

@@ -75,8 +75,13 @@ def _require_regular(path: Path, st: os.stat_result) -> None:
 
 def file_kind(mode: int) -> str:
     """What a ``stat`` mode that is no regular file is, in words (\"a FIFO\")."""
-    kinds = {stat.S_ISLNK: "a symbolic link", stat.S_ISFIFO: "a FIFO", stat.S_ISCHR: "a character device",
-             stat.S_ISBLK: "a block device", stat.S_ISSOCK: "a socket"}  # fmt: skip
+    kinds = {
+        stat.S_ISLNK: "a symbolic link",
+        stat.S_ISFIFO: "a FIFO",
+        stat.S_ISCHR: "a character device",
+        stat.S_ISBLK: "a block device",
+        stat.S_ISSOCK: "a socket",
+    }
     return next((name for test, name in kinds.items() if test(mode)), "a special file")
 
 
@@ -100,13 +105,18 @@ class BootstrapConfig(BaseModel):
     max_seq_len: int | None = Field(None, ge=2, le=4_194_304, description="prompt + output tokens per request")
     tokens_per_block: int = Field(32, ge=1, le=1024, description="tokens per KV cache block")
     free_gpu_memory_fraction: float | None = Field(
-        None, gt=0.0, le=1.0, description="TensorRT-LLM's rule: share of the memory left after the measured peak "
+        None,
+        gt=0.0,
+        le=1.0,
+        description="TensorRT-LLM's rule: share of the memory left after the measured peak "
         "given to KV. None (neither this nor kv_headroom_bytes given): the backend's headroom where it has one "
-        "(the native engine on CUDA), else 0.9; see bootstrap.capacity.rules"
+        "(the native engine on CUDA), else 0.9; see bootstrap.capacity.rules",
     )
     kv_headroom_bytes: int | None = Field(
-        None, ge=0, description="bytes kept free beyond the measured peak; when set, KV gets all the rest "
-        "instead of free_gpu_memory_fraction of it (give one or the other)"
+        None,
+        ge=0,
+        description="bytes kept free beyond the measured peak; when set, KV gets all the rest "
+        "instead of free_gpu_memory_fraction of it (give one or the other)",
     )
     max_kv_bytes: int | None = Field(None, ge=1, description="explicit cap on the KV pool, in bytes")
     max_kv_tokens: int | None = Field(None, ge=1, description="explicit cap on KV capacity, in tokens")
@@ -177,8 +187,11 @@ class BootstrapConfig(BaseModel):
     @field_validator("num_speculative_tokens", mode="before")
     @classmethod
     def _depth(cls, value: object) -> object:
-        ok = value is None or value == "auto" or (
-            isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_SPECULATIVE_TOKENS)
+        ok = (
+            value is None
+            or value == "auto"
+            or (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_SPECULATIVE_TOKENS)
+        )
         if not ok:
             raise ValueError(f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}] or 'auto'")
         return value

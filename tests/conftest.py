@@ -23,9 +23,14 @@ def smollm2_cache() -> Path:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--screenshots", type=Path, default=None, metavar="DIR",
-                     help="where the browser tests save their screenshots (default: the test's tmp_path); "
-                          "docs/ holds the committed ones")  # fmt: skip
+    parser.addoption(
+        "--screenshots",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where the browser tests save their screenshots (default: the test's tmp_path); "
+        "docs/ holds the committed ones",
+    )
 
 
 @pytest.fixture

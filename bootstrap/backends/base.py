@@ -28,9 +28,9 @@ from bootstrap.devices import Device
 from bootstrap.pipeline.undo import Undo
 
 if TYPE_CHECKING:
-    from bootstrap.engine.sampling.sampler import SamplingParams
-    from bootstrap.engine.request.sequence import Response, StreamEvent
     from bootstrap.engine.executor.stats import EngineStats
+    from bootstrap.engine.request.sequence import Response, StreamEvent
+    from bootstrap.engine.sampling.sampler import SamplingParams
 
 
 class Backend(Protocol):
@@ -131,8 +131,9 @@ class RequestExecutor(Executor, Protocol):
         """Queue a request from any thread; its id. An impossible one is answered at once with
         an error event (``finish_reason="error"``, ``error`` starting ``request rejected: ``)."""
 
-    def enqueue_choices(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
-                        n: int = 1) -> list[int]:  # fmt: skip
+    def enqueue_choices(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None, n: int = 1
+    ) -> list[int]:
         """``n`` requests of one prompt, prefilled once; their ids (``PyExecutor.enqueue_choices``)."""
 
     def cancel(self, request_id: int, *, keep_response: bool = False) -> None:
@@ -142,8 +143,9 @@ class RequestExecutor(Executor, Protocol):
     def stream_async(self, request_id: int, *, cancel_on_abandon: bool = False) -> AsyncIterator[StreamEvent]:
         """Its events until the final one; a cancelled wait takes nothing."""
 
-    async def await_response_async(self, request_id: int, timeout: float | None = None, *,
-                                   cancel_on_abandon: bool = False) -> Response:  # fmt: skip
+    async def await_response_async(
+        self, request_id: int, timeout: float | None = None, *, cancel_on_abandon: bool = False
+    ) -> Response:
         """Its response; ``KeyError`` once it was released."""
 
     def engine_stats(self) -> EngineStats:
@@ -154,5 +156,7 @@ def require_requests(executor: Executor) -> RequestExecutor:
     """``executor`` as a ``RequestExecutor``, or a ``ConfigError`` naming the backend that built it."""
     if isinstance(executor, RequestExecutor):
         return executor
-    raise ConfigError(f"backend: its executor ({type(executor).__name__}) takes no requests through bootstrap's "
-                      "request API; the stages built it and the plan above stands (allowed for prompts: native)")  # fmt: skip
+    raise ConfigError(
+        f"backend: its executor ({type(executor).__name__}) takes no requests through bootstrap's "
+        "request API; the stages built it and the plan above stands (allowed for prompts: native)"
+    )

@@ -22,7 +22,22 @@ from bootstrap.capacity.probe import cap_probe_tokens, dummy_request_lengths, du
 from bootstrap.capacity.rules import kv_share, memory_rule
 
 __all__ = [
-    "GIB", "CacheCost", "CapacityError", "CapacityPlan", "MemoryProfile",
-    "cap_probe_tokens", "dummy_request_lengths", "dummy_workload_tokens", "estimation_tokens", "fmt_bytes",
-    "kv_dtype_bytes", "kv_share", "memory_rule", "mha_cost", "mla_cost", "model_cost", "plan_capacity", "probe_cost",
+    "GIB",
+    "CacheCost",
+    "CapacityError",
+    "CapacityPlan",
+    "MemoryProfile",
+    "cap_probe_tokens",
+    "dummy_request_lengths",
+    "dummy_workload_tokens",
+    "estimation_tokens",
+    "fmt_bytes",
+    "kv_dtype_bytes",
+    "kv_share",
+    "memory_rule",
+    "mha_cost",
+    "mla_cost",
+    "model_cost",
+    "plan_capacity",
+    "probe_cost",
 ]

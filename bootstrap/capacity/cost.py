@@ -78,10 +78,12 @@ def mla_cost(*, layers: int, kv_lora_rank: int, rope_dim: int, dtype_bytes: int 
 
 def _layer_bytes_per_token(shape: ModelShape, dtype_bytes: int | float, tp: int) -> int:
     if shape.kv_lora_rank is not None:
-        return mla_cost(layers=1, kv_lora_rank=shape.kv_lora_rank, rope_dim=shape.qk_rope_head_dim,
-                        dtype_bytes=dtype_bytes).slope
-    return mha_cost(layers=1, kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-                    dtype_bytes=dtype_bytes, tp=tp).slope
+        return mla_cost(
+            layers=1, kv_lora_rank=shape.kv_lora_rank, rope_dim=shape.qk_rope_head_dim, dtype_bytes=dtype_bytes
+        ).slope
+    return mha_cost(
+        layers=1, kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, dtype_bytes=dtype_bytes, tp=tp
+    ).slope
 
 
 def model_cost(
@@ -138,8 +140,9 @@ def probe_cost(
     return total
 
 
-def _checked_layer_bytes(shape: ModelShape, kv_dtype_bytes: int | float, tp: int, max_batch_size: int,
-                         tokens_per_block: int) -> int:  # fmt: skip
+def _checked_layer_bytes(
+    shape: ModelShape, kv_dtype_bytes: int | float, tp: int, max_batch_size: int, tokens_per_block: int
+) -> int:
     check_positive(tp=tp, max_batch_size=max_batch_size, tokens_per_block=tokens_per_block)
     if shape.num_heads % tp:
         raise CapacityError(

@@ -139,17 +139,31 @@ def plan_capacity(
         need = per_request * tokens_per_block
         raise CapacityError(_too_small(profile, cost, share, budget, limited_by, need, what))
     return CapacityPlan(
-        total_bytes=profile.total_bytes, peak_bytes=profile.peak_bytes, kv_budget_bytes=budget,
-        kv_tokens=kv_tokens, cost=cost, tokens_per_block=tokens_per_block, max_seq_len=max_seq_len,
-        max_batch_size=max_batch_size, max_num_tokens=profile.max_num_tokens,
-        max_concurrent_requests=min(kv_requests, max_batch_size), kv_requests=kv_requests,
-        limited_by=limited_by, fraction=fraction, headroom_bytes=headroom_bytes, rule_source=rule_source,
+        total_bytes=profile.total_bytes,
+        peak_bytes=profile.peak_bytes,
+        kv_budget_bytes=budget,
+        kv_tokens=kv_tokens,
+        cost=cost,
+        tokens_per_block=tokens_per_block,
+        max_seq_len=max_seq_len,
+        max_batch_size=max_batch_size,
+        max_num_tokens=profile.max_num_tokens,
+        max_concurrent_requests=min(kv_requests, max_batch_size),
+        kv_requests=kv_requests,
+        limited_by=limited_by,
+        fraction=fraction,
+        headroom_bytes=headroom_bytes,
+        rule_source=rule_source,
         graph_bytes=profile.graph_bytes,
     )
 
 
 def _capped_budget(
-    profile: MemoryProfile, cost: CacheCost, fraction: float, max_kv_bytes: int | None, max_kv_tokens: int | None,
+    profile: MemoryProfile,
+    cost: CacheCost,
+    fraction: float,
+    max_kv_bytes: int | None,
+    max_kv_tokens: int | None,
     headroom_bytes: int | None,
 ) -> tuple[int, str]:
     room = profile.total_bytes - profile.peak_bytes - profile.graph_bytes + profile.probe_kv_bytes
@@ -163,7 +177,12 @@ def _capped_budget(
 
 
 def _too_small(
-    profile: MemoryProfile, cost: CacheCost, share: tuple[float, int | None], budget: int, limited_by: str, tokens: int,
+    profile: MemoryProfile,
+    cost: CacheCost,
+    share: tuple[float, int | None],
+    budget: int,
+    limited_by: str,
+    tokens: int,
     what: str,
 ) -> str:
     fraction, headroom = share
@@ -185,7 +204,8 @@ def _too_small(
         lines.append(
             f"fix: lower max_seq_len, {raise_fraction}lower max_num_tokens or max_batch_size "
             f"(activations and fixed state; profiled max_num_tokens={profile.max_num_tokens}), use a smaller "
-            "kv_cache_dtype, " + ("capture fewer CUDA graphs (cuda_graph_batch_sizes, --no-cuda-graphs), " if profile.graph_bytes else "")
+            "kv_cache_dtype, "
+            + ("capture fewer CUDA graphs (cuda_graph_batch_sizes, --no-cuda-graphs), " if profile.graph_bytes else "")
             + "or use more tensor_parallel_size"
         )
     return "\n  ".join(lines)

@@ -370,7 +370,7 @@ def resolve_model_shape(spec: str) -> ModelShape:
 
     A GGUF file is not resolved here (reading its metadata needs the engine's loader).
     """
-    target = spec[len(RANDOM_PREFIX):] if spec.startswith(RANDOM_PREFIX) else spec
+    target = spec[len(RANDOM_PREFIX) :] if spec.startswith(RANDOM_PREFIX) else spec
     if target.lower() in _PRESETS or target.lower() in _ALIASES:
         return preset_shape(target)
     path = Path(target).expanduser()

@@ -61,23 +61,27 @@ def kv_cost(
     if kv_manager is None:
         return model_cost(
             shape, max_batch_size=config.max_batch_size, tokens_per_block=config.tokens_per_block, **common
-        )  # fmt: skip
+        )
     if kv_manager == "v1":
         return trtllm_v1_cost(shape, **common)
     return trtllm_v2_cost(
-        shape, max_batch_size=config.max_batch_size, tokens_per_block=config.tokens_per_block,
-        max_num_tokens=config.max_num_tokens, **common,
-    )  # fmt: skip
+        shape,
+        max_batch_size=config.max_batch_size,
+        tokens_per_block=config.tokens_per_block,
+        max_num_tokens=config.max_num_tokens,
+        **common,
+    )
 
 
 def layer_bytes(shape: ModelShape, *, kv_dtype_bytes: int | float, tp: int) -> int:
     """KV bytes of one attention layer for one token on one rank (MLA: latent, no TP split)."""
     if shape.kv_lora_rank is not None:
-        return mla_cost(layers=1, kv_lora_rank=shape.kv_lora_rank, rope_dim=shape.qk_rope_head_dim,
-                        dtype_bytes=kv_dtype_bytes).slope  # fmt: skip
+        return mla_cost(
+            layers=1, kv_lora_rank=shape.kv_lora_rank, rope_dim=shape.qk_rope_head_dim, dtype_bytes=kv_dtype_bytes
+        ).slope
     return mha_cost(
         layers=1, kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, dtype_bytes=kv_dtype_bytes, tp=tp
-    ).slope  # fmt: skip
+    ).slope
 
 
 def attention_windows(shape: ModelShape, max_seq_len: int) -> tuple[int, ...]:

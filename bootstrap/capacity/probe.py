@@ -35,8 +35,9 @@ def estimation_tokens(*, max_num_tokens: int, max_seq_len: int, max_batch_size: 
     plus one block for each other batch slot (TensorRT-LLM's CUDA-graph warm-up floor). Block aligned.
     """
     check_positive(max_batch_size=max_batch_size, tokens_per_block=tokens_per_block)
-    workload = dummy_workload_tokens(max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
-                                     tokens_per_block=tokens_per_block)  # fmt: skip
+    workload = dummy_workload_tokens(
+        max_num_tokens=max_num_tokens, max_seq_len=max_seq_len, tokens_per_block=tokens_per_block
+    )
     floor = -(-(max_seq_len + 1) // tokens_per_block) + max_batch_size - 1
     return max(workload, floor * tokens_per_block)
 

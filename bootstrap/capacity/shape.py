@@ -27,6 +27,7 @@ from bootstrap.config import ConfigError
 MHA, GQA, MQA, MLA = "mha", "gqa", "mqa", "mla"
 ATTENTION, RECURRENT = "attention", "recurrent"
 
+
 class ModelConfigError(ValueError):
     """A config.json is unsupported or lacks / mistypes a field; the message names both."""
 
@@ -79,7 +80,7 @@ class ModelShape:
 
     @property
     def attention_kind(self) -> str:
-        """"mla", or "mha" / "gqa" / "mqa" by the ratio of KV heads to query heads."""
+        """ "mla", or "mha" / "gqa" / "mqa" by the ratio of KV heads to query heads."""
         if self.kv_lora_rank is not None:
             return MLA
         if self.num_kv_heads == self.num_heads:
@@ -176,9 +177,13 @@ def check_tp_split(shape: ModelShape, tp: int, field: str = "model", shard_kv_he
     heads, and with ``shard_kv_heads`` (the native engine, which shards KV heads evenly instead of
     replicating them) the KV heads too."""
     if shape.num_heads % tp:
-        raise ConfigError(f"tensor_parallel_size: {tp} does not divide the {shape.num_heads} attention heads of "
-                          f"{field} ({shape.architecture}); choose a divisor of {shape.num_heads}")  # fmt: skip
+        raise ConfigError(
+            f"tensor_parallel_size: {tp} does not divide the {shape.num_heads} attention heads of "
+            f"{field} ({shape.architecture}); choose a divisor of {shape.num_heads}"
+        )
     if shard_kv_heads and shape.num_kv_heads % tp:
-        raise ConfigError(f"tensor_parallel_size: {tp} does not divide the {shape.num_kv_heads} KV heads of "
-                          f"{field} ({shape.architecture}); the native engine shards KV heads evenly (choose a "
-                          f"divisor of {shape.num_kv_heads})")  # fmt: skip
+        raise ConfigError(
+            f"tensor_parallel_size: {tp} does not divide the {shape.num_kv_heads} KV heads of "
+            f"{field} ({shape.architecture}); the native engine shards KV heads evenly (choose a "
+            f"divisor of {shape.num_kv_heads})"
+        )

@@ -65,7 +65,10 @@ class PoolBudget:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "name": self.name, "gpu_bytes": self.gpu_bytes, "host_bytes": self.host_bytes, "tokens": self.tokens,
+            "name": self.name,
+            "gpu_bytes": self.gpu_bytes,
+            "host_bytes": self.host_bytes,
+            "tokens": self.tokens,
             "cost": {"slope": self.cost.slope, "intercept": self.cost.intercept},
         }
 
@@ -138,7 +141,6 @@ def _pool(
         raise CapacityError(
             f"the {name} KV pool gets {fmt_bytes(gpu_bytes)}, {tokens:,} tokens, less than one request of "
             f"max_seq_len={plan.max_seq_len} ({fmt_bytes(cost.bytes_for_tokens(need))} needed): lower max_seq_len "
-            "or max_batch_size, raise free_gpu_memory_fraction or max_kv_bytes"
-            + extra_knob
+            "or max_batch_size, raise free_gpu_memory_fraction or max_kv_bytes" + extra_knob
         )
     return PoolBudget(name=name, gpu_bytes=gpu_bytes, host_bytes=host_bytes, tokens=tokens, cost=cost)

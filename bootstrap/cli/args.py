@@ -32,8 +32,13 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if action.default is None or action.default is False or action.default == argparse.SUPPRESS \
-                or "default" in text or action.required:
+        if (
+            action.default is None
+            or action.default is False
+            or action.default == argparse.SUPPRESS
+            or "default" in text
+            or action.required
+        ):
             return text
         return super()._get_help_string(action)
 
@@ -52,12 +57,16 @@ def int_list(text: str) -> tuple[int, ...]:
 def add_model_arg(parser: argparse.ArgumentParser, command: str) -> None:
     presets = ", ".join(preset_names())
     if command == "plan":
-        parser.add_argument("--model", required=True,
-                            help=f"a preset ({presets}), a config.json, or a checkpoint directory")  # fmt: skip
+        parser.add_argument(
+            "--model", required=True, help=f"a preset ({presets}), a config.json, or a checkpoint directory"
+        )
         return
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help=f"a checkpoint directory, a .gguf file, random:<preset|config.json> for real shapes "
-                             f"with random weights (presets: {presets})")  # fmt: skip
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"a checkpoint directory, a .gguf file, random:<preset|config.json> for real shapes "
+        f"with random weights (presets: {presets})",
+    )
 
 
 def speculative_tokens(text: str) -> int | str:
@@ -75,49 +84,106 @@ def add_config_args(parser: argparse.ArgumentParser, command: str) -> None:
     add_model_arg(parser, command)
     add = parser.add_argument
     add("--draft-model", help="draft model for two-model speculative decoding (default: none)")
-    add("--num-speculative-tokens", type=speculative_tokens, metavar="N|auto",
+    add(
+        "--num-speculative-tokens",
+        type=speculative_tokens,
+        metavar="N|auto",
         help="with --draft-model: tokens the draft proposes per step, 1-16, or auto: each request as deep as its "
-             "recent acceptance pays for, down to none (default 4)")  # fmt: skip
-    add("--tp", dest="tensor_parallel_size", type=int, default=default_of("tensor_parallel_size"),
-        help="tensor-parallel size: ranks that each hold 1/N of the heads (must divide the heads and KV heads)")  # fmt: skip
-    add("--dtype", default=default_of("dtype"),
+        "recent acceptance pays for, down to none (default 4)",
+    )
+    add(
+        "--tp",
+        dest="tensor_parallel_size",
+        type=int,
+        default=default_of("tensor_parallel_size"),
+        help="tensor-parallel size: ranks that each hold 1/N of the heads (must divide the heads and KV heads)",
+    )
+    add(
+        "--dtype",
+        default=default_of("dtype"),
         help="weights: auto, float32, bfloat16 or float16; auto is float32 on the CPU, the checkpoint's 16-bit "
-             "dtype (else bfloat16) on CUDA")  # fmt: skip
-    add("--kv-cache-dtype", default=default_of("kv_cache_dtype"),
-        help="KV cache: auto (the weights' dtype), float32, bfloat16, float16 or fp8")  # fmt: skip
-    add("--max-batch-size", type=int, default=default_of("max_batch_size"),
-        help="requests in one forward step, 1..4096")
-    add("--max-num-tokens", type=int, default=default_of("max_num_tokens"),
-        help="tokens in one forward step (what profiling runs), max_batch_size..1048576")
-    add("--max-seq-len", type=int, help="prompt + output tokens per request (default: the model's max_position_embeddings)")
-    add("--tokens-per-block", type=int, default=default_of("tokens_per_block"),
-        help="tokens per KV cache block, a power of two in 1..1024")
-    add("--free-gpu-memory-fraction", type=float,
+        "dtype (else bfloat16) on CUDA",
+    )
+    add(
+        "--kv-cache-dtype",
+        default=default_of("kv_cache_dtype"),
+        help="KV cache: auto (the weights' dtype), float32, bfloat16, float16 or fp8",
+    )
+    add(
+        "--max-batch-size", type=int, default=default_of("max_batch_size"), help="requests in one forward step, 1..4096"
+    )
+    add(
+        "--max-num-tokens",
+        type=int,
+        default=default_of("max_num_tokens"),
+        help="tokens in one forward step (what profiling runs), max_batch_size..1048576",
+    )
+    add(
+        "--max-seq-len",
+        type=int,
+        help="prompt + output tokens per request (default: the model's max_position_embeddings)",
+    )
+    add(
+        "--tokens-per-block",
+        type=int,
+        default=default_of("tokens_per_block"),
+        help="tokens per KV cache block, a power of two in 1..1024",
+    )
+    add(
+        "--free-gpu-memory-fraction",
+        type=float,
         help="TensorRT-LLM's rule: KV gets this share (0..1] of the memory left after the measured peak "
-             "(default: the backend's headroom where it has one, the native engine on CUDA; else 0.9)")  # fmt: skip
-    add("--kv-headroom-bytes", type=int,
+        "(default: the backend's headroom where it has one, the native engine on CUDA; else 0.9)",
+    )
+    add(
+        "--kv-headroom-bytes",
+        type=int,
         help="KV gets all the memory left after the measured peak but this many bytes (default: see "
-             "--free-gpu-memory-fraction; give one of the two)")  # fmt: skip
+        "--free-gpu-memory-fraction; give one of the two)",
+    )
     add("--max-kv-bytes", type=int, help="cap on the KV pool in bytes (default: no cap)")
     add("--max-kv-tokens", type=int, help="cap on the KV pool in tokens (default: no cap)")
-    add("--host-cache-bytes", type=int, default=default_of("host_cache_bytes"),
-        help="host (CPU) KV tier in bytes, 0 for none")
-    add("--plan-cache", type=Path,
+    add(
+        "--host-cache-bytes",
+        type=int,
+        default=default_of("host_cache_bytes"),
+        help="host (CPU) KV tier in bytes, 0 for none",
+    )
+    add(
+        "--plan-cache",
+        type=Path,
         help="directory of cached plans (default: none for plan; run and serve use "
-             f"{DEFAULT_PLAN_CACHE} unless --no-plan-cache)")  # fmt: skip
-    add("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-        help="do not capture decode steps as CUDA graphs (the warmup stage is skipped, reason disabled)")  # fmt: skip
-    add("--cuda-graph-batch-sizes", type=int_list, metavar="N,N,...",
-        help="batch sizes to capture as CUDA graphs (default: 1,2,4,8, then multiples of 8 up to max_batch_size)")  # fmt: skip
+        f"{DEFAULT_PLAN_CACHE} unless --no-plan-cache)",
+    )
+    add(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="do not capture decode steps as CUDA graphs (the warmup stage is skipped, reason disabled)",
+    )
+    add(
+        "--cuda-graph-batch-sizes",
+        type=int_list,
+        metavar="N,N,...",
+        help="batch sizes to capture as CUDA graphs (default: 1,2,4,8, then multiples of 8 up to max_batch_size)",
+    )
     add_backend_args(parser)
 
 
 def add_backend_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--backend", choices=("native", "trtllm"), default=default_of("backend"),
-        help="whose executor and KV pricing: native, or trtllm (TensorRT-LLM's PyExecutor)")  # fmt: skip
-    add("--kv-manager", choices=("auto", "v1", "v2"), default=default_of("kv_manager"),
-        help="TensorRT-LLM KV cache manager (--backend trtllm); auto is what TensorRT-LLM picks (V1)")  # fmt: skip
+    add(
+        "--backend",
+        choices=("native", "trtllm"),
+        default=default_of("backend"),
+        help="whose executor and KV pricing: native, or trtllm (TensorRT-LLM's PyExecutor)",
+    )
+    add(
+        "--kv-manager",
+        choices=("auto", "v1", "v2"),
+        default=default_of("kv_manager"),
+        help="TensorRT-LLM KV cache manager (--backend trtllm); auto is what TensorRT-LLM picks (V1)",
+    )
 
 
 def add_build_args(parser: argparse.ArgumentParser) -> None:
@@ -180,8 +246,16 @@ def check_positive(**values: int) -> None:
             raise ConfigError(f"{field}: must be >= 1 (got {value})")
 
 
-def check_number(field: str, value: float, low: float, high: float = math.inf, *, low_open: bool = False,
-                 unit: str = "", note: str = "") -> None:  # fmt: skip
+def check_number(
+    field: str,
+    value: float,
+    low: float,
+    high: float = math.inf,
+    *,
+    low_open: bool = False,
+    unit: str = "",
+    note: str = "",
+) -> None:
     """A numeric flag in ``[low, high]`` (``(low, high]`` with ``low_open``), finite: NaN and inf
     pass argparse's ``float`` and fail only once the bootstrap ran (a NaN deadline at SIGTERM)."""
     above = value > low if low_open else value >= low
@@ -189,8 +263,10 @@ def check_number(field: str, value: float, low: float, high: float = math.inf, *
         return
     bound = "inf)" if high == math.inf else f"{high:g}]"
     where = f"{'(' if low_open else '['}{low:g}, {bound}"
-    raise ConfigError(f"{field}: must be {'>' if low_open else '>='} {low:g}{unit} (got {value!r}); allowed: a finite "
-                      f"number in {where}{note}")  # fmt: skip
+    raise ConfigError(
+        f"{field}: must be {'>' if low_open else '>='} {low:g}{unit} (got {value!r}); allowed: a finite "
+        f"number in {where}{note}"
+    )
 
 
 def check_run_values(args: argparse.Namespace) -> None:
@@ -216,5 +292,7 @@ def check_kv_tokens(config: BootstrapConfig) -> None:
         need = -(-config.max_seq_len // block) * block
         what = f"one request of max_seq_len={config.max_seq_len} ({need // block} blocks of {block})"
     if config.max_kv_tokens < need:
-        raise ConfigError(f"max_kv_tokens: must be >= {need} to hold {what} (got {config.max_kv_tokens}); "
-                          "raise --max-kv-tokens or leave it out")  # fmt: skip
+        raise ConfigError(
+            f"max_kv_tokens: must be >= {need} to hold {what} (got {config.max_kv_tokens}); "
+            "raise --max-kv-tokens or leave it out"
+        )

@@ -44,15 +44,22 @@ PLAN = "plan"
 
 
 def add_cache_args(cache: argparse.ArgumentParser) -> None:
-    cache.add_argument("action", choices=["list", "clear"],
-                       help="list: every cached plan and model with its size; clear: delete them")  # fmt: skip
+    cache.add_argument(
+        "action", choices=["list", "clear"], help="list: every cached plan and model with its size; clear: delete them"
+    )
     only = cache.add_mutually_exclusive_group()
     only.add_argument("--plans", action="store_true", help="only the plan cache (default: both caches)")
     only.add_argument("--models", action="store_true", help="only the model cache (default: both caches)")
-    cache.add_argument("--plan-cache", type=Path, metavar="DIR", default=DEFAULT_PLAN_CACHE,
-                       help="the plan cache directory")  # fmt: skip
-    cache.add_argument("--model-cache", type=Path, metavar="DIR", default=default_cache_dir(),
-                       help="the model cache directory: the models run and serve fetch and convert")  # fmt: skip
+    cache.add_argument(
+        "--plan-cache", type=Path, metavar="DIR", default=DEFAULT_PLAN_CACHE, help="the plan cache directory"
+    )
+    cache.add_argument(
+        "--model-cache",
+        type=Path,
+        metavar="DIR",
+        default=default_cache_dir(),
+        help="the model cache directory: the models run and serve fetch and convert",
+    )
 
 
 @dataclass(frozen=True)

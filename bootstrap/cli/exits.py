@@ -34,8 +34,13 @@ MEANINGS = {
     HUNG_UP: "stopped by SIGHUP (128 + 1); completed stages were rolled back",
 }
 # ConfigError covers the engine's ModelSourceError and the trace reader's TraceFileError too.
-BAD_INPUT_ERRORS: tuple[type[BaseException], ...] = (ConfigError, ModelConfigError, CapacityError, GraphError,
-                                                     MissingExtra)  # fmt: skip
+BAD_INPUT_ERRORS: tuple[type[BaseException], ...] = (
+    ConfigError,
+    ModelConfigError,
+    CapacityError,
+    GraphError,
+    MissingExtra,
+)
 
 
 def is_bad_input(error: BaseException) -> bool:

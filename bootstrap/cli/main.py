@@ -40,9 +40,11 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
-        prog="bootstrap", formatter_class=HelpFormatter, epilog=epilog(),
+        prog="bootstrap",
+        formatter_class=HelpFormatter,
+        epilog=epilog(),
         description="LLM executor creation as an async pipeline of traced, retryable stages.",
-    )  # fmt: skip
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
     for name, (text, add_args, _) in COMMANDS.items():
         add_args(sub.add_parser(name, help=text, description=text, epilog=epilog(), formatter_class=HelpFormatter))

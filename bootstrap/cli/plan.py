@@ -40,8 +40,13 @@ def add_plan_args(plan: argparse.ArgumentParser) -> None:
     add("--trace-file", type=Path, help="write finished spans as JSON Lines, overwriting the file (default: none)")
     add("--otlp", action="store_true", help="also export spans over OTLP (needs the otlp extra)")
     add("--json", action="store_true", help="print one JSON object instead of tables")
-    add("--fault", action="append", default=[], metavar="STAGE:oom[:N]",
-        help=f"make the first N attempts of STAGE raise a simulated OOM (repeatable; {', '.join(FAULTABLE)})")  # fmt: skip
+    add(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="STAGE:oom[:N]",
+        help=f"make the first N attempts of STAGE raise a simulated OOM (repeatable; {', '.join(FAULTABLE)})",
+    )
 
 
 def parse_fault(text: str) -> tuple[str, int]:

@@ -35,7 +35,7 @@ from bootstrap.cli.tp import (
     launch_ranks,
     leave,
     needs_launch,
-    rank_backend,  # fmt: skip
+    rank_backend,
     this_rank,
 )
 from bootstrap.config import BootstrapConfig
@@ -48,8 +48,13 @@ from bootstrap.pipeline.report import stage_table
 DEFAULT_MAX_TOKENS = 64
 PEER_REFUSAL_S = 30.0  # how long a rank > 0 waits for rank 0's refusal to end it: torchrun's own grace for a stop
 DEFAULT_QUESTION = "What is the capital of France?"
-MARKS = {"done": ("done", "green"), "skipped": ("skipped", "cyan"), "failed": ("failed", "red"),
-         "attempt_failed": ("attempt failed", "yellow"), "retrying": ("retrying", "yellow")}  # fmt: skip
+MARKS = {
+    "done": ("done", "green"),
+    "skipped": ("skipped", "cyan"),
+    "failed": ("failed", "red"),
+    "attempt_failed": ("attempt failed", "yellow"),
+    "retrying": ("retrying", "yellow"),
+}
 
 
 def add_run_args(run: argparse.ArgumentParser) -> None:
@@ -58,14 +63,19 @@ def add_run_args(run: argparse.ArgumentParser) -> None:
     add = run.add_argument
     text = run.add_mutually_exclusive_group()
     text.add_argument("--prompt", help="plain text prompt (default: the question below, as a chat)")
-    text.add_argument("--chat", help=f"one user message, formatted with the tokenizer's chat template "
-                                     f"(default: {DEFAULT_QUESTION!r})")  # fmt: skip
+    text.add_argument(
+        "--chat", help=f"one user message, formatted with the tokenizer's chat template (default: {DEFAULT_QUESTION!r})"
+    )
     add("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="tokens to generate, >= 1")
     add("--temperature", type=float, default=0.0, help="0 for greedy")
     add("--seed", type=int, help="sampling seed (default: none, a fresh one per run)")
     add("--json", action="store_true", help="print one JSON object instead of tables and text")
-    add("--dist-timeout", type=float, default=600.0,
-        help="with --tp N: seconds any collective waits for a rank before it names the rank that stopped answering")  # fmt: skip
+    add(
+        "--dist-timeout",
+        type=float,
+        default=600.0,
+        help="with --tp N: seconds any collective waits for a rank before it names the rank that stopped answering",
+    )
 
 
 def main_run(args: argparse.Namespace) -> int:
@@ -135,8 +145,9 @@ def _ended_early(args: argparse.Namespace, message: str, status: int) -> int:
     return status
 
 
-async def run_command(args: argparse.Namespace, config: BootstrapConfig, backend: Any = None,
-                      held: HeldStops | None = None) -> tuple[dict[str, Any], Exception | None]:  # fmt: skip
+async def run_command(
+    args: argparse.Namespace, config: BootstrapConfig, backend: Any = None, held: HeldStops | None = None
+) -> tuple[dict[str, Any], Exception | None]:
     """Build, answer, release; returns the ``--json`` object and the failure, if any: a
     ``StageFailed``, a ``PromptError`` for a prompt the ready executor cannot take, or any error
     of the answer after ready (``answer_failed``): every failure is reported, none escapes."""
@@ -144,8 +155,9 @@ async def run_command(args: argparse.Namespace, config: BootstrapConfig, backend
 
     quiet = rank_of(args) > 0  # several ranks: rank 0 speaks for all of them
     stops = (held, not quiet) if held is not None else ()
-    boot = Bootstrap(config, backend=backend, trace_file=None if quiet else args.trace_file, otlp=args.otlp,
-                     process=args.process)  # fmt: skip
+    boot = Bootstrap(
+        config, backend=backend, trace_file=None if quiet else args.trace_file, otlp=args.otlp, process=args.process
+    )
     progress = None if args.json or quiet else plain_console(stderr=True)
     result: dict[str, Any] = {"text": "", "token_ids": []}
     with engine_log_lines(quiet):  # the engine's warnings until it is released: one line each, none on quiet ranks
@@ -160,12 +172,15 @@ async def run_command(args: argparse.Namespace, config: BootstrapConfig, backend
                     if progress is not None:
                         # quiet ranks have no progress either
                         print_ready(report, plain_console(), result["ready_after_spawn_s"])
-                    answer = await until_stopped(lambda: generate(args, require_requests(executor), report.plan["max_seq_len"]),
-                                                 lambda: "shutting the executor down", *stops)  # fmt: skip
+                    answer = await until_stopped(
+                        lambda: generate(args, require_requests(executor), report.plan["max_seq_len"]),
+                        lambda: "shutting the executor down",
+                        *stops,
+                    )
                 result.update(answer)
             except BAD_INPUT_ERRORS as exc:
                 return {**result, **report.to_dict(), "error": str(exc)}, exc
-            except Exception as exc:  # noqa: BLE001 - after ready, a failure is one paragraph (exit 1), never a traceback
+            except Exception as exc:
                 return {**result, **report.to_dict(), "error": answer_failed(exc)}, exc
             return {**result, **report.to_dict(), "error": None}, None
         finally:
@@ -210,8 +225,11 @@ def announce(config: BootstrapConfig, args: argparse.Namespace) -> None:
     """The first line, before the engine's imports: what starts, on what, and where its trace goes."""
     trace = f"; trace: {args.trace_file}" if args.trace_file else ""
     tp = f" x{config.tensor_parallel_size} ranks" if config.tensor_parallel_size > 1 else ""
-    print(f"bootstrap run: {config.model} on {config.device}{tp} ({config.backend} backend){trace}", file=sys.stderr,
-          flush=True)  # fmt: skip
+    print(
+        f"bootstrap run: {config.model} on {config.device}{tp} ({config.backend} backend){trace}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def rolling_back(boot: Any) -> str:
@@ -275,7 +293,12 @@ async def generate(args: argparse.Namespace, executor: RequestExecutor, max_seq_
         print()
     speculator = getattr(executor, "speculator", None)  # the native executor's draft, when it has one
     speculation = speculator.stats.to_dict() if speculator is not None else None
-    return {"text": "".join(text), "token_ids": tokens, "finish_reason": event.finish_reason, "speculation": speculation}
+    return {
+        "text": "".join(text),
+        "token_ids": tokens,
+        "finish_reason": event.finish_reason,
+        "speculation": speculation,
+    }
 
 
 async def show_progress(events: Any, console: Console, shown: anyio.Event) -> None:

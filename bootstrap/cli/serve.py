@@ -55,16 +55,27 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     add = serve.add_argument
     add("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     add("--port", type=int, default=8000, help="port to bind (0: any free port)")
-    add("--api-key", help=f"require 'Authorization: Bearer KEY' on every route but /health, /ready and /metrics "
-        f"(default: env {ENV_API_KEY})")  # fmt: skip
+    add(
+        "--api-key",
+        help=f"require 'Authorization: Bearer KEY' on every route but /health, /ready and /metrics "
+        f"(default: env {ENV_API_KEY})",
+    )
     add("--served-model-name", help="the model id clients send (default: --model as given)")
     add("--shutdown-timeout", type=float, default=30.0, help="seconds requests in flight get after a signal")
-    add("--request-trace-ratio", type=float, default=1.0, metavar="R",
+    add(
+        "--request-trace-ratio",
+        type=float,
+        default=1.0,
+        metavar="R",
         help="with --trace-file or --otlp: the share of requests, in [0, 1], traced when the caller sends no "
-             "traceparent (a caller's traceparent decides by its sampled flag; default 1: every request)")  # fmt: skip
-    add("--backend-factory", metavar="MODULE:CALLABLE",
+        "traceparent (a caller's traceparent decides by its sampled flag; default 1: every request)",
+    )
+    add(
+        "--backend-factory",
+        metavar="MODULE:CALLABLE",
         help="build the backend with CALLABLE(config) from MODULE instead of --backend "
-             "(e.g. one wrapping the native engine; default: none)")  # fmt: skip
+        "(e.g. one wrapping the native engine; default: none)",
+    )
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log level")
 
 
@@ -73,8 +84,10 @@ def serve_options(args: argparse.Namespace, config: Any) -> Any:
     from bootstrap.serve.state import ServeOptions
 
     if config.backend != "native":
-        raise ConfigError(f"backend: {config.backend!r} is not served yet: the server answers through the native "
-                          "executor's request API (allowed: native; bootstrap run and plan take trtllm)")  # fmt: skip
+        raise ConfigError(
+            f"backend: {config.backend!r} is not served yet: the server answers through the native "
+            "executor's request API (allowed: native; bootstrap run and plan take trtllm)"
+        )
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"port: must be in [0, 65535] (got {args.port})")
     check_number("shutdown_timeout", args.shutdown_timeout, 0.0, MAX_SECONDS, unit=" seconds")
@@ -86,9 +99,15 @@ def serve_options(args: argparse.Namespace, config: Any) -> Any:
     if key is not None and not key.strip():
         source = "--api-key" if args.api_key is not None else ENV_API_KEY
         raise ConfigError(f"api_key: must not be empty (from {source})")
-    return ServeOptions(model_id=args.served_model_name or config.model, api_key=key, trace_file=args.trace_file,
-                        otlp=args.otlp, request_trace_ratio=ratio,
-                        backend_factory=args.backend_factory, shutdown_timeout_s=args.shutdown_timeout)  # fmt: skip
+    return ServeOptions(
+        model_id=args.served_model_name or config.model,
+        api_key=key,
+        trace_file=args.trace_file,
+        otlp=args.otlp,
+        request_trace_ratio=ratio,
+        backend_factory=args.backend_factory,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
 
 
 def check_host(host: str) -> None:
@@ -99,15 +118,19 @@ def check_host(host: str) -> None:
     from bootstrap.config import ConfigError
 
     if not host or (re.fullmatch(r"[0-9.]+", host) and not _is_ipv4(host)):
-        raise ConfigError(f"host: {host!r} is not an IP address or host name (allowed: an address of this machine, "
-                          "e.g. 127.0.0.1, 0.0.0.0, ::1, localhost)")  # fmt: skip
+        raise ConfigError(
+            f"host: {host!r} is not an IP address or host name (allowed: an address of this machine, "
+            "e.g. 127.0.0.1, 0.0.0.0, ::1, localhost)"
+        )
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
         with socket.socket(family, kind, proto) as probe:
             probe.bind(address)
     except (OSError, UnicodeError) as exc:
-        raise ConfigError(f"host: cannot bind {host!r}: {exc} (allowed: an address of this machine, "
-                          "e.g. 127.0.0.1, 0.0.0.0, ::1, localhost)") from None  # fmt: skip
+        raise ConfigError(
+            f"host: cannot bind {host!r}: {exc} (allowed: an address of this machine, "
+            "e.g. 127.0.0.1, 0.0.0.0, ::1, localhost)"
+        ) from None
 
 
 def _is_ipv4(text: str) -> bool:
@@ -138,8 +161,10 @@ def main_serve(args: argparse.Namespace) -> int:
 
             import bootstrap.serve.app  # noqa: F401
     except ImportError as exc:
-        print(f"bootstrap: serve needs the serve extra ({exc.name} is missing): pip install -e '.[serve]'",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"bootstrap: serve needs the serve extra ({exc.name} is missing): pip install -e '.[serve]'",
+            file=sys.stderr,
+        )
         return BAD_INPUT
     _configure_logging(args.log_level)
     try:
@@ -160,10 +185,18 @@ async def _serve(config: Any, options: Any, args: argparse.Namespace) -> BaseExc
     state = ServeState(config, options, process=args.process)
     servers: list[uvicorn.Server] = []
     app = create_app(state, on_fatal=lambda: _stop(servers))
-    servers.append(_make_server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
-        timeout_graceful_shutdown=options.shutdown_timeout_s + FORCE_AFTER_S,
-    )))  # fmt: skip
+    servers.append(
+        _make_server(
+            uvicorn.Config(
+                app,
+                host=args.host,
+                port=args.port,
+                log_level=args.log_level,
+                lifespan="on",
+                timeout_graceful_shutdown=options.shutdown_timeout_s + FORCE_AFTER_S,
+            )
+        )
+    )
     with _signals(state, servers[0]):
         try:
             await servers[0].serve()
@@ -175,8 +208,11 @@ async def _serve(config: Any, options: Any, args: argparse.Namespace) -> BaseExc
 def announce(config: Any, args: argparse.Namespace) -> None:
     """The first line, before the server's and the engine's imports."""
     trace = f"; trace: {args.trace_file}" if args.trace_file else ""
-    print(f"bootstrap serve: {config.model} on {config.device}, http://{args.host}:{args.port}{trace}", file=sys.stderr,
-          flush=True)  # fmt: skip
+    print(
+        f"bootstrap serve: {config.model} on {config.device}, http://{args.host}:{args.port}{trace}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _make_server(config: Any) -> Any:
@@ -235,8 +271,7 @@ def _close_connections(server: Any) -> None:
     """Close what a second SIGINT left open: its handler then sees the client gone and ends."""
     connections = list(server.server_state.connections)
     if connections:
-        log.warning("SIGINT again: closing %d connection(s) still open after %.0f s", len(connections),
-                    FORCE_CLOSE_S)  # fmt: skip
+        log.warning("SIGINT again: closing %d connection(s) still open after %.0f s", len(connections), FORCE_CLOSE_S)
     for connection in connections:
         connection.transport.close()
 
@@ -265,4 +300,3 @@ def _report_threads() -> None:
         log.warning("bootstrap serve: stopped; threads still alive: %s", ", ".join(alive))
     else:
         log.info("bootstrap serve: stopped; no thread left")
-

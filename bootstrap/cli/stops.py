@@ -96,8 +96,9 @@ def held_stops() -> Iterator[HeldStops]:
             signal.signal(sig, handler)
 
 
-async def until_stopped(work: Callable[[], Awaitable[T]], doing: Callable[[], str], held: HeldStops = NOT_HELD,
-                        speak: bool = True) -> T:  # fmt: skip
+async def until_stopped(
+    work: Callable[[], Awaitable[T]], doing: Callable[[], str], held: HeldStops = NOT_HELD, speak: bool = True
+) -> T:
     """``work()``, cancelled by SIGINT, SIGTERM or SIGHUP: the stop is acknowledged on stderr at
     once (with ``doing()``: what happens now; unless not ``speak``, as on the quiet ranks), and
     raised as ``Stopped`` once ``work`` has unwound, its stages rolled back. A stop held before
@@ -136,7 +137,7 @@ async def until_stopped(work: Callable[[], Awaitable[T]], doing: Callable[[], st
                 stop(held.heard[0])
             else:
                 finished.append(await work())
-        except Exception as exc:  # noqa: BLE001 - carried out of the task group as itself, not in a group
+        except Exception as exc:
             raised.append(exc)
         finally:
             held.wake = None

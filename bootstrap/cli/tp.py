@@ -48,16 +48,21 @@ def check_rank_count(config: BootstrapConfig) -> None:
     --nproc-per-node 2`` with no ``--tp`` would otherwise run two unrelated single-rank runs."""
     env = RankEnv.from_env()
     if env is not None and env.world_size != config.tensor_parallel_size:
-        raise ConfigError(f"tensor_parallel_size: {config.tensor_parallel_size}, but the launcher started "
-                          f"{env.world_size} ranks (WORLD_SIZE {env.world_size}); pass --tp {env.world_size}")  # fmt: skip
+        raise ConfigError(
+            f"tensor_parallel_size: {config.tensor_parallel_size}, but the launcher started "
+            f"{env.world_size} ranks (WORLD_SIZE {env.world_size}); pass --tp {env.world_size}"
+        )
 
 
 def check_tp_before_launch(config: BootstrapConfig) -> None:
     """What the ranks would refuse in ``resolve_classes`` and ``load_model``, refused before any
     rank starts: a model that ranks cannot load (only a checkpoint directory and the default
     model shard), or heads and KV heads that ``tensor_parallel_size`` does not divide."""
-    check_tp_split(_tp_shape(config.model, config.tensor_parallel_size), config.tensor_parallel_size,
-                   shard_kv_heads=config.backend == "native")  # fmt: skip
+    check_tp_split(
+        _tp_shape(config.model, config.tensor_parallel_size),
+        config.tensor_parallel_size,
+        shard_kv_heads=config.backend == "native",
+    )
 
 
 def _tp_shape(model: str, tp: int) -> ModelShape:
@@ -66,8 +71,10 @@ def _tp_shape(model: str, tp: int) -> ModelShape:
         return preset_shape(default)
     if Path(model).expanduser().is_dir():
         return shape_from_path(model)
-    raise ConfigError(f"model: tensor_parallel_size {tp} needs a checkpoint directory or {default!r} (got "
-                      f"{model!r}: other sources load on one rank only); allowed at tensor_parallel_size 1")  # fmt: skip
+    raise ConfigError(
+        f"model: tensor_parallel_size {tp} needs a checkpoint directory or {default!r} (got "
+        f"{model!r}: other sources load on one rank only); allowed at tensor_parallel_size 1"
+    )
 
 
 def launch_ranks(args: argparse.Namespace, tp: int, main: Callable[[argparse.Namespace], int]) -> int:

@@ -240,13 +240,17 @@ class PagedKVCache:
         would leave the request writing into a block another request shares."""
         length = self.num_tokens(request_id)
         if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or not 0 <= num_tokens <= length:
-            raise ValueError(f"num_tokens must be an integer in [0, {length}] (what request {request_id!r} holds), "
-                             f"got {num_tokens!r}")  # fmt: skip
+            raise ValueError(
+                f"num_tokens must be an integer in [0, {length}] (what request {request_id!r} holds), "
+                f"got {num_tokens!r}"
+            )
         table, keep = self._tables[request_id], self.blocks_needed(num_tokens)
         with self._lock:
             if num_tokens % self.tokens_per_block and self._holders.get(table[keep - 1], 1) > 1:
-                raise ValueError(f"request {request_id!r}: cannot cut to {num_tokens} tokens inside block "
-                                 f"{table[keep - 1]}, which another request shares")  # fmt: skip
+                raise ValueError(
+                    f"request {request_id!r}: cannot cut to {num_tokens} tokens inside block "
+                    f"{table[keep - 1]}, which another request shares"
+                )
             dropped, table[keep:] = table[keep:], []
             self._lengths[request_id] = num_tokens
             if self._kv is not None:
@@ -286,7 +290,9 @@ class PagedKVCache:
             table = self._tables.pop(request_id, None)
             self._lengths.pop(request_id, None)
             if table and self._kv is not None:
-                self._free.extendleft(reversed([b for b in table if not self._let_go(b)]))  # LIFO: reuse the last touched
+                self._free.extendleft(
+                    reversed([b for b in table if not self._let_go(b)])
+                )  # LIFO: reuse the last touched
 
     def _let_go(self, block: int) -> bool:
         """One holder fewer for ``block``; True while others still hold it (call under the lock)."""

@@ -62,8 +62,10 @@ class CapacityScheduler:
         self.max_seq_len = max_seq_len
         self.pools = [kv_cache] if draft_kv is None else [kv_cache, draft_kv]
         if draft_kv is not None and draft_kv.tokens_per_block != kv_cache.tokens_per_block:
-            raise ValueError(f"the draft pool's blocks ({draft_kv.tokens_per_block} tokens) must be the target's "
-                             f"({kv_cache.tokens_per_block})")  # fmt: skip
+            raise ValueError(
+                f"the draft pool's blocks ({draft_kv.tokens_per_block} tokens) must be the target's "
+                f"({kv_cache.tokens_per_block})"
+            )
         self.num_blocks = min(pool.num_blocks for pool in self.pools)  # what a reservation must fit in, in each pool
         self._reserved: dict[int, int] = {}
 
@@ -202,7 +204,9 @@ class Scheduler:
         try:
             for row, parent in enumerate(sampling):
                 count = batch.num_new_tokens[batch.seqs.index(parent)]
-                for child in [c for c in parent.forks if not c.finished]:  # a cancelled one's share stays with the parent
+                for child in [
+                    c for c in parent.forks if not c.finished
+                ]:  # a cancelled one's share stays with the parent
                     self.kv_cache.fork(parent.request_id, child.request_id)
                     joined.append((parent, child))
                     if self.draft_kv is not None and self.draft_kv.holds(parent.request_id):

@@ -37,19 +37,39 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as Backend
 
 # The pipeline of the class a config names ("file": tokenizer.json's as it is) ...
-PIPELINES = {"TokenizersBackend": "file", "PreTrainedTokenizerFast": "file", "Qwen2Tokenizer": "qwen2",
-             "Qwen2TokenizerFast": "qwen2", "GemmaTokenizer": "gemma", "GemmaTokenizerFast": "gemma"}  # fmt: skip
+PIPELINES = {
+    "TokenizersBackend": "file",
+    "PreTrainedTokenizerFast": "file",
+    "Qwen2Tokenizer": "qwen2",
+    "Qwen2TokenizerFast": "qwen2",
+    "GemmaTokenizer": "gemma",
+    "GemmaTokenizerFast": "gemma",
+}
 # ... and of the class transformers' tokenizer mapping gives a model type where it names none
 # (None: no config.json beside the tokenizer). qwen2 is one of transformers'
 # MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS: Qwen2Tokenizer whatever the config names; mistral's
 # mapping (MistralCommonBackend where mistral-common is installed) keeps only the "file" classes here.
-MODEL_TYPES = {None: "file", "llama": "file", "mistral": "file", "qwen2": "qwen2", "qwen3": "qwen2",
-               "gemma": "gemma", "gemma2": "gemma"}  # fmt: skip
+MODEL_TYPES = {
+    None: "file",
+    "llama": "file",
+    "mistral": "file",
+    "qwen2": "qwen2",
+    "qwen3": "qwen2",
+    "gemma": "gemma",
+    "gemma2": "gemma",
+}
 SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # The special tokens of Qwen2Tokenizer's / GemmaTokenizer's __init__ signature, for keys the config lacks.
-DEFAULTS = {"qwen2": {"unk_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"},
-            "gemma": {"unk_token": "<unk>", "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
-                      "mask_token": "<mask>"}}  # fmt: skip
+DEFAULTS = {
+    "qwen2": {"unk_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"},
+    "gemma": {
+        "unk_token": "<unk>",
+        "bos_token": "<bos>",
+        "eos_token": "<eos>",
+        "pad_token": "<pad>",
+        "mask_token": "<mask>",
+    },
+}
 QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 
@@ -58,8 +78,9 @@ def load_tokenizer(path: Path) -> Tokenizer | None:
     config_file, model_file = path / "tokenizer_config.json", path / "config.json"
     config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
     model_config = json.loads(model_file.read_text(encoding="utf-8")) if model_file.is_file() else {}
-    pipeline = _pipeline(config.get("tokenizer_class") or model_config.get("tokenizer_class"),
-                         model_config.get("model_type"))  # fmt: skip
+    pipeline = _pipeline(
+        config.get("tokenizer_class") or model_config.get("tokenizer_class"), model_config.get("model_type")
+    )
     if not (path / "tokenizer.json").is_file() or pipeline is None:
         return None
     template_file = path / "chat_template.jinja"
@@ -106,9 +127,18 @@ def _rebuilt(path: Path, data: dict, config: Mapping[str, Any], pipeline: str) -
 
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model.get("merges", [])]
     if pipeline == "qwen2":
-        backend = Backend(models.BPE(vocab=model["vocab"], merges=merges, dropout=None, unk_token=None,
-                                     continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
-                                     byte_fallback=False))  # fmt: skip
+        backend = Backend(
+            models.BPE(
+                vocab=model["vocab"],
+                merges=merges,
+                dropout=None,
+                unk_token=None,
+                continuing_subword_prefix="",
+                end_of_word_suffix="",
+                fuse_unk=False,
+                byte_fallback=False,
+            )
+        )
         backend.decoder = decoders.ByteLevel()
         backend.normalizer = normalizers.NFC()
         prefix = config.get("add_prefix_space")
@@ -117,8 +147,11 @@ def _rebuilt(path: Path, data: dict, config: Mapping[str, Any], pipeline: str) -
         backend.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
     else:
         unk = str(named["unk_token"])  # "None" for a null unk_token, as the class has it
-        backend = Backend(models.BPE(vocab=model["vocab"], merges=merges, fuse_unk=True, unk_token=unk, dropout=None,
-                                     byte_fallback=True))  # fmt: skip
+        backend = Backend(
+            models.BPE(
+                vocab=model["vocab"], merges=merges, fuse_unk=True, unk_token=unk, dropout=None, byte_fallback=True
+            )
+        )
         backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
         backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
         backend.normalizer = normalizers.Replace(" ", "▁")
@@ -183,16 +216,26 @@ class Tokenizer:
             text = _clean_up(text)
         return text
 
-    def apply_chat_template(self, conversation: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False,
-                            tokenize: bool = True, return_dict: bool = False, tools: list[dict] | None = None,
-                            **kwargs: Any) -> Any:  # fmt: skip
+    def apply_chat_template(
+        self,
+        conversation: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = False,
+        tokenize: bool = True,
+        return_dict: bool = False,
+        tools: list[dict] | None = None,
+        **kwargs: Any,
+    ) -> Any:
         """The rendered chat (``tokenize=False``) or its token ids (the rendering's special tokens
         come from the template, so none are added)."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template")
         variables = {**self.special_tokens_map, **kwargs}
-        text = _compiled(self.chat_template).render(messages=[dict(m) for m in conversation], tools=tools,
-                                                    add_generation_prompt=add_generation_prompt, **variables)  # fmt: skip
+        text = _compiled(self.chat_template).render(
+            messages=[dict(m) for m in conversation],
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            **variables,
+        )
         if not tokenize:
             return text
         ids = self.encode(text, add_special_tokens=False)
@@ -212,8 +255,18 @@ def _content(value: Any) -> str:
 
 
 def _clean_up(text: str) -> str:
-    for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
-                          (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):  # fmt: skip
+    for before, after in (
+        (" .", "."),
+        (" ?", "?"),
+        (" !", "!"),
+        (" ,", ","),
+        (" ' ", "'"),
+        (" n't", "n't"),
+        (" 'm", "'m"),
+        (" 's", "'s"),
+        (" 've", "'ve"),
+        (" 're", "'re"),
+    ):
         text = text.replace(before, after)
     return text
 
@@ -227,8 +280,9 @@ def _compiled(template: str) -> Any:
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-               sort_keys: bool = False) -> str:  # fmt: skip
+    def tojson(
+        x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+    ) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])

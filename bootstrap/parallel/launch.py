@@ -57,16 +57,25 @@ def launch(target: Callable[..., int | None], args: tuple[Any, ...], world_size:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     with tempfile.TemporaryDirectory(prefix="bootstrap-ranks-") as logs, _agent_scope():
-        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=uuid.uuid4().hex,
-                              rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
-                              start_method="spawn", shutdown_timeout=SHUTDOWN_S,
-                              logs_specs=DefaultLogsSpecs(log_dir=logs))  # fmt: skip
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=world_size,
+            run_id=uuid.uuid4().hex,
+            rdzv_backend="c10d",
+            rdzv_endpoint="127.0.0.1:0",
+            max_restarts=0,
+            start_method="spawn",
+            shutdown_timeout=SHUTDOWN_S,
+            logs_specs=DefaultLogsSpecs(log_dir=logs),
+        )
         try:
             returned = elastic_launch(config, _rank_main)(target, args)
         except ChildFailedError as exc:
-            return Launched({r: f.exitcode for r, f in exc.failures.items()},
-                            raised={r: _last_line(f.message) for r, f in exc.failures.items()
-                                    if os.path.isfile(f.error_file)})  # fmt: skip
+            return Launched(
+                {r: f.exitcode for r, f in exc.failures.items()},
+                raised={r: _last_line(f.message) for r, f in exc.failures.items() if os.path.isfile(f.error_file)},
+            )
         except SignalException as exc:
             return Launched({}, signal=int(exc.sigval))
     return Launched({rank: int(code or 0) for rank, code in returned.items()})

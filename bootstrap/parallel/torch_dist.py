@@ -37,7 +37,9 @@ class TorchCollective:
             gathered: list[Any] = [None] * self.world_size
             dist.all_gather_object(gathered, value, group=self._group)
         except RuntimeError as exc:  # DistBackendError and gloo's errors are RuntimeErrors
-            raise RankUnresponsive(self.silent_ranks(str(exc)), f"{what} on rank {self.rank}", _first_line(exc)) from exc
+            raise RankUnresponsive(
+                self.silent_ranks(str(exc)), f"{what} on rank {self.rank}", _first_line(exc)
+            ) from exc
         return gathered
 
     def silent_ranks(self, message: str) -> list[int]:

@@ -10,5 +10,14 @@ ranks. The LLM stages that run on it live in ``bootstrap.stages``.
 from bootstrap.pipeline.runner import Pipeline, PipelineClosed, StageFailed, failure_paragraph
 from bootstrap.pipeline.stage import Adaptation, GiveUp, RetryPolicy, Skip, Stage
 
-__all__ = ["Adaptation", "GiveUp", "Pipeline", "PipelineClosed", "RetryPolicy", "Skip", "Stage", "StageFailed",
-           "failure_paragraph"]
+__all__ = [
+    "Adaptation",
+    "GiveUp",
+    "Pipeline",
+    "PipelineClosed",
+    "RetryPolicy",
+    "Skip",
+    "Stage",
+    "StageFailed",
+    "failure_paragraph",
+]

@@ -139,9 +139,11 @@ class StageRun:
         if self._collective.world_size == 1:
             return artifact
         run = partial(agree_attempt, self._collective, self.stage.id, artifact, error, self.stage.agree)
-        attributes: dict[str, Any] = {"bootstrap.collective.world_size": self._collective.world_size,
-                                      "bootstrap.collective.rank": self._collective.rank,
-                                      "bootstrap.attempt": self.attempts}  # fmt: skip
+        attributes: dict[str, Any] = {
+            "bootstrap.collective.world_size": self._collective.world_size,
+            "bootstrap.collective.rank": self._collective.rank,
+            "bootstrap.attempt": self.attempts,
+        }
         try:
             agreed = await self._thread.run(run)
         except RankFailed as exc:
@@ -151,7 +153,9 @@ class StageRun:
                 raise exc from error
             raise
         except Exception as exc:
-            self._span.add_event("bootstrap.collective.attempt", attributes | {"bootstrap.collective.outcome": "unresponsive"})
+            self._span.add_event(
+                "bootstrap.collective.attempt", attributes | {"bootstrap.collective.outcome": "unresponsive"}
+            )
             raise exc from error
         attributes["bootstrap.collective.outcome"] = "agreed" if self.stage.agree else "ok"
         self._span.add_event("bootstrap.collective.attempt", attributes | self._changed_figures(artifact, agreed))

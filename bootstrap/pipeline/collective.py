@@ -95,9 +95,12 @@ class Outcome:
 
 
 def agree_attempt(
-    collective: Collective, stage: str, artifact: Any, error: BaseException | None,
+    collective: Collective,
+    stage: str,
+    artifact: Any,
+    error: BaseException | None,
     agree: Callable[[list[Any]], Any] | None,
-) -> Any:  # fmt: skip
+) -> Any:
     """The agreed artifact of this attempt on every rank, or raise the agreed failure."""
     shared = artifact if error is None and agree is not None else None
     mine = Outcome(collective.rank, shared, _pickled(error) if error is not None else None)

@@ -91,7 +91,9 @@ class ProcessTimeline:
         if self._span is not None:
             return
         self._tracer = tracer
-        self._span = tracer.start_span(PROCESS_SPAN, start_time=self.spawn_ns, attributes={"bootstrap.pid": os.getpid()})
+        self._span = tracer.start_span(
+            PROCESS_SPAN, start_time=self.spawn_ns, attributes={"bootstrap.pid": os.getpid()}
+        )
         for phase in self.phases:
             self._write(phase)
 
@@ -111,7 +113,9 @@ class ProcessTimeline:
 
     def _write(self, phase: Phase) -> None:
         parent = trace.set_span_in_context(self._span)
-        span = self._tracer.start_span(phase.name, context=parent, start_time=phase.start_ns, attributes=phase.attributes)
+        span = self._tracer.start_span(
+            phase.name, context=parent, start_time=phase.start_ns, attributes=phase.attributes
+        )
         if phase.error is not None:
             span.set_status(Status(StatusCode.ERROR, phase.error))
         span.end(end_time=phase.end_ns)

@@ -49,9 +49,13 @@ def stage_table(rows: list[dict[str, Any]], title: str = "bootstrap stages") -> 
         table.add_column(column, justify="right")
     for row, outcome in zip(rows, outcomes):
         table.add_row(
-            row["id"], outcome, str(row["attempts"]), duration(row["duration_s"]),
-            _gib(row["free_bytes_before"]), _gib(row["free_bytes_after"]),
-        )  # fmt: skip
+            row["id"],
+            outcome,
+            str(row["attempts"]),
+            duration(row["duration_s"]),
+            _gib(row["free_bytes_before"]),
+            _gib(row["free_bytes_after"]),
+        )
     return table
 
 

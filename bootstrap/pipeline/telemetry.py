@@ -93,8 +93,7 @@ def span_record(span: ReadableSpan) -> dict:
         "status": span.status.status_code.name,
         "attributes": dict(span.attributes or {}),
         "events": [
-            {"name": e.name, "time_unix_nano": e.timestamp, "attributes": dict(e.attributes or {})}
-            for e in span.events
+            {"name": e.name, "time_unix_nano": e.timestamp, "attributes": dict(e.attributes or {})} for e in span.events
         ],
     }
 
@@ -165,8 +164,11 @@ class WarnOnce(SpanExporter):
             first, self.failed = not self.failed, True
         if first:
             reason = self._why if exc is None else getattr(exc, "strerror", None) or str(exc)
-            log.warning("could not export spans to %s%s; the rest of this run's spans are not sent there",
-                        self.destination, f" ({reason})" if reason else "")  # fmt: skip
+            log.warning(
+                "could not export spans to %s%s; the rest of this run's spans are not sent there",
+                self.destination,
+                f" ({reason})" if reason else "",
+            )
         return SpanExportResult.FAILURE
 
 
@@ -200,9 +202,12 @@ def otlp_exporter() -> WarnOnce:
 
 
 def make_tracer_provider(
-    *, trace_file: Path | None = None, otlp: bool = False, memory: InMemorySpanExporter | None = None,
+    *,
+    trace_file: Path | None = None,
+    otlp: bool = False,
+    memory: InMemorySpanExporter | None = None,
     requests: bool = False,
-) -> TracerProvider:  # fmt: skip
+) -> TracerProvider:
     """A provider with the asked-for destinations. The trace file and the in-memory exporter (which
     skips request spans) get each span as it ends; OTLP gets batches from a background thread
     (flushed by ``shutdown()``). With ``requests`` (a server that traces its requests), request
@@ -215,8 +220,9 @@ def make_tracer_provider(
         if requests:  # added first: shut down (flushed into the still open file) first
             batches = BatchSpanProcessor(to_file, max_queue_size=REQUEST_QUEUE, schedule_delay_millis=1000)
             provider.add_span_processor(SpansWhere(batches, is_request_span))
-        provider.add_span_processor(SpansWhere(SimpleSpanProcessor(to_file), not_request_span) if requests
-                                    else SimpleSpanProcessor(to_file))  # fmt: skip
+        provider.add_span_processor(
+            SpansWhere(SimpleSpanProcessor(to_file), not_request_span) if requests else SimpleSpanProcessor(to_file)
+        )
     if otlp:
         provider.add_span_processor(BatchSpanProcessor(otlp_exporter()))
     if memory is not None:

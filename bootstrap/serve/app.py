@@ -21,17 +21,17 @@ from contextlib import asynccontextmanager
 import anyio
 from fastapi import FastAPI
 
-from bootstrap.serve.openai import routes as openai_routes
-from bootstrap.serve.startup import routes as startup_routes
-from bootstrap.serve.startup import task as build_task
-from bootstrap.serve.status import routes as status_routes
 from bootstrap.serve.auth import OPEN, APIKeyMiddleware
 from bootstrap.serve.body_limit import BodyLimitMiddleware
 from bootstrap.serve.errors import install_handlers
 from bootstrap.serve.metrics import ServeMetrics
+from bootstrap.serve.openai import routes as openai_routes
 from bootstrap.serve.openai.bodies import document_bodies
 from bootstrap.serve.request_trace import RequestTracing
+from bootstrap.serve.startup import routes as startup_routes
+from bootstrap.serve.startup import task as build_task
 from bootstrap.serve.state import ServeState
+from bootstrap.serve.status import routes as status_routes
 
 log = logging.getLogger("bootstrap.serve")
 
@@ -52,13 +52,15 @@ def create_app(state: ServeState, on_fatal: Callable[[], None] = lambda: None) -
         app.add_middleware(RequestTracing, tracer=state.tracer, ratio=state.options.request_trace_ratio)
     if state.options.api_key is not None:
         app.add_middleware(APIKeyMiddleware, key=state.options.api_key)
-        log.info("bootstrap serve: an API key is required ('Authorization: Bearer <key>') on every route "
-                 "except %s", ", ".join(sorted(OPEN)))  # fmt: skip
+        log.info(
+            "bootstrap serve: an API key is required ('Authorization: Bearer <key>') on every route except %s",
+            ", ".join(sorted(OPEN)),
+        )
     app.add_middleware(BodyLimitMiddleware)  # outermost: a body too large is refused before anything reads it
     return app
 
 
-def _lifespan(state: ServeState, on_fatal: Callable[[], None]):  # noqa: ANN202 (FastAPI's lifespan type)
+def _lifespan(state: ServeState, on_fatal: Callable[[], None]):
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         try:
@@ -86,8 +88,11 @@ async def drain_on_shutdown(state: ServeState) -> None:
     with anyio.move_on_after(state.options.shutdown_timeout_s):
         await state.inflight.wait_idle()
     if len(state.inflight):
-        log.warning("shutdown: cancelling %d request(s) still running after %.1f s", len(state.inflight),
-                    state.options.shutdown_timeout_s)  # fmt: skip
+        log.warning(
+            "shutdown: cancelling %d request(s) still running after %.1f s",
+            len(state.inflight),
+            state.options.shutdown_timeout_s,
+        )
     cut_short(state)
 
 

@@ -57,8 +57,12 @@ class APIKeyMiddleware:
         if key is None or not hmac.compare_digest(key, self._key):
             return _unauthorized("invalid API key", browser)
         if scheme == b"basic" and scope["method"] not in SAFE_METHODS and _cross_site(headers):
-            return APIError(403, "refused: a request from another site with the browser's saved key (send the "
-                            "key as 'Authorization: Bearer <key>' instead)", code="cross_site")  # fmt: skip
+            return APIError(
+                403,
+                "refused: a request from another site with the browser's saved key (send the "
+                "key as 'Authorization: Bearer <key>' instead)",
+                code="cross_site",
+            )
         return None
 
 

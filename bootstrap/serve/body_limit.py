@@ -17,8 +17,9 @@ MAX_BODY_BYTES = 8 * 1024 * 1024  # 8 MiB
 
 
 def too_large(limit: int, got: str) -> APIError:
-    return APIError(413, f"body: {got}; allowed: at most {limit} bytes (MAX_BODY_BYTES)", param="body",
-                    code="request_too_large")  # fmt: skip
+    return APIError(
+        413, f"body: {got}; allowed: at most {limit} bytes (MAX_BODY_BYTES)", param="body", code="request_too_large"
+    )
 
 
 class BodyLimitMiddleware:

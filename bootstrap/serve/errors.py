@@ -18,17 +18,30 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
-TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-         405: "invalid_request_error", 409: "invalid_request_error",
-         413: "invalid_request_error", 503: "service_unavailable"}  # fmt: skip
+TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    503: "service_unavailable",
+}
 MAX_DESCRIBED = 8  # bad fields named in one message; the rest are counted
 
 
 class APIError(Exception):
     """An answer in OpenAI's error shape; ``param`` names the request field at fault."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers or {}

@@ -24,12 +24,26 @@ PHASES = ("starting", "bootstrapping", "ready", "failed", "shutting_down")
 class ServeMetrics:
     def __init__(self, state: ServeState) -> None:
         self.registry = registry = CollectorRegistry()
-        self.requests = Counter("bootstrap_requests", "Generation requests ended, by endpoint and finish_reason",
-                                ["endpoint", "finish_reason"], registry=registry)  # fmt: skip
-        self.ttft = Histogram("bootstrap_time_to_first_token_seconds", "From enqueue to the first generated token",
-                              ["endpoint"], buckets=LATENCY_BUCKETS, registry=registry)  # fmt: skip
-        self.e2e = Histogram("bootstrap_request_latency_seconds", "From enqueue to the last token (stop or length)",
-                             ["endpoint"], buckets=LATENCY_BUCKETS, registry=registry)  # fmt: skip
+        self.requests = Counter(
+            "bootstrap_requests",
+            "Generation requests ended, by endpoint and finish_reason",
+            ["endpoint", "finish_reason"],
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "bootstrap_time_to_first_token_seconds",
+            "From enqueue to the first generated token",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.e2e = Histogram(
+            "bootstrap_request_latency_seconds",
+            "From enqueue to the last token (stop or length)",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.prompt_tokens = Counter("bootstrap_prompt_tokens", "Prompt tokens of ended requests", registry=registry)
         self.generated_tokens = Counter("bootstrap_generation_tokens", "Tokens generated", registry=registry)
         registry.register(StateCollector(state))
@@ -52,8 +66,9 @@ class StateCollector(Collector):
         for name in PHASES:
             phase.add_metric([name], float(state.phase == name))
         yield phase
-        duration = GaugeMetricFamily("bootstrap_stage_duration_seconds",
-                                     "Duration of each stage (so far, while it runs)", labels=["stage"])  # fmt: skip
+        duration = GaugeMetricFamily(
+            "bootstrap_stage_duration_seconds", "Duration of each stage (so far, while it runs)", labels=["stage"]
+        )
         attempts = GaugeMetricFamily("bootstrap_stage_attempts", "Attempts of each stage", labels=["stage"])
         for status in _statuses(state):
             duration.add_metric([status.stage], _duration(status))
@@ -61,20 +76,28 @@ class StateCollector(Collector):
         yield duration
         yield attempts
         if state.time_to_ready_s is not None:
-            yield GaugeMetricFamily("bootstrap_time_to_ready_seconds", "From the server start to a ready executor",
-                                    value=state.time_to_ready_s)  # fmt: skip
-        yield GaugeMetricFamily("bootstrap_requests_in_flight", "Requests the server is answering",
-                                value=float(len(state.inflight)))  # fmt: skip
+            yield GaugeMetricFamily(
+                "bootstrap_time_to_ready_seconds",
+                "From the server start to a ready executor",
+                value=state.time_to_ready_s,
+            )
+        yield GaugeMetricFamily(
+            "bootstrap_requests_in_flight", "Requests the server is answering", value=float(len(state.inflight))
+        )
 
     def _engine(self, executor: RequestExecutor) -> Iterator[Metric]:
         stats = executor.engine_stats()  # the executor's own snapshot: safe here, on the event loop
-        yield GaugeMetricFamily("bootstrap_kv_capacity_blocks", "KV cache blocks in the pool", value=stats.kv_total_blocks)
-        yield GaugeMetricFamily("bootstrap_kv_capacity_tokens", "KV cache capacity in tokens",
-                                value=stats.kv_capacity_tokens)  # fmt: skip
+        yield GaugeMetricFamily(
+            "bootstrap_kv_capacity_blocks", "KV cache blocks in the pool", value=stats.kv_total_blocks
+        )
+        yield GaugeMetricFamily(
+            "bootstrap_kv_capacity_tokens", "KV cache capacity in tokens", value=stats.kv_capacity_tokens
+        )
         yield GaugeMetricFamily("bootstrap_kv_blocks_used", "KV cache blocks in use", value=stats.kv_used_blocks)
         yield GaugeMetricFamily("bootstrap_requests_running", "Requests the engine is running", value=stats.running)
-        yield GaugeMetricFamily("bootstrap_requests_waiting", "Requests queued in the engine, not yet admitted",
-                                value=stats.waiting)  # fmt: skip
+        yield GaugeMetricFamily(
+            "bootstrap_requests_waiting", "Requests queued in the engine, not yet admitted", value=stats.waiting
+        )
         speculator = getattr(executor, "speculator", None)
         if speculator is not None:
             yield from _speculation(speculator.stats)
@@ -82,10 +105,15 @@ class StateCollector(Collector):
 
 def _speculation(stats: Any) -> Iterator[Metric]:
     """Speculative decoding: draft tokens proposed and accepted, overall and by draft position."""
-    yield GaugeMetricFamily("bootstrap_spec_draft_tokens_proposed", "Draft tokens the target verified", value=stats.proposed)
-    yield GaugeMetricFamily("bootstrap_spec_draft_tokens_accepted", "Draft tokens the target kept", value=stats.accepted)
-    rate = GaugeMetricFamily("bootstrap_spec_acceptance_rate", "Draft tokens kept / proposed, by draft position",
-                             labels=["position"])  # fmt: skip
+    yield GaugeMetricFamily(
+        "bootstrap_spec_draft_tokens_proposed", "Draft tokens the target verified", value=stats.proposed
+    )
+    yield GaugeMetricFamily(
+        "bootstrap_spec_draft_tokens_accepted", "Draft tokens the target kept", value=stats.accepted
+    )
+    rate = GaugeMetricFamily(
+        "bootstrap_spec_acceptance_rate", "Draft tokens kept / proposed, by draft position", labels=["position"]
+    )
     for position, (kept, proposed) in enumerate(zip(stats.accepted_at, stats.proposed_at)):
         rate.add_metric([str(position)], kept / proposed if proposed else 0.0)
     rate.add_metric(["all"], stats.acceptance_rate or 0.0)

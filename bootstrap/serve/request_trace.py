@@ -40,8 +40,9 @@ class RequestTracing:
     """See the module docstring. ``tracer`` returns the trace pipeline's tracer, or None while
     there is none yet (the bootstrap is still being made: such a request is not traced)."""
 
-    def __init__(self, app: ASGIApp, tracer: Callable[[], Tracer | None], ratio: float,
-                 draw: Callable[[], float] = random.random) -> None:  # fmt: skip
+    def __init__(
+        self, app: ASGIApp, tracer: Callable[[], Tracer | None], ratio: float, draw: Callable[[], float] = random.random
+    ) -> None:
         self.app, self._tracer, self.ratio, self._draw = app, tracer, ratio, draw
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -79,8 +80,12 @@ class RequestTracing:
         sampled = remote.trace_flags.sampled if remote.is_valid else self._draw() < self.ratio
         if not sampled:
             return None
-        return tracer.start_span(REQUEST_SPAN, context=parent if remote.is_valid else Context(), kind=SpanKind.SERVER,
-                                 attributes={"http.request.method": scope["method"], "url.path": scope["path"]})  # fmt: skip
+        return tracer.start_span(
+            REQUEST_SPAN,
+            context=parent if remote.is_valid else Context(),
+            kind=SpanKind.SERVER,
+            attributes={"http.request.method": scope["method"], "url.path": scope["path"]},
+        )
 
 
 def traceparent(context: SpanContext) -> str:
@@ -109,20 +114,23 @@ def _answered(span: Span, status: int) -> None:
 # ---- the choices, once closed ---------------------------------------------------------------
 
 
-def record_choices(span: Span | None, tracer: Tracer | None, endpoint: str, jobs: Iterable[Any],
-                   prompt_tokens: int) -> None:  # fmt: skip
+def record_choices(
+    span: Span | None, tracer: Tracer | None, endpoint: str, jobs: Iterable[Any], prompt_tokens: int
+) -> None:
     """The request's totals on ``span``, and a choice span (with its phases) per closed job;
     nothing when the request is not recorded."""
     if span is None or tracer is None or not span.is_recording():
         return
     jobs = list(jobs)
-    span.set_attributes({
-        "bootstrap.endpoint": endpoint,
-        "bootstrap.choices": len(jobs),
-        "gen_ai.usage.input_tokens": prompt_tokens,
-        "gen_ai.usage.output_tokens": sum(job.tokens for job in jobs),
-        "gen_ai.response.finish_reasons": [job.reason for job in jobs],
-    })  # fmt: skip
+    span.set_attributes(
+        {
+            "bootstrap.endpoint": endpoint,
+            "bootstrap.choices": len(jobs),
+            "gen_ai.usage.input_tokens": prompt_tokens,
+            "gen_ai.usage.output_tokens": sum(job.tokens for job in jobs),
+            "gen_ai.response.finish_reasons": [job.reason for job in jobs],
+        }
+    )
     context = trace.set_span_in_context(span)
     for index, job in enumerate(jobs):
         if job.timing is not None:
@@ -131,23 +139,45 @@ def record_choices(span: Span | None, tracer: Tracer | None, endpoint: str, jobs
 
 def _record_choice(tracer: Tracer, context: Context, index: int, job: Any) -> None:
     t = job.timing
-    choice = tracer.start_span(CHOICE_SPAN, context=context, start_time=t.enqueued_ns, attributes={
-        "bootstrap.choice": index, "bootstrap.request_id": job.request_id, "bootstrap.finish_reason": job.reason,
-        "gen_ai.usage.input_tokens": job.prompt_tokens, "gen_ai.usage.output_tokens": job.tokens,
-        "bootstrap.kv_blocks": t.kv_blocks,
-    })  # fmt: skip
+    choice = tracer.start_span(
+        CHOICE_SPAN,
+        context=context,
+        start_time=t.enqueued_ns,
+        attributes={
+            "bootstrap.choice": index,
+            "bootstrap.request_id": job.request_id,
+            "bootstrap.finish_reason": job.reason,
+            "gen_ai.usage.input_tokens": job.prompt_tokens,
+            "gen_ai.usage.output_tokens": job.tokens,
+            "bootstrap.kv_blocks": t.kv_blocks,
+        },
+    )
     inside = trace.set_span_in_context(choice)
     _phase(tracer, inside, "queue", t.enqueued_ns, t.scheduled_ns or t.finished_ns, {})
     if t.scheduled_ns is not None:
-        _phase(tracer, inside, "prefill", t.scheduled_ns, t.first_token_ns or t.finished_ns,
-               {"bootstrap.tokens": job.prompt_tokens, "bootstrap.steps": t.prefill_steps})  # fmt: skip
+        _phase(
+            tracer,
+            inside,
+            "prefill",
+            t.scheduled_ns,
+            t.first_token_ns or t.finished_ns,
+            {"bootstrap.tokens": job.prompt_tokens, "bootstrap.steps": t.prefill_steps},
+        )
     if t.first_token_ns is not None:
-        _phase(tracer, inside, "decode", t.first_token_ns, t.finished_ns,
-               {"bootstrap.tokens": job.tokens, "bootstrap.steps": max(job.tokens - 1, 0)})  # fmt: skip
+        _phase(
+            tracer,
+            inside,
+            "decode",
+            t.first_token_ns,
+            t.finished_ns,
+            {"bootstrap.tokens": job.tokens, "bootstrap.steps": max(job.tokens - 1, 0)},
+        )
     if job.reason == "error":
         choice.set_status(Status(StatusCode.ERROR, job.error or "generation failed"))
     choice.end(end_time=t.finished_ns)
 
 
 def _phase(tracer: Tracer, context: Context, phase: str, start: int, end: int, attributes: dict[str, Any]) -> None:
-    tracer.start_span(request_phase_span(phase), context=context, start_time=start, attributes=attributes).end(end_time=end)
+    tracer.start_span(request_phase_span(phase), context=context, start_time=start, attributes=attributes).end(
+        end_time=end
+    )

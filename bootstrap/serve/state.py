@@ -43,8 +43,10 @@ class ServeOptions:
             factory_parts(self.backend_factory)
         ratio = self.request_trace_ratio
         if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0.0 <= ratio <= 1.0:
-            raise ConfigError(f"request_trace_ratio: must be a number in [0, 1] (got {ratio!r}); 0 traces only "
-                              "requests whose caller's traceparent is sampled, 1 every request")  # fmt: skip
+            raise ConfigError(
+                f"request_trace_ratio: must be a number in [0, 1] (got {ratio!r}); 0 traces only "
+                "requests whose caller's traceparent is sampled, 1 every request"
+            )
 
     @property
     def traces(self) -> bool:
@@ -70,8 +72,10 @@ def clean_api_key(key: str) -> str:
         raise ConfigError("api_key: must not be empty or only whitespace (--api-key or BOOTSTRAP_API_KEY)")
     control = next((c for c in stripped if ord(c) < 0x20 or ord(c) == 0x7F), None)
     if control is not None:
-        raise ConfigError(f"api_key: must not contain control characters such as {control!r} inside it "
-                          "(no HTTP header carries them); allowed: printable characters")  # fmt: skip
+        raise ConfigError(
+            f"api_key: must not contain control characters such as {control!r} inside it "
+            "(no HTTP header carries them); allowed: printable characters"
+        )
     return stripped
 
 

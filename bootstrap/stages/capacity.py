@@ -48,9 +48,13 @@ def capacity(
 
 
 def remember(
-    plan_cache: PlanCache, config: BootstrapConfig, resolved: ResolvedClasses, backend: Backend,
-    profile: MemoryProfile, plan: CapacityPlan,
-) -> None:  # fmt: skip
+    plan_cache: PlanCache,
+    config: BootstrapConfig,
+    resolved: ResolvedClasses,
+    backend: Backend,
+    profile: MemoryProfile,
+    plan: CapacityPlan,
+) -> None:
     """Store the plan; a failure to write costs the next start a profiling run, not this start."""
     try:
         plan_cache.remember(config, resolved, backend, profile, plan)

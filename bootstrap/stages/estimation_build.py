@@ -72,7 +72,11 @@ def capped_probe_tokens(config: BootstrapConfig, resolved: ResolvedClasses, back
 
 
 def cached_plan(
-    config: BootstrapConfig, resolved: ResolvedClasses, loaded: LoadedModel, backend: Backend, plan_cache: PlanCache | None
+    config: BootstrapConfig,
+    resolved: ResolvedClasses,
+    loaded: LoadedModel,
+    backend: Backend,
+    plan_cache: PlanCache | None,
 ) -> tuple[CachedPlan | None, str]:
     """The cached plan for this exact setup if the device has room for it now; else None and why
     not: the cache is off, holds nothing for this setup, or lacks the room (with the figures)."""
@@ -84,7 +88,10 @@ def cached_plan(
     free = backend.device.free_bytes()
     if not cached.fits(free, loaded.weight_bytes):
         needed = cached.needed_after_load(loaded.weight_bytes)
-        return None, f"no room: the cached plan needs {fmt_bytes(needed)} beside the weights, {fmt_bytes(free)} are free"
+        return (
+            None,
+            f"no room: the cached plan needs {fmt_bytes(needed)} beside the weights, {fmt_bytes(free)} are free",
+        )
     return cached, ""
 
 

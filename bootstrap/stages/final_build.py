@@ -19,7 +19,12 @@ SHRINK_STEP = 0.9
 
 
 def final_build(
-    config: BootstrapConfig, resolved: ResolvedClasses, loaded: LoadedModel, budgets: PoolBudgets, backend: Backend, undo: Undo
+    config: BootstrapConfig,
+    resolved: ResolvedClasses,
+    loaded: LoadedModel,
+    budgets: PoolBudgets,
+    backend: Backend,
+    undo: Undo,
 ) -> FinalBuild:
     return backend.build_final(loaded, resolved, budgets, undo)
 
@@ -29,7 +34,9 @@ def shrink_budgets(exc: BaseException, inputs: Mapping[str, Any]) -> Adaptation:
     budgets: PoolBudgets = inputs["budgets"]
     tpb, max_seq_len = inputs["config"].tokens_per_block, inputs["resolved"].max_seq_len
     try:
-        smaller = PoolBudgets(**{n: _shrink(getattr(budgets, n), tpb, max_seq_len) for n in ("target", "draft", "cross")})
+        smaller = PoolBudgets(
+            **{n: _shrink(getattr(budgets, n), tpb, max_seq_len) for n in ("target", "draft", "cross")}
+        )
     except GiveUp as give_up:
         raise give_up from exc
     changes = {f"{p.name}_bytes": f"{p.gpu_bytes} -> {q.gpu_bytes}" for p, q in zip(budgets.pools(), smaller.pools())}
@@ -59,6 +66,8 @@ STAGE = Stage(
     adapt=shrink_budgets,
     oom_advice="The KV pools do not fit even after shrinking: lower free_gpu_memory_fraction, raise kv_headroom_bytes "
     "or set max_kv_bytes.",
-    figures=lambda f: {f"bootstrap.kv.pool_bytes.{k}": v for k, v in f.pool_bytes.items()}
-    | {f"bootstrap.kv.pool_tokens.{k}": v for k, v in f.pool_tokens.items()},
+    figures=lambda f: (
+        {f"bootstrap.kv.pool_bytes.{k}": v for k, v in f.pool_bytes.items()}
+        | {f"bootstrap.kv.pool_tokens.{k}": v for k, v in f.pool_tokens.items()}
+    ),
 )

@@ -126,10 +126,14 @@ class PlanCache:
             tempfile.TemporaryFile(dir=self.directory).close()
         except OSError as exc:
             if (blocker := file_in_the_way(self.directory)) is not None:
-                raise ConfigError(f"plan_cache: cannot write to {self.directory}: {blocker} is not a directory") \
-                    from None
-            log.warning("plan cache: cannot write to %s (%s); using the plans there, storing none",
-                        self.directory, exc.strerror or exc)  # fmt: skip
+                raise ConfigError(
+                    f"plan_cache: cannot write to {self.directory}: {blocker} is not a directory"
+                ) from None
+            log.warning(
+                "plan cache: cannot write to %s (%s); using the plans there, storing none",
+                self.directory,
+                exc.strerror or exc,
+            )
             return False
         if not existed:
             with contextlib.suppress(OSError):  # only what lets clear remove the directory is lost
@@ -141,7 +145,12 @@ class PlanCache:
         return self.load(fingerprint(config, resolved, backend.device, backend.name))
 
     def remember(
-        self, config: BootstrapConfig, resolved: ResolvedClasses, backend: Backend, profile: MemoryProfile, plan: CapacityPlan
+        self,
+        config: BootstrapConfig,
+        resolved: ResolvedClasses,
+        backend: Backend,
+        profile: MemoryProfile,
+        plan: CapacityPlan,
     ) -> Path | None:
         """Store the plan; None when the directory cannot be written (its one warning came at
         construction: a start must not warn again for each plan it cannot store)."""

@@ -52,7 +52,12 @@ def profiling(
 
 
 def _measure(
-    backend: Backend, probe: EstimationBuild, loaded: LoadedModel, max_num_tokens: int, config: BootstrapConfig, undo: Undo
+    backend: Backend,
+    probe: EstimationBuild,
+    loaded: LoadedModel,
+    max_num_tokens: int,
+    config: BootstrapConfig,
+    undo: Undo,
 ) -> MemoryProfile:
     with probe_oom("the dummy forward", max_num_tokens=max_num_tokens, probe_tokens=probe.probe_tokens):
         return backend.profile(probe, loaded, max_num_tokens, config, undo)

@@ -75,7 +75,9 @@ def _check_config(config: BootstrapConfig, shape: ModelShape, draft: ModelShape 
     if limit < 2:
         raise ConfigError(f"model: max_position_embeddings is {limit}; a served model needs at least 2 positions")
     if config.max_seq_len is not None and config.max_seq_len > limit:
-        raise ConfigError(f"max_seq_len: {config.max_seq_len} exceeds the model's max_position_embeddings; allowed 2..{limit}")
+        raise ConfigError(
+            f"max_seq_len: {config.max_seq_len} exceeds the model's max_position_embeddings; allowed 2..{limit}"
+        )
     if config.cross_kv_cache_fraction is not None:
         raise ConfigError(
             f"cross_kv_cache_fraction: set to {config.cross_kv_cache_fraction}, but {shape.model_type} is a "

@@ -29,7 +29,9 @@ class ProbeOutOfMemory(DeviceOutOfMemory):
 
     def __init__(self, cause: BaseException, *, doing: str, max_num_tokens: int, probe_tokens: int) -> None:
         self.max_num_tokens, self.probe_tokens = max_num_tokens, probe_tokens
-        super().__init__(f"{cause} ({doing} for max_num_tokens={max_num_tokens} with a probe of {probe_tokens:,} tokens)")
+        super().__init__(
+            f"{cause} ({doing} for max_num_tokens={max_num_tokens} with a probe of {probe_tokens:,} tokens)"
+        )
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled whole (message and figures): a peer rank adapts from the same figures."""
@@ -115,8 +117,9 @@ def _ran(exc: BaseException, inputs: Mapping[str, Any]) -> ProbeRun:
 
 def _workload(max_num_tokens: int, inputs: Mapping[str, Any]) -> int:
     tokens_per_block = inputs["config"].tokens_per_block
-    return dummy_workload_tokens(max_num_tokens=max_num_tokens, max_seq_len=inputs["resolved"].max_seq_len,
-                                 tokens_per_block=tokens_per_block)  # fmt: skip
+    return dummy_workload_tokens(
+        max_num_tokens=max_num_tokens, max_seq_len=inputs["resolved"].max_seq_len, tokens_per_block=tokens_per_block
+    )
 
 
 def _halved(max_num_tokens: int, config: BootstrapConfig) -> int | None:

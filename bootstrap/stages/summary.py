@@ -30,9 +30,14 @@ def plan_summary(artifacts: dict[str, Any]) -> dict[str, Any]:
         out.update(_allocated(out, plan, final))
     warmup = artifacts.get("warmup")
     if warmup is not None and warmup.num_graphs:
-        out["cuda_graphs"] = {"graphs": warmup.num_graphs, "batch_sizes": list(warmup.batch_sizes),
-                              "widths": list(warmup.widths), "graph_bytes": warmup.graph_bytes,
-                              "reserved_bytes": warmup.reserved_bytes, "capture_s": round(warmup.capture_s, 3)}  # fmt: skip
+        out["cuda_graphs"] = {
+            "graphs": warmup.num_graphs,
+            "batch_sizes": list(warmup.batch_sizes),
+            "widths": list(warmup.widths),
+            "graph_bytes": warmup.graph_bytes,
+            "reserved_bytes": warmup.reserved_bytes,
+            "capture_s": round(warmup.capture_s, 3),
+        }
     for name, pool in out.get("pools", {}).items():
         out[f"{name}_share"] = round(pool["gpu_bytes"] / out["kv_budget_bytes"], 6) if out["kv_budget_bytes"] else 0.0
     return out

@@ -23,12 +23,18 @@ def test_choices_on_cuda_equal_independent_requests(length):
     prompt = [(7 * i + 3) % 250 + 3 for i in range(length)]
     ex = executor(model, torch.float32)
     try:
-        greedy = [ex.await_response(i, timeout=120).token_ids
-                  for i in ex.enqueue_choices(prompt, SamplingParams(max_tokens=12, temperature=0), 4)]  # fmt: skip
+        greedy = [
+            ex.await_response(i, timeout=120).token_ids
+            for i in ex.enqueue_choices(prompt, SamplingParams(max_tokens=12, temperature=0), 4)
+        ]
         seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=77)
         together = [ex.await_response(i, timeout=120).token_ids for i in ex.enqueue_choices(prompt, seeded, 4)]
-        apart = [ex.await_response(ex.enqueue(prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=77 + i)),
-                                   timeout=120).token_ids for i in range(4)]  # fmt: skip
+        apart = [
+            ex.await_response(
+                ex.enqueue(prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=77 + i)), timeout=120
+            ).token_ids
+            for i in range(4)
+        ]
         assert ex.scheduler.kv_cache.stats().used_blocks == 0 and ex.scheduler.kv_cache.shared_blocks() == 0
     finally:
         ex.shutdown()
@@ -42,8 +48,10 @@ def test_logprobs_on_cuda_are_the_models_log_softmax():
     prompt = [(11 * i + 5) % 250 + 3 for i in range(20)]
     ex = executor(model, torch.float32)
     try:
-        [response] = [ex.await_response(i, timeout=120) for i in
-                      ex.enqueue_choices(prompt, SamplingParams(max_tokens=6, temperature=0, logprobs=5), 1)]  # fmt: skip
+        [response] = [
+            ex.await_response(i, timeout=120)
+            for i in ex.enqueue_choices(prompt, SamplingParams(max_tokens=6, temperature=0, logprobs=5), 1)
+        ]
     finally:
         ex.shutdown()
     for step, entry in enumerate(response.logprobs):

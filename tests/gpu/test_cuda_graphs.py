@@ -24,8 +24,16 @@ pytestmark = [
 ]
 
 
-def graphed_executor(model, dtype, batch_sizes, kernel="auto", widths=(1, 2, 4, 8), max_batch_size=16, tokens_per_block=16,
-                     max_seq_len=256):  # fmt: skip
+def graphed_executor(
+    model,
+    dtype,
+    batch_sizes,
+    kernel="auto",
+    widths=(1, 2, 4, 8),
+    max_batch_size=16,
+    tokens_per_block=16,
+    max_seq_len=256,
+):
     spec = KVCacheSpec.from_config(model.config, dtype)
     cache = PagedKVCache.from_tokens(spec, 8192, tokens_per_block, "cuda")
     config = SchedulerConfig(max_batch_size, 64, max_seq_len)
@@ -49,7 +57,9 @@ def test_float32_greedy_parity_through_padded_graphs_with_requests_finishing_mid
     ex, capture, replays = graphed_executor(model, torch.float32, [1, 2, 4, 8, 16], kernel)
     assert capture.num_graphs == 20 and capture.batch_sizes == (1, 2, 4, 8, 16) and capture.widths == (1, 2, 4, 8)
     responses = ex.generate(batch, [SamplingParams(max_tokens=n) for n in lengths])
-    mismatched = [i for i, (p, n, r) in enumerate(zip(batch, lengths, responses)) if r.token_ids != reference(model, p, n)]
+    mismatched = [
+        i for i, (p, n, r) in enumerate(zip(batch, lengths, responses)) if r.token_ids != reference(model, p, n)
+    ]
     assert not mismatched
     rows = {b for b, _ in replays}
     assert {16, 8, 4} <= rows and len({w for _, w in replays}) >= 2  # 13 rows padded to 16, fewer as requests finish
@@ -65,10 +75,16 @@ def test_each_step_size_between_buckets_matches_eager(kernel):
     model = build("llama", torch.float32)
     for size in range(1, 9):
         batch = prompts(size)
-        ex, _, replays = graphed_executor(model, torch.float32, [1, 2, 4, 8], kernel)  # widths to 128 tokens: every step
+        ex, _, replays = graphed_executor(
+            model, torch.float32, [1, 2, 4, 8], kernel
+        )  # widths to 128 tokens: every step
         spec = KVCacheSpec.from_config(model.config, torch.float32)
-        eager = create_executor(copy.deepcopy(model), PagedKVCache.from_tokens(spec, 8192, 16, "cuda"),
-                                SchedulerConfig(16, 64, 256), start=True)  # fmt: skip
+        eager = create_executor(
+            copy.deepcopy(model),
+            PagedKVCache.from_tokens(spec, 8192, 16, "cuda"),
+            SchedulerConfig(16, 64, 256),
+            start=True,
+        )
         got = [r.token_ids for r in ex.generate(batch, SamplingParams(max_tokens=6))]
         want = [r.token_ids for r in eager.generate(batch, SamplingParams(max_tokens=6))]
         assert got == want, f"batch of {size}"
@@ -88,7 +104,9 @@ def test_cublas_workspaces_outlive_every_live_capture():
     want = [r.token_ids for r in ex.generate(batch, SamplingParams(max_tokens=4))]
     assert release_workspaces() is False  # a capture is alive
     CudaDevice().empty_cache()
-    big = [torch.empty(32 * 1024**2, dtype=torch.uint8, device="cuda").fill_(255) for _ in range(8)]  # reuse freed memory
+    big = [
+        torch.empty(32 * 1024**2, dtype=torch.uint8, device="cuda").fill_(255) for _ in range(8)
+    ]  # reuse freed memory
     assert [r.token_ids for r in ex.generate(batch, SamplingParams(max_tokens=4))] == want and replays
     del big
     ex.shutdown()  # releases the graphs
@@ -110,7 +128,9 @@ def test_capture_needs_an_empty_pool():
 @pytest.fixture
 def tiny_config(tmp_path):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "llama", **SHAPE, "max_position_embeddings": 4096, "torch_dtype": "float32"}))
+    path.write_text(
+        json.dumps({"model_type": "llama", **SHAPE, "max_position_embeddings": 4096, "torch_dtype": "float32"})
+    )
     return path
 
 
@@ -121,8 +141,14 @@ def test_bootstrap_captures_in_warmup_traces_it_and_survives_a_worst_case_load(t
 
 async def _bootstrap_captures_in_warmup_traces_it_and_survives_a_worst_case_load(tiny_config, tmp_path):
     trace = tmp_path / "trace.jsonl"
-    config = bootstrap.BootstrapConfig(model=f"random:{tiny_config}", device="cuda", dtype="float32", max_seq_len=2048,
-                                       max_batch_size=16, max_num_tokens=2048)  # fmt: skip
+    config = bootstrap.BootstrapConfig(
+        model=f"random:{tiny_config}",
+        device="cuda",
+        dtype="float32",
+        max_seq_len=2048,
+        max_batch_size=16,
+        max_num_tokens=2048,
+    )
     ex, report = await bootstrap.build_executor(config, trace_file=trace)
     try:
         stages = {row["id"]: row for row in report.stages}
@@ -131,8 +157,12 @@ async def _bootstrap_captures_in_warmup_traces_it_and_survives_a_worst_case_load
         (warmup,) = [s for s in spans if s["name"] == "bootstrap.stage.warmup"]
         attrs = warmup["attributes"]
         widths = attrs["bootstrap.warmup.widths"]  # the Triton kernel needs one width, the gather path four
-        assert widths in ([64], [8, 16, 32, 64]) and ex.runner.decode_kernel == ("triton" if widths == [64] else "torch")
-        assert attrs["bootstrap.warmup.batch_sizes"] == [1, 2, 4, 8, 16] and attrs["bootstrap.warmup.graphs"] == 5 * len(widths)
+        assert widths in ([64], [8, 16, 32, 64]) and ex.runner.decode_kernel == (
+            "triton" if widths == [64] else "torch"
+        )
+        assert attrs["bootstrap.warmup.batch_sizes"] == [1, 2, 4, 8, 16] and attrs[
+            "bootstrap.warmup.graphs"
+        ] == 5 * len(widths)
         assert attrs["bootstrap.warmup.graph_bytes"] > 0 and attrs["bootstrap.warmup.reserved_bytes"] > 0
         assert attrs["bootstrap.warmup.graph_bytes"] <= attrs["bootstrap.warmup.reserved_bytes"]  # the estimate holds
         assert warmup["end_time_unix_nano"] > warmup["start_time_unix_nano"]
@@ -152,8 +182,9 @@ def test_bfloat16_graph_logits_match_eager_logits():
     model = build("llama", torch.bfloat16)
     ex, _, _ = graphed_executor(model, torch.bfloat16, [1, 2, 4, 8])
     spec = KVCacheSpec.from_config(model.config, torch.bfloat16)
-    eager = create_executor(copy.deepcopy(model), PagedKVCache.from_tokens(spec, 8192, 16, "cuda"),
-                            SchedulerConfig(16, 64, 256), start=True)  # fmt: skip
+    eager = create_executor(
+        copy.deepcopy(model), PagedKVCache.from_tokens(spec, 8192, 16, "cuda"), SchedulerConfig(16, 64, 256), start=True
+    )
     batch = prompts(6)
     got = ex.generate(batch, SamplingParams(max_tokens=3))
     want = eager.generate(batch, SamplingParams(max_tokens=3))

@@ -15,8 +15,16 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, eos_token_id=None, bos_token_id=None)
+SHAPE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    eos_token_id=None,
+    bos_token_id=None,
+)
 
 
 def build(kind: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -39,7 +47,9 @@ def executor(model, dtype, max_num_tokens=64):
 
 def prompts(count: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(8)
-    return [torch.randint(0, 256, (int(n),), generator=gen).tolist() for n in torch.randint(1, 60, (count,), generator=gen)]
+    return [
+        torch.randint(0, 256, (int(n),), generator=gen).tolist() for n in torch.randint(1, 60, (count,), generator=gen)
+    ]
 
 
 def reference(model, prompt, max_tokens):

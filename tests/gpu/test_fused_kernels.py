@@ -13,8 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Qwen3Config
 
 from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
-from bootstrap.engine.kernels import paged_kv
-from bootstrap.engine.kernels import fused
+from bootstrap.engine.kernels import fused, paged_kv
 from bootstrap.engine.layers.norm import RMSNorm
 from bootstrap.engine.layers.rotary import Rotary, apply_rotary, rotate_qk
 from bootstrap.engine.models import load_own_model
@@ -113,14 +112,38 @@ def test_paged_decode_split_in_runs_matches_whole_rows_in_a_graph(window):
 
 
 CONFIGS = {
-    "llama": lambda: LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512),
-    "qwen3": lambda: Qwen3Config(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512),
-    "gemma2": lambda: Gemma2Config(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=16,
-                                   query_pre_attn_scalar=64, max_position_embeddings=512),
-}  # fmt: skip
+    "llama": lambda: LlamaConfig(
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    ),
+    "qwen3": lambda: Qwen3Config(
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=512,
+    ),
+    "gemma2": lambda: Gemma2Config(
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        sliding_window=16,
+        query_pre_attn_scalar=64,
+        max_position_embeddings=512,
+    ),
+}
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
@@ -140,12 +163,15 @@ def test_own_model_on_cuda_gives_transformers_greedy_tokens_through_graphs(famil
     ex = create_executor(model, cache, SchedulerConfig(8, 256, 128), start=False)
     try:
         ex.runner.capture_decode_graphs([1, 2, 4])
-        prompts = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 30, 9)]
+        prompts = [
+            torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 30, 9)
+        ]
         responses = ex.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True))
         for prompt, response in zip(prompts, responses):
             with torch.no_grad():
-                greedy = reference.generate(torch.tensor([prompt], device=CUDA), do_sample=False, max_new_tokens=32,
-                                            min_new_tokens=32)[0, len(prompt):].tolist()  # fmt: skip
+                greedy = reference.generate(
+                    torch.tensor([prompt], device=CUDA), do_sample=False, max_new_tokens=32, min_new_tokens=32
+                )[0, len(prompt) :].tolist()
             assert response.token_ids == greedy
     finally:
         ex.shutdown()
@@ -178,7 +204,9 @@ ex.shutdown()
 print(len(after_load), after_load == fused_entries())
 """
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     count, unchanged = done.stdout.split()[-2:]
     assert int(count) >= 7 and unchanged == "True", done.stdout

@@ -33,8 +33,8 @@ from bootstrap.api import Bootstrap  # noqa: E402
 from bootstrap.capacity import dummy_workload_tokens  # noqa: E402
 from bootstrap.config import BootstrapConfig  # noqa: E402
 from bootstrap.devices import CudaDevice  # noqa: E402
-from bootstrap.engine.step.graphs import release_workspaces  # noqa: E402
 from bootstrap.engine.sampling.sampler import SamplingParams  # noqa: E402
+from bootstrap.engine.step.graphs import release_workspaces  # noqa: E402
 from bootstrap.pipeline import StageFailed  # noqa: E402
 from bootstrap.stages import STAGE_IDS  # noqa: E402
 
@@ -87,7 +87,9 @@ def cuda_warm(ckpt):
     compares allocated bytes."""
 
     async def start_once() -> None:
-        async with bootstrap.executor(config(model=str(ckpt), max_num_tokens=64, max_batch_size=4, max_kv_tokens=4096)) as ex:
+        async with bootstrap.executor(
+            config(model=str(ckpt), max_num_tokens=64, max_batch_size=4, max_kv_tokens=4096)
+        ) as ex:
             assert ex.generate([[5, 6, 7]], SamplingParams(max_tokens=4))[0].ok
 
     anyio.run(start_once)
@@ -157,7 +159,11 @@ def check_8b_plan(plan: dict, ex, before: int) -> None:
     # no memory rule given: the native default headroom (native_headroom), everything else is KV
     assert 0 < plan["headroom_bytes"] < 3 * 2**30 and plan["fraction"] == 0.9
     assert plan["limited_by"] == "memory" and plan["planned_kv_budget_bytes"] == left - plan["headroom_bytes"]
-    assert pool.total_bytes == plan["kv_budget_bytes"] > plan["planned_kv_budget_bytes"] - pool.total_bytes // pool.total_blocks
+    assert (
+        pool.total_bytes
+        == plan["kv_budget_bytes"]
+        > plan["planned_kv_budget_bytes"] - pool.total_bytes // pool.total_blocks
+    )
     assert torch.cuda.memory_allocated() >= before + WEIGHTS_8B + pool.total_bytes  # really on the GPU
     free, total = torch.cuda.mem_get_info()
     outside_torch_now = total - free - torch.cuda.memory_reserved()

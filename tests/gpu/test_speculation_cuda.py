@@ -17,12 +17,11 @@ from test_engine_cuda import build, prompts, reference
 
 from bootstrap import BootstrapConfig
 from bootstrap.api import Bootstrap
-from bootstrap.engine.spec.rows import graph_sizes
 from bootstrap.capacity.cuda_graph_buckets import default_batch_sizes, speculative_batch_sizes
 from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
-from bootstrap.engine.spec.rows import speculative_rows
-from bootstrap.engine.step.runner import ModelRunner
 from bootstrap.engine.spec.depth import PROBE_EVERY, ROW_TOKENS
+from bootstrap.engine.spec.rows import graph_sizes, speculative_rows
+from bootstrap.engine.step.model_runner import ModelRunner
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,8 +33,14 @@ def drafted(model, draft):
     def pool(m):
         return PagedKVCache.from_tokens(KVCacheSpec.from_config(m.config, torch.float32), 8192, 16, "cuda")
 
-    return create_executor(copy.deepcopy(model), pool(model), SchedulerConfig(32, 48, 256), start=True,
-                           draft=(copy.deepcopy(draft), pool(draft)), speculative_tokens=4)  # fmt: skip
+    return create_executor(
+        copy.deepcopy(model),
+        pool(model),
+        SchedulerConfig(32, 48, 256),
+        start=True,
+        draft=(copy.deepcopy(draft), pool(draft)),
+        speculative_tokens=4,
+    )
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
@@ -92,8 +97,14 @@ def test_speculative_passes_replay_cuda_graphs(kind):
         runners[name].capture_decode_graphs(speculative_batch_sizes(default_batch_sizes(batch), per_request))
     counts = {name: counted(runner) for name, runner in runners.items()}
     target = runners["target"]
-    ex = create_executor(target.model, target.kv_cache, SchedulerConfig(batch, 48, 256), runner=target,
-                         draft=runners["draft"], speculative_tokens=k)  # fmt: skip
+    ex = create_executor(
+        target.model,
+        target.kv_cache,
+        SchedulerConfig(batch, 48, 256),
+        runner=target,
+        draft=runners["draft"],
+        speculative_tokens=k,
+    )
     asked = prompts(batch)
     try:
         got = [r.token_ids for r in ex.generate(asked, SamplingParams(max_tokens=24))]
@@ -118,8 +129,12 @@ def test_auto_catch_ups_after_a_pause_replay_the_drafts_graphs():
     with torch.no_grad():
         for param in other.parameters():
             param.add_(torch.randn_like(param) * 0.5)
-    config = BootstrapConfig(model="random:llama-3.2-1b", draft_model="random:llama-3.2-1b", max_batch_size=batch,
-                             num_speculative_tokens="auto")  # fmt: skip
+    config = BootstrapConfig(
+        model="random:llama-3.2-1b",
+        draft_model="random:llama-3.2-1b",
+        max_batch_size=batch,
+        num_speculative_tokens="auto",
+    )
     sizes, k = graph_sizes(config, default_batch_sizes(batch)), config.speculative_tokens  # auto's ceiling
     assert batch * ROW_TOKENS in sizes["draft"]
     rows = speculative_rows(batch, k, adaptive=True)
@@ -130,8 +145,16 @@ def test_auto_catch_ups_after_a_pause_replay_the_drafts_graphs():
         runners[name].capture_decode_graphs(sizes[name])
     counts = counted(runners["draft"])
     target = runners["target"]
-    ex = create_executor(target.model, target.kv_cache, SchedulerConfig(batch, 48, 256), runner=target,
-                         draft=runners["draft"], speculative_tokens=k, adaptive=True, start=False)  # fmt: skip
+    ex = create_executor(
+        target.model,
+        target.kv_cache,
+        SchedulerConfig(batch, 48, 256),
+        runner=target,
+        draft=runners["draft"],
+        speculative_tokens=k,
+        adaptive=True,
+        start=False,
+    )
     costs = ex.speculator.costs
     costs.decode, costs.verify, costs.draft = 1.0, 1.0, 0.2
     costs.record = lambda what, seconds: None
@@ -148,8 +171,14 @@ def test_the_stages_capture_the_draft_and_verify_passes(tmp_path):
     """``bootstrap`` with a draft: warmup captures the target's decode and verify rows and the
     draft's passes; the started executor speculates through them."""
     save_checkpoint("llama", tmp_path / "tiny", CHAT_TEMPLATE)
-    config = BootstrapConfig(model=str(tmp_path / "tiny"), draft_model=str(tmp_path / "tiny"), device="cuda",
-                             max_batch_size=8, max_seq_len=256, num_speculative_tokens=3)  # fmt: skip
+    config = BootstrapConfig(
+        model=str(tmp_path / "tiny"),
+        draft_model=str(tmp_path / "tiny"),
+        device="cuda",
+        max_batch_size=8,
+        max_seq_len=256,
+        num_speculative_tokens=3,
+    )
     boot = Bootstrap(config)
 
     async def start():

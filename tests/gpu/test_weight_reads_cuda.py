@@ -37,8 +37,9 @@ def test_a_failed_read_on_the_gpu_joins_every_reader(tmp_path):
     file = tmp_path / "short"
     file.write_bytes(bytes(1 << 20))
     with pytest.raises(ValueError, match="ends at byte"):
-        read_ranges([ByteRange(file, 0, torch.empty(3 << 20, dtype=torch.uint8, device=CUDA))], threads=3,
-                    piece_bytes=1 << 18)  # fmt: skip
+        read_ranges(
+            [ByteRange(file, 0, torch.empty(3 << 20, dtype=torch.uint8, device=CUDA))], threads=3, piece_bytes=1 << 18
+        )
     assert readers() == []
     torch.cuda.synchronize()  # no copy left in flight into the freed buffers
 
@@ -46,8 +47,15 @@ def test_a_failed_read_on_the_gpu_joins_every_reader(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_an_own_model_loaded_on_the_gpu_holds_the_checkpoint_exactly(tmp_path, dtype):
     torch.manual_seed(11)
-    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                         num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     reference = AutoModelForCausalLM.from_config(config).to(dtype)
     reference.save_pretrained(tmp_path, max_shard_size="1MB")
     model = load_own_model(tmp_path, CUDA, dtype)

@@ -25,16 +25,25 @@ def chromium(width: int = 1100, height: int = 1300) -> Iterator[Any]:
         pytest.fail(f"the browser tests need selenium (the dev extra): {exc}")
     binary, driver = (shutil.which(name) or path for name, path in zip(("chromium", "chromedriver"), BINARIES))
     options = webdriver.ChromeOptions()
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                 f"--window-size={width},{height}", "--disable-extensions", "--no-first-run"):  # fmt: skip
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        f"--window-size={width},{height}",
+        "--disable-extensions",
+        "--no-first-run",
+    ):
         options.add_argument(flag)
     options.binary_location = binary
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     try:
         browser = webdriver.Chrome(service=Service(driver), options=options)
-    except Exception as exc:  # noqa: BLE001 (any reason it cannot start is the test's failure)
-        pytest.fail(f"headless Chromium cannot start ({binary}, {driver}): {type(exc).__name__}: {exc}; "
-                    "install Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
+    except Exception as exc:
+        pytest.fail(
+            f"headless Chromium cannot start ({binary}, {driver}): {type(exc).__name__}: {exc}; "
+            "install Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)"
+        )
     try:
         yield browser
     finally:
@@ -55,4 +64,6 @@ def wait_for(browser: Any, check: Callable[[Any], Any], what: str, timeout: floa
         return WebDriverWait(browser, timeout, poll_frequency=0.05).until(check)
     except TimeoutException:
         phase = browser.execute_script("return document.getElementById('phase')?.textContent")
-        pytest.fail(f"the page never showed {what} within {timeout:g} s (phase: {phase}); console: {console_errors(browser)}")
+        pytest.fail(
+            f"the page never showed {what} within {timeout:g} s (phase: {phase}); console: {console_errors(browser)}"
+        )

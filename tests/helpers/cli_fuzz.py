@@ -121,9 +121,12 @@ class Cli:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
             sys.stdout, sys.stderr = saved
-        return Outcome(code, out.buffer.getvalue().decode("utf-8", "replace"),
-                       err.buffer.getvalue().decode("utf-8", "replace"), started)  # fmt: skip
-
+        return Outcome(
+            code,
+            out.buffer.getvalue().decode("utf-8", "replace"),
+            err.buffer.getvalue().decode("utf-8", "replace"),
+            started,
+        )
 
 
 def expand(argv: list[str], tmp: Path) -> list[str]:
@@ -139,34 +142,120 @@ TEXT = st.one_of(
     st.tuples(st.text(max_size=4), SURROGATES, st.text(max_size=4)).map("".join),
 )
 INTS = st.one_of(
-    st.sampled_from(["0", "1", "-1", "2", "3", "32", "2048", "2049", "4096", "4097", "65535", "65536", "1024",
-                     str(MAX_SEED), str(MAX_SEED + 1), str(2**64), "9" * 5000, "٣", "²", " 7 ", "+5", "1_0",
-                     "0x10", "1e3", "", " ", "nan"]),
+    st.sampled_from(
+        [
+            "0",
+            "1",
+            "-1",
+            "2",
+            "3",
+            "32",
+            "2048",
+            "2049",
+            "4096",
+            "4097",
+            "65535",
+            "65536",
+            "1024",
+            str(MAX_SEED),
+            str(MAX_SEED + 1),
+            str(2**64),
+            "9" * 5000,
+            "٣",
+            "²",
+            " 7 ",
+            "+5",
+            "1_0",
+            "0x10",
+            "1e3",
+            "",
+            " ",
+            "nan",
+        ]
+    ),
     st.integers(-(2**70), 2**70).map(str),
     st.integers(-5, 70).map(str),
     TEXT,
-)  # fmt: skip
+)
 FLOATS = st.one_of(
-    st.sampled_from(["nan", "-nan", "inf", "-inf", "-0.0", "0", "1", "0.5", "1e308", "1e309", "-1", "86400",
-                     "86400.0001", "1e-320", "٣.٥", "1_0", "", " ", "0x1p3"]),
+    st.sampled_from(
+        [
+            "nan",
+            "-nan",
+            "inf",
+            "-inf",
+            "-0.0",
+            "0",
+            "1",
+            "0.5",
+            "1e308",
+            "1e309",
+            "-1",
+            "86400",
+            "86400.0001",
+            "1e-320",
+            "٣.٥",
+            "1_0",
+            "",
+            " ",
+            "0x1p3",
+        ]
+    ),
     st.floats(allow_nan=True, allow_infinity=True).map(repr),
     TEXT,
-)  # fmt: skip
+)
 PATHS = st.one_of(
-    st.sampled_from(["{tmp}/no/such/dir/x", "{tmp}/afile", "{tmp}/adir", "{tmp}/fifo", "/dev/null", "{tmp}/afile/x",
-                     "{tmp}/good.jsonl", "", " ", "~", "rel/x", "d\udcff/x", "日本/x.jsonl", "/no/such/x"]),
+    st.sampled_from(
+        [
+            "{tmp}/no/such/dir/x",
+            "{tmp}/afile",
+            "{tmp}/adir",
+            "{tmp}/fifo",
+            "/dev/null",
+            "{tmp}/afile/x",
+            "{tmp}/good.jsonl",
+            "",
+            " ",
+            "~",
+            "rel/x",
+            "d\udcff/x",
+            "日本/x.jsonl",
+            "/no/such/x",
+        ]
+    ),
     st.text(st.characters(whitelist_categories=("L", "N")), min_size=1, max_size=8),
-)  # fmt: skip
-INT_LISTS = st.one_of(st.lists(st.integers(-3, 40), max_size=4).map(lambda v: ",".join(map(str, v))), TEXT,
-                      st.sampled_from([",", "1,,2", "1, 2", "9" * 5000]))  # fmt: skip
-FAULTS = st.one_of(
-    st.tuples(st.sampled_from([*FAULTABLE, "capacity", "nope", ""]), st.sampled_from(["oom", "OOM", "x"]),
-              st.sampled_from(["", ":1", ":3", ":0", ":-1", ":²", ":٣", ":" + "9" * 5000, ":1:2", ": 1"]))
-    .map(lambda t: f"{t[0]}:{t[1]}{t[2]}"),
+)
+INT_LISTS = st.one_of(
+    st.lists(st.integers(-3, 40), max_size=4).map(lambda v: ",".join(map(str, v))),
     TEXT,
-)  # fmt: skip
-HOSTS = st.sampled_from(["127.0.0.1", "localhost", "0.0.0.0", "::1", "256.0.0.1", "1.2.3", "", " ", "::g",
-                         "\udcff", "日本", "999.1.1.1", "127.0.0.1 ", "-1"])  # fmt: skip
+    st.sampled_from([",", "1,,2", "1, 2", "9" * 5000]),
+)
+FAULTS = st.one_of(
+    st.tuples(
+        st.sampled_from([*FAULTABLE, "capacity", "nope", ""]),
+        st.sampled_from(["oom", "OOM", "x"]),
+        st.sampled_from(["", ":1", ":3", ":0", ":-1", ":²", ":٣", ":" + "9" * 5000, ":1:2", ": 1"]),
+    ).map(lambda t: f"{t[0]}:{t[1]}{t[2]}"),
+    TEXT,
+)
+HOSTS = st.sampled_from(
+    [
+        "127.0.0.1",
+        "localhost",
+        "0.0.0.0",
+        "::1",
+        "256.0.0.1",
+        "1.2.3",
+        "",
+        " ",
+        "::g",
+        "\udcff",
+        "日本",
+        "999.1.1.1",
+        "127.0.0.1 ",
+        "-1",
+    ]
+)
 
 
 def values(command: str, flag: str, action: argparse.Action) -> st.SearchStrategy[str]:
@@ -227,10 +316,13 @@ RULES: dict[str, Any] = {  # dest -> valid(parsed) given the base argv, or None:
     "shutdown_timeout": _finite(0.0, 86_400.0),
     "request_trace_ratio": _finite(0.0, 1.0),
     "num_speculative_tokens": lambda v: False,  # alone (one flag at a time): it needs a --draft-model
-    "prompt": _text, "chat": _text, "served_model_name": _text, "api_key": _api_key,
+    "prompt": _text,
+    "chat": _text,
+    "served_model_name": _text,
+    "api_key": _api_key,
     "fault": lambda v: all(FAULT.fullmatch(f) and not f.endswith(":0") for f in v),
     "host": lambda v: True if v in ("127.0.0.1", "localhost", "0.0.0.0") else None,
-}  # fmt: skip
+}
 RULES_BY_COMMAND: dict[tuple[str, str], Any] = {
     ("plan", "tensor_parallel_size"): lambda v: 1 <= v <= 64,
     ("run", "tensor_parallel_size"): lambda v: v in (1, 3),  # the default model: 9 heads, 3 KV heads
@@ -260,6 +352,11 @@ def parse(action: argparse.Action, value: str) -> tuple[bool, Any]:
     return True, parsed
 
 
-HARD = {**RULES, "max_batch_size": lambda v: 1 <= v <= 4096, "max_num_tokens": lambda v: 16 <= v <= 1_048_576,
-        "cuda_graph_batch_sizes": lambda v: bool(v) and all(1 <= b <= 4096 for b in v),
-        "max_kv_tokens": lambda v: v >= 1, "tensor_parallel_size": lambda v: 1 <= v <= 64}  # fmt: skip
+HARD = {
+    **RULES,
+    "max_batch_size": lambda v: 1 <= v <= 4096,
+    "max_num_tokens": lambda v: 16 <= v <= 1_048_576,
+    "cuda_graph_batch_sizes": lambda v: bool(v) and all(1 <= b <= 4096 for b in v),
+    "max_kv_tokens": lambda v: v >= 1,
+    "tensor_parallel_size": lambda v: 1 <= v <= 64,
+}

@@ -46,7 +46,7 @@ def serve_wheel(wheel: Path, project: str, seconds: float = 0.0) -> Iterator[str
     pause = seconds / max(len(data) // CHUNK, 1)
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        def do_GET(self) -> None:
             if self.path.rstrip("/") == f"/simple/{project}":
                 sha = hashlib.sha256(data).hexdigest()
                 self._send(f'<a href="/files/{wheel.name}#sha256={sha}">{wheel.name}</a>'.encode(), "text/html")

@@ -22,8 +22,14 @@ class GatedBackend(NativeBackend):
     ``fail_once``: backend methods whose first call raises. ``step_delay_s``: sleep before each
     forward of the started executor, so requests stay in flight long enough to be cut."""
 
-    def __init__(self, config: Any, gate: str | None = None, gated: str = "load_model",
-                 fail_once: tuple[str, ...] = (), step_delay_s: float = 0.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: Any,
+        gate: str | None = None,
+        gated: str = "load_model",
+        fail_once: tuple[str, ...] = (),
+        step_delay_s: float = 0.0,
+    ) -> None:
         super().__init__(*device_for(config.device))
         self.gate, self.gated, self.step_delay_s = gate, gated, step_delay_s
         self.failures_left = set(fail_once)
@@ -68,7 +74,9 @@ def factory(**options: Any) -> Any:
 def plugin_module(directory: Path, **options: Any) -> str:
     """Write a plugin module into ``directory`` (put it on PYTHONPATH); return its --backend-factory spec."""
     name = f"serve_plugin_{uuid.uuid4().hex[:8]}"
-    (directory / f"{name}.py").write_text(f"from helpers.serve_backends import factory\n\nbackend = factory(**{options!r})\n")
+    (directory / f"{name}.py").write_text(
+        f"from helpers.serve_backends import factory\n\nbackend = factory(**{options!r})\n"
+    )
     return f"{name}:backend"
 
 

@@ -19,8 +19,9 @@ STARTED = re.compile(r"Uvicorn running on (http://[\d.]+:\d+)")
 
 
 class ServeProcess:
-    def __init__(self, log: Path, *argv: str, pythonpath: tuple[Path, ...] = (),
-                 env: dict[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, log: Path, *argv: str, pythonpath: tuple[Path, ...] = (), env: dict[str, str] | None = None
+    ) -> None:
         paths = [str(ROOT), str(TESTS), *map(str, pythonpath)]  # TESTS: ``helpers`` for plugin modules
         environ = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(paths)}
         self.log_path = log

@@ -11,15 +11,21 @@ import numpy as np
 from transformers import LlamaConfig, LlamaForCausalLM
 
 _GGUF_LAYER = {
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-    "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
-}  # fmt: skip
+}
 _GGUF_TOP = {
-    "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
-}  # fmt: skip
+}
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:

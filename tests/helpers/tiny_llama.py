@@ -18,9 +18,15 @@ def build_model(seed: int = 99) -> LlamaForCausalLM:
     """Seeded, float32, two layers; its matrices scaled up so greedy output varies token to token."""
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, eos_token_id=None, bos_token_id=None,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
     llama = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         for param in llama.parameters():

@@ -44,7 +44,12 @@ def _qwen2():  # layer 0 full attention, layer 1 sliding: a hybrid model
 
 def _gemma2():  # logit soft-capping that changes the output, explicit head_dim, alternating sliding layers
     config = Gemma2Config(
-        **SHAPE, head_dim=16, query_pre_attn_scalar=16, sliding_window=8, attn_logit_softcapping=1.0, final_logit_softcapping=30.0
+        **SHAPE,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=8,
+        attn_logit_softcapping=1.0,
+        final_logit_softcapping=30.0,
     )
     return Gemma2ForCausalLM(config)
 

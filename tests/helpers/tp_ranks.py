@@ -20,8 +20,8 @@ from bootstrap.api import Bootstrap
 from bootstrap.backends.native.backend import NativeBackend
 from bootstrap.config import BootstrapConfig
 from bootstrap.devices import CpuDevice
-from bootstrap.engine.step.runner import ModelRunner
 from bootstrap.engine.sampling.sampler import SamplingParams
+from bootstrap.engine.step.model_runner import ModelRunner
 from bootstrap.parallel.torch_dist import RankEnv, init_ranks, leave_ranks
 from bootstrap.pipeline import StageFailed
 
@@ -40,7 +40,9 @@ def _oom_after_first_forward(rank: int) -> None:
         logits = real_run(self, batch)
         calls.append(batch.total_tokens)
         if len(calls) == 1:
-            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB (rank 1, {batch.total_tokens} tokens)")
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate 2.00 GiB (rank 1, {batch.total_tokens} tokens)"
+            )
         return logits
 
     ModelRunner.run = run
@@ -52,7 +54,9 @@ def _skewed(rank: int) -> None:
         return
     real_peak, real_caps = CpuDevice.peak_bytes, NativeBackend.kv_caps
     CpuDevice.peak_bytes = lambda self: real_peak(self) + GiB
-    NativeBackend.kv_caps = lambda self, resolved, config: {k: v // 2 for k, v in real_caps(self, resolved, config).items()}
+    NativeBackend.kv_caps = lambda self, resolved, config: {
+        k: v // 2 for k, v in real_caps(self, resolved, config).items()
+    }
 
 
 def _dies_in_profiling(rank: int) -> None:
@@ -67,8 +71,12 @@ def _hangs_in_profiling(rank: int) -> None:
         ModelRunner.run = lambda self, batch: time.sleep(3600)
 
 
-HOOKS = {"oom_after_first_forward": _oom_after_first_forward, "skewed": _skewed, "dies_in_profiling": _dies_in_profiling,
-         "hangs_in_profiling": _hangs_in_profiling}  # fmt: skip
+HOOKS = {
+    "oom_after_first_forward": _oom_after_first_forward,
+    "skewed": _skewed,
+    "dies_in_profiling": _dies_in_profiling,
+    "hangs_in_profiling": _hangs_in_profiling,
+}
 
 
 def build_and_generate(model: str, out: str, hook: str | None, timeout_s: float, config_values: dict) -> int:
@@ -90,8 +98,10 @@ async def _build(config: BootstrapConfig, env: RankEnv, out: Path, timeout_s: fl
         executor = await boot.build()
         result = executor.generate([PROMPT_IDS], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
         model = executor.runner.model
-        shape = {"class": type(model).__name__, "qkv_rows": model.model.layers[0].self_attn.qkv_proj.weight.shape[0]
-                 if hasattr(model, "tp_size") else None}  # fmt: skip
+        shape = {
+            "class": type(model).__name__,
+            "qkv_rows": model.model.layers[0].self_attn.qkv_proj.weight.shape[0] if hasattr(model, "tp_size") else None,
+        }
         return {**boot.report().to_dict(), "tokens": list(result.token_ids), "model": shape, "error": None}
     except StageFailed as exc:
         return {**boot.report().to_dict(), "tokens": [], "error": str(exc)}

@@ -42,8 +42,15 @@ UNRELATED = {
 
 def cli(*argv: str, cwd: Path = ROOT, home: Path | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, **({"HOME": str(home)} if home else {})}
-    return subprocess.run([sys.executable, "-m", "bootstrap.cli", *argv], check=False, cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "bootstrap.cli", *argv],
+        check=False,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def write(root: Path, files: dict[str, bytes]) -> None:
@@ -77,8 +84,14 @@ def store_a_plan(directory: Path) -> Path:
 def own_conversion(root: Path) -> Path:
     """A converted .gguf file as ``conversions`` lays it out (its config, weights, source.json)."""
     converted = root / CONVERTED
-    write(converted, {"config.json": b"{}", "model.safetensors": b"s" * 5000,
-                      SOURCE_FILE: json.dumps({"gguf": {"path": "/models/tiny.gguf"}}).encode()})  # fmt: skip
+    write(
+        converted,
+        {
+            "config.json": b"{}",
+            "model.safetensors": b"s" * 5000,
+            SOURCE_FILE: json.dumps({"gguf": {"path": "/models/tiny.gguf"}}).encode(),
+        },
+    )
     return converted
 
 
@@ -108,25 +121,35 @@ def test_links_in_a_cache_are_never_followed(tmp_path):
     """Links named as the caches name their entries and folders, to what looks like the caches'
     own content elsewhere: the links stay, and so does everything they point to."""
     cache, elsewhere = tmp_path / "cache", tmp_path / "elsewhere"
-    write(elsewhere, {
-        "plan.json": json.dumps({"fingerprint": KEY}).encode(),
-        "downloads/SmolLM2-135M-Instruct.Q4_1.gguf": b"GGUF" + b"q" * 1000,
-        "conversions/tiny-0123456789abcdef/config.json": b"{}",
-        "conversions/tiny-0123456789abcdef/model.safetensors": b"s" * 1000,
-        "checkpoint/config.json": b"{}",
-        "checkpoint/model.safetensors": b"s" * 1000,
-        "staging/model.safetensors": b"s" * 1000,
-    })  # fmt: skip
+    write(
+        elsewhere,
+        {
+            "plan.json": json.dumps({"fingerprint": KEY}).encode(),
+            "downloads/SmolLM2-135M-Instruct.Q4_1.gguf": b"GGUF" + b"q" * 1000,
+            "conversions/tiny-0123456789abcdef/config.json": b"{}",
+            "conversions/tiny-0123456789abcdef/model.safetensors": b"s" * 1000,
+            "checkpoint/config.json": b"{}",
+            "checkpoint/model.safetensors": b"s" * 1000,
+            "staging/model.safetensors": b"s" * 1000,
+        },
+    )
     cache.mkdir()
-    links = {f"{KEY}.json": "plan.json", "downloads": "downloads", "gguf": "conversions",
-             "smollm2-135m-instruct-q4_1": "checkpoint", ".smollm2-135m-instruct-q4_1.abcd1234": "staging"}  # fmt: skip
+    links = {
+        f"{KEY}.json": "plan.json",
+        "downloads": "downloads",
+        "gguf": "conversions",
+        "smollm2-135m-instruct-q4_1": "checkpoint",
+        ".smollm2-135m-instruct-q4_1.abcd1234": "staging",
+    }
     for name, target in links.items():
         (cache / name).symlink_to(elsewhere / target)
     kept = snapshot(tmp_path)
     done = cli("cache", "clear", "--plan-cache", str(cache), "--model-cache", str(cache))
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == [f"removed 0 cached plan(s) from {cache}: 0.0 MB",
-                                        f"removed 0 model cache entries from {cache}: 0.0 MB"]  # fmt: skip
+    assert done.stdout.splitlines() == [
+        f"removed 0 cached plan(s) from {cache}: 0.0 MB",
+        f"removed 0 model cache entries from {cache}: 0.0 MB",
+    ]
     assert snapshot(tmp_path) == kept
 
 
@@ -146,7 +169,13 @@ def test_a_plan_directory_goes_only_when_a_start_created_it(tmp_path):
 def test_a_cache_path_that_is_a_file_is_refused_and_kept(tmp_path, flag):
     path = tmp_path / "a-file.json"
     path.write_bytes(b'{"fingerprint": "kept"}')
-    done = cli("cache", "clear", flag, str(path), "--model-cache" if flag == "--plan-cache" else "--plan-cache",
-               str(tmp_path / "absent"))  # fmt: skip
+    done = cli(
+        "cache",
+        "clear",
+        flag,
+        str(path),
+        "--model-cache" if flag == "--plan-cache" else "--plan-cache",
+        str(tmp_path / "absent"),
+    )
     assert done.returncode == 2 and done.stderr == f"bootstrap: {flag}: {path} is a file, not a cache directory\n"
     assert path.read_bytes() == b'{"fingerprint": "kept"}'

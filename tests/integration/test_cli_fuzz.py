@@ -40,8 +40,13 @@ from hypothesis import strategies as st
 
 from bootstrap.cli.main import main
 
-FUZZ = settings(derandomize=True, database=None, deadline=None, print_blob=True,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip
+FUZZ = settings(
+    derandomize=True,
+    database=None,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 BASE = {  # a valid, cheap argv per command; {tmp}: the test's folder
     "plan": ["plan", "--model", "llama-3.1-8b", "--gpu", "h100-80gb"],
     "run": ["run", "--device", "cpu"],
@@ -222,8 +227,9 @@ def test_flag_combinations(cli, command, data):
     """Two to five flags of one command: the contract, and a value that no other flag can make
     valid (outside its field's hard range) never reaches the work."""
     named = {f: a for f, a in actions(command).items() if (command, f) not in POSITIONAL}
-    chosen = data.draw(st.lists(st.sampled_from(sorted(named)), min_size=min(2, len(named)), max_size=5, unique=True),
-                       label="flags")  # fmt: skip
+    chosen = data.draw(
+        st.lists(st.sampled_from(sorted(named)), min_size=min(2, len(named)), max_size=5, unique=True), label="flags"
+    )
     argv, given_values = expand(BASE[command], cli.tmp), {}
     for flag in chosen:
         if is_switch(named[flag]):
@@ -238,15 +244,22 @@ def test_flag_combinations(cli, command, data):
         return
     for flag, value in given_values.items():
         takes, parsed = parse(named[flag], value)
-        verdict = HARD.get(named[flag].dest, lambda v: None)([parsed] if flag == "--fault" else parsed) if takes else False
+        verdict = (
+            HARD.get(named[flag].dest, lambda v: None)([parsed] if flag == "--fault" else parsed) if takes else False
+        )
         assert verdict is not False, f"{flag}={value!r} reached {outcome.started.where}"
 
 
-
-
-@pytest.mark.parametrize(("argv", "where"), [
-    (BASE["plan"], "plan"), (BASE["run"], "stages"), (["run", "--tp", "3"], "ranks"), (BASE["serve"], "server"),
-], ids=["plan", "run", "run-tp", "serve"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("argv", "where"),
+    [
+        (BASE["plan"], "plan"),
+        (BASE["run"], "stages"),
+        (["run", "--tp", "3"], "ranks"),
+        (BASE["serve"], "server"),
+    ],
+    ids=["plan", "run", "run-tp", "serve"],
+)
 def test_the_recorder_is_reached_by_valid_input(cli, argv, where):
     """The recorder stands where the work starts: without this, nothing above could fail."""
     outcome = cli(argv)
@@ -256,36 +269,67 @@ def test_the_recorder_is_reached_by_valid_input(cli, argv, where):
 # ---- regressions (issue 20) -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("argv", "line"), [
-    (["run", "--prompt", "w4 \udcff"], "bootstrap: prompt: must be text UTF-8 can encode (a lone surrogate at character 3)"),
-    (["run", "--chat", "\udcff\udcfe"], "bootstrap: chat: must be text UTF-8 can encode (a lone surrogate at character 0)"),
-    (["serve", "--api-key", "k\udcff"], "bootstrap: api_key: must be text UTF-8 can encode (a lone surrogate at character 1)"),
-    (["serve", "--served-model-name", "m\udcff"],
-     "bootstrap: served_model_name: must be text UTF-8 can encode (a lone surrogate at character 1)"),
-], ids=["prompt", "chat", "api-key", "served-model-name"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (
+            ["run", "--prompt", "w4 \udcff"],
+            "bootstrap: prompt: must be text UTF-8 can encode (a lone surrogate at character 3)",
+        ),
+        (
+            ["run", "--chat", "\udcff\udcfe"],
+            "bootstrap: chat: must be text UTF-8 can encode (a lone surrogate at character 0)",
+        ),
+        (
+            ["serve", "--api-key", "k\udcff"],
+            "bootstrap: api_key: must be text UTF-8 can encode (a lone surrogate at character 1)",
+        ),
+        (
+            ["serve", "--served-model-name", "m\udcff"],
+            "bootstrap: served_model_name: must be text UTF-8 can encode (a lone surrogate at character 1)",
+        ),
+    ],
+    ids=["prompt", "chat", "api-key", "served-model-name"],
+)
 def test_text_utf8_cannot_encode_is_refused_before_any_work(cli, argv, line):
     outcome = cli(argv)
     assert (outcome.code, outcome.started, outcome.lines) == (2, None, [line]), outcome.err
 
 
 def test_several_bad_fields_are_one_line_naming_each(cli):
-    outcome = cli([*BASE["plan"], "--max-batch-size", "0", "--tokens-per-block", "3", "--free-gpu-memory-fraction", "2"])
+    outcome = cli(
+        [*BASE["plan"], "--max-batch-size", "0", "--tokens-per-block", "3", "--free-gpu-memory-fraction", "2"]
+    )
     assert (outcome.code, outcome.started) == (2, None) and len(outcome.lines) == 1, outcome.err
-    for field, allowed in (("max_batch_size", "greater than or equal to 1"), ("tokens_per_block", "power of two"),
-                           ("free_gpu_memory_fraction", "less than or equal to 1")):  # fmt: skip
+    for field, allowed in (
+        ("max_batch_size", "greater than or equal to 1"),
+        ("tokens_per_block", "power of two"),
+        ("free_gpu_memory_fraction", "less than or equal to 1"),
+    ):
         assert field in outcome.lines[0] and allowed in outcome.lines[0], outcome.err
 
 
-@pytest.mark.parametrize("argv", [
-    [*BASE["plan"], "--fault", "profiling:oom:²"],  # isdigit() takes it, int() does not
-    [*BASE["plan"], "--fault", "profiling:oom:" + "9" * 5000],  # past int()'s 4300 digits
-    [*BASE["plan"], "--trace-file", "{tmp}/fifo"],  # opening a FIFO to write blocks
-    ["run", "--trace-file", "{tmp}/fifo"],
-    ["trace", "{tmp}/fifo"],  # reading a FIFO blocks
-    ["trace", "{tmp}/good.jsonl", "--png", "{tmp}/fifo"],
-    ["run", "--device", "cuda:٣"],  # a non-ASCII digit: pydantic's \\d is Unicode
-], ids=["fault-superscript", "fault-5000-digits", "plan-trace-fifo", "run-trace-fifo", "trace-fifo", "png-fifo",
-        "device-arabic-digit"])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [*BASE["plan"], "--fault", "profiling:oom:²"],  # isdigit() takes it, int() does not
+        [*BASE["plan"], "--fault", "profiling:oom:" + "9" * 5000],  # past int()'s 4300 digits
+        [*BASE["plan"], "--trace-file", "{tmp}/fifo"],  # opening a FIFO to write blocks
+        ["run", "--trace-file", "{tmp}/fifo"],
+        ["trace", "{tmp}/fifo"],  # reading a FIFO blocks
+        ["trace", "{tmp}/good.jsonl", "--png", "{tmp}/fifo"],
+        ["run", "--device", "cuda:٣"],  # a non-ASCII digit: pydantic's \\d is Unicode
+    ],
+    ids=[
+        "fault-superscript",
+        "fault-5000-digits",
+        "plan-trace-fifo",
+        "run-trace-fifo",
+        "trace-fifo",
+        "png-fifo",
+        "device-arabic-digit",
+    ],
+)
 def test_refused_in_one_line_before_any_work(cli, argv):
     outcome = cli(expand(argv, cli.tmp))
     assert (outcome.code, outcome.started, len(outcome.lines)) == (2, None, 1), outcome.err
@@ -301,7 +345,8 @@ def test_cache_list_prints_a_path_that_is_not_utf8(cli):
 def test_argparse_refusal_is_one_line(cli):
     outcome = cli([*BASE["plan"], "--max-batch-size", "x"])
     assert outcome.code == 2 and outcome.lines == [
-        "bootstrap plan: error: argument --max-batch-size: invalid int value: 'x' (see bootstrap plan --help)"]
+        "bootstrap plan: error: argument --max-batch-size: invalid int value: 'x' (see bootstrap plan --help)"
+    ]
 
 
 def test_run_tp_refusal_is_one_line(cli):
@@ -345,8 +390,14 @@ def test_a_real_process_agrees(cli, argv):
     env = {**os.environ, "HOME": str(cli.tmp), "PYTHONIOENCODING": "utf-8:strict"}
     env.pop("BOOTSTRAP_API_KEY", None)
     try:
-        done = subprocess.run([sys.executable, "-m", "bootstrap.cli", *real_argv], capture_output=True, timeout=30,
-                              env=env, cwd=cli.tmp / "cwd", check=False)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", "bootstrap.cli", *real_argv],
+            capture_output=True,
+            timeout=30,
+            env=env,
+            cwd=cli.tmp / "cwd",
+            check=False,
+        )
     except subprocess.TimeoutExpired:
         pytest.fail(f"{argv}: still running after 30 s")
     err = done.stderr.decode("utf-8", "replace")

@@ -19,7 +19,6 @@ from test_engine_parity import prompts
 from test_engine_parity import reference as generate_reference
 
 from bootstrap import BootstrapConfig
-from bootstrap.engine.spec.rows import graph_sizes
 from bootstrap.capacity.cuda_graph_buckets import (
     decode_widths,
     default_batch_sizes,
@@ -28,8 +27,9 @@ from bootstrap.capacity.cuda_graph_buckets import (
 )
 from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
 from bootstrap.engine.layers.attention import DecodeMetadata, paged_attention, use_metadata
-from bootstrap.engine.step.graphs import DecodeGraphs
 from bootstrap.engine.spec.depth import ROW_TOKENS
+from bootstrap.engine.spec.rows import graph_sizes
+from bootstrap.engine.step.graphs import DecodeGraphs
 
 
 class EagerBuckets:
@@ -66,8 +66,12 @@ def test_bucket_sizes():
 
 def test_with_auto_the_draft_captures_passes_of_requests_catching_up_after_a_pause():
     def draft_sizes(depth):
-        config = BootstrapConfig(model="random:llama-3.2-1b", draft_model="random:llama-3.2-1b", max_batch_size=32,
-                                 num_speculative_tokens=depth)  # fmt: skip
+        config = BootstrapConfig(
+            model="random:llama-3.2-1b",
+            draft_model="random:llama-3.2-1b",
+            max_batch_size=32,
+            num_speculative_tokens=depth,
+        )
         return graph_sizes(config, default_batch_sizes(32))["draft"]
 
     assert draft_sizes(4) == [1, 2, 4, 8, 16, 24, 32, 48, 64]  # the buckets, and two rows a request
@@ -144,7 +148,7 @@ def test_padded_buckets_match_generate_with_requests_finishing_mid_batch(name):
 
 
 def test_decode_buffers_pad_rows_and_tables():
-    from bootstrap.engine.step.runner import DecodeBuffers, DecodeStep
+    from bootstrap.engine.step.model_runner import DecodeBuffers, DecodeStep
 
     buf = DecodeBuffers(4, 6, 10, torch.device("cpu"))
     buf.block_tables.fill_(7)
@@ -168,7 +172,7 @@ def test_decode_buffers_move_rows_by_offsets_on_the_device():
     """Rows placed by a verdict the host has not read: positions moved by device offsets, their
     context lengths and slots (blocks of 10 tokens here) derived from the block tables, padding
     rows moved with their real row."""
-    from bootstrap.engine.step.runner import DecodeBuffers, DecodeStep
+    from bootstrap.engine.step.model_runner import DecodeBuffers, DecodeStep
 
     buf = DecodeBuffers(4, 6, 10, torch.device("cpu"))
     step = DecodeStep([11, 12], [4, 9], [34, 69], [[3], [5, 6, 8]])

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from bootstrap.engine.layers.attention import AttentionGroup, AttentionMetadata, paged_attention, use_metadata
 from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
+from bootstrap.engine.layers.attention import AttentionGroup, AttentionMetadata, paged_attention, use_metadata
 
 HEADS, KV_HEADS, DIM, TPB = 4, 2, 8, 4
 # (tokens already cached, new tokens this step) per request
@@ -80,17 +80,19 @@ def grouped_metadata(cache, requests):
     for members in ([i for i, n in enumerate(counts) if n == 1], [i for i, n in enumerate(counts) if n > 1]):
         tables = [cache.block_table(i) for i in members]
         width = max(map(len, tables))
-        groups.append(AttentionGroup(
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-            context_lens=torch.tensor([sum(requests[i]) for i in members]),
-            query_lens=torch.tensor([counts[i] for i in members]),
-            query_starts=torch.tensor([starts[i] for i in members]),
-            num_tokens=sum(counts[i] for i in members),
-            max_query_len=max(counts[i] for i in members),
-            kv_blocks=width,
-            tokens_per_block=TPB,
-            fresh=all(requests[i][0] == 0 for i in members),
-        ))  # fmt: skip
+        groups.append(
+            AttentionGroup(
+                block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+                context_lens=torch.tensor([sum(requests[i]) for i in members]),
+                query_lens=torch.tensor([counts[i] for i in members]),
+                query_starts=torch.tensor([starts[i] for i in members]),
+                num_tokens=sum(counts[i] for i in members),
+                max_query_len=max(counts[i] for i in members),
+                kv_blocks=width,
+                tokens_per_block=TPB,
+                fresh=all(requests[i][0] == 0 for i in members),
+            )
+        )
     slots = torch.cat([cache.slots(i, c, c + n) for i, (c, n) in enumerate(requests)])
     return AttentionMetadata(cache, slots, groups)
 
@@ -108,7 +110,9 @@ def test_ragged_paged_attention_matches_direct_computation(window, softcap, grou
     scale = 0.3
     meta = grouped_metadata(cache, requests) if grouped else metadata(cache, requests)
     with use_metadata(meta):
-        out, _ = paged_attention(Layer(), query, key, value, None, scaling=scale, sliding_window=window, softcap=softcap)
+        out, _ = paged_attention(
+            Layer(), query, key, value, None, scaling=scale, sliding_window=window, softcap=softcap
+        )
     assert out.shape == (1, total, HEADS, DIM)
     start = 0
     for i, (cached, new) in enumerate(requests):

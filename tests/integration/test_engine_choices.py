@@ -59,8 +59,12 @@ def test_seeded_choices_are_the_requests_seeded_seed_plus_i(model):
     try:
         together = [r.token_ids for r in run_all(ex, ex.enqueue_choices(PROMPT, params, 4))]
         again = [r.token_ids for r in run_all(ex, ex.enqueue_choices(PROMPT, params, 4))]
-        alone = [ex.await_response(ex.enqueue(PROMPT, SamplingParams(max_tokens=10, temperature=1.0, seed=41 + i)),
-                                   timeout=60).token_ids for i in range(4)]  # fmt: skip
+        alone = [
+            ex.await_response(
+                ex.enqueue(PROMPT, SamplingParams(max_tokens=10, temperature=1.0, seed=41 + i)), timeout=60
+            ).token_ids
+            for i in range(4)
+        ]
         assert ex.runner.kv_cache.stats().used_blocks == 0
     finally:
         ex.shutdown()
@@ -86,7 +90,9 @@ def test_impossible_choices_are_all_refused_and_n_is_checked(model):
     try:
         ids = ex.enqueue_choices(PROMPT, SamplingParams(max_tokens=4), 5)
         responses = run_all(ex, ids)
-        assert {r.error for r in responses} == {"request rejected: n=5 choices cannot run at once with max_batch_size 4"}
+        assert {r.error for r in responses} == {
+            "request rejected: n=5 choices cannot run at once with max_batch_size 4"
+        }
         for bad in (0, 17, True, 2.0):
             with pytest.raises(ValueError, match=r"n must be an integer in \[1, 16\]"):
                 ex.enqueue_choices(PROMPT, SamplingParams(max_tokens=4), bad)
@@ -129,4 +135,7 @@ def test_the_choices_benchmark_counts_the_prompt_once(tmp_path):
     assert module.main(["--prompt-len", "40", "--max-tokens", "4", "--n", "3", "--tpb", "8", "--out", str(out)]) == 0
     together, apart = json.loads(out.read_text())["runs"]
     assert together["same_outputs_as_separate"] and (together["prefill_tokens"], apart["prefill_tokens"]) == (40, 120)
-    assert (together["blocks_after_prefill"], apart["blocks_after_prefill"]) == (5, 15)  # 40 tokens: 5 full blocks, shared
+    assert (together["blocks_after_prefill"], apart["blocks_after_prefill"]) == (
+        5,
+        15,
+    )  # 40 tokens: 5 full blocks, shared

@@ -24,8 +24,14 @@ POISON = 13  # a token id the fault-injection hook refuses
 def model():
     torch.manual_seed(99)
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, eos_token_id=None, bos_token_id=None,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        eos_token_id=None,
+        bos_token_id=None,
     )
     llama = LlamaForCausalLM(config).eval()
     with torch.no_grad():
@@ -91,9 +97,11 @@ def test_a_failing_request_does_not_fail_its_batch_or_the_loop(model):
     poison(ex)
     ex.start_worker()
     healthy = [[3, 4, 5, 6, 7], [9, 10]]
-    ids = [ex.enqueue(healthy[0], SamplingParams(max_tokens=4)),
-           ex.enqueue([1, 2, POISON, 4], SamplingParams(max_tokens=4)),
-           ex.enqueue(healthy[1], SamplingParams(max_tokens=4))]
+    ids = [
+        ex.enqueue(healthy[0], SamplingParams(max_tokens=4)),
+        ex.enqueue([1, 2, POISON, 4], SamplingParams(max_tokens=4)),
+        ex.enqueue(healthy[1], SamplingParams(max_tokens=4)),
+    ]
     first, bad, second = (ex.await_response(i, timeout=60) for i in ids)
     assert bad.finish_reason == "error" and "poisoned token" in bad.error
     assert first.token_ids == expected(model, healthy[0], 4) and first.ok

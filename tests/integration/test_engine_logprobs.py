@@ -22,8 +22,9 @@ def checkpoint(tmp_path_factory):
 def _executor(path):
     loaded = load_model(str(path), device=CPU, dtype=torch.float32)
     cache = PagedKVCache.from_tokens(KVCacheSpec.from_config(loaded.model.config, torch.float32), 512, 4, "cpu")
-    return create_executor(loaded.model, cache, SchedulerConfig(4, 64, 128), loaded.tokenizer, loaded.eos_token_ids,
-                           start=False)  # fmt: skip
+    return create_executor(
+        loaded.model, cache, SchedulerConfig(4, 64, 128), loaded.tokenizer, loaded.eos_token_ids, start=False
+    )
 
 
 def _reference(model, ids: list[int]) -> torch.Tensor:

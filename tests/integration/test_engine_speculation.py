@@ -16,20 +16,26 @@ from helpers.tiny_models import SHAPE
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
 
 from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
-from bootstrap.engine.step.runner import ModelRunner
 from bootstrap.engine.executor.profile_run import run_dummy_speculation
-from bootstrap.engine.step.batch import ScheduledBatch
 from bootstrap.engine.request.sequence import Sequence, next_request_id
-from bootstrap.engine.spec.speculator import _View
 from bootstrap.engine.spec.depth import ROW_TOKENS, StepCosts
+from bootstrap.engine.spec.speculator import _View
+from bootstrap.engine.step.batch import ScheduledBatch
+from bootstrap.engine.step.model_runner import ModelRunner
 
 CONFIGS = {
     "llama": lambda: LlamaConfig(**SHAPE),
     "mistral-window": lambda: MistralConfig(**SHAPE, sliding_window=8),
     "qwen2-hybrid-window": lambda: Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=6, max_window_layers=1),
-    "gemma2-softcaps-windows": lambda: Gemma2Config(**SHAPE, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
-                                                    attn_logit_softcapping=2.0, final_logit_softcapping=5.0),
-}  # fmt: skip
+    "gemma2-softcaps-windows": lambda: Gemma2Config(
+        **SHAPE,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=8,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=5.0,
+    ),
+}
 PROMPTS = [[(7 * i + 3) % 250 + 3 for i in range(n)] for n in (5, 19, 40)]
 TPB = 4
 
@@ -48,12 +54,19 @@ def model(name: str, seed: int) -> torch.nn.Module:
 
 def executor(target, draft=None, k: int = 4, num_tokens: int = 16, batch: int = 8):
     """An executor over copies of ``target`` (and ``draft``), chunked prefill of ``num_tokens`` a step."""
+
     def pool(m):
         return PagedKVCache.from_tokens(KVCacheSpec.from_config(m.config, torch.float32), 2048, TPB, "cpu")
 
     drafted = None if draft is None else (copy.deepcopy(draft), pool(draft))
-    return create_executor(copy.deepcopy(target), pool(target), SchedulerConfig(batch, num_tokens, 256), start=False,
-                           draft=drafted, speculative_tokens=k)  # fmt: skip
+    return create_executor(
+        copy.deepcopy(target),
+        pool(target),
+        SchedulerConfig(batch, num_tokens, 256),
+        start=False,
+        draft=drafted,
+        speculative_tokens=k,
+    )
 
 
 def outputs(ex, prompts, params):
@@ -99,7 +112,8 @@ def test_stops_and_max_tokens_inside_an_accepted_run_end_where_they_would_withou
         stop = SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[greedy[6]])
         short = SamplingParams(max_tokens=7, temperature=0)
         want = [r.token_ids for r in outputs(plain, PROMPTS[:1] * 2, stop)] + [
-            r.token_ids for r in outputs(plain, PROMPTS[:1], short)]  # fmt: skip
+            r.token_ids for r in outputs(plain, PROMPTS[:1], short)
+        ]
     finally:
         plain.shutdown()
     ex = executor(target, target, k=4)
@@ -180,10 +194,14 @@ def test_the_next_first_pass_is_queued_behind_the_verdict_and_used_only_by_the_s
     plain = executor(target)
     try:
         greedy = outputs(plain, PROMPTS[:1], SamplingParams(max_tokens=30, temperature=0))[0].token_ids
-        params = [SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[greedy[9]]),
-                  SamplingParams(max_tokens=30, temperature=0)]  # fmt: skip
-        want = [plain.await_response(i, timeout=120).token_ids for i in
-                [plain.enqueue(p, sp) for p, sp in zip(PROMPTS[:2], params)]]  # fmt: skip
+        params = [
+            SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[greedy[9]]),
+            SamplingParams(max_tokens=30, temperature=0),
+        ]
+        want = [
+            plain.await_response(i, timeout=120).token_ids
+            for i in [plain.enqueue(p, sp) for p, sp in zip(PROMPTS[:2], params)]
+        ]
     finally:
         plain.shutdown()
     ex = executor(target, target, k=4)
@@ -197,10 +215,14 @@ def test_the_next_first_pass_is_queued_behind_the_verdict_and_used_only_by_the_s
         return logits
 
     speculator._take_ahead = spy_take
-    speculator.draft.run_rows = lambda step, tokens=None, offsets=None, keep=None: passes.append(
-        offsets is not None) or run(step, tokens, offsets, keep)  # fmt: skip
+    speculator.draft.run_rows = lambda step, tokens=None, offsets=None, keep=None: (
+        passes.append(offsets is not None) or run(step, tokens, offsets, keep)
+    )
     try:
-        got = [ex.await_response(i, timeout=120).token_ids for i in [ex.enqueue(p, sp) for p, sp in zip(PROMPTS[:2], params)]]
+        got = [
+            ex.await_response(i, timeout=120).token_ids
+            for i in [ex.enqueue(p, sp) for p, sp in zip(PROMPTS[:2], params)]
+        ]
         assert got == want and len(got[0]) < 30 and empty(ex)
         assert (True, True) in taken and (True, False) in taken  # used, and once not (the batch changed)
         stats = speculator.stats
@@ -242,8 +264,15 @@ def create_auto(target, draft):
     def pool(m):
         return PagedKVCache.from_tokens(KVCacheSpec.from_config(m.config, torch.float32), 2048, TPB, "cpu")
 
-    return create_executor(copy.deepcopy(target), pool(target), SchedulerConfig(8, 16, 256), start=False,
-                           draft=(copy.deepcopy(draft), pool(draft)), speculative_tokens=8, adaptive=True)  # fmt: skip
+    return create_executor(
+        copy.deepcopy(target),
+        pool(target),
+        SchedulerConfig(8, 16, 256),
+        start=False,
+        draft=(copy.deepcopy(draft), pool(draft)),
+        speculative_tokens=8,
+        adaptive=True,
+    )
 
 
 class FixedCosts(StepCosts):
@@ -341,9 +370,11 @@ def test_the_dummy_speculative_step_runs_every_pass_at_its_largest_and_keeps_not
     ex = executor(target, model("llama", 2), k=3, batch=4)
     sizes = {"target": [], "draft": []}
     for name, runner in (("target", ex.runner), ("draft", ex.speculator.draft)):
+
         def spy(step, tokens=None, offsets=None, keep=None, run=runner.run_rows, name=name):
             sizes[name].append(step.size)
             return run(step, tokens, offsets, keep)
+
         runner.run_rows = spy
     try:
         run_dummy_speculation(ex.speculator, 4)

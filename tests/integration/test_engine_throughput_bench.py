@@ -10,9 +10,15 @@ import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "engine_throughput.py"
 TINY = {
-    "model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "max_position_embeddings": 64, "torch_dtype": "float32",
+    "model_type": "llama",
+    "vocab_size": 128,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "torch_dtype": "float32",
 }
 
 
@@ -28,8 +34,20 @@ def test_benchmark_reports_both_sides_for_every_batch_size(tmp_path):
     config.write_text(json.dumps(TINY))
     out = tmp_path / "bench.json"
     argv = [
-        "--model", f"random:{config}", "--device", "cpu", "--batch-sizes", "1,3",
-        "--prompt-len", "5", "--gen-len", "3", "--repeats", "1", "--out", str(out),
+        "--model",
+        f"random:{config}",
+        "--device",
+        "cpu",
+        "--batch-sizes",
+        "1,3",
+        "--prompt-len",
+        "5",
+        "--gen-len",
+        "3",
+        "--repeats",
+        "1",
+        "--out",
+        str(out),
     ]
     report = load_script().main(argv)
     assert json.loads(out.read_text()) == report
@@ -43,7 +61,9 @@ def test_benchmark_reports_both_sides_for_every_batch_size(tmp_path):
         assert row["identical_outputs"] == f"{row['batch_size']}/{row['batch_size']}"
         roof = row["roofline"]
         assert roof["step_bytes"] == report["weight_bytes"] + roof["kv_bytes"]
-        assert roof["roofline_tok_s"] == pytest.approx(row["batch_size"] * report["bandwidth_bytes_s"] / roof["step_bytes"], rel=1e-3)
+        assert roof["roofline_tok_s"] == pytest.approx(
+            row["batch_size"] * report["bandwidth_bytes_s"] / roof["step_bytes"], rel=1e-3
+        )
         for side in ("engine", "transformers"):  # None only when timing noise hid the decode time
             assert row[side]["decode_roofline_fraction"] is None or row[side]["decode_roofline_fraction"] > 0
     assert report["cuda_graphs"] == "off (cpu)" and "engine_graphs" not in report["results"][0]

@@ -136,10 +136,15 @@ def check_outcome(ex, ledgers: dict[int, Ledger], expected) -> None:
 
 @pytest.mark.parametrize(
     ("backend", "worker", "seed"),
-    [("asyncio", True, 1), ("asyncio", True, 2),
-     pytest.param("trio", True, 3, marks=pytest.mark.skipif(importlib.util.find_spec("trio") is None, reason="needs trio")),
-     ("asyncio", False, 4)],
-)  # fmt: skip
+    [
+        ("asyncio", True, 1),
+        ("asyncio", True, 2),
+        pytest.param(
+            "trio", True, 3, marks=pytest.mark.skipif(importlib.util.find_spec("trio") is None, reason="needs trio")
+        ),
+        ("asyncio", False, 4),
+    ],
+)
 def test_randomly_cancelled_async_waits_lose_nothing_and_leave_nothing(model, expected, backend, worker, seed):
     threads_before = set(threading.enumerate())
     ex = make_executor(model, batch=6, num_tokens=48, kv_tokens=512)

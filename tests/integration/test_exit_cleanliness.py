@@ -85,7 +85,9 @@ def marked(mark: str) -> list[int]:
 
 def leftovers() -> set[str]:
     shm = {f"/dev/shm/{name}" for name in os.listdir("/dev/shm")} if os.path.isdir("/dev/shm") else set()
-    temp = {os.path.join(tempfile.gettempdir(), n) for n in os.listdir(tempfile.gettempdir()) if n.startswith(LAUNCHER_DIRS)}
+    temp = {
+        os.path.join(tempfile.gettempdir(), n) for n in os.listdir(tempfile.gettempdir()) if n.startswith(LAUNCHER_DIRS)
+    }
     return shm | temp
 
 
@@ -140,8 +142,11 @@ def cli(*argv: str) -> list[str]:
     return [sys.executable, "-m", "bootstrap.cli", *argv]
 
 
-SIGNALS = {"sigint": (signal.SIGINT, "load_model         started"), "sigterm": (signal.SIGTERM, "profiling          started"),
-           "sighup": (signal.SIGHUP, "ready ")}  # fmt: skip
+SIGNALS = {
+    "sigint": (signal.SIGINT, "load_model         started"),
+    "sigterm": (signal.SIGTERM, "profiling          started"),
+    "sighup": (signal.SIGHUP, "ready "),
+}
 
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["run", "run-tp2"])
@@ -172,7 +177,11 @@ def test_a_killed_rank_ends_the_launch_and_is_named(models, tmp_path):
     case.wait_for("profiling          started")
     os.kill(case.rank_pids()[1], signal.SIGKILL)
     assert case.end() == 1  # long before the 600 s collective timeout: the agent saw rank 1 end
-    assert case.err.read_text().rstrip().endswith("bootstrap: rank 1 was killed by SIGKILL; the launcher stopped the other ranks")
+    assert (
+        case.err.read_text()
+        .rstrip()
+        .endswith("bootstrap: rank 1 was killed by SIGKILL; the launcher stopped the other ranks")
+    )
 
 
 @pytest.mark.parametrize("ending", ["normal", "exception", *SIGNALS])

@@ -18,9 +18,17 @@ from pathlib import Path
 
 import pytest
 
-TINY = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=64,
-            intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=512)  # fmt: skip
+TINY = dict(
+    model_type="llama",
+    architectures=["LlamaForCausalLM"],
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 
 SCRIPT = """
 import asyncio, atexit, json, sys, threading

@@ -43,8 +43,9 @@ def test_a_bad_value_exits_2_at_once_with_one_line_naming_the_flag(command, flag
     env = {**os.environ, "HOME": str(tmp_path)}  # no plan or model cache of the user's touched
     start = time.monotonic()
     try:
-        done = subprocess.run([*CLI, command, *MODEL, *PORT[command], *flags], capture_output=True, text=True,
-                              timeout=30, env=env)  # fmt: skip
+        done = subprocess.run(
+            [*CLI, command, *MODEL, *PORT[command], *flags], capture_output=True, text=True, timeout=30, env=env
+        )
     except subprocess.TimeoutExpired:
         pytest.fail(f"{command} {flags}: still running after 30 s (the bad value was not refused)")
     elapsed = time.monotonic() - start

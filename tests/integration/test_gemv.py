@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import torch
     from bootstrap.engine.kernels.gemv import linear
 
@@ -38,11 +38,13 @@ SCRIPT = textwrap.dedent('''
     torch.testing.assert_close(linear(strided, w, None, 8, 32).double(), strided.double() @ w.double().T, atol=1e-4,
                                rtol=1e-5)
     print("ok")
-''')
+""")
 
 
 def test_the_kernel_matches_a_float64_product():
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600, check=False
+    )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

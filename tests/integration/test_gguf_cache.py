@@ -21,9 +21,9 @@ from helpers.tiny_gguf import write_tiny_gguf
 from helpers.tiny_models import last_logits
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from bootstrap.engine.sources.loader import config_dict, load_model
 from bootstrap.engine.models.decoder import DecoderLM
 from bootstrap.engine.sources import checkpoint, conversions
+from bootstrap.engine.sources.loader import config_dict, load_model
 from bootstrap.engine.sources.model_cache import SOURCE_FILE, size_of, size_text
 
 CPU = torch.device("cpu")
@@ -33,9 +33,17 @@ IDS = [1, 5, 7, 9, 11]
 
 def tiny_llama(seed: int) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1,
-                         eos_token_id=2)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -68,10 +76,15 @@ def test_a_gguf_file_is_converted_once_then_loaded_from_its_checkpoint(tmp_path,
     assert again.tokenizer("abc").input_ids == first.tokenizer("abc").input_ids == [29, 5]
     assert config_dict(str(gguf), cache_dir=cache) == json.loads((converted / "config.json").read_text())
     start, done = said  # the conversion says what it does, then how long it took; the second load nothing
-    assert start == f"converting tiny.gguf to a checkpoint (once): {size_text(size_of(gguf))} of GGUF, dequantized " \
-                    f"into {converted} ..."  # fmt: skip
-    assert re.fullmatch(rf"converting tiny\.gguf to a checkpoint \(once\): done in \d+\.\d s, "
-                        rf"{size_text(size_of(converted))} in {converted}", done)  # fmt: skip
+    assert (
+        start == f"converting tiny.gguf to a checkpoint (once): {size_text(size_of(gguf))} of GGUF, dequantized "
+        f"into {converted} ..."
+    )
+    assert re.fullmatch(
+        rf"converting tiny\.gguf to a checkpoint \(once\): done in \d+\.\d s, "
+        rf"{size_text(size_of(converted))} in {converted}",
+        done,
+    )
 
 
 def test_a_file_changed_since_is_converted_again_and_its_older_conversion_removed(tmp_path, dequantized):
@@ -126,8 +139,9 @@ def test_bootstrap_run_converts_a_gguf_file_once_and_its_second_run_imports_no_t
     env = {**os.environ, "HOME": str(tmp_path / "home")}  # the model cache and the plan cache under it
 
     def run() -> tuple[dict, str, str]:
-        done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=300)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        )
         assert done.returncode == 0, done.stderr
         result, _, modules = done.stdout.rpartition("TRANSFORMERS")
         return json.loads(result), modules, done.stderr

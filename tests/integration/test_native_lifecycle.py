@@ -106,7 +106,9 @@ async def test_draft_model_gets_its_own_pool_sized_by_budget_split(ckpt, draft_c
 
 async def test_failure_keeps_the_weights_for_retry_and_aclose_releases_them(ckpt, made, monkeypatch):
     real = PagedKVCache.from_bytes
-    monkeypatch.setattr(PagedKVCache, "from_bytes", classmethod(lambda *a, **k: (_ for _ in ()).throw(ValueError("boom"))))
+    monkeypatch.setattr(
+        PagedKVCache, "from_bytes", classmethod(lambda *a, **k: (_ for _ in ()).throw(ValueError("boom")))
+    )
     boot = Bootstrap(config(ckpt))
     try:
         with pytest.raises(StageFailed) as info:

@@ -33,30 +33,57 @@ from bootstrap.engine.models.decoder import DecoderLM
 from bootstrap.engine.request.sequence import Sequence, next_request_id
 
 CPU = torch.device("cpu")
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64}  # fmt: skip
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 CASES = {
     "llama": lambda: LlamaConfig(**SHAPE),
     "llama-llama3-rope": lambda: LlamaConfig(**SHAPE, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE),
     "llama-linear-rope": lambda: LlamaConfig(**SHAPE, rope_scaling={"rope_type": "linear", "factor": 4.0}),
-    "qwen2-yarn-rope": lambda: Qwen2Config(**SHAPE, rope_scaling={"rope_type": "yarn", "factor": 4.0,
-                                                                  "original_max_position_embeddings": 16}),  # fmt: skip
-    "qwen3-yarn-rope-mscale": lambda: Qwen3Config(**SHAPE, head_dim=32, rope_scaling={
-        "rope_type": "yarn", "factor": 8.0, "mscale": 0.707, "mscale_all_dim": 1.0, "original_max_position_embeddings": 8}),
+    "qwen2-yarn-rope": lambda: Qwen2Config(
+        **SHAPE, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    ),
+    "qwen3-yarn-rope-mscale": lambda: Qwen3Config(
+        **SHAPE,
+        head_dim=32,
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 8.0,
+            "mscale": 0.707,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 8,
+        },
+    ),
     "llama-attention-bias-tied": lambda: LlamaConfig(**SHAPE, attention_bias=True, tie_word_embeddings=True),
     "mistral-window": lambda: MistralConfig(**SHAPE, sliding_window=8),
     "qwen2-hybrid-window": lambda: Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=6, max_window_layers=1),
     "qwen3-qk-norm": lambda: Qwen3Config(**SHAPE, head_dim=32),
     "gemma": lambda: GemmaConfig(**SHAPE, head_dim=16),
-    "gemma2-softcaps-windows": lambda: Gemma2Config(**SHAPE, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
-                                                    attn_logit_softcapping=2.0, final_logit_softcapping=5.0),
+    "gemma2-softcaps-windows": lambda: Gemma2Config(
+        **SHAPE,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=8,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=5.0,
+    ),
 }
 # Each family's real config.json (the capacity presets; Gemma 7B is GemmaConfig's defaults) with
 # its sizes scaled down and everything else kept: rotary scaling, windows, soft-caps, tying, ...
-REAL_CONFIGS = {"llama-3.1-8b": MODEL_PRESETS["llama-3.1-8b"], "llama-3.2-1b": MODEL_PRESETS["llama-3.2-1b"],
-                "smollm2-135m": MODEL_PRESETS["smollm2-135m"], "mistral-7b": MODEL_PRESETS["mistral-7b"],
-                "qwen2.5-7b": MODEL_PRESETS["qwen2.5-7b"], "qwen3-8b": MODEL_PRESETS["qwen3-8b"],
-                "gemma-7b": GemmaConfig().to_dict(), "gemma-2-9b": MODEL_PRESETS["gemma-2-9b"]}  # fmt: skip
+REAL_CONFIGS = {
+    "llama-3.1-8b": MODEL_PRESETS["llama-3.1-8b"],
+    "llama-3.2-1b": MODEL_PRESETS["llama-3.2-1b"],
+    "smollm2-135m": MODEL_PRESETS["smollm2-135m"],
+    "mistral-7b": MODEL_PRESETS["mistral-7b"],
+    "qwen2.5-7b": MODEL_PRESETS["qwen2.5-7b"],
+    "qwen3-8b": MODEL_PRESETS["qwen3-8b"],
+    "gemma-7b": GemmaConfig().to_dict(),
+    "gemma-2-9b": MODEL_PRESETS["gemma-2-9b"],
+}
 
 
 def scaled_down(name: str):
@@ -65,9 +92,20 @@ def scaled_down(name: str):
     cfg = json.loads(json.dumps(REAL_CONFIGS[name]))
     heads = 4
     kv_heads = max(1, heads * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) // cfg["num_attention_heads"])
-    cfg |= {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "max_position_embeddings": 512,
-            "torch_dtype": "float32", "dtype": "float32", "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}  # fmt: skip
+    cfg |= {
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "max_position_embeddings": 512,
+        "torch_dtype": "float32",
+        "dtype": "float32",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+    }
     if cfg.get("head_dim"):
         cfg["head_dim"] = 16
     if cfg.get("sliding_window"):
@@ -122,8 +160,9 @@ def test_own_model_matches_transformers(name, tmp_path):
         assert torch.allclose(last_logits(ex, ids), expected, atol=1e-4, rtol=0)
         ex.scheduler.drain()
         [response] = ex.generate([ids], SamplingParams(max_tokens=64, ignore_eos=True))
-        greedy = reference.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=64, min_new_tokens=64,
-                                    attention_mask=None)[0, len(ids):].tolist()  # fmt: skip
+        greedy = reference.generate(
+            torch.tensor([ids]), do_sample=False, max_new_tokens=64, min_new_tokens=64, attention_mask=None
+        )[0, len(ids) :].tolist()
         assert response.token_ids == greedy
     finally:
         ex.shutdown()
@@ -135,7 +174,9 @@ def test_a_checkpoint_directory_loads_into_the_own_code_through_the_engine_loade
     assert isinstance(loaded.model, DecoderLM) and loaded.hf_config is loaded.model.config
     tensors = [*loaded.model.parameters(), *loaded.model.buffers()]  # the rotary frequencies too
     assert loaded.weight_bytes == sum(t.numel() * t.element_size() for t in tensors)
-    reference = load_model(str(tmp_path), device=CPU, attn_implementation="eager")  # the reference stays on transformers
+    reference = load_model(
+        str(tmp_path), device=CPU, attn_implementation="eager"
+    )  # the reference stays on transformers
     assert not isinstance(reference.model, DecoderLM)
 
 
@@ -156,15 +197,29 @@ def test_a_checkpoint_in_another_dtype_is_converted_on_its_way_in(tmp_path):
     expected = reference.model.layers[0].self_attn
     q, k, v = own.model.layers[0].self_attn.qkv_proj.split(own.model.layers[0].self_attn.qkv_proj.weight.T)
     assert own.dtype == torch.bfloat16 and torch.equal(v.T, expected.v_proj.weight.to(torch.bfloat16))
-    assert torch.equal(own.model.layers[1].mlp.down_proj.weight, reference.model.layers[1].mlp.down_proj.weight.bfloat16())
+    assert torch.equal(
+        own.model.layers[1].mlp.down_proj.weight, reference.model.layers[1].mlp.down_proj.weight.bfloat16()
+    )
 
 
-@pytest.mark.parametrize("change, match", [
-    (lambda t: t | {"model.layers.0.extra.weight": torch.zeros(2)}, "'model.layers.0.extra.weight' has no place"),
-    (lambda t: {k: v for k, v in t.items() if "layers.1.mlp.down_proj" not in k}, "no tensor for 1 parameter.*layers.1.mlp"),
-    (lambda t: t | {"model.norm.weight": torch.ones(65)}, r"model.norm.weight: checkpoint shape \(65,\), the model's \(64,\)"),
-    (lambda t: t | {"model.layers.0.self_attn.k_proj.weight": torch.ones(10, 64)}, r"k_proj.weight: checkpoint shape \(10, 64\)"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda t: t | {"model.layers.0.extra.weight": torch.zeros(2)}, "'model.layers.0.extra.weight' has no place"),
+        (
+            lambda t: {k: v for k, v in t.items() if "layers.1.mlp.down_proj" not in k},
+            "no tensor for 1 parameter.*layers.1.mlp",
+        ),
+        (
+            lambda t: t | {"model.norm.weight": torch.ones(65)},
+            r"model.norm.weight: checkpoint shape \(65,\), the model's \(64,\)",
+        ),
+        (
+            lambda t: t | {"model.layers.0.self_attn.k_proj.weight": torch.ones(10, 64)},
+            r"k_proj.weight: checkpoint shape \(10, 64\)",
+        ),
+    ],
+)
 def test_a_checkpoint_that_does_not_fit_is_refused_before_any_weight_is_read(change, match, tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -183,12 +238,15 @@ def test_a_checkpoint_that_does_not_fit_is_refused_before_any_weight_is_read(cha
     assert all(param.isnan().all() for param in model.parameters())  # nothing was read
 
 
-@pytest.mark.parametrize("change, problem", [
-    ({"model_type": "phi3"}, "model_type 'phi3'"),
-    ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope scaling 'longrope'"),
-    ({"hidden_act": "relu2"}, "activation 'relu2'"),
-    ({"mlp_bias": True}, "mlp_bias"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        ({"model_type": "phi3"}, "model_type 'phi3'"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope scaling 'longrope'"),
+        ({"hidden_act": "relu2"}, "activation 'relu2'"),
+        ({"mlp_bias": True}, "mlp_bias"),
+    ],
+)
 def test_what_the_own_code_does_not_implement_stays_on_transformers(change, problem, tmp_path):
     config = {**LlamaConfig(**SHAPE).to_dict(), **change}
     assert problem in own_model_problem(config)

@@ -31,21 +31,46 @@ def llama(tmp_path_factory) -> Path:
 
 def phases(spans: list[dict]) -> list[str]:
     process = next(s for s in spans if s["name"] == PROCESS_SPAN)
-    children = sorted((s for s in spans if s["parent_span_id"] == process["span_id"]), key=lambda s: s["start_time_unix_nano"])
+    children = sorted(
+        (s for s in spans if s["parent_span_id"] == process["span_id"]), key=lambda s: s["start_time_unix_nano"]
+    )
     return [s["name"].removeprefix("bootstrap.process.").removeprefix("bootstrap.") for s in children]
 
 
 def test_a_fresh_run_is_traced_from_its_spawn_to_its_exit(llama, tmp_path):
     trace = tmp_path / "trace.jsonl"
     before = time.time_ns()
-    done = subprocess.run([sys.executable, "-m", "bootstrap.cli", "run", "--device", "cpu", "--model", str(llama),
-                           "--chat", "w7 w8", "--max-tokens", "4", "--no-plan-cache", "--trace-file", str(trace)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bootstrap.cli",
+            "run",
+            "--device",
+            "cpu",
+            "--model",
+            str(llama),
+            "--chat",
+            "w7 w8",
+            "--max-tokens",
+            "4",
+            "--no-plan-cache",
+            "--trace-file",
+            str(trace),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     after = time.time_ns()
     assert done.returncode == 0, done.stderr
     spans = read_spans(trace)
     process = next(s for s in spans if s["name"] == PROCESS_SPAN)
-    assert before - 20_000_000 <= process["start_time_unix_nano"] <= process["end_time_unix_nano"] <= after  # 10 ms ticks
+    assert (
+        before - 20_000_000 <= process["start_time_unix_nano"] <= process["end_time_unix_nano"] <= after
+    )  # 10 ms ticks
     assert phases(spans) == ["start", "checks", "backend", "pipeline", "answer", "shutdown"]
     root = next(s for s in spans if s["name"] == ROOT_SPAN)
     assert root["parent_span_id"] == process["span_id"]
@@ -73,10 +98,29 @@ def test_a_server_is_traced_through_serving_draining_and_shutdown(llama, tmp_pat
 def test_ctrl_c_is_acknowledged_at_once_naming_the_stage_that_rolls_back(tmp_path):
     """SIGINT while ``profiling`` runs: the acknowledgement (naming it) comes first, then the
     rollback, then the closing line; exit status 130."""
-    proc = subprocess.Popen([sys.executable, "-m", "bootstrap.cli", "run", "--device", "cpu", "--model",
-                             "random:smollm2-135m", "--max-num-tokens", "8192", "--max-seq-len", "8192",
-                             "--no-plan-cache", "--trace-file", str(tmp_path / "t.jsonl")],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "bootstrap.cli",
+            "run",
+            "--device",
+            "cpu",
+            "--model",
+            "random:smollm2-135m",
+            "--max-num-tokens",
+            "8192",
+            "--max-seq-len",
+            "8192",
+            "--no-plan-cache",
+            "--trace-file",
+            str(tmp_path / "t.jsonl"),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     lines = []
     for line in proc.stderr:
         lines.append(line.rstrip())
@@ -106,28 +150,68 @@ def test_phases_before_the_tracer_keep_their_times_and_errors_mark_their_span():
     timeline.end()
     spans = {s.name: s for s in exporter.get_finished_spans()}
     assert spans["bootstrap.process"].start_time == timeline.spawn_ns
-    assert (spans["bootstrap.process.checks"].start_time, spans["bootstrap.process.checks"].end_time) == (checks.start_ns, checks.end_ns)
+    assert (spans["bootstrap.process.checks"].start_time, spans["bootstrap.process.checks"].end_time) == (
+        checks.start_ns,
+        checks.end_ns,
+    )
     assert spans["bootstrap.process.start"].end_time - spans["bootstrap.process.start"].start_time >= 2_000_000_000
     assert spans["bootstrap.process.backend"].status.description == "ValueError: no such device"
-    assert all(s.parent.span_id == spans["bootstrap.process"].context.span_id for n, s in spans.items() if n != "bootstrap.process")
+    assert all(
+        s.parent.span_id == spans["bootstrap.process"].context.span_id
+        for n, s in spans.items()
+        if n != "bootstrap.process"
+    )
 
 
 def test_the_spawn_time_is_this_process_s_start():
     """A child started now reports a spawn within its parent's window (10 ms clock ticks)."""
     before = time.time_ns()
-    out = subprocess.run([sys.executable, "-c", "from bootstrap.pipeline.process import spawn_time_ns; print(spawn_time_ns())"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60, check=True).stdout  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", "from bootstrap.pipeline.process import spawn_time_ns; print(spawn_time_ns())"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     assert before - 20_000_000 <= int(out) <= time.time_ns()
     assert spawn_time_ns() <= time.time_ns()
 
 
 def test_trace_shows_the_process_and_its_coverage(llama, tmp_path):
     trace = tmp_path / "trace.jsonl"
-    subprocess.run([sys.executable, "-m", "bootstrap.cli", "run", "--device", "cpu", "--model", str(llama), "--prompt", "w5",
-                    "--max-tokens", "2", "--trace-file", str(trace), "--json"], cwd=ROOT, check=True, capture_output=True,
-                   timeout=300)  # fmt: skip
-    shown = subprocess.run([sys.executable, "-m", "bootstrap.cli", "trace", str(trace)], cwd=ROOT, capture_output=True,
-                           text=True, timeout=60, check=True, env={"COLUMNS": "200", "PATH": ""}).stdout  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bootstrap.cli",
+            "run",
+            "--device",
+            "cpu",
+            "--model",
+            str(llama),
+            "--prompt",
+            "w5",
+            "--max-tokens",
+            "2",
+            "--trace-file",
+            str(trace),
+            "--json",
+        ],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    shown = subprocess.run(
+        [sys.executable, "-m", "bootstrap.cli", "trace", str(trace)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        env={"COLUMNS": "200", "PATH": ""},
+    ).stdout
     assert "process" in shown and "spans cover" in shown and "backend" in shown and "answer" in shown
     assert json.loads(trace.read_text().splitlines()[0])["name"].startswith("bootstrap.")
 
@@ -135,13 +219,26 @@ def test_trace_shows_the_process_and_its_coverage(llama, tmp_path):
 def test_coverage_counts_the_union_of_the_phases_against_spawn_to_ready_and_ready_to_end():
     """Spawn at 0, ready at 10, end at 20 (ns): phases 0-3, 2-4 (overlapping), the run 5-10, then
     10-12 and 15-20. Covered: 9 of 10 before ready (4-5 is a gap), 7 of 10 after (12-15 is)."""
+
     def span(name, start, end, span_id, parent="p"):
-        return {"name": name, "span_id": span_id, "parent_span_id": parent, "start_time_unix_nano": start,
-                "end_time_unix_nano": end, "status": "UNSET", "attributes": {}}  # fmt: skip
+        return {
+            "name": name,
+            "span_id": span_id,
+            "parent_span_id": parent,
+            "start_time_unix_nano": start,
+            "end_time_unix_nano": end,
+            "status": "UNSET",
+            "attributes": {},
+        }
 
     process = span(PROCESS_SPAN, 0, 20, "p", None)
-    spans = [process, span("bootstrap.process.start", 0, 3, "a"), span("bootstrap.process.checks", 2, 4, "b"),
-             span(ROOT_SPAN, 5, 10, "r"), span("bootstrap.process.answer", 10, 12, "c"),
-             span("bootstrap.process.shutdown", 15, 20, "d")]  # fmt: skip
+    spans = [
+        process,
+        span("bootstrap.process.start", 0, 3, "a"),
+        span("bootstrap.process.checks", 2, 4, "b"),
+        span(ROOT_SPAN, 5, 10, "r"),
+        span("bootstrap.process.answer", 10, 12, "c"),
+        span("bootstrap.process.shutdown", 15, 20, "d"),
+    ]
     assert coverage(spans, process) == {"to_ready": 0.9, "after_ready": 0.7}
     assert coverage([process, spans[1]], process) is None  # no finished run: no ready to measure against

@@ -17,7 +17,7 @@ from helpers.tiny_models import save_checkpoint
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bootstrap.cli import main
-from bootstrap.engine.step.runner import ModelRunner
+from bootstrap.engine.step.model_runner import ModelRunner
 from bootstrap.stages import STAGE_IDS
 
 PROMPT = "w5 w17 w33 w9 w100 w42 w7"
@@ -46,8 +46,19 @@ def generate_reference(path: Path, prompt: str, max_tokens: int) -> list[int]:
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma2"])
 def test_greedy_run_equals_transformers_generate(arch, checkpoints, capsys, tmp_path):
     path = checkpoints[arch]
-    code, result = run_json(capsys, "--model", str(path), "--prompt", PROMPT, "--temperature", "0",
-                            "--max-tokens", "24", "--plan-cache", str(tmp_path))  # fmt: skip
+    code, result = run_json(
+        capsys,
+        "--model",
+        str(path),
+        "--prompt",
+        PROMPT,
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "24",
+        "--plan-cache",
+        str(tmp_path),
+    )
     assert code == 0, result["error"]
     assert result["token_ids"] == generate_reference(path, PROMPT, 24)
     assert [s["id"] for s in result["stages"]] == list(STAGE_IDS)
@@ -59,7 +70,16 @@ def test_greedy_run_equals_transformers_generate(arch, checkpoints, capsys, tmp_
 
 
 def test_second_run_skips_the_probe_stages_and_reaches_the_same_capacity(checkpoints, capsys, tmp_path):
-    argv = ("--model", str(checkpoints["llama"]), "--prompt", PROMPT, "--max-tokens", "4", "--plan-cache", str(tmp_path))
+    argv = (
+        "--model",
+        str(checkpoints["llama"]),
+        "--prompt",
+        PROMPT,
+        "--max-tokens",
+        "4",
+        "--plan-cache",
+        str(tmp_path),
+    )
     _, cold = run_json(capsys, *argv)
     _, warm = run_json(capsys, *argv)
     outcomes = {s["id"]: (s["outcome"], s["skip_reason"]) for s in warm["stages"]}
@@ -85,8 +105,20 @@ def test_cache_clear_removes_every_cached_plan(checkpoints, capsys, tmp_path):
 
 
 def test_cpu_budget_is_capped_by_what_max_batch_size_requests_can_use(checkpoints, capsys):
-    _, result = run_json(capsys, "--model", str(checkpoints["llama"]), "--max-tokens", "2", "--no-plan-cache",
-                         "--max-batch-size", "3", "--max-seq-len", "100", "--tokens-per-block", "16")  # fmt: skip
+    _, result = run_json(
+        capsys,
+        "--model",
+        str(checkpoints["llama"]),
+        "--max-tokens",
+        "2",
+        "--no-plan-cache",
+        "--max-batch-size",
+        "3",
+        "--max-seq-len",
+        "100",
+        "--tokens-per-block",
+        "16",
+    )
     plan = result["plan"]
     assert plan["limited_by"] == "max_batch_size"
     assert plan["kv_tokens"] == 3 * 112  # 3 requests x ceil(100 / 16) blocks of 16 tokens
@@ -103,14 +135,31 @@ def test_oom_in_the_profiling_forward_retries_with_a_lower_max_num_tokens(checkp
     def first_call_runs_out(self, batch):
         calls.append(batch.total_tokens)
         if len(calls) == 1:
-            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB ({batch.total_tokens} tokens)")
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate 2.00 GiB ({batch.total_tokens} tokens)"
+            )
         return real_run(self, batch)
 
     monkeypatch.setattr(ModelRunner, "run", first_call_runs_out)
     trace = tmp_path / "trace.jsonl"
-    code, result = run_json(capsys, "--model", str(checkpoints["llama"]), "--prompt", PROMPT, "--max-tokens", "6",
-                            "--max-num-tokens", "256", "--max-seq-len", "64", "--max-batch-size", "5",
-                            "--no-plan-cache", "--trace-file", str(trace))  # fmt: skip
+    code, result = run_json(
+        capsys,
+        "--model",
+        str(checkpoints["llama"]),
+        "--prompt",
+        PROMPT,
+        "--max-tokens",
+        "6",
+        "--max-num-tokens",
+        "256",
+        "--max-seq-len",
+        "64",
+        "--max-batch-size",
+        "5",
+        "--no-plan-cache",
+        "--trace-file",
+        str(trace),
+    )
     assert code == 0 and len(result["token_ids"]) == 6
     profiling = next(s for s in result["stages"] if s["id"] == "profiling")
     assert (profiling["outcome"], profiling["attempts"]) == ("ok", 2)
@@ -158,10 +207,27 @@ def test_bad_input_is_one_clear_line_and_exit_2(case, checkpoints, capsys, tmp_p
 def test_console_script_prints_the_stage_table_and_the_text(checkpoints, tmp_path):
     """The installed entry point, as the README runs it."""
     proc = subprocess.run(
-        [sys.executable, "-m", "bootstrap.cli", "run", "--device", "cpu", "--model", str(checkpoints["llama"]),
-         "--prompt", PROMPT, "--max-tokens", "5", "--plan-cache", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2],
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "bootstrap.cli",
+            "run",
+            "--device",
+            "cpu",
+            "--model",
+            str(checkpoints["llama"]),
+            "--prompt",
+            PROMPT,
+            "--max-tokens",
+            "5",
+            "--plan-cache",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).parents[2],
+    )
     assert proc.returncode == 0, proc.stderr
     for stage in STAGE_IDS:
         assert stage in proc.stdout and f"{stage:<18} started" in proc.stderr

@@ -49,9 +49,11 @@ def default_model(root: Path) -> str:
 
 
 KINDS: dict[str, Callable[[Path], str]] = {
-    "checkpoint directory": checkpoint_dir, "gguf file": gguf_file, "random preset": random_preset,
+    "checkpoint directory": checkpoint_dir,
+    "gguf file": gguf_file,
+    "random preset": random_preset,
     "default model": default_model,
-}  # fmt: skip
+}
 
 
 async def start(model: str, root: Path) -> dict[str, tuple[str, str | None]]:

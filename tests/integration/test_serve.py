@@ -40,8 +40,9 @@ def checkpoint(tmp_path_factory) -> Path:
 def served(checkpoint, tmp_path_factory):
     """One ready server shared by the tests that only send requests."""
     tmp = tmp_path_factory.mktemp("served")
-    server = ServeProcess(tmp / "serve.log", "--model", str(checkpoint), "--plan-cache", str(tmp / "plans"),
-                          "--max-batch-size", "16")  # fmt: skip
+    server = ServeProcess(
+        tmp / "serve.log", "--model", str(checkpoint), "--plan-cache", str(tmp / "plans"), "--max-batch-size", "16"
+    )
     server.wait_state("ready")
     yield server
     server.stop()
@@ -106,8 +107,27 @@ def test_token_id_prompts_and_the_model_list(served, checkpoint):
 
 def test_greedy_output_through_the_server_equals_bootstrap_run(served, checkpoint, capsys, tmp_path):
     for flag, text in (("--prompt", PROMPT), ("--chat", CHAT)):
-        assert main(["run", "--device", "cpu", "--json", "--model", str(checkpoint), flag, text, "--max-tokens", "24",
-                     "--temperature", "0", "--plan-cache", str(tmp_path)]) == 0  # fmt: skip
+        assert (
+            main(
+                [
+                    "run",
+                    "--device",
+                    "cpu",
+                    "--json",
+                    "--model",
+                    str(checkpoint),
+                    flag,
+                    text,
+                    "--max-tokens",
+                    "24",
+                    "--temperature",
+                    "0",
+                    "--plan-cache",
+                    str(tmp_path),
+                ]
+            )
+            == 0
+        )
         run = json.loads(capsys.readouterr().out)
         if flag == "--prompt":
             answer = client(served).completions.create(model=str(checkpoint), prompt=text, max_tokens=24, temperature=0)
@@ -141,15 +161,29 @@ def test_errors_come_in_openai_shape_and_name_the_field(served, checkpoint):
     chat = {"model": model, "messages": [{"role": "user", "content": CHAT}]}
     cases = {
         "malformed": (post(served, "/v1/chat/completions", "{not json"), 400, None, "not valid JSON"),
-        "temperature": (post(served, "/v1/chat/completions", {**chat, "temperature": 5}), 400, "temperature", "less than or equal to 2"),
+        "temperature": (
+            post(served, "/v1/chat/completions", {**chat, "temperature": 5}),
+            400,
+            "temperature",
+            "less than or equal to 2",
+        ),
         "n": (post(served, "/v1/chat/completions", {**chat, "n": 17}), 400, "n", "less than or equal to 16"),
         "missing messages": (post(served, "/v1/chat/completions", {"model": model}), 400, "messages", "required"),
-        "unknown field": (post(served, "/v1/completions", {"model": model, "prompt": "w5", "logit_bias": {}}), 400,
-                          "logit_bias", "Extra inputs"),
-        "model": (post(served, "/v1/completions", {"model": "gpt-4o", "prompt": "w5"}), 404, "model", "'gpt-4o' does not exist"),
+        "unknown field": (
+            post(served, "/v1/completions", {"model": model, "prompt": "w5", "logit_bias": {}}),
+            400,
+            "logit_bias",
+            "Extra inputs",
+        ),
+        "model": (
+            post(served, "/v1/completions", {"model": "gpt-4o", "prompt": "w5"}),
+            404,
+            "model",
+            "'gpt-4o' does not exist",
+        ),
         "token ids": (post(served, "/v1/completions", {"model": model, "prompt": [5, 9999]}), 400, None, "[0, 256)"),
         "route": (httpx.get(f"{served.url}/v1/nothing-here"), 404, None, "Not Found"),
-    }  # fmt: skip
+    }
     for name, (response, status, param, words) in cases.items():
         error = error_of(response)
         assert response.status_code == status, (name, error)
@@ -162,8 +196,9 @@ def test_prompt_plus_max_tokens_beyond_max_seq_len_names_both_numbers(served, ch
     assert response.status_code == 400 and error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
     assert "prompt (7 tokens) + max_tokens (600) = 607 exceeds max_seq_len (512)" in error["message"]
     with pytest.raises(openai.BadRequestError, match="max_completion_tokens"):
-        client(served).chat.completions.create(model=str(checkpoint), messages=[{"role": "user", "content": CHAT}],
-                                               max_completion_tokens=510)  # fmt: skip
+        client(served).chat.completions.create(
+            model=str(checkpoint), messages=[{"role": "user", "content": CHAT}], max_completion_tokens=510
+        )
 
 
 def test_retry_is_409_when_nothing_failed(served):
@@ -215,8 +250,14 @@ def test_64_concurrent_chat_requests_half_streaming_all_complete(served, checkpo
     async def one(api: openai.AsyncOpenAI, i: int) -> tuple[str, int, str]:
         messages = [{"role": "user", "content": f"w{10 + i % 50} w{60 + i % 40}"}]
         if i % 2:
-            stream = await api.chat.completions.create(model=str(checkpoint), messages=messages, max_tokens=16, stream=True,
-                                                       stream_options={"include_usage": True}, seed=i)  # fmt: skip
+            stream = await api.chat.completions.create(
+                model=str(checkpoint),
+                messages=messages,
+                max_tokens=16,
+                stream=True,
+                stream_options={"include_usage": True},
+                seed=i,
+            )
             chunks = [c async for c in stream]
             finish = next(c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason)
             text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -234,9 +275,12 @@ def test_64_concurrent_chat_requests_half_streaming_all_complete(served, checkpo
     assert all(1 <= tokens <= 16 and finish in ("stop", "length") for _, tokens, finish in results)
     assert all(text for text, tokens, finish in results if finish == "length")
     page = httpx.get(f"{served.url}/metrics").text
-    ended = sum(metric_or_0(page, "bootstrap_requests_total", endpoint="chat", finish_reason=r) for r in ("stop", "length"))
-    ended_before = sum(metric_or_0(before, "bootstrap_requests_total", endpoint="chat", finish_reason=r)
-                       for r in ("stop", "length"))  # fmt: skip
+    ended = sum(
+        metric_or_0(page, "bootstrap_requests_total", endpoint="chat", finish_reason=r) for r in ("stop", "length")
+    )
+    ended_before = sum(
+        metric_or_0(before, "bootstrap_requests_total", endpoint="chat", finish_reason=r) for r in ("stop", "length")
+    )
     assert ended - ended_before == 64 and metric(page, "bootstrap_kv_blocks_used") == 0
     assert metric(page, "bootstrap_requests_in_flight") == metric(page, "bootstrap_requests_running") == 0
 
@@ -248,9 +292,16 @@ def test_ready_follows_a_held_stage_then_a_failure_then_a_retry(checkpoint, tmp_
     gate = tmp_path / "gate"
     os.mkfifo(gate)
     backend = plugin_module(tmp_path, gate=str(gate), gated="load_model", fail_once=("build_final",))
-    server = ServeProcess(tmp_path / "serve.log", "--model", str(checkpoint), "--no-plan-cache",
-                          "--backend-factory", backend,
-                          pythonpath=(tmp_path,), env={"BOOTSTRAP_API_KEY": KEY})  # fmt: skip
+    server = ServeProcess(
+        tmp_path / "serve.log",
+        "--model",
+        str(checkpoint),
+        "--no-plan-cache",
+        "--backend-factory",
+        backend,
+        pythonpath=(tmp_path,),
+        env={"BOOTSTRAP_API_KEY": KEY},
+    )
     try:
         held = server.wait_stage("load_model")
         assert held["ready"] is False and held["state"] == "bootstrapping" and held["stage_state"] == "running"
@@ -305,8 +356,9 @@ def _retry_resumes_without_reloading_weights(server: ServeProcess, checkpoint: P
 
 
 def test_a_backend_that_cannot_be_loaded_ends_the_server_with_exit_2(tmp_path):
-    server = ServeProcess(tmp_path / "serve.log", "--model", "random:smollm2-135m",
-                          "--backend-factory", "no_such_module:backend")  # fmt: skip
+    server = ServeProcess(
+        tmp_path / "serve.log", "--model", "random:smollm2-135m", "--backend-factory", "no_such_module:backend"
+    )
     try:
         assert server.proc.wait(120) == 2
     finally:
@@ -322,9 +374,17 @@ def test_a_signal_during_the_bootstrap_rolls_back_and_exits_0(sig, checkpoint, t
     gate, trace = tmp_path / "gate", tmp_path / "trace.jsonl"
     os.mkfifo(gate)
     backend = plugin_module(tmp_path, gate=str(gate), gated="build_estimation")
-    server = ServeProcess(tmp_path / "serve.log", "--model", str(checkpoint), "--no-plan-cache",
-                          "--backend-factory", backend,
-                          "--trace-file", str(trace), pythonpath=(tmp_path,))  # fmt: skip
+    server = ServeProcess(
+        tmp_path / "serve.log",
+        "--model",
+        str(checkpoint),
+        "--no-plan-cache",
+        "--backend-factory",
+        backend,
+        "--trace-file",
+        str(trace),
+        pythonpath=(tmp_path,),
+    )
     try:
         server.wait_stage("estimation_build")
         server.proc.send_signal(sig)
@@ -346,9 +406,17 @@ def slow_server(checkpoint, tmp_path_factory):
     """A ready server whose every forward step sleeps 100 ms: requests stay in flight for seconds."""
     tmp = tmp_path_factory.mktemp("slow")
     backend = plugin_module(tmp, step_delay_s=0.1)
-    server = ServeProcess(tmp / "serve.log", "--model", str(checkpoint), "--no-plan-cache",
-                          "--backend-factory", backend,
-                          "--shutdown-timeout", "4", pythonpath=(tmp,))  # fmt: skip
+    server = ServeProcess(
+        tmp / "serve.log",
+        "--model",
+        str(checkpoint),
+        "--no-plan-cache",
+        "--backend-factory",
+        backend,
+        "--shutdown-timeout",
+        "4",
+        pythonpath=(tmp,),
+    )
     server.wait_state("ready")
     yield server
     server.stop()
@@ -378,8 +446,10 @@ def test_sigterm_during_generation_lets_short_requests_finish_and_cuts_long_ones
         "whole": ("/v1/completions", completion),
     }
     results: dict[str, list[str]] = {}
-    threads = [threading.Thread(target=_read_all, args=(slow_server, path, body, results.setdefault(name, [])))
-               for name, (path, body) in requests.items()]  # fmt: skip
+    threads = [
+        threading.Thread(target=_read_all, args=(slow_server, path, body, results.setdefault(name, [])))
+        for name, (path, body) in requests.items()
+    ]
     for thread in threads:
         thread.start()
     wait_metric(slow_server, "bootstrap_requests_in_flight", 4)

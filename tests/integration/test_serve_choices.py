@@ -25,7 +25,9 @@ def checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def served(checkpoint, tmp_path_factory):
-    server = ServeProcess(tmp_path_factory.mktemp("served") / "serve.log", "--model", str(checkpoint), "--no-plan-cache")
+    server = ServeProcess(
+        tmp_path_factory.mktemp("served") / "serve.log", "--model", str(checkpoint), "--no-plan-cache"
+    )
     server.wait_state("ready")
     yield server
     server.stop()
@@ -36,7 +38,9 @@ def api(server: ServeProcess) -> openai.OpenAI:
 
 
 def one_by_one(server, checkpoint, prompts) -> list[openai.types.Completion]:
-    return [api(server).completions.create(model=str(checkpoint), prompt=p, max_tokens=8, temperature=0) for p in prompts]
+    return [
+        api(server).completions.create(model=str(checkpoint), prompt=p, max_tokens=8, temperature=0) for p in prompts
+    ]
 
 
 def test_a_list_of_prompts_is_a_choice_per_prompt_in_order(served, checkpoint):
@@ -53,8 +57,14 @@ def test_a_list_of_token_id_prompts_streamed_merges_every_choice(served, checkpo
     id_prompts = [[5, 37, 33, 9], [64, 42, 7]]
     alone = one_by_one(served, checkpoint, id_prompts)
     texts, finishes, usage = {}, {}, None
-    stream = api(served).completions.create(model=str(checkpoint), prompt=id_prompts, max_tokens=8, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})  # fmt: skip
+    stream = api(served).completions.create(
+        model=str(checkpoint),
+        prompt=id_prompts,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     for chunk in stream:
         for choice in chunk.choices:
             texts[choice.index] = texts.get(choice.index, "") + choice.text
@@ -67,29 +77,42 @@ def test_a_list_of_token_id_prompts_streamed_merges_every_choice(served, checkpo
     assert usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
 
 
-@pytest.mark.parametrize("prompt, param, words", [
-    (["w5"] * 65, "prompt", "65 prompts sent; at most 64"),
-    ([], "prompt", "an empty list"),
-    (["w5", "too long"], "max_tokens", "prompt[1]: prompt (512 tokens) + max_tokens (4) = 516 exceeds max_seq_len"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "prompt, param, words",
+    [
+        (["w5"] * 65, "prompt", "65 prompts sent; at most 64"),
+        ([], "prompt", "an empty list"),
+        (["w5", "too long"], "max_tokens", "prompt[1]: prompt (512 tokens) + max_tokens (4) = 516 exceeds max_seq_len"),
+    ],
+)
 def test_a_bad_prompt_list_is_refused_before_any_choice_runs(served, checkpoint, prompt, param, words):
     if "too long" in prompt:  # as many words as the served context holds: no room for max_tokens
         prompt = [prompt[0], "w6 " * httpx.get(f"{served.url}/v1/models").json()["data"][0]["max_model_len"]]
     before = httpx.get(f"{served.url}/metrics").text
-    answer = httpx.post(f"{served.url}/v1/completions", json={"model": str(checkpoint), "prompt": prompt, "max_tokens": 4})
+    answer = httpx.post(
+        f"{served.url}/v1/completions", json={"model": str(checkpoint), "prompt": prompt, "max_tokens": 4}
+    )
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert error["param"] == param and words in error["message"], error
     assert metric(httpx.get(f"{served.url}/metrics").text, "bootstrap_prompt_tokens_total") == metric(
-        before, "bootstrap_prompt_tokens_total")  # nothing was enqueued  # fmt: skip
+        before, "bootstrap_prompt_tokens_total"
+    )  # nothing was enqueued
 
 
 @pytest.fixture(scope="module")
 def slow_server(checkpoint, tmp_path_factory):
     """Every forward step sleeps 100 ms: the choices stay in flight for seconds."""
     tmp = tmp_path_factory.mktemp("slow")
-    server = ServeProcess(tmp / "serve.log", "--model", str(checkpoint), "--no-plan-cache",
-                          "--backend-factory", plugin_module(tmp, step_delay_s=0.1), pythonpath=(tmp,))  # fmt: skip
+    server = ServeProcess(
+        tmp / "serve.log",
+        "--model",
+        str(checkpoint),
+        "--no-plan-cache",
+        "--backend-factory",
+        plugin_module(tmp, step_delay_s=0.1),
+        pythonpath=(tmp,),
+    )
     server.wait_state("ready")
     yield server
     server.stop()
@@ -119,8 +142,14 @@ def test_n_greedy_choices_are_identical_and_the_prompt_is_counted_once(served, c
 
 
 def test_n_seeded_chat_choices_repeat_on_a_second_run_streamed_or_not(served, checkpoint):
-    create = {"model": str(checkpoint), "messages": [{"role": "user", "content": "w9 w64 w42"}], "max_tokens": 10,
-              "temperature": 1.0, "seed": 1234, "n": 4}  # fmt: skip
+    create = {
+        "model": str(checkpoint),
+        "messages": [{"role": "user", "content": "w9 w64 w42"}],
+        "max_tokens": 10,
+        "temperature": 1.0,
+        "seed": 1234,
+        "n": 4,
+    }
     whole = [c.message.content for c in api(served).chat.completions.create(**create).choices]
     again = [c.message.content for c in api(served).chat.completions.create(**create).choices]
     streamed: dict[int, str] = {}

@@ -32,8 +32,8 @@ from helpers.tiny_models import CHAT_TEMPLATE, save_checkpoint
 from hypothesis import HealthCheck, Phase, event, given, seed, settings
 from hypothesis import strategies as st
 
-from bootstrap.serve.openai import schemas as s
 from bootstrap.serve.body_limit import MAX_BODY_BYTES
+from bootstrap.serve.openai import schemas as s
 from bootstrap.serve.openai.bodies import MAX_CONTAINERS, MAX_KEYS, MAX_VALUES
 
 SMALL_EXAMPLES, SMALL_SEED = 300, 202003  # as the docstring says
@@ -180,8 +180,9 @@ ANY_CHAR = st.characters(codec=None, exclude_categories=())  # surrogates (Cs) a
 TEXT = st.text(ANY_CHAR, max_size=40)
 WORDS = st.lists(st.integers(0, 300).map(lambda i: f"w{i}"), max_size=12).map(" ".join)  # the tiny tokenizer's words
 SCALARS = st.none() | st.booleans() | st.integers() | st.integers(-(2**70), 2**70) | st.floats() | TEXT
-JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TEXT, inner, max_size=4),
-                    max_leaves=12)  # fmt: skip
+JSON = st.recursive(
+    SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TEXT, inner, max_size=4), max_leaves=12
+)
 MISSING = object()
 
 
@@ -219,18 +220,20 @@ MESSAGE = st.fixed_dictionaries(
 ONLY = {
     "/v1/completions": {
         "prompt": TEXT_OR_WORDS | TOKEN_IDS | st.lists(TEXT_OR_WORDS, max_size=3) | st.lists(TOKEN_IDS, max_size=3),
-        "echo": st.sampled_from([False, True]), "logprobs": st.none() | st.integers(0, 20) | st.sampled_from([-1, 21]),
-        "best_of": st.sampled_from([None, 1, 2]), "suffix": st.sampled_from([None, "x"]),
+        "echo": st.sampled_from([False, True]),
+        "logprobs": st.none() | st.integers(0, 20) | st.sampled_from([-1, 21]),
+        "best_of": st.sampled_from([None, 1, 2]),
+        "suffix": st.sampled_from([None, "x"]),
     },
     "/v1/chat/completions": {
-        "messages": st.lists(MESSAGE, max_size=4) | st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": WORDS}),
-                                                            min_size=1, max_size=3),
+        "messages": st.lists(MESSAGE, max_size=4)
+        | st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": WORDS}), min_size=1, max_size=3),
         "max_completion_tokens": st.integers(1, 4) | st.sampled_from([0, -3, 600]),
         "logprobs": st.sampled_from([None, False, True]),
         "top_logprobs": st.none() | st.integers(0, 20) | st.sampled_from([-1, 21]),
     },
     "/v1/bootstrap/retry": {},
-}  # fmt: skip
+}
 REQUIRED = {"/v1/completions": ("model", "prompt"), "/v1/chat/completions": ("model", "messages")}
 
 
@@ -262,8 +265,10 @@ def fuzzed_request(draw: st.DrawFn, model: str) -> tuple[str, bytes, Any, str | 
     route = draw(st.sampled_from(ROUTES[:2] * 9 + ROUTES[2:]))
     kind = draw(st.sampled_from(["clean"] * 4 + ["object"] * 4 + ["json", "bytes"]))
     if kind == "bytes":
-        body: Any = draw(st.binary(max_size=200) | st.sampled_from([b"", b"{", b"[" * 5000, b'{"model": "\xff\xfe"}',
-                                                                   b"\x00" * 64, "{}".encode("utf-16")]))  # fmt: skip
+        body: Any = draw(
+            st.binary(max_size=200)
+            | st.sampled_from([b"", b"{", b"[" * 5000, b'{"model": "\xff\xfe"}', b"\x00" * 64, "{}".encode("utf-16")])
+        )
         raw = body
     else:
         body = draw(request_body(route, model, kind == "clean")) if kind in ("clean", "object") else draw(JSON)
@@ -276,12 +281,20 @@ def fuzzed_request(draw: st.DrawFn, model: str) -> tuple[str, bytes, Any, str | 
 # ---- bodies up to the size limit --------------------------------------------------------------
 
 FILLERS = {  # one repeated element, as JSON text, and where it goes
-    "prompt token ids": ("prompt", "7"), "prompt texts": ("prompt", '"w5"'), "prompt id lists": ("prompt", "[7,8]"),
-    "prompt text": ("prompt", None), "stop strings": ("stop", '"a"'), "messages": ("messages", '{"role":"user","content":"w5"}'),
-    "content parts": ("messages.0.content", '{"type":"text","text":"w5"}'), "model list": ("model", "0"),
-    "unknown nested": ("nope", "[[1,2],{}]"), "unknown keys": ("{keys}", None), "deep nesting": ("user", "["),
-    "escaped surrogates": ("user", None), "escaped NULs": ("prompt", None),
-}  # fmt: skip
+    "prompt token ids": ("prompt", "7"),
+    "prompt texts": ("prompt", '"w5"'),
+    "prompt id lists": ("prompt", "[7,8]"),
+    "prompt text": ("prompt", None),
+    "stop strings": ("stop", '"a"'),
+    "messages": ("messages", '{"role":"user","content":"w5"}'),
+    "content parts": ("messages.0.content", '{"type":"text","text":"w5"}'),
+    "model list": ("model", "0"),
+    "unknown nested": ("nope", "[[1,2],{}]"),
+    "unknown keys": ("{keys}", None),
+    "deep nesting": ("user", "["),
+    "escaped surrogates": ("user", None),
+    "escaped NULs": ("prompt", None),
+}
 
 
 def filled(kind: str, size: int, model: str, count: int | None = None) -> tuple[str, bytes]:
@@ -290,7 +303,9 @@ def filled(kind: str, size: int, model: str, count: int | None = None) -> tuple[
     where, element = FILLERS[kind]
     route = "/v1/chat/completions" if where.startswith("messages") else "/v1/completions"
     head = {"model": model, "max_tokens": 4}
-    head.update({"messages": [{"role": "user", "content": "w5"}]} if route.endswith("chat/completions") else {"prompt": "w5"})
+    head.update(
+        {"messages": [{"role": "user", "content": "w5"}]} if route.endswith("chat/completions") else {"prompt": "w5"}
+    )
     prefix, suffix = json.dumps(head)[:-1] + ", ", "}"
     room = max(size - len(prefix) - len(suffix) - 32, 0)
     if count is not None:
@@ -319,8 +334,9 @@ def filled(kind: str, size: int, model: str, count: int | None = None) -> tuple[
 # ---- the tests ------------------------------------------------------------------------------
 
 
-@settings(max_examples=SMALL_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck),
-          print_blob=True)  # fmt: skip
+@settings(
+    max_examples=SMALL_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck), print_blob=True
+)
 @seed(SMALL_SEED)
 @given(data=st.data())
 def test_fuzzed_bodies_are_answered_in_shape(served, data):
@@ -333,11 +349,19 @@ def test_fuzzed_bodies_are_answered_in_shape(served, data):
     assert health < HEALTH_BUDGET_S, f"/health took {health * 1000:.0f} ms while {_short(body)} was in flight"
 
 
-@settings(max_examples=LARGE_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck),
-          print_blob=True, phases=[Phase.explicit, Phase.generate])  # no shrinking: 8 MiB examples are slow to shrink
+@settings(
+    max_examples=LARGE_EXAMPLES,
+    deadline=None,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+    print_blob=True,
+    phases=[Phase.explicit, Phase.generate],
+)  # no shrinking: 8 MiB examples are slow to shrink
 @seed(LARGE_SEED)
-@given(kind=st.sampled_from(sorted(FILLERS)),
-       size=st.integers(0, MAX_BODY_BYTES) | st.integers(MAX_BODY_BYTES - 4096, MAX_BODY_BYTES + 4096))  # fmt: skip
+@given(
+    kind=st.sampled_from(sorted(FILLERS)),
+    size=st.integers(0, MAX_BODY_BYTES) | st.integers(MAX_BODY_BYTES - 4096, MAX_BODY_BYTES + 4096),
+)
 def test_bodies_up_to_the_size_limit_keep_health_fast(served, kind, size):
     """Bodies of any size up to ``MAX_BODY_BYTES`` (and a little over: a 413), their bulk in one
     field: answered in shape, and ``/health`` within 100 ms while they are parsed and checked."""
@@ -352,8 +376,13 @@ def test_bodies_up_to_the_size_limit_keep_health_fast(served, kind, size):
 def test_print_the_seeds_and_counts(capsys):
     """The issue's note reports what ran: printed for ``-s`` and kept in this module's docstring."""
     with capsys.disabled():
-        print(f"\nserve fuzz: {SMALL_EXAMPLES} examples (seed {SMALL_SEED}), {LARGE_EXAMPLES} large (seed {LARGE_SEED})")
-    for test, examples, chosen in (("fuzzed_bodies", SMALL_EXAMPLES, SMALL_SEED), ("to_the_size_limit", LARGE_EXAMPLES, LARGE_SEED)):
+        print(
+            f"\nserve fuzz: {SMALL_EXAMPLES} examples (seed {SMALL_SEED}), {LARGE_EXAMPLES} large (seed {LARGE_SEED})"
+        )
+    for test, examples, chosen in (
+        ("fuzzed_bodies", SMALL_EXAMPLES, SMALL_SEED),
+        ("to_the_size_limit", LARGE_EXAMPLES, LARGE_SEED),
+    ):
         assert re.search(rf"{test}\w*``: {examples} examples, seed {chosen}", __doc__), (test, examples, chosen)
 
 
@@ -373,10 +402,16 @@ def test_the_largest_body_of_each_kind_keeps_health_fast(served, kind):
 
 
 AT_THE_BOUNDS = {  # the largest bodies still parsed: just under request_body's counts
-    "prompt token ids": MAX_VALUES - 64, "prompt texts": MAX_VALUES - 64, "stop strings": MAX_VALUES - 64,
-    "model list": MAX_VALUES - 64, "unknown keys": MAX_KEYS - 64, "messages": MAX_CONTAINERS - 64,
-    "content parts": MAX_CONTAINERS - 64, "unknown nested": MAX_CONTAINERS // 3 - 64, "deep nesting": MAX_CONTAINERS - 64,
-}  # fmt: skip
+    "prompt token ids": MAX_VALUES - 64,
+    "prompt texts": MAX_VALUES - 64,
+    "stop strings": MAX_VALUES - 64,
+    "model list": MAX_VALUES - 64,
+    "unknown keys": MAX_KEYS - 64,
+    "messages": MAX_CONTAINERS - 64,
+    "content parts": MAX_CONTAINERS - 64,
+    "unknown nested": MAX_CONTAINERS // 3 - 64,
+    "deep nesting": MAX_CONTAINERS - 64,
+}
 
 
 @pytest.mark.parametrize("kind", sorted(AT_THE_BOUNDS))
@@ -399,7 +434,11 @@ def test_the_generation_routes_still_document_their_body():
     from bootstrap.serve.app import create_app
     from bootstrap.serve.state import ServeOptions, ServeState
 
-    doc = TestClient(create_app(ServeState(BootstrapConfig(model="m"), ServeOptions(model_id="m")))).get("/openapi.json").json()
+    doc = (
+        TestClient(create_app(ServeState(BootstrapConfig(model="m"), ServeOptions(model_id="m"))))
+        .get("/openapi.json")
+        .json()
+    )
     components = doc["components"]["schemas"]
     for path, model in (("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatCompletionRequest")):
         body = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]

@@ -25,7 +25,9 @@ def checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def api(checkpoint, tmp_path_factory):
-    server = ServeProcess(tmp_path_factory.mktemp("served") / "serve.log", "--model", str(checkpoint), "--no-plan-cache")
+    server = ServeProcess(
+        tmp_path_factory.mktemp("served") / "serve.log", "--model", str(checkpoint), "--no-plan-cache"
+    )
     server.wait_state("ready")
     yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     server.stop()
@@ -47,8 +49,15 @@ def word_id(token: str) -> int:
 
 
 def completion(api, checkpoint, stream: bool, **fields):
-    create = {"model": str(checkpoint), "prompt": PROMPT_IDS, "max_tokens": 6, "temperature": 0,
-              "stream": stream, "extra_body": {"ignore_eos": True}, **fields}  # fmt: skip
+    create = {
+        "model": str(checkpoint),
+        "prompt": PROMPT_IDS,
+        "max_tokens": 6,
+        "temperature": 0,
+        "stream": stream,
+        "extra_body": {"ignore_eos": True},
+        **fields,
+    }
     if not stream:
         choice = api.completions.create(**create).choices[0]
         return choice.text, choice.logprobs
@@ -61,8 +70,9 @@ def completion(api, checkpoint, stream: bool, **fields):
                 token_logprobs += choice.logprobs.token_logprobs
                 top += choice.logprobs.top_logprobs
                 offsets += choice.logprobs.text_offset
-    return text, openai.types.completion_choice.Logprobs(tokens=tokens, token_logprobs=token_logprobs,
-                                                         top_logprobs=top, text_offset=offsets)  # fmt: skip
+    return text, openai.types.completion_choice.Logprobs(
+        tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top, text_offset=offsets
+    )
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -78,19 +88,29 @@ def test_completion_logprobs_are_the_models_own(api, checkpoint, reference, stre
         values, top_ids = want.topk(5)
         assert token == int(top_ids[0])  # greedy: the chosen token is the most likely
         assert logprob == pytest.approx(float(want[token]), abs=1e-4)
-        assert {word_id(t): v for t, v in top.items()} == pytest.approx(dict(zip(top_ids.tolist(), values.tolist())),
-                                                                         abs=1e-4)  # fmt: skip
+        assert {word_id(t): v for t, v in top.items()} == pytest.approx(
+            dict(zip(top_ids.tolist(), values.tolist())), abs=1e-4
+        )
 
 
 def test_completion_logprobs_name_the_sampled_token_even_outside_the_top(api, checkpoint):
     _, lp = completion(api, checkpoint, False, logprobs=0, temperature=2.0, seed=7, max_tokens=12)
-    assert all(list(top) == [token] and top[token] == logprob for token, logprob, top in
-               zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))  # fmt: skip
+    assert all(
+        list(top) == [token] and top[token] == logprob
+        for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs)
+    )
 
 
 def chat(api, checkpoint, stream: bool, **fields):
-    create = {"model": str(checkpoint), "messages": MESSAGES, "max_tokens": 6, "temperature": 0,
-              "stream": stream, "extra_body": {"ignore_eos": True}, **fields}  # fmt: skip
+    create = {
+        "model": str(checkpoint),
+        "messages": MESSAGES,
+        "max_tokens": 6,
+        "temperature": 0,
+        "stream": stream,
+        "extra_body": {"ignore_eos": True},
+        **fields,
+    }
     if not stream:
         choice = api.chat.completions.create(**create).choices[0]
         return choice.message.content, choice.logprobs
@@ -107,12 +127,15 @@ def test_chat_logprobs_in_openais_shape(api, checkpoint, reference, stream):
     content, lp = chat(api, checkpoint, stream, logprobs=True, top_logprobs=3)
     # every token has its entry; EOS (w2, generated under ignore_eos) has no text in the content
     assert len(lp.content) == 6 and " ".join(e.token for e in lp.content if e.token != "w2") == content.strip()
-    prompt = AutoTokenizer.from_pretrained(checkpoint).apply_chat_template(MESSAGES, add_generation_prompt=True,
-                                                                           tokenize=True, return_dict=False)  # fmt: skip
+    prompt = AutoTokenizer.from_pretrained(checkpoint).apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     ids = [word_id(e.token) for e in lp.content]
     for step, entry in enumerate(lp.content):
         want = reference(list(prompt) + ids[:step])
-        assert entry.bytes == list(entry.token.encode()) and entry.logprob == pytest.approx(float(want[ids[step]]), abs=1e-4)
+        assert entry.bytes == list(entry.token.encode()) and entry.logprob == pytest.approx(
+            float(want[ids[step]]), abs=1e-4
+        )
         assert [word_id(t.token) for t in entry.top_logprobs] == want.topk(3).indices.tolist()
         assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == entry.logprob
     assert content == chat(api, checkpoint, not stream, logprobs=True, top_logprobs=3)[0]  # the other way: same text
@@ -124,13 +147,16 @@ def test_logprobs_without_top_logprobs_and_not_asked(api, checkpoint):
     assert chat(api, checkpoint, False)[1] is None and completion(api, checkpoint, False)[1] is None
 
 
-@pytest.mark.parametrize("endpoint, fields, param, words", [
-    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
-    ("chat", {"top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
-    ("chat", {"logprobs": False, "top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
-    ("completion", {"logprobs": 21}, "logprobs", "less than or equal to 20"),
-    ("completion", {"logprobs": -1}, "logprobs", "greater than or equal to 0"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "endpoint, fields, param, words",
+    [
+        ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
+        ("chat", {"top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
+        ("chat", {"logprobs": False, "top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
+        ("completion", {"logprobs": 21}, "logprobs", "less than or equal to 20"),
+        ("completion", {"logprobs": -1}, "logprobs", "greater than or equal to 0"),
+    ],
+)
 def test_each_logprobs_range_is_a_400_naming_the_field(api, checkpoint, endpoint, fields, param, words):
     with pytest.raises(openai.BadRequestError) as refused:
         (chat if endpoint == "chat" else completion)(api, checkpoint, False, **fields)

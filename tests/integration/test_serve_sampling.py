@@ -33,10 +33,14 @@ def served(checkpoint, tmp_path_factory):
 
 def complete(server: ServeProcess, checkpoint: Path, **fields) -> openai.types.CompletionChoice:
     api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-    extra = {k: fields.pop(k) for k in list(fields) if k not in ("temperature", "seed", "max_tokens", "presence_penalty",
-                                                                 "frequency_penalty", "stop")}  # fmt: skip
-    return api.completions.create(model=str(checkpoint), prompt=PROMPT, **{"max_tokens": 12, **fields},
-                                  extra_body=extra or None).choices[0]  # fmt: skip
+    extra = {
+        k: fields.pop(k)
+        for k in list(fields)
+        if k not in ("temperature", "seed", "max_tokens", "presence_penalty", "frequency_penalty", "stop")
+    }
+    return api.completions.create(
+        model=str(checkpoint), prompt=PROMPT, **{"max_tokens": 12, **fields}, extra_body=extra or None
+    ).choices[0]
 
 
 def test_top_k_1_and_min_p_1_sample_the_greedy_answer(served, checkpoint):
@@ -73,17 +77,20 @@ def test_stop_token_ids_end_the_answer_and_min_tokens_holds_them_back(served, ch
     assert complete(served, checkpoint, temperature=0, ignore_eos=True, max_tokens=12).finish_reason == "length"
 
 
-@pytest.mark.parametrize("field, value, words", [
-    ("top_k", -2, "greater than or equal to -1"),
-    ("min_p", 1.5, "less than or equal to 1"),
-    ("repetition_penalty", 0, "greater than 0"),
-    ("presence_penalty", 2.5, "less than or equal to 2"),
-    ("frequency_penalty", -3, "greater than or equal to -2"),
-    ("min_tokens", -1, "greater than or equal to 0"),
-    ("min_tokens", 13, "min_tokens"),  # more than max_tokens: the engine's own check
-    ("stop_token_ids", [-1], "greater than or equal to 0"),
-    ("ignore_eos", 2, "valid boolean"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("top_k", -2, "greater than or equal to -1"),
+        ("min_p", 1.5, "less than or equal to 1"),
+        ("repetition_penalty", 0, "greater than 0"),
+        ("presence_penalty", 2.5, "less than or equal to 2"),
+        ("frequency_penalty", -3, "greater than or equal to -2"),
+        ("min_tokens", -1, "greater than or equal to 0"),
+        ("min_tokens", 13, "min_tokens"),  # more than max_tokens: the engine's own check
+        ("stop_token_ids", [-1], "greater than or equal to 0"),
+        ("ignore_eos", 2, "valid boolean"),
+    ],
+)
 def test_each_range_is_a_400_naming_the_field(served, checkpoint, field, value, words):
     body = {"model": str(checkpoint), "prompt": PROMPT, "max_tokens": 12, field: value}
     response = httpx.post(f"{served.url}/v1/completions", json=body, timeout=30)

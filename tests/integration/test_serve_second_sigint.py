@@ -51,9 +51,17 @@ def _finish(lines: list[str]) -> str | None:
 
 def test_a_second_sigint_ends_streams_and_exits_0_without_tracebacks(checkpoint, tmp_path):
     backend = plugin_module(tmp_path, step_delay_s=0.1)  # 400 tokens: 40 s and more per request
-    server = ServeProcess(tmp_path / "serve.log", "--model", str(checkpoint), "--no-plan-cache",
-                          "--backend-factory", backend, "--shutdown-timeout", str(GRACE_S),
-                          pythonpath=(tmp_path,))  # fmt: skip
+    server = ServeProcess(
+        tmp_path / "serve.log",
+        "--model",
+        str(checkpoint),
+        "--no-plan-cache",
+        "--backend-factory",
+        backend,
+        "--shutdown-timeout",
+        str(GRACE_S),
+        pythonpath=(tmp_path,),
+    )
     try:
         server.wait_state("ready")
         body = {"model": str(checkpoint), "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "stream": True}

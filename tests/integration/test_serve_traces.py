@@ -29,8 +29,9 @@ CALLER_SPAN = "00f067aa0ba902b7"
 def traced(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("traced")
     checkpoint = save_checkpoint("llama", tmp / "llama", CHAT_TEMPLATE)
-    server = ServeProcess(tmp / "serve.log", "--model", str(checkpoint), "--no-plan-cache", "--trace-file",
-                          str(tmp / "trace.jsonl"))  # fmt: skip
+    server = ServeProcess(
+        tmp / "serve.log", "--model", str(checkpoint), "--no-plan-cache", "--trace-file", str(tmp / "trace.jsonl")
+    )
     server.wait_state("ready")
     yield server, checkpoint, tmp / "trace.jsonl"
     server.stop()
@@ -55,8 +56,14 @@ def one_span(spans: list[dict], name: str) -> dict:
 
 def test_a_streamed_chat_request_continues_the_callers_trace(traced):
     server, checkpoint, path = traced
-    body = {"model": str(checkpoint), "messages": [{"role": "user", "content": "w33 w44 w55"}], "max_tokens": 5,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": str(checkpoint),
+        "messages": [{"role": "user", "content": "w33 w44 w55"}],
+        "max_tokens": 5,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     headers = {"traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"}
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, headers=headers, timeout=60) as reply:
         chunks = [json.loads(line[6:]) for line in reply.iter_lines() if line.startswith("data: {")]
@@ -86,15 +93,22 @@ def test_a_streamed_chat_request_continues_the_callers_trace(traced):
 
 def test_choices_are_a_span_each_and_a_refused_body_is_a_traced_400(traced):
     server, checkpoint, path = traced
-    reply = httpx.post(f"{server.url}/v1/completions", json={"model": str(checkpoint), "prompt": "w5 w6", "max_tokens": 3,
-                                                            "n": 3, "temperature": 1.0, "seed": 3}, timeout=60)  # fmt: skip
+    reply = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"model": str(checkpoint), "prompt": "w5 w6", "max_tokens": 3, "n": 3, "temperature": 1.0, "seed": 3},
+        timeout=60,
+    )
     trace_id = reply.headers["traceparent"].split("-")[1]
     spans = spans_of(path, trace_id, 1 + 3 * 4)
-    choices = sorted((s for s in spans if s["name"] == "bootstrap.request.choice"), key=lambda s: s["attributes"]["bootstrap.choice"])
+    choices = sorted(
+        (s for s in spans if s["name"] == "bootstrap.request.choice"), key=lambda s: s["attributes"]["bootstrap.choice"]
+    )
     assert [c["attributes"]["bootstrap.choice"] for c in choices] == [0, 1, 2]
     assert len({c["attributes"]["bootstrap.request_id"] for c in choices}) == 3
     assert one_span(spans, "bootstrap.request")["attributes"]["bootstrap.choices"] == 3
-    refused = httpx.post(f"{server.url}/v1/completions", json={"model": str(checkpoint), "prompt": "w5", "max_tokens": -1})
+    refused = httpx.post(
+        f"{server.url}/v1/completions", json={"model": str(checkpoint), "prompt": "w5", "max_tokens": -1}
+    )
     assert refused.status_code == 400
     [request] = spans_of(path, refused.headers["traceparent"].split("-")[1], 1)
     assert request["attributes"]["http.response.status_code"] == 400 and request["status"] == "UNSET"
@@ -105,8 +119,11 @@ def test_bootstrap_trace_lists_the_requests_slowest_first(traced, capsys, monkey
     server, checkpoint, path = traced
     monkeypatch.setenv("COLUMNS", "200")  # wide enough for every column of both tables
     for tokens in (1, 12, 4):
-        httpx.post(f"{server.url}/v1/completions", json={"model": str(checkpoint), "prompt": "w9 w10",
-                                                        "max_tokens": tokens, "temperature": 0}, timeout=60)  # fmt: skip
+        httpx.post(
+            f"{server.url}/v1/completions",
+            json={"model": str(checkpoint), "prompt": "w9 w10", "max_tokens": tokens, "temperature": 0},
+            timeout=60,
+        )
     time.sleep(0.5)  # the last request's span ends after its last byte
     rows = request_rows(read_spans(path))
     assert len(rows) >= 3 and [r.duration_s for r in rows] == sorted((r.duration_s for r in rows), reverse=True)
@@ -127,8 +144,14 @@ def test_requests_cut_at_random_points_each_end_one_span_and_leave_nothing_behin
     answered = httpx.get(f"{server.url}/v1/engine").json()["requests_answered"]
 
     async def one(http: httpx.AsyncClient, trace_id: str, cut: int | None) -> None:
-        body = {"model": str(checkpoint), "prompt": "w5 w6 w7", "max_tokens": 48, "temperature": 0, "stream": True,
-                "ignore_eos": True}  # fmt: skip
+        body = {
+            "model": str(checkpoint),
+            "prompt": "w5 w6 w7",
+            "max_tokens": 48,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+        }
         headers = {"traceparent": f"00-{trace_id}-{rng.getrandbits(64):016x}-01"}
         async with http.stream("POST", "/v1/completions", json=body, headers=headers) as reply:
             chunks = 0

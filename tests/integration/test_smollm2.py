@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
-from bootstrap.engine.sources.loader import LoadedWeights, load_model
 from bootstrap.engine.models.decoder import DecoderLM
 from bootstrap.engine.request.sequence import Sequence, next_request_id
 from bootstrap.engine.sources import smollm2
+from bootstrap.engine.sources.loader import LoadedWeights, load_model
 
 pytestmark = pytest.mark.slow
 
@@ -60,10 +60,14 @@ def generate_reference(loaded: LoadedWeights, prompt: list[int], max_tokens: int
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = loaded.model.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens,
-            eos_token_id=sorted(loaded.eos_token_ids), pad_token_id=loaded.tokenizer.pad_token_id,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_tokens,
+            eos_token_id=sorted(loaded.eos_token_ids),
+            pad_token_id=loaded.tokenizer.pad_token_id,
         )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def test_greedy_matches_transformers_generate_on_chat_prompts(executor, reference):
@@ -120,9 +124,25 @@ def test_bootstrap_run_answers_the_readme_question(cache_dir, capsys, tmp_path):
 
     from bootstrap.cli import main
 
-    argv = ["run", "--device", "cpu", "--chat", QUESTIONS[0], "--max-tokens", "16", "--max-num-tokens", "256",
-            "--max-seq-len", "1024", "--plan-cache", str(tmp_path), "--json"]  # fmt: skip
+    argv = [
+        "run",
+        "--device",
+        "cpu",
+        "--chat",
+        QUESTIONS[0],
+        "--max-tokens",
+        "16",
+        "--max-num-tokens",
+        "256",
+        "--max-seq-len",
+        "1024",
+        "--plan-cache",
+        str(tmp_path),
+        "--json",
+    ]
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     assert "Paris" in result["text"]
-    assert [s["outcome"] for s in result["stages"]] == ["skipped" if s["id"] == "warmup" else "ok" for s in result["stages"]]
+    assert [s["outcome"] for s in result["stages"]] == [
+        "skipped" if s["id"] == "warmup" else "ok" for s in result["stages"]
+    ]

@@ -49,9 +49,19 @@ def held_server(tmp_path):
     gate = tmp_path / "gate"
     os.mkfifo(gate)
     backend = plugin_module(tmp_path, gate=str(gate), gated="load_model", fail_once=("build_final",))
-    server = ServeProcess(tmp_path / "serve.log", "--model", str(checkpoint), "--no-plan-cache", "--backend-factory",
-                          backend, "--api-key", KEY, "--served-model-name", "tiny-llama",
-                          pythonpath=(tmp_path,))  # fmt: skip
+    server = ServeProcess(
+        tmp_path / "serve.log",
+        "--model",
+        str(checkpoint),
+        "--no-plan-cache",
+        "--backend-factory",
+        backend,
+        "--api-key",
+        KEY,
+        "--served-model-name",
+        "tiny-llama",
+        pythonpath=(tmp_path,),
+    )
     yield server, gate, checkpoint
     server.stop()
 
@@ -62,7 +72,10 @@ def test_the_page_follows_a_bootstrap_through_a_failure_and_a_retry_to_serving(h
         browser.get(server.url.replace("http://", f"http://user:{KEY}@") + "/")  # the key as Basic credentials
         wait_for(browser, lambda b: state_of(b, "load_model") == "running", "load_model running")
         clock = text(browser, "clock")
-        assert state_of(browser, "resolve_classes") == "done" and seen(browser)["resolve_classes"] == "pending running done"
+        assert (
+            state_of(browser, "resolve_classes") == "done"
+            and seen(browser)["resolve_classes"] == "pending running done"
+        )
         assert all(seen(browser)[stage] == "pending" for stage in STAGE_IDS[2:])
         wait_for(browser, lambda b: "started" in text(b, "clock") and text(b, "clock") != clock, "the clock ticking")
         browser.save_screenshot(str(screenshots / "status-page-bootstrapping.png"))
@@ -87,13 +100,28 @@ def test_the_page_follows_a_bootstrap_through_a_failure_and_a_retry_to_serving(h
 
         auth = {"Authorization": f"Bearer {KEY}"}
         for tokens in (2, 9, 5):
-            reply = httpx.post(f"{server.url}/v1/completions", headers=auth, timeout=60,
-                               json={"model": "tiny-llama", "prompt": "w5 w6 w7", "max_tokens": tokens, "temperature": 0})  # fmt: skip
+            reply = httpx.post(
+                f"{server.url}/v1/completions",
+                headers=auth,
+                timeout=60,
+                json={"model": "tiny-llama", "prompt": "w5 w6 w7", "max_tokens": tokens, "temperature": 0},
+            )
             assert reply.status_code == 200
-        rows = wait_for(browser, lambda b: b.find_elements("css selector", "#slowest tbody tr") if visible(b, "slowest")
-                        and len(b.find_elements("css selector", "#slowest tbody tr")) == 3 else None, "three requests")
+        rows = wait_for(
+            browser,
+            lambda b: (
+                b.find_elements("css selector", "#slowest tbody tr")
+                if visible(b, "slowest") and len(b.find_elements("css selector", "#slowest tbody tr")) == 3
+                else None
+            ),
+            "three requests",
+        )
         assert rows[0].find_elements("tag name", "td")[6].text == "3 → 9"  # the slowest first: 9 tokens
-        assert text(browser, "model") == "tiny-llama" and "KV blocks in use" in text(browser, "engine-figures") and "KV budget" in text(browser, "plan-figures")
+        assert (
+            text(browser, "model") == "tiny-llama"
+            and "KV blocks in use" in text(browser, "engine-figures")
+            and "KV budget" in text(browser, "plan-figures")
+        )
         browser.save_screenshot(str(screenshots / "status-page-ready.png"))
 
         browser.set_window_size(390, 844)  # a phone
@@ -115,6 +143,8 @@ def test_the_page_asks_a_browser_for_the_key_and_runs_only_its_own_code(held_ser
     assert "connect-src 'self'" in policy and "'unsafe-inline'" not in policy and "script-src 'sha256-" in policy
     assert "http://" not in page.text and "https://" not in page.text  # nothing is fetched from elsewhere
     server.wait_state("failed")
-    forged = httpx.post(f"{server.url}/v1/bootstrap/retry", auth=("anyone", KEY), headers={"Origin": "http://evil.example"})
+    forged = httpx.post(
+        f"{server.url}/v1/bootstrap/retry", auth=("anyone", KEY), headers={"Origin": "http://evil.example"}
+    )
     assert forged.status_code == 403 and forged.json()["error"]["code"] == "cross_site"
     assert httpx.get(f"{server.url}/ready").json()["state"] == "failed"  # the forged retry changed nothing

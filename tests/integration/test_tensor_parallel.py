@@ -33,8 +33,9 @@ def llama(tmp_path_factory) -> Path:
     return save_checkpoint("llama", tmp_path_factory.mktemp("tp") / "llama")
 
 
-def run_ranks(model: Path, out: Path, hook: str | None = None, timeout_s: float = TIMEOUT_S,
-              **config) -> tuple[list[int | None], list[dict]]:  # fmt: skip
+def run_ranks(
+    model: Path, out: Path, hook: str | None = None, timeout_s: float = TIMEOUT_S, **config
+) -> tuple[list[int | None], list[dict]]:
     """Each rank's exit status (None: stopped by the launcher after another rank failed) and result."""
     args = (str(model), str(out), hook, timeout_s, {**CONFIG, **config})
     launched = launch(build_and_generate, args, 2)
@@ -77,7 +78,9 @@ def test_two_ranks_of_the_own_model_code_generate_the_tokens_of_one(family, tmp_
     codes, results = run_ranks(path, tmp_path)
     assert codes == [0, 0], [r and r["error"] for r in results]
     one = load_model(str(path), device=torch.device("cpu"))
-    heads, kv_heads, head_dim = (getattr(one.model.config, k) for k in ("num_attention_heads", "num_key_value_heads", "head_dim"))
+    heads, kv_heads, head_dim = (
+        getattr(one.model.config, k) for k in ("num_attention_heads", "num_key_value_heads", "head_dim")
+    )
     for result in results:
         assert result["model"] == {"class": "DecoderLM", "qkv_rows": (heads + 2 * kv_heads) * head_dim // 2}
     cache = PagedKVCache.from_tokens(KVCacheSpec.from_config(one.model.config, torch.float32), 256, 4, "cpu")
@@ -94,10 +97,16 @@ def test_ranks_agree_on_the_most_conservative_profile_and_the_smallest_budget(ll
     codes, (rank0, rank1) = run_ranks(llama, tmp_path, "skewed")
     assert codes == [0, 0], (rank0["error"], rank1["error"])
     assert rank0["plan"] == rank1["plan"]
-    assert rank0["plan"]["profile"]["torch_peak_bytes"] == max(r["plan"]["profile"]["torch_peak_bytes"] for r in (rank0, rank1))
+    assert rank0["plan"]["profile"]["torch_peak_bytes"] == max(
+        r["plan"]["profile"]["torch_peak_bytes"] for r in (rank0, rank1)
+    )
     profiling, capacity = stage_span(tmp_path, 0, "profiling"), stage_span(tmp_path, 0, "capacity")
-    agreed = {k: v for e in profiling["events"] + capacity["events"] if e["name"] == "bootstrap.collective.attempt"
-              for k, v in e["attributes"].items()}  # fmt: skip
+    agreed = {
+        k: v
+        for e in profiling["events"] + capacity["events"]
+        if e["name"] == "bootstrap.collective.attempt"
+        for k, v in e["attributes"].items()
+    }
     assert agreed["bootstrap.memory.torch_peak_bytes.local"] < rank0["plan"]["profile"]["torch_peak_bytes"]
     assert agreed["bootstrap.kv.budget_bytes.local"] == 2 * rank0["plan"]["planned_kv_budget_bytes"]
     assert capacity["attributes"]["bootstrap.kv.budget_bytes"] == rank0["plan"]["planned_kv_budget_bytes"]
@@ -116,10 +125,15 @@ def test_an_oom_on_rank_1_in_profiling_is_retried_on_both_ranks_the_same_way(lla
         attempts = [s for s in spans(tmp_path, rank) if s["name"] == "bootstrap.stage.profiling.attempt"]
         assert [a["attributes"]["bootstrap.outcome"] for a in attempts] == ["failed", "ok"]
         error = attempts[0]["events"][0]["attributes"]["exception.message"]
-        assert error.startswith("rank 1 failed: ProbeOutOfMemory: CUDA out of memory") and "(rank 1, 128 tokens)" in error
+        assert (
+            error.startswith("rank 1 failed: ProbeOutOfMemory: CUDA out of memory") and "(rank 1, 128 tokens)" in error
+        )
         adaptations.append({k: v for k, v in attempts[1]["attributes"].items() if k.startswith("bootstrap.adapt.")})
-        failed = [e for e in stage_span(tmp_path, rank, "profiling")["events"]
-                  if e["attributes"].get("bootstrap.collective.outcome") == "failed"]  # fmt: skip
+        failed = [
+            e
+            for e in stage_span(tmp_path, rank, "profiling")["events"]
+            if e["attributes"].get("bootstrap.collective.outcome") == "failed"
+        ]
         assert [e["attributes"]["bootstrap.collective.failed_rank"] for e in failed] == [1]
     assert adaptations[0] == adaptations[1] and "bootstrap.adapt.probe_tokens" in adaptations[0]
     assert results[0]["plan"] == results[1]["plan"]
@@ -147,11 +161,38 @@ def test_a_rank_that_hangs_is_named_by_the_other_within_the_timeout(llama, tmp_p
 
 def test_run_tp_2_launches_the_ranks_and_only_rank_0_prints(llama, tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "bootstrap.cli", "run", "--device", "cpu", "--model", str(llama), "--tp", "2",
-         "--prompt", PROMPT, "--max-tokens", "8", "--temperature", "0", "--json",
-         "--max-seq-len", "64", "--max-batch-size", "4", "--max-num-tokens", "128", "--dist-timeout", str(TIMEOUT_S)],
-        capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2],
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "bootstrap.cli",
+            "run",
+            "--device",
+            "cpu",
+            "--model",
+            str(llama),
+            "--tp",
+            "2",
+            "--prompt",
+            PROMPT,
+            "--max-tokens",
+            "8",
+            "--temperature",
+            "0",
+            "--json",
+            "--max-seq-len",
+            "64",
+            "--max-batch-size",
+            "4",
+            "--max-num-tokens",
+            "128",
+            "--dist-timeout",
+            str(TIMEOUT_S),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).parents[2],
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)  # one JSON object: rank 1 printed nothing
     ids = AutoTokenizer.from_pretrained(llama)(PROMPT)["input_ids"]

@@ -23,16 +23,32 @@ from bootstrap.engine.tokenizer import Tokenizer as OwnTokenizer
 from bootstrap.engine.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
-TEXTS = ["Hello world!", "  leading spaces and   runs   ", "unicode: héllo wörld — 日本語 🚀", "", "w1 w5 w9 w255 w999",
-         "w5 w17 w33 w9 w100 w42 w7",  # special tokens (w1) inside words
-         "<|im_start|>user inside<|im_end|>", "<s>bos in text</s>", "digits 1234567 and 3.14, x=42",
-         "cafe\u0301 and café", "tabs\tand\r\nnew\n\n  lines\n", "<start_of_turn>user\nHi<end_of_turn>\n",
-         "<bos>x<eos><pad><mask>", "<think>\nhm\n</think>\n\nok<|endoftext|>", " leading and trailing "]  # fmt: skip
+TEXTS = [
+    "Hello world!",
+    "  leading spaces and   runs   ",
+    "unicode: héllo wörld — 日本語 🚀",
+    "",
+    "w1 w5 w9 w255 w999",
+    "w5 w17 w33 w9 w100 w42 w7",  # special tokens (w1) inside words
+    "<|im_start|>user inside<|im_end|>",
+    "<s>bos in text</s>",
+    "digits 1234567 and 3.14, x=42",
+    "cafe\u0301 and café",
+    "tabs\tand\r\nnew\n\n  lines\n",
+    "<start_of_turn>user\nHi<end_of_turn>\n",
+    "<bos>x<eos><pad><mask>",
+    "<think>\nhm\n</think>\n\nok<|endoftext|>",
+    " leading and trailing ",
+]
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi ✨"},
-     {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "w7 again"}],
-]  # fmt: skip
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi ✨"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "w7 again"},
+    ],
+]
 LLAMA3_STYLE = (
     "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
     "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
@@ -47,11 +63,16 @@ def bpe_checkpoint(path: Path, add_bos: bool) -> Path:
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = __import__("tokenizers").decoders.ByteLevel()
     specials = ["<s>", "</s>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     backend.train_from_iterator([*TEXTS, *[m["content"] for c in CHATS for m in c]] * 20, trainer)
-    backend.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                           special_tokens=[("<s>", backend.token_to_id("<s>"))])  # fmt: skip
-    fast = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="<|eot_id|>", add_bos_token=add_bos)
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", backend.token_to_id("<s>"))]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="<|eot_id|>", add_bos_token=add_bos
+    )
     fast.chat_template = LLAMA3_STYLE
     fast.save_pretrained(path)
     return path
@@ -95,8 +116,9 @@ def _save(path: Path, backend: Tokenizer, config: dict, model_type: str, templat
     return path
 
 
-def qwen_checkpoint(path: Path, model_type: str = "qwen2", tokenizer_class: str | None = "Qwen2Tokenizer",
-                    as_shipped: bool = True) -> Path:  # fmt: skip
+def qwen_checkpoint(
+    path: Path, model_type: str = "qwen2", tokenizer_class: str | None = "Qwen2Tokenizer", as_shipped: bool = True
+) -> Path:
     """A byte-level BPE trained here. ``as_shipped``: as Qwen2 / Qwen3 ship it (NFC, the Qwen2 split
     then ByteLevel without its regex, a ByteLevel post-processor, ``<|endoftext|>``, ``<|im_start|>``,
     ``<|im_end|>`` added after the vocab and Qwen3's ``<think>`` / ``</think>`` as non-special added
@@ -108,13 +130,18 @@ def qwen_checkpoint(path: Path, model_type: str = "qwen2", tokenizer_class: str 
     backend = Tokenizer(models.BPE())
     if as_shipped:
         backend.normalizer = normalizers.NFC()
-        backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])  # fmt: skip
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+            ]
+        )
     else:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
     backend.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
-    trainer = trainers.BpeTrainer(vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     backend.train_from_iterator(CORPUS, trainer)
     if as_shipped:
         backend.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
@@ -123,11 +150,22 @@ def qwen_checkpoint(path: Path, model_type: str = "qwen2", tokenizer_class: str 
     if not as_shipped:  # a fine-tune that names its reasoning tokens special (Qwen2Tokenizer then makes them so)
         config = {"tokenizer_class": tokenizer_class, "additional_special_tokens": ["<think>", "</think>"]}
         return _save(path, backend, config, model_type, CHATML)
-    config = {"add_bos_token": False, "add_prefix_space": False, "added_tokens_decoder": _added_tokens_decoder(backend),
-              "additional_special_tokens": QWEN_SPECIALS[1:], "bos_token": None, "chat_template": CHATML,
-              "clean_up_tokenization_spaces": False, "eos_token": "<|im_end|>", "errors": "replace",
-              "model_max_length": 32768, "pad_token": "<|endoftext|>", "split_special_tokens": False,
-              "tokenizer_class": tokenizer_class, "unk_token": None}  # fmt: skip
+    config = {
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "added_tokens_decoder": _added_tokens_decoder(backend),
+        "additional_special_tokens": QWEN_SPECIALS[1:],
+        "bos_token": None,
+        "chat_template": CHATML,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>",
+        "errors": "replace",
+        "model_max_length": 32768,
+        "pad_token": "<|endoftext|>",
+        "split_special_tokens": False,
+        "tokenizer_class": tokenizer_class,
+        "unk_token": None,
+    }
     _save(path, backend, config, model_type)
     data = json.loads((path / "tokenizer.json").read_text())  # merges as "a b" strings, as Qwen's files have them
     data["model"]["merges"] = [" ".join(merge) for merge in data["model"]["merges"]]
@@ -135,8 +173,9 @@ def qwen_checkpoint(path: Path, model_type: str = "qwen2", tokenizer_class: str 
     return path
 
 
-def gemma_checkpoint(path: Path, model_type: str = "gemma", tokenizer_class: str | None = "GemmaTokenizer",
-                     as_shipped: bool = True) -> Path:  # fmt: skip
+def gemma_checkpoint(
+    path: Path, model_type: str = "gemma", tokenizer_class: str | None = "GemmaTokenizer", as_shipped: bool = True
+) -> Path:
     """A sentencepiece-like BPE with byte fallback as Gemma's tokenizer.json has it: its special
     tokens first (``<pad>``, ``<eos>``, ``<bos>``, ``<unk>``, ``<mask>``, ``<start_of_turn>``,
     ``<end_of_turn>``), the 256 byte pieces, then pieces trained here on the ASCII texts (the others
@@ -149,7 +188,9 @@ def gemma_checkpoint(path: Path, model_type: str = "gemma", tokenizer_class: str
     trained = Tokenizer(models.BPE())
     trained.normalizer = normalizers.Replace(" ", "▁")
     trained.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
-    trained.train_from_iterator([t for t in CORPUS if t.isascii()], trainers.BpeTrainer(vocab_size=300, show_progress=False))
+    trained.train_from_iterator(
+        [t for t in CORPUS if t.isascii()], trainers.BpeTrainer(vocab_size=300, show_progress=False)
+    )
     model = json.loads(trained.to_str())["model"]
     specials = GEMMA_SPECIALS if as_shipped else [t for t in GEMMA_SPECIALS if t != "<mask>"]
     pieces = [*specials, *(f"<0x{b:02X}>" for b in range(256)), *sorted(model["vocab"], key=model["vocab"].get)]
@@ -162,26 +203,47 @@ def gemma_checkpoint(path: Path, model_type: str = "gemma", tokenizer_class: str
         # the turn tokens added as plain tokens, one of them named EOS (GemmaTokenizer then makes it special)
         backend.add_special_tokens(specials[:-2])
         backend.add_tokens([AddedToken(t, normalized=False) for t in specials[-2:]])
-        config = {"add_bos_token": True, "bos_token": "<bos>", "eos_token": "<end_of_turn>", "tokenizer_class": tokenizer_class}
+        config = {
+            "add_bos_token": True,
+            "bos_token": "<bos>",
+            "eos_token": "<end_of_turn>",
+            "tokenizer_class": tokenizer_class,
+        }
         return _save(path, backend, config, model_type, GEMMA_STYLE)
     backend.normalizer = normalizers.Replace(" ", "▁")
     backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
-    backend.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B",
-                                                           special_tokens=[("<bos>", vocab["<bos>"])])  # fmt: skip
+    backend.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", vocab["<bos>"])]
+    )
     backend.add_special_tokens(specials)
-    config = {"add_bos_token": True, "add_eos_token": False, "added_tokens_decoder": _added_tokens_decoder(backend),
-              "additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"], "bos_token": "<bos>",
-              "chat_template": GEMMA_STYLE, "clean_up_tokenization_spaces": False, "eos_token": "<eos>",
-              "model_max_length": 1000000000000000019884624838656, "pad_token": "<pad>", "sp_model_kwargs": {},
-              "spaces_between_special_tokens": False, "tokenizer_class": tokenizer_class, "unk_token": "<unk>",
-              "use_default_system_prompt": False}  # fmt: skip
+    config = {
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "added_tokens_decoder": _added_tokens_decoder(backend),
+        "additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"],
+        "bos_token": "<bos>",
+        "chat_template": GEMMA_STYLE,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<eos>",
+        "model_max_length": 1000000000000000019884624838656,
+        "pad_token": "<pad>",
+        "sp_model_kwargs": {},
+        "spaces_between_special_tokens": False,
+        "tokenizer_class": tokenizer_class,
+        "unk_token": "<unk>",
+        "use_default_system_prompt": False,
+    }
     return _save(path, backend, config, model_type)
 
 
-REBUILT = {"qwen2": lambda p: qwen_checkpoint(p), "qwen3": lambda p: qwen_checkpoint(p, "qwen3"),
-           "qwen2-file-overridden": lambda p: qwen_checkpoint(p, "qwen2", "Qwen2TokenizerFast", as_shipped=False),
-           "gemma": lambda p: gemma_checkpoint(p), "gemma2": lambda p: gemma_checkpoint(p, "gemma2"),
-           "gemma-file-overridden": lambda p: gemma_checkpoint(p, "gemma", "GemmaTokenizerFast", as_shipped=False)}  # fmt: skip
+REBUILT = {
+    "qwen2": lambda p: qwen_checkpoint(p),
+    "qwen3": lambda p: qwen_checkpoint(p, "qwen3"),
+    "qwen2-file-overridden": lambda p: qwen_checkpoint(p, "qwen2", "Qwen2TokenizerFast", as_shipped=False),
+    "gemma": lambda p: gemma_checkpoint(p),
+    "gemma2": lambda p: gemma_checkpoint(p, "gemma2"),
+    "gemma-file-overridden": lambda p: gemma_checkpoint(p, "gemma", "GemmaTokenizerFast", as_shipped=False),
+}
 
 
 def word_checkpoint(path: Path) -> Path:
@@ -256,17 +318,31 @@ def test_where_the_class_overrides_the_file_the_file_as_it_is_differs(variant, t
     assert json.loads(own.backend.to_str()) == json.loads(reference.backend_tokenizer.to_str())
 
 
-@pytest.mark.parametrize("model_type, tokenizer_class, expected", [
-    (None, "Qwen2TokenizerFast", "Qwen2Tokenizer"), ("llama", "GemmaTokenizer", "GemmaTokenizer"),
-    ("qwen2", None, "Qwen2Tokenizer"), ("qwen2", "TokenizersBackend", "Qwen2Tokenizer"),
-    ("qwen2", "GemmaTokenizerFast", "Qwen2Tokenizer"), ("qwen2", "LlamaTokenizer", "Qwen2Tokenizer"),
-    ("qwen3", None, "Qwen2Tokenizer"), ("qwen3", "TokenizersBackend", "TokenizersBackend"),
-    ("qwen3", "GemmaTokenizer", "GemmaTokenizer"), ("gemma", None, "GemmaTokenizer"),
-    ("gemma2", "PreTrainedTokenizerFast", "TokenizersBackend"), ("gemma2", "Qwen2Tokenizer", "Qwen2Tokenizer"),
-    ("gemma", "LlamaTokenizer", None), ("qwen3", "LlamaTokenizerFast", None), ("mistral", "Qwen2Tokenizer", None),
-    ("gemma2", None, "GemmaTokenizer"), ("phi3", None, None), ("qwen3", "config.json:TokenizersBackend", "TokenizersBackend"),
-    ("gemma", "config.json:Qwen2TokenizerFast", "Qwen2Tokenizer"), ("llama", "config.json:LlamaTokenizerFast", None),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "model_type, tokenizer_class, expected",
+    [
+        (None, "Qwen2TokenizerFast", "Qwen2Tokenizer"),
+        ("llama", "GemmaTokenizer", "GemmaTokenizer"),
+        ("qwen2", None, "Qwen2Tokenizer"),
+        ("qwen2", "TokenizersBackend", "Qwen2Tokenizer"),
+        ("qwen2", "GemmaTokenizerFast", "Qwen2Tokenizer"),
+        ("qwen2", "LlamaTokenizer", "Qwen2Tokenizer"),
+        ("qwen3", None, "Qwen2Tokenizer"),
+        ("qwen3", "TokenizersBackend", "TokenizersBackend"),
+        ("qwen3", "GemmaTokenizer", "GemmaTokenizer"),
+        ("gemma", None, "GemmaTokenizer"),
+        ("gemma2", "PreTrainedTokenizerFast", "TokenizersBackend"),
+        ("gemma2", "Qwen2Tokenizer", "Qwen2Tokenizer"),
+        ("gemma", "LlamaTokenizer", None),
+        ("qwen3", "LlamaTokenizerFast", None),
+        ("mistral", "Qwen2Tokenizer", None),
+        ("gemma2", None, "GemmaTokenizer"),
+        ("phi3", None, None),
+        ("qwen3", "config.json:TokenizersBackend", "TokenizersBackend"),
+        ("gemma", "config.json:Qwen2TokenizerFast", "Qwen2Tokenizer"),
+        ("llama", "config.json:LlamaTokenizerFast", None),
+    ],
+)
 def test_the_pipeline_is_that_of_the_class_transformers_picks(model_type, tokenizer_class, expected, tmp_path):
     """Which class AutoTokenizer picks for a model type and the class tokenizer_config.json (or,
     where it names none, config.json) names, on a Qwen-style or Gemma-style checkpoint whose file
@@ -274,7 +350,9 @@ def test_the_pipeline_is_that_of_the_class_transformers_picks(model_type, tokeni
     (TokenizersBackend: the file as it is), or left to transformers (None)."""
     build = gemma_checkpoint if "Gemma" in str(expected) else qwen_checkpoint
     in_model_config = str(tokenizer_class).startswith("config.json:")
-    path = build(tmp_path / "ckpt", model_type or "llama", None if in_model_config else tokenizer_class, as_shipped=False)
+    path = build(
+        tmp_path / "ckpt", model_type or "llama", None if in_model_config else tokenizer_class, as_shipped=False
+    )
     if in_model_config:
         model_config = json.loads((path / "config.json").read_text())
         (path / "config.json").write_text(json.dumps({**model_config, "tokenizer_class": tokenizer_class[12:]}))
@@ -364,15 +442,24 @@ def without_transformers(script: str) -> str:
     """Run ``script`` in a fresh interpreter and assert it exited 0 with no transformers module
     ever imported; its stdout before the module list."""
     listing = "import sys\nprint('TRANSFORMERS', sorted(m for m in sys.modules if m == 'transformers' or m.startswith('transformers.')))\n"
-    done = subprocess.run([sys.executable, "-c", f"{script}\n{listing}"], check=False, cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", f"{script}\n{listing}"],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     assert "TRANSFORMERS []" in done.stdout, done.stdout[-500:]
     return done.stdout[: done.stdout.rindex("TRANSFORMERS")]
 
 
-FAMILY_DIRS = {"llama": word_checkpoint, "mistral": lambda p: save_checkpoint("mistral", p, chat_template=CHAT_TEMPLATE),
-               **{name: REBUILT[name] for name in ("qwen2", "qwen3", "gemma", "gemma2")}}  # fmt: skip
+FAMILY_DIRS = {
+    "llama": word_checkpoint,
+    "mistral": lambda p: save_checkpoint("mistral", p, chat_template=CHAT_TEMPLATE),
+    **{name: REBUILT[name] for name in ("qwen2", "qwen3", "gemma", "gemma2")},
+}
 
 
 def with_weights(path: Path, family: str) -> Path:
@@ -380,8 +467,17 @@ def with_weights(path: Path, family: str) -> Path:
     if (path / "model.safetensors").is_file():
         return path
     vocab = Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size()
-    config = AutoConfig.for_model(family, vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)  # fmt: skip
+    config = AutoConfig.for_model(
+        family,
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     return path

@@ -18,8 +18,26 @@ import pytest
 from helpers.tiny_models import save_checkpoint
 
 ROOT = Path(__file__).parents[2]
-RUN = ["run", "--device", "cpu", "--prompt", "w5 w17 w33", "--max-tokens", "8", "--temperature", "0",
-       "--max-seq-len", "64", "--max-batch-size", "4", "--max-num-tokens", "128", "--no-plan-cache", "--dist-timeout", "60"]  # fmt: skip
+RUN = [
+    "run",
+    "--device",
+    "cpu",
+    "--prompt",
+    "w5 w17 w33",
+    "--max-tokens",
+    "8",
+    "--temperature",
+    "0",
+    "--max-seq-len",
+    "64",
+    "--max-batch-size",
+    "4",
+    "--max-num-tokens",
+    "128",
+    "--no-plan-cache",
+    "--dist-timeout",
+    "60",
+]
 TORCHRUN = shutil.which("torchrun") or ""
 
 
@@ -46,8 +64,14 @@ def torchrun(*argv: str) -> subprocess.CompletedProcess:
 def same_run(result: dict) -> dict:
     """What must match: the text, tokens, stages and the plan's sizes (not its measured bytes)."""
     plan = {k: v for k, v in result["plan"].items() if not k.endswith("_bytes") and k not in ("profile", "pools")}
-    return {"text": result["text"], "token_ids": result["token_ids"], "finish_reason": result["finish_reason"],
-            "stages": [(s["id"], s["outcome"], s["attempts"]) for s in result["stages"]], "plan": plan, "error": result["error"]}  # fmt: skip
+    return {
+        "text": result["text"],
+        "token_ids": result["token_ids"],
+        "finish_reason": result["finish_reason"],
+        "stages": [(s["id"], s["outcome"], s["attempts"]) for s in result["stages"]],
+        "plan": plan,
+        "error": result["error"],
+    }
 
 
 @pytest.mark.skipif(not TORCHRUN, reason="torch ships torchrun; this environment has no console script for it")
@@ -62,8 +86,10 @@ def test_torchrun_and_tp_2_give_the_same_run(llama):
 
 @pytest.mark.skipif(not TORCHRUN, reason="torch ships torchrun; this environment has no console script for it")
 def test_the_start_line_is_printed_once_under_either_launcher(llama):
-    for done in (launched([sys.executable, "-m", "bootstrap.cli", *RUN, "--model", str(llama), "--tp", "2"]),
-                 torchrun(*RUN, "--model", str(llama), "--tp", "2")):  # fmt: skip
+    for done in (
+        launched([sys.executable, "-m", "bootstrap.cli", *RUN, "--model", str(llama), "--tp", "2"]),
+        torchrun(*RUN, "--model", str(llama), "--tp", "2"),
+    ):
         assert done.returncode == 0, done.stderr[-2000:]
         starts = [line for line in done.stderr.splitlines() if line.startswith("bootstrap run: ")]
         assert starts == [f"bootstrap run: {llama} on cpu x2 ranks (native backend)"]
@@ -76,10 +102,13 @@ def test_torchrun_without_tp_is_refused_once_before_any_stage(llama, late, tmp_p
     # Rank 1 refuses first when rank 0 starts late (a loaded machine: CI met it); torchrun then
     # SIGTERMs the rest at once, so rank 1 must wait for rank 0 to say it and end the run.
     script = tmp_path / "late_rank_0.py"
-    script.write_text(f"import os, time\nif os.environ['RANK'] == '0':\n    time.sleep({late})\n"
-                      "from bootstrap.cli.main import entry\nentry()\n")  # fmt: skip
-    done = launched([TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()), str(script), *RUN,
-                     "--model", str(llama)])  # fmt: skip
+    script.write_text(
+        f"import os, time\nif os.environ['RANK'] == '0':\n    time.sleep({late})\n"
+        "from bootstrap.cli.main import entry\nentry()\n"
+    )
+    done = launched(
+        [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()), str(script), *RUN, "--model", str(llama)]
+    )
     ours = [line for line in done.stderr.splitlines() if line.startswith("bootstrap: ")]
     assert ours == ["bootstrap: tensor_parallel_size: 1, but the launcher started 2 ranks (WORLD_SIZE 2); pass --tp 2"]
     assert "resolve_classes" not in done.stderr and done.returncode != 0  # torchrun's own status for failed ranks

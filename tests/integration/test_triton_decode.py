@@ -15,7 +15,7 @@ import pytest
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import torch
     from bootstrap.engine.kernels.paged_kv import available, paged_decode
 
@@ -66,7 +66,7 @@ SCRIPT = textwrap.dedent('''
     untouched[slots] = False
     assert torch.equal(flat_k[untouched], kc.view(-1, KVH, D)[untouched])
     print("ok")
-''')
+""")
 
 
 def test_kernels_match_direct_attention_and_writes():

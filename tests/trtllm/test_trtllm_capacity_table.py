@@ -120,8 +120,13 @@ async def plan(gpu: str = "h100-80gb", **overrides) -> dict:
         artifacts = await pipeline.run()
     finally:
         await pipeline.aclose()
-    return {"config": config, "plan": artifacts["plan"], "budgets": artifacts["budgets"],
-            "profile": artifacts["profile"].to_dict(), "final": artifacts["final"]}  # fmt: skip
+    return {
+        "config": config,
+        "plan": artifacts["plan"],
+        "budgets": artifacts["budgets"],
+        "profile": artifacts["profile"].to_dict(),
+        "final": artifacts["final"],
+    }
 
 
 def free_after_probe(p: dict) -> int:
@@ -135,8 +140,9 @@ def assert_v1_tokens(p: dict, slope: int) -> int:
     config, ours = p["config"], p["plan"]
     assert ours.cost == CacheCost(slope)
     fraction = config.free_gpu_memory_fraction or TRT_DEFAULT_FRACTION
-    max_tokens, _ = trt_capacity_v1(trt_budget(p["profile"], fraction), slope,
-                                    config.max_kv_tokens, config.max_kv_bytes)  # fmt: skip
+    max_tokens, _ = trt_capacity_v1(
+        trt_budget(p["profile"], fraction), slope, config.max_kv_tokens, config.max_kv_bytes
+    )
     assert max_tokens < fraction * free_after_probe(p) / slope  # max_tokens binds
     blocks = trt_v1_blocks(max_tokens, fraction, free_after_probe(p), slope)
     assert ours.kv_tokens == blocks * TPB
@@ -188,11 +194,24 @@ async def test_sliding_windows_v1_unequal_groups(tmp_path: Path):
     not ``budget / (42 * layer)``; the V1 pricing follows the manager, not 'all layers'."""
     config = tmp_path / "config.json"
     types = ["sliding_attention" if i % 6 != 5 else "full_attention" for i in range(42)]
-    config.write_text(json.dumps({
-        "model_type": "gemma2", "vocab_size": 256000, "hidden_size": 3584, "intermediate_size": 14336,
-        "num_hidden_layers": 42, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
-        "max_position_embeddings": 8192, "sliding_window": 1024, "layer_types": types, "torch_dtype": "bfloat16",
-    }))  # fmt: skip
+    config.write_text(
+        json.dumps(
+            {
+                "model_type": "gemma2",
+                "vocab_size": 256000,
+                "hidden_size": 3584,
+                "intermediate_size": 14336,
+                "num_hidden_layers": 42,
+                "num_attention_heads": 16,
+                "num_key_value_heads": 8,
+                "head_dim": 256,
+                "max_position_embeddings": 8192,
+                "sliding_window": 1024,
+                "layer_types": types,
+                "torch_dtype": "bfloat16",
+            }
+        )
+    )
     p = await plan(model=str(config), max_num_tokens=2048, max_batch_size=16, kv_manager="v1")
     layer = trt_layer_bytes(8, 256, 1, 2)
     blocks = trt_v1_vswa_blocks(trt_budget(p["profile"], 0.9), {1024: 35 * layer, 8193: 7 * layer})
@@ -219,11 +238,22 @@ async def test_sliding_windows_v2_gemma2():
 def draft_config(tmp_path: Path) -> Path:
     """A Llama-3.2-1B-shaped draft's config.json: 16 layers, 8 KV heads of 64."""
     draft = tmp_path / "draft.json"
-    draft.write_text(json.dumps({
-        "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
-        "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
-        "max_position_embeddings": 131072, "tie_word_embeddings": True,
-    }))  # fmt: skip
+    draft.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "vocab_size": 128256,
+                "hidden_size": 2048,
+                "intermediate_size": 8192,
+                "num_hidden_layers": 16,
+                "num_attention_heads": 32,
+                "num_key_value_heads": 8,
+                "head_dim": 64,
+                "max_position_embeddings": 131072,
+                "tie_word_embeddings": True,
+            }
+        )
+    )
     return draft
 
 
@@ -236,7 +266,9 @@ async def test_two_model_draft_shares_tokens(tmp_path: Path):
     max_tokens, _ = trt_capacity_v1(trt_budget(p["profile"], 0.9), t + d, None, None)
     budgets = p["budgets"]
     assert budgets.target.tokens == budgets.draft.tokens == max_tokens // TPB * TPB
-    assert (budgets.target.gpu_bytes, budgets.draft.gpu_bytes) == trt_draft_shares(p["plan"].kv_budget_bytes, (t, 0), (d, 0))
+    assert (budgets.target.gpu_bytes, budgets.draft.gpu_bytes) == trt_draft_shares(
+        p["plan"].kv_budget_bytes, (t, 0), (d, 0)
+    )
 
 
 async def test_host_tier_split_by_slope(tmp_path: Path):
@@ -261,10 +293,20 @@ def test_encoder_decoder_cross_pool_split():
     budget, host = 50_000_000_017, 8_000_000_003
     tokens = budget // (self_cost.slope + cross_cost.slope) // TPB * TPB
     plan_ = CapacityPlan(
-        total_bytes=80 * 1024**3, peak_bytes=1, kv_budget_bytes=budget, kv_tokens=tokens, cost=self_cost + cross_cost,
-        tokens_per_block=TPB, max_seq_len=4096, max_batch_size=8, max_num_tokens=4096, max_concurrent_requests=8,
-        kv_requests=tokens // 4096, limited_by="memory", fraction=0.9,
-    )  # fmt: skip
+        total_bytes=80 * 1024**3,
+        peak_bytes=1,
+        kv_budget_bytes=budget,
+        kv_tokens=tokens,
+        cost=self_cost + cross_cost,
+        tokens_per_block=TPB,
+        max_seq_len=4096,
+        max_batch_size=8,
+        max_num_tokens=4096,
+        max_concurrent_requests=8,
+        kv_requests=tokens // 4096,
+        limited_by="memory",
+        fraction=0.9,
+    )
     budgets = split_budgets(plan_, target_cost=self_cost, cross_cost=cross_cost, cross_fraction=0.25, host_bytes=host)
     assert (budgets.target.gpu_bytes, budgets.cross.gpu_bytes) == trt_cross_split(budget, 0.25)
     assert (budgets.target.host_bytes, budgets.cross.host_bytes) == trt_cross_split(host, 0.25)

@@ -32,7 +32,11 @@ def test_plan_backend_trtllm_prices_as_the_v1_manager(capsys):
 def test_sliding_windows_price_per_manager(capsys):
     gemma = ("--model", "gemma-2-9b", "--gpu", "h100-80gb", "--max-batch-size", "16", "--max-num-tokens", "2048")
     results = {}
-    for name, extra in {"native": (), "v1": ("--backend", "trtllm"), "v2": ("--backend", "trtllm", "--kv-manager", "v2")}.items():
+    for name, extra in {
+        "native": (),
+        "v1": ("--backend", "trtllm"),
+        "v2": ("--backend", "trtllm", "--kv-manager", "v2"),
+    }.items():
         code, result, err = plan_json(capsys, *gemma, *extra)
         assert code == 0, err
         results[name] = result["plan"]
@@ -77,9 +81,25 @@ def test_run_with_backend_trtllm_without_tensorrt_llm_is_one_line_and_exit_2(cap
 
 def test_the_cli_end_to_end():
     done = subprocess.run(
-        [sys.executable, "-m", "bootstrap.cli", "plan", "--model", "gemma-2-9b", "--gpu", "h200", "--backend", "trtllm",
-         "--max-batch-size", "16", "--max-num-tokens", "2048"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "bootstrap.cli",
+            "plan",
+            "--model",
+            "gemma-2-9b",
+            "--gpu",
+            "h200",
+            "--backend",
+            "trtllm",
+            "--max-batch-size",
+            "16",
+            "--max-num-tokens",
+            "2048",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "KV priced as TensorRT-LLM's KVCacheManager allocates it (simulated GPU)" in done.stdout

@@ -33,10 +33,15 @@ def api_call_sites() -> list[tuple[str, int, str, str, set[str]]]:
     sites = []
     for path in sorted(ADAPTER_DIR.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in API_VERBS):
+            if not (
+                isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in API_VERBS
+            ):
                 continue
             owner = node.func.value
-            if not (isinstance(owner, ast.Name) and owner.id == "api" or isinstance(owner, ast.Attribute) and owner.attr == "api"):
+            if not (
+                (isinstance(owner, ast.Name) and owner.id == "api")
+                or (isinstance(owner, ast.Attribute) and owner.attr == "api")
+            ):
                 continue
             arg = node.args[API_VERBS[node.func.attr]]
             symbol = arg.value if isinstance(arg, ast.Constant) else _fstring_prefix(arg)
@@ -174,7 +179,10 @@ def test_the_fakes_reject_what_tensorrt_llm_would_reject():
     kv_cls = s.fake.import_module("tensorrt_llm.llmapi.llm_args").KvCacheConfig
     with pytest.raises(TypeError, match="use_kv_cache_manager_v2"):
         kv_cls(use_kv_cache_manager_v2=True)
-    assert "use_kv_cache_manager_v2" not in manifest_signature(default_manifest().symbol("KvCacheConfig", "1.2.1")).parameters
+    assert (
+        "use_kv_cache_manager_v2"
+        not in manifest_signature(default_manifest().symbol("KvCacheConfig", "1.2.1")).parameters
+    )
 
 
 def test_the_api_refuses_unknown_names_and_keywords():

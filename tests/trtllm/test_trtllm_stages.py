@@ -26,7 +26,9 @@ def trace_shape(spans) -> list[tuple]:
     for s in spans:
         parent = by_id[s.parent.span_id].name if s.parent else None
         a = s.attributes
-        rows.append((s.name, parent, a.get("bootstrap.outcome"), a.get("bootstrap.attempt"), a.get("bootstrap.attempts")))
+        rows.append(
+            (s.name, parent, a.get("bootstrap.outcome"), a.get("bootstrap.attempt"), a.get("bootstrap.attempts"))
+        )
     return sorted(rows, key=repr)
 
 
@@ -48,7 +50,9 @@ async def test_all_stages_succeed_with_the_native_trace_shape(version):
     s = make_setup(version)
     artifacts = await s.pipeline.run()
     # TensorRT-LLM captures its CUDA graphs inside its own executor creation: warmup is skipped
-    assert [s.pipeline.status[i].state for i in STAGE_IDS] == ["skipped" if i == "warmup" else "done" for i in STAGE_IDS]
+    assert [s.pipeline.status[i].state for i in STAGE_IDS] == [
+        "skipped" if i == "warmup" else "done" for i in STAGE_IDS
+    ]
     executor = artifacts["executor"]
     assert executor.is_running
     plan, final = artifacts["plan"], artifacts["final"]
@@ -92,7 +96,10 @@ async def test_final_build_oom_retries_with_a_smaller_budget(version):
     planned = artifacts["budgets"].target
     attempts = s.spans("bootstrap.stage.final_build.attempt")
     assert [a.status.status_code.name for a in attempts] == ["ERROR", "OK"]
-    assert attempts[1].attributes["bootstrap.adapt.target_bytes"] == f"{planned.gpu_bytes} -> {int(planned.gpu_bytes * 0.9)}"
+    assert (
+        attempts[1].attributes["bootstrap.adapt.target_bytes"]
+        == f"{planned.gpu_bytes} -> {int(planned.gpu_bytes * 0.9)}"
+    )
     smaller = int(planned.gpu_bytes * 0.9) // planned.cost.slope // 32 * 32
     final = artifacts["final"]
     assert final.pool_tokens["target"] == smaller and final.pool_bytes["target"] == smaller * planned.cost.slope
@@ -167,8 +174,9 @@ async def test_every_attempt_works_on_a_copy_of_the_users_arguments(version):
     probe = make_setup(version)  # a fake installation only to construct the user's TorchLlmArgs
     args_cls, kv_cls = probe.fake.cls("TorchLlmArgs"), probe.fake.cls("KvCacheConfig")
     user_kv = kv_cls(free_gpu_memory_fraction=0.9, tokens_per_block=32)
-    user_args = args_cls(model="llama-3.1-8b", max_batch_size=64, max_num_tokens=8192, max_seq_len=8192,
-                         kv_cache_config=user_kv)  # fmt: skip
+    user_args = args_cls(
+        model="llama-3.1-8b", max_batch_size=64, max_num_tokens=8192, max_seq_len=8192, kv_cache_config=user_kv
+    )
     s = make_setup(version, llm_args=user_args)
     assert isinstance(s.fake, FakeTrtllm)
     s.device.inject_oom("trtllm/forward", 1)

@@ -24,8 +24,15 @@ GUARDED = ["/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json", "/v1/mod
 
 
 def args(**overrides: object) -> argparse.Namespace:
-    values = dict(port=8000, shutdown_timeout=30.0, api_key=None, served_model_name=None, trace_file=None, otlp=False,
-                  backend_factory=None)  # fmt: skip
+    values = dict(
+        port=8000,
+        shutdown_timeout=30.0,
+        api_key=None,
+        served_model_name=None,
+        trace_file=None,
+        otlp=False,
+        backend_factory=None,
+    )
     return argparse.Namespace(**{**values, **overrides})
 
 

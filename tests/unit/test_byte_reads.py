@@ -22,8 +22,12 @@ def reader_threads() -> list[str]:
 
 
 @settings(max_examples=25, deadline=None)
-@given(sizes=st.lists(st.integers(0, 5000), min_size=1, max_size=12), piece=st.integers(1, 3000),
-       threads=st.integers(1, 6), data=st.data())  # fmt: skip
+@given(
+    sizes=st.lists(st.integers(0, 5000), min_size=1, max_size=12),
+    piece=st.integers(1, 3000),
+    threads=st.integers(1, 6),
+    data=st.data(),
+)
 def test_every_range_lands_byte_for_byte_whatever_the_pieces_and_threads(tmp_path_factory, sizes, piece, threads, data):
     file = tmp_path_factory.mktemp("bytes") / "blob"
     blob = torch.randint(0, 256, (sum(sizes) + 100,), dtype=torch.uint8)
@@ -48,22 +52,27 @@ def test_a_wider_dtype_is_filled_by_its_bytes(tmp_path):
 def test_a_file_shorter_than_its_ranges_is_an_error_naming_it_and_no_reader_is_left(tmp_path):
     file = tmp_path / "short.safetensors"
     file.write_bytes(bytes(1000))
-    ranges = [ByteRange(file, 0, torch.empty(600, dtype=torch.uint8)),
-              ByteRange(file, 600, torch.empty(800, dtype=torch.uint8))]
+    ranges = [
+        ByteRange(file, 0, torch.empty(600, dtype=torch.uint8)),
+        ByteRange(file, 600, torch.empty(800, dtype=torch.uint8)),
+    ]
     with pytest.raises(ValueError, match=r"short\.safetensors: ends at byte 1000"):
         read_ranges(ranges, threads=2, piece_bytes=100)
     assert reader_threads() == []
 
 
-@pytest.mark.parametrize("index, shape, start", [
-    ((), (4, 6), 0),
-    ((slice(1, 3),), (4, 6), 6),  # rows: one run
-    ((slice(None), slice(0, 3)), (4, 6), None),  # columns of several rows: not one run
-    ((slice(None), slice(2, 5)), (1, 6), 2),  # columns of a single row: one run
-    ((slice(0, 4, 2),), (4, 6), None),  # a step
-    ((slice(2, 4),), (8,), 2),
-    ((slice(None), slice(1, 2), slice(None)), (1, 3, 5), 5),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "index, shape, start",
+    [
+        ((), (4, 6), 0),
+        ((slice(1, 3),), (4, 6), 6),  # rows: one run
+        ((slice(None), slice(0, 3)), (4, 6), None),  # columns of several rows: not one run
+        ((slice(None), slice(2, 5)), (1, 6), 2),  # columns of a single row: one run
+        ((slice(0, 4, 2),), (4, 6), None),  # a step
+        ((slice(2, 4),), (8,), 2),
+        ((slice(None), slice(1, 2), slice(None)), (1, 3, 5), 5),
+    ],
+)
 def test_a_slice_is_read_directly_only_when_it_is_one_run_of_bytes(index, shape, start):
     assert _contiguous_start(index, shape) == start
     if start is not None:  # the run is what indexing gives
@@ -86,12 +95,15 @@ def test_the_header_gives_every_tensor_its_first_byte(tmp_path):
 SHORT = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
 
 
-@pytest.mark.parametrize("content, match", [
-    (b"\x01\x02", "not a safetensors file"),
-    (struct.pack("<Q", 10**9) + b"{}", "not a safetensors file"),
-    (struct.pack("<Q", 9) + b"not json!", "its header is not JSON"),
-    (struct.pack("<Q", len(SHORT)) + SHORT + bytes(8), "does not fit bytes 0..16"),  # 8 bytes where 16 belong
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        (b"\x01\x02", "not a safetensors file"),
+        (struct.pack("<Q", 10**9) + b"{}", "not a safetensors file"),
+        (struct.pack("<Q", 9) + b"not json!", "its header is not JSON"),
+        (struct.pack("<Q", len(SHORT)) + SHORT + bytes(8), "does not fit bytes 0..16"),  # 8 bytes where 16 belong
+    ],
+)
 def test_a_broken_header_is_an_error_naming_the_file(tmp_path, content, match):
     file = tmp_path / "broken.safetensors"
     file.write_bytes(content)

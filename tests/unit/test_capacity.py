@@ -34,14 +34,27 @@ MIB = 1024**2
 
 def profile(total=80 * GIB, peak=20 * GIB, probe=2 * GIB, model=16 * GIB, tokens=2048, non_torch=0) -> MemoryProfile:
     return MemoryProfile(
-        total_bytes=total, free_before_bytes=total - model, model_bytes=model, torch_peak_bytes=peak - non_torch,
-        torch_used_bytes=peak - non_torch, used_bytes=peak, probe_kv_bytes=probe, max_num_tokens=tokens,
+        total_bytes=total,
+        free_before_bytes=total - model,
+        model_bytes=model,
+        torch_peak_bytes=peak - non_torch,
+        torch_used_bytes=peak - non_torch,
+        used_bytes=peak,
+        probe_kv_bytes=probe,
+        max_num_tokens=tokens,
     )
 
 
 def plan(cost=CacheCost(131072), fraction=0.9, max_seq_len=4096, prof=None, **kw):
-    return plan_capacity(prof or profile(), cost=cost, fraction=fraction, max_seq_len=max_seq_len,
-                         max_batch_size=8, tokens_per_block=32, **kw)
+    return plan_capacity(
+        prof or profile(),
+        cost=cost,
+        fraction=fraction,
+        max_seq_len=max_seq_len,
+        max_batch_size=8,
+        tokens_per_block=32,
+        **kw,
+    )
 
 
 # --- costs -----------------------------------------------------------------------------------
@@ -104,9 +117,19 @@ def test_recurrent_state_goes_to_the_intercept():
 
 
 JAMBA_TINY = {
-    "model_type": "jamba", "architectures": ["JambaForCausalLM"], "vocab_size": 100, "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "num_experts": 4, "num_experts_per_tok": 2, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2,
+    "model_type": "jamba",
+    "architectures": ["JambaForCausalLM"],
+    "vocab_size": 100,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "mamba_d_state": 16,
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
 }
 
 
@@ -148,8 +171,16 @@ def test_plan_budget_by_hand():
 
 
 def test_memory_profile_peak_counts_non_torch_memory():
-    prof = MemoryProfile(total_bytes=100, free_before_bytes=90, model_bytes=10, torch_peak_bytes=40,
-                         torch_used_bytes=30, used_bytes=45, probe_kv_bytes=5, max_num_tokens=16)
+    prof = MemoryProfile(
+        total_bytes=100,
+        free_before_bytes=90,
+        model_bytes=10,
+        torch_peak_bytes=40,
+        torch_used_bytes=30,
+        used_bytes=45,
+        probe_kv_bytes=5,
+        max_num_tokens=16,
+    )
     assert prof.peak_bytes == 40 + 15
     assert prof.activation_bytes == 40 - 10 - 5
 
@@ -211,8 +242,9 @@ def test_cross_split():
 def test_split_budgets_cross_then_draft():
     target, draft, cross = CacheCost(131072), CacheCost(32768), CacheCost(65536)
     p = plan(cost=target + draft + cross)
-    pools = split_budgets(p, target_cost=target, draft_cost=draft, cross_cost=cross, cross_fraction=0.2,
-                          host_bytes=10 * GIB)
+    pools = split_budgets(
+        p, target_cost=target, draft_cost=draft, cross_cost=cross, cross_fraction=0.2, host_bytes=10 * GIB
+    )
     assert pools.cross.gpu_bytes == int(p.kv_budget_bytes * 0.2)
     self_bytes = p.kv_budget_bytes - pools.cross.gpu_bytes
     assert pools.draft.gpu_bytes == self_bytes * 32768 // (131072 + 32768)
@@ -283,15 +315,21 @@ def test_cross_split_conserves_and_is_monotonic(budget, fraction, extra):
 
 
 @settings(max_examples=60)
-@given(st.integers(4 * 1024, 64 * 1024), st.integers(1, 4 * 1024), st.integers(1, 4 * 1024),
-       st.sampled_from([16, 32, 64]), st.integers(0, 10**9))
+@given(
+    st.integers(4 * 1024, 64 * 1024),
+    st.integers(1, 4 * 1024),
+    st.integers(1, 4 * 1024),
+    st.sampled_from([16, 32, 64]),
+    st.integers(0, 10**9),
+)
 def test_pool_tokens_are_block_aligned(t_slope, d_slope, x_slope, tpb, host):
     target, draft, cross = CacheCost(t_slope), CacheCost(d_slope), CacheCost(x_slope)
     total = target + draft + cross
     p = plan_capacity(profile(), cost=total, fraction=0.5, max_seq_len=512, max_batch_size=4, tokens_per_block=tpb)
     assert p.kv_tokens % tpb == 0
-    pools = split_budgets(p, target_cost=target, draft_cost=draft, cross_cost=cross, cross_fraction=0.3,
-                          host_bytes=host)
+    pools = split_budgets(
+        p, target_cost=target, draft_cost=draft, cross_cost=cross, cross_fraction=0.3, host_bytes=host
+    )
     assert sum(x.gpu_bytes for x in pools.pools()) == p.kv_budget_bytes
     assert sum(x.host_bytes for x in pools.pools()) == host
     for pool in pools.pools():
@@ -346,16 +384,22 @@ def test_probe_is_capped_by_max_kv_tokens_floored_to_a_block_and_never_below_one
     free = 10**9
     assert cap_probe_tokens(320, cost=cost, free_bytes=free, fraction=0.9, tokens_per_block=32, max_kv_tokens=100) == 96
     assert cap_probe_tokens(320, cost=cost, free_bytes=free, fraction=0.9, tokens_per_block=32, max_kv_tokens=5) == 32
-    assert cap_probe_tokens(320, cost=cost, free_bytes=free, fraction=0.9, tokens_per_block=32, max_kv_tokens=10**6) == 320
+    assert (
+        cap_probe_tokens(320, cost=cost, free_bytes=free, fraction=0.9, tokens_per_block=32, max_kv_tokens=10**6) == 320
+    )
 
 
 def test_probe_room_is_the_fraction_of_free_memory_left_beside_the_overhead_and_max_kv_bytes():
     cost = CacheCost(slope=1000)
     # 0.5 x (400,000 - 200,000) holds 100 tokens = 3 blocks; without the overhead it would be 6
     assert cap_probe_tokens(320, cost=cost, free_bytes=400_000, fraction=0.5, tokens_per_block=32) == 192
-    assert cap_probe_tokens(320, cost=cost, free_bytes=400_000, fraction=0.5, tokens_per_block=32,
-                            overhead_bytes=200_000) == 96  # fmt: skip
-    assert cap_probe_tokens(320, cost=cost, free_bytes=10**9, fraction=0.9, tokens_per_block=32, max_kv_bytes=64_000) == 64
+    assert (
+        cap_probe_tokens(320, cost=cost, free_bytes=400_000, fraction=0.5, tokens_per_block=32, overhead_bytes=200_000)
+        == 96
+    )
+    assert (
+        cap_probe_tokens(320, cost=cost, free_bytes=10**9, fraction=0.9, tokens_per_block=32, max_kv_bytes=64_000) == 64
+    )
     with pytest.raises(CapacityError, match="max_kv_bytes") as info:
         cap_probe_tokens(320, cost=cost, free_bytes=10**9, fraction=0.9, tokens_per_block=32, max_kv_bytes=31_999)
     assert "limited by max_kv_bytes" in str(info.value)
@@ -363,8 +407,9 @@ def test_probe_room_is_the_fraction_of_free_memory_left_beside_the_overhead_and_
 
 def test_executor_state_beyond_free_memory_names_max_batch_size():
     with pytest.raises(CapacityError, match="temporary executor's state") as info:
-        cap_probe_tokens(320, cost=CacheCost(1000), free_bytes=10**6, fraction=0.9, tokens_per_block=32,
-                         overhead_bytes=2 * 10**6)  # fmt: skip
+        cap_probe_tokens(
+            320, cost=CacheCost(1000), free_bytes=10**6, fraction=0.9, tokens_per_block=32, overhead_bytes=2 * 10**6
+        )
     assert "lower max_batch_size" in str(info.value)
 
 
@@ -389,7 +434,8 @@ def test_the_probe_prices_every_layer_at_full_length_and_keeps_recurrent_state()
 
     jamba = parse_config(JAMBA_TINY)  # recurrent state is per sequence slot, probe or not
     assert probe_cost([jamba], kv_dtype_bytes=2, tp=1, max_batch_size=3) == model_cost(
-        jamba, kv_dtype_bytes=2, tp=1, max_batch_size=3, tokens_per_block=16)  # fmt: skip
+        jamba, kv_dtype_bytes=2, tp=1, max_batch_size=3, tokens_per_block=16
+    )
 
 
 # --- kv_headroom_bytes: all but a fixed headroom instead of a fraction ----------------------------
@@ -418,9 +464,17 @@ def test_a_headroom_larger_than_what_is_left_names_it():
 
 def test_probe_room_with_a_headroom_is_free_memory_less_the_headroom():
     cost = CacheCost(1000)
-    tokens = cap_probe_tokens(10**9, cost=cost, free_bytes=10**8, fraction=0.9, tokens_per_block=10,
-                              overhead_bytes=10**6, headroom_bytes=9 * 10**6)  # fmt: skip
+    tokens = cap_probe_tokens(
+        10**9,
+        cost=cost,
+        free_bytes=10**8,
+        fraction=0.9,
+        tokens_per_block=10,
+        overhead_bytes=10**6,
+        headroom_bytes=9 * 10**6,
+    )
     assert tokens == (10**8 - 10**6 - 9 * 10**6) // 1000
     with pytest.raises(CapacityError, match="limited by kv_headroom_bytes 99,995,000"):  # room for 5 tokens
-        cap_probe_tokens(10**9, cost=cost, free_bytes=10**8, fraction=0.9, tokens_per_block=10,
-                         headroom_bytes=10**8 - 5_000)  # fmt: skip
+        cap_probe_tokens(
+            10**9, cost=cost, free_bytes=10**8, fraction=0.9, tokens_per_block=10, headroom_bytes=10**8 - 5_000
+        )

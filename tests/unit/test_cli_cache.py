@@ -43,8 +43,11 @@ def caches(tmp_path) -> dict[str, Path]:
     checkpoint(smollm2.checkpoint_dir(models), 3_000_000)
     user.mkdir()
     (user / "mine.gguf").write_bytes(b"q" * 1000)
-    mine = checkpoint(conversions.converted_dir(user / "mine.gguf", models), 1_500_000,
-                      {"gguf": conversions.identity(user / "mine.gguf")})  # fmt: skip
+    mine = checkpoint(
+        conversions.converted_dir(user / "mine.gguf", models),
+        1_500_000,
+        {"gguf": conversions.identity(user / "mine.gguf")},
+    )
     gone = checkpoint(models / "gguf" / "old-0123456789abcdef", 500_000, {"gguf": {"path": str(user / "old.gguf")}})
     staging = models / f".{smollm2.checkpoint_dir(models).name}.x1y2z3"
     staging.mkdir()
@@ -92,8 +95,10 @@ def test_clear_deletes_both_caches_own_entries_and_says_how_much(caches, capsys)
     assert not caches["plans"].exists()
     assert sorted(p.name for p in caches["models"].iterdir()) == ["my-own-model", "notes.txt"]  # not the cache's
     assert cache("list", caches=caches) == OK
-    assert capsys.readouterr().out.splitlines() == [f"0 cached plan(s) in {caches['plans']}: 0.0 MB",
-                                                    f"0 model cache entries in {caches['models']}: 0.0 MB"]  # fmt: skip
+    assert capsys.readouterr().out.splitlines() == [
+        f"0 cached plan(s) in {caches['plans']}: 0.0 MB",
+        f"0 model cache entries in {caches['models']}: 0.0 MB",
+    ]
 
 
 @pytest.mark.parametrize("only, kept", [("--plans", "models"), ("--models", "plans")])

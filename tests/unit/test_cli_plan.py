@@ -41,9 +41,17 @@ def test_json_plan_for_llama_on_h100(capsys):
 def test_profiling_fault_retries_and_traces(capsys, tmp_path):
     trace = tmp_path / "t.jsonl"
     code, _, err = run_cli(
-        capsys, "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--json",
-        "--fault", "profiling:oom:1", "--trace-file", str(trace),
-    )  # fmt: skip
+        capsys,
+        "--model",
+        "llama-3.1-8b",
+        "--gpu",
+        "h100-80gb",
+        "--json",
+        "--fault",
+        "profiling:oom:1",
+        "--trace-file",
+        str(trace),
+    )
     assert code == 0, err
     spans = [json.loads(line) for line in trace.read_text().splitlines()]
     names = [s["name"] for s in spans]
@@ -82,9 +90,13 @@ def test_bad_input_exits_2_naming_the_field(capsys):
 
 @pytest.mark.parametrize(
     "text, message",
-    [("capacity:oom", "allocates no device memory"), ("nope:oom", "is not a stage"),
-     ("profiling:boom", "expected STAGE:oom"), ("profiling:oom:0", "N must be")],
-)  # fmt: skip
+    [
+        ("capacity:oom", "allocates no device memory"),
+        ("nope:oom", "is not a stage"),
+        ("profiling:boom", "expected STAGE:oom"),
+        ("profiling:oom:0", "N must be"),
+    ],
+)
 def test_fault_spec_errors(text, message):
     with pytest.raises(ValueError, match=message):
         parse_fault(text)
@@ -94,8 +106,11 @@ def test_fault_spec_errors(text, message):
 def test_console_script_is_installed():
     result = subprocess.run(
         [sys.executable, "-m", "bootstrap.cli", "plan", "--model", "mixtral-8x7b", "--gpu", "h200"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr
     assert "KV budget" in result.stdout and "profiling" in result.stdout
 
@@ -123,10 +138,23 @@ def test_a_file_in_the_way_of_an_output_directory_is_an_input_error(capsys, tmp_
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full, a file whose writes fail")
 def test_a_trace_file_on_a_full_disk_costs_one_stderr_line_not_the_run():
     result = subprocess.run(
-        [sys.executable, "-m", "bootstrap.cli", "plan", "--model", "llama-3.1-8b", "--gpu", "h100-80gb",
-         "--trace-file", "/dev/full"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "bootstrap.cli",
+            "plan",
+            "--model",
+            "llama-3.1-8b",
+            "--gpu",
+            "h100-80gb",
+            "--trace-file",
+            "/dev/full",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert result.returncode == 0 and "KV budget" in result.stdout
     assert result.stderr.splitlines() == [
         "could not export spans to trace file /dev/full (No space left on device); "
@@ -135,7 +163,9 @@ def test_a_trace_file_on_a_full_disk_costs_one_stderr_line_not_the_run():
 
 
 def test_json_plan_reports_what_final_build_allocated_after_a_shrink(capsys):
-    code, out, _ = run_cli(capsys, "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--fault", "final_build:oom:1", "--json")
+    code, out, _ = run_cli(
+        capsys, "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--fault", "final_build:oom:1", "--json"
+    )
     plan = json.loads(out)["plan"]
     assert code == 0
     assert plan["kv_budget_bytes"] == int(plan["planned_kv_budget_bytes"] * 0.9)
@@ -152,20 +182,43 @@ def test_trace_file_is_overwritten_by_each_run(capsys, tmp_path):
 
 
 def test_sliding_window_state_beyond_memory_is_an_input_error(capsys):
-    code, _, err = run_cli(capsys, "--model", "gemma-2-9b", "--gpu", "h200", "--max-batch-size", "256",
-                           "--max-seq-len", "8192", "--max-num-tokens", "8192")  # fmt: skip
+    code, _, err = run_cli(
+        capsys,
+        "--model",
+        "gemma-2-9b",
+        "--gpu",
+        "h200",
+        "--max-batch-size",
+        "256",
+        "--max-seq-len",
+        "8192",
+        "--max-num-tokens",
+        "8192",
+    )
     assert code == 2 and "estimation_build" in err and "lower max_batch_size" in err
 
 
 # The README's worked example, every figure of its derivation table (bytes).
 WORKED_EXAMPLE = {
-    "plan": {"kv_budget_bytes": 61_199_703_244, "kv_tokens": 466_912, "kv_blocks": 14_591, "kv_requests": 3,
-             "max_concurrent_requests": 3, "max_seq_len": 131_072, "total_bytes": 85_027_979_264,
-             "peak_bytes": 34_342_395_904},
-    "profile": {"total_bytes": 85_027_979_264, "model_bytes": 16_060_522_496 + 66_191_360,
-                "probe_kv_bytes": 17_314_086_912, "activation_bytes": 277_889_024,
-                "torch_peak_bytes": 33_718_689_792, "peak_bytes": 34_342_395_904},
-}  # fmt: skip
+    "plan": {
+        "kv_budget_bytes": 61_199_703_244,
+        "kv_tokens": 466_912,
+        "kv_blocks": 14_591,
+        "kv_requests": 3,
+        "max_concurrent_requests": 3,
+        "max_seq_len": 131_072,
+        "total_bytes": 85_027_979_264,
+        "peak_bytes": 34_342_395_904,
+    },
+    "profile": {
+        "total_bytes": 85_027_979_264,
+        "model_bytes": 16_060_522_496 + 66_191_360,
+        "probe_kv_bytes": 17_314_086_912,
+        "activation_bytes": 277_889_024,
+        "torch_peak_bytes": 33_718_689_792,
+        "peak_bytes": 34_342_395_904,
+    },
+}
 
 
 def test_the_worked_example_of_docs_memory_holds(capsys):

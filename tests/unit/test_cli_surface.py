@@ -40,7 +40,11 @@ def test_every_flag_has_help_and_says_its_default(command):
     for action in options(parser):
         text = formatter._get_help_string(action) or ""
         assert action.help, f"{command} {action.dest}: no help"
-        if action.option_strings and not action.required and not isinstance(action, argparse._StoreFalseAction | argparse._StoreTrueAction):  # fmt: skip
+        if (
+            action.option_strings
+            and not action.required
+            and not isinstance(action, argparse._StoreFalseAction | argparse._StoreTrueAction)
+        ):
             assert "default" in text, f"{command} {action.option_strings[0]}: help does not say the default: {text!r}"
 
 
@@ -66,6 +70,7 @@ def test_help_lists_every_command_and_the_exit_table(capsys):
 
 # ---- one exit-status table for every command --------------------------------------------------
 
+
 class Interrupt:
     """Stands for Ctrl-C reaching a command: what its work raises then."""
 
@@ -73,23 +78,30 @@ class Interrupt:
         raise KeyboardInterrupt
 
 
-@pytest.mark.parametrize("argv, status", [
-    (PLAN, OK),
-    ([*PLAN, "--fault", "profiling:oom:3"], STAGE_FAILED),  # every retry of a stage ran out of memory
-    (["plan", "--model", "llama-3.1-70b", "--gpu", "h200"], BAD_INPUT),  # the capacity stage: it cannot fit
-    ([*PLAN, "--max-batch-size", "0"], BAD_INPUT),
-    ([*PLAN, "--fault", "capacity:oom"], BAD_INPUT),
-    (["plan", "--model", "llama-3.1-8b", "--gpu", "tpu-v9"], BAD_INPUT),
-    (["run", "--max-tokens", "0"], BAD_INPUT),
-    (["run", "--max-batch-size", "0"], BAD_INPUT),
-    (["serve", "--port", "70000"], BAD_INPUT),
-    (["serve", "--max-seq-len", "1"], BAD_INPUT),
-    (["trace", "/no/such/trace.jsonl"], BAD_INPUT),
-    (["cache", "clear", "--plan-cache", "{tmp}/plans", "--model-cache", "{tmp}/models"], OK),
-    (["cache", "list", "--plan-cache", "{tmp}/plans", "--model-cache", "{tmp}/models"], OK),
-    (["cache", "list", "--model-cache", "{tmp}/plans", "--plans", "--models"], BAD_INPUT),  # one of the two, or both
-    (["plan", "--no-such-flag"], BAD_INPUT),  # argparse's own refusal
-], ids=lambda v: " ".join(v) if isinstance(v, list) else str(v))  # fmt: skip
+@pytest.mark.parametrize(
+    "argv, status",
+    [
+        (PLAN, OK),
+        ([*PLAN, "--fault", "profiling:oom:3"], STAGE_FAILED),  # every retry of a stage ran out of memory
+        (["plan", "--model", "llama-3.1-70b", "--gpu", "h200"], BAD_INPUT),  # the capacity stage: it cannot fit
+        ([*PLAN, "--max-batch-size", "0"], BAD_INPUT),
+        ([*PLAN, "--fault", "capacity:oom"], BAD_INPUT),
+        (["plan", "--model", "llama-3.1-8b", "--gpu", "tpu-v9"], BAD_INPUT),
+        (["run", "--max-tokens", "0"], BAD_INPUT),
+        (["run", "--max-batch-size", "0"], BAD_INPUT),
+        (["serve", "--port", "70000"], BAD_INPUT),
+        (["serve", "--max-seq-len", "1"], BAD_INPUT),
+        (["trace", "/no/such/trace.jsonl"], BAD_INPUT),
+        (["cache", "clear", "--plan-cache", "{tmp}/plans", "--model-cache", "{tmp}/models"], OK),
+        (["cache", "list", "--plan-cache", "{tmp}/plans", "--model-cache", "{tmp}/models"], OK),
+        (
+            ["cache", "list", "--model-cache", "{tmp}/plans", "--plans", "--models"],
+            BAD_INPUT,
+        ),  # one of the two, or both
+        (["plan", "--no-such-flag"], BAD_INPUT),  # argparse's own refusal
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else str(v),
+)
 def test_exit_status(argv, status, tmp_path, capsys):
     argv = [a.format(tmp=tmp_path) for a in argv]
     try:
@@ -115,11 +127,15 @@ def test_a_run_whose_stage_fails_at_run_time_exits_1(monkeypatch, capsys):
     assert "bootstrap failed at stage 'profiling' after 3 attempts" in json.loads(out)["error"]
 
 
-@pytest.mark.parametrize("command, target", [
-    ("plan", "bootstrap.cli.plan.anyio.run"),
-    ("run", "bootstrap.cli.run.anyio.run"),
-    ("trace", "bootstrap.cli.trace.command.read_spans"),
-], ids=str)  # fmt: skip
+@pytest.mark.parametrize(
+    "command, target",
+    [
+        ("plan", "bootstrap.cli.plan.anyio.run"),
+        ("run", "bootstrap.cli.run.anyio.run"),
+        ("trace", "bootstrap.cli.trace.command.read_spans"),
+    ],
+    ids=str,
+)
 def test_ctrl_c_exits_130(command, target, monkeypatch, tmp_path, capsys):
     trace = tmp_path / "t.jsonl"
     trace.write_text("")
@@ -139,6 +155,7 @@ def test_without_torch_run_and_serve_name_the_install_command(command, monkeypat
 
 
 # ---- --tp before any rank ---------------------------------------------------------------------
+
 
 def test_tp_that_does_not_divide_the_heads_exits_2_before_any_rank_starts(monkeypatch, tmp_path, capsys):
     config = {**preset_config("smollm2-135m"), "num_attention_heads": 9, "num_key_value_heads": 3}
@@ -167,11 +184,25 @@ def test_tp_over_a_source_ranks_cannot_load_exits_2_before_any_rank_starts(monke
 
 # ---- 80 columns -------------------------------------------------------------------------------
 
+
 def test_the_stage_table_fits_80_columns_uncut():
-    rows = [{"id": stage, "outcome": outcome, "attempts": 3, "duration_s": 11.8214, "free_bytes_before": 141 * 2**30,
-             "free_bytes_after": 2**30, "skip_reason": reason, "error": None}
-            for stage, outcome, reason in (("scheduler_sampler", "ok", None), ("estimation_build", "skipped", "plan-cache"),
-                                           ("warmup", "skipped", "unsupported"))]  # fmt: skip
+    rows = [
+        {
+            "id": stage,
+            "outcome": outcome,
+            "attempts": 3,
+            "duration_s": 11.8214,
+            "free_bytes_before": 141 * 2**30,
+            "free_bytes_after": 2**30,
+            "skip_reason": reason,
+            "error": None,
+        }
+        for stage, outcome, reason in (
+            ("scheduler_sampler", "ok", None),
+            ("estimation_build", "skipped", "plan-cache"),
+            ("warmup", "skipped", "unsupported"),
+        )
+    ]
     console = Console(width=80, record=True)
     console.print(stage_table(rows, title="ready in 13.25 s"))
     text = console.export_text()

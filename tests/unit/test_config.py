@@ -37,12 +37,30 @@ def test_every_bad_field_is_reported_at_once():
     assert "max_batch_size" in str(info.value) and "tokens_per_block" in str(info.value)
 
 
-VALID = {"model": "qwen3-8b", "device": "cpu", "dtype": "float16", "kv_cache_dtype": "fp8", "max_batch_size": 8,
-         "max_num_tokens": 2048, "max_seq_len": 1024, "tokens_per_block": 16, "free_gpu_memory_fraction": 0.5,
-         "max_kv_bytes": 1 << 30, "max_kv_tokens": 1000, "host_cache_bytes": 1 << 30, "draft_model": "smollm2-135m",
-         "cross_kv_cache_fraction": 0.5, "tensor_parallel_size": 2, "plan_cache": "/tmp/plans", "backend": "trtllm",
-         "kv_manager": "auto", "kv_headroom_bytes": 1 << 30, "cuda_graphs": False,
-         "cuda_graph_batch_sizes": (1, 2), "num_speculative_tokens": 3}  # fmt: skip
+VALID = {
+    "model": "qwen3-8b",
+    "device": "cpu",
+    "dtype": "float16",
+    "kv_cache_dtype": "fp8",
+    "max_batch_size": 8,
+    "max_num_tokens": 2048,
+    "max_seq_len": 1024,
+    "tokens_per_block": 16,
+    "free_gpu_memory_fraction": 0.5,
+    "max_kv_bytes": 1 << 30,
+    "max_kv_tokens": 1000,
+    "host_cache_bytes": 1 << 30,
+    "draft_model": "smollm2-135m",
+    "cross_kv_cache_fraction": 0.5,
+    "tensor_parallel_size": 2,
+    "plan_cache": "/tmp/plans",
+    "backend": "trtllm",
+    "kv_manager": "auto",
+    "kv_headroom_bytes": 1 << 30,
+    "cuda_graphs": False,
+    "cuda_graph_batch_sizes": (1, 2),
+    "num_speculative_tokens": 3,
+}
 NEEDS = {"num_speculative_tokens": {"draft_model": "smollm2-135m"}}  # a field valid only with another
 
 

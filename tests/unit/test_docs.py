@@ -61,8 +61,15 @@ def anchors(path: Path) -> set[str]:
 
 def test_the_documents_are_there():
     assert README.is_file() and BENCHMARKS.is_file()
-    assert {p.name for p in DOCS} >= {"design.md", "stages.md", "memory.md", "cuda-graphs.md", "serving.md",
-                                      "tensor-parallel.md", "trtllm.md"}  # fmt: skip
+    assert {p.name for p in DOCS} >= {
+        "design.md",
+        "stages.md",
+        "memory.md",
+        "cuda-graphs.md",
+        "serving.md",
+        "tensor-parallel.md",
+        "trtllm.md",
+    }
 
 
 def test_readme_is_at_most_200_lines():
@@ -116,8 +123,10 @@ def layout_table() -> dict[str, set[str]]:
     for node in ast.walk(tree):
         if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "ALLOWED":
             value = node.value
-            return {ast.literal_eval(k): {ast.literal_eval(e) for e in v.elts} if isinstance(v, ast.Set) else set()
-                    for k, v in zip(value.keys, value.values)}  # fmt: skip
+            return {
+                ast.literal_eval(k): {ast.literal_eval(e) for e in v.elts} if isinstance(v, ast.Set) else set()
+                for k, v in zip(value.keys, value.values)
+            }
     raise AssertionError("tests/unit/test_layout.py defines no ALLOWED table")
 
 

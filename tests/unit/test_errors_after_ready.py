@@ -92,8 +92,10 @@ def test_a_failure_after_ready_is_one_json_object_and_one_paragraph(how, monkeyp
 def test_a_failed_step_after_ready_names_its_error_without_json(monkeypatch, capsys):
     code, out, err = run(monkeypatch, capsys, "step")
     assert code == STAGE_FAILED, err
-    assert the_paragraph(err) == ("the generation failed after the executor was ready: RuntimeError: "
-                                  "[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:29500")  # fmt: skip
+    assert the_paragraph(err) == (
+        "the generation failed after the executor was ready: RuntimeError: "
+        "[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:29500"
+    )
     assert out.endswith("w7\n")  # the text streamed so far, its line ended
     assert "  engine: step of 1 requests failed\n" in err  # the engine's log: one line, no traceback
 
@@ -139,10 +141,35 @@ def test_a_rank_killed_after_ready_is_one_json_object_and_one_paragraph(tmp_path
     soon as it sees a rank end); then the launcher's one line names the rank that ended."""
     model = save_checkpoint("llama", tmp_path / "llama")
     (tmp_path / "ranks.py").write_text(RANKS)
-    argv = ["run", "--device", "cpu", "--model", str(model), "--tp", "2", "--prompt", "w5 w17", "--max-tokens", "20",
-            "--max-seq-len", "64", "--max-batch-size", "4", "--max-num-tokens", "128", "--dist-timeout", "20", "--json"]
-    done = subprocess.run([sys.executable, str(tmp_path / "ranks.py"), *argv], capture_output=True, text=True,
-                          timeout=300, cwd=Path(__file__).parents[2])  # fmt: skip
+    argv = [
+        "run",
+        "--device",
+        "cpu",
+        "--model",
+        str(model),
+        "--tp",
+        "2",
+        "--prompt",
+        "w5 w17",
+        "--max-tokens",
+        "20",
+        "--max-seq-len",
+        "64",
+        "--max-batch-size",
+        "4",
+        "--max-num-tokens",
+        "128",
+        "--dist-timeout",
+        "20",
+        "--json",
+    ]
+    done = subprocess.run(
+        [sys.executable, str(tmp_path / "ranks.py"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).parents[2],
+    )
     assert done.returncode == STAGE_FAILED, done.stderr[-3000:]
     result = json.loads(done.stdout)  # one object: rank 1 printed nothing
     *before, last = done.stderr.rstrip().splitlines()
@@ -150,7 +177,11 @@ def test_a_rank_killed_after_ready_is_one_json_object_and_one_paragraph(tmp_path
     acknowledged = "bootstrap: stopped by SIGTERM: shutting the executor down ..."
     if acknowledged in before:  # the launcher's stop came first: said at once, then the outcome
         before.remove(acknowledged)
-        assert result["error"] == the_paragraph("\n".join(before)) == "stopped by SIGTERM; completed stages were rolled back"
+        assert (
+            result["error"]
+            == the_paragraph("\n".join(before))
+            == "stopped by SIGTERM; completed stages were rolled back"
+        )
     else:
         assert result["error"] == the_paragraph("\n".join(before))
         assert result["error"].startswith("the generation failed after the executor was ready: RuntimeError: ")

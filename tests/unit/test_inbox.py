@@ -9,9 +9,9 @@ import torch
 
 from bootstrap.engine.executor.inbox import Inbox
 from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
+from bootstrap.engine.request.sequence import Sequence, next_request_id
 from bootstrap.engine.sampling.sampler import SamplingParams
 from bootstrap.engine.scheduler import Scheduler, SchedulerConfig
-from bootstrap.engine.request.sequence import Sequence, next_request_id
 
 
 def scheduler() -> Scheduler:

@@ -33,9 +33,12 @@ def test_a_real_cpu_allocation_failure_is_recognised():
 
 @pytest.mark.parametrize(
     "exc",
-    [RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)"), ValueError("bad value"),
-     OSError("No space left on device")],
+    [
+        RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)"),
+        ValueError("bad value"),
+        OSError("No space left on device"),
+    ],
     ids=lambda e: type(e).__name__,
-)  # fmt: skip
+)
 def test_other_errors_are_not(exc):
     assert not is_oom(exc)

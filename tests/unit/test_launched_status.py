@@ -12,18 +12,21 @@ from bootstrap.parallel.launch import Launched
 STOPPED = "; the launcher stopped the other ranks"
 
 
-@pytest.mark.parametrize("launched, status, line", [
-    (Launched({0: 0, 1: 0}), 0, None),
-    (Launched({1: 1}), 1, None),  # an agreed stage failure: rank 0 reports it
-    (Launched({0: 2, 1: 2}), 2, None),
-    (Launched({}, signal=15), 143, None),  # the launcher's own SIGTERM: every rank said so
-    (Launched({}, signal=1), 129, None),
-    (Launched({1: -9}), 1, "rank 1 was killed by SIGKILL" + STOPPED),
-    (Launched({0: 1, 1: 17}), 1, "rank 1 exited with status 17" + STOPPED),
-    (Launched({1: 143}), 143, "rank 1 was stopped by SIGTERM" + STOPPED),
-    (Launched({0: 1}, raised={0: "ValueError: a bug"}), 1, "rank 0 raised ValueError: a bug" + STOPPED),
-    (Launched({0: 2, 1: -6}), 1, "rank 1 was killed by SIGABRT" + STOPPED),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "launched, status, line",
+    [
+        (Launched({0: 0, 1: 0}), 0, None),
+        (Launched({1: 1}), 1, None),  # an agreed stage failure: rank 0 reports it
+        (Launched({0: 2, 1: 2}), 2, None),
+        (Launched({}, signal=15), 143, None),  # the launcher's own SIGTERM: every rank said so
+        (Launched({}, signal=1), 129, None),
+        (Launched({1: -9}), 1, "rank 1 was killed by SIGKILL" + STOPPED),
+        (Launched({0: 1, 1: 17}), 1, "rank 1 exited with status 17" + STOPPED),
+        (Launched({1: 143}), 143, "rank 1 was stopped by SIGTERM" + STOPPED),
+        (Launched({0: 1}, raised={0: "ValueError: a bug"}), 1, "rank 0 raised ValueError: a bug" + STOPPED),
+        (Launched({0: 2, 1: -6}), 1, "rank 1 was killed by SIGABRT" + STOPPED),
+    ],
+)
 def test_the_status_is_rank_0_s_and_a_rank_it_cannot_speak_for_is_named(launched, status, line):
     assert launched_status(launched) == (status, line)
 

@@ -1,7 +1,8 @@
 """The package layout is the architecture: read from the code's own imports (``ast``, every
 ``import`` and ``from ... import`` anywhere in a module, type-checking blocks and function-local
 imports included), there is no import circle between files, and every import between the rooms
-of ``bootstrap/`` goes down the table below. Run alone: ``python -m pytest tests/unit/test_layout.py``.
+of ``bootstrap/``, and between the rooms inside ``bootstrap/engine/``, goes down its table below.
+Run alone: ``python -m pytest tests/unit/test_layout.py``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,23 @@ ALLOWED: dict[str, set[str]] = {
     "devices": set(),
 }
 
+# Inside the engine, the same rule one floor down: room -> the engine rooms it may import (each
+# may also import what ``engine`` may, above). From the request API down to the kernels.
+ENGINE_ALLOWED: dict[str, set[str]] = {
+    "executor": {"spec", "scheduler", "step", "request", "sampling", "kv_cache"},  # the request API and its loop
+    "spec": {"step", "request", "sampling", "kv_cache"},  # speculative decoding: draft passes, verify, depth
+    "scheduler": {"step", "request", "kv_cache"},  # admission and the tokens of each step
+    "step": {"models", "layers", "kernels", "request", "kv_cache"},  # one forward: inputs, graphs, runner
+    "sources": {"models", "layers", "tokenizer"},  # where weights come from: checkpoints, GGUF, random
+    "models": {"layers", "kernels"},  # the six families' own model code
+    "layers": {"kernels", "kv_cache"},  # norms, rotary, linear, paged attention
+    "request": {"sampling"},  # one request's state: sequence, timing, prompt rules
+    "sampling": set(),  # sampling parameters, the batched sampler, logits processing
+    "kernels": set(),  # Triton kernels and their compilation in the background
+    "kv_cache": set(),  # the paged pool
+    "tokenizer": set(),
+}
+
 
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
@@ -52,7 +70,9 @@ def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], *filter(None, [base])])
+                base = ".".join(
+                    [*package.split(".")[: len(package.split(".")) - node.level + 1], *filter(None, [base])]
+                )
             found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names}
     return {owner(target, known) for target in found if target.startswith("bootstrap")} - {name}
 
@@ -127,6 +147,29 @@ def test_top_level_holds_at_most_twelve_entries():
     assert len(entries) <= 12, entries
 
 
+def engine_room(module: str) -> str:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "engine" else ""
+
+
+def test_every_import_between_engine_rooms_goes_down_the_engine_table():
+    upward = defaultdict(set)
+    for module, targets in import_graph().items():
+        for target in targets:
+            here, there = engine_room(module), engine_room(target)
+            if here and there and here != there and there not in ENGINE_ALLOWED[here]:
+                upward[module].add(target)
+    assert dict(upward) == {}
+
+
+def test_the_engine_table_has_no_circle_and_names_every_engine_room():
+    assert circles({r: set(targets) for r, targets in ENGINE_ALLOWED.items()}) == []
+    engine = PACKAGE / "engine"
+    rooms = {p.stem for p in engine.iterdir() if p.name not in ("__init__.py", "__pycache__")}
+    assert rooms == set(ENGINE_ALLOWED)
+    assert len(rooms) <= 12, sorted(rooms)
+
+
 # File names that more than one module carries, each for one thing seen from two rooms.
 SHARED_NAMES = {
     "__init__": "every package",
@@ -136,6 +179,9 @@ SHARED_NAMES = {
     "probe": "the probe pool: its size (capacity), and TensorRT-LLM's own probe build (backends/trtllm)",
     "capacity": "the capacity math, and the stage that calls it (stages/capacity.py, stage ids name stage modules)",
     "serve": "the server package, and the command that starts it (cli/serve.py)",
+    "backend": "each backend's class: backends/native, backends/sim, backends/trtllm",
+    "routes": "each group of the server's routes: serve/openai, serve/startup, serve/status",
+    "metrics": "the server's Prometheus metrics, and speculation's acceptance counts (engine/spec)",
 }
 
 

@@ -17,9 +17,11 @@ class Words:
         return " ".join(f"w{i}" for i in ids)
 
 
-EVENTS = [StreamEvent(5, "w5", logprob=-0.5, top_logprobs=((5, -0.5), (9, -1.5))),
-          StreamEvent(9, "", logprob=-2.0, top_logprobs=((5, -0.25), (7, -1.0))),  # text held back
-          StreamEvent(7, " w9 w7", "stop", logprob=-0.1, top_logprobs=((7, -0.1), (5, -3.0)))]  # fmt: skip
+EVENTS = [
+    StreamEvent(5, "w5", logprob=-0.5, top_logprobs=((5, -0.5), (9, -1.5))),
+    StreamEvent(9, "", logprob=-2.0, top_logprobs=((5, -0.25), (7, -1.0))),  # text held back
+    StreamEvent(7, " w9 w7", "stop", logprob=-0.1, top_logprobs=((7, -0.1), (5, -3.0))),
+]
 
 
 def test_completion_shape_offsets_count_the_whole_text_across_calls():
@@ -36,8 +38,11 @@ def test_chat_shape_and_each_token_decoded_once():
     words = Words()
     out = LogprobsOut("chat", words)
     content = out.of(EVENTS).content
-    assert [(e.token, e.logprob, e.bytes) for e in content] == [("w5", -0.5, [119, 53]), ("w9", -2.0, [119, 57]),
-                                                                 ("w7", -0.1, [119, 55])]  # fmt: skip
+    assert [(e.token, e.logprob, e.bytes) for e in content] == [
+        ("w5", -0.5, [119, 53]),
+        ("w9", -2.0, [119, 57]),
+        ("w7", -0.1, [119, 55]),
+    ]
     assert [[t.token for t in e.top_logprobs] for e in content] == [["w5", "w9"], ["w5", "w7"], ["w7", "w5"]]
     assert sorted(map(tuple, words.decoded)) == [(5,), (7,), (9,)]  # cached: one decode per token id
 

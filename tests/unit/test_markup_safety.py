@@ -30,8 +30,9 @@ MESSAGES = [
 
 def bootstrap_run(*argv: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "bootstrap.cli", "run", "--device", "cpu", "--no-plan-cache", *argv]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "COLUMNS": "400"})  # fmt: skip
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "COLUMNS": "400"}
+    )
 
 
 @pytest.mark.parametrize("broken", ["missing", "bad config.json"])
@@ -77,15 +78,23 @@ def test_progress_marks_keep_their_colours():
 
     line = run_command.progress_line(StageEvent("profiling", "failed", 1, "[red]x[/red]"))
     assert line.plain == "  profiling          failed [red]x[/red]"
-    assert [(line.plain[s.start:s.end], str(s.style)) for s in line.spans] == [("failed", "red")]
+    assert [(line.plain[s.start : s.end], str(s.style)) for s in line.spans] == [("failed", "red")]
 
 
 def span(name: str, span_id: str, parent: str | None, start: int, end: int, **attributes: object) -> dict:
     message = attributes.pop("message", None)
     event = {"name": "exception", "time_unix_nano": end, "attributes": {"exception.message": message}}
-    return {"name": name, "trace_id": "t" * 32, "span_id": span_id, "parent_span_id": parent,
-            "start_time_unix_nano": start, "end_time_unix_nano": end, "status": "ERROR" if message else "OK",
-            "attributes": attributes, "events": [event] if message else []}  # fmt: skip
+    return {
+        "name": name,
+        "trace_id": "t" * 32,
+        "span_id": span_id,
+        "parent_span_id": parent,
+        "start_time_unix_nano": start,
+        "end_time_unix_nano": end,
+        "status": "ERROR" if message else "OK",
+        "attributes": attributes,
+        "events": [event] if message else [],
+    }
 
 
 @pytest.fixture
@@ -95,14 +104,30 @@ def marked_trace(tmp_path) -> Path:
     path.parent.mkdir()
     stage = "bootstrap.stage.load_[/bold]"
     records = [
-        span(f"{stage}.attempt", "a1", "s1", 10, 20, **{"bootstrap.attempt": 1, "error.type": "[red]x[/red]",
-             "message": "[enforce fail at alloc_cpu.cpp:127] $\\frac$"}),
+        span(
+            f"{stage}.attempt",
+            "a1",
+            "s1",
+            10,
+            20,
+            **{
+                "bootstrap.attempt": 1,
+                "error.type": "[red]x[/red]",
+                "message": "[enforce fail at alloc_cpu.cpp:127] $\\frac$",
+            },
+        ),
         span(f"{stage}.attempt", "a2", "s1", 20, 30, **{"bootstrap.attempt": 2, "bootstrap.adapt.x": "[/bold] -> 1"}),
         span(stage, "s1", "r1", 10, 30, **{"bootstrap.attempts": 2}),
-        span("bootstrap.stage.warmup", "s2", "r1", 30, 40, **{"bootstrap.skip_reason": "[dim]$x$[/dim]",
-             "bootstrap.outcome": "skipped"}),
+        span(
+            "bootstrap.stage.warmup",
+            "s2",
+            "r1",
+            30,
+            40,
+            **{"bootstrap.skip_reason": "[dim]$x$[/dim]", "bootstrap.outcome": "skipped"},
+        ),
         span("bootstrap.pipeline", "r1", None, 10, 40, **{"bootstrap.outcome": "ok"}),
-    ]  # fmt: skip
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
 
@@ -112,8 +137,13 @@ def test_the_trace_view_shows_span_text_verbatim(marked_trace, monkeypatch, caps
     assert main(["trace", str(marked_trace)]) == 0
     out, err = capsys.readouterr()
     assert not err
-    for text in ("load_[/bold]", "[red]x[/red]: [enforce fail at alloc_cpu.cpp:127] $\\frac$", "x: [/bold] -> 1",
-                 "skipped: [dim]$x$[/dim]", f"{marked_trace} ("):  # fmt: skip
+    for text in (
+        "load_[/bold]",
+        "[red]x[/red]: [enforce fail at alloc_cpu.cpp:127] $\\frac$",
+        "x: [/bold] -> 1",
+        "skipped: [dim]$x$[/dim]",
+        f"{marked_trace} (",
+    ):
         assert text in out, text
 
 

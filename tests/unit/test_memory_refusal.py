@@ -48,6 +48,7 @@ def start(backend: NativeBackend, **fields) -> StageFailed:
 @pytest.fixture(autouse=True)
 def no_load(monkeypatch):
     """Any allocation of weights fails the test: the refusal must come first."""
+
     def load(*args, **kwargs):
         raise AssertionError("load_model ran: the weights were allocated before the check")
 
@@ -77,7 +78,9 @@ def test_the_draft_weights_count_too():
     free = target + LLAMA_1B_FP32 // 2  # the target fits alone, not with its draft
     failure = start(backend_with(free), model="random:llama-3.1-8b", draft_model="random:llama-3.2-1b")
     assert failure.stage == "resolve_classes"
-    assert f"{target + LLAMA_1B_FP32:,} bytes" in str(failure.cause) and "draft random:llama-3.2-1b" in str(failure.cause)
+    assert f"{target + LLAMA_1B_FP32:,} bytes" in str(failure.cause) and "draft random:llama-3.2-1b" in str(
+        failure.cause
+    )
 
 
 def test_bfloat16_halves_the_need():

@@ -26,9 +26,15 @@ from bootstrap.stages.resolve_classes import resolve_classes
 
 GB = 10**9
 PROFILE = MemoryProfile(
-    total_bytes=150 * GB, free_before_bytes=130 * GB, model_bytes=16 * GB, torch_peak_bytes=19 * GB,
-    torch_used_bytes=18 * GB, used_bytes=19 * GB, probe_kv_bytes=2 * GB, max_num_tokens=8192,
-)  # fmt: skip
+    total_bytes=150 * GB,
+    free_before_bytes=130 * GB,
+    model_bytes=16 * GB,
+    torch_peak_bytes=19 * GB,
+    torch_used_bytes=18 * GB,
+    used_bytes=19 * GB,
+    probe_kv_bytes=2 * GB,
+    max_num_tokens=8192,
+)
 
 
 class HeadroomSim(SimBackend):
@@ -69,8 +75,10 @@ def test_the_probe_cap_applies_the_same_rule():
     """49,152 probe tokens of the 8B shape (6.4 GB) wanted in 6 GiB: the backend's 2 GB headroom
     and the fraction cap it to different sizes, each by its own formula."""
     cfg = config(max_num_tokens=49152, max_seq_len=49152)
-    for backend, share in ((HeadroomSim(sim_device("6GiB")), lambda room: room - 2 * GB),
-                           (SimBackend(sim_device("6GiB")), lambda room: int(room * 0.9))):  # fmt: skip
+    for backend, share in (
+        (HeadroomSim(sim_device("6GiB")), lambda room: room - 2 * GB),
+        (SimBackend(sim_device("6GiB")), lambda room: int(room * 0.9)),
+    ):
         resolved = resolve_classes(cfg, backend)
         room = backend.device.free_bytes() - backend.estimation_overhead_bytes(resolved, cfg)
         per_token = resolved.probe_cost(tp=1, max_batch_size=cfg.max_batch_size).slope
@@ -117,8 +125,12 @@ def test_the_cli_gives_the_fraction_only_when_the_flag_is_given():
 
     parse = build_parser().parse_args
     plain = config_from_args(parse(["plan", "--model", "llama-3.1-8b", "--gpu", "h200"]))
-    given = config_from_args(parse(["plan", "--model", "llama-3.1-8b", "--gpu", "h200", "--free-gpu-memory-fraction", "0.9"]))
-    headroom = config_from_args(parse(["plan", "--model", "llama-3.1-8b", "--gpu", "h200", "--kv-headroom-bytes", "4096"]))
+    given = config_from_args(
+        parse(["plan", "--model", "llama-3.1-8b", "--gpu", "h200", "--free-gpu-memory-fraction", "0.9"])
+    )
+    headroom = config_from_args(
+        parse(["plan", "--model", "llama-3.1-8b", "--gpu", "h200", "--kv-headroom-bytes", "4096"])
+    )
     assert plain.free_gpu_memory_fraction is None and given.free_gpu_memory_fraction == 0.9
     assert headroom.kv_headroom_bytes == 4096
     backend = HeadroomSim(sim_device("h200"))

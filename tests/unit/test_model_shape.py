@@ -58,8 +58,11 @@ def test_gemma2_alternates_windows():
 
 
 def test_layer_types_set_the_windows():
-    cfg = {**preset_config("qwen3-8b"), "sliding_window": 1024,
-           "layer_types": ["sliding_attention", "full_attention"] * 18}
+    cfg = {
+        **preset_config("qwen3-8b"),
+        "sliding_window": 1024,
+        "layer_types": ["sliding_attention", "full_attention"] * 18,
+    }
     assert parse_config(cfg).layer_windows[:2] == (1024, None)
 
 
@@ -84,8 +87,15 @@ def test_deepseek_moe_layout():
 
 
 def test_jamba_layers_and_state():
-    cfg = {"model_type": "jamba", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
-           "num_hidden_layers": 16, "num_attention_heads": 4, "num_key_value_heads": 2}
+    cfg = {
+        "model_type": "jamba",
+        "vocab_size": 100,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
     shape = parse_config(cfg)
     assert shape.layer_kinds[4] == "attention" and shape.layer_kinds[12] == "attention"
     assert shape.num_recurrent_layers == 14 and shape.moe_layers[1] and not shape.moe_layers[0]
@@ -96,8 +106,7 @@ def test_fingerprint_is_stable_and_sensitive():
     cfg = preset_config("qwen3-8b")
     reordered = dict(reversed(list(cfg.items())))
     assert parse_config(reordered).fingerprint() == preset_shape("qwen3-8b").fingerprint()
-    assert parse_config({**cfg, "num_hidden_layers": 35}).fingerprint() != preset_shape(
-        "qwen3-8b").fingerprint()
+    assert parse_config({**cfg, "num_hidden_layers": 35}).fingerprint() != preset_shape("qwen3-8b").fingerprint()
 
 
 @pytest.mark.parametrize(
@@ -121,14 +130,16 @@ def test_bad_configs_name_the_field_and_model_type(change, field):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"layer_types": ["full_attention"] * 31 + ["chunked_attention"]},
-         "field 'layer_types' has 'chunked_attention'; allowed: full_attention, sliding_attention"),
+        (
+            {"layer_types": ["full_attention"] * 31 + ["chunked_attention"]},
+            "field 'layer_types' has 'chunked_attention'; allowed: full_attention, sliding_attention",
+        ),
         ({"layer_types": ["full_attention"] * 31 + [None]}, "field 'layer_types' has None; allowed"),
         ({"torch_dtype": 16}, "field 'torch_dtype' must be one of float32, float16, bfloat16, float64, got 16"),
         ({"torch_dtype": ["bfloat16"]}, "field 'torch_dtype' must be one of"),
         ({"torch_dtype": "int4"}, "got 'int4'"),
     ],
-)  # fmt: skip
+)
 def test_unknown_layer_types_and_dtypes_are_rejected_not_ignored(change, message):
     with pytest.raises(ModelConfigError) as err:
         parse_config({**preset_config("llama-3.1-8b"), **change})
@@ -166,8 +177,15 @@ def test_preset_config_is_a_copy():
 
 # --- against the modules transformers builds ---------------------------------------------------
 
-_TINY = {"vocab_size": 97, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+_TINY = {
+    "vocab_size": 97,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
 
 TINY_CONFIGS = {
     "llama": {**_TINY, "attention_bias": True, "mlp_bias": True},
@@ -177,10 +195,20 @@ TINY_CONFIGS = {
     "gemma": {**_TINY, "head_dim": 16},
     "gemma2": {**_TINY, "head_dim": 16, "sliding_window": 64},
     "mixtral": {**_TINY, "num_local_experts": 4, "num_experts_per_tok": 2},
-    "deepseek_v2": {**_TINY, "num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": 48,
-                    "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16, "n_routed_experts": 4,
-                    "n_shared_experts": 2, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
-                    "first_k_dense_replace": 1},
+    "deepseek_v2": {
+        **_TINY,
+        "num_key_value_heads": 4,
+        "kv_lora_rank": 32,
+        "q_lora_rank": 48,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 16,
+        "n_routed_experts": 4,
+        "n_shared_experts": 2,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 24,
+        "first_k_dense_replace": 1,
+    },
     "jamba": {**_TINY, "num_hidden_layers": 8, "num_experts": 4, "num_experts_per_tok": 2},
 }
 

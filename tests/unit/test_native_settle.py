@@ -44,4 +44,3 @@ def test_bytes_still_held_after_a_release_trigger_one_collection(monkeypatch):
     device.allocate(GiB, "held by a cycle")  # never freed by the undo entries
     undo.run()
     assert calls == [1] and device.emptied == 1
-

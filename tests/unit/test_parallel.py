@@ -25,20 +25,38 @@ class Peers:
 
 
 def profile(**changes) -> MemoryProfile:
-    values = dict(total_bytes=100, free_before_bytes=80, model_bytes=10, torch_peak_bytes=30, torch_used_bytes=20,
-                  used_bytes=40, probe_kv_bytes=5, max_num_tokens=64) | changes  # fmt: skip
+    values = (
+        dict(
+            total_bytes=100,
+            free_before_bytes=80,
+            model_bytes=10,
+            torch_peak_bytes=30,
+            torch_used_bytes=20,
+            used_bytes=40,
+            probe_kv_bytes=5,
+            max_num_tokens=64,
+        )
+        | changes
+    )
     return MemoryProfile(**values)
 
 
 def test_the_conservative_profile_leaves_the_least_room():
     a, b = profile(torch_peak_bytes=50, free_before_bytes=90), profile(used_bytes=60, torch_used_bytes=15)
     agreed = conservative_profile([a, b])
-    assert (agreed.torch_peak_bytes, agreed.free_before_bytes, agreed.used_bytes, agreed.torch_used_bytes) == (50, 80, 60, 15)
+    assert (agreed.torch_peak_bytes, agreed.free_before_bytes, agreed.used_bytes, agreed.torch_used_bytes) == (
+        50,
+        80,
+        60,
+        15,
+    )
     assert agreed.peak_bytes >= max(a.peak_bytes, b.peak_bytes)
 
 
 def test_a_peer_failure_fails_the_attempt_here_with_the_peer_s_error_and_figures():
-    oom = ProbeOutOfMemory(RuntimeError("CUDA out of memory"), doing="the dummy forward", max_num_tokens=128, probe_tokens=192)
+    oom = ProbeOutOfMemory(
+        RuntimeError("CUDA out of memory"), doing="the dummy forward", max_num_tokens=128, probe_tokens=192
+    )
     with pytest.raises(RankFailed, match="rank 1 failed: ProbeOutOfMemory") as caught:
         agree_attempt(Peers(0, Outcome(1, error=pickle.dumps(oom))), "profiling", profile(), None, conservative_profile)
     assert (caught.value.error.max_num_tokens, caught.value.error.probe_tokens) == (128, 192)
@@ -54,4 +72,9 @@ def test_the_cause_is_named_not_the_peer_left_waiting_and_it_is_not_retried():
 
 
 def test_all_ranks_ok_agree_on_one_artifact():
-    assert agree_attempt(Peers(1, Outcome(0, artifact=profile(model_bytes=12))), "p", profile(), None, conservative_profile).model_bytes == 12
+    assert (
+        agree_attempt(
+            Peers(1, Outcome(0, artifact=profile(model_bytes=12))), "p", profile(), None, conservative_profile
+        ).model_bytes
+        == 12
+    )

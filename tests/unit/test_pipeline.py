@@ -291,9 +291,13 @@ async def test_events_stream_reports_progress(device):
         await pipeline.run()
         await pipeline.aclose()
     assert seen == [
-        ("first", "started"), ("first", "done"),
-        ("second", "started"), ("second", "attempt_failed"), ("second", "retrying"), ("second", "done"),
-    ]  # fmt: skip
+        ("first", "started"),
+        ("first", "done"),
+        ("second", "started"),
+        ("second", "attempt_failed"),
+        ("second", "retrying"),
+        ("second", "done"),
+    ]
     assert pipeline.status["second"].attempts == 2 and pipeline.status["second"].duration_s >= 0
 
 
@@ -364,8 +368,12 @@ async def test_cancel_during_a_consumed_release_still_releases_the_consumer(devi
     async def never(m):
         await anyio.sleep_forever()
 
-    stages = [Stage("probe", probe, "p"), Stage("scratch", scratch, "s"),
-              Stage("measure", measure, "m", consumes=("p", "s")), Stage("wait", never, "w", blocking=False)]  # fmt: skip
+    stages = [
+        Stage("probe", probe, "p"),
+        Stage("scratch", scratch, "s"),
+        Stage("measure", measure, "m", consumes=("p", "s")),
+        Stage("wait", never, "w", blocking=False),
+    ]
     pipeline, _ = make(stages, device, seed=0)
     async with anyio.create_task_group() as tg:
         tg.start_soon(pipeline.run)

@@ -44,7 +44,9 @@ CHANGED = {
 ON_TRTLLM_ONLY = {"kv_manager": "v2"}  # refused with the native backend of BASE
 REJECTED_FOR_EVERY_PRESET = {"cross_kv_cache_fraction": 0.25}  # decoder-only models refuse it
 IRRELEVANT = {"device", "plan_cache"}  # the device enters by name and size; the cache's location changes nothing
-WITH_A_DRAFT_ONLY = {"num_speculative_tokens"}  # refused without draft_model (BASE has none); fingerprinted all the same
+WITH_A_DRAFT_ONLY = {
+    "num_speculative_tokens"
+}  # refused without draft_model (BASE has none); fingerprinted all the same
 
 
 async def start(cache_dir, gpu="h100-80gb", **overrides):
@@ -95,8 +97,13 @@ def test_a_model_s_stored_dtype_is_not_in_its_key_but_every_figure_of_its_shape_
         return fingerprint(config, changed, backend.device, backend.name)
 
     assert key(torch_dtype=None) == key(torch_dtype="float32") == key(torch_dtype="bfloat16")
-    others = [key(num_kv_heads=4), key(vocab_size=resolved.shape.vocab_size + 1), key(head_dim=64),
-              key(max_position_embeddings=4096), key(tie_word_embeddings=True)]  # fmt: skip
+    others = [
+        key(num_kv_heads=4),
+        key(vocab_size=resolved.shape.vocab_size + 1),
+        key(head_dim=64),
+        key(max_position_embeddings=4096),
+        key(tie_word_embeddings=True),
+    ]
     assert len({key(), *others}) == 1 + len(others)
     draft = dataclasses.replace(resolved, draft_shape=dataclasses.replace(resolved.shape, torch_dtype=None))
     as_converted = dataclasses.replace(draft, draft_shape=resolved.shape)

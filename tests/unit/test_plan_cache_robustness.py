@@ -24,9 +24,18 @@ from helpers.serve_process import ServeProcess
 from bootstrap.stages.plan_cache import MAX_ENTRY_BYTES
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 512, "torch_dtype": "float32"}  # fmt: skip
+TINY = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "torch_dtype": "float32",
+}
 SMALL = ("--max-tokens", "2", "--max-num-tokens", "64", "--max-batch-size", "4")
 PROFILED, FROM_CACHE = ("ok", None), ("skipped", "plan-cache")
 # Without CAP_DAC_OVERRIDE root meets file modes as every other user does (it keeps its uid).
@@ -34,18 +43,44 @@ AS_A_USER = ("setpriv", "--bounding-set=-dac_override,-dac_read_search", "--")
 DENIED = os.strerror(errno.EACCES)
 
 
-def start(model: str, *argv: str, env: dict[str, str] | None = None, prefix: tuple[str, ...] = (),
-          memory_bytes: int | None = None) -> tuple[dict[str, tuple[str, str | None]], list[str]]:  # fmt: skip
+def start(
+    model: str,
+    *argv: str,
+    env: dict[str, str] | None = None,
+    prefix: tuple[str, ...] = (),
+    memory_bytes: int | None = None,
+) -> tuple[dict[str, tuple[str, str | None]], list[str]]:
     """One ``bootstrap run``: each stage's (outcome, skip reason), and its plan-cache warnings.
     A hang fails the test (the timeout) instead of stalling the suite."""
+
     def limit_memory() -> None:
         if memory_bytes is not None:  # a read without end then fails fast, not by exhausting the machine
             resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
 
-    command = [*prefix, sys.executable, "-m", "bootstrap.cli", "run", "--device", "cpu", "--model", model,
-               *SMALL, "--json", *argv]  # fmt: skip
-    done = subprocess.run(command, check=False, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True,
-                          text=True, timeout=90, preexec_fn=limit_memory)  # fmt: skip
+    command = [
+        *prefix,
+        sys.executable,
+        "-m",
+        "bootstrap.cli",
+        "run",
+        "--device",
+        "cpu",
+        "--model",
+        model,
+        *SMALL,
+        "--json",
+        *argv,
+    ]
+    done = subprocess.run(
+        command,
+        check=False,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=90,
+        preexec_fn=limit_memory,
+    )
     assert done.returncode == 0, done.stderr
     stages = {s["id"]: (s["outcome"], s["skip_reason"]) for s in json.loads(done.stdout)["stages"]}
     return stages, [line for line in done.stderr.splitlines() if line.startswith("plan cache:")]
@@ -111,8 +146,13 @@ def wrong_schema(stored: Path, entry: Path) -> str:
     return "TypeError: bootstrap.capacity.plan.MemoryProfile() argument after ** must be a mapping, not list"
 
 
-DAMAGE = {"fifo": fifo, "link to a fifo": link_to_fifo, "link to /dev/zero": link_to_dev_zero,
-          "nested too deeply": nested_too_deeply, "too large": too_large}  # fmt: skip
+DAMAGE = {
+    "fifo": fifo,
+    "link to a fifo": link_to_fifo,
+    "link to /dev/zero": link_to_dev_zero,
+    "nested too deeply": nested_too_deeply,
+    "too large": too_large,
+}
 WITH_THE_PLAN = {"not utf-8": not_utf8, "wrong schema": wrong_schema}
 
 

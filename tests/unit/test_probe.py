@@ -75,7 +75,8 @@ async def test_a_profiling_oom_rebuilds_the_probe_for_the_halved_workload():
     profile = artifacts["profile"]
     assert profile.probe_kv_bytes == lean * LAYER_8B and profile.max_num_tokens == 262_144
     assert profile.model_bytes == artifacts["loaded"].weight_bytes + executor_state_bytes(
-        artifacts["resolved"], artifacts["config"])  # fmt: skip
+        artifacts["resolved"], artifacts["config"]
+    )
     assert artifacts["plan"].max_num_tokens == 262_144
     assert not any(t.startswith(("estimation_build", "profiling")) for t in device.live())
     await close(pipeline, device)
@@ -153,7 +154,8 @@ async def test_retry_after_profiling_failed_rebuilds_the_probe_it_released():
     artifacts = await pipeline.retry()
     profile = artifacts["profile"]
     assert profile.model_bytes == artifacts["loaded"].weight_bytes + executor_state_bytes(
-        artifacts["resolved"], artifacts["config"])  # fmt: skip
+        artifacts["resolved"], artifacts["config"]
+    )
     assert profile.max_num_tokens == 8192 and artifacts["executor"].is_running
     await close(pipeline, device)
 
@@ -175,8 +177,9 @@ async def test_the_readme_worked_example_is_unchanged():
 
 async def test_the_probe_is_capped_by_max_kv_tokens():
     """TensorRT-LLM's try_prepare_estimation probes min(estimate, max_tokens)."""
-    pipeline, device, memory = setup("h100-80gb", max_seq_len=8192, max_num_tokens=8192, max_batch_size=64,
-                                     max_kv_tokens=9000)  # fmt: skip
+    pipeline, device, memory = setup(
+        "h100-80gb", max_seq_len=8192, max_num_tokens=8192, max_batch_size=64, max_kv_tokens=9000
+    )
     await pipeline.run()
     span = stage_span(memory, "estimation_build")
     assert span.attributes["bootstrap.kv.probe_tokens"] == 9000 // 32 * 32  # not the estimate's 10,240
@@ -184,8 +187,9 @@ async def test_the_probe_is_capped_by_max_kv_tokens():
 
 
 async def test_the_probe_is_capped_by_max_kv_bytes():
-    pipeline, device, memory = setup("h100-80gb", max_seq_len=8192, max_num_tokens=8192, max_batch_size=64,
-                                     max_kv_bytes=GIB)  # fmt: skip
+    pipeline, device, memory = setup(
+        "h100-80gb", max_seq_len=8192, max_num_tokens=8192, max_batch_size=64, max_kv_bytes=GIB
+    )
     await pipeline.run()
     span = stage_span(memory, "estimation_build")
     assert span.attributes["bootstrap.kv.probe_tokens"] == GIB // LAYER_8B // 32 * 32

@@ -36,12 +36,17 @@ def make(ratio: float, draw=random.random):
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
-                            Route("/health", lambda r: PlainTextResponse("ok"))])  # fmt: skip
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/health", lambda r: PlainTextResponse("ok")),
+        ]
+    )
     tracer = provider.get_tracer("test")
     traced = RequestTracing(app, tracer=lambda: tracer, ratio=ratio, draw=draw)
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=traced, raise_app_exceptions=False),
-                               base_url="http://server")  # fmt: skip
+    client = httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=traced, raise_app_exceptions=False), base_url="http://server"
+    )
     return client, exporter
 
 
@@ -54,7 +59,9 @@ def parts(header: str) -> tuple[str, str, str, str]:
 async def test_a_sampled_caller_context_is_continued_and_named_back():
     client, exporter = make(ratio=0.0)  # the ratio does not decide for a caller's sampled context
     async with client:
-        response = await client.post("/v1/chat/completions", headers={"traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"})
+        response = await client.post(
+            "/v1/chat/completions", headers={"traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"}
+        )
     [span] = exporter.get_finished_spans()
     assert response.json() == {"recorded": True} and span.name == REQUEST_SPAN
     assert f"{span.context.trace_id:032x}" == CALLER_TRACE and f"{span.parent.span_id:016x}" == CALLER_SPAN
@@ -66,14 +73,18 @@ async def test_a_sampled_caller_context_is_continued_and_named_back():
 async def test_an_unsampled_caller_context_is_not_recorded_but_still_continued():
     client, exporter = make(ratio=1.0)
     async with client:
-        response = await client.post("/v1/chat/completions", headers={"traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-00"})
+        response = await client.post(
+            "/v1/chat/completions", headers={"traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-00"}
+        )
     assert exporter.get_finished_spans() == () and response.json() == {"recorded": False}
     _, trace_id, span_id, flags = parts(response.headers["traceparent"])
     assert (trace_id, flags) == (CALLER_TRACE, "00") and span_id not in (CALLER_SPAN, "0" * 16)
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("header", [None, "garbage", f"00-{'0' * 32}-{CALLER_SPAN}-01", f"00-{CALLER_TRACE}-{'0' * 16}-01"])
+@pytest.mark.parametrize(
+    "header", [None, "garbage", f"00-{'0' * 32}-{CALLER_SPAN}-01", f"00-{CALLER_TRACE}-{'0' * 16}-01"]
+)
 async def test_without_a_valid_context_the_ratio_decides_and_a_new_trace_starts(header):
     headers = {"traceparent": header} if header else {}
     on, on_spans = make(ratio=1.0)
@@ -122,7 +133,13 @@ def test_request_spans_stay_out_of_a_bootstraps_in_memory_copy():
     provider.add_span_processor(SpansWhere(SimpleSpanProcessor(kept), not_request_span))
     provider.add_span_processor(SimpleSpanProcessor(everything))
     tracer = provider.get_tracer("test")
-    for name in ("bootstrap.pipeline", REQUEST_SPAN, f"{REQUEST_SPAN}.choice", f"{REQUEST_SPAN}.decode", "bootstrap.requests"):
+    for name in (
+        "bootstrap.pipeline",
+        REQUEST_SPAN,
+        f"{REQUEST_SPAN}.choice",
+        f"{REQUEST_SPAN}.decode",
+        "bootstrap.requests",
+    ):
         tracer.start_span(name).end()
     assert [s.name for s in kept.get_finished_spans()] == ["bootstrap.pipeline", "bootstrap.requests"]
     assert len(everything.get_finished_spans()) == 5

@@ -36,16 +36,18 @@ def forward(alive: list[weakref.ref], fail_first: int):
 
 async def test_a_retry_starts_without_the_failed_attempts_activations():
     alive: list[weakref.ref] = []
-    pipeline = Pipeline([Stage("profiling", forward(alive, 2), "profile", retry=on_oom(3))], {"seed": 1},
-                        device=FakeDevice(total=1000))  # fmt: skip
+    pipeline = Pipeline(
+        [Stage("profiling", forward(alive, 2), "profile", retry=on_oom(3))], {"seed": 1}, device=FakeDevice(total=1000)
+    )
     assert (await pipeline.run())["profile"] == 1 and len(alive) == 3
     await pipeline.aclose()
 
 
 async def test_a_stage_that_gives_up_keeps_its_error_but_not_the_activations():
     alive: list[weakref.ref] = []
-    pipeline = Pipeline([Stage("profiling", forward(alive, 5), "profile", retry=on_oom(2))], {"seed": 1},
-                        device=FakeDevice(total=1000))  # fmt: skip
+    pipeline = Pipeline(
+        [Stage("profiling", forward(alive, 5), "profile", retry=on_oom(2))], {"seed": 1}, device=FakeDevice(total=1000)
+    )
     with pytest.raises(StageFailed) as info:
         await pipeline.run()
     gc.collect()

@@ -38,20 +38,37 @@ FAMILIES = {
 LLAMA31 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 QWEN25_YARN = {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"}
 DEEPSEEK_YARN = {
-    "beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
-    "original_max_position_embeddings": 4096, "type": "yarn",
-}  # fmt: skip
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "factor": 40,
+    "mscale": 0.707,
+    "mscale_all_dim": 0.707,
+    "original_max_position_embeddings": 4096,
+    "type": "yarn",
+}
 GPT_OSS_YARN = {
-    "beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
-    "rope_type": "yarn", "truncate": False,
-}  # fmt: skip
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "factor": 32.0,
+    "original_max_position_embeddings": 4096,
+    "rope_type": "yarn",
+    "truncate": False,
+}
 
 
-def config_json(model_type: str, head_dim: int, theta: float, scaling: dict[str, Any] | None, positions: int,
-                **extra: Any) -> dict[str, Any]:  # fmt: skip
-    cfg = {"model_type": model_type, "hidden_size": 4 * head_dim, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "max_position_embeddings": positions, "rope_theta": theta,
-           "rope_scaling": scaling, **extra}  # fmt: skip
+def config_json(
+    model_type: str, head_dim: int, theta: float, scaling: dict[str, Any] | None, positions: int, **extra: Any
+) -> dict[str, Any]:
+    cfg = {
+        "model_type": model_type,
+        "hidden_size": 4 * head_dim,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": positions,
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        **extra,
+    }
     if model_type != "qwen2":  # Qwen2 derives head_dim from hidden_size / heads
         cfg["head_dim"] = head_dim
     return cfg
@@ -173,9 +190,10 @@ def test_yarn_cases_exercise_the_options() -> None:
     assert run("yarn-mscale-all-dim-zero").attention_scaling == 0.1 * math.log(40) + 1.0  # from factor alone
     assert run("yarn-attention-factor").attention_scaling == 0.9
     assert run("yarn-factor-below-one").attention_scaling == 1.0
-    assert not torch.equal(run("yarn-no-truncate").inv_freq, Rotary(**{
-        **engine_kwargs(CASES["yarn-no-truncate"]), "scaling": {**GPT_OSS_YARN, "truncate": True}
-    }).inv_freq)  # fmt: skip
+    assert not torch.equal(
+        run("yarn-no-truncate").inv_freq,
+        Rotary(**{**engine_kwargs(CASES["yarn-no-truncate"]), "scaling": {**GPT_OSS_YARN, "truncate": True}}).inv_freq,
+    )
     default_betas = Rotary(**{**engine_kwargs(CASES["yarn-betas"]), "scaling": dict(QWEN25_YARN)})
     assert not torch.equal(run("yarn-betas").inv_freq, default_betas.inv_freq)
     assert torch.equal(run("yarn-beta-zero").inv_freq, default_betas.inv_freq)  # 0 falls back to 32 and 1
@@ -233,9 +251,15 @@ def test_problem_names_what_is_not_implemented(scaling: dict[str, Any], words: l
 
 @pytest.mark.parametrize(
     "scaling",
-    [None, {}, {"rope_type": "default", "rope_theta": 1e6}, {"type": "linear", "factor": 2.0}, dict(QWEN25_YARN),
-     {**LLAMA31, "rope_type": "llama3", "partial_rotary_factor": 1.0}],
-)  # fmt: skip
+    [
+        None,
+        {},
+        {"rope_type": "default", "rope_theta": 1e6},
+        {"type": "linear", "factor": 2.0},
+        dict(QWEN25_YARN),
+        {**LLAMA31, "rope_type": "llama3", "partial_rotary_factor": 1.0},
+    ],
+)
 def test_no_problem_for_implemented(scaling: dict[str, Any] | None) -> None:
     assert rope_scaling_problem(scaling) is None
     assert SCALINGS == ("default", "linear", "llama3", "yarn")

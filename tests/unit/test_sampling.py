@@ -146,10 +146,7 @@ def test_draws_follow_the_softmax_distribution():
 
 def test_higher_temperature_raises_entropy():
     logits = _logits(rows=1, vocab=30)[0]
-    entropies = [
-        _entropy(_draws(logits, SamplingParams(temperature=t, seed=5), 4000), 30)
-        for t in (0.3, 1.0, 3.0)
-    ]
+    entropies = [_entropy(_draws(logits, SamplingParams(temperature=t, seed=5), 4000), 30) for t in (0.3, 1.0, 3.0)]
     assert entropies[0] < entropies[1] < entropies[2]
 
 

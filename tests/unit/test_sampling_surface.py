@@ -69,8 +69,9 @@ def test_a_penalty_changes_the_argmax(params, prompt, output):
 def test_presence_and_frequency_ignore_the_prompt_and_repetition_multiplies_negatives():
     logits = torch.tensor([[5.0, 4.0, -1.0, 0.5]])
     history = [History([0, 2], 2)]
-    assert torch.equal(process(logits, [SamplingParams(frequency_penalty=2.0, presence_penalty=2.0)], history, set()),
-                       logits)  # fmt: skip
+    assert torch.equal(
+        process(logits, [SamplingParams(frequency_penalty=2.0, presence_penalty=2.0)], history, set()), logits
+    )
     got = process(logits, [SamplingParams(repetition_penalty=2.0)], history, set())
     assert got.tolist() == [[2.5, 4.0, -2.0, 0.5]]
 
@@ -219,6 +220,7 @@ def test_validation_names_the_field_and_the_range(kwargs, message):
 
 
 def test_the_edges_of_each_range_are_accepted():
-    SamplingParams(min_p=0, presence_penalty=-2, frequency_penalty=2, repetition_penalty=0.01, min_tokens=16,
-                   logprobs=20)  # fmt: skip
+    SamplingParams(
+        min_p=0, presence_penalty=-2, frequency_penalty=2, repetition_penalty=0.01, min_tokens=16, logprobs=20
+    )
     SamplingParams(min_p=1.0, presence_penalty=2.0, frequency_penalty=-2.0, repetition_penalty=10.0, logprobs=0)

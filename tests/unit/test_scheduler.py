@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
+from bootstrap.engine.request.sequence import Sequence, SequenceStatus
 from bootstrap.engine.sampling.sampler import SamplingParams
 from bootstrap.engine.scheduler import Scheduler, SchedulerConfig
-from bootstrap.engine.request.sequence import Sequence, SequenceStatus
 
 SPEC = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32)
 

@@ -32,8 +32,12 @@ async def test_before_ready_probes_answer_and_generation_is_503_with_retry_after
         assert ready.status_code == 503 and ready.json()["state"] == "starting" and "Retry-After" in ready.headers
         chat = await http.post("/v1/chat/completions", json=CHAT)
         assert chat.status_code == 503 and chat.headers["Retry-After"] == "1"
-        assert chat.json()["error"] == {"message": chat.json()["error"]["message"], "type": "service_unavailable",
-                                        "param": None, "code": "not_ready"}  # fmt: skip
+        assert chat.json()["error"] == {
+            "message": chat.json()["error"]["message"],
+            "type": "service_unavailable",
+            "param": None,
+            "code": "not_ready",
+        }
         assert (await http.get("/v1/models")).status_code == 503
         stages = (await http.get("/v1/bootstrap")).json()["stages"]  # the engine is not imported yet
         assert [(s["id"], s["state"]) for s in stages] == [(stage, "pending") for stage in STAGE_IDS]
@@ -61,8 +65,15 @@ async def test_the_api_key_guards_v1_routes_only():
 
 
 def args(**overrides: object) -> argparse.Namespace:
-    values = dict(port=8000, shutdown_timeout=30.0, api_key=None, served_model_name=None, trace_file=None, otlp=False,
-                  backend_factory=None)  # fmt: skip
+    values = dict(
+        port=8000,
+        shutdown_timeout=30.0,
+        api_key=None,
+        served_model_name=None,
+        trace_file=None,
+        otlp=False,
+        backend_factory=None,
+    )
     return argparse.Namespace(**{**values, **overrides})
 
 
@@ -75,12 +86,18 @@ def test_the_api_key_comes_from_the_flag_before_the_environment(monkeypatch):
     assert serve_options(args(), config).api_key is None
 
 
-@pytest.mark.parametrize(("overrides", "words"), [
-    ({"port": 70000}, "port: must be in [0, 65535] (got 70000)"),
-    ({"shutdown_timeout": -1.0}, "shutdown_timeout: must be >= 0 seconds (got -1.0)"),
-    ({"api_key": " "}, "api_key: must not be empty (from --api-key)"),
-    ({"request_trace_ratio": -0.1}, "request_trace_ratio: must be >= 0 (got -0.1); allowed: a finite number in [0, 1]"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        ({"port": 70000}, "port: must be in [0, 65535] (got 70000)"),
+        ({"shutdown_timeout": -1.0}, "shutdown_timeout: must be >= 0 seconds (got -1.0)"),
+        ({"api_key": " "}, "api_key: must not be empty (from --api-key)"),
+        (
+            {"request_trace_ratio": -0.1},
+            "request_trace_ratio: must be >= 0 (got -0.1); allowed: a finite number in [0, 1]",
+        ),
+    ],
+)
 def test_bad_serve_options_name_the_field_and_range(overrides, words):
     with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
         serve_options(args(**overrides), BootstrapConfig(model="m"))
@@ -114,9 +131,15 @@ def test_stage_rows_show_retrying_skipped_and_failed_stages():
     from bootstrap.serve.startup.progress import bootstrap_view, ready_view
 
     hub = EventHub(["load_model", "estimation_build", "profiling", "final_build"])
-    events = [("load_model", "started", ""), ("load_model", "done", ""), ("estimation_build", "started", ""),
-              ("estimation_build", "skipped", "plan-cache"), ("profiling", "started", ""),
-              ("profiling", "attempt_failed", "OutOfMemoryError: x"), ("profiling", "retrying", "max_num_tokens: 2048 -> 1024")]
+    events = [
+        ("load_model", "started", ""),
+        ("load_model", "done", ""),
+        ("estimation_build", "started", ""),
+        ("estimation_build", "skipped", "plan-cache"),
+        ("profiling", "started", ""),
+        ("profiling", "attempt_failed", "OutOfMemoryError: x"),
+        ("profiling", "retrying", "max_num_tokens: 2048 -> 1024"),
+    ]
     for stage, kind, message in events:
         hub.publish(StageEvent(stage, kind, 1, message))
     state = ServeState(BootstrapConfig(model="m"), ServeOptions(model_id="m"), phase="bootstrapping")
@@ -132,15 +155,29 @@ def test_stage_rows_show_retrying_skipped_and_failed_stages():
     assert bootstrap_view(state)["current_stage"] == "profiling" and ready_view(state)["stage_state"] == "failed"
 
 
-@pytest.mark.parametrize("route, body, param", [
-    ("/v1/completions", '{"model": "m", "prompt": "w4 \\ud800"}', "prompt"),
-    ("/v1/completions", '{"model": "m", "prompt": ["ok", "w4 \\udfff x"]}', "prompt"),
-    ("/v1/completions", '{"model": "m", "prompt": "ok", "stop": ["\\ud83d"]}', "stop"),
-    ("/v1/chat/completions", '{"model": "m", "messages": [{"role": "user", "content": "a \\ud800"}]}', "messages.0.content"),
-    ("/v1/chat/completions", '{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
-     None),  # a union: both branches are reported, so no single param
-    ("/v1/chat/completions", '{"model": "m", "user": "\\udc00", "messages": [{"role": "user", "content": "a"}]}', "user"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "route, body, param",
+    [
+        ("/v1/completions", '{"model": "m", "prompt": "w4 \\ud800"}', "prompt"),
+        ("/v1/completions", '{"model": "m", "prompt": ["ok", "w4 \\udfff x"]}', "prompt"),
+        ("/v1/completions", '{"model": "m", "prompt": "ok", "stop": ["\\ud83d"]}', "stop"),
+        (
+            "/v1/chat/completions",
+            '{"model": "m", "messages": [{"role": "user", "content": "a \\ud800"}]}',
+            "messages.0.content",
+        ),
+        (
+            "/v1/chat/completions",
+            '{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+            None,
+        ),  # a union: both branches are reported, so no single param
+        (
+            "/v1/chat/completions",
+            '{"model": "m", "user": "\\udc00", "messages": [{"role": "user", "content": "a"}]}',
+            "user",
+        ),
+    ],
+)
 async def test_a_lone_surrogate_in_any_text_field_is_a_400_naming_it(route, body, param):
     """Valid JSON, but not text UTF-8 (or any tokenizer) can encode: refused before any work."""
     async with app_client() as http:
@@ -149,8 +186,11 @@ async def test_a_lone_surrogate_in_any_text_field_is_a_400_naming_it(route, body
     assert response.status_code == 400 and error["type"] == "invalid_request_error", error
     assert error["param"] == param and "lone surrogate" in error["message"], error
     async with app_client() as http:  # a proper pair (an emoji) is text
-        fine = await http.post("/v1/completions", content='{"model": "m", "prompt": "\\ud83d\\ude00"}',
-                               headers={"content-type": "application/json"})  # fmt: skip
+        fine = await http.post(
+            "/v1/completions",
+            content='{"model": "m", "prompt": "\\ud83d\\ude00"}',
+            headers={"content-type": "application/json"},
+        )
     assert fine.status_code == 503  # not ready yet: it passed validation
 
 

@@ -91,7 +91,9 @@ async def test_health_answers_within_100_ms_while_a_large_prompt_is_tokenized(ro
 def _assert_413(response: httpx.Response) -> None:
     error = response.json()["error"]
     assert response.status_code == 413, response.text
-    assert error["type"] == "invalid_request_error" and error["param"] == "body" and error["code"] == "request_too_large"
+    assert (
+        error["type"] == "invalid_request_error" and error["param"] == "body" and error["code"] == "request_too_large"
+    )
     assert f"at most {MAX_BODY_BYTES} bytes" in error["message"]
 
 
@@ -111,7 +113,7 @@ async def test_a_chunked_body_over_the_limit_is_a_413_too(route):
 
     async def chunks():  # no Content-Length: only counting the body as it arrives can stop it
         for start in range(0, len(content), 64 * 1024):
-            yield content[start:start + 64 * 1024]
+            yield content[start : start + 64 * 1024]
 
     async with client(tokenizer) as http:
         response = await http.post(route, content=chunks(), headers={"content-type": "application/json"})
@@ -130,5 +132,8 @@ async def test_text_too_long_for_any_tokenizer_is_refused_before_tokenizing(rout
         response = await http.post(route, json=body(route, "x" * (64 * MAX_CHARS_PER_TOKEN + 1)))
     error = response.json()["error"]
     assert response.status_code == 400 and error["code"] == "context_length_exceeded" and error["param"] == param
-    assert f"allowed: at most {64 * MAX_CHARS_PER_TOKEN} characters" in error["message"] and "max_seq_len (64)" in error["message"]
+    assert (
+        f"allowed: at most {64 * MAX_CHARS_PER_TOKEN} characters" in error["message"]
+        and "max_seq_len (64)" in error["message"]
+    )
     assert tokenizer.calls == 0

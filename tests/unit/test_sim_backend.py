@@ -39,10 +39,16 @@ class Chain:
 
     def estimate(self):
         c = self.config
-        self.requested_probe = estimation_tokens(max_num_tokens=c.max_num_tokens, max_seq_len=self.resolved.max_seq_len,
-                                                 max_batch_size=c.max_batch_size, tokens_per_block=c.tokens_per_block)  # fmt: skip
+        self.requested_probe = estimation_tokens(
+            max_num_tokens=c.max_num_tokens,
+            max_seq_len=self.resolved.max_seq_len,
+            max_batch_size=c.max_batch_size,
+            tokens_per_block=c.tokens_per_block,
+        )
         undo = self.undo("estimation_build")
-        self.estimation = estimation_build(c, self.resolved, self.loaded, self.backend, None, undo)  # the stage caps the probe
+        self.estimation = estimation_build(
+            c, self.resolved, self.loaded, self.backend, None, undo
+        )  # the stage caps the probe
         return self.estimation
 
     def profile(self):
@@ -54,9 +60,14 @@ class Chain:
 
     def final(self):
         c, r = self.config, self.resolved
-        self.plan = plan_capacity(self.profile_, cost=r.total_cost, fraction=r.memory_rule.fraction,
-                                  max_seq_len=r.max_seq_len, max_batch_size=c.max_batch_size,
-                                  tokens_per_block=c.tokens_per_block)  # fmt: skip
+        self.plan = plan_capacity(
+            self.profile_,
+            cost=r.total_cost,
+            fraction=r.memory_rule.fraction,
+            max_seq_len=r.max_seq_len,
+            max_batch_size=c.max_batch_size,
+            tokens_per_block=c.tokens_per_block,
+        )
         self.budgets = split_budgets(self.plan, target_cost=r.cost, draft_cost=r.draft_cost)
         self.final_ = self.backend.build_final(self.loaded, r, self.budgets, self.undo("final_build"))
         return self.final_
@@ -123,8 +134,14 @@ def test_estimation_allocates_block_aligned_probe_and_workspace():
     assert chain.device.live() == {}
 
 
-@pytest.mark.parametrize("overrides", [{}, {"max_batch_size": 1024, "max_seq_len": 2048},
-                                       {"model": "llama-3.1-70b", "draft_model": "llama-3.1-8b", "tensor_parallel_size": 4}])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"max_batch_size": 1024, "max_seq_len": 2048},
+        {"model": "llama-3.1-70b", "draft_model": "llama-3.1-8b", "tensor_parallel_size": 4},
+    ],
+)
 def test_estimation_overhead_is_what_the_build_allocates_beside_the_probe(overrides):
     chain = Chain(**overrides)
     chain.load()
@@ -227,8 +244,10 @@ def test_profiling_ooms_when_the_forward_does_not_fit():
 @pytest.mark.parametrize("model", ["llama-3.1-8b", "mixtral-8x7b", "deepseek-v2-lite", "gemma-2-9b", "smollm2-135m"])
 def test_activation_peak_grows_with_max_num_tokens(model):
     shape = preset_shape(model)
-    peaks = [activation_peak(shape, max_num_tokens=t, max_seq_len=4096, dtype_bytes=2).total
-             for t in (16, 256, 1024, 4096, 8192, 32768)]  # fmt: skip
+    peaks = [
+        activation_peak(shape, max_num_tokens=t, max_seq_len=4096, dtype_bytes=2).total
+        for t in (16, 256, 1024, 4096, 8192, 32768)
+    ]
     assert all(a < b for a, b in zip(peaks, peaks[1:]))
     assert peaks[0] > CUBLAS_WORKSPACE_BYTES
 
@@ -259,8 +278,9 @@ def test_activation_model_reproduces_h200_measurements(model, tokens, measured):
 def test_sliding_window_mask_appears_once_tokens_reach_the_window():
     shape = preset_shape("gemma-2-9b")
     window = min(w for w in shape.attention_windows if w is not None)
-    below, at = (activation_peak(shape, max_num_tokens=t, max_seq_len=t + 1, dtype_bytes=2)
-                 for t in (window - 1, window))  # fmt: skip
+    below, at = (
+        activation_peak(shape, max_num_tokens=t, max_seq_len=t + 1, dtype_bytes=2) for t in (window - 1, window)
+    )
     assert at.terms["stream"] - below.terms["stream"] > window * window
 
 

@@ -16,8 +16,14 @@ def test_h200_preset_is_the_measured_torch_total():
 
 @pytest.mark.parametrize("name", sorted(SIM_GPUS))
 def test_every_preset_is_below_its_nvidia_smi_size(name):
-    nvidia_smi_mib = {"h200": 143_771, "h100-80gb": 81_559, "a100-80gb": 81_920, "a100-40gb": 40_960,
-                      "l40s": 46_068, "rtx-4090": 24_564}  # fmt: skip
+    nvidia_smi_mib = {
+        "h200": 143_771,
+        "h100-80gb": 81_559,
+        "a100-80gb": 81_920,
+        "a100-40gb": 40_960,
+        "l40s": 46_068,
+        "rtx-4090": 24_564,
+    }
     gpu = SIM_GPUS[name]
     assert 0.98 * nvidia_smi_mib[name] * MiB < gpu.total_bytes <= nvidia_smi_mib[name] * MiB
     assert gpu.source
@@ -32,9 +38,15 @@ def test_preset_names_are_case_insensitive_and_devices_are_fresh():
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("custom:80GiB", 80 * 1024**3), ("80GiB", 80 * 1024**3), ("85899345920", 85_899_345_920),
-     ("80GB", 80 * 10**9), ("1.5 TiB", int(1.5 * 1024**4)), ("custom:40960MiB", 40_960 * MiB)],
-)  # fmt: skip
+    [
+        ("custom:80GiB", 80 * 1024**3),
+        ("80GiB", 80 * 1024**3),
+        ("85899345920", 85_899_345_920),
+        ("80GB", 80 * 10**9),
+        ("1.5 TiB", int(1.5 * 1024**4)),
+        ("custom:40960MiB", 40_960 * MiB),
+    ],
+)
 def test_custom_sizes(text, expected):
     device = sim_device(text)
     assert device.total_bytes() == expected
@@ -58,9 +70,14 @@ def test_parse_bytes_rejects_unknown_units():
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("8.2MB", 8_200_000), ("16TiB", 16 * 1024**4), ("17592186044416", 16 * 1024**4),
-     ("1.000000000001TiB", 1024**4 + 1), ("0.000000000001TiB", 1)],
-)  # fmt: skip
+    [
+        ("8.2MB", 8_200_000),
+        ("16TiB", 16 * 1024**4),
+        ("17592186044416", 16 * 1024**4),
+        ("1.000000000001TiB", 1024**4 + 1),
+        ("0.000000000001TiB", 1),
+    ],
+)
 def test_byte_counts_are_exact_not_rounded_through_float(text, expected):
     assert parse_bytes(text) == expected
 

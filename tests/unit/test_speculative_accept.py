@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bootstrap.engine.spec.verify import accept_greedy, accept_sampled
-from bootstrap.engine.spec.depth import StepCosts, best_depth, expected_tokens
 from bootstrap.engine.request.acceptance import Acceptance
+from bootstrap.engine.spec.depth import StepCosts, best_depth, expected_tokens
+from bootstrap.engine.spec.verify import accept_greedy, accept_sampled
 
 CHI2_999 = {4: 18.467}  # chi-square critical values at p = 0.999 by degrees of freedom (scipy.stats.chi2.ppf)
 
@@ -81,8 +81,9 @@ def test_a_draft_equal_to_the_target_is_always_kept_and_a_seeded_row_repeats_in_
     assert always.accepted.tolist() == [3]
     q = torch.softmax(torch.randn(1, 3, 6), -1)
     alone = accept_sampled(draft, q, p, [torch.Generator().manual_seed(9)])
-    batch = accept_sampled(draft.repeat(3, 1), q.repeat(3, 1, 1), p.repeat(3, 1, 1),
-                           [torch.Generator().manual_seed(s) for s in (4, 9, 5)])  # fmt: skip
+    batch = accept_sampled(
+        draft.repeat(3, 1), q.repeat(3, 1, 1), p.repeat(3, 1, 1), [torch.Generator().manual_seed(s) for s in (4, 9, 5)]
+    )
     assert batch.new_tokens()[1] == alone.new_tokens()[0]
 
 
@@ -90,7 +91,9 @@ def test_shapes_that_do_not_fit_are_refused_naming_them():
     with pytest.raises(ValueError, match=r"must be \[2, 4, V\] for 3 draft tokens"):
         accept_greedy(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, 5))
     with pytest.raises(ValueError, match="one generator"):
-        accept_sampled(torch.zeros(2, 1, dtype=torch.long), torch.full((2, 1, 3), 1 / 3), torch.full((2, 2, 3), 1 / 3), [None])
+        accept_sampled(
+            torch.zeros(2, 1, dtype=torch.long), torch.full((2, 1, 3), 1 / 3), torch.full((2, 2, 3), 1 / 3), [None]
+        )
 
 
 def test_limits_make_a_row_consider_only_its_first_proposals():
@@ -103,8 +106,13 @@ def test_limits_make_a_row_consider_only_its_first_proposals():
     p = torch.softmax(torch.randn(3, vocab), -1)
     q = torch.softmax(torch.randn(2, vocab), -1)
     draft = torch.stack([torch.multinomial(q[i], rows, replacement=True) for i in range(2)], dim=1)
-    limited = accept_sampled(draft, q.expand(rows, 2, vocab), p.expand(rows, 3, vocab), [None] * rows,
-                             limits=torch.ones(rows, dtype=torch.long))  # fmt: skip
+    limited = accept_sampled(
+        draft,
+        q.expand(rows, 2, vocab),
+        p.expand(rows, 3, vocab),
+        [None] * rows,
+        limits=torch.ones(rows, dtype=torch.long),
+    )
     assert limited.accepted.max() == 1
     second = limited.tokens[limited.accepted == 1, 1]  # the bonus after the one kept proposal: drawn from p[1]
     assert chi_square(second, p[1]) < CHI2_999[vocab - 1]
@@ -115,7 +123,11 @@ def test_best_depth_speculates_as_deep_as_acceptance_pays_for_and_not_at_all_whe
     assert best_depth(1.0, cheap, 8) == 8 and best_depth(0.0, cheap, 8) == 0
     assert best_depth(0.8, cheap, 8) in (4, 5, 6) and best_depth(0.5, cheap, 8) in (1, 2, 3)
     assert best_depth(0.9, StepCosts(prior=1.0), 8) == 0  # a draft as costly as the target never pays
-    assert best_depth(0.6, StepCosts(0.05), 8) < best_depth(0.8, StepCosts(0.05), 8) <= best_depth(0.95, StepCosts(0.05), 8)
+    assert (
+        best_depth(0.6, StepCosts(0.05), 8)
+        < best_depth(0.8, StepCosts(0.05), 8)
+        <= best_depth(0.95, StepCosts(0.05), 8)
+    )
 
 
 def test_measured_costs_decide_and_a_slow_verify_pass_turns_speculation_off():
@@ -168,8 +180,9 @@ def test_best_depth_is_the_argmax_of_the_expected_rate_and_rises_with_acceptance
             depths = []
             for step in range(101):
                 rate = step / 100
-                value = [1.0] + [expected_tokens(rate, k) * decode / (verify + draft * k)
-                                 for k in range(1, ceiling + 1)]  # fmt: skip
+                value = [1.0] + [
+                    expected_tokens(rate, k) * decode / (verify + draft * k) for k in range(1, ceiling + 1)
+                ]
                 chosen = best_depth(rate, costs, ceiling)
                 assert value[chosen] >= max(value) - 1e-9, (rate, decode, verify, draft, ceiling)
                 depths.append(chosen)

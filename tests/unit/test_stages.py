@@ -329,12 +329,25 @@ async def test_tp_that_does_not_divide_the_draft_heads_names_the_draft(tmp_path)
 
     from bootstrap.capacity.presets import preset_config
 
-    draft.write_text(json.dumps({**preset_config("llama-3.1-8b"), "num_attention_heads": 9, "num_key_value_heads": 9,
-                                 "hidden_size": 9 * 128, "head_dim": 128}))  # fmt: skip
+    draft.write_text(
+        json.dumps(
+            {
+                **preset_config("llama-3.1-8b"),
+                "num_attention_heads": 9,
+                "num_key_value_heads": 9,
+                "hidden_size": 9 * 128,
+                "head_dim": 128,
+            }
+        )
+    )
     pipeline, _, _ = setup(draft_model=str(draft), tensor_parallel_size=2)
     with pytest.raises(StageFailed) as info:
         await pipeline.run()
-    assert info.value.stage == "resolve_classes" and "draft_model" in str(info.value) and "9 attention heads" in str(info.value)
+    assert (
+        info.value.stage == "resolve_classes"
+        and "draft_model" in str(info.value)
+        and "9 attention heads" in str(info.value)
+    )
 
 
 async def test_a_draft_with_another_vocabulary_is_refused_naming_both_models_and_sizes():

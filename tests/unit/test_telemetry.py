@@ -109,9 +109,14 @@ async def test_otlp_export_is_off_the_runs_path(collector):
     provider.shutdown()  # flushes the batch
     assert collector.requests and all(r["run_done"] for r in collector.requests)
     assert sorted(collector.span_names()) == sorted(
-        ["bootstrap.pipeline", "bootstrap.stage.one", "bootstrap.stage.one.attempt",
-         "bootstrap.stage.two", "bootstrap.stage.two.attempt"]
-    )  # fmt: skip
+        [
+            "bootstrap.pipeline",
+            "bootstrap.stage.one",
+            "bootstrap.stage.one.attempt",
+            "bootstrap.stage.two",
+            "bootstrap.stage.two.attempt",
+        ]
+    )
 
 
 def test_otlp_without_a_collector_is_one_warning_and_a_successful_run(no_collector, capsys, caplog):

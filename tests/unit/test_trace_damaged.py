@@ -27,13 +27,26 @@ JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(st.characters(exclude_categories=())),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
     max_leaves=6,
-)  # fmt: skip
-FIELDS = [("name",), ("span_id",), ("parent_span_id",), ("start_time_unix_nano",), ("end_time_unix_nano",),
-          ("status",), ("attributes",), ("events",), ("attributes", "bootstrap.outcome"),
-          ("attributes", "bootstrap.attempt"), ("attributes", "bootstrap.attempts"),
-          ("attributes", "bootstrap.skip_reason"), ("attributes", "error.type"),
-          ("attributes", "bootstrap.adapt.probe_tokens"), ("events", 0), ("events", 0, "attributes"),
-          ("events", 0, "attributes", "exception.message")]  # fmt: skip
+)
+FIELDS = [
+    ("name",),
+    ("span_id",),
+    ("parent_span_id",),
+    ("start_time_unix_nano",),
+    ("end_time_unix_nano",),
+    ("status",),
+    ("attributes",),
+    ("events",),
+    ("attributes", "bootstrap.outcome"),
+    ("attributes", "bootstrap.attempt"),
+    ("attributes", "bootstrap.attempts"),
+    ("attributes", "bootstrap.skip_reason"),
+    ("attributes", "error.type"),
+    ("attributes", "bootstrap.adapt.probe_tokens"),
+    ("events", 0),
+    ("events", 0, "attributes"),
+    ("events", 0, "attributes", "exception.message"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +58,23 @@ def valid(tmp_path_factory) -> list[dict[str, Any]]:
     records = [json.loads(line) for line in path.read_text().splitlines()]
     root = next(r for r in records if r["name"] == "bootstrap.pipeline")
     start, end = min(r["start_time_unix_nano"] for r in records), root["end_time_unix_nano"]
-    process = {**root, "name": "bootstrap.process", "span_id": "p" * 16, "parent_span_id": None, "attributes": {},
-               "events": [], "start_time_unix_nano": start - 1000, "end_time_unix_nano": end + 1000}  # fmt: skip
-    phase = {**process, "name": "bootstrap.process.checks", "span_id": "c" * 16, "parent_span_id": "p" * 16,
-             "end_time_unix_nano": start}  # fmt: skip
+    process = {
+        **root,
+        "name": "bootstrap.process",
+        "span_id": "p" * 16,
+        "parent_span_id": None,
+        "attributes": {},
+        "events": [],
+        "start_time_unix_nano": start - 1000,
+        "end_time_unix_nano": end + 1000,
+    }
+    phase = {
+        **process,
+        "name": "bootstrap.process.checks",
+        "span_id": "c" * 16,
+        "parent_span_id": "p" * 16,
+        "end_time_unix_nano": start,
+    }
     root["parent_span_id"] = "p" * 16
     return [phase, *records, process]
 
@@ -80,8 +106,11 @@ def wide_terminal():
 
 def stages_of(records: list[Any], attempts: bool = False) -> list[str]:
     """The stage ids of the stage spans (and, with ``attempts``, of the attempt spans) among ``records``."""
-    return [r["name"].removeprefix(STAGE_PREFIX).removesuffix(".attempt") for r in records
-            if r["name"].startswith(STAGE_PREFIX) and (attempts or not r["name"].endswith(".attempt"))]  # fmt: skip
+    return [
+        r["name"].removeprefix(STAGE_PREFIX).removesuffix(".attempt")
+        for r in records
+        if r["name"].startswith(STAGE_PREFIX) and (attempts or not r["name"].endswith(".attempt"))
+    ]
 
 
 def assert_clean(err: str) -> None:
@@ -98,14 +127,18 @@ def test_a_file_cut_short_by_a_killed_writer_shows_every_complete_line(valid):
     assert_clean(err)
 
 
-@pytest.mark.parametrize("damage, words", [
-    (lambda r: {**r, "name": 7}, "name is not a string (got 7)"),
-    (lambda r: {**r, "start_time_unix_nano": "12"}, "start_time_unix_nano is not nanoseconds"),
-    (lambda r: {**r, "end_time_unix_nano": None}, "end_time_unix_nano is not nanoseconds"),
-    (lambda r: {**r, "events": {"name": "exception"}}, "events is not a list of event objects"),
-    (lambda r: {**r, "attributes": []}, "attributes is not an object"),
-    (lambda r: [r], "not a span (a JSON list, not an object)"),
-], ids=["name", "string time", "null time", "events", "attributes", "list"])  # fmt: skip
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        (lambda r: {**r, "name": 7}, "name is not a string (got 7)"),
+        (lambda r: {**r, "start_time_unix_nano": "12"}, "start_time_unix_nano is not nanoseconds"),
+        (lambda r: {**r, "end_time_unix_nano": None}, "end_time_unix_nano is not nanoseconds"),
+        (lambda r: {**r, "events": {"name": "exception"}}, "events is not a list of event objects"),
+        (lambda r: {**r, "attributes": []}, "attributes is not an object"),
+        (lambda r: [r], "not a span (a JSON list, not an object)"),
+    ],
+    ids=["name", "string time", "null time", "events", "attributes", "list"],
+)
 def test_each_damaged_field_costs_one_warning_with_its_count_and_the_rest_is_shown(valid, damage, words):
     damaged = [damage(r) if r["name"].endswith(".attempt") else r for r in valid]  # every attempt span
     code, out, err = trace(encode(damaged))

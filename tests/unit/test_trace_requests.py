@@ -15,22 +15,52 @@ MS = 1_000_000
 
 
 def span(name, span_id, parent, start_ms, end_ms, **attributes):
-    return {"name": name, "trace_id": f"{span_id:0>32}", "span_id": span_id, "parent_span_id": parent,
-            "start_time_unix_nano": start_ms * MS, "end_time_unix_nano": end_ms * MS, "status": "UNSET",
-            "attributes": attributes, "events": []}  # fmt: skip
+    return {
+        "name": name,
+        "trace_id": f"{span_id:0>32}",
+        "span_id": span_id,
+        "parent_span_id": parent,
+        "start_time_unix_nano": start_ms * MS,
+        "end_time_unix_nano": end_ms * MS,
+        "status": "UNSET",
+        "attributes": attributes,
+        "events": [],
+    }
 
 
 def traced_request(rid, start, choices):
-    spans = [span("bootstrap.request", rid, None, start, start + 100, **{
-        "bootstrap.endpoint": "chat", "http.response.status_code": 200, "gen_ai.usage.input_tokens": 7,
-        "gen_ai.usage.output_tokens": 9, "gen_ai.response.finish_reasons": ["length"] * len(choices)})]  # fmt: skip
+    spans = [
+        span(
+            "bootstrap.request",
+            rid,
+            None,
+            start,
+            start + 100,
+            **{
+                "bootstrap.endpoint": "chat",
+                "http.response.status_code": 200,
+                "gen_ai.usage.input_tokens": 7,
+                "gen_ai.usage.output_tokens": 9,
+                "gen_ai.response.finish_reasons": ["length"] * len(choices),
+            },
+        )
+    ]
     for index, (queue, prefill, decode) in enumerate(choices):
         cid = f"{rid}c{index}"
         begin = start + 5
-        spans += [span("bootstrap.request.choice", cid, rid, begin, begin + queue + prefill + decode, **{"bootstrap.kv_blocks": 3}),
-                  span("bootstrap.request.queue", f"{cid}q", cid, begin, begin + queue),
-                  span("bootstrap.request.prefill", f"{cid}p", cid, begin + queue, begin + queue + prefill),
-                  span("bootstrap.request.decode", f"{cid}d", cid, begin + queue + prefill, begin + queue + prefill + decode)]
+        spans += [
+            span(
+                "bootstrap.request.choice",
+                cid,
+                rid,
+                begin,
+                begin + queue + prefill + decode,
+                **{"bootstrap.kv_blocks": 3},
+            ),
+            span("bootstrap.request.queue", f"{cid}q", cid, begin, begin + queue),
+            span("bootstrap.request.prefill", f"{cid}p", cid, begin + queue, begin + queue + prefill),
+            span("bootstrap.request.decode", f"{cid}d", cid, begin + queue + prefill, begin + queue + prefill + decode),
+        ]
     return spans
 
 
@@ -38,7 +68,11 @@ def test_rows_come_slowest_first_with_the_slowest_choices_phases():
     fast = traced_request("a1", 0, [(1, 2, 3)])
     slow = traced_request("b2", 50, [(1, 2, 3), (10, 20, 30)])
     slow[0]["end_time_unix_nano"] = 400 * MS
-    refused = [span("bootstrap.request", "c3", None, 60, 62, **{"url.path": "/v1/completions", "http.response.status_code": 400})]
+    refused = [
+        span(
+            "bootstrap.request", "c3", None, 60, 62, **{"url.path": "/v1/completions", "http.response.status_code": 400}
+        )
+    ]
     stage = [span("bootstrap.stage.load_model", "d4", None, 0, 10)]
     rows = request_rows([*fast, *stage, *refused, *slow])
     assert [r.trace_id for r in rows] == ["00000000", "00000000", "00000000"] and len(rows) == 3
@@ -51,8 +85,13 @@ def test_rows_come_slowest_first_with_the_slowest_choices_phases():
 
 def test_attributes_of_the_wrong_type_show_as_a_question_mark():
     spans = traced_request("e5", 0, [(1, 1, 1)])
-    spans[0]["attributes"].update({"gen_ai.usage.output_tokens": {"a": 1}, "gen_ai.response.finish_reasons": "oops",
-                                   "http.response.status_code": True})  # fmt: skip
+    spans[0]["attributes"].update(
+        {
+            "gen_ai.usage.output_tokens": {"a": 1},
+            "gen_ai.response.finish_reasons": "oops",
+            "http.response.status_code": True,
+        }
+    )
     [row] = request_rows(spans)
     assert (row.tokens, row.finish, row.status) == ("7→?", "?", "?")
     console = Console(width=200, record=True)

@@ -20,7 +20,11 @@ def traces(tmp_path_factory) -> dict[str, Path]:
     """A start whose first profiling attempt ran out of memory, then a cold and a warm start."""
     root = tmp_path_factory.mktemp("traces")
     cache = root / "plans"
-    runs = {"retried": ["--fault", "profiling:oom:1"], "cold": ["--plan-cache", str(cache)], "warm": ["--plan-cache", str(cache)]}
+    runs = {
+        "retried": ["--fault", "profiling:oom:1"],
+        "cold": ["--plan-cache", str(cache)],
+        "warm": ["--plan-cache", str(cache)],
+    }
     for name, extra in runs.items():
         assert main([*PLAN, *extra, "--trace-file", str(root / f"{name}.jsonl")]) == 0
     return {name: root / f"{name}.jsonl" for name in runs}
@@ -79,8 +83,21 @@ def test_png_without_matplotlib_is_a_clear_input_error(traces, tmp_path, capsys,
         (None, "No such file"),
         ("{not json\n", "line 1: not JSON"),
         ('{"name": "x"}\n', "line 1: not a span (missing span_id"),
-        (json.dumps({"name": "other", "span_id": "1", "parent_span_id": None, "start_time_unix_nano": 1,
-                     "end_time_unix_nano": 2, "status": "OK", "attributes": {}}) + "\n", "holds no bootstrap spans"),
+        (
+            json.dumps(
+                {
+                    "name": "other",
+                    "span_id": "1",
+                    "parent_span_id": None,
+                    "start_time_unix_nano": 1,
+                    "end_time_unix_nano": 2,
+                    "status": "OK",
+                    "attributes": {},
+                }
+            )
+            + "\n",
+            "holds no bootstrap spans",
+        ),
     ],
 )
 def test_unreadable_trace_files_exit_2_with_one_line(content, message, tmp_path, capsys):

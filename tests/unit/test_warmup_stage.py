@@ -136,9 +136,16 @@ def test_skip_reasons():
 
 
 def test_the_plan_reserves_the_measured_graph_bytes():
-    base = dict(total_bytes=100 * MiB * 1024, free_before_bytes=0, model_bytes=10 * 1024 * MiB,
-                torch_peak_bytes=20 * 1024 * MiB, torch_used_bytes=15 * 1024 * MiB, used_bytes=16 * 1024 * MiB,
-                probe_kv_bytes=4 * 1024 * MiB, max_num_tokens=2048)  # fmt: skip
+    base = dict(
+        total_bytes=100 * MiB * 1024,
+        free_before_bytes=0,
+        model_bytes=10 * 1024 * MiB,
+        torch_peak_bytes=20 * 1024 * MiB,
+        torch_used_bytes=15 * 1024 * MiB,
+        used_bytes=16 * 1024 * MiB,
+        probe_kv_bytes=4 * 1024 * MiB,
+        max_num_tokens=2048,
+    )
     args = dict(cost=CacheCost(131072), fraction=0.9, max_seq_len=8192, max_batch_size=32, tokens_per_block=32)
     without = plan_capacity(MemoryProfile(**base), **args)
     with_graphs = plan_capacity(MemoryProfile(**base, graph_bytes=512 * MiB), **args)

@@ -54,8 +54,6 @@ from bootstrap.backends.native.checks import (
 )
 from bootstrap.backends.native.headroom import headroom_terms
 from bootstrap.backends.native.placement import device_for, rank_device, rank_env
-from bootstrap.engine.executor.profile_run import rehearse_speculation
-from bootstrap.engine.spec.rows import graph_sizes, max_rows
 from bootstrap.capacity import CapacityPlan, MemoryProfile, dummy_request_lengths
 from bootstrap.capacity.config_json import parse_config
 from bootstrap.capacity.cuda_graph_buckets import graph_batch_sizes
@@ -63,17 +61,18 @@ from bootstrap.capacity.shape import ModelShape, check_tp_split
 from bootstrap.capacity.split import PoolBudgets
 from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.devices import Device
-from bootstrap.engine.kernels import paged_kv
 from bootstrap.engine.executor.create import create_executor
-from bootstrap.engine.step.graphs import capture_reserve_bytes, release_workspaces
+from bootstrap.engine.executor.profile_run import rehearse_speculation, run_dummy_requests
 from bootstrap.engine.executor.py_executor import PyExecutor
+from bootstrap.engine.kernels import paged_kv
 from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
-from bootstrap.engine.sources.loader import LoadedWeights, config_dict, load_model
-from bootstrap.engine.step.runner import ModelRunner
-from bootstrap.engine.executor.profile_run import run_dummy_requests
 from bootstrap.engine.sampling.sampler import SamplingParams
 from bootstrap.engine.scheduler import SchedulerConfig
+from bootstrap.engine.sources.loader import LoadedWeights, config_dict, load_model
 from bootstrap.engine.sources.progress_lines import Progress, quiet, to_stderr
+from bootstrap.engine.spec.rows import graph_sizes, max_rows
+from bootstrap.engine.step.graphs import capture_reserve_bytes, release_workspaces
+from bootstrap.engine.step.model_runner import ModelRunner
 from bootstrap.pipeline.collective import Collective
 from bootstrap.pipeline.undo import Undo
 
@@ -109,9 +108,13 @@ class NativeBackend:
     kv_manager = "PagedKVCache"
 
     def __init__(
-        self, device: Device, torch_device: torch.device, cache_dir: Path | None = None,
-        collective: Collective | None = None, progress: Progress | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        device: Device,
+        torch_device: torch.device,
+        cache_dir: Path | None = None,
+        collective: Collective | None = None,
+        progress: Progress | None = None,
+    ) -> None:
         """``progress``: where the loader's first-use steps report; default stderr, on rank 0 only."""
         self.device = device
         self.torch_device = torch_device
@@ -156,7 +159,9 @@ class NativeBackend:
     def check_config(self, config: BootstrapConfig, shape: ModelShape) -> None:
         """What the native engine cannot run, refused before any weight is loaded."""
         if config.kv_cache_dtype == "fp8":
-            raise ConfigError("kv_cache_dtype: fp8 is not supported by the native engine; allowed: auto, float32, bfloat16, float16")
+            raise ConfigError(
+                "kv_cache_dtype: fp8 is not supported by the native engine; allowed: auto, float32, bfloat16, float16"
+            )
         if config.tensor_parallel_size != self.tp:
             raise ConfigError(
                 f"tensor_parallel_size: {config.tensor_parallel_size}, but this backend runs on {self.tp} rank(s); "
@@ -205,8 +210,14 @@ class NativeBackend:
     def _load(self, source: str, dtype: str, undo: Undo) -> LoadedWeights:
         undo.push(self._settler())  # a load that fails half way leaves garbage for the allocator's cache
         with unreadable_as_source_error(source):
-            weights = load_model(source, device=self.torch_device, dtype=DTYPES[dtype], cache_dir=self.cache_dir,
-                                 tp_size=self.tp, progress=self.progress)  # fmt: skip
+            weights = load_model(
+                source,
+                device=self.torch_device,
+                dtype=DTYPES[dtype],
+                cache_dir=self.cache_dir,
+                tp_size=self.tp,
+                progress=self.progress,
+            )
         undo.push(lambda: weights.model.to(torch.device("meta")))  # frees the storage even if a reference survives
         return weights
 
@@ -247,18 +258,30 @@ class NativeBackend:
         self, loaded: LoadedModel, resolved: ResolvedClasses, probe_tokens: int, config: BootstrapConfig, undo: Undo
     ) -> EstimationBuild:
         models: NativeModels = loaded.handle
-        pools = self._pools({n: probe_tokens for n in models.by_name()}, models, resolved, undo, PagedKVCache.from_tokens)
+        pools = self._pools(
+            dict.fromkeys(models.by_name(), probe_tokens), models, resolved, undo, PagedKVCache.from_tokens
+        )
         scheduler = SchedulerConfig(config.max_batch_size, config.max_num_tokens, resolved.max_seq_len)
         executors = {}
         rows = max_rows(config)
         for name, weights in models.by_name().items():
-            runner = ModelRunner(weights.model, pools[name], config.max_batch_size, resolved.max_seq_len, max_rows=rows[name])
-            executors[name] = create_executor(weights.model, pools[name], scheduler, weights.tokenizer,
-                                              set(weights.eos_token_ids), start=False, runner=runner)  # fmt: skip
+            runner = ModelRunner(
+                weights.model, pools[name], config.max_batch_size, resolved.max_seq_len, max_rows=rows[name]
+            )
+            executors[name] = create_executor(
+                weights.model,
+                pools[name],
+                scheduler,
+                weights.tokenizer,
+                set(weights.eos_token_ids),
+                start=False,
+                runner=runner,
+            )
             undo.push(executors[name].shutdown)
         probe_bytes = sum(p.stats().total_bytes for p in pools.values())
-        return EstimationBuild(NativeBuild(pools, executors), pools["target"].stats().capacity_tokens,
-                               probe_bytes, config.max_num_tokens)  # fmt: skip
+        return EstimationBuild(
+            NativeBuild(pools, executors), pools["target"].stats().capacity_tokens, probe_bytes, config.max_num_tokens
+        )
 
     def profile(
         self, estimation: EstimationBuild, loaded: LoadedModel, max_num_tokens: int, config: BootstrapConfig, undo: Undo
@@ -333,9 +356,16 @@ class NativeBackend:
         its pool with its passes captured (``_graph_sizes``); the memory figure is read from the
         device as in profiling. The handle: the runners by name."""
         rows, sizes = max_rows(config), graph_sizes(config, batch_sizes)
-        runners = {name: ModelRunner(weights.model, final.handle.pools[name], config.max_batch_size,
-                                     resolved.max_seq_len, max_rows=rows[name])
-                   for name, weights in loaded.handle.by_name().items()}  # fmt: skip
+        runners = {
+            name: ModelRunner(
+                weights.model,
+                final.handle.pools[name],
+                config.max_batch_size,
+                resolved.max_seq_len,
+                max_rows=rows[name],
+            )
+            for name, weights in loaded.handle.by_name().items()
+        }
         settle = self._settler()
 
         def release() -> None:
@@ -350,8 +380,15 @@ class NativeBackend:
         self._return_cached()
         used = max(self.device.total_bytes() - self.device.free_bytes() - before, 0)
         target = captures["target"]
-        return Warmup(runners, target.batch_sizes, target.widths, sum(c.num_graphs for c in captures.values()), used,
-                      plan.graph_bytes, sum(c.seconds for c in captures.values()))  # fmt: skip
+        return Warmup(
+            runners,
+            target.batch_sizes,
+            target.widths,
+            sum(c.num_graphs for c in captures.values()),
+            used,
+            plan.graph_bytes,
+            sum(c.seconds for c in captures.values()),
+        )
 
     def start_executor(
         self,
@@ -369,10 +406,18 @@ class NativeBackend:
         runners = warmup.handle if warmup is not None and warmup.handle is not None else {}
         runner, draft = runners.get("target"), loaded.handle.draft
         drafted = runners.get("draft") or ((draft.model, final.handle.pools["draft"]) if draft is not None else None)
-        executor = create_executor(target.model, final.handle.pools["target"], scheduler, target.tokenizer,
-                                   set(target.eos_token_ids), start=False, runner=runner, draft=drafted,
-                                   speculative_tokens=config.speculative_tokens or 1,
-                                   adaptive=config.num_speculative_tokens == "auto")  # fmt: skip
+        executor = create_executor(
+            target.model,
+            final.handle.pools["target"],
+            scheduler,
+            target.tokenizer,
+            set(target.eos_token_ids),
+            start=False,
+            runner=runner,
+            draft=drafted,
+            speculative_tokens=config.speculative_tokens or 1,
+            adaptive=config.num_speculative_tokens == "auto",
+        )
         undo.push(executor.shutdown)
         executor.start_worker()
         serve_smoke_request(executor)
@@ -380,8 +425,14 @@ class NativeBackend:
 
     # ---- helpers ------------------------------------------------------------------------------
 
-    def _pools(self, sizes: Mapping[str, int], models: NativeModels, resolved: ResolvedClasses, undo: Undo,
-               make: Callable[..., PagedKVCache]) -> dict[str, PagedKVCache]:  # fmt: skip
+    def _pools(
+        self,
+        sizes: Mapping[str, int],
+        models: NativeModels,
+        resolved: ResolvedClasses,
+        undo: Undo,
+        make: Callable[..., PagedKVCache],
+    ) -> dict[str, PagedKVCache]:
         """One pool per model, ``make(spec, sizes[name], ...)``; each release pushed at once."""
         pools: dict[str, PagedKVCache] = {}
         weights = models.by_name()

@@ -54,9 +54,11 @@ def weights_refusal(config: BootstrapConfig, dtype: str, need: int, free: int, d
     models = f"{config.model} + draft {config.draft_model}" if config.draft_model else config.model
     per_rank = f" per rank (1/{tp} of the parameters)" if tp > 1 else ""
     smaller = " (e.g. --dtype bfloat16)" if dtype == "float32" else ""
-    return (f"model: the weights of {models} in {dtype} need {fmt_bytes(need)}{per_rank}, but {device} has "
-            f"{fmt_bytes(free)} available; use a smaller dtype{smaller}, another device (--device), more "
-            "tensor_parallel_size, or a smaller model")  # fmt: skip
+    return (
+        f"model: the weights of {models} in {dtype} need {fmt_bytes(need)}{per_rank}, but {device} has "
+        f"{fmt_bytes(free)} available; use a smaller dtype{smaller}, another device (--device), more "
+        "tensor_parallel_size, or a smaller model"
+    )
 
 
 def check_draft_tokenizer(config: BootstrapConfig) -> None:

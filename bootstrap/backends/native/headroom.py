@@ -29,9 +29,7 @@ from bootstrap.config import BootstrapConfig
 WORKSPACE_BYTES = 512 * 1024**2
 
 
-def headroom_terms(
-    profile: MemoryProfile | None, resolved: ResolvedClasses, config: BootstrapConfig
-) -> dict[str, int]:
+def headroom_terms(profile: MemoryProfile | None, resolved: ResolvedClasses, config: BootstrapConfig) -> dict[str, int]:
     """The terms above, in bytes, and their ``total``. Before profiling (``profile`` None: the
     probe cap) the activation term is not measured yet and counts 0."""
     layer_bytes_per_token = resolved.cost.slope // max(resolved.shape.num_layers, 1)  # keys and values, one rank
@@ -39,7 +37,8 @@ def headroom_terms(
     context = resolved.max_seq_len
     terms = {
         "activation": profile.activation_bytes if profile is not None else 0,
-        "continued_chunk": context * layer_bytes_per_token + int(chunk * context * (1 + 2 * kv_dtype_bytes(resolved.dtype))),
+        "continued_chunk": context * layer_bytes_per_token
+        + int(chunk * context * (1 + 2 * kv_dtype_bytes(resolved.dtype))),
         "workspace": WORKSPACE_BYTES,
     }
     return {**terms, "total": sum(terms.values())}

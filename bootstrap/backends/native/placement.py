@@ -48,7 +48,9 @@ def rank_env(config: BootstrapConfig) -> RankEnv:
 def rank_device(spec: str, local_rank: int) -> str:
     """One device per rank: ``cuda:LOCAL_RANK`` for ``auto`` / ``cuda`` on a CUDA machine."""
     if spec.startswith("cuda:"):
-        raise ConfigError(f"device: {spec!r} with tensor parallelism; allowed: auto, cuda, cpu (rank r takes cuda:LOCAL_RANK)")
+        raise ConfigError(
+            f"device: {spec!r} with tensor parallelism; allowed: auto, cuda, cpu (rank r takes cuda:LOCAL_RANK)"
+        )
     if spec == "cpu" or (spec == "auto" and not torch.cuda.is_available()):
         return "cpu"
     return f"cuda:{local_rank}"

@@ -217,10 +217,15 @@ class SimBackend:
         model: SimModel = loaded.handle
         shapes = [s for s in (model.shape, model.draft_shape) if s is not None]
         estimates = [
-            activation_peak(s, max_num_tokens=max_num_tokens, max_seq_len=model.max_seq_len,
-                            dtype_bytes=model.dtype_bytes, tp=model.tp)
+            activation_peak(
+                s,
+                max_num_tokens=max_num_tokens,
+                max_seq_len=model.max_seq_len,
+                dtype_bytes=model.dtype_bytes,
+                tp=model.tp,
+            )
             for s in shapes
-        ]  # fmt: skip
+        ]
         return max(estimates, key=lambda e: e.total)
 
     def build_final(

@@ -94,7 +94,7 @@ class TrtllmBackend:
         with frames_dropped_on_error():
             probe.build_probe(
                 self.api, loaded.handle, build, probe_tokens=probe_tokens, max_num_tokens=config.max_num_tokens
-            )  # fmt: skip
+            )
         return probe.estimation_artifact(self.api, build)
 
     def profile(
@@ -114,7 +114,7 @@ class TrtllmBackend:
         with frames_dropped_on_error():
             final.build_pools(
                 self.api, loaded.handle, build, budgets, kv_manager=resolved.kv_manager, user_max_tokens=user_max_tokens
-            )  # fmt: skip
+            )
         return final.final_artifact(self.api, build, budgets)
 
     def start_executor(

@@ -57,7 +57,7 @@ def new_pool(api: TrtllmApi, engines: Engines, build: Build, pool: PoolBudget, u
     engine = engines.engine if pool.name == "target" else engines.draft
     manager = api.invoke(
         creator, "KvCacheCreator._create_kv_cache_manager", model_engine=engine, estimating_kv_cache=False
-    )  # fmt: skip
+    )
     if pool.name == "target":  # the target manager may shorten max_seq_len (sliding windows), as in TRT
         build.max_seq_len = api.get(creator, "KvCacheCreator._max_seq_len")
     return manager
@@ -95,8 +95,13 @@ def start(api: TrtllmApi, engines: Engines, build: Build, *, max_num_tokens: int
 
 def serve_smoke_request(api: TrtllmApi, executor: Any) -> None:
     request = api.call(
-        "Request", SMOKE_PROMPT, max_tokens=1, streaming=False,
-        sampling_config=api.call("SamplingConfig", beam_width=1), output_config=api.call("OutputConfig"), end_id=-1,
-    )  # fmt: skip
+        "Request",
+        SMOKE_PROMPT,
+        max_tokens=1,
+        streaming=False,
+        sampling_config=api.call("SamplingConfig", beam_width=1),
+        output_config=api.call("OutputConfig"),
+        end_id=-1,
+    )
     req_ids = api.invoke(executor, "PyExecutor.enqueue_requests", [request])
     raise_on_error(api, api.invoke(executor, "PyExecutor.await_responses", req_ids))

@@ -43,9 +43,15 @@ def runtime_features(api: TrtllmApi, args: Any, config: BootstrapConfig) -> Any:
 def new_engine(api: TrtllmApi, engines: Engines, model_path: str, spec: Any, *, is_draft: bool) -> Any:
     kwargs = {"is_draft_model": True} if is_draft else {}
     return api.call(
-        "PyTorchModelEngine", model_path=model_path, llm_args=engines.args, mapping=engines.mapping,
-        attn_runtime_features=engines.features, dist=engines.dist, spec_config=spec, **kwargs,
-    )  # fmt: skip
+        "PyTorchModelEngine",
+        model_path=model_path,
+        llm_args=engines.args,
+        mapping=engines.mapping,
+        attn_runtime_features=engines.features,
+        dist=engines.dist,
+        spec_config=spec,
+        **kwargs,
+    )
 
 
 def executor_max_seq_len(api: TrtllmApi, args: Any, engine: Any, spec: Any) -> int:

@@ -98,9 +98,14 @@ class Manifest:
             raise ManifestError(f"{symbol_id!r} does not exist in TensorRT-LLM {version}")
         spec = entry.get("params_by_version", {}).get(version, entry.get("params", []))
         return Symbol(
-            id=symbol_id, kind=entry["kind"], name=entry["name"], version=version,
-            module=entry.get("module"), owner=entry.get("owner"), params=parse_params(spec),
-        )  # fmt: skip
+            id=symbol_id,
+            kind=entry["kind"],
+            name=entry["name"],
+            version=version,
+            module=entry.get("module"),
+            owner=entry.get("owner"),
+            params=parse_params(spec),
+        )
 
     def symbols(self, version: str) -> tuple[Symbol, ...]:
         return tuple(self.symbol(i, version) for i in self._entries if self.exists(i, version))

@@ -77,9 +77,13 @@ def new_executor(api: TrtllmApi, engines: Engines, build: Build) -> Any:
     if spec_manager is not None:
         build.resources[api.constant("ResourceManagerType.SPEC_RESOURCE_MANAGER")] = spec_manager
     drafter = api.call(
-        "get_spec_drafter", engines.engine, engines.draft, engines.sampler, spec_resource_manager=spec_manager,
+        "get_spec_drafter",
+        engines.engine,
+        engines.draft,
+        engines.sampler,
+        spec_resource_manager=spec_manager,
         guided_decoder=None,
-    )  # fmt: skip
+    )
     return api.call(
         "create_py_executor_instance",
         dist=engines.dist,
@@ -140,10 +144,15 @@ def measure(api: TrtllmApi, device: Device, build: Build, max_num_tokens: int) -
         api.put(executor, "PyExecutor.is_warmup", False)
         stop_executor(api, build)
     return MemoryProfile(
-        total_bytes=total, free_before_bytes=free_before, model_bytes=max(before - probe_bytes, 0),
-        torch_peak_bytes=torch_peak, torch_used_bytes=torch_used, used_bytes=used, probe_kv_bytes=probe_bytes,
+        total_bytes=total,
+        free_before_bytes=free_before,
+        model_bytes=max(before - probe_bytes, 0),
+        torch_peak_bytes=torch_peak,
+        torch_used_bytes=torch_used,
+        used_bytes=used,
+        probe_kv_bytes=probe_bytes,
         max_num_tokens=max_num_tokens,
-    )  # fmt: skip
+    )
 
 
 def enqueue_dummies(api: TrtllmApi, build: Build) -> list[int]:

@@ -29,9 +29,9 @@ from rich.table import Table
 from rich.text import Text
 
 from bootstrap.cli.args import check_values_given
-from bootstrap.cli.trace.spans import STAGE_PREFIX, Skipped, TraceFileError, read_spans
 from bootstrap.cli.trace.png import check_png_path, printable, special_kind, write_png
 from bootstrap.cli.trace.requests import DEFAULT_SHOWN, RequestRow, request_rows, requests_table
+from bootstrap.cli.trace.spans import STAGE_PREFIX, Skipped, TraceFileError, read_spans
 from bootstrap.config import ConfigError
 from bootstrap.pipeline.process import PHASE_PREFIX, PROCESS_SPAN
 from bootstrap.pipeline.telemetry import ROOT_SPAN, MissingExtra
@@ -100,12 +100,15 @@ def coverage(spans: Sequence[dict[str, Any]], process: dict[str, Any]) -> dict[s
     runs = [s for s in spans if s["name"] == ROOT_SPAN and s["parent_span_id"] == process["span_id"]]
     if not runs:
         return None
-    children = sorted((s["start_time_unix_nano"], s["end_time_unix_nano"]) for s in spans
-                      if s["parent_span_id"] == process["span_id"])  # fmt: skip
+    children = sorted(
+        (s["start_time_unix_nano"], s["end_time_unix_nano"]) for s in spans if s["parent_span_id"] == process["span_id"]
+    )
     ready = max(s["end_time_unix_nano"] for s in runs)
     spawn, end = process["start_time_unix_nano"], process["end_time_unix_nano"]
-    return {"to_ready": _covered(children, spawn, ready) / max(ready - spawn, 1),
-            "after_ready": _covered(children, ready, end) / max(end - ready, 1)}  # fmt: skip
+    return {
+        "to_ready": _covered(children, spawn, ready) / max(ready - spawn, 1),
+        "after_ready": _covered(children, ready, end) / max(end - ready, 1),
+    }
 
 
 def _covered(intervals: list[tuple[int, int]], lo: int, hi: int) -> int:
@@ -129,17 +132,24 @@ def _roots(spans: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return [s for s in spans if s["name"] == ROOT_SPAN]
 
 
-def _missing_roots(spans: Sequence[dict[str, Any]], children: dict[str | None, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+def _missing_roots(
+    spans: Sequence[dict[str, Any]], children: dict[str | None, list[dict[str, Any]]]
+) -> list[dict[str, Any]]:
     """A stand-in root for stage spans whose parent is not a run in the file (it never reached
     the file, or its line was damaged), over their extent."""
     known = {s["span_id"] for s in _roots(spans)}
     orphans = {s["parent_span_id"] for s in spans if _is_stage(s) and s["parent_span_id"] not in known}
     return [
-        {"name": ROOT_SPAN, "span_id": parent, "status": "UNSET", "attributes": {"bootstrap.outcome": "unfinished"},
-         "start_time_unix_nano": min(s["start_time_unix_nano"] for s in children[parent]),
-         "end_time_unix_nano": max(s["end_time_unix_nano"] for s in children[parent])}
+        {
+            "name": ROOT_SPAN,
+            "span_id": parent,
+            "status": "UNSET",
+            "attributes": {"bootstrap.outcome": "unfinished"},
+            "start_time_unix_nano": min(s["start_time_unix_nano"] for s in children[parent]),
+            "end_time_unix_nano": max(s["end_time_unix_nano"] for s in children[parent]),
+        }
         for parent in orphans
-    ]  # fmt: skip
+    ]
 
 
 def _missing_stages(spans: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -153,19 +163,27 @@ def _missing_stages(spans: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     for span in spans:
         if _is_attempt(span) and span["parent_span_id"] not in stages:
             orphans.setdefault(span["parent_span_id"], []).append(span)
-    return [_stand_in_stage(parent, attempts, runs.get(_trace_id(attempts[0])))
-            for parent, attempts in orphans.items() if parent is not None]  # fmt: skip
+    return [
+        _stand_in_stage(parent, attempts, runs.get(_trace_id(attempts[0])))
+        for parent, attempts in orphans.items()
+        if parent is not None
+    ]
 
 
 def _stand_in_stage(span_id: str, attempts: list[dict[str, Any]], run: str | None) -> dict[str, Any]:
     """An ``unfinished`` stage over its attempts, with the last one's error as its note."""
     last = max(attempts, key=lambda s: s["end_time_unix_nano"])
     error = {k: v for k, v in last["attributes"].items() if k == "error.type"}
-    return {"name": last["name"].removesuffix(ATTEMPT_SUFFIX), "span_id": span_id, "parent_span_id": run,
-            "status": "UNSET", "attributes": {"bootstrap.outcome": "unfinished", "bootstrap.attempts": len(attempts),
-                                              **error}, "events": last.get("events", []),
-            "start_time_unix_nano": min(s["start_time_unix_nano"] for s in attempts),
-            "end_time_unix_nano": last["end_time_unix_nano"]}  # fmt: skip
+    return {
+        "name": last["name"].removesuffix(ATTEMPT_SUFFIX),
+        "span_id": span_id,
+        "parent_span_id": run,
+        "status": "UNSET",
+        "attributes": {"bootstrap.outcome": "unfinished", "bootstrap.attempts": len(attempts), **error},
+        "events": last.get("events", []),
+        "start_time_unix_nano": min(s["start_time_unix_nano"] for s in attempts),
+        "end_time_unix_nano": last["end_time_unix_nano"],
+    }
 
 
 def _trace_id(span: dict[str, Any]) -> str | None:
@@ -225,8 +243,11 @@ def _stage_note(span: dict[str, Any]) -> str:
 
 
 def _attempt_note(span: dict[str, Any]) -> str:
-    changes = [f"{k.removeprefix('bootstrap.adapt.')}: {v}" for k, v in span["attributes"].items()
-               if k.startswith("bootstrap.adapt.")]  # fmt: skip
+    changes = [
+        f"{k.removeprefix('bootstrap.adapt.')}: {v}"
+        for k, v in span["attributes"].items()
+        if k.startswith("bootstrap.adapt.")
+    ]
     return "; ".join([*changes, _error(span)] if _error(span) else changes)
 
 
@@ -252,15 +273,24 @@ def timeline_table(line: Timeline, scale_s: float | None = None, width: int = 40
     Labels, notes and the title come from the file: ``Text``, never read as rich markup."""
     scale = scale_s or line.end_s or 1.0
     table = Table(title=Text(f"{line.source} ({line.end_s * 1000:.1f} ms)") if line.source else None)
-    for column, justify in (("span", "left"), ("outcome", "left"), ("start", "right"), ("duration", "right"),
-                            ("timeline", "left"), ("note", "left")):  # fmt: skip
+    for column, justify in (
+        ("span", "left"),
+        ("outcome", "left"),
+        ("start", "right"),
+        ("duration", "right"),
+        ("timeline", "left"),
+        ("note", "left"),
+    ):
         table.add_column(column, justify=justify, no_wrap=column != "note", overflow="fold")
     for bar in line.bars:
         table.add_row(
-            Text("  " * bar.level + bar.label), Text(bar.outcome, style=COLORS.get(bar.outcome, "")),
-            f"{bar.start_s * 1000:.1f} ms", f"{bar.duration_s * 1000:.1f} ms", _text_bar(bar, scale, width),
+            Text("  " * bar.level + bar.label),
+            Text(bar.outcome, style=COLORS.get(bar.outcome, "")),
+            f"{bar.start_s * 1000:.1f} ms",
+            f"{bar.duration_s * 1000:.1f} ms",
+            _text_bar(bar, scale, width),
             Text(bar.note),
-        )  # fmt: skip
+        )
     return table
 
 
@@ -289,9 +319,16 @@ def _read_timeline(path: Path) -> tuple[Timeline, list[str], list[RequestRow]]:
 
 def add_trace_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("files", nargs="+", type=Path, metavar="FILE", help="trace files written with --trace-file")
-    parser.add_argument("--png", type=Path, help="also draw the timelines, one panel per file, into this PNG (default: none)")
-    parser.add_argument("--requests", type=int, default=DEFAULT_SHOWN, metavar="N",
-                        help=f"show the N slowest requests of a bootstrap serve trace (default {DEFAULT_SHOWN}; 0: none)")
+    parser.add_argument(
+        "--png", type=Path, help="also draw the timelines, one panel per file, into this PNG (default: none)"
+    )
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=DEFAULT_SHOWN,
+        metavar="N",
+        help=f"show the N slowest requests of a bootstrap serve trace (default {DEFAULT_SHOWN}; 0: none)",
+    )
 
 
 def main_trace(args: argparse.Namespace, console: Console | None = None) -> int:

@@ -49,8 +49,10 @@ def check_png_path(out: Path) -> None:
     did not exist is removed again, so a later failure leaves nothing behind."""
     special = special_kind(out)
     if special == file_kind(stat.S_IFIFO):  # its open would block until a reader comes
-        raise ConfigError(f"png: cannot write {printable(str(out))!r} ({special}, not a regular file); "
-                          "pass a file in a writable folder")  # fmt: skip
+        raise ConfigError(
+            f"png: cannot write {printable(str(out))!r} ({special}, not a regular file); "
+            "pass a file in a writable folder"
+        )
     try:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         existed = Path(out).exists()
@@ -59,8 +61,9 @@ def check_png_path(out: Path) -> None:
         if not existed:
             Path(out).unlink()
     except OSError as exc:
-        raise ConfigError(f"png: cannot write {str(out)!r} ({exc.strerror or exc}); "
-                          "pass a file in a writable folder") from None
+        raise ConfigError(
+            f"png: cannot write {str(out)!r} ({exc.strerror or exc}); pass a file in a writable folder"
+        ) from None
 
 
 def write_png(lines: Sequence[Any], out: Path) -> Path:
@@ -68,8 +71,9 @@ def write_png(lines: Sequence[Any], out: Path) -> Path:
     Always PNG, whatever ``out`` ends with; labels are drawn as written (no mathtext)."""
     plt = _pyplot()
     heights = [max(len(line.bars), 1) * 0.32 + 0.8 for line in lines]
-    fig, axes = plt.subplots(len(lines), 1, figsize=(11, sum(heights)), sharex=True, squeeze=False,
-                             gridspec_kw={"height_ratios": heights})  # fmt: skip
+    fig, axes = plt.subplots(
+        len(lines), 1, figsize=(11, sum(heights)), sharex=True, squeeze=False, gridspec_kw={"height_ratios": heights}
+    )
     for ax, line in zip(axes[:, 0], lines):
         _draw(ax, line)
     axes[-1, 0].set_xlabel("seconds since the first span")
@@ -86,12 +90,27 @@ def write_png(lines: Sequence[Any], out: Path) -> Path:
 
 def _draw(ax: Any, line: Any) -> None:
     for row, bar in enumerate(line.bars):
-        ax.barh(row, max(bar.duration_s, 1e-4), left=bar.start_s, color=PNG_COLORS.get(bar.outcome, "#1565c0"),
-                height=0.6 if bar.level else 0.8)  # fmt: skip
-        ax.text(bar.end_s, row, f"  {bar.duration_s * 1000:.0f} ms {bar.note[:60]}", va="center", fontsize=7,
-                parse_math=False)  # fmt: skip
-    ax.set_yticks(range(len(line.bars)), [("· " if b.level == 2 else "") + b.label for b in line.bars], fontsize=8,
-                  parse_math=False)  # fmt: skip
+        ax.barh(
+            row,
+            max(bar.duration_s, 1e-4),
+            left=bar.start_s,
+            color=PNG_COLORS.get(bar.outcome, "#1565c0"),
+            height=0.6 if bar.level else 0.8,
+        )
+        ax.text(
+            bar.end_s,
+            row,
+            f"  {bar.duration_s * 1000:.0f} ms {bar.note[:60]}",
+            va="center",
+            fontsize=7,
+            parse_math=False,
+        )
+    ax.set_yticks(
+        range(len(line.bars)),
+        [("· " if b.level == 2 else "") + b.label for b in line.bars],
+        fontsize=8,
+        parse_math=False,
+    )
     ax.invert_yaxis()
     ax.set_title(f"{line.source}: {line.end_s:.3f} s", fontsize=9, loc="left", parse_math=False)
     ax.grid(axis="x", alpha=0.3)

@@ -65,12 +65,16 @@ def _row(span: dict[str, Any], t0: int, children: dict[str | None, list[dict[str
     finish = ",".join(map(str, reasons)) if isinstance(reasons, list) else ("" if reasons is None else "?")
     blocks = [c["attributes"].get("bootstrap.kv_blocks") for c in choices]
     return RequestRow(
-        str(span.get("trace_id", "?"))[:8], _text(attrs.get("bootstrap.endpoint") or attrs.get("url.path")),
-        _text(attrs.get("http.response.status_code")), (span["start_time_unix_nano"] - t0) / 1e9,
-        (span["end_time_unix_nano"] - t0) / 1e9, phases,
+        str(span.get("trace_id", "?"))[:8],
+        _text(attrs.get("bootstrap.endpoint") or attrs.get("url.path")),
+        _text(attrs.get("http.response.status_code")),
+        (span["start_time_unix_nano"] - t0) / 1e9,
+        (span["end_time_unix_nano"] - t0) / 1e9,
+        phases,
         f"{_text(attrs.get('gen_ai.usage.input_tokens'))}→{_text(attrs.get('gen_ai.usage.output_tokens'))}",
-        finish[:24], "+".join(_text(b) for b in blocks),
-    )  # fmt: skip
+        finish[:24],
+        "+".join(_text(b) for b in blocks),
+    )
 
 
 def _text(value: Any) -> str:
@@ -82,16 +86,37 @@ def _text(value: Any) -> str:
 def requests_table(rows: Sequence[RequestRow], shown: int = DEFAULT_SHOWN, width: int = 40) -> Table:
     """The ``shown`` slowest requests: times in ms, and a bar on the requests' shared time axis."""
     scale = max((r.end_s for r in rows), default=0.0) or 1.0
-    title = (f"requests, slowest first ({min(shown, len(rows))} of {len(rows)}; ms; "
-             "bar: queue yellow, prefill blue, decode green, the server's own time grey)")  # fmt: skip
+    title = (
+        f"requests, slowest first ({min(shown, len(rows))} of {len(rows)}; ms; "
+        "bar: queue yellow, prefill blue, decode green, the server's own time grey)"
+    )
     table = Table(title=Text(title))
-    for column in ("trace", "request", "start", "total", "queue", "prefill", "decode", "tokens", "finish", "KV",
-                   "timeline"):  # fmt: skip
+    for column in (
+        "trace",
+        "request",
+        "start",
+        "total",
+        "queue",
+        "prefill",
+        "decode",
+        "tokens",
+        "finish",
+        "KV",
+        "timeline",
+    ):
         table.add_column(column, justify="right" if column in MS_COLUMNS else "left", no_wrap=column != "finish")
     for row in rows[:shown]:
-        table.add_row(Text(row.trace_id), Text(f"{row.endpoint} {row.status}"), _ms(row.start_s), _ms(row.duration_s),
-                      *(_ms(_length(row.phases.get(p))) for p in PHASES), Text(row.tokens), Text(row.finish),
-                      Text(row.kv_blocks), _bar(row, scale, width))  # fmt: skip
+        table.add_row(
+            Text(row.trace_id),
+            Text(f"{row.endpoint} {row.status}"),
+            _ms(row.start_s),
+            _ms(row.duration_s),
+            *(_ms(_length(row.phases.get(p))) for p in PHASES),
+            Text(row.tokens),
+            Text(row.finish),
+            Text(row.kv_blocks),
+            _bar(row, scale, width),
+        )
     return table
 
 

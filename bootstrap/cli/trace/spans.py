@@ -17,7 +17,15 @@ from bootstrap.config import ConfigError
 from bootstrap.pipeline.telemetry import ROOT_SPAN, is_request_span
 
 STAGE_PREFIX = "bootstrap.stage."
-CONTRACT_KEYS = ("name", "span_id", "parent_span_id", "start_time_unix_nano", "end_time_unix_nano", "status", "attributes")
+CONTRACT_KEYS = (
+    "name",
+    "span_id",
+    "parent_span_id",
+    "start_time_unix_nano",
+    "end_time_unix_nano",
+    "status",
+    "attributes",
+)
 
 
 class TraceFileError(ConfigError):
@@ -46,8 +54,11 @@ class Skipped:
 
     def warnings(self, path: Path) -> list[str]:
         """One line per kind of damage, for stderr."""
-        return [f"trace file {str(path)!r}: {self.describe(kind)}; "
-                f"{'shown without them' if kind in self.kept else 'skipped'}" for kind in self.lines]  # fmt: skip
+        return [
+            f"trace file {str(path)!r}: {self.describe(kind)}; "
+            f"{'shown without them' if kind in self.kept else 'skipped'}"
+            for kind in self.lines
+        ]
 
 
 def read_spans(path: Path, skipped: Skipped | None = None) -> list[dict[str, Any]]:
@@ -66,7 +77,9 @@ def read_spans(path: Path, skipped: Skipped | None = None) -> list[dict[str, Any
         span = _parse_line(raw, number, number == cut, skipped) if raw.strip() else None
         if span is not None:
             spans.append(span)
-    if not any(s["name"] == ROOT_SPAN or s["name"].startswith(STAGE_PREFIX) or is_request_span(s["name"]) for s in spans):
+    if not any(
+        s["name"] == ROOT_SPAN or s["name"].startswith(STAGE_PREFIX) or is_request_span(s["name"]) for s in spans
+    ):
         damage = "; ".join(skipped.describe(kind) for kind in skipped.lines)
         why = f" that can be read: {damage}" if damage else " (write one with --trace-file)"
         raise TraceFileError(f"trace file {str(path)!r} holds no bootstrap spans{why}")

@@ -8,11 +8,11 @@ import torch
 from bootstrap.config import DEFAULT_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS
 from bootstrap.engine.executor.py_executor import DEFAULT_MAX_UNCLAIMED, PyExecutor
 from bootstrap.engine.kv_cache import PagedKVCache
-from bootstrap.engine.step.runner import ModelRunner
 from bootstrap.engine.sampling.sampler import Sampler
 from bootstrap.engine.scheduler import Scheduler, SchedulerConfig
-from bootstrap.engine.spec.speculator import Speculator
 from bootstrap.engine.spec.rows import speculative_rows
+from bootstrap.engine.spec.speculator import Speculator
+from bootstrap.engine.step.model_runner import ModelRunner
 
 
 def create_executor(
@@ -36,9 +36,14 @@ def create_executor(
     ``speculative_tokens`` tokens with it (with ``adaptive``, up to that many, as each request's
     acceptance pays for) and verifies them with the target (``bootstrap.engine.spec.speculator``);
     the runners' steps then hold ``speculative_rows`` rows."""
-    if draft is not None and (not isinstance(speculative_tokens, int) or isinstance(speculative_tokens, bool)
-                              or not 1 <= speculative_tokens <= MAX_SPECULATIVE_TOKENS):  # fmt: skip
-        raise ValueError(f"speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {speculative_tokens!r}")
+    if draft is not None and (
+        not isinstance(speculative_tokens, int)
+        or isinstance(speculative_tokens, bool)
+        or not 1 <= speculative_tokens <= MAX_SPECULATIVE_TOKENS
+    ):
+        raise ValueError(
+            f"speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {speculative_tokens!r}"
+        )
     rows = speculative_rows(config.max_batch_size, speculative_tokens, adaptive) if draft is not None else (0, 0)
     if runner is None:
         runner = ModelRunner(model, kv_cache, config.max_batch_size, config.max_seq_len, max_rows=rows[0])
@@ -50,8 +55,10 @@ def create_executor(
         if not isinstance(draft, ModelRunner):
             draft = ModelRunner(draft[0], draft[1], config.max_batch_size, config.max_seq_len, max_rows=rows[1])
         if runner.max_rows < rows[0] or draft.max_rows < rows[1] or draft.max_batch_size < config.max_batch_size:
-            raise ValueError(f"speculating with {speculative_tokens} tokens needs runners of max_rows {rows[0]} (target) "
-                             f"and {rows[1]} (draft); the ones given have {runner.max_rows} and {draft.max_rows}")
+            raise ValueError(
+                f"speculating with {speculative_tokens} tokens needs runners of max_rows {rows[0]} (target) "
+                f"and {rows[1]} (draft); the ones given have {runner.max_rows} and {draft.max_rows}"
+            )
         speculator = Speculator(draft, runner, sampler, speculative_tokens, config.max_seq_len, adaptive)
     scheduler = Scheduler(kv_cache, config, speculator.pool if speculator is not None else None)
     executor = PyExecutor(runner, scheduler, sampler, tokenizer, eos_token_ids, max_unclaimed, speculator)

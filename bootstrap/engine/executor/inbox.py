@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import queue
 
-from bootstrap.engine.scheduler import Scheduler
 from bootstrap.engine.request.sequence import Sequence
+from bootstrap.engine.scheduler import Scheduler
 
 
 class Inbox:

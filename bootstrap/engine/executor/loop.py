@@ -30,14 +30,14 @@ from collections.abc import Callable
 import torch
 
 from bootstrap.engine.executor.inbox import Inbox
-from bootstrap.engine.sampling.processing import History, TokenLogprob
-from bootstrap.engine.step.runner import ModelRunner
 from bootstrap.engine.executor.request_table import RequestTable
 from bootstrap.engine.executor.responses import ResponseWriter
+from bootstrap.engine.sampling.processing import History, TokenLogprob
 from bootstrap.engine.sampling.sampler import Sampler
 from bootstrap.engine.scheduler import Scheduler
-from bootstrap.engine.step.batch import ScheduledBatch
 from bootstrap.engine.spec.speculator import Speculator
+from bootstrap.engine.step.batch import ScheduledBatch
+from bootstrap.engine.step.model_runner import ModelRunner
 
 log = logging.getLogger("bootstrap.engine.executor.py_executor")  # the executor's log: these are its steps
 
@@ -48,8 +48,15 @@ class EngineLoop:
     """Scheduler, model runner and sampler run in rounds for one executor's requests; see the
     module docstring."""
 
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler, requests: RequestTable,
-                 responses: ResponseWriter, speculator: Speculator | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        sampler: Sampler,
+        requests: RequestTable,
+        responses: ResponseWriter,
+        speculator: Speculator | None = None,
+    ) -> None:
         self.speculator = speculator  # a draft model's proposals, verified by the target (speculative decoding)
         self.runner = runner
         self.scheduler = scheduler
@@ -109,8 +116,10 @@ class EngineLoop:
         if self.thread is not None:
             self.thread.join(timeout)
             if self.thread.is_alive():
-                raise RuntimeError(f"the executor worker did not stop within {timeout} s; it cancels "
-                                   "what is unfinished and releases the KV pool when its step ends")
+                raise RuntimeError(
+                    f"the executor worker did not stop within {timeout} s; it cancels "
+                    "what is unfinished and releases the KV pool when its step ends"
+                )
 
     def _shutdown_at_exit(self) -> None:
         """The ``atexit`` hook of a live worker (module docstring, Exit): shut down before the

@@ -14,10 +14,9 @@ from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 
 from bootstrap.config import BootstrapConfig
-
 from bootstrap.engine.executor.py_executor import PyExecutor
-from bootstrap.engine.sampling.sampler import Sampler, SamplingParams
 from bootstrap.engine.request.sequence import Sequence, next_request_id
+from bootstrap.engine.sampling.sampler import Sampler, SamplingParams
 from bootstrap.engine.spec.speculator import Speculator
 
 # Sampled rows take the heaviest sampling path (softmax, top-k, top-p over the vocabulary).

@@ -46,16 +46,23 @@ from collections.abc import Sequence as Seq
 import anyio
 
 from bootstrap.engine.executor.loop import EngineLoop
-from bootstrap.engine.step.runner import ModelRunner
-from bootstrap.engine.request.prompts import MAX_CHOICES
 from bootstrap.engine.executor.request_table import Claim, Handle, RequestStats, RequestTable
 from bootstrap.engine.executor.responses import ResponseWriter
-from bootstrap.engine.sampling.sampler import MAX_SEED, Sampler, SamplingParams, make_generator, model_eos_ids
-from bootstrap.engine.scheduler import Scheduler
-from bootstrap.engine.request.sequence import Detokenizer, Response, Sequence, StreamEvent, next_request_id, token_id_list
-from bootstrap.engine.spec.speculator import Speculator
 from bootstrap.engine.executor.stats import EngineStats
 from bootstrap.engine.executor.waiting import EventStream, Waiter
+from bootstrap.engine.request.prompts import MAX_CHOICES
+from bootstrap.engine.request.sequence import (
+    Detokenizer,
+    Response,
+    Sequence,
+    StreamEvent,
+    next_request_id,
+    token_id_list,
+)
+from bootstrap.engine.sampling.sampler import MAX_SEED, Sampler, SamplingParams, make_generator, model_eos_ids
+from bootstrap.engine.scheduler import Scheduler
+from bootstrap.engine.spec.speculator import Speculator
+from bootstrap.engine.step.model_runner import ModelRunner
 
 DEFAULT_MAX_UNCLAIMED = 1024
 
@@ -63,11 +70,20 @@ DEFAULT_MAX_UNCLAIMED = 1024
 class PyExecutor:
     """Scheduler, model runner and sampler wired into one loop; see the module docstring."""
 
-    shuts_down_at_exit = True  # its worker's atexit hook (bootstrap.engine.executor.loop, Exit): none needed from bootstrap.api
+    shuts_down_at_exit = (
+        True  # its worker's atexit hook (bootstrap.engine.executor.loop, Exit): none needed from bootstrap.api
+    )
 
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler,
-                 tokenizer: object | None = None, eos_token_ids: set[int] | None = None,
-                 max_unclaimed: int = DEFAULT_MAX_UNCLAIMED, speculator: Speculator | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        sampler: Sampler,
+        tokenizer: object | None = None,
+        eos_token_ids: set[int] | None = None,
+        max_unclaimed: int = DEFAULT_MAX_UNCLAIMED,
+        speculator: Speculator | None = None,
+    ) -> None:
         self.runner = runner
         self.scheduler = scheduler
         self.sampler = sampler
@@ -92,7 +108,9 @@ class PyExecutor:
         [handle] = self._submit([self._sequence(prompt_token_ids, params, is_warmup)])
         return handle.request_id
 
-    def enqueue_choices(self, prompt_token_ids: Seq[int], params: SamplingParams | None = None, n: int = 1) -> list[int]:
+    def enqueue_choices(
+        self, prompt_token_ids: Seq[int], params: SamplingParams | None = None, n: int = 1
+    ) -> list[int]:
         """Queue ``n`` choices (1 to ``MAX_CHOICES``) of one prompt; their ids, one request each.
         The prompt is prefilled once and its KV blocks shared (``bootstrap.engine.scheduler``).
         With a seed, choice ``i`` samples with ``seed + i`` (wrapping past ``MAX_SEED``), so
@@ -127,8 +145,15 @@ class PyExecutor:
         kv = self.runner.kv_cache.stats()
         running, waiting = self._loop.load
         spec = self.speculator.stats if self.speculator is not None else None
-        return EngineStats(kv.total_blocks, kv.used_blocks, kv.capacity_tokens, running, waiting + self._loop.inbox.pending(),
-                           spec.proposed if spec else 0, spec.accepted if spec else 0)  # fmt: skip
+        return EngineStats(
+            kv.total_blocks,
+            kv.used_blocks,
+            kv.capacity_tokens,
+            running,
+            waiting + self._loop.inbox.pending(),
+            spec.proposed if spec else 0,
+            spec.accepted if spec else 0,
+        )
 
     @property
     def is_running(self) -> bool:
@@ -185,7 +210,9 @@ class PyExecutor:
         ends this iterator (it lets go of the request at once, even unclosed)."""
         return EventStream(self._waiter, request_id, cancel_on_abandon)
 
-    def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None) -> list[Response]:
+    def generate(
+        self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None
+    ) -> list[Response]:
         """Run ``prompts`` (token id lists) to completion; one response per prompt, in order.
         Every prompt is checked before any is queued."""
         self._check_open()

@@ -14,12 +14,12 @@ import logging
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
-from bootstrap.engine.sampling.processing import TokenLogprob
 from bootstrap.engine.executor.request_table import Handle, RequestTable
+from bootstrap.engine.request.sequence import Response, Sequence, StreamEvent
+from bootstrap.engine.sampling.processing import TokenLogprob
 from bootstrap.engine.sampling.sampler import stop_reason, trim_stop_text
 from bootstrap.engine.scheduler import Scheduler
 from bootstrap.engine.step.batch import ScheduledBatch
-from bootstrap.engine.request.sequence import Response, Sequence, StreamEvent
 
 log = logging.getLogger("bootstrap.engine.executor.py_executor")  # the executor's log: these are its steps
 
@@ -32,7 +32,9 @@ class ResponseWriter:
         self.scheduler = scheduler
         self.eos_token_ids = eos_token_ids
 
-    def record(self, batch: ScheduledBatch, tokens: list[int], logprobs: Seq[TokenLogprob | None] | None = None) -> None:
+    def record(
+        self, batch: ScheduledBatch, tokens: list[int], logprobs: Seq[TokenLogprob | None] | None = None
+    ) -> None:
         """After a step: advance every request of ``batch``, append each sampled token (and its
         logprobs, when asked) in order. A request that fails here (a tokenizer error, say) gets
         an error; the others go on."""
@@ -92,8 +94,14 @@ class ResponseWriter:
             if handle is not None and not handle.finished:
                 self.complete(handle, "error", f"{type(exc).__name__}: {exc}")
 
-    def complete(self, handle: Handle, reason: str, error: str | None = None, token: int | None = None,
-                 logprob: TokenLogprob | None = None) -> None:  # fmt: skip
+    def complete(
+        self,
+        handle: Handle,
+        reason: str,
+        error: str | None = None,
+        token: int | None = None,
+        logprob: TokenLogprob | None = None,
+    ) -> None:
         seq = handle.seq
         full = ""
         if handle.detokenizer is not None:
@@ -108,8 +116,17 @@ class ResponseWriter:
         text = trim_stop_text(full, seq.params)
         logprobs = list(seq.logprobs) if seq.params.logprobs is not None else None
         timing = seq.clock.timing()
-        response = Response(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, text, reason, error,
-                            seq.is_warmup, logprobs, timing)  # fmt: skip
+        response = Response(
+            seq.request_id,
+            seq.prompt_token_ids,
+            seq.output_token_ids,
+            text,
+            reason,
+            error,
+            seq.is_warmup,
+            logprobs,
+            timing,
+        )
         final = StreamEvent(token, delta, reason, error, **_logprob_fields(logprob), timing=timing)
         self.requests.publish(handle, final, response)
 

@@ -31,8 +31,9 @@ def usable(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``norm(x)``, or with ``residual``: ``s = x + residual`` (rounded to the dtype) and
     ``(norm(s), s)``. Rows are the last dimension of ``x``; any leading shape."""
     shape, n = x.shape, x.shape[-1]
@@ -41,10 +42,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
     summed = torch.empty_like(out) if residual is not None else out
     res = residual.reshape(-1, n) if residual is not None else rows
     _rms_norm_kernel[(rows.shape[0],)](
-        rows, res, weight, out, summed, rows.stride(0), res.stride(0), n, eps, offset,
-        HAS_RESIDUAL=residual is not None, OFFSET_FORM=offset != 0.0, BLOCK=triton.next_power_of_2(n),
+        rows,
+        res,
+        weight,
+        out,
+        summed,
+        rows.stride(0),
+        res.stride(0),
+        n,
+        eps,
+        offset,
+        HAS_RESIDUAL=residual is not None,
+        OFFSET_FORM=offset != 0.0,
+        BLOCK=triton.next_power_of_2(n),
         num_warps=_warps(n),
-    )  # fmt: skip
+    )
     return out.view(shape), (summed.view(shape) if residual is not None else None)
 
 
@@ -54,10 +66,23 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     tokens, heads, dim = q.shape
     half = dim // 2
     _rotary_kernel[(tokens,)](
-        q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
-        HQ=heads, HK=k.shape[1], HALF=half, HQ_PAD=triton.next_power_of_2(heads),
-        HK_PAD=triton.next_power_of_2(k.shape[1]), HALF_PAD=triton.next_power_of_2(half),
-    )  # fmt: skip
+        q,
+        k,
+        cos,
+        sin,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        HQ=heads,
+        HK=k.shape[1],
+        HALF=half,
+        HQ_PAD=triton.next_power_of_2(heads),
+        HK_PAD=triton.next_power_of_2(k.shape[1]),
+        HALF_PAD=triton.next_power_of_2(half),
+    )
 
 
 def act_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
@@ -80,9 +105,20 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(
-        X, R, W, Out, Summed, stride_x, stride_r, n, eps, offset,
-        HAS_RESIDUAL: tl.constexpr, OFFSET_FORM: tl.constexpr, BLOCK: tl.constexpr,
-    ):  # fmt: skip
+        X,
+        R,
+        W,
+        Out,
+        Summed,
+        stride_x,
+        stride_r,
+        n,
+        eps,
+        offset,
+        HAS_RESIDUAL: tl.constexpr,
+        OFFSET_FORM: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
@@ -101,8 +137,18 @@ if triton is not None:
         tl.store(Out + row * n + cols, y.to(Out.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rotate(base, stride_h, cos1, cos2, sin1, sin2, H: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr,
-                HALF_PAD: tl.constexpr):  # fmt: skip
+    def _rotate(
+        base,
+        stride_h,
+        cos1,
+        cos2,
+        sin1,
+        sin2,
+        H: tl.constexpr,
+        H_PAD: tl.constexpr,
+        HALF: tl.constexpr,
+        HALF_PAD: tl.constexpr,
+    ):
         """``x * cos + rotate_half(x) * sin`` with each product and the sum rounded, as eager."""
         h = tl.arange(0, H_PAD)
         d = tl.arange(0, HALF_PAD)
@@ -119,10 +165,23 @@ if triton is not None:
 
     @triton.jit
     def _rotary_kernel(
-        Q, K, Cos, Sin, stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
-        HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
+        Q,
+        K,
+        Cos,
+        Sin,
+        stride_qt,
+        stride_qh,
+        stride_kt,
+        stride_kh,
+        stride_ct,
+        stride_st,
+        HQ: tl.constexpr,
+        HK: tl.constexpr,
+        HALF: tl.constexpr,
+        HQ_PAD: tl.constexpr,
+        HK_PAD: tl.constexpr,
         HALF_PAD: tl.constexpr,
-    ):  # fmt: skip
+    ):
         t = tl.program_id(0)
         d = tl.arange(0, HALF_PAD)
         m = d < HALF

@@ -52,8 +52,9 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _gemv_kernel(X, W, Bias, Out, N, K, stride_wn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):  # fmt: skip
+    def _gemv_kernel(
+        X, W, Bias, Out, N, K, stride_wn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+    ):
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         kk = tl.arange(0, BLOCK_K)
         wide = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # each thread's products, summed across threads once
@@ -68,15 +69,29 @@ if triton is not None:
         tl.store(Out + n, acc.to(Out.dtype.element_ty), mask=n < N)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int = BLOCK_N,
-           block_k: int = BLOCK_K) -> torch.Tensor:  # fmt: skip
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    block_n: int = BLOCK_N,
+    block_k: int = BLOCK_K,
+) -> torch.Tensor:
     """``x [1, K] @ weight[N, K].T (+ bias)`` as ``[1, N]`` in ``x``'s dtype (``block_n`` and
     ``block_k``: the tile, for the benchmark's sweep)."""
     n, k = weight.shape
     x = x if x.stride(1) == 1 else x.contiguous()
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else out, out, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
-    )  # fmt: skip
+        x,
+        weight,
+        bias if bias is not None else out,
+        out,
+        n,
+        k,
+        weight.stride(0),
+        HAS_BIAS=bias is not None,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=4,
+    )
     return out

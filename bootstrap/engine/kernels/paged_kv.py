@@ -64,13 +64,38 @@ if triton is not None:
 
     @triton.jit(**_unspecialized("Tables", "Lens", "window", "stride_tb", "splits"))
     def _paged_decode_kernel(
-        Q, K, V, Tables, Lens, Out, Partial, Stats,
-        scale, softcap, window, splits,
-        stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, stride_ob, stride_oh,
-        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, TPB: tl.constexpr,
-        HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr, STATIC_BLOCKS: tl.constexpr,
-        HEADS: tl.constexpr, SPLIT: tl.constexpr,
-    ):  # fmt: skip
+        Q,
+        K,
+        V,
+        Tables,
+        Lens,
+        Out,
+        Partial,
+        Stats,
+        scale,
+        softcap,
+        window,
+        splits,
+        stride_qb,
+        stride_qh,
+        stride_kb,
+        stride_kt,
+        stride_kh,
+        stride_tb,
+        stride_ob,
+        stride_oh,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        D: tl.constexpr,
+        D_PAD: tl.constexpr,
+        TPB: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr,
+        IEEE: tl.constexpr,
+        STATIC_BLOCKS: tl.constexpr,
+        HEADS: tl.constexpr,
+        SPLIT: tl.constexpr,
+    ):
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -127,13 +152,24 @@ if triton is not None:
             tl.store(Stats + at * 2 + 1, denom, mask=g < GROUP)
         else:
             out = acc / denom[:, None]
-            tl.store(Out + row * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
-                     mask=q_mask)  # fmt: skip
+            tl.store(
+                Out + row * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                out.to(Out.dtype.element_ty),
+                mask=q_mask,
+            )
 
     @triton.jit(**_unspecialized("splits"))
     def _merge_splits_kernel(
-        Partial, Stats, Out, splits, stride_ob, stride_oh, HEADS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    ):  # fmt: skip
+        Partial,
+        Stats,
+        Out,
+        splits,
+        stride_ob,
+        stride_oh,
+        HEADS: tl.constexpr,
+        D: tl.constexpr,
+        D_PAD: tl.constexpr,
+    ):
         row = tl.program_id(0)
         head = tl.program_id(1)
         d = tl.arange(0, D_PAD)
@@ -157,10 +193,21 @@ if triton is not None:
 
     @triton.jit(**_unspecialized("Key", "Value", "Rows", "Slots"))
     def _write_kv_kernel(
-        Key, Value, Rows, Slots, KC, VC,
-        stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch,
-        D: tl.constexpr, D_PAD: tl.constexpr,
-    ):  # fmt: skip
+        Key,
+        Value,
+        Rows,
+        Slots,
+        KC,
+        VC,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_cs,
+        stride_ch,
+        D: tl.constexpr,
+        D_PAD: tl.constexpr,
+    ):
         row = tl.program_id(0)
         head = tl.program_id(1)
         src = tl.load(Rows + row).to(tl.int64)
@@ -173,8 +220,14 @@ if triton is not None:
         tl.store(VC + slot * stride_cs + head * stride_ch + d, v.to(VC.dtype.element_ty), mask=mask)
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
-             k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:  # fmt: skip
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> None:
     """Store ``key[rows[i]]`` and ``value[rows[i]]`` (``[T, KVH, D]``, any strides) at flat slot
     ``slots[i]`` of the caches ``[blocks, tpb, KVH, D]``: one kernel for what would be two
     gathers and two scatters. Padding rows repeat a real row, so a repeated slot gets equal bits."""
@@ -184,10 +237,22 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, rows: torch.Tensor, slots: 
     v_flat = v_cache.view(-1, *v_cache.shape[2:])
     kv_heads, head_dim = k_flat.shape[1], k_flat.shape[2]
     _write_kv_kernel[(slots.shape[0], kv_heads)](
-        key, value, rows, slots, k_flat, v_flat,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1), k_flat.stride(0), k_flat.stride(1),
-        D=head_dim, D_PAD=triton.next_power_of_2(head_dim), num_warps=1,
-    )  # fmt: skip
+        key,
+        value,
+        rows,
+        slots,
+        k_flat,
+        v_flat,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_flat.stride(0),
+        k_flat.stride(1),
+        D=head_dim,
+        D_PAD=triton.next_power_of_2(head_dim),
+        num_warps=1,
+    )
 
 
 def paged_decode(
@@ -217,19 +282,52 @@ def paged_decode(
         stats = torch.empty(rows, splits, heads, 2, dtype=torch.float32, device=q.device)
     group, d_pad = heads // kv_heads, max(16, triton.next_power_of_2(head_dim))
     _paged_decode_kernel[(rows, kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, partial, stats,
-        float(scale), float(softcap or 1.0), int(sliding_window or 0), splits,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=head_dim, D_PAD=d_pad, TPB=tpb,
-        HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32,
-        STATIC_BLOCKS=block_tables.shape[1] if _interpreting() else 0, HEADS=heads, SPLIT=splits > 1, num_warps=4,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        out,
+        partial,
+        stats,
+        float(scale),
+        float(softcap or 1.0),
+        int(sliding_window or 0),
+        splits,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        D=head_dim,
+        D_PAD=d_pad,
+        TPB=tpb,
+        HAS_WINDOW=sliding_window is not None,
+        HAS_SOFTCAP=softcap is not None,
+        IEEE=q.dtype == torch.float32,
+        STATIC_BLOCKS=block_tables.shape[1] if _interpreting() else 0,
+        HEADS=heads,
+        SPLIT=splits > 1,
+        num_warps=4,
+    )
     if splits > 1:
         _merge_splits_kernel[(rows, heads)](
-            partial, stats, out, splits, out.stride(0), out.stride(1),
-            HEADS=heads, D=head_dim, D_PAD=d_pad, num_warps=1,
-        )  # fmt: skip
+            partial,
+            stats,
+            out,
+            splits,
+            out.stride(0),
+            out.stride(1),
+            HEADS=heads,
+            D=head_dim,
+            D_PAD=d_pad,
+            num_warps=1,
+        )
     return out
 
 

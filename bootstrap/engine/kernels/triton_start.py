@@ -52,7 +52,7 @@ def wait() -> None:
 
 def _start() -> None:
     try:
-        import triton  # noqa: F401
+        import triton
 
         try:
             from triton.runtime.cache import triton_key
@@ -61,5 +61,5 @@ def _start() -> None:
         triton_key()
         with contextlib.suppress(ImportError):  # Triton 3.5 and later import it at the first compile
             import triton.experimental.gluon  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - the first kernel pays for it instead
+    except Exception as exc:
         log.info("starting Triton ahead failed (%s: %s); the first kernel starts it", type(exc).__name__, exc)

@@ -47,8 +47,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from bootstrap.engine.kv_cache import PagedKVCache
 from bootstrap.engine.kernels.paged_kv import paged_decode, write_kv
+from bootstrap.engine.kv_cache import PagedKVCache
 
 ATTN_IMPLEMENTATION = "bootstrap_paged"
 
@@ -132,9 +132,16 @@ class AttentionMetadata:
         """All requests in one group, their tokens back to back in request order."""
         starts = torch.cumsum(query_lens, 0) - query_lens
         group = AttentionGroup(
-            block_tables, context_lens, query_lens, starts, slot_mapping.shape[0],
-            max_query_len, kv_blocks, kv_cache.tokens_per_block, kernel=kernel,
-        )  # fmt: skip
+            block_tables,
+            context_lens,
+            query_lens,
+            starts,
+            slot_mapping.shape[0],
+            max_query_len,
+            kv_blocks,
+            kv_cache.tokens_per_block,
+            kernel=kernel,
+        )
         return cls(kv_cache, slot_mapping, [group])
 
 
@@ -205,7 +212,9 @@ def paged_attention(
         raise ValueError(f"attention sinks (s_aux) are not supported by '{ATTN_IMPLEMENTATION}'")
     layer = getattr(module, "layer_idx", None)
     if layer is None:
-        raise ValueError(f"{type(module).__name__} has no layer_idx; '{ATTN_IMPLEMENTATION}' needs it to find its cache")
+        raise ValueError(
+            f"{type(module).__name__} has no layer_idx; '{ATTN_IMPLEMENTATION}' needs it to find its cache"
+        )
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     return attend(current_metadata(), layer, q, k, v, scaling, sliding_window, softcap).unsqueeze(0), None
 
@@ -228,8 +237,13 @@ def attend(
         if meta.kernel == "triton":
             write_kv(key, value, meta.write_rows, meta.slot_mapping, k_cache, v_cache)
         else:
-            _write(k_cache, v_cache, key.index_select(0, meta.write_rows), value.index_select(0, meta.write_rows),
-                   meta.slot_mapping)  # fmt: skip
+            _write(
+                k_cache,
+                v_cache,
+                key.index_select(0, meta.write_rows),
+                value.index_select(0, meta.write_rows),
+                meta.slot_mapping,
+            )
         return _attend_decode(query, k_cache, v_cache, meta, scaling, sliding_window, softcap)
     _write(k_cache, v_cache, key, value, meta.slot_mapping)
     if len(meta.groups) == 1:
@@ -255,8 +269,16 @@ def _attend(
     by the first of the module docstring's three ways that applies to the group."""
     if group.max_query_len == 1 and group.kernel == "triton":
         tables = group.block_tables[:, : group.kv_blocks]
-        return paged_decode(tokens.index_select(0, group.token_ids), k_cache, v_cache, tables, group.context_lens,
-                            scaling, sliding_window, softcap)  # fmt: skip
+        return paged_decode(
+            tokens.index_select(0, group.token_ids),
+            k_cache,
+            v_cache,
+            tables,
+            group.context_lens,
+            scaling,
+            sliding_window,
+            softcap,
+        )
     q = tokens[group.query_index].transpose(1, 2)  # [b, H, Qmax, D]
     if group.fresh and softcap is None and (sliding_window is None or sliding_window >= group.max_query_len):
         return _attend_fresh(q, new_kv, group, scaling)
@@ -264,7 +286,9 @@ def _attend(
     v = _gather(v_cache, group.kv_slots, q.dtype)
     mask = group.mask(sliding_window)
     if softcap is None:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scaling, enable_gqa=k.shape[1] != q.shape[1]
+        )
     else:
         out = _softcapped_attention(q, k, v, mask, scaling, softcap)
     return _unpad(out, group)
@@ -299,7 +323,9 @@ def _attend_decode(
     """``[B, H, D]``: one query token per row against the row's blocks (static shapes only)."""
     rows, heads, head_dim = tokens.shape
     if meta.kernel == "triton":
-        return paged_decode(tokens, k_cache, v_cache, meta.block_tables, meta.context_lens, scaling, sliding_window, softcap)
+        return paged_decode(
+            tokens, k_cache, v_cache, meta.block_tables, meta.context_lens, scaling, sliding_window, softcap
+        )
     kv_heads = k_cache.shape[2]
     q = tokens.reshape(rows, kv_heads, heads // kv_heads, head_dim)  # query heads grouped by KV head
     k = _gather_blocks(k_cache, meta.block_tables, q.dtype)
@@ -319,7 +345,9 @@ def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype
     return blocks.view(rows, width * cache.shape[1], *cache.shape[2:]).transpose(1, 2).to(dtype)
 
 
-def _write(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+def _write(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
+) -> None:
     """Store the step's keys and values ``[T, KVH, D]`` at their flat slots."""
     k_flat = k_cache.view(-1, *k_cache.shape[2:])
     v_flat = v_cache.view(-1, *v_cache.shape[2:])

@@ -54,8 +54,14 @@ class Shard:
 
 
 class FusedLinear(torch.nn.Linear):
-    def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False,
-                 device: torch.device | str | None = None, shard: Shard = Shard()) -> None:  # fmt: skip
+    def __init__(
+        self,
+        in_features: int,
+        parts: dict[str, int],
+        bias: bool = False,
+        device: torch.device | str | None = None,
+        shard: Shard = Shard(),
+    ) -> None:
         """``parts``: each checkpoint matrix's full number of output rows; this rank keeps its share."""
         local = {name: shard.local(rows, name) for name, rows in parts.items()}
         super().__init__(in_features, sum(local.values()), bias=bias, device=device)
@@ -76,8 +82,10 @@ class FusedLinear(torch.nn.Linear):
         target = self.weight if kind == "weight" else self.bias
         rows = self.parts[part]
         if target is None or shape[0] != rows.stop - rows.start or tuple(shape[1:]) != tuple(target.shape[1:]):
-            raise ValueError(f"{part}.{kind}: checkpoint shape {tuple(shape)} does not fit rows {rows} of "
-                             f"{tuple(target.shape) if target is not None else 'no bias'}")  # fmt: skip
+            raise ValueError(
+                f"{part}.{kind}: checkpoint shape {tuple(shape)} does not fit rows {rows} of "
+                f"{tuple(target.shape) if target is not None else 'no bias'}"
+            )
         return target[rows]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,8 +96,14 @@ class FusedLinear(torch.nn.Linear):
 
 
 class RowLinear(torch.nn.Linear):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 device: torch.device | str | None = None, shard: Shard = Shard()) -> None:  # fmt: skip
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        device: torch.device | str | None = None,
+        shard: Shard = Shard(),
+    ) -> None:
         """``in_features``: the full input width; this rank keeps its share of the columns."""
         super().__init__(shard.local(in_features, "input features"), out_features, bias=bias, device=device)
         self.shard = shard

@@ -16,7 +16,9 @@ class RMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(dim, device=device))
         self.eps, self.offset = eps, offset
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``, the sum
         rounded to the dtype first (as ``x = x + residual`` in eager code rounds it)."""
         if fused.usable(x):

@@ -178,7 +178,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotate_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``q [T, H, D]`` and ``k [T, KVH, D]`` rotated: in place by one Triton kernel on CUDA
     (``layers.fused``, the same roundings), else by ``apply_rotary``."""
     if fused.usable(q) and q.stride(-1) == 1 and k.stride(-1) == 1:

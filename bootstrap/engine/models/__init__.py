@@ -41,8 +41,9 @@ def own_model_problem(cfg: dict[str, Any]) -> str | None:
     return rope_scaling_problem(cfg.get("rope_scaling") or cfg.get("rope_parameters"))
 
 
-def load_own_model(path: Path, device: torch.device, dtype: torch.dtype | None,
-                   shard: Shard = Shard()) -> torch.nn.Module | None:  # fmt: skip
+def load_own_model(
+    path: Path, device: torch.device, dtype: torch.dtype | None, shard: Shard = Shard()
+) -> torch.nn.Module | None:
     """The checkpoint at ``path`` in the engine's own model code (this rank's part of it under
     tensor parallelism), or None (said once in the log) when it stays on the transformers path."""
     from bootstrap.engine.models.compile_ahead import compiling_ahead
@@ -64,8 +65,13 @@ def load_own_model(path: Path, device: torch.device, dtype: torch.dtype | None,
     return model.eval()
 
 
-def build_own_model(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype | None, shard: Shard = Shard(),
-                    generation_eos: int | list[int] | None = None) -> torch.nn.Module:  # fmt: skip
+def build_own_model(
+    cfg: dict[str, Any],
+    device: torch.device,
+    dtype: torch.dtype | None,
+    shard: Shard = Shard(),
+    generation_eos: int | list[int] | None = None,
+) -> torch.nn.Module:
     """The model of ``config.json`` (``cfg``) in the own code, on ``device`` in ``dtype`` (None:
     the config's), its parameters uninitialised; ``ModelConfigError`` for a config it cannot read."""
     from bootstrap.engine.models.decoder import DecoderConfig, DecoderLM
@@ -89,8 +95,9 @@ def materialize(model: torch.nn.Module, device: torch.device) -> None:
         for name, param in list(module._parameters.items()):
             if param is not None:
                 if id(param) not in made:
-                    made[id(param)] = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
-                                                         requires_grad=False)  # fmt: skip
+                    made[id(param)] = torch.nn.Parameter(
+                        torch.empty(param.shape, dtype=param.dtype, device=device), requires_grad=False
+                    )
                 module._parameters[name] = made[id(param)]
 
 

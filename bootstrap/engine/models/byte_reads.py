@@ -144,8 +144,9 @@ class _PageLocked:
         self.tensor = torch.empty(nbytes, dtype=torch.uint8)
         self.locked = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)) == 0
         if not self.locked:
-            log.info("page-locking a %d MB staging buffer failed: the weights are read through pageable memory",
-                     nbytes >> 20)  # fmt: skip
+            log.info(
+                "page-locking a %d MB staging buffer failed: the weights are read through pageable memory", nbytes >> 20
+            )
 
     def release(self) -> None:
         if self.locked:
@@ -160,6 +161,8 @@ def _pread_into(fd: int, file: Path, offset: int, target: torch.Tensor) -> None:
     while done < len(view):
         got = os.preadv(fd, [view[done:]], offset + done)
         if got == 0:  # the file's size, not this read's offset: a piece may start past the end
-            raise ValueError(f"{file}: ends at byte {os.fstat(fd).st_size}, its header places a tensor up to byte "
-                             f"{offset + len(view)}")  # fmt: skip
+            raise ValueError(
+                f"{file}: ends at byte {os.fstat(fd).st_size}, its header places a tensor up to byte "
+                f"{offset + len(view)}"
+            )
         done += got

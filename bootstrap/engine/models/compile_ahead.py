@@ -26,8 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from bootstrap.config import BootstrapConfig
-from bootstrap.engine.kernels import paged_kv, triton_start
-from bootstrap.engine.kernels import fused, gemv
+from bootstrap.engine.kernels import fused, gemv, paged_kv, triton_start
 from bootstrap.engine.layers.norm import RMSNorm
 
 TOKENS_PER_BLOCK = BootstrapConfig.model_fields["tokens_per_block"].default
@@ -73,12 +72,24 @@ def _calls(model: torch.nn.Module) -> Iterator[tuple]:
         attention = getattr(module, "self_attn", None)
         if attention is not None:
             width = attention.qkv_proj.weight.shape[0]
-            yield ("rotary", width, attention.heads, attention.kv_heads, attention.head_dim,
-                   attention.q_norm is not None)  # fmt: skip
+            yield (
+                "rotary",
+                width,
+                attention.heads,
+                attention.kv_heads,
+                attention.head_dim,
+                attention.q_norm is not None,
+            )
             yield ("act", module.mlp.gate_up_proj.weight.shape[0], module.mlp.activation)
             yield ("write_kv", attention.kv_heads, attention.head_dim)
-            yield ("decode", attention.heads, attention.kv_heads, attention.head_dim,
-                   attention.sliding_window is not None, attention.softcap is not None)  # fmt: skip
+            yield (
+                "decode",
+                attention.heads,
+                attention.kv_heads,
+                attention.head_dim,
+                attention.sliding_window is not None,
+                attention.softcap is not None,
+            )
 
 
 def _launch(call: tuple, dtype: torch.dtype, device: torch.device) -> None:
@@ -113,5 +124,14 @@ def _launch(call: tuple, dtype: torch.dtype, device: torch.device) -> None:
         heads, kv_heads, head_dim, windowed, capped = shape
         cache, lengths = zeros(1, TOKENS_PER_BLOCK, kv_heads, head_dim), torch.ones(1, dtype=torch.long, device=device)
         for splits in (1, 2):  # whole rows, and rows split in runs with the merge kernel after them
-            paged_kv.paged_decode(zeros(1, heads, head_dim), cache, cache, indices().view(1, 1), lengths, None,
-                                       8 if windowed else None, 30.0 if capped else None, splits)  # fmt: skip
+            paged_kv.paged_decode(
+                zeros(1, heads, head_dim),
+                cache,
+                cache,
+                indices().view(1, 1),
+                lengths,
+                None,
+                8 if windowed else None,
+                30.0 if capped else None,
+                splits,
+            )

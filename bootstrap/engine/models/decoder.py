@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from bootstrap.capacity.shape import ModelShape
-from bootstrap.engine.layers.attention import ATTN_IMPLEMENTATION, AttentionMetadata, DecodeMetadata, attend
 from bootstrap.engine.kernels import fused
+from bootstrap.engine.layers.attention import ATTN_IMPLEMENTATION, AttentionMetadata, DecodeMetadata, attend
 from bootstrap.engine.layers.linear import FusedLinear, HeadLinear, RowLinear, Shard
 from bootstrap.engine.layers.norm import RMSNorm
 from bootstrap.engine.layers.rotary import Rotary, rotate_qk
@@ -71,17 +71,30 @@ class DecoderConfig:
     @classmethod
     def from_shape(cls, shape: ModelShape, cfg: dict[str, Any]) -> DecoderConfig:
         return cls(
-            model_type=shape.model_type, vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
-            intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
-            num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-            max_position_embeddings=shape.max_position_embeddings, rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta(cfg)), rope_scaling=cfg.get("rope_scaling") or cfg.get("rope_parameters"),
-            tie_word_embeddings=shape.tie_word_embeddings, qkv_bias=shape.qkv_bias or shape.attention_bias,
-            o_bias=shape.attention_bias, qk_norm=shape.qk_norm, layer_windows=shape.layer_windows,
-            eos_token_id=cfg.get("eos_token_id"), bos_token_id=cfg.get("bos_token_id"), torch_dtype=shape.torch_dtype,
-            hidden_act=activation_name(cfg), original_max_position_embeddings=cfg.get("original_max_position_embeddings"),
+            model_type=shape.model_type,
+            vocab_size=shape.vocab_size,
+            hidden_size=shape.hidden_size,
+            intermediate_size=shape.intermediate_size,
+            num_hidden_layers=shape.num_layers,
+            num_attention_heads=shape.num_heads,
+            num_key_value_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            max_position_embeddings=shape.max_position_embeddings,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta(cfg)),
+            rope_scaling=cfg.get("rope_scaling") or cfg.get("rope_parameters"),
+            tie_word_embeddings=shape.tie_word_embeddings,
+            qkv_bias=shape.qkv_bias or shape.attention_bias,
+            o_bias=shape.attention_bias,
+            qk_norm=shape.qk_norm,
+            layer_windows=shape.layer_windows,
+            eos_token_id=cfg.get("eos_token_id"),
+            bos_token_id=cfg.get("bos_token_id"),
+            torch_dtype=shape.torch_dtype,
+            hidden_act=activation_name(cfg),
+            original_max_position_embeddings=cfg.get("original_max_position_embeddings"),
             **_gemma_options(cfg, shape),
-        )  # fmt: skip
+        )
 
     def get_text_config(self) -> DecoderConfig:
         return self
@@ -106,8 +119,12 @@ def _gemma_options(cfg: dict[str, Any], shape: ModelShape) -> dict[str, Any]:
         return {}
     options: dict[str, Any] = {"norm_offset": 1.0, "embed_scale": shape.hidden_size**0.5}
     if shape.model_type == "gemma2":
-        options |= {"sandwich_norms": True, "attention_scale": float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
-                    "attn_softcap": cfg.get("attn_logit_softcapping"), "final_softcap": cfg.get("final_logit_softcapping")}  # fmt: skip
+        options |= {
+            "sandwich_norms": True,
+            "attention_scale": float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
+            "attn_softcap": cfg.get("attn_logit_softcapping"),
+            "final_softcap": cfg.get("final_logit_softcapping"),
+        }
     return options
 
 
@@ -154,7 +171,10 @@ class MLP(torch.nn.Module):
 
     def __init__(self, config: DecoderConfig, device: Device = None, shard: Shard = Shard()) -> None:
         super().__init__()
-        size, parts = config.intermediate_size, {"gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
+        size, parts = (
+            config.intermediate_size,
+            {"gate_proj": config.intermediate_size, "up_proj": config.intermediate_size},
+        )
         self.gate_up_proj = FusedLinear(config.hidden_size, parts, device=device, shard=shard)
         self.down_proj = RowLinear(size, config.hidden_size, bias=False, device=device, shard=shard)
         self.activation = config.hidden_act
@@ -179,8 +199,9 @@ class DecoderLayer(torch.nn.Module):
             self.pre_feedforward_layernorm = norm(config, config.hidden_size, device)
             self.post_feedforward_layernorm = norm(config, config.hidden_size, device)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                metadata: Metadata) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, metadata: Metadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream is ``x + residual`` (``residual`` None: ``x``): each residual add
         is folded into the norm that follows it. Returns the layer's ``(output, residual)``."""
         h, residual = self.input_layernorm(x, residual) if residual is not None else (self.input_layernorm(x), x)
@@ -202,11 +223,17 @@ class DecoderBody(torch.nn.Module):
         # torch's Python references and imports torch._dynamo (1.7 s on a 2-core CPU).
         weight = torch.empty(config.vocab_size, config.hidden_size, device=device)
         self.embed_tokens = torch.nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
-        self.layers = torch.nn.ModuleList(DecoderLayer(config, i, device, shard) for i in range(config.num_hidden_layers))
+        self.layers = torch.nn.ModuleList(
+            DecoderLayer(config, i, device, shard) for i in range(config.num_hidden_layers)
+        )
         self.norm = norm(config, config.hidden_size, device)
-        self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling,
-                             max_position_embeddings=config.max_position_embeddings,
-                             original_max_position_embeddings=config.original_max_position_embeddings)  # fmt: skip
+        self.rotary = Rotary(
+            config.head_dim,
+            config.rope_theta,
+            config.rope_scaling,
+            max_position_embeddings=config.max_position_embeddings,
+            original_max_position_embeddings=config.original_max_position_embeddings,
+        )
         self.embed_scale = config.embed_scale
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: Metadata) -> torch.Tensor:
@@ -224,8 +251,13 @@ class DecoderLM(torch.nn.Module):
     """The causal LM: the body and the output head (tied to the embeddings where the config says;
     whole on every rank, so each rank samples from the full logits)."""
 
-    def __init__(self, config: DecoderConfig, generation_eos: int | list[int] | None = None, device: Device = None,
-                 shard: Shard = Shard()) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: DecoderConfig,
+        generation_eos: int | list[int] | None = None,
+        device: Device = None,
+        shard: Shard = Shard(),
+    ) -> None:
         """``device="meta"``: no memory and no initialisation (the loader fills every weight);
         ``shard``: this rank's part under tensor parallelism (the KV cache holds its KV heads)."""
         super().__init__()
@@ -242,8 +274,13 @@ class DecoderLM(torch.nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: torch.Tensor | int,
-                metadata: Metadata) -> SimpleNamespace:  # fmt: skip
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        logits_to_keep: torch.Tensor | int,
+        metadata: Metadata,
+    ) -> SimpleNamespace:
         """``input_ids, position_ids [1, T]``; logits ``[1, kept, vocab]`` at ``logits_to_keep``
         (indices, or the last N tokens; 0: all), as the runner asks a transformers model; the
         step's attention ``metadata`` (``bootstrap.engine.layers.attention``) as an argument."""

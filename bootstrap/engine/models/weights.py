@@ -25,12 +25,26 @@ from safetensors import safe_open
 from bootstrap.engine.layers.linear import FusedLinear, Index, RowLinear
 from bootstrap.engine.models.byte_reads import PIECE_BYTES, ByteRange, read_ranges
 
-FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
-         "up_proj": "gate_up_proj"}  # fmt: skip
+FUSED = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
 IGNORED = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry; recomputed here
-DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "BOOL": torch.bool}  # fmt: skip
+DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 @dataclass(frozen=True)
@@ -72,14 +86,17 @@ def stored_tensors(file: Path) -> list[Stored]:
         (begin, end), shape = entry["data_offsets"], tuple(entry["shape"])
         dtype = DTYPES.get(entry["dtype"])
         if (dtype is not None and end - begin != math.prod(shape) * dtype.itemsize) or 8 + length + end > size:
-            raise ValueError(f"{file}: tensor {name!r} of shape {list(shape)} {entry['dtype']} does not fit bytes "
-                             f"{begin}..{end} of the data ({size - 8 - length} bytes)")  # fmt: skip
+            raise ValueError(
+                f"{file}: tensor {name!r} of shape {list(shape)} {entry['dtype']} does not fit bytes "
+                f"{begin}..{end} of the data ({size - 8 - length} bytes)"
+            )
         out.append(Stored(file, name, entry["dtype"], shape, 8 + length + begin))
     return out
 
 
-def load_weights(model: torch.nn.Module, files: list[Path], threads: int | None = None,
-                 piece_bytes: int = PIECE_BYTES) -> None:  # fmt: skip
+def load_weights(
+    model: torch.nn.Module, files: list[Path], threads: int | None = None, piece_bytes: int = PIECE_BYTES
+) -> None:
     """Fill every parameter of ``model`` (already on its device, in its dtype) from ``files``
     (``threads`` and ``piece_bytes``: ``byte_reads.read_ranges``'s)."""
     params = dict(model.named_parameters(remove_duplicate=False))  # a tied head under both names

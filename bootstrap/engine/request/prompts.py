@@ -70,8 +70,10 @@ def length_problem(prompt_len: int, max_tokens: int, max_seq_len: int, field: st
     if prompt_len == 0:
         return "prompt: empty; at least one prompt token is needed"
     if prompt_len + max_tokens > max_seq_len:
-        return (f"prompt ({prompt_len} tokens) + {field} ({max_tokens}) = {prompt_len + max_tokens} exceeds "
-                f"max_seq_len ({max_seq_len}); shorten the prompt or lower {field}")  # fmt: skip
+        return (
+            f"prompt ({prompt_len} tokens) + {field} ({max_tokens}) = {prompt_len + max_tokens} exceeds "
+            f"max_seq_len ({max_seq_len}); shorten the prompt or lower {field}"
+        )
     return None
 
 
@@ -80,8 +82,11 @@ def checked_max_tokens(prompt_len: int, max_tokens: int | None, max_seq_len: int
     ``PromptError`` naming both numbers when they do not fit."""
     if max_tokens is None:
         if 0 < prompt_len >= max_seq_len:
-            raise PromptError(f"prompt ({prompt_len} tokens) leaves no room to generate within max_seq_len "
-                              f"({max_seq_len})", field="messages", code="context_length_exceeded")  # fmt: skip
+            raise PromptError(
+                f"prompt ({prompt_len} tokens) leaves no room to generate within max_seq_len ({max_seq_len})",
+                field="messages",
+                code="context_length_exceeded",
+            )
         max_tokens = max_seq_len - prompt_len
     problem = length_problem(prompt_len, max_tokens, max_seq_len, field)
     if problem is not None:

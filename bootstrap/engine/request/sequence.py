@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bootstrap.engine.sampling.processing import TokenLogprob
-from bootstrap.engine.sampling.sampler import SamplingParams
 from bootstrap.engine.request.acceptance import Acceptance
 from bootstrap.engine.request.timing import RequestClock, RequestTiming
+from bootstrap.engine.sampling.processing import TokenLogprob
+from bootstrap.engine.sampling.sampler import SamplingParams
 
 _ids = itertools.count()
 

@@ -72,5 +72,6 @@ class RequestClock:
 
     def timing(self) -> RequestTiming:
         """The frozen record, as the request finishes now."""
-        return RequestTiming(self.enqueued_ns, self.scheduled_ns, self.first_token_ns, time.time_ns(),
-                             self.prefill_steps, self.kv_blocks)  # fmt: skip
+        return RequestTiming(
+            self.enqueued_ns, self.scheduled_ns, self.first_token_ns, time.time_ns(), self.prefill_steps, self.kv_blocks
+        )

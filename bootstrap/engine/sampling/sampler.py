@@ -208,7 +208,10 @@ class Sampler:
             raise ValueError("penalties and min_tokens need one History per logits row")
         index = torch.tensor(rows, device=logits.device)
         part = process(
-            logits.index_select(0, index).float(), [params[i] for i in rows], [histories[i] for i in rows], eos_token_ids
+            logits.index_select(0, index).float(),
+            [params[i] for i in rows],
+            [histories[i] for i in rows],
+            eos_token_ids,
         )
         return logits.float().index_copy(0, index, part)
 
@@ -276,9 +279,7 @@ class Sampler:
         return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
     @staticmethod
-    def _exponential_noise(
-        probs: torch.Tensor, generators: Sequence[torch.Generator | None]
-    ) -> torch.Tensor:
+    def _exponential_noise(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
         noise = torch.empty_like(probs).exponential_()
         for row, gen in enumerate(generators):
             if gen is not None:
@@ -286,9 +287,7 @@ class Sampler:
         return noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # a 0 would divide 0 into NaN
 
 
-def stop_reason(
-    token_ids: list[int], text: str, params: SamplingParams, eos_token_ids: set[int]
-) -> str | None:
+def stop_reason(token_ids: list[int], text: str, params: SamplingParams, eos_token_ids: set[int]) -> str | None:
     """Why a request with these generated tokens and text should finish, or None to go on.
 
     ``"stop"`` for a stop token, EOS (unless ``ignore_eos``) or a stop string anywhere in

@@ -62,8 +62,9 @@ def load_checkpoint_dir(
     return model.eval(), checkpoint_tokenizer(path)
 
 
-def _transformers_model(path: Path, device: torch.device, dtype: torch.dtype | None, attn_implementation: str | None,
-                        tp_size: int) -> torch.nn.Module:  # fmt: skip
+def _transformers_model(
+    path: Path, device: torch.device, dtype: torch.dtype | None, attn_implementation: str | None, tp_size: int
+) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
@@ -86,13 +87,17 @@ def checkpoint_tokenizer(path: Path) -> Any:
         return own
     from transformers import AutoTokenizer
 
-    log.info("tokenizer of %s loads through transformers (no tokenizer.json, or a tokenizer class that "
-             "rebuilds its pipeline)", path)  # fmt: skip
+    log.info(
+        "tokenizer of %s loads through transformers (no tokenizer.json, or a tokenizer class that "
+        "rebuilds its pipeline)",
+        path,
+    )
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
-def own_model(path: Path, device: torch.device, dtype: torch.dtype | None, attn_implementation: str | None,
-              tp_size: int) -> torch.nn.Module | None:  # fmt: skip
+def own_model(
+    path: Path, device: torch.device, dtype: torch.dtype | None, attn_implementation: str | None, tp_size: int
+) -> torch.nn.Module | None:
     """The engine's own model code for this checkpoint (``bootstrap.engine.models``) with the
     paged attention, this rank's shard at ``tp_size`` > 1; None keeps it on transformers."""
     if attn_implementation not in (None, ATTN_IMPLEMENTATION):
@@ -143,8 +148,9 @@ def without_gguf_marks(config: PretrainedConfig) -> PretrainedConfig:
     return clean
 
 
-def convert_gguf(gguf_path: Path, target: Path, progress: Progress = quiet,
-                 source: Mapping[str, Any] | None = None) -> Path:  # fmt: skip
+def convert_gguf(
+    gguf_path: Path, target: Path, progress: Progress = quiet, source: Mapping[str, Any] | None = None
+) -> Path:
     """Write a GGUF model as a plain checkpoint dir at ``target`` (atomic); return ``target``.
     ``source``: what it was converted from, kept as ``source.json`` (``bootstrap cache list``)."""
     started, doing = time.monotonic(), f"converting {gguf_path.name} to a checkpoint (once)"

@@ -89,11 +89,10 @@ def resolve_source(source: str) -> ModelSource:
 
 
 def _resolve_random(text: str) -> ModelSource:
-    spec = text[len(random_init.PREFIX):].strip()
+    spec = text[len(random_init.PREFIX) :].strip()
     if not spec:
         raise ModelSourceError(
-            f"model source {text!r} names no preset or config.json; "
-            f"presets: {', '.join(random_init.preset_names())}"
+            f"model source {text!r} names no preset or config.json; presets: {', '.join(random_init.preset_names())}"
         )
     try:
         values = random_init.config_dict(spec)
@@ -262,8 +261,12 @@ def _converted_gguf(gguf: Path, cache: Path, progress: Progress) -> Path | None:
     try:
         return conversions.ensure_converted(gguf, cache, progress)
     except OSError as exc:
-        log.warning("could not keep the conversion of %s in %s (%s); loading the file itself, dequantized "
-                    "again on every start", gguf, cache, exc.strerror or exc)  # fmt: skip
+        log.warning(
+            "could not keep the conversion of %s in %s (%s); loading the file itself, dequantized again on every start",
+            gguf,
+            cache,
+            exc.strerror or exc,
+        )
         return None
 
 

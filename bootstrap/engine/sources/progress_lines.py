@@ -30,8 +30,9 @@ def to_stderr(line: str) -> None:
 class Throttled:
     """Updates on to ``progress`` at most once every ``interval_s``; ``done`` lines always."""
 
-    def __init__(self, progress: Progress, interval_s: float = INTERVAL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self, progress: Progress, interval_s: float = INTERVAL_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.progress = progress
         self.interval_s = interval_s
         self.clock = clock

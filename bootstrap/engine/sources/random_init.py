@@ -55,8 +55,9 @@ def random_config(spec: str) -> PretrainedConfig:
     return AutoConfig.for_model(model_type, **values)
 
 
-def load_random(spec: str, device: torch.device, dtype: torch.dtype | None, attn_implementation: str | None,
-                seed: int) -> torch.nn.Module:  # fmt: skip
+def load_random(
+    spec: str, device: torch.device, dtype: torch.dtype | None, attn_implementation: str | None, seed: int
+) -> torch.nn.Module:
     """The model of ``random:<spec>``: in the engine's own model code for the families it runs
     (no transformers import), else through transformers."""
     from bootstrap.engine.models import own_model_problem
@@ -69,8 +70,9 @@ def load_random(spec: str, device: torch.device, dtype: torch.dtype | None, attn
     return random_model(random_config(spec), device, dtype, attn_implementation, seed)
 
 
-def own_random_model(values: dict[str, Any], device: torch.device, dtype: torch.dtype | None,
-                     seed: int) -> torch.nn.Module | None:  # fmt: skip
+def own_random_model(
+    values: dict[str, Any], device: torch.device, dtype: torch.dtype | None, seed: int
+) -> torch.nn.Module | None:
     """The own-code model of ``values`` with seeded random weights drawn on ``device``, as
     transformers initialises them (normal with the config's ``initializer_range``, zero biases,
     norms at their identity); None for a config the own code cannot read."""

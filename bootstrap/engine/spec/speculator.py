@@ -46,17 +46,17 @@ from dataclasses import dataclass
 
 import torch
 
-from bootstrap.engine.sampling.argmax import argmax
-from bootstrap.engine.step.decode_step import DecodeStep, queued_tensor, request_runs
 from bootstrap.engine.kv_cache import PagedKVCache
-from bootstrap.engine.sampling.processing import History, needs_processing
-from bootstrap.engine.step.runner import ModelRunner
-from bootstrap.engine.sampling.sampler import Sampler
-from bootstrap.engine.step.batch import ScheduledBatch
 from bootstrap.engine.request.sequence import Sequence
+from bootstrap.engine.sampling.argmax import argmax
+from bootstrap.engine.sampling.processing import History, needs_processing
+from bootstrap.engine.sampling.sampler import Sampler
+from bootstrap.engine.spec.depth import PROBE_EVERY, REMEASURE_EVERY, ROW_TOKENS, StepCosts, best_depth
 from bootstrap.engine.spec.metrics import SpeculationStats, StepClock
 from bootstrap.engine.spec.verify import Verdict, accept_greedy, accept_sampled
-from bootstrap.engine.spec.depth import PROBE_EVERY, REMEASURE_EVERY, ROW_TOKENS, StepCosts, best_depth
+from bootstrap.engine.step.batch import ScheduledBatch
+from bootstrap.engine.step.decode_step import DecodeStep, queued_tensor, request_runs
+from bootstrap.engine.step.model_runner import ModelRunner
 
 
 @dataclass(eq=False)
@@ -80,8 +80,15 @@ class _View:
 class Speculator:
     """The draft's runner on its pool, and the speculative step; see the module docstring."""
 
-    def __init__(self, draft: ModelRunner, target: ModelRunner, sampler: Sampler, k: int, max_seq_len: int,
-                 adaptive: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        draft: ModelRunner,
+        target: ModelRunner,
+        sampler: Sampler,
+        k: int,
+        max_seq_len: int,
+        adaptive: bool = False,
+    ) -> None:
         """``k``: the depth, or with ``adaptive`` (``auto``) the deepest a request may go."""
         if draft.vocab_size != target.vocab_size:
             raise ValueError(f"the draft's vocabulary ({draft.vocab_size}) must be the target's ({target.vocab_size})")
@@ -165,9 +172,11 @@ class Speculator:
     def mirror(self, batch: ScheduledBatch) -> None:
         """Before ``batch``'s requests advance: feed the draft what the target computes in this
         ordinary step, so both pools hold the same tokens (logits unused)."""
-        fed = [(seq, _View(seq.request_id, seq.token_ids[: seq.num_computed + count], seq.draft_computed))
-               for seq, count in zip(batch.seqs, batch.num_new_tokens)
-               if seq.num_computed + count > seq.draft_computed and self.keeps_up(seq)]  # fmt: skip
+        fed = [
+            (seq, _View(seq.request_id, seq.token_ids[: seq.num_computed + count], seq.draft_computed))
+            for seq, count in zip(batch.seqs, batch.num_new_tokens)
+            if seq.num_computed + count > seq.draft_computed and self.keeps_up(seq)
+        ]
         self._mirrored = bool(fed)
         if fed:
             for seq, view in fed:
@@ -187,7 +196,11 @@ class Speculator:
         counts = [view.num_tokens - view.num_computed for view in views]
         if max(counts) > ROW_TOKENS:
             return self.draft.run(ScheduledBatch(views, counts))
-        rows = [(v.request_id, v.num_computed + i, token) for v in views for i, token in enumerate(v.token_ids[v.num_computed :])]
+        rows = [
+            (v.request_id, v.num_computed + i, token)
+            for v in views
+            for i, token in enumerate(v.token_ids[v.num_computed :])
+        ]
         ends = [end - 1 for end in itertools.accumulate(counts)]  # each view's last row
         passes = []
         size = self.draft.pass_rows
@@ -207,7 +220,9 @@ class Speculator:
         updated; their tokens are left for the caller to append."""
         seqs, k = batch.seqs, max(limits)
         starts = [(seq.num_computed, seq.num_tokens, seq.draft_computed) for seq in seqs]
-        lagging = any(seq.num_tokens - seq.draft_computed > 2 for seq in seqs)  # a long first pass: not a draft pass's cost
+        lagging = any(
+            seq.num_tokens - seq.draft_computed > 2 for seq in seqs
+        )  # a long first pass: not a draft pass's cost
         ran_none = k == 1 and self._queued_for(seqs)  # its one draft pass was the last step's, queued ahead
         try:
             clock = StepClock(self.target.device)
@@ -273,10 +288,13 @@ class Speculator:
     def _catch_up(self, seqs: list[Sequence]) -> torch.Tensor:
         """The first draft pass, over what the draft lacks of each request, at least its last
         token (a pass queued ahead fed it, but for another batch): logits ``[B, V]``."""
-        return self._feed([_View(seq.request_id, seq.token_ids, min(seq.draft_computed, seq.num_tokens - 1))
-                           for seq in seqs])  # fmt: skip
+        return self._feed(
+            [_View(seq.request_id, seq.token_ids, min(seq.draft_computed, seq.num_tokens - 1)) for seq in seqs]
+        )
 
-    def _queue_ahead(self, seqs: list[Sequence], proposals: torch.Tensor, verdict: Verdict, k: int) -> torch.Tensor | None:
+    def _queue_ahead(
+        self, seqs: list[Sequence], proposals: torch.Tensor, verdict: Verdict, k: int
+    ) -> torch.Tensor | None:
         """The next step's first draft pass, queued behind the verdict before the host reads it,
         so the device works while the host does the step's bookkeeping and schedules the next:
         each request's last kept token and the target's own, two rows at positions the count
@@ -299,7 +317,9 @@ class Speculator:
         logits = self.draft.run_rows(step, ids, accepted.repeat_interleave(2).to(self.draft.device))
         return logits.view(len(seqs), 2, -1)[:, 1].clone()  # a graph's logits live until its next replay
 
-    def _draw_pass(self, seqs: list[Sequence], logits: torch.Tensor, greedy: bool, dists: list[torch.Tensor]) -> torch.Tensor:
+    def _draw_pass(
+        self, seqs: list[Sequence], logits: torch.Tensor, greedy: bool, dists: list[torch.Tensor]
+    ) -> torch.Tensor:
         """One proposal per row ``[B]`` from a draft pass's logits; a sampling batch appends the
         draft's distributions to ``dists``."""
         if greedy:
@@ -330,8 +350,14 @@ class Speculator:
             rows.append((seq.request_id, seq.num_computed, [seq.token_ids[-1]] + [0] * k))
         return self.target.run_rows(self.target.token_rows(rows), proposals).view(len(seqs), k + 1, -1)
 
-    def _judge(self, seqs: list[Sequence], proposals: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor,
-               limits: torch.Tensor) -> Verdict:  # fmt: skip
+    def _judge(
+        self,
+        seqs: list[Sequence],
+        proposals: torch.Tensor,
+        q: torch.Tensor | None,
+        logits: torch.Tensor,
+        limits: torch.Tensor,
+    ) -> Verdict:
         k = proposals.shape[1]
         if q is None:
             return accept_greedy(proposals, logits, limits)
@@ -342,8 +368,10 @@ class Speculator:
         if not greedy.any():
             return sampled
         exact = accept_greedy(proposals, logits, limits)  # greedy rows of a mixed batch
-        return Verdict(torch.where(greedy, exact.accepted, sampled.accepted),
-                       torch.where(greedy[:, None], exact.tokens, sampled.tokens))  # fmt: skip
+        return Verdict(
+            torch.where(greedy, exact.accepted, sampled.accepted),
+            torch.where(greedy[:, None], exact.tokens, sampled.tokens),
+        )
 
     def rehearse(self, seqs: list[Sequence]) -> None:
         """A speculative step of ``seqs`` at full depth, its tokens thrown away: the draft's

@@ -74,7 +74,9 @@ class HostVerdict:
         return [row[1 : 1 + row[0]] for row in self.rows.tolist()]
 
 
-def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor, limits: torch.Tensor | None = None) -> Verdict:
+def accept_greedy(
+    draft_tokens: torch.Tensor, target_logits: torch.Tensor, limits: torch.Tensor | None = None
+) -> Verdict:
     """``draft_tokens`` [B, k] against ``target_logits`` [B, k + 1, V]: see the module docstring.
     ``limits`` [B]: row ``b`` considers only its first ``limits[b]`` proposals (the rest are
     padding: a request that speculates less this step)."""
@@ -84,8 +86,13 @@ def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor, limit
     return Verdict(accepted, _assemble(draft_tokens, accepted, best.gather(1, accepted[:, None])[:, 0]))
 
 
-def accept_sampled(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
-                   generators: Sequence[torch.Generator | None], limits: torch.Tensor | None = None) -> Verdict:  # fmt: skip
+def accept_sampled(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generators: Sequence[torch.Generator | None],
+    limits: torch.Tensor | None = None,
+) -> Verdict:
     """``draft_tokens`` [B, k] drawn from ``draft_probs`` [B, k, V], against ``target_probs``
     [B, k + 1, V], one generator (or None) per row, ``limits`` as in ``accept_greedy``: see the
     module docstring (a row that keeps all of its ``limits[b]`` draws its bonus token from ``p``)."""
@@ -112,11 +119,15 @@ def accept_sampled(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target
 
 def _check(draft_tokens: torch.Tensor, target: torch.Tensor) -> tuple[int, int]:
     if draft_tokens.dim() != 2 or target.dim() != 3:
-        raise ValueError(f"draft_tokens must be [B, k] and the target's scores [B, k + 1, V], got "
-                         f"{list(draft_tokens.shape)} and {list(target.shape)}")  # fmt: skip
+        raise ValueError(
+            f"draft_tokens must be [B, k] and the target's scores [B, k + 1, V], got "
+            f"{list(draft_tokens.shape)} and {list(target.shape)}"
+        )
     rows, k = draft_tokens.shape
     if target.shape[:2] != (rows, k + 1):
-        raise ValueError(f"the target's scores must be [{rows}, {k + 1}, V] for {k} draft tokens, got {list(target.shape)}")
+        raise ValueError(
+            f"the target's scores must be [{rows}, {k + 1}, V] for {k} draft tokens, got {list(target.shape)}"
+        )
     return rows, k
 
 
@@ -134,7 +145,9 @@ def _kept_prefix(kept: torch.Tensor) -> torch.Tensor:
 
 
 def _uniform(count: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    return torch.rand(count, generator=generator, device=generator.device if generator is not None else device).to(device)
+    return torch.rand(count, generator=generator, device=generator.device if generator is not None else device).to(
+        device
+    )
 
 
 def _assemble(draft_tokens: torch.Tensor, accepted: torch.Tensor, nxt: torch.Tensor) -> torch.Tensor:

@@ -65,8 +65,14 @@ class DecodeBuffers:
         self._host_tables = torch.zeros(max_rows * max_blocks_per_seq, dtype=torch.long, pin_memory=pinned)
         self._copied = torch.cuda.Event() if pinned else None
 
-    def fill(self, step: DecodeStep, rows: int | None = None, width: int | None = None,
-             tokens: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> int:  # fmt: skip
+    def fill(
+        self,
+        step: DecodeStep,
+        rows: int | None = None,
+        width: int | None = None,
+        tokens: torch.Tensor | None = None,
+        offsets: torch.Tensor | None = None,
+    ) -> int:
         """Copy ``step`` into the first ``rows`` rows and ``width`` block-table columns (default:
         the step's own size and width); return the step's size. ``tokens``: ids on the device in
         place of ``step.ids`` (a draft's proposals, which the host does not know without waiting
@@ -104,7 +110,6 @@ class DecodeBuffers:
         if self._copied is not None:
             self._copied.record()
         return size
-
 
     def _shift(self, offsets: torch.Tensor, size: int, rows: int) -> None:
         """Move rows ``:rows`` by ``offsets`` (padding rows by their real row's), on the device."""

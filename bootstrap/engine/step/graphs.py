@@ -76,7 +76,9 @@ class DecodeGraphs:
             raise ValueError(f"CUDA graphs need a CUDA device; this runner is on {runner.device}")
         self.runner = runner
         self.pool = torch.cuda.graph_pool_handle()
-        self.stream = torch.cuda.Stream(runner.device)  # every warm-up run and capture: one stream, one cuBLAS workspace
+        self.stream = torch.cuda.Stream(
+            runner.device
+        )  # every warm-up run and capture: one stream, one cuBLAS workspace
         self.batch_sizes: tuple[int, ...] = ()
         self.widths: tuple[int, ...] = ()
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -84,8 +86,10 @@ class DecodeGraphs:
 
     def capture(self, batch_sizes: Sequence[int], widths: Sequence[int]) -> GraphCapture:
         runner = self.runner
-        sizes, widths = self._checked(batch_sizes, runner.max_rows, "batch size"), self._checked(
-            widths, runner.max_blocks_per_seq, "width")
+        sizes, widths = (
+            self._checked(batch_sizes, runner.max_rows, "batch size"),
+            self._checked(widths, runner.max_blocks_per_seq, "width"),
+        )
         if runner.kv_cache.stats().used_blocks:
             raise RuntimeError("CUDA graphs are captured on an empty KV pool (the dummy steps write block 0)")
         start = time.perf_counter()

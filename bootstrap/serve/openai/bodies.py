@@ -81,7 +81,6 @@ def _reason(exc: ValueError) -> str:
     return str(exc)[:200]
 
 
-
 def check_shape(raw: bytes) -> None:
     """400 for a body of more than ``MAX_VALUES`` commas, ``MAX_KEYS`` colons or ``MAX_CONTAINERS``
     brackets outside its strings, counted without parsing it; counting stops at the first bound passed."""
@@ -93,10 +92,18 @@ def check_shape(raw: bytes) -> None:
         colons += raw.count(b":", pos, stop)
         opens += raw.count(b"[", pos, stop) + raw.count(b"{", pos, stop)
         if commas > MAX_VALUES or colons > MAX_KEYS or opens > MAX_CONTAINERS:
-            what = (f"{MAX_VALUES} values" if commas > MAX_VALUES else f"{MAX_KEYS} object fields" if colons > MAX_KEYS
-                    else f"{MAX_CONTAINERS} objects and arrays")  # fmt: skip
-            raise bad_request(f"body: more than {what} outside its texts; no request needs that many",
-                              param="body", code="too_many_values")  # fmt: skip
+            what = (
+                f"{MAX_VALUES} values"
+                if commas > MAX_VALUES
+                else f"{MAX_KEYS} object fields"
+                if colons > MAX_KEYS
+                else f"{MAX_CONTAINERS} objects and arrays"
+            )
+            raise bad_request(
+                f"body: more than {what} outside its texts; no request needs that many",
+                param="body",
+                code="too_many_values",
+            )
         pos = len(raw) if quote < 0 else _string_end(raw, quote + 1)
 
 

@@ -22,13 +22,13 @@ from opentelemetry.trace import Span
 from starlette.responses import StreamingResponse
 from starlette.types import Send
 
+from bootstrap.serve.metrics import ServeMetrics
 from bootstrap.serve.openai import schemas as s
 from bootstrap.serve.openai.jobs import Job, enqueue
-from bootstrap.serve.metrics import ServeMetrics
-from bootstrap.serve.status.recent import RequestSummary
 from bootstrap.serve.openai.render import SSE_HEADERS, Render, stream_body
 from bootstrap.serve.request_trace import record_choices
 from bootstrap.serve.state import ServeState
+from bootstrap.serve.status.recent import RequestSummary
 
 
 class Choices:
@@ -42,8 +42,16 @@ class Choices:
         self._recorded = False
 
     @classmethod
-    async def start(cls, state: ServeState, metrics: ServeMetrics, endpoint: str, prompts: Sequence[list[int]],
-                    params: Sequence[Any], n: int = 1, span: Span | None = None) -> Choices:  # fmt: skip
+    async def start(
+        cls,
+        state: ServeState,
+        metrics: ServeMetrics,
+        endpoint: str,
+        prompts: Sequence[list[int]],
+        params: Sequence[Any],
+        n: int = 1,
+        span: Span | None = None,
+    ) -> Choices:
         """Enqueue ``n`` jobs per prompt (choice ``i * n + j`` is prompt i's j-th); if some
         cannot be (shutting down), those before them are closed."""
         choices = cls(state, endpoint, sum(len(ids) for ids in prompts), span)
@@ -104,8 +112,11 @@ class ChoicesStream(StreamingResponse):
         send, self._events = anyio.create_memory_object_stream[tuple[int, Any]](max_buffer_size=math.inf)
         self._send = send
         usage = (lambda: choices.usage()) if include_usage else (lambda: None)
-        super().__init__(stream_body(self._events, len(choices.jobs), render, usage), media_type="text/event-stream",
-                         headers=SSE_HEADERS)  # fmt: skip
+        super().__init__(
+            stream_body(self._events, len(choices.jobs), render, usage),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
 
     async def stream_response(self, send: Send) -> None:
         try:

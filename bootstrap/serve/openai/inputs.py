@@ -43,9 +43,13 @@ def check_chars(chars: int, max_seq_len: int | None, field: str) -> None:
         return
     limit = max_seq_len * MAX_CHARS_PER_TOKEN
     if chars > limit:
-        raise APIError(400, f"{field}: {chars} characters cannot fit max_seq_len ({max_seq_len}) tokens (a token "
-                       f"covers at most {MAX_CHARS_PER_TOKEN} characters); allowed: at most {limit} characters",
-                       param=field, code="context_length_exceeded")  # fmt: skip
+        raise APIError(
+            400,
+            f"{field}: {chars} characters cannot fit max_seq_len ({max_seq_len}) tokens (a token "
+            f"covers at most {MAX_CHARS_PER_TOKEN} characters); allowed: at most {limit} characters",
+            param=field,
+            code="context_length_exceeded",
+        )
 
 
 async def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], max_seq_len: int | None) -> list[int]:
@@ -97,8 +101,20 @@ def check_lengths(prompt_ids: list[list[int]], max_tokens: int | None, field: st
 
 def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> Any:
     """The engine's ``SamplingParams`` for ``body``; a refusal (``min_tokens`` over ``max_tokens``) is a 400."""
-    return _answered(prompts.sampling_params, max_tokens, temperature=body.temperature, top_p=body.top_p,
-                     seed=body.seed, stop=body.stop_list, top_k=max(body.top_k, 0), min_p=body.min_p,
-                     presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                     repetition_penalty=body.repetition_penalty, stop_token_ids=tuple(body.stop_token_ids or ()),
-                     ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, logprobs=body.engine_logprobs)  # fmt: skip
+    return _answered(
+        prompts.sampling_params,
+        max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
+        stop=body.stop_list,
+        top_k=max(body.top_k, 0),
+        min_p=body.min_p,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
+        logprobs=body.engine_logprobs,
+    )

@@ -35,7 +35,9 @@ def enqueue(state: ServeState, ids: list[int], params: Any, n: int = 1) -> list[
 class Job:
     """One enqueued request (``enqueue``), from its first event to ``close``."""
 
-    def __init__(self, state: ServeState, metrics: ServeMetrics, endpoint: str, request_id: int, prompt_tokens: int) -> None:
+    def __init__(
+        self, state: ServeState, metrics: ServeMetrics, endpoint: str, request_id: int, prompt_tokens: int
+    ) -> None:
         self.executor, self.state, self.metrics, self.endpoint = state.executor, state, metrics, endpoint
         self.prompt_tokens = prompt_tokens
         self.started = time.monotonic()

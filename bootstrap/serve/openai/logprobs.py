@@ -53,8 +53,10 @@ class LogprobsOut:
 
     def _chat_entry(self, event: Any) -> s.ChatTokenLogprob:
         token = self.text(event.token_id)
-        top = [s.TopLogprob(token=t, logprob=lp, bytes=list(t.encode())) for t, lp in
-               ((self.text(i), lp) for i, lp in event.top_logprobs)]  # fmt: skip
+        top = [
+            s.TopLogprob(token=t, logprob=lp, bytes=list(t.encode()))
+            for t, lp in ((self.text(i), lp) for i, lp in event.top_logprobs)
+        ]
         return s.ChatTokenLogprob(token=token, logprob=event.logprob, bytes=list(token.encode()), top_logprobs=top)
 
     def text(self, token_id: int) -> str:

@@ -46,23 +46,44 @@ class Render:
     def whole(self, outcomes: Sequence[tuple[str, str, Sequence[Any]]], usage: s.Usage) -> BaseModel:
         """The response: per choice, in index order, its text, finish reason and every event."""
         if self.kind == "chat":
-            chats = [s.ChatChoice(index=i, message=s.AssistantMessage(content=text), finish_reason=s.finish_reason(end),
-                                  logprobs=self.logprobs(i, events)) for i, (text, end, events) in enumerate(outcomes)]  # fmt: skip
+            chats = [
+                s.ChatChoice(
+                    index=i,
+                    message=s.AssistantMessage(content=text),
+                    finish_reason=s.finish_reason(end),
+                    logprobs=self.logprobs(i, events),
+                )
+                for i, (text, end, events) in enumerate(outcomes)
+            ]
             return s.ChatCompletion(id=self.id, created=self.created, model=self.model, choices=chats, usage=usage)
-        texts = [s.CompletionChoice(index=i, text=text, finish_reason=s.finish_reason(end), logprobs=self.logprobs(i, events))
-                 for i, (text, end, events) in enumerate(outcomes)]  # fmt: skip
+        texts = [
+            s.CompletionChoice(
+                index=i, text=text, finish_reason=s.finish_reason(end), logprobs=self.logprobs(i, events)
+            )
+            for i, (text, end, events) in enumerate(outcomes)
+        ]
         return s.Completion(id=self.id, created=self.created, model=self.model, choices=texts, usage=usage)
 
-    def chunk(self, index: int, text: str | None = None, finish: str | None = None, role: bool = False,
-              events: Sequence[Any] = ()) -> BaseModel:  # fmt: skip
+    def chunk(
+        self,
+        index: int,
+        text: str | None = None,
+        finish: str | None = None,
+        role: bool = False,
+        events: Sequence[Any] = (),
+    ) -> BaseModel:
         """One chunk of choice ``index``: text (and the logprobs of the ``events`` that delivered
         it), or its finish."""
         logprobs = self.logprobs(index, events) if events else None
         if self.kind == "chat":
             delta = s.Delta(role="assistant" if role else None, content=text)
-            choices = [s.ChatChunkChoice(index=index, delta=delta, finish_reason=s.finish_reason(finish), logprobs=logprobs)]
+            choices = [
+                s.ChatChunkChoice(index=index, delta=delta, finish_reason=s.finish_reason(finish), logprobs=logprobs)
+            ]
             return s.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices)
-        choice = s.CompletionChoice(index=index, text=text or "", finish_reason=s.finish_reason(finish), logprobs=logprobs)
+        choice = s.CompletionChoice(
+            index=index, text=text or "", finish_reason=s.finish_reason(finish), logprobs=logprobs
+        )
         return s.Completion(id=self.id, created=self.created, model=self.model, choices=[choice])
 
     def logprobs(self, index: int, events: Sequence[Any]) -> Any:
@@ -80,8 +101,9 @@ class Render:
         return s.Completion(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
 
 
-async def stream_body(events: AsyncIterator[tuple[int, Any]], choices: int, render: Render,
-                      usage: Callable[[], s.Usage | None]) -> AsyncIterator[str]:  # fmt: skip
+async def stream_body(
+    events: AsyncIterator[tuple[int, Any]], choices: int, render: Render, usage: Callable[[], s.Usage | None]
+) -> AsyncIterator[str]:
     """The SSE body of a streaming request from its choices' ``(index, event)`` pairs, merged in
     the order they came (``bootstrap.serve.openai.choices``); ``usage()`` is the usage chunk's, if asked."""
     if render.kind == "chat":
@@ -89,8 +111,16 @@ async def stream_body(events: AsyncIterator[tuple[int, Any]], choices: int, rend
             yield sse(render.chunk(index, text="", role=True))
     async for index, event in events:
         if event.finished and event.finish_reason == "error":
-            yield sse({"error": {"message": f"generation failed: {event.error}", "type": "server_error",
-                                 "param": None, "code": "engine_error"}})  # fmt: skip
+            yield sse(
+                {
+                    "error": {
+                        "message": f"generation failed: {event.error}",
+                        "type": "server_error",
+                        "param": None,
+                        "code": "engine_error",
+                    }
+                }
+            )
             break
         if event.text or (render.with_logprobs and event.token_id is not None):
             yield sse(render.chunk(index, text=event.text, events=[event]))

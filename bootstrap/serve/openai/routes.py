@@ -13,10 +13,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from bootstrap.serve.openai import schemas as s
-from bootstrap.serve.openai.choices import Choices, ChoicesStream
 from bootstrap.serve.errors import APIError
-from bootstrap.serve.openai.jobs import unless_disconnected
+from bootstrap.serve.openai import schemas as s
+from bootstrap.serve.openai.bodies import body_of, parsed
+from bootstrap.serve.openai.choices import Choices, ChoicesStream
 from bootstrap.serve.openai.inputs import (
     chat_prompt_ids,
     check_lengths,
@@ -24,8 +24,8 @@ from bootstrap.serve.openai.inputs import (
     sampling_params,
     token_limit,
 )
+from bootstrap.serve.openai.jobs import unless_disconnected
 from bootstrap.serve.openai.render import Render
-from bootstrap.serve.openai.bodies import body_of, parsed
 from bootstrap.serve.request_trace import SCOPE_KEY
 from bootstrap.serve.state import ServeState
 
@@ -51,8 +51,12 @@ def ready_executor(state: ServeState) -> Any:
 
 def check_model(state: ServeState, model: str) -> None:
     if model != state.options.model_id:
-        raise APIError(404, f"model {model!r} does not exist; this server serves {state.options.model_id!r}",
-                       param="model", code="model_not_found")  # fmt: skip
+        raise APIError(
+            404,
+            f"model {model!r} does not exist; this server serves {state.options.model_id!r}",
+            param="model",
+            code="model_not_found",
+        )
 
 
 @router.get("/models")
@@ -68,7 +72,9 @@ async def completions(request: Request) -> Response:
     body = await parsed(request, s.CompletionRequest)
     executor, max_seq_len = serving_executor(request, body.model), request.app.state.serve.max_seq_len
     prompts = await completion_prompt_ids(executor.tokenizer, body.prompt, max_seq_len)
-    return await answer(request, body, prompts, Render("completion", body.model, body.engine_logprobs is not None, executor.tokenizer))
+    return await answer(
+        request, body, prompts, Render("completion", body.model, body.engine_logprobs is not None, executor.tokenizer)
+    )
 
 
 @router.post("/chat/completions", response_model=None, openapi_extra=body_of(s.ChatCompletionRequest))
@@ -76,7 +82,9 @@ async def chat_completions(request: Request) -> Response:
     body = await parsed(request, s.ChatCompletionRequest)
     executor, max_seq_len = serving_executor(request, body.model), request.app.state.serve.max_seq_len
     ids = await chat_prompt_ids(executor.tokenizer, body.messages, max_seq_len)
-    return await answer(request, body, [ids], Render("chat", body.model, body.engine_logprobs is not None, executor.tokenizer))
+    return await answer(
+        request, body, [ids], Render("chat", body.model, body.engine_logprobs is not None, executor.tokenizer)
+    )
 
 
 def serving_executor(request: Request, model: str) -> Any:
@@ -87,8 +95,9 @@ def serving_executor(request: Request, model: str) -> Any:
     return executor
 
 
-async def answer(request: Request, body: s.CompletionRequest | s.ChatCompletionRequest, prompts: list[list[int]],
-                 render: Render) -> Response:  # fmt: skip
+async def answer(
+    request: Request, body: s.CompletionRequest | s.ChatCompletionRequest, prompts: list[list[int]], render: Render
+) -> Response:
     """Enqueue a job per prompt; wait for their first events (a refusal is still a 400); stream
     or collect the rest."""
     state: ServeState = request.app.state.serve

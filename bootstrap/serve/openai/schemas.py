@@ -81,19 +81,29 @@ class _Sampling(_Strict):
     max_tokens: int | None = Field(None, ge=1, description="tokens to generate; default: what max_seq_len leaves")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 is greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices per prompt: one prefill, the prompt's KV blocks shared")
+    n: int = Field(
+        1, ge=1, le=MAX_CHOICES, description="choices per prompt: one prefill, the prompt's KV blocks shared"
+    )
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: str | _items(str) | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's: minus this for a token generated before")
+    presence_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="OpenAI's: minus this for a token generated before"
+    )
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's: minus this times the token's count")
     # the usual extensions (vLLM, SGLang, trtllm-serve)
-    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False,
-                                      description="a seen token's logit divided by it (positive) or times it (negative)")
+    repetition_penalty: float = Field(
+        1.0,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="a seen token's logit divided by it (positive) or times it (negative)",
+    )
     top_k: int = Field(0, ge=-1, description="the k most likely tokens only; 0 or -1: off")
-    min_p: float = Field(0.0, ge=0.0, le=1.0, description="tokens below min_p times the top token's probability dropped")
+    min_p: float = Field(
+        0.0, ge=0.0, le=1.0, description="tokens below min_p times the top token's probability dropped"
+    )
     stop_token_ids: _items(Annotated[int, Field(ge=0)], MAX_STOP_IDS) | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, description="tokens before EOS, a stop token or a stop string may end it")
@@ -126,7 +136,9 @@ class CompletionRequest(_Sampling):
     prompt: str | TokenIds | _items(str) | _items(TokenIds) = Field(description="text, token ids, or a list of either")
     max_tokens: int | None = Field(16, ge=1, description="tokens to generate (OpenAI's default: 16)")
     echo: Literal[False] = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="each token's logprob and this many alternatives")
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="each token's logprob and this many alternatives"
+    )
     best_of: Literal[1] | None = None
     suffix: None = None
 

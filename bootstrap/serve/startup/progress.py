@@ -31,23 +31,34 @@ def stage_rows(state: ServeState) -> list[dict[str, Any]]:
         event = last.get(status.stage)
         retrying = status.state == "running" and event is not None and event.kind in RETRYING
         shown = "retrying" if retrying else status.state
-        rows.append({
-            "id": status.stage,
-            "state": shown,
-            "attempts": status.attempts,
-            "duration_s": _duration(status),
-            "error": status.error if status.state in ("failed", "cancelled") else None,
-            "last_attempt_error": attempt_errors.get(status.stage) if shown == "retrying" else None,
-            "retry_change": retry_notes.get(status.stage) if shown == "retrying" else None,
-            "skip_reason": event.message if status.state == "skipped" and event is not None else None,
-            "figures": dict(status.figures),
-        })  # fmt: skip
+        rows.append(
+            {
+                "id": status.stage,
+                "state": shown,
+                "attempts": status.attempts,
+                "duration_s": _duration(status),
+                "error": status.error if status.state in ("failed", "cancelled") else None,
+                "last_attempt_error": attempt_errors.get(status.stage) if shown == "retrying" else None,
+                "retry_change": retry_notes.get(status.stage) if shown == "retrying" else None,
+                "skip_reason": event.message if status.state == "skipped" and event is not None else None,
+                "figures": dict(status.figures),
+            }
+        )
     return rows
 
 
 def _pending(stage: str) -> dict[str, Any]:
-    return {"id": stage, "state": "pending", "attempts": 0, "duration_s": None, "error": None, "last_attempt_error": None,
-            "retry_change": None, "skip_reason": None, "figures": {}}  # fmt: skip
+    return {
+        "id": stage,
+        "state": "pending",
+        "attempts": 0,
+        "duration_s": None,
+        "error": None,
+        "last_attempt_error": None,
+        "retry_change": None,
+        "skip_reason": None,
+        "figures": {},
+    }
 
 
 def _duration(status: Any) -> float | None:

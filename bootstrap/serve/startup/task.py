@@ -46,8 +46,14 @@ def make_bootstrap(state: ServeState) -> None:
 
     with state.process.phase("backend") if state.process is not None else contextlib.nullcontext():
         backend = load_backend_factory(state.options.backend_factory)(state.config)
-    state.boot = Bootstrap(state.config, backend=backend, trace_file=state.options.trace_file, otlp=state.options.otlp,
-                           process=state.process, traces_requests=True)  # fmt: skip
+    state.boot = Bootstrap(
+        state.config,
+        backend=backend,
+        trace_file=state.options.trace_file,
+        otlp=state.options.otlp,
+        process=state.process,
+        traces_requests=True,
+    )
 
 
 async def guarded(state: ServeState, build: Callable[..., Awaitable[None]], *args: Any) -> None:
@@ -106,9 +112,16 @@ async def _settle(state: ServeState, build: Callable[[], Any]) -> None:
     state.executor, state.max_seq_len = executor, report.plan["max_seq_len"]
     state.time_to_ready_s = round(state.elapsed_s(), 6)
     state.set_phase("ready")
-    since = f" ({(time.time_ns() - state.process.spawn_ns) / 1e9:.2f} s after the process started)" if state.process else ""
-    log.info("ready in %.2f s%s: KV %s tokens, max_seq_len %s", state.time_to_ready_s, since,
-             report.plan.get("kv_tokens"), state.max_seq_len)  # fmt: skip
+    since = (
+        f" ({(time.time_ns() - state.process.spawn_ns) / 1e9:.2f} s after the process started)" if state.process else ""
+    )
+    log.info(
+        "ready in %.2f s%s: KV %s tokens, max_seq_len %s",
+        state.time_to_ready_s,
+        since,
+        report.plan.get("kv_tokens"),
+        state.max_seq_len,
+    )
 
 
 async def follow_progress(state: ServeState) -> None:

@@ -37,9 +37,20 @@ class RequestSummary:
             return None
         slowest = max(timed, key=lambda job: job.timing.total_s)
         t = slowest.timing
-        return cls(slowest.request_id, endpoint, t.finished_ns / 1e9, round(t.total_s, 6), round(t.queue_s, 6),
-                   _round(t.prefill_s), _round(t.decode_s), prompt_tokens, sum(job.tokens for job in jobs), len(jobs),
-                   slowest.reason, trace_id)  # fmt: skip
+        return cls(
+            slowest.request_id,
+            endpoint,
+            t.finished_ns / 1e9,
+            round(t.total_s, 6),
+            round(t.queue_s, 6),
+            _round(t.prefill_s),
+            _round(t.decode_s),
+            prompt_tokens,
+            sum(job.tokens for job in jobs),
+            len(jobs),
+            slowest.reason,
+            trace_id,
+        )
 
 
 def _round(value: float | None) -> float | None:

@@ -25,8 +25,10 @@ def page() -> tuple[str, dict[str, str]]:
     style (by their hashes) and lets it reach only this server."""
     html = files("bootstrap.serve.status").joinpath("status_page.html").read_text(encoding="utf-8")
     script, style = (_inline(html, tag) for tag in ("script", "style"))
-    policy = (f"default-src 'none'; script-src '{script}'; style-src '{style}'; img-src data:; "
-              "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")  # fmt: skip
+    policy = (
+        f"default-src 'none'; script-src '{script}'; style-src '{style}'; img-src data:; "
+        "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    )
     return html, {"Cache-Control": "no-cache", "Content-Security-Policy": policy}
 
 
@@ -62,5 +64,10 @@ async def engine(request: Request) -> dict[str, Any]:
 
 def _engine(executor: Any) -> dict[str, int]:
     stats = executor.engine_stats()
-    return {"kv_total_blocks": stats.kv_total_blocks, "kv_used_blocks": stats.kv_used_blocks,
-            "kv_capacity_tokens": stats.kv_capacity_tokens, "running": stats.running, "waiting": stats.waiting}  # fmt: skip
+    return {
+        "kv_total_blocks": stats.kv_total_blocks,
+        "kv_used_blocks": stats.kv_used_blocks,
+        "kv_capacity_tokens": stats.kv_capacity_tokens,
+        "running": stats.running,
+        "waiting": stats.waiting,
+    }

@@ -20,16 +20,38 @@ from helpers.fake_trtllm.kv import static_cost
 @export("KvCacheCreator")
 class KvCacheCreator:
     @checked("KvCacheCreator")
-    def __init__(self, *, model_engine: Any, draft_model_engine: Any, mapping: Any, net_max_seq_len: int,
-                 kv_connector_manager: Any, max_num_tokens: int, max_beam_width: int, tokens_per_block: int,
-                 max_seq_len: int, max_batch_size: int, kv_cache_config: Any, llm_args: Any, speculative_config: Any,
-                 sparse_attention_config: Any, profiling_stage_data: Any, is_disagg: bool = False,
-                 execution_stream: Any = None, draft_config: Any = None, skip_est: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        model_engine: Any,
+        draft_model_engine: Any,
+        mapping: Any,
+        net_max_seq_len: int,
+        kv_connector_manager: Any,
+        max_num_tokens: int,
+        max_beam_width: int,
+        tokens_per_block: int,
+        max_seq_len: int,
+        max_batch_size: int,
+        kv_cache_config: Any,
+        llm_args: Any,
+        speculative_config: Any,
+        sparse_attention_config: Any,
+        profiling_stage_data: Any,
+        is_disagg: bool = False,
+        execution_stream: Any = None,
+        draft_config: Any = None,
+        skip_est: bool = False,
+    ) -> None:
         self._model_engine, self._draft_model_engine, self._mapping = model_engine, draft_model_engine, mapping
         self._kv_cache_config = kv_cache_config
         self._max_kv_tokens_in = kv_cache_config.max_tokens
         self._max_gpu_total_bytes_in = kv_cache_config.max_gpu_total_bytes
-        self._max_num_tokens, self._max_beam_width, self._tokens_per_block = max_num_tokens, max_beam_width, tokens_per_block
+        self._max_num_tokens, self._max_beam_width, self._tokens_per_block = (
+            max_num_tokens,
+            max_beam_width,
+            tokens_per_block,
+        )
         self._max_seq_len, self._max_batch_size, self._net_max_seq_len = max_seq_len, max_batch_size, net_max_seq_len
         self._speculative_config, self._skip_est, self._dummy_reqs = speculative_config, skip_est, None
         v2 = kv_cache_config.use_kv_cache_manager_v2 and self._trt.version != "1.2.1"
@@ -56,7 +78,9 @@ class KvCacheCreator:
             self._dummy_reqs = self._create_dummy_context_requests(max(1, self._net_max_seq_len - 1))
         tpb, engine = self._tokens_per_block, self._model_engine
         blocks = sum(math.ceil((len(r.input_token_ids) + extra) / tpb) for r in self._dummy_reqs)
-        warmup = math.ceil((engine.max_seq_len + 1) / tpb) + min(engine.batch_size, engine._max_cuda_graph_batch_size) - 1
+        warmup = (
+            math.ceil((engine.max_seq_len + 1) / tpb) + min(engine.batch_size, engine._max_cuda_graph_batch_size) - 1
+        )
         blocks = max(blocks, warmup, engine.batch_size)
         if self._kv_cache_manager_cls.IS_V2:
             windows = {min(w, engine.max_seq_len) for w in (self._kv_cache_config.max_attention_window or [0])}
@@ -72,8 +96,13 @@ class KvCacheCreator:
         slope, intercept = 0, 0
         for engine in (self._model_engine, self._draft_model_engine):
             if engine is not None:
-                s, i = static_cost(self._kv_cache_manager_cls, engine, self._kv_cache_config,
-                                   max_seq_len=self._max_seq_len, max_batch_size=self._max_batch_size)  # fmt: skip
+                s, i = static_cost(
+                    self._kv_cache_manager_cls,
+                    engine,
+                    self._kv_cache_config,
+                    max_seq_len=self._max_seq_len,
+                    max_batch_size=self._max_batch_size,
+                )
                 slope, intercept = slope + s, intercept + i
         return slope, intercept
 
@@ -98,15 +127,24 @@ class KvCacheCreator:
         resources[kinds.DRAFT_KV_CACHE_MANAGER] = draft
 
     @checked("KvCacheCreator._create_kv_cache_manager")
-    def _create_kv_cache_manager(self, model_engine: Any, estimating_kv_cache: bool = False,
-                                 kv_cache_config_override: Any = None, cold_page_codec_provider: Any = None) -> Any:  # fmt: skip
+    def _create_kv_cache_manager(
+        self,
+        model_engine: Any,
+        estimating_kv_cache: bool = False,
+        kv_cache_config_override: Any = None,
+        cold_page_codec_provider: Any = None,
+    ) -> Any:
         config = kv_cache_config_override if kv_cache_config_override is not None else self._kv_cache_config
         if estimating_kv_cache and config.host_cache_size:  # main: _drop_explicit_offload_tier_budgets
             config = config.model_copy(update={"host_cache_size": None})
         manager = self._kv_cache_manager_cls(
-            config, model_engine, max_seq_len=self._max_seq_len, max_batch_size=self._max_batch_size,
-            max_num_tokens=self._max_num_tokens, estimating=estimating_kv_cache and not self._skip_est,
-        )  # fmt: skip
+            config,
+            model_engine,
+            max_seq_len=self._max_seq_len,
+            max_batch_size=self._max_batch_size,
+            max_num_tokens=self._max_num_tokens,
+            estimating=estimating_kv_cache and not self._skip_est,
+        )
         self._max_seq_len = min(self._max_seq_len, manager.max_seq_len)
         return manager
 

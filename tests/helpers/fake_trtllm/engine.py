@@ -62,8 +62,18 @@ class AttentionRuntimeFeatures:
 @export("PyTorchModelEngine")
 class PyTorchModelEngine:
     @checked("PyTorchModelEngine")
-    def __init__(self, *, model_path: str, llm_args: Any, mapping: Any = None, attn_runtime_features: Any = None,
-                 dist: Any = None, spec_config: Any = None, is_draft_model: bool = False, **_unused: Any) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        model_path: str,
+        llm_args: Any,
+        mapping: Any = None,
+        attn_runtime_features: Any = None,
+        dist: Any = None,
+        spec_config: Any = None,
+        is_draft_model: bool = False,
+        **_unused: Any,
+    ) -> None:
         self.shape = resolve_model_shape(model_path)
         self.mapping, self.dist, self.spec_config, self.is_draft_model = mapping, dist, spec_config, is_draft_model
         self.dtype_bytes = weight_dtype_bytes(llm_args.dtype if llm_args.dtype != "auto" else "bfloat16")
@@ -95,8 +105,13 @@ class PyTorchModelEngine:
         self._graphs.clear()
 
     def forward_bytes(self, num_tokens: int) -> int:
-        return activation_peak(self.shape, max_num_tokens=num_tokens, max_seq_len=self.max_seq_len,
-                               dtype_bytes=self.dtype_bytes, tp=self.mapping.tp_size).total  # fmt: skip
+        return activation_peak(
+            self.shape,
+            max_num_tokens=num_tokens,
+            max_seq_len=self.max_seq_len,
+            dtype_bytes=self.dtype_bytes,
+            tp=self.mapping.tp_size,
+        ).total
 
 
 @export("fake:TorchSampler")
@@ -110,9 +125,20 @@ class TorchSampler:
 
 @export("instantiate_sampler")
 @checked("instantiate_sampler")
-def instantiate_sampler(trt: Any, engine: Any, llm_args: Any, mapping: Any, *, max_batch_size: int, max_beam_width: int,
-                        mm_encoder_only: bool, speculative_config: Any, max_num_sequences: int | None = None,
-                        max_seq_len: int | None = None, **_v121: Any) -> Any:  # fmt: skip
+def instantiate_sampler(
+    trt: Any,
+    engine: Any,
+    llm_args: Any,
+    mapping: Any,
+    *,
+    max_batch_size: int,
+    max_beam_width: int,
+    mm_encoder_only: bool,
+    speculative_config: Any,
+    max_num_sequences: int | None = None,
+    max_seq_len: int | None = None,
+    **_v121: Any,
+) -> Any:
     slots = max_num_sequences or max_batch_size  # compute_max_num_sequences without PP
     length = max_seq_len or engine.max_seq_len  # main sizes from engine.max_seq_len
     return trt.cls("fake:TorchSampler")(max_num_sequences=slots, max_seq_len=length, vocab_size=engine.shape.vocab_size)
@@ -126,8 +152,14 @@ def get_spec_resource_manager(trt: Any, model_engine: Any, draft_model_engine: A
 
 @export("get_spec_drafter")
 @checked("get_spec_drafter")
-def get_spec_drafter(trt: Any, model_engine: Any, draft_model_engine: Any, sampler: Any,
-                     spec_resource_manager: Any = None, guided_decoder: Any = None) -> Any:  # fmt: skip
+def get_spec_drafter(
+    trt: Any,
+    model_engine: Any,
+    draft_model_engine: Any,
+    sampler: Any,
+    spec_resource_manager: Any = None,
+    guided_decoder: Any = None,
+) -> Any:
     return None if draft_model_engine is None else trt.cls("fake:ModelDrafter")(draft_model_engine)
 
 

@@ -22,8 +22,16 @@ from helpers.fake_trtllm import checked, export
 @export("Request")
 class Request:
     @checked("Request")
-    def __init__(self, input_token_ids: list[int], *, max_tokens: int = 1, streaming: bool = False,
-                 sampling_config: Any = None, output_config: Any = None, end_id: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        input_token_ids: list[int],
+        *,
+        max_tokens: int = 1,
+        streaming: bool = False,
+        sampling_config: Any = None,
+        output_config: Any = None,
+        end_id: int | None = None,
+    ) -> None:
         self.input_token_ids, self.max_tokens = list(input_token_ids), max_tokens
 
 
@@ -53,15 +61,27 @@ class LlmResponse:
 
 @export("fake:PyExecutor")
 class PyExecutor:
-    def __init__(self, resources: dict, *, model_engine: Any, drafter: Any, sampler: Any, dist: Any,
-                 max_batch_size: int, max_num_tokens: int, max_seq_len: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        resources: dict,
+        *,
+        model_engine: Any,
+        drafter: Any,
+        sampler: Any,
+        dist: Any,
+        max_batch_size: int,
+        max_num_tokens: int,
+        max_seq_len: int,
+    ) -> None:
         self.resource_manager = resources  # TRT wraps them in a ResourceManager
         self.model_engine, self.drafter, self.sampler, self.dist = model_engine, drafter, sampler, dist
         self.max_num_tokens, self.max_seq_len = max_num_tokens, max_seq_len
         self.is_warmup, self.enable_iter_perf_stats, self.gather_all_responses = False, False, False
         self.worker_started, self.is_shutdown, self._queue, self._next_id = False, False, {}, 0
         kv = self._kinds.KV_CACHE_MANAGER
-        tables = block_table_bytes(max_batch_size, max_seq_len, resources[kv].tokens_per_block, 2) if kv in resources else 0
+        tables = (
+            block_table_bytes(max_batch_size, max_seq_len, resources[kv].tokens_per_block, 2) if kv in resources else 0
+        )
         self._state = self._trt.allocate(tables, "trtllm/executor", self)
         for engine in (model_engine, getattr(drafter, "draft_model_engine", None)):
             if engine is not None:
@@ -104,7 +124,9 @@ class PyExecutor:
         admitted = [n for n in lengths if kv.admit(n)]
         try:
             if len(admitted) < len(lengths):
-                return f"a request of {max(lengths)} tokens does not fit the KV cache ({kv.full_length_tokens()} tokens)"
+                return (
+                    f"a request of {max(lengths)} tokens does not fit the KV cache ({kv.full_length_tokens()} tokens)"
+                )
             tokens = min(sum(lengths), self.max_num_tokens)
             self._trt.allocate(self.model_engine.forward_bytes(tokens), "trtllm/forward", self).release()
         except DeviceOutOfMemory as exc:
@@ -136,16 +158,35 @@ class SeqSlotManager:
 
 @export("create_py_executor_instance")
 @checked("create_py_executor_instance")
-def create_py_executor_instance(trt: Any, *, dist: Any, resources: dict, mapping: Any, llm_args: Any, ctx_chunk_config: Any,
-                                model_engine: Any, start_worker: bool, sampler: Any, drafter: Any,
-                                max_seq_len: int | None = None, max_batch_size: int | None = None,
-                                max_num_tokens: int | None = None, **optional: Any) -> Any:  # fmt: skip
+def create_py_executor_instance(
+    trt: Any,
+    *,
+    dist: Any,
+    resources: dict,
+    mapping: Any,
+    llm_args: Any,
+    ctx_chunk_config: Any,
+    model_engine: Any,
+    start_worker: bool,
+    sampler: Any,
+    drafter: Any,
+    max_seq_len: int | None = None,
+    max_batch_size: int | None = None,
+    max_num_tokens: int | None = None,
+    **optional: Any,
+) -> Any:
     kinds = trt.cls("ResourceManagerType")
     resources[kinds.SEQ_SLOT_MANAGER] = trt.cls("fake:SeqSlotManager")(max_batch_size)
     executor = trt.cls("fake:PyExecutor")(
-        resources, model_engine=model_engine, drafter=drafter, sampler=sampler, dist=dist,
-        max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
-    )  # fmt: skip
+        resources,
+        model_engine=model_engine,
+        drafter=drafter,
+        sampler=sampler,
+        dist=dist,
+        max_batch_size=max_batch_size,
+        max_num_tokens=max_num_tokens,
+        max_seq_len=max_seq_len,
+    )
     if start_worker:
         executor.start_worker()
     return executor

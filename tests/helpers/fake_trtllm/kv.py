@@ -55,7 +55,9 @@ def layer_bytes(engine: Any, kv_config: Any, *, floor_heads: bool) -> int:
     shape, tp, dtype = engine.shape, engine.mapping.tp_size, kv_dtype_bytes(kv_config, engine)
     if shape.kv_lora_rank is not None:  # MLA: SELFKONLY, one latent "head", no TP split
         return (shape.kv_lora_rank + shape.qk_rope_head_dim) * dtype
-    per_rank = shape.head_dim * shape.num_kv_heads // tp if floor_heads else -(-shape.num_kv_heads // tp) * shape.head_dim
+    per_rank = (
+        shape.head_dim * shape.num_kv_heads // tp if floor_heads else -(-shape.num_kv_heads // tp) * shape.head_dim
+    )
     return 2 * per_rank * dtype
 
 
@@ -66,7 +68,9 @@ def layer_windows(engine: Any, kv_config: Any, max_seq_len: int) -> list[int]:
     return [min(pattern[i % len(pattern)], max_seq_len) for i in range(layers)]
 
 
-def static_cost(manager_cls: type, engine: Any, kv_config: Any, *, max_seq_len: int, max_batch_size: int) -> tuple[int, int]:
+def static_cost(
+    manager_cls: type, engine: Any, kv_config: Any, *, max_seq_len: int, max_batch_size: int
+) -> tuple[int, int]:
     per_layer = layer_bytes(engine, kv_config, floor_heads=True)
     windows = layer_windows(engine, kv_config, max_seq_len)
     if not getattr(manager_cls, "IS_V2", False):
@@ -80,8 +84,16 @@ def static_cost(manager_cls: type, engine: Any, kv_config: Any, *, max_seq_len: 
 class _Manager:
     IS_V2 = False
 
-    def __init__(self, kv_config: Any, engine: Any, *, max_seq_len: int, max_batch_size: int, max_num_tokens: int,
-                 estimating: bool) -> None:  # fmt: skip
+    def __init__(
+        self,
+        kv_config: Any,
+        engine: Any,
+        *,
+        max_seq_len: int,
+        max_batch_size: int,
+        max_num_tokens: int,
+        estimating: bool,
+    ) -> None:
         self.kv_config, self.engine, self.estimating = kv_config, engine, estimating
         self.max_seq_len, self.max_batch_size, self.max_num_tokens = max_seq_len, max_batch_size, max_num_tokens
         self.tokens_per_block = kv_config.tokens_per_block
@@ -89,7 +101,9 @@ class _Manager:
         self.layer_bytes = layer_bytes(engine, kv_config, floor_heads=False)
         self.blocks_per_window, nbytes = self._size()
         stage = "probe" if estimating else "final"
-        self._pool = self._trt.allocate(nbytes, f"trtllm/kv/{stage}/{'draft' if engine.is_draft_model else 'target'}", self)
+        self._pool = self._trt.allocate(
+            nbytes, f"trtllm/kv/{stage}/{'draft' if engine.is_draft_model else 'target'}", self
+        )
         self.used_blocks = 0
 
     def group_bytes(self, window: int) -> int:
@@ -131,7 +145,7 @@ class KVCacheManager(_Manager):
         cfg, tpb, groups = self.kv_config, self.tokens_per_block, sorted(set(self.windows))
         if self.estimating:
             blocks = int(cfg.max_tokens // tpb)
-            return {w: blocks for w in groups}, sum(blocks * tpb * self.group_bytes(w) for w in groups)
+            return dict.fromkeys(groups, blocks), sum(blocks * tpb * self.group_bytes(w) for w in groups)
         fraction = cfg.free_gpu_memory_fraction if cfg.free_gpu_memory_fraction is not None else 0.9
         free = self._trt.device.free_bytes()
         if len(groups) > 1:  # calculate_max_num_blocks_for_vswa, default equal shares
@@ -158,7 +172,9 @@ class KVCacheManagerV2(_Manager):
         quota = cfg.max_gpu_total_bytes if cfg.max_gpu_total_bytes and cfg.max_gpu_total_bytes > 0 else math.inf
         if cfg.max_tokens is not None:
             quota = min(quota, int(math.ceil(self.quota_from_max_tokens(cfg.max_tokens) / cfg.max_util_for_resume)))
-        assert quota != math.inf, "Quota not set. Check kv_cache_config.max_tokens or kv_cache_config.max_gpu_total_bytes"
+        assert quota != math.inf, (
+            "Quota not set. Check kv_cache_config.max_tokens or kv_cache_config.max_gpu_total_bytes"
+        )
         tokens = self.max_tokens_from_quota(quota)
         blocks = {self.max_seq_len: int(tokens // self.tokens_per_block)}
         for window in set(self.windows) - {self.max_seq_len}:

@@ -33,10 +33,19 @@ class FakeModel:
 @export("KvCacheConfig")
 class KvCacheConfig(FakeModel):
     FIELDS = dict(
-        free_gpu_memory_fraction=0.9, max_tokens=None, max_gpu_total_bytes=0, host_cache_size=None,
-        tokens_per_block=32, dtype="auto", max_attention_window=None, enable_block_reuse=True,
-        use_kv_cache_manager_v2=False, pool_ratio=None, avg_seq_len=None, max_util_for_resume=0.95,
-    )  # fmt: skip
+        free_gpu_memory_fraction=0.9,
+        max_tokens=None,
+        max_gpu_total_bytes=0,
+        host_cache_size=None,
+        tokens_per_block=32,
+        dtype="auto",
+        max_attention_window=None,
+        enable_block_reuse=True,
+        use_kv_cache_manager_v2=False,
+        pool_ratio=None,
+        avg_seq_len=None,
+        max_util_for_resume=0.95,
+    )
 
     @checked("KvCacheConfig")
     def __init__(self, **values: Any) -> None:
@@ -72,11 +81,20 @@ class ParallelConfig:
 @export("TorchLlmArgs")
 class TorchLlmArgs(FakeModel):
     FIELDS = dict(
-        model=None, tensor_parallel_size=1, dtype="auto", max_batch_size=2048, max_num_tokens=8192,
-        max_seq_len=None, max_beam_width=1, kv_cache_config=None, speculative_config=None,
-        disable_overlap_scheduler=False, cuda_graph_config={"enable_padding": False}, decoding_config=None,
+        model=None,
+        tensor_parallel_size=1,
+        dtype="auto",
+        max_batch_size=2048,
+        max_num_tokens=8192,
+        max_seq_len=None,
+        max_beam_width=1,
+        kv_cache_config=None,
+        speculative_config=None,
+        disable_overlap_scheduler=False,
+        cuda_graph_config={"enable_padding": False},
+        decoding_config=None,
         disable_flashinfer_sampling=False,
-    )  # fmt: skip
+    )
 
     @checked("TorchLlmArgs")
     def __init__(self, **values: Any) -> None:

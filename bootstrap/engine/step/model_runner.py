@@ -29,6 +29,7 @@ import torch
 
 from bootstrap.capacity.cuda_graph_buckets import decode_widths
 from bootstrap.engine.kernels import paged_kv
+from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
 from bootstrap.engine.layers.attention import (
     ATTN_IMPLEMENTATION,
     AttentionGroup,
@@ -38,11 +39,10 @@ from bootstrap.engine.layers.attention import (
     register,
     use_metadata,
 )
-from bootstrap.engine.step.graphs import DecodeGraphs, GraphCapture
-from bootstrap.engine.step.decode_step import DecodeBuffers, DecodeStep, queued_tensor
-from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
 from bootstrap.engine.models.decoder import DecoderLM
 from bootstrap.engine.step.batch import ScheduledBatch
+from bootstrap.engine.step.decode_step import DecodeBuffers, DecodeStep, queued_tensor
+from bootstrap.engine.step.graphs import DecodeGraphs, GraphCapture
 
 
 @dataclass
@@ -56,8 +56,15 @@ class StepInputs:
 class ModelRunner:
     """Owns the forward pass: input preparation, attention metadata, last-token logits."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, max_batch_size: int, max_seq_len: int,
-                 decode_kernel: str = "auto", max_rows: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: PagedKVCache,
+        max_batch_size: int,
+        max_seq_len: int,
+        decode_kernel: str = "auto",
+        max_rows: int | None = None,
+    ) -> None:
         """``max_rows``: the most one-token rows a step of ``run_rows`` holds (default
         ``max_batch_size``; speculative decoding's verify pass needs ``k + 1`` per request)."""
         self.model = model
@@ -70,7 +77,9 @@ class ModelRunner:
         self.max_batch_size = max_batch_size
         self.max_rows = max(max_rows or max_batch_size, max_batch_size)
         self.max_blocks_per_seq = kv_cache.blocks_needed(max_seq_len)
-        self.decode_buffers = DecodeBuffers(self.max_rows, self.max_blocks_per_seq, kv_cache.tokens_per_block, self.device)
+        self.decode_buffers = DecodeBuffers(
+            self.max_rows, self.max_blocks_per_seq, kv_cache.tokens_per_block, self.device
+        )
         self.graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
         self.decode_kernel = self._decode_kernel(decode_kernel)
 
@@ -87,8 +96,13 @@ class ModelRunner:
         return self._forward(inputs.input_ids, inputs.positions, inputs.logits_index, inputs.metadata)
 
     @torch.inference_mode()
-    def run_rows(self, step: DecodeStep, tokens: torch.Tensor | None = None, offsets: torch.Tensor | None = None,
-                 keep: Sequence[int] | None = None) -> torch.Tensor:  # fmt: skip
+    def run_rows(
+        self,
+        step: DecodeStep,
+        tokens: torch.Tensor | None = None,
+        offsets: torch.Tensor | None = None,
+        keep: Sequence[int] | None = None,
+    ) -> torch.Tensor:
         """Logits ``[rows, vocab]`` of a step of one-token rows (``bootstrap.engine.step.decode_step``):
         a decode step, a verify pass, a draft pass. Replays a captured CUDA graph when one covers
         the step's size and width (padded up to the graph's bucket), else runs eagerly.
@@ -104,17 +118,25 @@ class ModelRunner:
             logits = self.graphs.replay(bucket)[: step.size]
             return logits if rows is None else logits.index_select(0, rows)
         inputs = self.prepare_decode(step, tokens, offsets)
-        return self._forward(inputs.input_ids, inputs.positions, inputs.logits_index if rows is None else rows,
-                             inputs.metadata)  # fmt: skip
+        return self._forward(
+            inputs.input_ids, inputs.positions, inputs.logits_index if rows is None else rows, inputs.metadata
+        )
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_to_keep: torch.Tensor | int,
-                 metadata: AttentionMetadata | DecodeMetadata) -> torch.Tensor:  # fmt: skip
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_to_keep: torch.Tensor | int,
+        metadata: AttentionMetadata | DecodeMetadata,
+    ) -> torch.Tensor:
         """The engine's own model code takes the metadata as an argument; a transformers model's
         attention layers read it from the thread-local ``use_metadata`` sets."""
         if isinstance(self.model, DecoderLM):
             return self.model(input_ids, positions, logits_to_keep, metadata).logits[0]
         with use_metadata(metadata):
-            out = self.model(input_ids=input_ids, position_ids=positions, logits_to_keep=logits_to_keep, use_cache=False)
+            out = self.model(
+                input_ids=input_ids, position_ids=positions, logits_to_keep=logits_to_keep, use_cache=False
+            )
         return out.logits[0]
 
     def decode_step(self, batch: ScheduledBatch) -> DecodeStep:
@@ -137,8 +159,9 @@ class ModelRunner:
                 tables.append(table)
         return DecodeStep(ids, positions, slots, tables)
 
-    def prepare_decode(self, step: DecodeStep | ScheduledBatch, tokens: torch.Tensor | None = None,
-                       offsets: torch.Tensor | None = None) -> StepInputs:  # fmt: skip
+    def prepare_decode(
+        self, step: DecodeStep | ScheduledBatch, tokens: torch.Tensor | None = None, offsets: torch.Tensor | None = None
+    ) -> StepInputs:
         """A step of one-token rows on views of the preallocated buffers (eager: exact size and width)."""
         step = step if isinstance(step, DecodeStep) else self.decode_step(step)
         buf = self.decode_buffers
@@ -159,8 +182,14 @@ class ModelRunner:
     def decode_metadata(self, rows: int, width: int) -> DecodeMetadata:
         """Static-shape metadata over the first ``rows`` x ``width`` of the decode buffers."""
         buf = self.decode_buffers
-        return DecodeMetadata(self.kv_cache, buf.slot_mapping[:rows], buf.write_rows[:rows],
-                              buf.block_tables[:rows, :width], buf.context_lens[:rows], self.decode_kernel)  # fmt: skip
+        return DecodeMetadata(
+            self.kv_cache,
+            buf.slot_mapping[:rows],
+            buf.write_rows[:rows],
+            buf.block_tables[:rows, :width],
+            buf.context_lens[:rows],
+            self.decode_kernel,
+        )
 
     def forward_decode(self, rows: int, width: int) -> torch.Tensor:
         """Logits ``[rows, vocab]`` of a static-shape decode step over the buffers as filled
@@ -170,9 +199,12 @@ class ModelRunner:
         return self._forward(buf.input_ids[:rows].unsqueeze(0), buf.positions[:rows].unsqueeze(0), 0, metadata)
 
     def capture_decode_graphs(
-        self, batch_sizes: Sequence[int], widths: Sequence[int] | None = None, compile_norms: bool | None = None,
+        self,
+        batch_sizes: Sequence[int],
+        widths: Sequence[int] | None = None,
+        compile_norms: bool | None = None,
         compile_layers: bool = False,
-    ) -> GraphCapture:  # fmt: skip
+    ) -> GraphCapture:
         """Capture decode steps as CUDA graphs for every batch size x width bucket (CUDA only;
         see ``bootstrap.engine.step.graphs``). Replaces any earlier capture. ``compile_norms``:
         first ``torch.compile`` the model's RMSNorm modules (eight kernels each to one; a second
@@ -293,7 +325,11 @@ class ModelRunner:
         tables = [self.kv_cache.block_table(batch.seqs[i].request_id) for i in members]
         width = max(len(t) for t in tables)
         counts = [batch.num_new_tokens[i] for i in members]
-        lengths = [[batch.seqs[i].num_computed + batch.num_new_tokens[i] for i in members], counts, [starts[i] for i in members]]
+        lengths = [
+            [batch.seqs[i].num_computed + batch.num_new_tokens[i] for i in members],
+            counts,
+            [starts[i] for i in members],
+        ]
         context_lens, query_lens, query_starts = self._to_device(torch.tensor(lengths, dtype=torch.long))
         return AttentionGroup(
             block_tables=self._to_device(torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)),
