@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 
 from bootstrap.backends.artifacts import EstimationBuild, FinalBuild, LoadedModel, ResolvedClasses, Warmup
+from bootstrap.backends.native import capture
 from bootstrap.backends.native.checks import (
     check_draft_tokenizer,
     check_probe_tokens,
@@ -71,7 +72,7 @@ from bootstrap.engine.scheduler import SchedulerConfig
 from bootstrap.engine.sources.loader import LoadedWeights, config_dict, load_model
 from bootstrap.engine.sources.progress_lines import Progress, quiet, to_stderr
 from bootstrap.engine.spec.rows import graph_sizes, max_rows
-from bootstrap.engine.step.graphs import capture_reserve_bytes, release_workspaces
+from bootstrap.engine.step.graphs import release_workspaces
 from bootstrap.engine.step.model_runner import ModelRunner
 from bootstrap.pipeline.collective import Collective
 from bootstrap.pipeline.undo import Undo
@@ -309,24 +310,14 @@ class NativeBackend:
             probe_kv_bytes=estimation.probe_kv_bytes,
             max_num_tokens=max_num_tokens,
         )
-        graph_bytes = self._measure_graphs(build, config) if self._captures(config) else 0
+        graph_bytes = 0
+        if self._captures(config):
+            sizes = graph_sizes(config, graph_batch_sizes(config.max_batch_size, config.cuda_graph_batch_sizes))
+            graph_bytes = capture.reserve_bytes(build.executors, sizes, self._return_cached)
         return MemoryProfile(**figures, graph_bytes=graph_bytes)
 
     def _captures(self, config: BootstrapConfig) -> bool:
         return config.cuda_graphs and self.torch_device.type == "cuda" and self.tp == 1  # as skip_warmup
-
-    def _measure_graphs(self, build: NativeBuild, config: BootstrapConfig) -> int:
-        """Device memory the warmup stage's graphs will take (the target's, and the draft's when
-        there is one), estimated from one eager step of each one's largest bucket on the probe
-        (``capture_reserve_bytes``): capturing every bucket here to measure it would double the
-        capture time of a cold start. The warmup stage measures what the capture really took
-        next to this reserve."""
-        sizes = graph_sizes(config, graph_batch_sizes(config.max_batch_size, config.cuda_graph_batch_sizes))
-        reserve = 0
-        for name, executor in build.executors.items():  # profile() returned the cache just before
-            reserve += capture_reserve_bytes(executor.runner, sizes[name])[0]
-            self._return_cached()
-        return reserve
 
     # ---- final_build and scheduler_sampler ----------------------------------------------------
 
@@ -353,8 +344,7 @@ class NativeBackend:
     ) -> Warmup:
         """The target's runner on its final pool, its decode steps captured for ``batch_sizes``
         (every width bucket), and with a draft its verify passes too, and the draft's runner on
-        its pool with its passes captured (``_graph_sizes``); the memory figure is read from the
-        device as in profiling. The handle: the runners by name."""
+        its pool with its passes captured (``graph_sizes``), by ``native.capture``."""
         rows, sizes = max_rows(config), graph_sizes(config, batch_sizes)
         runners = {
             name: ModelRunner(
@@ -366,29 +356,7 @@ class NativeBackend:
             )
             for name, weights in loaded.handle.by_name().items()
         }
-        settle = self._settler()
-
-        def release() -> None:
-            for runner in runners.values():
-                runner.release_graphs()
-            settle()
-
-        undo.push(release)
-        self._return_cached()  # the bytes the capture took: in use after less before, cache emptied on both sides
-        before = self.device.total_bytes() - self.device.free_bytes()
-        captures = {name: runner.capture_decode_graphs(sizes[name]) for name, runner in runners.items()}
-        self._return_cached()
-        used = max(self.device.total_bytes() - self.device.free_bytes() - before, 0)
-        target = captures["target"]
-        return Warmup(
-            runners,
-            target.batch_sizes,
-            target.widths,
-            sum(c.num_graphs for c in captures.values()),
-            used,
-            plan.graph_bytes,
-            sum(c.seconds for c in captures.values()),
-        )
+        return capture.capture(runners, sizes, plan, self.device, self._return_cached, self._settler(), undo)
 
     def start_executor(
         self,

@@ -1,11 +1,8 @@
 """Runs a scheduled batch through a causal LM over the paged KV cache: the engine's own model
-code (``bootstrap.engine.models``) or a transformers model.
+code (``bootstrap.engine.models``) or a transformers model (``step.hf_model``).
 
 The batch is flattened into one row: ``input_ids`` and ``position_ids`` of shape
-``[1, total_tokens]``, every request's new tokens back to back. The engine's own model takes the
-step's attention metadata as an argument; a transformers model's attention layers call
-``paged_attention`` (the model is switched to ``attn_implementation="bootstrap_paged"``), which
-reads it from a thread-local. The model computes logits only at the last token
+``[1, total_tokens]``, every request's new tokens back to back. The model computes logits only at the last token
 of each request that samples this step (``logits_to_keep`` with explicit indices), so the
 vocabulary projection never runs over a whole prompt.
 
@@ -20,7 +17,6 @@ covers, and every step on the CPU run eagerly as before.
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,16 +26,9 @@ import torch
 from bootstrap.capacity.cuda_graph_buckets import decode_widths
 from bootstrap.engine.kernels import paged_kv
 from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
-from bootstrap.engine.layers.attention import (
-    ATTN_IMPLEMENTATION,
-    AttentionGroup,
-    AttentionMetadata,
-    DecodeMetadata,
-    paged_attention,
-    register,
-    use_metadata,
-)
+from bootstrap.engine.layers.attention import AttentionGroup, AttentionMetadata, DecodeMetadata
 from bootstrap.engine.models.decoder import DecoderLM
+from bootstrap.engine.step import hf_model
 from bootstrap.engine.step.batch import ScheduledBatch
 from bootstrap.engine.step.decode_step import DecodeBuffers, DecodeStep, queued_tensor
 from bootstrap.engine.step.graphs import DecodeGraphs, GraphCapture
@@ -73,7 +62,8 @@ class ModelRunner:
         self.vocab_size = model.config.get_text_config().vocab_size
         _check_cache_matches(model, kv_cache)
         _check_positions(model, max_seq_len)
-        _use_paged_attention(model)
+        if not isinstance(model, DecoderLM):
+            hf_model.use_paged_attention(model)
         self.max_batch_size = max_batch_size
         self.max_rows = max(max_rows or max_batch_size, max_batch_size)
         self.max_blocks_per_seq = kv_cache.blocks_needed(max_seq_len)
@@ -129,15 +119,11 @@ class ModelRunner:
         logits_to_keep: torch.Tensor | int,
         metadata: AttentionMetadata | DecodeMetadata,
     ) -> torch.Tensor:
-        """The engine's own model code takes the metadata as an argument; a transformers model's
-        attention layers read it from the thread-local ``use_metadata`` sets."""
+        """The engine's own model code takes the metadata as an argument (a transformers model:
+        ``hf_model.forward``)."""
         if isinstance(self.model, DecoderLM):
             return self.model(input_ids, positions, logits_to_keep, metadata).logits[0]
-        with use_metadata(metadata):
-            out = self.model(
-                input_ids=input_ids, position_ids=positions, logits_to_keep=logits_to_keep, use_cache=False
-            )
-        return out.logits[0]
+        return hf_model.forward(self.model, input_ids, positions, logits_to_keep, metadata)
 
     def decode_step(self, batch: ScheduledBatch) -> DecodeStep:
         """The host-side values of a decode-only step."""
@@ -215,9 +201,9 @@ class ModelRunner:
         function left out of the compiled graphs (longer to compile, fewer kernels still)."""
         self.release_graphs()
         if compile_layers:
-            self.compile_layers()
+            hf_model.compile_layers(self.model)
         if compile_norms if compile_norms is not None else self._compiles_norms():
-            self.compile_norms()
+            hf_model.compile_norms(self.model)
         graphs = DecodeGraphs(self)
         try:
             report = graphs.capture(batch_sizes, widths if widths is not None else self.default_widths())
@@ -231,32 +217,6 @@ class ModelRunner:
         """By default, a transformers model's norms where the Triton decode kernel runs; the
         engine's own model code has its fused kernels (``layers.fused``) instead."""
         return self.decode_kernel == "triton" and not isinstance(self.model, DecoderLM)
-
-    def compile_norms(self) -> int:
-        """``torch.compile`` (dynamic shapes) every module whose class is an RMSNorm, in place:
-        one compiled graph serves all of them. Returns how many were compiled."""
-        norms = [m for m in self.model.modules() if type(m).__name__.endswith("RMSNorm")]
-        pending = [m for m in norms if getattr(m, "_compiled_call_impl", None) is None]  # a probe's runner did some
-        if pending:
-            # What ``Module.compile`` sets, from one compiled callable: building a torch.compile
-            # wrapper costs about 4 ms (its config), times some 65 norms for an 8B model.
-            compiled = torch.compile(torch.nn.Module._call_impl, dynamic=True)
-            for module in pending:
-                module._compiled_call_impl = functools.partial(compiled, module)
-        return len(norms)
-
-    def compile_layers(self) -> int:
-        """``torch.compile`` (dynamic shapes) every decoder layer in place; the paged attention
-        function runs outside the compiled graphs (``torch.compiler.disable``), so each layer
-        compiles to the part before it and the part after it."""
-        from transformers import AttentionInterface
-
-        AttentionInterface.register(ATTN_IMPLEMENTATION, torch.compiler.disable(paged_attention))
-        layers = [m for m in self.model.modules() if type(m).__name__.endswith("DecoderLayer")]
-        for module in layers:
-            if getattr(module, "_compiled_call_impl", None) is None:
-                module.compile(dynamic=True)
-        return len(layers)
 
     def default_widths(self) -> list[int]:
         """The paged kernel reads only each row's context: one graph width, the whole table.
@@ -346,18 +306,6 @@ class ModelRunner:
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.device, non_blocking=True)
-
-
-def _use_paged_attention(model: torch.nn.Module) -> None:
-    """Switch ``model`` (in place) to the paged attention function, or say why it cannot be."""
-    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
-        register()
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
-        raise ValueError(
-            f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
-            f"so '{ATTN_IMPLEMENTATION}' cannot be set on it; the native engine cannot run this model"
-        )
 
 
 def _check_positions(model: torch.nn.Module, max_seq_len: int) -> None:
