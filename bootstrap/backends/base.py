@@ -1,17 +1,17 @@
 """The backend protocol (what the stages call, one method per piece of device work) and the
 executor contract (what ``start_executor`` returns, and what the CLI and the server call on it).
 
-Stages stay thin: they decide *what* to build (sizes, retries, adaptations) and a backend does
-the building. Every method that allocates receives an ``Undo`` and registers, right after each
-allocation, the action that releases it; the pipeline runs those actions when an attempt fails
-(rollback), when a later stage consumes the artifact, or when the run is cancelled.
+Stages stay thin: they decide *what* to build (sizes, retries, adaptations), a backend builds.
+Every method that allocates receives an ``Undo`` and registers, right after each allocation, the
+action that releases it; the pipeline runs those actions when an attempt fails (rollback), when
+a later stage consumes the artifact, or when the run is cancelled.
 
-Every backend's executor is an ``Executor``: it says whether it runs and shuts down (once or many
-times). One that takes requests through this project's API (the native engine's ``PyExecutor``)
-is a ``RequestExecutor``: ``bootstrap run`` and ``bootstrap serve`` talk to it through these
-methods alone, never through its scheduler or pool, and read its load through ``engine_stats``,
-which is safe from any thread (the server reads it on the event loop while the engine's worker
-steps). TensorRT-LLM's executor is an ``Executor`` only: ``require_requests`` says so by name.
+Every backend's executor is an ``Executor``: whether it runs, and a shutdown safe to call again.
+One that takes requests through this project's API (``PyExecutor``) is a ``RequestExecutor``:
+``bootstrap run`` and ``serve`` use these methods alone, never its scheduler or pool, and its
+``engine_stats`` from any thread; TensorRT-LLM's is an ``Executor`` only. What only some backends
+or executors offer is a ``Protocol`` of its own (``ChecksWeights``, ``CapturesGraphs``,
+``HasCollective``; ``ShutsDownAtExit``, ``Speculates``), checked with ``isinstance`` where decided.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from bootstrap.backends.artifacts import EstimationBuild, FinalBuild, LoadedModel, ResolvedClasses
+from bootstrap.backends.artifacts import EstimationBuild, FinalBuild, LoadedModel, ResolvedClasses, Warmup
 from bootstrap.capacity import CapacityPlan, MemoryProfile
 from bootstrap.capacity.shape import ModelShape
 from bootstrap.capacity.split import PoolBudgets
@@ -31,13 +31,14 @@ if TYPE_CHECKING:
     from bootstrap.engine.executor.stats import EngineStats
     from bootstrap.engine.request.sequence import Response, StreamEvent
     from bootstrap.engine.sampling.sampler import SamplingParams
+    from bootstrap.engine.spec.speculator import Speculator
+    from bootstrap.pipeline.collective import Collective
 
 
 class Backend(Protocol):
-    """Optional, not part of the protocol: ``check_weights(config, shapes, dtype) -> None``,
-    raising ``ConfigError`` when the weights of ``shapes`` (the target and a draft) in ``dtype``
-    cannot fit the device; ``resolve_classes`` calls it when a backend defines it, before any
-    load (the native backend does: weights it cannot hold end in the kernel's OOM killer)."""
+    """Optional, not part of the protocol: the features below it (``ChecksWeights``,
+    ``CapturesGraphs``, ``HasCollective``), each checked once with ``isinstance`` where the
+    stages decide on it."""
 
     name: str
     device: Device
@@ -98,11 +99,6 @@ class Backend(Protocol):
     ) -> FinalBuild:
         """Allocate the final KV pools exactly as ``budgets`` says."""
 
-    # Optional, not part of the protocol: ``capture_graphs(loaded, resolved, final, plan, config,
-    # batch_sizes, undo) -> Warmup`` for the ``warmup`` stage (skipped, reason ``unsupported``, on a
-    # backend without it), and then ``start_executor(..., warmup=)`` receives what it captured. Its
-    # memory must be in ``MemoryProfile.graph_bytes`` (measured by ``profile``), which the plan reserves.
-
     def start_executor(
         self,
         loaded: LoadedModel,
@@ -113,6 +109,44 @@ class Backend(Protocol):
         undo: Undo,
     ) -> Executor:
         """Create scheduler and sampler, wire and start the executor, serve one smoke request."""
+
+
+# ---- optional backend features: each checked once, with ``isinstance``, where a stage decides ----
+
+
+@runtime_checkable
+class ChecksWeights(Protocol):
+    """A backend that refuses, before any load, weights the device cannot hold (``resolve_classes``)."""
+
+    def check_weights(self, config: BootstrapConfig, shapes: list[ModelShape], dtype: str) -> None:
+        """Raise ``ConfigError`` when the weights of ``shapes`` (the target and a draft) in ``dtype``
+        cannot fit the device (the native backend: weights it cannot hold end in the kernel's OOM killer)."""
+
+
+@runtime_checkable
+class CapturesGraphs(Protocol):
+    """A backend that captures CUDA graphs in the ``warmup`` stage (without it: skipped, ``unsupported``)."""
+
+    def capture_graphs(
+        self,
+        loaded: LoadedModel,
+        resolved: ResolvedClasses,
+        final: FinalBuild,
+        plan: CapacityPlan,
+        config: BootstrapConfig,
+        batch_sizes: tuple[int, ...],
+        undo: Undo,
+    ) -> Warmup:
+        """Capture the decode steps for ``batch_sizes``; ``start_executor(..., warmup=)`` then
+        receives what it captured. Its memory must be in ``MemoryProfile.graph_bytes`` (measured
+        by ``profile``), which the plan reserves."""
+
+
+@runtime_checkable
+class HasCollective(Protocol):
+    """A backend that may be one of several ranks: every attempt is agreed through ``collective``."""
+
+    collective: Collective | None  # None: a single process
 
 
 @runtime_checkable
@@ -143,13 +177,35 @@ class RequestExecutor(Executor, Protocol):
     def stream_async(self, request_id: int, *, cancel_on_abandon: bool = False) -> AsyncIterator[StreamEvent]:
         """Its events until the final one; a cancelled wait takes nothing."""
 
+    # ASYNC109: the sync await_response's signature, its timeout (TimeoutError) included, for async callers
     async def await_response_async(
-        self, request_id: int, timeout: float | None = None, *, cancel_on_abandon: bool = False
+        self,
+        request_id: int,
+        timeout: float | None = None,  # noqa: ASYNC109
+        *,
+        cancel_on_abandon: bool = False,
     ) -> Response:
         """Its response; ``KeyError`` once it was released."""
 
     def engine_stats(self) -> EngineStats:
         """KV blocks and requests running and waiting, from any thread, without waiting."""
+
+
+# ---- optional executor features ------------------------------------------------------------------
+
+
+@runtime_checkable
+class ShutsDownAtExit(Protocol):
+    """An executor that guards its own exit (``shuts_down_at_exit`` true: ``bootstrap.api`` adds no hook)."""
+
+    shuts_down_at_exit: bool
+
+
+@runtime_checkable
+class Speculates(Protocol):
+    """An executor that can run a draft model: its ``speculator`` (None without a draft), whose ``stats`` count."""
+
+    speculator: Speculator | None
 
 
 def require_requests(executor: Executor) -> RequestExecutor:

@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.text import Text
 
 from bootstrap.api import require_engine
-from bootstrap.backends.base import RequestExecutor, require_requests
+from bootstrap.backends.base import RequestExecutor, Speculates, require_requests
 from bootstrap.cli.args import add_build_args, add_config_args, check_kv_tokens, check_run_values, config_from_args
 from bootstrap.cli.exits import BAD_INPUT, BAD_INPUT_ERRORS, INTERRUPTED, exit_status
 from bootstrap.cli.plan import plan_line
@@ -291,7 +291,7 @@ async def generate(args: argparse.Namespace, executor: RequestExecutor, max_seq_
             raise GenerationFailed(event.error)
     if speak:
         print()
-    speculator = getattr(executor, "speculator", None)  # the native executor's draft, when it has one
+    speculator = executor.speculator if isinstance(executor, Speculates) else None  # the native executor's draft
     speculation = speculator.stats.to_dict() if speculator is not None else None
     return {
         "text": "".join(text),

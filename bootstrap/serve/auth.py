@@ -1,22 +1,17 @@
 """The optional API key: once set, every route but the probes needs it, checked before anything
 else reads the request.
 
-``Authorization: Bearer <key>``; the comparison is constant-time (``hmac.compare_digest``).
-A browser cannot send that header when it opens the status page (``GET /``) or follows its
-event stream, so HTTP Basic is taken too, the key as the password (any user name): a request
-for a page (``Accept: text/html``) without the key is challenged with ``Basic``, the browser
-asks for the key once and sends it with the page's own requests. Because a browser also sends
-those saved credentials with requests other sites make it send, a request that changes
-something (any method but GET, HEAD, OPTIONS) with Basic credentials from another site
-(``Sec-Fetch-Site``, ``Origin``) is refused with 403.
-Open without the key: ``/health``, ``/ready`` and ``/metrics`` (``OPEN``), for orchestrators and
-scrapers. Everything else is refused with 401 without it: the ``/v1`` routes, and also FastAPI's
-``/docs``, ``/redoc`` and ``/openapi.json`` (they describe every route and parameter), an
-unknown path (a 401, not a 404 that would map the server), and any route added later: the list
-names what is open, not what is guarded. The docs stay served to a client that sends the key.
-
-The configured key loses its surrounding whitespace first (``ServeOptions``): a key read from a
-file or an env file keeps its newline, and a client never sends it.
+``Authorization: Bearer <key>``, compared in constant time (``hmac.compare_digest``). A browser
+cannot send that header for the status page (``GET /``) or its event stream, so HTTP Basic is
+taken too, the key as the password: a page request (``Accept: text/html``) without the key is
+challenged with ``Basic`` and the browser sends the key with the page's own requests. Since a
+browser also sends those credentials with requests other sites make it send, a request that
+changes something (any method but GET, HEAD, OPTIONS) with Basic credentials from another site
+(``Sec-Fetch-Site``, ``Origin``) is refused with 403. Open without the key: ``/health``,
+``/ready`` and ``/metrics`` (``OPEN``); everything else is a 401 without it, FastAPI's docs and
+``/openapi.json``, an unknown path (not a 404 that would map the server) and any route added
+later included: the list names what is open, not what is guarded. The configured key loses its
+surrounding whitespace first (``ServeOptions``): a key read from a file keeps its newline.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ the body streams in, for chunked uploads that declare no length. Either way the 
 
 from __future__ import annotations
 
-from typing import Any
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bootstrap.serve.errors import APIError
 
@@ -25,10 +25,10 @@ def too_large(limit: int, got: str) -> APIError:
 class BodyLimitMiddleware:
     """ASGI middleware: a body over ``limit`` bytes is answered 413 and not passed on."""
 
-    def __init__(self, app: Any, limit: int = MAX_BODY_BYTES) -> None:
+    def __init__(self, app: ASGIApp, limit: int = MAX_BODY_BYTES) -> None:
         self.app, self.limit = app, limit
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         declared = _content_length(scope)
@@ -41,18 +41,18 @@ class _LimitedRequest:
     """One request: counts the body as the app reads it; past the limit, answers 413 itself and
     tells the app the client is gone (so it stops), dropping whatever the app still sends."""
 
-    def __init__(self, middleware: BodyLimitMiddleware, receive: Any, send: Any) -> None:
+    def __init__(self, middleware: BodyLimitMiddleware, receive: Receive, send: Send) -> None:
         self.middleware, self._receive, self._send = middleware, receive, send
         self.received, self.refused, self.started = 0, False, False
 
-    async def run(self, scope: dict[str, Any]) -> None:
+    async def run(self, scope: Scope) -> None:
         try:
             await self.middleware.app(scope, self.receive, self.send)
         except Exception:
             if not self.refused:  # the app's own error: not ours to hide
                 raise
 
-    async def receive(self) -> dict[str, Any]:
+    async def receive(self) -> Message:
         if self.refused:
             return {"type": "http.disconnect"}
         message = await self._receive()
@@ -66,13 +66,13 @@ class _LimitedRequest:
                 return {"type": "http.disconnect"}
         return message
 
-    async def send(self, message: dict[str, Any]) -> None:
+    async def send(self, message: Message) -> None:
         if not self.refused:
             self.started = self.started or message["type"] == "http.response.start"
             await self._send(message)
 
 
-def _content_length(scope: dict[str, Any]) -> int | None:
+def _content_length(scope: Scope) -> int | None:
     for name, value in scope.get("headers", ()):
         if name == b"content-length":
             try:
@@ -82,7 +82,7 @@ def _content_length(scope: dict[str, Any]) -> int | None:
     return None
 
 
-async def _answer(error: APIError, send: Any) -> None:
+async def _answer(error: APIError, send: Send) -> None:
     response = error.response()
     headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in response.headers.items()]
     await send({"type": "http.response.start", "status": response.status_code, "headers": headers})

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import reprlib
 from itertools import islice
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -46,7 +45,7 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers or {}
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> dict[str, dict[str, str | None]]:
         kind = TYPES.get(self.status, "server_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
@@ -102,7 +101,7 @@ class _Excerpt(reprlib.Repr):
 _EXCERPT = _Excerpt()
 
 
-def _short(value: Any) -> str:
+def _short(value: object) -> str:
     """A bounded ``repr``: a value of millions of items costs no more than a few of them."""
     text = _EXCERPT.repr(value)
     return text if len(text) <= 80 else text[:77] + "..."

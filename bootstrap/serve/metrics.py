@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from bootstrap.backends.base import RequestExecutor
+from bootstrap.backends.base import RequestExecutor, Speculates
 from bootstrap.serve.state import ServeState
+
+if TYPE_CHECKING:
+    from bootstrap.engine.spec.metrics import SpeculationStats
+    from bootstrap.pipeline.events import StageStatus
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 PHASES = ("starting", "bootstrapping", "ready", "failed", "shutting_down")
@@ -98,12 +102,12 @@ class StateCollector(Collector):
         yield GaugeMetricFamily(
             "bootstrap_requests_waiting", "Requests queued in the engine, not yet admitted", value=stats.waiting
         )
-        speculator = getattr(executor, "speculator", None)
+        speculator = executor.speculator if isinstance(executor, Speculates) else None
         if speculator is not None:
             yield from _speculation(speculator.stats)
 
 
-def _speculation(stats: Any) -> Iterator[Metric]:
+def _speculation(stats: SpeculationStats) -> Iterator[Metric]:
     """Speculative decoding: draft tokens proposed and accepted, overall and by draft position."""
     yield GaugeMetricFamily(
         "bootstrap_spec_draft_tokens_proposed", "Draft tokens the target verified", value=stats.proposed
@@ -120,11 +124,11 @@ def _speculation(stats: Any) -> Iterator[Metric]:
     yield rate
 
 
-def _statuses(state: ServeState) -> list[Any]:
+def _statuses(state: ServeState) -> list[StageStatus]:
     return [] if state.boot is None else list(state.boot.pipeline.status.values())
 
 
-def _duration(status: Any) -> float:
+def _duration(status: StageStatus) -> float:
     if status.duration_s is not None and status.state != "running":
         return float(status.duration_s)
     if status.started_at is not None and status.state == "running":

@@ -4,22 +4,20 @@ Lines file and OTLP), continuing the caller's W3C trace context.
 ``RequestTracing`` (an ASGI middleware, on ``/v1/completions`` and ``/v1/chat/completions``)
 reads the caller's ``traceparent``. A valid one decides: its trace is continued, and recorded
 when its ``sampled`` flag is set. Without one, the server starts a trace and records it with
-probability ``ratio`` (``--request-trace-ratio``), so a busy server records a share of its
-requests and spends nothing on the others: no span object is made for them. Either way the
-response carries a ``traceparent`` naming the server's span, so a caller can find its request.
+probability ``ratio`` (``--request-trace-ratio``), making no span object for the others. Either
+way the response carries a ``traceparent`` naming the server's span.
 
 The request span runs from the request's arrival to its last byte (or its error) and holds the
 endpoint, the HTTP status, tokens in and out and the finish reasons. Once its choices are
 closed (``Choices.close``), each gets a ``bootstrap.request.choice`` span with its queue, prefill
-and decode spans, placed from the engine's own timing (``bootstrap.engine.request.timing``): the KV
-blocks it held, its prefill steps and its decode steps.
+and decode spans, placed from the engine's own timing (``bootstrap.engine.request.timing``).
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -29,6 +27,9 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bootstrap.pipeline.telemetry import CHOICE_SPAN, REQUEST_SPAN, request_phase_span
+
+if TYPE_CHECKING:
+    from bootstrap.serve.openai.jobs import Job
 
 TRACED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 SCOPE_KEY = "request_span"  # where the handler finds the span: ``request.state.request_span``
@@ -115,7 +116,7 @@ def _answered(span: Span, status: int) -> None:
 
 
 def record_choices(
-    span: Span | None, tracer: Tracer | None, endpoint: str, jobs: Iterable[Any], prompt_tokens: int
+    span: Span | None, tracer: Tracer | None, endpoint: str, jobs: Iterable[Job], prompt_tokens: int
 ) -> None:
     """The request's totals on ``span``, and a choice span (with its phases) per closed job;
     nothing when the request is not recorded."""
@@ -137,7 +138,7 @@ def record_choices(
             _record_choice(tracer, context, index, job)
 
 
-def _record_choice(tracer: Tracer, context: Context, index: int, job: Any) -> None:
+def _record_choice(tracer: Tracer, context: Context, index: int, job: Job) -> None:
     t = job.timing
     choice = tracer.start_span(
         CHOICE_SPAN,
@@ -177,7 +178,7 @@ def _record_choice(tracer: Tracer, context: Context, index: int, job: Any) -> No
     choice.end(end_time=t.finished_ns)
 
 
-def _phase(tracer: Tracer, context: Context, phase: str, start: int, end: int, attributes: dict[str, Any]) -> None:
+def _phase(tracer: Tracer, context: Context, phase: str, start: int, end: int, attributes: dict[str, int]) -> None:
     tracer.start_span(request_phase_span(phase), context=context, start_time=start, attributes=attributes).end(
         end_time=end
     )

@@ -1,8 +1,8 @@
 """What the server knows: the bootstrap's phase, the executor once ready, requests in flight.
 
 One ``ServeState`` per app. Everything here runs on the event loop; the executor is only
-reached through its thread-safe public API (``enqueue``, ``cancel``, ``stream_async``,
-``await_response_async``, ``scheduler.kv_cache.stats()``).
+reached through its thread-safe request API (``bootstrap.backends.base.RequestExecutor``:
+``enqueue``, ``cancel``, ``stream_async``, ``await_response_async``, ``engine_stats``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import anyio
 
@@ -19,6 +19,13 @@ from bootstrap.backends.base import RequestExecutor
 from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.pipeline.process import ProcessTimeline
 from bootstrap.serve.status.recent import RecentRequests
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Tracer
+
+    from bootstrap.api import Bootstrap
+    from bootstrap.pipeline.events import StageEvent
+    from bootstrap.pipeline.process import Phase as ProcessPhase
 
 Phase = Literal["starting", "bootstrapping", "ready", "failed", "shutting_down"]
 
@@ -127,7 +134,7 @@ class ServeState:
     config: BootstrapConfig
     options: ServeOptions
     phase: Phase = "starting"
-    boot: Any = None  # bootstrap.api.Bootstrap, made off the event loop (it imports torch)
+    boot: Bootstrap | None = None  # made off the event loop (it imports torch)
     executor: RequestExecutor | None = None  # the started executor once ready
     max_seq_len: int | None = None
     time_to_ready_s: float | None = None
@@ -142,7 +149,7 @@ class ServeState:
     stopping: anyio.Event = field(default_factory=anyio.Event)
     build_scope: anyio.CancelScope | None = None  # the running build or retry, cancelled at shutdown
     process: ProcessTimeline | None = None  # the command's timeline: serving and draining are its phases
-    _process_phase: Any = field(default=None, init=False, repr=False)  # the phase track_process began
+    _process_phase: ProcessPhase | None = field(default=None, init=False, repr=False)  # the phase track_process began
 
     def set_phase(self, phase: Phase, error: str | None = None) -> None:
         if self.phase == "shutting_down":  # final: a late bootstrap result does not undo it
@@ -160,7 +167,7 @@ class ServeState:
             self.process.finish(self._process_phase)
         self._process_phase = self.process.begin(name) if name is not None else None
 
-    def tracer(self) -> Any:
+    def tracer(self) -> Tracer | None:
         """The trace pipeline's tracer for request spans; None when spans go nowhere or the
         bootstrap is not made yet."""
         return self.boot.tracer if self.options.traces and self.boot is not None else None
@@ -168,7 +175,7 @@ class ServeState:
     def elapsed_s(self) -> float:
         return time.monotonic() - self.started_at
 
-    def stage_history(self) -> list[Any]:
+    def stage_history(self) -> list[StageEvent]:
         """Every stage event so far (kept by the pipeline's event hub), oldest first."""
         return [] if self.boot is None else self.boot.pipeline.hub.history
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from bootstrap.backends.artifacts import ResolvedClasses
-from bootstrap.backends.base import Backend
+from bootstrap.backends.base import Backend, ChecksWeights
 from bootstrap.capacity import CacheCost, kv_dtype_bytes
 from bootstrap.capacity.pricing import TRTLLM_KV_MANAGERS, kv_cost, resolve_kv_manager
 from bootstrap.capacity.rules import MemoryRule
@@ -23,8 +23,8 @@ def resolve_classes(config: BootstrapConfig, backend: Backend) -> ResolvedClasse
     for model in models:
         backend.check_config(config, model)
     dtype = config.dtype if config.dtype != "auto" else backend.default_dtype(shape)
-    if (check_weights := getattr(backend, "check_weights", None)) is not None:
-        check_weights(config, models, dtype)  # before any weight is allocated
+    if isinstance(backend, ChecksWeights):
+        backend.check_weights(config, models, dtype)  # before any weight is allocated
     manager = resolve_kv_manager(config, shape)
     max_seq_len = config.max_seq_len or shape.max_position_embeddings
     kv_dtype = config.kv_cache_dtype if config.kv_cache_dtype != "auto" else dtype

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from bootstrap.backends.artifacts import FinalBuild, LoadedModel, ResolvedClasses, Warmup
-from bootstrap.backends.base import Backend
+from bootstrap.backends.base import Backend, CapturesGraphs
 from bootstrap.capacity import CapacityPlan
 from bootstrap.capacity.cuda_graph_buckets import fewer_batch_sizes, graph_batch_sizes
 from bootstrap.config import BootstrapConfig
@@ -34,11 +34,12 @@ def warmup(
     loaded: LoadedModel,
     final: FinalBuild,
     plan: CapacityPlan,
-    backend: Backend,
+    backend: CapturesGraphs,
     undo: Undo,
     batch_sizes: tuple[int, ...] | None = None,
 ) -> Warmup:
-    """``batch_sizes``: set by the OOM adaptation; None, the configured or default buckets."""
+    """``batch_sizes``: set by the OOM adaptation; None, the configured or default buckets. Runs
+    only on a backend that ``CapturesGraphs`` (``skip_warmup`` decides)."""
     sizes = tuple(batch_sizes or graph_batch_sizes(config.max_batch_size, config.cuda_graph_batch_sizes))
     return backend.capture_graphs(loaded, resolved, final, plan, config, sizes, undo)
 
@@ -48,7 +49,7 @@ def skip_warmup(config: BootstrapConfig, backend: Backend, **_: Any) -> Skip | N
         return Skip(Warmup(), "disabled")
     if backend.device.kind == "cpu":
         return Skip(Warmup(), "cpu")
-    if not hasattr(backend, "capture_graphs") or config.tensor_parallel_size > 1:
+    if not isinstance(backend, CapturesGraphs) or config.tensor_parallel_size > 1:
         return Skip(Warmup(), "unsupported")  # graphs over tensor-parallel collectives: not captured yet
     return None
 

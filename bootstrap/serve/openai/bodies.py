@@ -2,8 +2,9 @@
 
 FastAPI parsed and validated a JSON body on the event loop, so an 8 MiB body (under
 ``MAX_BODY_BYTES``) of four million token ids, or of half a million messages, held every other
-request, ``/health`` included, for 2 to 10 s. Here a route reads the bytes and a worker thread
-does the rest, in the same 400s as before. A worker thread alone is not enough: ``json.loads``
+request, ``/health`` included, for seconds (benchmarks/README.md, "Figures without a saved
+result"). Here a route reads the bytes and a worker thread does the rest, in the same 400s as
+before. A worker thread alone is not enough: ``json.loads``
 and pydantic hold the interpreter while they build millions of values, so the body's shape is
 counted first (``check_shape``: commas and brackets outside its texts, a C search per text, the
 loop free in between) and a body of more values than any request needs is refused unparsed.

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
@@ -29,6 +29,10 @@ from bootstrap.serve.openai.render import SSE_HEADERS, Render, stream_body
 from bootstrap.serve.request_trace import record_choices
 from bootstrap.serve.state import ServeState
 from bootstrap.serve.status.recent import RequestSummary
+
+if TYPE_CHECKING:
+    from bootstrap.engine.request.sequence import StreamEvent
+    from bootstrap.engine.sampling.sampler import SamplingParams
 
 
 class Choices:
@@ -48,7 +52,7 @@ class Choices:
         metrics: ServeMetrics,
         endpoint: str,
         prompts: Sequence[list[int]],
-        params: Sequence[Any],
+        params: Sequence[SamplingParams],
         n: int = 1,
         span: Span | None = None,
     ) -> Choices:
@@ -70,9 +74,9 @@ class Choices:
             await job.first_event()
         return True
 
-    async def collect(self) -> list[list[Any]]:
+    async def collect(self) -> list[list[StreamEvent]]:
         """Every event of every job, per choice; the jobs are awaited together."""
-        events: list[list[Any]] = [[] for _ in self.jobs]
+        events: list[list[StreamEvent]] = [[] for _ in self.jobs]
 
         async def collect_one(index: int) -> None:
             events[index] = [event async for event in self.jobs[index].events()]
@@ -108,8 +112,9 @@ class ChoicesStream(StreamingResponse):
 
     def __init__(self, choices: Choices, render: Render, include_usage: bool) -> None:
         self.choices = choices
-        # unbounded, as the engine's own event queues are: at most max_tokens events per job
-        send, self._events = anyio.create_memory_object_stream[tuple[int, Any]](max_buffer_size=math.inf)
+        # unbounded, as the engine's own event queues are: at most max_tokens events per job (the
+        # item type quoted: StreamEvent's module imports torch, so it is imported for type checks only)
+        send, self._events = anyio.create_memory_object_stream[tuple[int, "StreamEvent"]](max_buffer_size=math.inf)
         self._send = send
         usage = (lambda: choices.usage()) if include_usage else (lambda: None)
         super().__init__(
@@ -133,7 +138,7 @@ class ChoicesStream(StreamingResponse):
             await self.choices.close()
 
 
-async def _pump(index: int, job: Job, out: MemoryObjectSendStream[tuple[int, Any]]) -> None:
+async def _pump(index: int, job: Job, out: MemoryObjectSendStream[tuple[int, StreamEvent]]) -> None:
     async with out:
         async for event in job.events():
             await out.send((index, event))

@@ -4,20 +4,24 @@ refuse the same requests). Here: OpenAI's shapes (roles, prompt lists, which fie
 output length) and every ``PromptError`` as a 400 naming the field.
 
 Tokenizing and rendering a chat template cost CPU in proportion to the prompt, so they run on a
-worker thread, never on the event loop (issue 20: one 9 MB prompt stalled ``/health`` 19 s); and a
-text too long for ``max_seq_len`` under any tokenizer is refused before either (``check_chars``).
+worker thread, never on the event loop (issue 20: one 9 MB prompt stalled ``/health`` for
+seconds); and a text too long for ``max_seq_len`` under any tokenizer is refused before either
+(``check_chars``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 import anyio
 
 from bootstrap.engine.request import prompts
 from bootstrap.serve.errors import APIError
 from bootstrap.serve.openai.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, _Sampling
+
+if TYPE_CHECKING:
+    from bootstrap.engine.sampling.sampler import SamplingParams
 
 ROLE_FOR_TEMPLATE = {"developer": "system"}  # templates rarely know OpenAI's newer role name
 # The most characters one token can stand for, in any tokenizer served. The longest entries of
@@ -26,9 +30,10 @@ ROLE_FOR_TEMPLATE = {"developer": "system"}  # templates rarely know OpenAI's ne
 # refused by it could never have fit, whatever the tokenizer.
 MAX_CHARS_PER_TOKEN = 256
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
-def _answered(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+def _answered(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
     """``fn(...)``, its ``PromptError`` as a 400 naming the field."""
     try:
         return fn(*args, **kwargs)
@@ -52,14 +57,17 @@ def check_chars(chars: int, max_seq_len: int | None, field: str) -> None:
         )
 
 
-async def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], max_seq_len: int | None) -> list[int]:
-    """The messages through the chat template, on a worker thread once the length allows it."""
+async def chat_prompt_ids(tokenizer: object | None, messages: list[ChatMessage], max_seq_len: int | None) -> list[int]:
+    """The messages through the chat template, on a worker thread once the length allows it;
+    ``tokenizer`` is the executor's, taken as it is by the engine's prompt rules."""
     chat = [{"role": ROLE_FOR_TEMPLATE.get(m.role, m.role), "content": m.text()} for m in messages]
     check_chars(sum(len(m["content"]) for m in chat), max_seq_len, "messages")
     return await anyio.to_thread.run_sync(_answered, prompts.chat_ids, tokenizer, chat)
 
 
-async def completion_prompt_ids(tokenizer: Any, prompt: str | list[Any], max_seq_len: int | None) -> list[list[int]]:
+async def completion_prompt_ids(
+    tokenizer: object | None, prompt: str | list[int] | list[str] | list[list[int]], max_seq_len: int | None
+) -> list[list[int]]:
     """The prompts, in order: text, token ids, or a list of either (``schemas.MAX_PROMPTS`` at
     most). Every text's length is checked first; then all are tokenized on one worker thread."""
     many = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
@@ -70,7 +78,7 @@ async def completion_prompt_ids(tokenizer: Any, prompt: str | list[Any], max_seq
     return await anyio.to_thread.run_sync(_ids_of, tokenizer, items)
 
 
-def _ids_of(tokenizer: Any, items: list[Any]) -> list[list[int]]:
+def _ids_of(tokenizer: object | None, items: Sequence[str | list[int]]) -> list[list[int]]:
     return [list(item) if isinstance(item, list) else _answered(prompts.text_ids, tokenizer, item) for item in items]
 
 
@@ -99,7 +107,7 @@ def check_lengths(prompt_ids: list[list[int]], max_tokens: int | None, field: st
     return limits
 
 
-def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> Any:
+def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
     """The engine's ``SamplingParams`` for ``body``; a refusal (``min_tokens`` over ``max_tokens``) is a 400."""
     return _answered(
         prompts.sampling_params,

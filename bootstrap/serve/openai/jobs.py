@@ -7,9 +7,10 @@ explicitly, and its response is collected so the executor forgets it.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 from starlette.requests import Request
@@ -19,12 +20,17 @@ from bootstrap.serve.metrics import ServeMetrics
 from bootstrap.serve.openai.schemas import finish_reason
 from bootstrap.serve.state import ServeState
 
+if TYPE_CHECKING:
+    from bootstrap.engine.request.sequence import StreamEvent
+    from bootstrap.engine.request.timing import RequestTiming
+    from bootstrap.engine.sampling.sampler import SamplingParams
+
 CANCEL_WAIT_S = 10.0  # a cancel is taken at the executor's next step; this only bounds a stuck one
 REJECTED = "request rejected: "
 T = TypeVar("T")
 
 
-def enqueue(state: ServeState, ids: list[int], params: Any, n: int = 1) -> list[int]:
+def enqueue(state: ServeState, ids: list[int], params: SamplingParams, n: int = 1) -> list[int]:
     """The request ids of ``n`` choices of one prompt (``n`` > 1: prefilled once, its KV shared)."""
     try:
         return [state.executor.enqueue(ids, params)] if n == 1 else state.executor.enqueue_choices(ids, params, n)
@@ -44,14 +50,14 @@ class Job:
         self.request_id = request_id
         state.inflight.add(self.request_id)
         self._stream = self.executor.stream_async(self.request_id)
-        self._first: Any = None
+        self._first: StreamEvent | None = None
         self.tokens = 0
         self.finish_reason: str | None = None
         self.error: str | None = None
-        self.timing: Any = None  # the engine's RequestTiming, once it ended there
+        self.timing: RequestTiming | None = None  # once it ended in the engine
         self._closed = False
 
-    async def first_event(self) -> Any:
+    async def first_event(self) -> StreamEvent:
         """The first event; a request the executor refused at once is a 400 with its reason."""
         self._first = await self._next()
         if self._first.finished and self._first.error and self._first.error.startswith(REJECTED):
@@ -59,7 +65,7 @@ class Job:
             raise APIError(400, self._first.error.removeprefix(REJECTED), code="invalid_request")
         return self._first
 
-    async def events(self) -> AsyncIterator[Any]:
+    async def events(self) -> AsyncIterator[StreamEvent]:
         """Every event, the first one included, until the final one (``finish_reason`` set)."""
         if self._first is None:
             await self.first_event()
@@ -67,7 +73,7 @@ class Job:
         while self.finish_reason is None:
             yield await self._next()
 
-    async def _next(self) -> Any:
+    async def _next(self) -> StreamEvent:
         event = await self._stream.__anext__()
         if event.token_id is not None:
             if self.tokens == 0:
@@ -100,10 +106,8 @@ class Job:
         """Cancel the request and collect its response (how it ended, its timing); a request
         not collected within ``CANCEL_WAIT_S`` is given up, so the executor forgets it."""
         self.executor.cancel(self.request_id, keep_response=True)
-        try:
+        with contextlib.suppress(RuntimeError):  # still running in another task: the await below does not need it
             await self._stream.aclose()
-        except RuntimeError:  # still running in another task: the await below does not need it
-            pass
         collected = False
         try:
             with anyio.move_on_after(CANCEL_WAIT_S):
@@ -125,7 +129,7 @@ class Job:
             self.metrics.e2e.labels(self.endpoint).observe(time.monotonic() - self.started)
 
 
-async def _drain(stream: Any) -> None:
+async def _drain(stream: AsyncIterator[StreamEvent]) -> None:
     async for _ in stream:
         pass
 
@@ -133,18 +137,19 @@ async def _drain(stream: Any) -> None:
 async def unless_disconnected(request: Request, fn: Callable[[], Awaitable[T]]) -> T | None:
     """``await fn()``, or None once the client disconnects (``fn`` is then cancelled). Errors
     of ``fn`` come out as they are, not wrapped in an exception group."""
-    outcome: dict[str, Any] = {}
+    value: T | None = None
+    error: Exception | None = None
     async with anyio.create_task_group() as tg:
         tg.start_soon(_cancel_when_gone, request, tg.cancel_scope)
         try:
-            outcome["value"] = await fn()
+            value = await fn()
         except Exception as exc:
-            outcome["error"] = exc
+            error = exc
         finally:
             tg.cancel_scope.cancel()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome.get("value")
+    if error is not None:
+        raise error
+    return value
 
 
 async def _cancel_when_gone(request: Request, scope: anyio.CancelScope) -> None:

@@ -1,38 +1,45 @@
 """Token logprobs in OpenAI's two response shapes, from the engine's stream events.
 
 The engine gives each generated token's logprob and its most likely alternatives as token ids,
-under the model's raw distribution (log-softmax of the logits, as vLLM returns by default). Here
-they become text, as vLLM does: each token decoded on its own, ``bytes`` its UTF-8 encoding (an
-executor without a tokenizer names them ``token_id:<id>``).
+under the model's raw distribution (``engine.sampling.processing``). Here they become text, as
+vLLM does: each token decoded on its own, ``bytes`` its UTF-8 encoding (``token_id:<id>`` from an
+executor without a tokenizer).
 
 - chat (``logprobs: true``, ``top_logprobs: k``): ``choices[].logprobs.content[]``, one entry per
-  token with ``token``, ``logprob``, ``bytes`` and ``top_logprobs`` (k entries of the same shape).
+  token with ``token``, ``logprob``, ``bytes`` and ``top_logprobs`` (k entries of that shape).
 - completions (``logprobs: k``): ``choices[].logprobs`` with the lists ``tokens``,
-  ``token_logprobs``, ``top_logprobs`` (per token a dict of up to k + 1 entries: the k most
-  likely and the sampled token, as OpenAI documents) and ``text_offset`` (where the token's text
-  starts in the choice's text).
-
-Streamed, each chunk carries the entries of the tokens it delivers; ``text_offset`` counts from
-the start of the whole completion, not the chunk.
+  ``token_logprobs``, ``top_logprobs`` (per token up to k + 1 entries: the k most likely and the
+  sampled token, as OpenAI documents) and ``text_offset`` (where the token's text starts in the
+  choice's text, counted from the start of the whole completion, also when streamed).
+Streamed, each chunk carries the entries of the tokens it delivers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from bootstrap.serve.openai import schemas as s
+
+if TYPE_CHECKING:
+    from bootstrap.engine.request.sequence import StreamEvent
+
+
+class TokenDecoder(Protocol):
+    """What naming a token takes of the executor's tokenizer (transformers' or ``bootstrap.engine.tokenizer``'s)."""
+
+    def decode(self, token_ids: list[int]) -> str: ...
 
 
 class LogprobsOut:
     """One choice's logprobs bodies, built event by event (each event is passed once, in order)."""
 
-    def __init__(self, kind: str, tokenizer: Any) -> None:
+    def __init__(self, kind: str, tokenizer: TokenDecoder | None) -> None:
         self.kind, self.tokenizer = kind, tokenizer
         self._texts: dict[int, str] = {}
         self._offset = 0  # characters of the choice's text delivered before the next event
 
-    def of(self, events: Iterable[Any]) -> s.ChatLogprobs | s.CompletionLogprobs:
+    def of(self, events: Iterable[StreamEvent]) -> s.ChatLogprobs | s.CompletionLogprobs:
         """The logprobs of the tokens ``events`` deliver (events without a token add none)."""
         if self.kind == "chat":
             return s.ChatLogprobs(content=[self._chat_entry(e) for e in self._tokens_of(events)])
@@ -48,10 +55,10 @@ class LogprobsOut:
             self._offset += len(event.text)
         return out
 
-    def _tokens_of(self, events: Iterable[Any]) -> list[Any]:
+    def _tokens_of(self, events: Iterable[StreamEvent]) -> list[StreamEvent]:
         return [e for e in events if e.token_id is not None and e.logprob is not None]
 
-    def _chat_entry(self, event: Any) -> s.ChatTokenLogprob:
+    def _chat_entry(self, event: StreamEvent) -> s.ChatTokenLogprob:
         token = self.text(event.token_id)
         top = [
             s.TopLogprob(token=t, logprob=lp, bytes=list(t.encode()))

@@ -15,12 +15,15 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
 from bootstrap.serve.openai import schemas as s
-from bootstrap.serve.openai.logprobs import LogprobsOut
+from bootstrap.serve.openai.logprobs import LogprobsOut, TokenDecoder
+
+if TYPE_CHECKING:
+    from bootstrap.engine.request.sequence import StreamEvent
 
 DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -37,13 +40,13 @@ class Render:
     asked, each choice's logprobs are built from its events (``LogprobsOut``, naming tokens
     with ``tokenizer``)."""
 
-    def __init__(self, kind: str, model: str, logprobs: bool = False, tokenizer: Any = None) -> None:
+    def __init__(self, kind: str, model: str, logprobs: bool = False, tokenizer: TokenDecoder | None = None) -> None:
         self.kind, self.model, self.with_logprobs, self.tokenizer = kind, model, logprobs, tokenizer
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self._logprobs: dict[int, LogprobsOut] = {}
 
-    def whole(self, outcomes: Sequence[tuple[str, str, Sequence[Any]]], usage: s.Usage) -> BaseModel:
+    def whole(self, outcomes: Sequence[tuple[str, str, Sequence[StreamEvent]]], usage: s.Usage) -> BaseModel:
         """The response: per choice, in index order, its text, finish reason and every event."""
         if self.kind == "chat":
             chats = [
@@ -70,7 +73,7 @@ class Render:
         text: str | None = None,
         finish: str | None = None,
         role: bool = False,
-        events: Sequence[Any] = (),
+        events: Sequence[StreamEvent] = (),
     ) -> BaseModel:
         """One chunk of choice ``index``: text (and the logprobs of the ``events`` that delivered
         it), or its finish."""
@@ -86,7 +89,7 @@ class Render:
         )
         return s.Completion(id=self.id, created=self.created, model=self.model, choices=[choice])
 
-    def logprobs(self, index: int, events: Sequence[Any]) -> Any:
+    def logprobs(self, index: int, events: Sequence[StreamEvent]) -> s.ChatLogprobs | s.CompletionLogprobs | None:
         """Choice ``index``'s logprobs for ``events`` (each passed once, in order), or None when not asked."""
         if not self.with_logprobs:
             return None
@@ -102,7 +105,7 @@ class Render:
 
 
 async def stream_body(
-    events: AsyncIterator[tuple[int, Any]], choices: int, render: Render, usage: Callable[[], s.Usage | None]
+    events: AsyncIterator[tuple[int, StreamEvent]], choices: int, render: Render, usage: Callable[[], s.Usage | None]
 ) -> AsyncIterator[str]:
     """The SSE body of a streaming request from its choices' ``(index, event)`` pairs, merged in
     the order they came (``bootstrap.serve.openai.choices``); ``usage()`` is the usage chunk's, if asked."""

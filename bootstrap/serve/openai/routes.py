@@ -2,17 +2,16 @@
 
 Before the executor is ready every one of them answers 503 with ``Retry-After``. A client that
 disconnects, or a handler that is cancelled, cancels its request in the executor (``Job``).
-Bodies are parsed and checked (``request_body``) and prompts tokenized (``openai_prompts``) on a
-worker thread: the event loop only awaits.
+Bodies are parsed and checked (``bodies``) and prompts tokenized (``inputs``) on a worker
+thread: the event loop only awaits.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from bootstrap.backends.base import RequestExecutor
 from bootstrap.serve.errors import APIError
 from bootstrap.serve.openai import schemas as s
 from bootstrap.serve.openai.bodies import body_of, parsed
@@ -35,7 +34,7 @@ CLIENT_CLOSED = 499  # the client went away; nobody reads this status
 router = APIRouter(prefix="/v1")
 
 
-def ready_executor(state: ServeState) -> Any:
+def ready_executor(state: ServeState) -> RequestExecutor:
     """The executor, or 503 with ``Retry-After`` and what the bootstrap is doing."""
     if state.phase == "ready" and state.executor is not None:
         return state.executor
@@ -87,7 +86,7 @@ async def chat_completions(request: Request) -> Response:
     )
 
 
-def serving_executor(request: Request, model: str) -> Any:
+def serving_executor(request: Request, model: str) -> RequestExecutor:
     """The ready executor, for a request that names this server's model (else 503 or 404)."""
     state: ServeState = request.app.state.serve
     executor = ready_executor(state)

@@ -12,7 +12,7 @@ list's length, before any item.
 from __future__ import annotations
 
 from itertools import islice
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -26,7 +26,8 @@ MAX_PROMPTS = 64  # completions' prompt list: each prompt is its own choice, enq
 MAX_ITEMS = 2**17  # items of any list in a request: as many token ids as a 128k context holds
 
 
-def _items(item: Any, limit: int = MAX_ITEMS) -> Any:
+def _items(item: object, limit: int = MAX_ITEMS) -> object:
+    """The type of a list of ``item`` of at most ``limit`` items, checked up to its first bad one."""
     return Annotated[list[item], Field(max_length=limit, fail_fast=True)]
 
 
@@ -38,7 +39,7 @@ class _Strict(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _not_too_many_fields(cls, data: Any) -> Any:
+    def _not_too_many_fields(cls, data: object) -> object:
         """An object with more fields than the model has is refused in one line, not one per
         unknown field (a body can carry a million)."""
         if isinstance(data, dict) and len(data) > len(cls.model_fields):
@@ -110,7 +111,7 @@ class _Sampling(_Strict):
 
     @field_validator("stop", mode="before")
     @classmethod
-    def _few_stops(cls, value: Any) -> Any:
+    def _few_stops(cls, value: object) -> object:
         if isinstance(value, list) and len(value) > MAX_STOPS:  # before checking millions of them
             raise ValueError(f"at most {MAX_STOPS} non-empty stop strings")
         return value
@@ -149,7 +150,7 @@ class CompletionRequest(_Sampling):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _few_prompts(cls, value: Any) -> Any:
+    def _few_prompts(cls, value: object) -> object:
         """A list of texts or of id lists holds at most ``MAX_PROMPTS``: more are refused before checking them."""
         if isinstance(value, list) and len(value) > MAX_PROMPTS and isinstance(value[0], str | list):
             raise ValueError(f"{len(value)} prompts sent; at most {MAX_PROMPTS} per request")
@@ -157,7 +158,7 @@ class CompletionRequest(_Sampling):
 
     @field_validator("prompt")
     @classmethod
-    def _no_empty_list(cls, value: Any) -> Any:
+    def _no_empty_list(cls, value: object) -> object:
         if isinstance(value, list) and not value:
             raise ValueError("an empty list: send a text, token ids, or a list of them")
         return value

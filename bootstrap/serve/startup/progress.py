@@ -7,16 +7,33 @@ written), so a row is never half-updated.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from bootstrap.serve.state import ServeState
 from bootstrap.stages import STAGE_IDS
 from bootstrap.stages.summary import plan_summary
 
+if TYPE_CHECKING:
+    from bootstrap.pipeline.events import StageStatus
+
 RETRYING = ("attempt_failed", "retrying")
 
 
-def stage_rows(state: ServeState) -> list[dict[str, Any]]:
+class StageRow(TypedDict):
+    """One stage as ``GET /v1/bootstrap`` shows it (``stage_rows``)."""
+
+    id: str
+    state: str  # the stage's state, or "retrying"
+    attempts: int
+    duration_s: float | None
+    error: str | None
+    last_attempt_error: str | None
+    retry_change: str | None
+    skip_reason: str | None
+    figures: dict[str, int | float | str]
+
+
+def stage_rows(state: ServeState) -> list[StageRow]:
     """``id``, ``state`` (pending, running, retrying, done, skipped, failed, cancelled),
     ``attempts``, ``duration_s`` (so far while it runs), ``error``, ``skip_reason``, and while
     retrying the error of the attempt that failed and what the retry changes."""
@@ -26,7 +43,7 @@ def stage_rows(state: ServeState) -> list[dict[str, Any]]:
     last = {event.stage: event for event in history}
     attempt_errors = {e.stage: e.message for e in history if e.kind == "attempt_failed"}
     retry_notes = {e.stage: e.message for e in history if e.kind == "retrying"}
-    rows = []
+    rows: list[StageRow] = []
     for status in state.boot.pipeline.status.values():
         event = last.get(status.stage)
         retrying = status.state == "running" and event is not None and event.kind in RETRYING
@@ -47,7 +64,7 @@ def stage_rows(state: ServeState) -> list[dict[str, Any]]:
     return rows
 
 
-def _pending(stage: str) -> dict[str, Any]:
+def _pending(stage: str) -> StageRow:
     return {
         "id": stage,
         "state": "pending",
@@ -61,13 +78,13 @@ def _pending(stage: str) -> dict[str, Any]:
     }
 
 
-def _duration(status: Any) -> float | None:
+def _duration(status: StageStatus) -> float | None:
     if status.state == "running" and status.started_at is not None:
         return round(time.time() - status.started_at, 6)
     return None if status.duration_s is None else round(status.duration_s, 6)
 
 
-def current_stage(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+def current_stage(rows: list[StageRow]) -> StageRow | None:
     """The stage running now, else the one that failed, else None."""
     for wanted in (("running", "retrying"), ("failed",)):
         row = next((r for r in rows if r["state"] in wanted), None)

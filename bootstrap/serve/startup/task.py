@@ -13,16 +13,18 @@ import importlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TypeVarTuple, cast
 
 import anyio
 
-from bootstrap.config import ConfigError
+from bootstrap.backends.base import Backend, Executor, RequestExecutor
+from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.pipeline import StageFailed, failure_paragraph
 from bootstrap.serve.state import ServeState, factory_parts
 
 log = logging.getLogger("bootstrap.serve")
-BackendFactory = Callable[[Any], Any]
+BackendFactory = Callable[[BootstrapConfig], Backend]
+Ts = TypeVarTuple("Ts")
 
 
 def load_backend_factory(spec: str | None) -> BackendFactory:
@@ -56,7 +58,7 @@ def make_bootstrap(state: ServeState) -> None:
     )
 
 
-async def guarded(state: ServeState, build: Callable[..., Awaitable[None]], *args: Any) -> None:
+async def guarded(state: ServeState, build: Callable[[ServeState, *Ts], Awaitable[None]], *args: *Ts) -> None:
     """Run a build under ``state.build_scope``, which a shutdown cancels."""
     with anyio.CancelScope() as scope:
         state.build_scope = scope
@@ -93,7 +95,7 @@ async def _retry(state: ServeState) -> None:
     await _settle(state, state.boot.retry)
 
 
-async def _settle(state: ServeState, build: Callable[[], Any]) -> None:
+async def _settle(state: ServeState, build: Callable[[], Awaitable[Executor]]) -> None:
     try:
         executor = await build()
     except anyio.get_cancelled_exc_class():
@@ -109,7 +111,9 @@ async def _settle(state: ServeState, build: Callable[[], Any]) -> None:
         log.exception("bootstrap failed")
         return
     report = state.boot.report()
-    state.executor, state.max_seq_len = executor, report.plan["max_seq_len"]
+    # not checked here: ``bootstrap serve`` takes the native backend only (``bootstrap.cli.serve``), and a
+    # ``--backend-factory`` backend is trusted to start a ``RequestExecutor``
+    state.executor, state.max_seq_len = cast(RequestExecutor, executor), report.plan["max_seq_len"]
     state.time_to_ready_s = round(state.elapsed_s(), 6)
     state.set_phase("ready")
     since = (

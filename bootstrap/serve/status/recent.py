@@ -5,11 +5,27 @@ every request, traced or not; bounded (``RECENT``), the oldest dropped first. Ev
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from bootstrap.engine.request.timing import RequestTiming
 
 RECENT = 256  # requests kept; the page shows the slowest of them
 SLOWEST = 8
+
+
+class ClosedChoice(Protocol):
+    """What a summary reads of each closed choice: a ``bootstrap.serve.openai.jobs.Job`` (not
+    imported: the jobs import the state, which holds the recent requests)."""
+
+    request_id: int
+    tokens: int
+    timing: RequestTiming | None
+
+    @property
+    def reason(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -30,7 +46,9 @@ class RequestSummary:
     trace_id: str | None = None
 
     @classmethod
-    def of(cls, endpoint: str, jobs: list[Any], prompt_tokens: int, trace_id: str | None) -> RequestSummary | None:
+    def of(
+        cls, endpoint: str, jobs: Sequence[ClosedChoice], prompt_tokens: int, trace_id: str | None
+    ) -> RequestSummary | None:
         """From a request's closed jobs; None when none reached the engine's end (no timing)."""
         timed = [job for job in jobs if job.timing is not None]
         if not timed:

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 
+from bootstrap.backends.base import RequestExecutor
 from bootstrap.serve.state import ServeState
 
 router = APIRouter()
@@ -62,7 +63,7 @@ async def engine(request: Request) -> dict[str, Any]:
     }
 
 
-def _engine(executor: Any) -> dict[str, int]:
+def _engine(executor: RequestExecutor) -> dict[str, int]:
     stats = executor.engine_stats()
     return {
         "kv_total_blocks": stats.kv_total_blocks,
