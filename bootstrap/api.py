@@ -25,7 +25,7 @@ from typing import Any
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Tracer, TracerProvider
 
-from bootstrap.backends.base import Backend, Executor
+from bootstrap.backends.base import Backend, Executor, HasCollective, ShutsDownAtExit
 from bootstrap.config import BootstrapConfig
 from bootstrap.pipeline import Pipeline, Stage
 from bootstrap.pipeline.events import StageEvent
@@ -159,15 +159,17 @@ def make_pipeline(
     stages: Sequence[Stage] = DEFAULT_STAGES,
 ) -> Pipeline:
     """On several ranks (a backend with a ``collective``), every attempt is agreed across them
-    and the plan cache is off: one rank's cache hit must not skip a stage its peers run."""
-    collective = getattr(backend, "collective", None)
+    and the plan cache is off: one rank's cache hit must not skip a stage its peers run. The plan
+    cache made here stores the plan once ``capacity`` has succeeded; that stage only computes it."""
+    collective = backend.collective if isinstance(backend, HasCollective) else None
     several = collective is not None and collective.world_size > 1
-    inputs = {
-        "config": config,
-        "backend": backend,
-        "plan_cache": PlanCache(config.plan_cache) if config.plan_cache and not several else None,
-    }
-    return Pipeline(stages, inputs, tracer_provider=tracer_provider, device=backend.device, collective=collective)
+    plan_cache = PlanCache(config.plan_cache) if config.plan_cache and not several else None
+    inputs = {"config": config, "backend": backend, "plan_cache": plan_cache}
+    has_capacity = any(stage.id == "capacity" for stage in stages)
+    after = {"capacity": plan_cache.remember_measured} if plan_cache is not None and has_capacity else {}
+    return Pipeline(
+        stages, inputs, tracer_provider=tracer_provider, device=backend.device, collective=collective, after=after
+    )
 
 
 def require_engine() -> None:
@@ -213,7 +215,7 @@ def shut_down_at_exit(executor: Executor) -> None:
     torch call as the interpreter finalizes: the native ``PyExecutor`` guards itself (an
     ``atexit`` hook from its worker's start to its ``shutdown``); any other backend's executor
     gets a hook here, holding it weakly so that its weights still go with the last reference."""
-    if not getattr(executor, "shuts_down_at_exit", False):
+    if not (isinstance(executor, ShutsDownAtExit) and executor.shuts_down_at_exit):
         atexit.register(_shut_down_if_running, weakref.ref(executor))
 
 

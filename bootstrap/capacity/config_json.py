@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from bootstrap.capacity.shape import ATTENTION, RECURRENT, ModelConfigError, ModelShape
+from bootstrap.config import is_int
 
 # model_type -> (tie_word_embeddings default, norms per layer, qkv bias, qk norm)
 _FAMILIES: dict[str, tuple[bool, int, bool, bool]] = {
@@ -70,9 +71,10 @@ class _Parser:
         value = self.cfg.get(key, default)
         if value is None:
             raise ModelConfigError(f"{self.model_type} config.json: missing required field {key!r}")
-        if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        if not is_int(value) or not minimum <= value <= maximum:
             raise ModelConfigError(
-                f"{self.model_type} config.json: field {key!r} must be an integer in [{minimum}, {maximum}], got {value!r}"
+                f"{self.model_type} config.json: field {key!r} must be an integer in [{minimum}, {maximum}], "
+                f"got {value!r}"
             )
         return value
 

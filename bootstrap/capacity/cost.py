@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from bootstrap.capacity.errors import CapacityError, ceil_to, check_positive
 from bootstrap.capacity.shape import ModelShape
+from bootstrap.config import is_int
 
 _KV_DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 
@@ -27,7 +28,7 @@ class CacheCost:
     def __post_init__(self) -> None:
         for name in ("slope", "intercept"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if not is_int(value) or value < 0:
                 raise ValueError(f"CacheCost.{name} must be an integer >= 0, got {value!r}")
 
     def bytes_for_tokens(self, tokens: int) -> int:

@@ -10,6 +10,7 @@ from typing import Any
 from bootstrap.capacity.cost import CacheCost
 from bootstrap.capacity.errors import CapacityError, check_positive, fmt_bytes
 from bootstrap.capacity.rules import kv_share, memory_rule
+from bootstrap.config import is_int
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class MemoryProfile:
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if not is_int(value) or value < 0:
                 raise ValueError(f"MemoryProfile.{name} must be an integer >= 0, got {value!r}")
         if self.total_bytes == 0 or self.max_num_tokens == 0:
             raise ValueError("MemoryProfile.total_bytes and max_num_tokens must be positive")

@@ -1,24 +1,9 @@
 """Real ``config.json`` contents of well-known models, and `resolve_model_shape`.
 
 Each preset is the published config.json of the named Hugging Face checkpoint, as quoted in
-public repositories (sources below). Where only part of a file could be verified, the preset
-keeps the verified fields, which include every field that determines the shape; token ids and
-training-only keys are then left out rather than guessed.
-
-Sources (public copies of the Hub files):
-- llama-3.1-8b: meta-llama/Llama-3.1-8B(-Instruct) config.json (citsjtu2020/LLM-Prof sglang/Model_Config.md)
-- llama-3.1-70b: meta-llama/Llama-3.1-70B-Instruct: 80 layers, 64/8 heads, 8192 / 28672, vocab 128256,
-  131072 positions, bf16 (several model tables); rope_scaling as every Llama-3.1 checkpoint
-- qwen2.5-7b, qwen3-8b: Qwen/Qwen2.5-7B and Qwen/Qwen3-8B config.json (LLM-Prof, as above)
-- mistral-7b: mistralai/Mistral-7B-v0.3 (vocab 32768, 32 layers, 32/8 heads, 14336, rope_theta 1e6,
-  no sliding window; litgpt configs and Mistral v0.3 config excerpts)
-- deepseek-v2-lite: deepseek-ai/DeepSeek-V2-Lite config.json (a C++ test quoting it verbatim)
-- mixtral-8x7b: mistralai/Mixtral-8x7B-v0.1 config.json (TensorRT-LLM test_mixtral.py and others)
-- gemma-2-9b: google/gemma-2-9b config.json (a KQI benchmark script quoting Hub configs)
-- smollm2-135m: HuggingFaceTB/SmolLM2-135M(-Instruct) LlamaConfig dump (same architecture)
-- llama-3.2-1b: meta-llama/Llama-3.2-1B(-Instruct) config.json (kevinstephano/thunder_model_blocks
-  hf_llama/llama_config.py, quoting the Hub file with its commit hash)
-- qwen2.5-14b: Qwen/Qwen2.5-14B config.json (LLM-Prof, as above)
+public repositories (each preset's source is the comment above it). Where only part of a file
+could be verified, the preset keeps the verified fields, which include every field that
+determines the shape; token ids and training-only keys are then left out rather than guessed.
 """
 
 from __future__ import annotations
@@ -39,6 +24,7 @@ _LLAMA31_ROPE = {
 }
 
 _PRESETS: dict[str, dict[str, Any]] = {
+    # meta-llama/Llama-3.1-8B(-Instruct) config.json (citsjtu2020/LLM-Prof sglang/Model_Config.md)
     "llama-3.1-8b": {
         "architectures": ["LlamaForCausalLM"],
         "attention_bias": False,
@@ -65,6 +51,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
         "use_cache": True,
         "vocab_size": 128256,
     },
+    # meta-llama/Llama-3.1-70B-Instruct: 80 layers, 64/8 heads, 8192 / 28672, vocab 128256, 131072 positions, bf16
+    # (several model tables); rope_scaling as every Llama-3.1 checkpoint
     "llama-3.1-70b": {
         "architectures": ["LlamaForCausalLM"],
         "attention_bias": False,
@@ -84,6 +72,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         "torch_dtype": "bfloat16",
         "vocab_size": 128256,
     },
+    # Qwen/Qwen2.5-7B config.json (LLM-Prof, as above)
     "qwen2.5-7b": {
         "architectures": ["Qwen2ForCausalLM"],
         "attention_dropout": 0.0,
@@ -110,6 +99,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
         "use_sliding_window": False,
         "vocab_size": 152064,
     },
+    # mistralai/Mistral-7B-v0.3 (vocab 32768, 32 layers, 32/8 heads, 14336, rope_theta 1e6, no sliding
+    # window; litgpt configs and Mistral v0.3 config excerpts)
     "mistral-7b": {
         "architectures": ["MistralForCausalLM"],
         "hidden_act": "silu",
@@ -127,6 +118,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         "torch_dtype": "bfloat16",
         "vocab_size": 32768,
     },
+    # deepseek-ai/DeepSeek-V2-Lite config.json (a C++ test quoting it verbatim)
     "deepseek-v2-lite": {
         "architectures": ["DeepseekV2ForCausalLM"],
         "attention_bias": False,
@@ -175,6 +167,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         "v_head_dim": 128,
         "vocab_size": 102400,
     },
+    # mistralai/Mixtral-8x7B-v0.1 config.json (TensorRT-LLM test_mixtral.py and others)
     "mixtral-8x7b": {
         "architectures": ["MixtralForCausalLM"],
         "attention_dropout": 0.0,
@@ -202,6 +195,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         "use_cache": True,
         "vocab_size": 32000,
     },
+    # Qwen/Qwen3-8B config.json (LLM-Prof, as above)
     "qwen3-8b": {
         "architectures": ["Qwen3ForCausalLM"],
         "attention_bias": False,
@@ -230,6 +224,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         "use_sliding_window": False,
         "vocab_size": 151936,
     },
+    # google/gemma-2-9b config.json (a KQI benchmark script quoting Hub configs)
     "gemma-2-9b": {
         "architectures": ["Gemma2ForCausalLM"],
         "attention_bias": False,
@@ -261,6 +256,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
         "use_cache": True,
         "vocab_size": 256000,
     },
+    # meta-llama/Llama-3.2-1B(-Instruct) config.json (kevinstephano/thunder_model_blocks
+    # hf_llama/llama_config.py, quoting the Hub file with its commit hash)
     "llama-3.2-1b": {
         "architectures": ["LlamaForCausalLM"],
         "attention_bias": False,
@@ -288,6 +285,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         "use_cache": True,
         "vocab_size": 128256,
     },
+    # Qwen/Qwen2.5-14B config.json (LLM-Prof, as above)
     "qwen2.5-14b": {
         "architectures": ["Qwen2ForCausalLM"],
         "attention_dropout": 0.0,
@@ -313,6 +311,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         "use_sliding_window": False,
         "vocab_size": 152064,
     },
+    # HuggingFaceTB/SmolLM2-135M(-Instruct) LlamaConfig dump (same architecture)
     "smollm2-135m": {
         "architectures": ["LlamaForCausalLM"],
         "attention_bias": False,

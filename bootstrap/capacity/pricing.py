@@ -1,24 +1,17 @@
 """KV pricing per backend: what a cached token costs, counted the way the KV manager that will
 hold it counts it. Pure (no torch, no TensorRT-LLM import).
 
-- ``native``: `bootstrap.capacity.model_cost`, the project's own pricing (sliding windows as a
-  per-sequence intercept).
-- ``trtllm`` with ``kv_manager`` ``v1`` (TensorRT-LLM's default ``KVCacheManager``): every
-  attention layer at full length, ``2 * layers * kv_heads/tp * head_dim * dtype`` bytes a token.
-  With two or more distinct windows (VSWA) the V1 manager splits its byte budget *equally* between
-  the window sizes (``calculate_max_num_blocks_for_vswa``), so the full-length pool gets
-  ``budget / n_windows`` bytes for its own layers: the effective slope is
-  ``n_windows * full_layers * layer_bytes`` (for Gemma-2, 21 + 21 layers, that is all 42 layers).
-- ``trtllm`` with ``v2`` (``KVCacheManagerV2``): full-attention layers in the slope; each
-  sliding layer costs ``max_batch_size * ceil(window / tpb) * tpb * layer_bytes`` (its
-  ``gen_swa_req``) plus, during prefill, ``max_num_tokens * layer_bytes`` (its context SWA
-  term: ``_get_quota_from_max_tokens``). Both go to the intercept, so
-  ``tokens_for_budget(quota)`` is what the V2 manager holds for a quota of at least
-  ``max_num_tokens`` tokens.
-
-Where this differs from TensorRT-LLM on purpose: KV heads fewer than the TP size are replicated
-(``ceil``; TRT's cost divides ``head_dim * kv_heads // tp``); a model whose every attention layer
-slides is priced at full length under V2 too (TRT's V2 slope would be 0, an unbounded pool).
+- ``native``: `bootstrap.capacity.model_cost` (sliding windows as a per-sequence intercept).
+- ``trtllm`` ``v1`` (the default ``KVCacheManager``): every attention layer at full length,
+  ``2 * layers * kv_heads/tp * head_dim * dtype`` bytes a token. With two or more windows (VSWA)
+  it splits its budget *equally* between the window sizes (``calculate_max_num_blocks_for_vswa``),
+  so the slope is ``n_windows * full_layers * layer_bytes`` (Gemma-2, 21 + 21 layers: all 42).
+- ``trtllm`` ``v2`` (``KVCacheManagerV2``): full-attention layers in the slope; each sliding
+  layer in the intercept, ``max_batch_size * ceil(window / tpb) * tpb * layer_bytes``
+  (``gen_swa_req``) plus ``max_num_tokens * layer_bytes`` in prefill (``_get_quota_from_max_tokens``),
+  so ``tokens_for_budget(quota)`` is what V2 holds for a quota of at least ``max_num_tokens``.
+- Unlike TensorRT-LLM, on purpose: KV heads fewer than the TP size are replicated (``ceil``; TRT
+  divides ``head_dim * kv_heads // tp``); an all-sliding model is priced at full length under V2.
 """
 
 from __future__ import annotations

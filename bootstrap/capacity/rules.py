@@ -1,25 +1,17 @@
 """The memory rule: how the device memory left after the measured peak is shared with the KV
-cache. This docstring is the one place it is described; everything else links here.
+cache; described here once, everything else links here. Resolved once per run in
+``resolve_classes`` into a ``MemoryRule`` (which rule, its value, why), applied by the probe cap
+(beside the temporary executor) and by the plan (``capacity``, which records it on its span). The
+probe is added back to the budget, so its size changes no figure of the plan; caps
+(``max_kv_bytes``, ``max_kv_tokens``, a backend's ``kv_caps``) bound the result under every rule.
 
-Three ways, resolved once per run in ``resolve_classes`` into a ``MemoryRule`` (which rule, its
-value, and why), which both the probe cap (``estimation_build``) and the plan (``capacity``)
-apply, and which the ``capacity`` span records (``bootstrap.memory_rule``, ``.source``):
-
-1. ``kv_headroom_bytes`` given: the KV cache gets everything but that many bytes
+1. ``kv_headroom_bytes`` given: the KV cache gets all but that many bytes
    (``budget = total - peak - graphs + probe_kv - headroom``). Not in TensorRT-LLM.
-2. ``free_gpu_memory_fraction`` given: TensorRT-LLM's rule, ``budget = (total - peak - graphs +
+2. ``free_gpu_memory_fraction`` given: TensorRT-LLM's ``budget = (total - peak - graphs +
    probe_kv) * fraction``. Give one of the two; both is a ``ConfigError``.
-3. Neither given: the backend's own headroom where it knows a bound on what its executor can
-   still need beyond the profile (``Backend.default_headroom_bytes``; the native engine on CUDA
-   with its paged decode kernel, ``backends/native/headroom.py``), else TensorRT-LLM's default
-   fraction, 0.9. The backend's headroom partly depends on the measured activation peak: before
-   profiling (the probe cap) it is the part known from the config, and ``capacity`` recomputes it
-   from the profile; the rule itself (which of the three, and why) does not change.
-
-The probe cap uses the rule on the free memory beside the temporary executor, so probe and
-executor fit together; the probe is added back to the budget, so a smaller probe changes no
-figure of the plan. Caps (``max_kv_bytes``, ``max_kv_tokens``, a backend's ``kv_caps``) bound
-the result under every rule.
+3. Neither: the backend's headroom where it bounds what its executor may still need (native on
+   CUDA: ``backends/native/headroom.py``), from the config for the probe cap and recomputed from
+   the profile in ``capacity``; else TensorRT-LLM's default fraction, 0.9.
 """
 
 from __future__ import annotations

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from bootstrap.capacity.presets import preset_names
-from bootstrap.config import BootstrapConfig, ConfigError, file_kind
+from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.engine.request.prompts import check_text
+from bootstrap.paths import file_kind
 
 DEFAULT_PLAN_CACHE = Path.home() / ".cache" / "executor-bootstrap" / "plans"
 DEFAULT_MODEL = BootstrapConfig.model_fields["model"].default

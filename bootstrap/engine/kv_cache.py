@@ -1,26 +1,17 @@
 """Paged KV cache: one block pool for all layers of a model, and per-request block tables.
 
-The pool is one tensor ``[2, layers, blocks, tokens_per_block, kv_heads, head_dim]`` (index 0
-holds keys, 1 values), so ``k_cache(layer)`` and ``v_cache(layer)`` are views and ``release()``
-frees everything at once. A request owns a list of blocks (its block table) and a length (the
-tokens it holds); token ``p`` of a request lives in slot ``table[p // tpb] * tpb + p % tpb`` of
-the flattened ``[blocks * tpb, kv_heads, head_dim]`` view of a layer.
-
-The same class serves the small probe pool of the estimation stage, the final target pool and
-a separate draft pool: only the spec and the size differ.
-
-Freed blocks are reused first (last in, first out), so the blocks ever touched stay as few as
-the peak load needs; on the CPU the pool's pages are mapped zeroed on first touch (``zeros``),
-so an idle pool costs no resident memory.
-
-Requests can share blocks (``fork``: the ``n`` choices of one prompt): a child gets the parent's
-full blocks by reference, counted, and a copy of its partial last block, the first block the
-choices write differently (copy-on-write where they diverge). A full block is never written
-again, so a shared one stays shared until every holder frees it.
-
-Byte figures in ``stats()``: ``total_bytes`` is the pool tensor, ``allocated_bytes`` the blocks
-handed to requests, ``used_bytes`` the tokens those requests hold (allocated minus the unfilled
-tail of each request's last block). A shared block or token counts once.
+The pool is one tensor ``[2, layers, blocks, tokens_per_block, kv_heads, head_dim]`` (keys, then
+values), so ``k_cache(layer)`` and ``v_cache(layer)`` are views and ``release()`` frees it all.
+A request owns a block table and a length; its token ``p`` lives in slot
+``table[p // tpb] * tpb + p % tpb`` of a layer's flattened ``[blocks * tpb, kv_heads, head_dim]``
+view. The same class serves the probe pool, the final target pool and a draft pool. Freed blocks
+are reused first (last in, first out), so the blocks ever touched stay as few as the peak needs;
+on the CPU the pool's pages are mapped zeroed on first touch, so an idle pool costs no memory.
+``fork`` (the ``n`` choices of a prompt) gives a child the parent's full blocks by reference,
+counted, and a copy of its partial last block (copy-on-write where they diverge); a full block is
+never written again, so a shared one stays shared until every holder frees it. ``stats()``:
+``total_bytes`` the pool, ``allocated_bytes`` the blocks handed out, ``used_bytes`` the tokens held
+(a shared block or token counts once).
 """
 
 from __future__ import annotations
@@ -32,6 +23,8 @@ from typing import Any
 
 import numpy
 import torch
+
+from bootstrap.config import is_int
 
 
 class KVCacheFull(RuntimeError):
@@ -50,7 +43,7 @@ class KVCacheSpec:
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"KVCacheSpec.{name} must be an integer >= 1, got {value!r}")
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise ValueError(f"KVCacheSpec.dtype must be a floating torch.dtype, got {self.dtype!r}")
@@ -107,7 +100,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
 
 
 def _check_positive(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
@@ -239,7 +232,7 @@ class PagedKVCache:
         tokens rolled back): the blocks past them go back to the pool. Refused when the cut
         would leave the request writing into a block another request shares."""
         length = self.num_tokens(request_id)
-        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or not 0 <= num_tokens <= length:
+        if not is_int(num_tokens) or not 0 <= num_tokens <= length:
             raise ValueError(
                 f"num_tokens must be an integer in [0, {length}] (what request {request_id!r} holds), "
                 f"got {num_tokens!r}"

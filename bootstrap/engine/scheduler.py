@@ -1,28 +1,17 @@
-"""Scheduling in two layers, as TensorRT-LLM splits it.
+"""Scheduling in two layers, as TensorRT-LLM splits it; ``Scheduler`` holds the queues and ties
+the two to the KV cache.
 
-``CapacityScheduler`` decides which waiting requests may start, with the guaranteed-no-evict
-policy: a request is admitted only when the KV blocks of its whole life (prompt plus
-``max_tokens``) fit in what the running requests have not reserved, so a running request never
-runs out of blocks and nothing is ever preempted. Admission is first come, first served: the
-head of the queue is never overtaken, so a large request cannot starve.
-
-``MicroBatchScheduler`` picks the tokens of one forward step from the running requests: one
-token for every request in decode, then prefill chunks in admission order until
-``max_num_tokens`` is reached (a long prompt is split over several steps: chunked prefill).
-
-``Scheduler`` holds the queues and ties the two to the KV cache.
-
-With a draft model (speculative decoding, ``bootstrap.engine.spec.speculator``) the draft has a pool
-of its own, with the same block size: a request's reservation holds in both pools (admission
-counts the smaller one's blocks) and is freed in both. It needs no extra slots: a speculative
-step never writes past what the request's whole life reserves (its depth is capped there).
-
-The ``n`` choices of one prompt are one request until its prefill ends: the first choice is
-scheduled, carrying the others (``Sequence.forks``), and is admitted with the blocks of all of
-them, its prompt's full blocks counted once. The step that completes the prefill forks them
-(``fork``): each shares the prompt's full blocks, gets a copy of the partial last one, and
-samples its first token from the same logits row. Should the first choice end before that
-(cancelled, failed), the next live one takes its place at the head of the queue.
+``CapacityScheduler`` admits waiting requests with the guaranteed-no-evict policy: a request
+starts only when the KV blocks of its whole life (prompt plus ``max_tokens``) fit in what the
+running requests have not reserved, so nothing is ever preempted; first come, first served, the
+head of the queue never overtaken. ``MicroBatchScheduler`` picks one step's tokens: one for every
+request in decode, then prefill chunks in admission order up to ``max_num_tokens`` (chunked
+prefill). With a draft model (``spec.speculator``) a reservation holds in both pools (admission
+counts the smaller one's blocks) and is freed in both. The ``n`` choices of one prompt are one
+request until its prefill ends: the first choice carries the others (``Sequence.forks``), is
+admitted with the blocks of all (the prompt's full blocks counted once), and the step that
+completes the prefill forks them (``fork``), each sampling its first token from the same logits
+row; should the first end before that, the next live choice takes its place in the queue.
 """
 
 from __future__ import annotations
@@ -30,6 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from bootstrap.config import is_int
 from bootstrap.engine.kv_cache import PagedKVCache
 from bootstrap.engine.request.prompts import length_problem
 from bootstrap.engine.request.sequence import Sequence, SequenceStatus
@@ -45,7 +35,7 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_num_tokens", "max_seq_len"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be an integer >= 1, got {value!r}")
         if self.max_batch_size > self.max_num_tokens:
             raise ValueError(

@@ -41,11 +41,12 @@ class StageRun:
         self._span: Span | None = None
         self._skip_reason = ""
 
-    async def execute(self, after_success: Callable[[], Awaitable[None]] | None = None) -> tuple[Any, Undo]:
+    async def execute(self, after_success: Callable[[Any], Awaitable[None]] | None = None) -> tuple[Any, Undo]:
         """Run the stage to success, skip, or failure (re-raised after the span records it).
 
-        ``after_success`` runs inside the stage span (the pipeline releases consumed artifacts
-        there, so the span's free memory after includes that release).
+        ``after_success``, given the artifact, runs inside the stage span (the pipeline runs what
+        follows the stage and releases consumed artifacts there, so the span's free memory after
+        includes that release).
         """
         with self._tracer.start_as_current_span(stage_span(self.stage.id), record_exception=False) as span:
             self._span = span
@@ -56,7 +57,7 @@ class StageRun:
                 artifact, undo, outcome = await self._skip_or_attempts()
                 if after_success is not None:
                     with anyio.CancelScope(shield=True):  # a half-done release would leak this undo
-                        await after_success()
+                        await after_success(artifact)
             except BaseException as exc:
                 self._record_failure(span, exc)
                 raise

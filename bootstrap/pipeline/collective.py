@@ -2,17 +2,13 @@
 
 A stage attempt on several ranks (tensor parallelism) ends with one collective step
 (``agree_attempt``): every rank hands in its outcome, and either all succeeded, or every rank
-raises the same ``RankFailed`` naming the lowest failing rank and carrying that rank's error. So
-a failure anywhere fails the attempt everywhere, every rank rolls its attempt back, and the
-retry decision and the adaptation are taken from the same error on every rank (collective
-retry). A stage with an ``agree`` function then replaces its artifact on every rank by the one
-agreed from all ranks' artifacts (``profiling``: the most conservative profile; ``capacity``:
-the smallest budget).
-
-``SingleRank`` is the no-op port of a one-rank run; ``bootstrap.parallel.torch_dist`` holds the
-torch.distributed one. What a stage's ``agree`` function computes is the domain's business
-(``bootstrap.capacity.agree``); this module only moves outcomes between ranks. Every collective of a port has a timeout, and a rank that stops answering
-surfaces as ``RankUnresponsive`` naming it.
+raises the same ``RankFailed`` naming the lowest failing rank and carrying its error. So a
+failure anywhere fails the attempt everywhere, every rank rolls back, and the retry and its
+adaptation follow from the same error on every rank. A stage with an ``agree`` function then
+replaces its artifact on every rank by the one agreed from all ranks' (what it computes is the
+domain's: ``bootstrap.capacity.agree``). Every collective has a timeout, and a rank that stops
+answering surfaces as ``RankUnresponsive`` naming it. ``SingleRank`` is the no-op port of a
+one-rank run; ``bootstrap.parallel.torch_dist`` holds the torch.distributed one.
 """
 
 from __future__ import annotations

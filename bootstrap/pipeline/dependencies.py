@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from graphlib import CycleError, TopologicalSorter
+from typing import Any
 
-from bootstrap.pipeline.stage import Stage
+from bootstrap.pipeline.stage import Stage, artifact_names
 
 
 class GraphError(ValueError):
@@ -27,6 +28,21 @@ def check_graph(stages: Sequence[Stage], inputs: Iterable[str]) -> None:
             if others:
                 raise GraphError(f"{name!r} is consumed by {stage.id!r} but also needed by {others}")
     topological_order(stages)
+
+
+def check_after(stages: Sequence[Stage], after: Mapping[str, Callable[..., Any]]) -> None:
+    """Every function to run after a stage follows a stage of the graph and names only what that
+    stage had: its inputs and its artifact."""
+    by_id = {s.id: s for s in stages}
+    for stage_id, fn in after.items():
+        if stage_id not in by_id:
+            raise GraphError(f"a function runs after stage {stage_id!r}, which is not in the graph")
+        stage = by_id[stage_id]
+        unknown = [n for n in artifact_names(fn) if n not in (*stage.requires, stage.provides)]
+        if unknown:
+            raise GraphError(
+                f"the function after stage {stage_id!r} needs {unknown}, neither its inputs nor its artifact"
+            )
 
 
 def _check_unique(stages: Sequence[Stage], given: set[str]) -> None:

@@ -23,10 +23,10 @@ from opentelemetry.trace import Span, Status, StatusCode
 from bootstrap.devices import Device, is_oom
 from bootstrap.pipeline.attempts import StageRun
 from bootstrap.pipeline.collective import Collective, failure_of
-from bootstrap.pipeline.dependencies import check_graph, topological_order
+from bootstrap.pipeline.dependencies import check_after, check_graph, topological_order
 from bootstrap.pipeline.device_thread import DeviceThread
 from bootstrap.pipeline.events import EventHub, StageEvent, StageStatus
-from bootstrap.pipeline.stage import GiveUp, Stage
+from bootstrap.pipeline.stage import GiveUp, Stage, artifact_names
 from bootstrap.pipeline.telemetry import ROOT_SPAN, TRACER_NAME
 from bootstrap.pipeline.undo import Undo
 
@@ -66,9 +66,17 @@ class Pipeline:
         device: Device | None = None,
         thread: DeviceThread | None = None,
         collective: Collective | None = None,
+        after: Mapping[str, Callable[..., None]] | None = None,
     ) -> None:
+        """``after``: stage id -> a function run once that stage has its artifact (ran or was
+        skipped), inside the stage's span, before its consumed artifacts are released; it names
+        what it needs of the stage's inputs and artifact by parameter, as a stage does. The owner
+        of an input acts there on a stage's result, and the stage stays pure (the plan cache
+        stores a plan after ``capacity``). What it raises fails the stage."""
         check_graph(stages, inputs.keys())
+        check_after(stages, after or {})
         self.stages = topological_order(stages)
+        self._after = dict(after or {})
         self.artifacts: dict[str, Any] = dict(inputs)
         self.device = device
         self.collective = collective  # several ranks: every attempt's outcome is agreed (bootstrap.pipeline.collective)
@@ -117,7 +125,8 @@ class Pipeline:
                 failure = self._unwrap(exc)
                 if failure is exc:
                     raise
-                raise failure  # out of the task group's exception group; its cause is kept
+                # out of the task group's exception group; its cause is kept (B904: `from` would replace it)
+                raise failure  # noqa: B904
             root.set_attribute("bootstrap.outcome", "ok")
             root.set_status(Status(StatusCode.OK))
 
@@ -203,7 +212,7 @@ class Pipeline:
         run = StageRun(stage, self._inputs(stage), self._tracer, self.hub, self._thread, self.device, self.collective)
         token = otel_context.attach(ctx)
         try:
-            artifact, undo = await run.execute(after_success=lambda: self._release_consumed(stage))
+            artifact, undo = await run.execute(after_success=lambda artifact: self._after_success(run, artifact))
         except anyio.get_cancelled_exc_class():
             raise
         except BaseException as exc:
@@ -221,6 +230,12 @@ class Pipeline:
         self._undos[stage.id] = undo
         self._finished.append(stage.id)
         self._ready[stage.provides].set()
+
+    async def _after_success(self, run: StageRun, artifact: Any) -> None:
+        if (after := self._after.get(run.stage.id)) is not None:
+            known = {**run.inputs, run.stage.provides: artifact}
+            after(**{name: known[name] for name in artifact_names(after)})
+        await self._release_consumed(run.stage)
 
     async def _release_consumed(self, stage: Stage) -> None:
         for name in stage.consumes:

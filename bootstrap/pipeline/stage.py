@@ -85,9 +85,14 @@ class Stage:
 
     @property
     def requires(self) -> tuple[str, ...]:
-        params = inspect.signature(self.fn).parameters.values()
-        return tuple(p.name for p in params if p.name not in INJECTED and p.default is p.empty)
+        return artifact_names(self.fn)
 
     @property
     def wants_undo(self) -> bool:
         return "undo" in inspect.signature(self.fn).parameters
+
+
+def artifact_names(fn: Callable[..., Any]) -> tuple[str, ...]:
+    """The artifacts ``fn`` names: its parameters without a default, the injected ``undo`` aside."""
+    params = inspect.signature(fn).parameters.values()
+    return tuple(p.name for p in params if p.name not in INJECTED and p.default is p.empty)

@@ -24,7 +24,8 @@ from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerPro
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from bootstrap.config import ConfigError, ensure_directory
+from bootstrap.config import ConfigError
+from bootstrap.paths import ensure_directory
 
 ROOT_SPAN = "bootstrap.pipeline"
 TRACER_NAME = "bootstrap"

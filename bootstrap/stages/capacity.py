@@ -1,11 +1,9 @@
 """Stage 5, ``capacity``: pure arithmetic from the memory profile and the config to a KV byte
 budget and token capacity. Infeasible plans raise ``CapacityError`` with the figures and the
-knob to turn. A measured profile is stored in the plan cache here, unless a retry lowered
-``max_num_tokens`` (one transient OOM must not halve every later start)."""
+knob to turn. It writes nothing: the plan cache's owner stores the plan once this stage has
+succeeded (``api.make_pipeline``, ``PlanCache.remember_measured``)."""
 
 from __future__ import annotations
-
-import logging
 
 from bootstrap.backends.artifacts import ResolvedClasses
 from bootstrap.backends.base import Backend
@@ -14,9 +12,6 @@ from bootstrap.capacity.agree import smallest_plan
 from bootstrap.capacity.rules import describe_rule
 from bootstrap.config import BootstrapConfig
 from bootstrap.pipeline.stage import Stage
-from bootstrap.stages.plan_cache import PlanCache
-
-log = logging.getLogger(__name__)
 
 
 def capacity(
@@ -24,12 +19,11 @@ def capacity(
     resolved: ResolvedClasses,
     profile: MemoryProfile,
     backend: Backend,
-    plan_cache: PlanCache | None,
 ) -> CapacityPlan:
     """The plan under the run's memory rule (``bootstrap.capacity.rules``), the backend's
     headroom recomputed from the measured profile where that is the rule."""
     rule = resolved.memory_rule.with_backend_headroom(backend.default_headroom_bytes(profile, resolved, config))
-    plan = plan_capacity(
+    return plan_capacity(
         profile,
         cost=resolved.total_cost,
         fraction=rule.fraction,
@@ -42,24 +36,6 @@ def capacity(
         headroom_bytes=rule.headroom_bytes,
         rule_source=rule.source,
     )
-    if plan_cache is not None and profile.max_num_tokens == config.max_num_tokens:
-        remember(plan_cache, config, resolved, backend, profile, plan)
-    return plan
-
-
-def remember(
-    plan_cache: PlanCache,
-    config: BootstrapConfig,
-    resolved: ResolvedClasses,
-    backend: Backend,
-    profile: MemoryProfile,
-    plan: CapacityPlan,
-) -> None:
-    """Store the plan; a failure to write costs the next start a profiling run, not this start."""
-    try:
-        plan_cache.remember(config, resolved, backend, profile, plan)
-    except OSError as exc:
-        log.warning("plan cache: could not store the plan in %s: %s", plan_cache.directory, exc)
 
 
 STAGE = Stage(

@@ -51,9 +51,9 @@ def _shrink(pool: PoolBudget | None, tokens_per_block: int, max_seq_len: int) ->
     need = -(-max_seq_len // tokens_per_block) * tokens_per_block
     if tokens < need:
         raise GiveUp(
-            f"the {pool.name} KV pool cannot shrink below {fmt_bytes(pool.gpu_bytes)}: at {fmt_bytes(gpu)} it would hold "
-            f"{tokens} tokens, less than one request of max_seq_len={max_seq_len}; lower max_seq_len or "
-            "max_batch_size, or free device memory"
+            f"the {pool.name} KV pool cannot shrink below {fmt_bytes(pool.gpu_bytes)}: "
+            f"at {fmt_bytes(gpu)} it would hold {tokens} tokens, less than one request of "
+            f"max_seq_len={max_seq_len}; lower max_seq_len or max_batch_size, or free device memory"
         )
     return dataclasses.replace(pool, gpu_bytes=gpu, tokens=tokens)
 

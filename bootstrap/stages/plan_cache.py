@@ -1,23 +1,16 @@
-"""Plan cache: a measured memory profile, stored under a fingerprint of everything it depends on.
+"""Plan cache: a measured memory profile, stored under a fingerprint of everything it depends on
+(``fingerprint``): its one full account (``docs/design.md`` points here).
 
 A later start with the same fingerprint skips ``estimation_build`` and ``profiling`` when the
-device has room for the plan now: free memory covers the activation peak plus the KV budget.
-It never demands equality with a fluctuating figure such as free memory at the last start.
-An entry that cannot be used (unreadable, damaged, written for another fingerprint) is ignored
-with one warning, and the start profiles again; so is a store that fails.
-
-An entry is read only when it is a regular file of at most ``MAX_ENTRY_BYTES`` (``read_entry``):
-never through a link, never from a FIFO or a device, so it never blocks nor reads without end
-(it runs where the stage's skip check runs: a worker thread, not the event loop). A directory
-that cannot be written costs one warning: the plans already there are used, none is stored.
+device has room for the plan now: free memory covers the activation peak plus the KV budget,
+never equality with a fluctuating figure such as the last start's free memory. An entry that
+cannot be used (unreadable, damaged, another fingerprint's) costs one warning and a profiling
+run; so does a store that fails. An entry is read only when it is a regular file of at most
+``MAX_ENTRY_BYTES`` (``read_entry``): never through a link, never from a FIFO or a device, so it
+never blocks nor reads without end (it runs where the skip check runs: a worker thread). A
+directory that cannot be written costs one warning: its plans are used, none is stored.
 ``bootstrap cache clear`` deletes only what ``is_own_file`` recognises, by name and by the first
-bytes ``store`` writes, and the directory itself only when ``PlanCache`` created it (``MARKER``).
-
-The model enters the fingerprint as its normalized shape without the checkpoint's stored dtype
-(``model_key``): that dtype only picks the default dtype, which the fingerprint holds as the
-resolved one. So one model is one key however its config is read: a ``.gguf`` file's metadata
-(no dtype) on the first start, the ``config.json`` of its converted checkpoint (float32) on every
-later one; models of different shapes never share a key.
+bytes ``store`` writes, and the directory only when ``PlanCache`` created it (``MARKER``).
 """
 
 from __future__ import annotations
@@ -38,8 +31,9 @@ from typing import TYPE_CHECKING
 from bootstrap.backends.artifacts import ResolvedClasses
 from bootstrap.capacity import CapacityPlan, MemoryProfile
 from bootstrap.capacity.shape import ModelShape
-from bootstrap.config import BootstrapConfig, ConfigError, file_in_the_way, open_regular
+from bootstrap.config import BootstrapConfig, ConfigError, is_int
 from bootstrap.devices import Device
+from bootstrap.paths import file_in_the_way, open_regular
 
 if TYPE_CHECKING:
     from bootstrap.backends.base import Backend
@@ -62,7 +56,7 @@ MARKER = ".executor-bootstrap-plans"  # in a directory PlanCache created: clear 
 MARKER_TEXT = b"created by executor-bootstrap's plan cache; bootstrap cache clear removes it once empty\n"
 
 
-@functools.cache  # reading a distribution's metadata parses files (about 8 ms each); one process, one answer
+@functools.cache  # reading a distribution's metadata parses files (milliseconds each); one process, one answer
 def _version(dist: str) -> str | None:
     try:
         return metadata.version(dist)
@@ -73,11 +67,16 @@ def _version(dist: str) -> str | None:
 def model_key(shape: ModelShape) -> str:
     """The shape's fingerprint, its ``torch_dtype`` (how the checkpoint stores the weights) left
     out: the weights load in the resolved dtype, which the fingerprint holds, so the stored one
-    changes no measured figure; it only differs with where the config was read (see above)."""
+    changes no measured figure. So one model is one key however its config is read: a ``.gguf``
+    file's metadata (no dtype) on the first start, its converted checkpoint's ``config.json``
+    (float32) on every later one; models of different shapes never share a key."""
     return dataclasses.replace(shape, torch_dtype=None).fingerprint()
 
 
 def fingerprint(config: BootstrapConfig, resolved: ResolvedClasses, device: Device, backend: str) -> str:
+    """What a profile depends on, hashed: the model's and the draft's shapes (``model_key``), the
+    resolved dtypes and ``max_seq_len``, the device's name and total memory, the backend, the
+    versions of ``LIBRARIES``, and every config field but ``NOT_FINGERPRINTED``."""
     parts = {
         "model": model_key(resolved.shape),
         "draft": model_key(resolved.draft_shape) if resolved.draft_shape else None,
@@ -158,6 +157,24 @@ class PlanCache:
             return None
         return self.store(fingerprint(config, resolved, backend.device, backend.name), profile, plan)
 
+    def remember_measured(
+        self,
+        config: BootstrapConfig,
+        resolved: ResolvedClasses,
+        backend: Backend,
+        profile: MemoryProfile,
+        plan: CapacityPlan,
+    ) -> None:
+        """Run after ``capacity`` (``api.make_pipeline``): store its plan, unless a retry lowered
+        ``max_num_tokens`` (one transient OOM must not halve every later start). A failure to
+        write costs the next start a profiling run, not this start: one warning."""
+        if profile.max_num_tokens != config.max_num_tokens:
+            return
+        try:
+            self.remember(config, resolved, backend, profile, plan)
+        except OSError as exc:
+            log.warning("plan cache: could not store the plan in %s: %s", self.directory, exc)
+
     def load(self, key: str) -> CachedPlan | None:
         """The plan stored under ``key``; None if there is none, or (with one warning) if the
         entry cannot be used: not a regular file, too large, unreadable, truncated, not UTF-8,
@@ -195,7 +212,7 @@ class PlanCache:
 def read_entry(path: Path) -> bytes:
     """The bytes of ``path`` when it is a regular file of at most ``MAX_ENTRY_BYTES``; a link,
     FIFO, device, directory or larger file raises ``OSError`` saying which, before any read
-    (``config.open_regular``: nothing blocks or is followed)."""
+    (``paths.open_regular``: nothing blocks or is followed)."""
     with open_regular(path) as fd:
         if (size := os.fstat(fd).st_size) > MAX_ENTRY_BYTES:
             raise OSError(f"{size} bytes, more than the {MAX_ENTRY_BYTES} a plan may hold")
@@ -238,7 +255,7 @@ def _parse(blob: bytes, key: str) -> CachedPlan:
     if not isinstance(data, dict) or data.get("fingerprint") != key:
         raise ValueError("written for another setup, or by another version")
     budget = data["kv_budget_bytes"]
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+    if not is_int(budget) or budget < 0:
         raise ValueError(f"kv_budget_bytes must be an integer >= 0, got {budget!r}")
     return CachedPlan(MemoryProfile(**data["profile"]), budget)
 

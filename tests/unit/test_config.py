@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from bootstrap.config import BootstrapConfig, ConfigError
+from bootstrap.config import BootstrapConfig, ConfigError, is_int
 
 
 @pytest.mark.parametrize(
@@ -109,3 +109,17 @@ def test_speculative_tokens_default_to_4_with_a_draft_and_need_one():
     for bad in (17, 0, "often", True):
         with pytest.raises(ConfigError, match=r"num_speculative_tokens: must be an integer in \[1, 16\] or 'auto'"):
             BootstrapConfig.parse(draft_model="d", num_speculative_tokens=bad)
+
+
+class _Count(int):
+    """An int subclass that is no bool: still an integer."""
+
+
+@pytest.mark.parametrize("value", [0, 1, -3, 2**70, _Count(5)])
+def test_is_int_accepts_an_int(value):
+    assert is_int(value) is True
+
+
+@pytest.mark.parametrize("value", [True, False, 1.0, 2.5, float("nan"), "3", b"3", None, [1], 3 + 0j])
+def test_is_int_refuses_a_bool_and_anything_not_an_int(value):
+    assert is_int(value) is False

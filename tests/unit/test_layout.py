@@ -19,15 +19,28 @@ PACKAGE = Path(__file__).resolve().parents[2] / "bootstrap"
 # the backends, the engine and the ranks, the domain, the generic stage runner, the leaves.
 ALLOWED: dict[str, set[str]] = {
     "__main__": {"cli"},  # ``python -m bootstrap``, as ``torchrun -m bootstrap run`` starts it
-    "cli": {"serve", "api", "stages", "backends", "engine", "parallel", "capacity", "pipeline", "config", "devices"},
+    "cli": {
+        "serve",
+        "api",
+        "stages",
+        "backends",
+        "engine",
+        "parallel",
+        "capacity",
+        "pipeline",
+        "config",
+        "paths",
+        "devices",
+    },
     "serve": {"api", "stages", "backends", "engine", "pipeline", "config"},
     "api": {"stages", "backends", "pipeline", "config"},
-    "stages": {"backends", "capacity", "pipeline", "config", "devices"},
+    "stages": {"backends", "capacity", "pipeline", "config", "paths", "devices"},
     "backends": {"engine", "parallel", "capacity", "pipeline", "config", "devices"},
-    "engine": {"capacity", "config", "devices"},  # never the stage runner: the engine runs without it
+    "engine": {"capacity", "config", "paths", "devices"},  # never the stage runner: the engine runs without it
     "parallel": {"pipeline"},  # the torch.distributed side of the runner's Collective port
     "capacity": {"config"},  # pure: shapes from config.json, KV cost, the memory rule, the plan
-    "pipeline": {"config", "devices"},  # generic: knows stages and attempts, nothing of LLMs
+    "pipeline": {"config", "paths", "devices"},  # generic: knows stages and attempts, nothing of LLMs
+    "paths": {"config"},  # file-system checks: a directory made, a regular file opened, a mode in words
     "config": set(),
     "devices": set(),
 }

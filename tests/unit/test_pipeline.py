@@ -3,10 +3,12 @@ rollback, adaptation, resume, consumption, cancellation, events and spans."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import anyio
 import pytest
+from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from bootstrap.devices import FakeDevice
@@ -315,6 +317,45 @@ def test_bad_graphs_are_rejected_up_front(stages, message, device):
         Pipeline(stages, {"seed": 0})
 
 
+async def test_a_function_after_a_stage_gets_what_it_names_inside_the_stage_span(device):
+    """The owner of an input acts on a stage's result (the plan cache after capacity): once the
+    stage succeeded, in its span, before the next stage starts; a stage that fails runs none."""
+    seen, memory = [], InMemorySpanExporter()
+    stages = [Stage("first", lambda seed: seed + 1, "a"), Stage("second", lambda a: a * 10, "b")]
+
+    def after_first(seed, a):
+        seen.append((seed, a, trace.get_current_span().name))
+
+    pipeline = Pipeline(
+        stages, {"seed": 1}, tracer_provider=make_tracer_provider(memory=memory), after={"first": after_first}
+    )
+    await pipeline.run()
+    assert seen == [(1, 2, "bootstrap.stage.first")]
+    await pipeline.aclose()
+
+    def fails(seed):
+        raise ValueError("no")
+
+    pipeline = Pipeline([Stage("first", fails, "a")], {"seed": 1}, after={"first": after_first})
+    with pytest.raises(StageFailed):
+        await pipeline.run()
+    assert len(seen) == 1
+    await pipeline.aclose()
+
+
+@pytest.mark.parametrize(
+    "after, message",
+    [
+        ({"third": lambda a: None}, "after stage 'third', which is not in the graph"),
+        ({"first": lambda b: None}, "after stage 'first' needs ['b'], neither its inputs nor its artifact"),
+    ],
+)
+def test_a_function_after_an_unknown_stage_or_naming_what_it_lacks_is_rejected(after, message):
+    stages = [Stage("first", lambda seed: seed + 1, "a"), Stage("second", lambda a: a * 10, "b")]
+    with pytest.raises(GraphError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        Pipeline(stages, {"seed": 0}, after=after)
+
+
 async def test_runs_without_a_tracer_provider(device):
     """No provider configured: spans are non-recording, everything else works the same."""
     from bootstrap.pipeline.stage import Skip
@@ -461,7 +502,7 @@ async def test_a_call_during_a_run_is_refused_before_touching_any_state(device, 
         tg.start_soon(pipeline.run)
         await started.wait()
         before = (dict(device.live()), dict(pipeline.artifacts), dict(pipeline.status))
-        with pytest.raises((RuntimeError, ValueError), match="already running|unknown stage"):
+        with pytest.raises((RuntimeError, ValueError), match=r"already running|unknown stage"):
             await attempt()
         assert (dict(device.live()), dict(pipeline.artifacts), dict(pipeline.status)) == before
         gate.set()
@@ -563,4 +604,4 @@ async def test_a_skip_check_that_blocks_never_stalls_the_event_loop(device):
         tg.start_soon(probe)
         assert (await pipeline.run())["a"] == "cached"
         tg.cancel_scope.cancel()
-    assert len(ticks) > 10 and max(b - a for a, b in zip(ticks, ticks[1:])) < 0.25
+    assert len(ticks) > 10 and max(b - a for a, b in itertools.pairwise(ticks)) < 0.25

@@ -16,7 +16,9 @@ from bootstrap.api import make_pipeline
 from bootstrap.backends.sim.backend import SimBackend
 from bootstrap.backends.sim.gpus import sim_device
 from bootstrap.config import BootstrapConfig
+from bootstrap.pipeline import Pipeline
 from bootstrap.pipeline.telemetry import make_tracer_provider
+from bootstrap.stages import DEFAULT_STAGES
 from bootstrap.stages.plan_cache import PlanCache, fingerprint
 from bootstrap.stages.resolve_classes import resolve_classes
 
@@ -62,6 +64,18 @@ async def start(cache_dir, gpu="h100-80gb", **overrides):
 
 def cache_warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+async def test_the_capacity_stage_writes_nothing_the_pipeline_that_made_the_cache_stores_the_plan(tmp_path):
+    config = BootstrapConfig.parse(**BASE, plan_cache=tmp_path)
+    device = sim_device("h100-80gb")
+    inputs = {"config": config, "backend": SimBackend(device), "plan_cache": PlanCache(tmp_path)}
+    bare = Pipeline(DEFAULT_STAGES, inputs, device=device)  # the stages alone: the cache is read, never written
+    await bare.run()
+    await bare.aclose()
+    assert list(tmp_path.glob("*.json")) == []
+    assert await start(tmp_path) == "ok"  # make_pipeline: the plan cache stores the plan after capacity
+    assert len(list(tmp_path.glob("*.json"))) == 1
 
 
 def test_every_config_field_is_either_tested_here_or_known_not_to_matter():

@@ -1,18 +1,16 @@
 """``bootstrap trace FILE [FILE ...] [--png OUT] [--requests N]``: a timeline of stages and
 attempts, read from ``--trace-file`` JSON Lines (``docs/design.md``), in the terminal and as a
-PNG; for a ``bootstrap serve`` trace, its requests too, the slowest first (``trace_requests``).
+PNG; for a ``bootstrap serve`` trace, its requests too, the slowest first (``trace.requests``).
 
 Each file becomes one timeline: a row per pipeline run, per stage and, for a stage that took more
-than one attempt, per attempt, placed by start and end time from the start of the file's first
-span. Several files (a cold and a warm start, say) share one time scale, so their bars compare
-directly. The PNG needs matplotlib (the ``plot`` extra).
-
-A damaged file shows what can be read (``trace_file``): a line cut short (a writer that was
-killed), not UTF-8, not JSON, or with a field of the wrong type is left out, with one warning per
-kind of damage and its count on stderr; a stage of which only attempts survived is shown ``unfinished``. Exit
-status 2 (one line) only when a file cannot be opened or holds no readable bootstrap span, or
-``--png`` cannot be written (checked before anything is drawn). Text from the file is shown as
-written: never read as rich markup, nor as matplotlib mathtext.
+than one attempt, per attempt, placed by time from the start of the file's first span. Several
+files (a cold and a warm start, say) share one time scale. The PNG needs matplotlib (the
+``plot`` extra). A damaged file shows what can be read (``trace.spans``): a line cut short, not
+UTF-8, not JSON, or with a field of the wrong type is left out, with one warning per kind of
+damage and its count on stderr; a stage of which only attempts survived shows ``unfinished``.
+Exit status 2 (one line) only when a file cannot be opened or holds no readable bootstrap span,
+or ``--png`` cannot be written (checked before anything is drawn). Text from the file is shown
+as written: never read as rich markup, nor as matplotlib mathtext.
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ from bootstrap.cli.args import check_values_given
 from bootstrap.cli.trace.png import check_png_path, printable, special_kind, write_png
 from bootstrap.cli.trace.requests import DEFAULT_SHOWN, RequestRow, request_rows, requests_table
 from bootstrap.cli.trace.spans import STAGE_PREFIX, Skipped, TraceFileError, read_spans
-from bootstrap.config import ConfigError
+from bootstrap.config import ConfigError, is_int
 from bootstrap.pipeline.process import PHASE_PREFIX, PROCESS_SPAN
 from bootstrap.pipeline.telemetry import ROOT_SPAN, MissingExtra
 
@@ -231,7 +229,7 @@ def _outcome(span: dict[str, Any]) -> str:
 
 def _attempt_number(span: dict[str, Any]) -> str:
     number = span["attributes"].get("bootstrap.attempt")
-    return str(number) if isinstance(number, int) and not isinstance(number, bool) else "?"
+    return str(number) if is_int(number) else "?"
 
 
 def _stage_note(span: dict[str, Any]) -> str:

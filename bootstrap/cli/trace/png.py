@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bootstrap.config import ConfigError, file_kind
+from bootstrap.config import ConfigError
+from bootstrap.paths import file_kind
 from bootstrap.pipeline.telemetry import MissingExtra
 
 PNG_COLORS = {"ok": "#2e7d32", "failed": "#c62828", "cancelled": "#ef6c00", "skipped": "#9e9e9e"}

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bootstrap.config import ConfigError
+from bootstrap.config import ConfigError, is_int
 from bootstrap.pipeline.telemetry import ROOT_SPAN, is_request_span
 
 STAGE_PREFIX = "bootstrap.stage."
@@ -122,7 +122,7 @@ def _problem(span: Any) -> tuple[str, str] | None:
 
 
 def _is_nanos(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**64
+    return is_int(value) and 0 <= value < 2**64
 
 
 FIELDS = {

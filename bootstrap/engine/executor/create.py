@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from bootstrap.config import DEFAULT_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS
+from bootstrap.config import DEFAULT_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS, is_int
 from bootstrap.engine.executor.py_executor import DEFAULT_MAX_UNCLAIMED, PyExecutor
 from bootstrap.engine.kv_cache import PagedKVCache
 from bootstrap.engine.sampling.sampler import Sampler
@@ -36,11 +36,7 @@ def create_executor(
     ``speculative_tokens`` tokens with it (with ``adaptive``, up to that many, as each request's
     acceptance pays for) and verifies them with the target (``bootstrap.engine.spec.speculator``);
     the runners' steps then hold ``speculative_rows`` rows."""
-    if draft is not None and (
-        not isinstance(speculative_tokens, int)
-        or isinstance(speculative_tokens, bool)
-        or not 1 <= speculative_tokens <= MAX_SPECULATIVE_TOKENS
-    ):
+    if draft is not None and (not is_int(speculative_tokens) or not 1 <= speculative_tokens <= MAX_SPECULATIVE_TOKENS):
         raise ValueError(
             f"speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {speculative_tokens!r}"
         )

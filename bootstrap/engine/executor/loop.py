@@ -4,19 +4,14 @@ One step: admit and schedule, run the model, sample, append, detect stops, free 
 When a step raises, its requests are run again one by one, and only those that fail alone get
 the error on their response; the loop goes on. A round takes what reached the inbox, finishes
 what was given up (``cancel``, ``cancel_on_abandon``) and steps if there is work. The worker
-thread (``start``) repeats rounds and sleeps on the inbox when there is no work; without it,
-the executor's waits run rounds in the calling thread (``step_here``). Rounds run under one
-lock (``step_lock``), so a caller driving the loop and a worker started meanwhile never step at
-once. ``teardown`` cancels what is unfinished and releases the KV pool and any captured CUDA
-graphs; a worker that does not stop in time does that itself when its step ends, and one that
-dies fails its requests with that error instead and leaves the pool to callers driving the loop.
-
-Exit. A program that ends with the worker running (no ``shutdown``) gets it shut down by an
-``atexit`` hook, registered when the worker starts and removed by ``stop``: a daemon thread
-still inside a torch call when the interpreter finalizes is killed by ``pthread_exit`` as it
-retakes the GIL, and the unwind through torch's C++ frames aborts the process ("terminate
-called without an active exception", SIGABRT). The hook runs before that, while the worker can
-still finish its step; unfinished requests end ``cancelled``.
+thread (``start``) repeats rounds and sleeps on the inbox when idle; without it, the executor's
+waits run rounds in the calling thread (``step_here``). Rounds run under one lock
+(``step_lock``), so a caller and a worker never step at once. ``teardown`` cancels what is
+unfinished and releases the KV pool and any CUDA graphs; a worker that does not stop in time
+does that itself when its step ends; one that dies fails its requests with its error and
+leaves the pool to callers driving the loop. Exit: a worker still running when the program ends
+(no ``shutdown``) is shut down by an ``atexit`` hook (``_shutdown_at_exit``: registered by
+``start``, removed by ``stop``); unfinished requests end ``cancelled``.
 """
 
 from __future__ import annotations
@@ -122,8 +117,10 @@ class EngineLoop:
                 )
 
     def _shutdown_at_exit(self) -> None:
-        """The ``atexit`` hook of a live worker (module docstring, Exit): shut down before the
-        interpreter finalizes; a worker stuck in a step costs one warning, not the exit."""
+        """The ``atexit`` hook of a live worker: shut down before the interpreter finalizes, when
+        a daemon thread still inside a torch call is killed by ``pthread_exit`` as it retakes the
+        GIL and the unwind through torch's C++ frames aborts the process ("terminate called
+        without an active exception"). A worker stuck in a step costs one warning, not the exit."""
         try:
             assert self._shutdown is not None  # registered by start, with it
             self._shutdown(EXIT_TIMEOUT_S)

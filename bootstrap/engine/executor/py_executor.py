@@ -1,38 +1,17 @@
-"""``PyExecutor``: the engine loop behind a thread-safe request API.
+"""``PyExecutor``: the engine loop behind a thread-safe request API; what callers rely on.
 
 Callers ``enqueue`` token ids from any thread and get a request id back at once; a request that
 can never run (empty, too long for ``max_seq_len``, larger than the KV pool, token ids outside
-the vocabulary) is answered right away with an error instead of being queued. The loop
-(``bootstrap.engine.executor.loop``) runs on a worker thread (``start_worker``) or, without one, inside
-the calls that drive it: each step admits and schedules, runs the model, samples, appends,
-detects stops and frees what finished; when a step raises, its requests are run again one by
-one, and only those that fail alone get the error on their response; the loop goes on.
-
-Waiting. ``await_response`` / ``stream`` (threads) and ``await_response_async`` /
-``stream_async`` (async tasks, anyio: asyncio or trio) wait on wakeups from the engine, never by
-polling; a request has at most one of them attached at a time (a second one raises
-``RequestInUse``). A wait that is cancelled or times out takes nothing: the response and every
-event stay for the next wait, unless it was called with ``cancel_on_abandon=True``, which
-cancels and releases the request when the wait ends without its response (or a stream before
-its final event). Without a worker, the loop runs only inside the calls that drive it: sync
-waits step in the calling thread; async waits run one step at a time in an anyio worker thread
-and are not abandoned there (a cancellation takes effect when that step ends, at most one step
-later), so nothing runs on after them; ``generate`` and ``run_warmup`` wait as sync waits do;
-``cancel`` applies every pending cancellation before it returns. So without a worker, a request
-given up by an abandoned wait (``cancel_on_abandon``) is cancelled, and its KV blocks freed,
-the next time one of those runs.
-
-Retention (``bootstrap.engine.executor.request_table``): a request is held from ``enqueue`` until its response
-is taken (or final event streamed). ``cancel`` means the caller is done with it: it is released
-as soon as it is finished and no wait is attached. Finished responses nobody waits for are kept,
-the ``max_unclaimed`` most recent; a released id raises ``KeyError``. ``stats()`` counts them.
-
-``shutdown`` stops and joins the worker, answers every unfinished request with
-``finish_reason="cancelled"``, wakes every waiter and releases the KV pool and any captured CUDA
-graphs; it is idempotent. A worker that does not stop in time does that itself when its step
-ends. Steps run under one lock, so a caller driving the loop and a worker started meanwhile
-never step at once. A program that ends with the worker running (no ``shutdown``) gets it shut
-down by an ``atexit`` hook instead of aborting (``bootstrap.engine.executor.loop``, Exit).
+the vocabulary) is answered at once with an error instead of being queued. The loop (its step,
+errors, worker thread and exit hook: ``executor.loop``) runs on a worker (``start_worker``) or,
+without one, inside the calls that wait (``executor.waiting``). ``await_response`` / ``stream``
+(threads) and ``await_response_async`` / ``stream_async`` (anyio tasks) wait on wakeups, never by
+polling, one wait at a time per request (a second raises ``RequestInUse``); a wait that is
+cancelled or times out takes nothing, unless ``cancel_on_abandon=True`` gives the request up.
+Retention (``executor.request_table``): a request is held until its response is taken; ``cancel``
+releases it once finished; the ``max_unclaimed`` most recent unclaimed responses are kept; a
+released id raises ``KeyError``. ``shutdown`` (idempotent) answers unfinished requests
+``finish_reason="cancelled"``, wakes every waiter and releases the KV pool and any CUDA graphs.
 """
 
 from __future__ import annotations
@@ -45,6 +24,7 @@ from collections.abc import Sequence as Seq
 
 import anyio
 
+from bootstrap.config import is_int
 from bootstrap.engine.executor.loop import EngineLoop
 from bootstrap.engine.executor.request_table import Claim, Handle, RequestStats, RequestTable
 from bootstrap.engine.executor.responses import ResponseWriter
@@ -116,7 +96,7 @@ class PyExecutor:
         With a seed, choice ``i`` samples with ``seed + i`` (wrapping past ``MAX_SEED``), so
         choice 0 is what ``enqueue`` gives. All are answered the same way when impossible."""
         self._check_open()
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
+        if not is_int(n) or not 1 <= n <= MAX_CHOICES:
             raise ValueError(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}")
         first = self._sequence(prompt_token_ids, params)
         first.forks = [self._sequence(first.prompt_token_ids, _choice_params(first.params, i)) for i in range(1, n)]
@@ -176,8 +156,13 @@ class PyExecutor:
         finally:
             self._requests.detach(claim.handle, claim, give_up=cancel_on_abandon and response is None)
 
+    # ASYNC109: the sync await_response's signature, its timeout (TimeoutError) included, for async callers
     async def await_response_async(
-        self, request_id: int, timeout: float | None = None, *, cancel_on_abandon: bool = False
+        self,
+        request_id: int,
+        timeout: float | None = None,  # noqa: ASYNC109
+        *,
+        cancel_on_abandon: bool = False,
     ) -> Response:
         """``await_response`` for async callers; cancelling the awaiting task is like a timeout."""
         claim = self._requests.attach(request_id, "await_response_async")

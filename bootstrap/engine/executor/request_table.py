@@ -1,22 +1,17 @@
 """Request handles: where the engine leaves each request's events and response, and where
-callers (threads or async tasks) pick them up.
+callers (threads or async tasks) pick them up. The rules ``PyExecutor``'s callers rely on:
 
-Rules, relied on by ``PyExecutor`` and documented there for its callers:
-
-- **One consumer at a time.** A stream or an await attaches to a request while it runs; a
-  second one meanwhile raises ``RequestInUse``. When the first detaches (done, timed out,
-  cancelled, closed), the request is free for the next consumer.
+- **One consumer at a time.** A stream or an await attaches while it runs; a second one raises
+  ``RequestInUse``. Once the first detaches (done, timed out, cancelled, closed), the next may.
 - **Nothing is lost to a cancelled wait.** An event or response leaves its handle only in the
-  consumer's own thread or task, under the lock, at the moment it is handed over
-  (``take_event``, ``take_response``). A wait that is cancelled or times out has taken nothing.
+  consumer's own thread or task, under the lock, as it is handed over (``take_event``,
+  ``take_response``). A wait that is cancelled or times out has taken nothing.
 - **Bounded retention.** A handle lives from enqueue until its final event is streamed or its
-  response taken. A request given up (``give_up``: ``cancel``, or a consumer leaving with
-  ``cancel_on_abandon``) is released as soon as it is finished and no consumer is attached.
-  Finished responses that nobody is attached to are kept, the ``max_unclaimed`` most recently
-  finished; older ones are released. A released request id is unknown (``KeyError``).
-- **Wakeups, not polling.** The engine notifies a per-handle condition (threads) and the
-  ``Waker`` of an async consumer, which schedules ``Event.set`` on that consumer's event loop
-  without blocking the engine thread.
+  response taken. A request given up (``give_up``: ``cancel``, or ``cancel_on_abandon``) is
+  released once finished with no consumer attached. Of the finished responses nobody is
+  attached to, the ``max_unclaimed`` most recent are kept. A released id is a ``KeyError``.
+- **Wakeups, not polling.** The engine notifies a per-handle condition (threads) and an async
+  consumer's ``Waker`` (``Event.set`` scheduled on its event loop, never blocking the engine).
 """
 
 from __future__ import annotations
@@ -30,6 +25,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
+from bootstrap.config import is_int
 from bootstrap.engine.request.sequence import Detokenizer, Response, Sequence, StreamEvent
 
 log = logging.getLogger(__name__)
@@ -47,7 +43,8 @@ class Waker:
         self._call_soon = _call_soon_threadsafe()
 
     def wake(self) -> None:
-        try:
+        # not contextlib.suppress: this runs for every event of every request, where try costs nothing
+        try:  # noqa: SIM105
             self._call_soon(self.event.set)
         except RuntimeError:  # its event loop has ended: nobody waits on it any more
             pass
@@ -115,7 +112,7 @@ class RequestTable:
     """
 
     def __init__(self, max_unclaimed: int) -> None:
-        if not isinstance(max_unclaimed, int) or isinstance(max_unclaimed, bool) or max_unclaimed < 0:
+        if not is_int(max_unclaimed) or max_unclaimed < 0:
             raise ValueError(f"max_unclaimed must be an integer >= 0, got {max_unclaimed!r}")
         self.lock = threading.Lock()
         self.max_unclaimed = max_unclaimed

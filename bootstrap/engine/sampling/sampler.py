@@ -23,6 +23,7 @@ from typing import NoReturn
 
 import torch
 
+from bootstrap.config import is_int
 from bootstrap.engine.sampling.argmax import argmax
 from bootstrap.engine.sampling.processing import History, TokenLogprob, needs_processing, process, token_logprobs
 
@@ -32,10 +33,6 @@ MAX_LOGPROBS = 20
 
 def _fail(name: str, allowed: str, value: object) -> NoReturn:
     raise ValueError(f"SamplingParams.{name} must be {allowed}, got {value!r}")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value: object) -> bool:
@@ -89,21 +86,21 @@ class SamplingParams:
         self._check_surface()
 
     def _check_numbers(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             _fail("max_tokens", "an integer >= 1", self.max_tokens)
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             _fail("temperature", "a finite number >= 0 (0 = greedy)", t)
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             _fail("top_k", "an integer >= 0 (0 = off)", self.top_k)
         p = self.top_p
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
             _fail("top_p", "a number in (0, 1] (1 = off)", p)
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
             _fail("seed", f"None or an integer in [0, {MAX_SEED}]", self.seed)
 
     def _check_stops(self) -> None:
-        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             _fail("stop_token_ids", "a tuple of integers >= 0", self.stop_token_ids)
         if not all(isinstance(s, str) and s for s in self.stop):
             _fail("stop", "a tuple of non-empty strings", self.stop)
@@ -120,9 +117,9 @@ class SamplingParams:
         r = self.repetition_penalty
         if not _is_number(r) or not math.isfinite(r) or r <= 0:
             _fail("repetition_penalty", "a finite number > 0 (1 = off)", r)
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             _fail("min_tokens", f"an integer in [0, max_tokens={self.max_tokens}]", self.min_tokens)
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             _fail("logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
 
     @property

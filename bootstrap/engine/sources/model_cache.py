@@ -8,16 +8,15 @@
     plans/                                      the CLI's plan cache (not a model: listed apart)
     .<name>.<random>                            the staging of a fetch or conversion under way, or killed
 
-Every entry is written under a staging name and renamed into place (``publish``), so a reader
-never sees half of one. ``is_own`` tells these entries from anything else a directory holds
-(``bootstrap cache`` lists and clears only those): by place and name, and by content where an
-entry has one to show. Nothing here imports torch: ``bootstrap cache`` lists and clears the
-cache without it. Sizes are file sizes in bytes; ``size_text`` prints them in decimal MB
-(10^6 bytes, as pip does).
+Every entry is written under a staging name and renamed into place (``publish``). ``is_own``
+tells these entries from anything else a directory holds, by place, name and content where an
+entry has some (``bootstrap cache`` lists and clears only those). No torch import here. Sizes
+are file sizes in bytes; ``size_text`` prints them in decimal MB (10^6 bytes, as pip does).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -26,7 +25,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from bootstrap.config import open_regular
+from bootstrap.paths import open_regular
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 DOWNLOADS = "downloads"
@@ -122,7 +121,7 @@ def _has_source(checkpoint: Path) -> bool:
 
 def _head(path: Path, size: int) -> bytes | None:
     """Up to ``size`` first bytes of the regular file ``path``; None for anything else (a link is
-    not followed, a FIFO or device never opened: ``config.open_regular``)."""
+    not followed, a FIFO or device never opened: ``paths.open_regular``)."""
     try:
         with open_regular(path) as fd:
             return os.read(fd, size)
@@ -140,10 +139,8 @@ def size_of(path: Path) -> int:
     total = 0
     for root, _, files in os.walk(path):
         for name in files:
-            try:
+            with contextlib.suppress(FileNotFoundError):  # removed while we walked
                 total += os.lstat(os.path.join(root, name)).st_size
-            except FileNotFoundError:  # removed while we walked
-                pass
     return total
 
 
