@@ -11,7 +11,8 @@ measured one right after the other, ``--rounds`` times, rotating which goes firs
 and their ratio to ``none`` are the result. The figure is the per-request overhead; a server's
 throughput cost is that overhead against its own time per request (``serve_load.py --trace-ratios``).
 
-    python benchmarks/request_trace_cost.py --requests 5000 --rounds 5 --out benchmarks/results/request_trace_cost_cpu.json
+    python benchmarks/request_trace_cost.py --requests 5000 --rounds 5 \\
+        --out benchmarks/results/request_trace_cost_cpu.json
 """
 
 from __future__ import annotations

@@ -116,7 +116,8 @@ class Server:
     """``bootstrap serve`` in a subprocess on a free port; SIGTERM on exit."""
 
     def __init__(self, args: argparse.Namespace, trace_ratio: float | None = None) -> None:
-        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        # open for the server's whole life (its stdout), closed in stop()
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)  # noqa: SIM115
         self.trace_ratio = trace_ratio
         self.trace = None if trace_ratio is None else Path(tempfile.mkdtemp()) / "trace.jsonl"
         tracing = (
@@ -238,7 +239,7 @@ def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
-    return ordered[min(int(round(q / 100 * (len(ordered) - 1))), len(ordered) - 1)]
+    return ordered[min(round(q / 100 * (len(ordered) - 1)), len(ordered) - 1)]
 
 
 def summarize(clients: int, samples: list[Sample], wall_s: float) -> dict:

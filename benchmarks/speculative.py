@@ -8,11 +8,12 @@ Real drafts with real acceptance cannot run here (random weights agree with noth
 acceptance is controlled: the draft runs its ``k`` passes as usual (its cost is real), then each
 proposal is replaced by the target's own greedy continuation (recorded from a baseline run, then
 recorded again through the verify pass: ``calibrated``) with probability ``--acceptance``, else
-by another token, one draw per request and output position (``Controlled``). With greedy verification a proposal is then
-kept exactly when it and every one before it are the target's, so the acceptance per position
-is the chosen rate. Both paths run once at each batch size before it is timed (first-use kernel
-compilation is not counted; ``auto`` has then measured its passes). Each point: ``batch`` requests of ``--prompt-len`` random tokens,
-``--gen-len`` greedy tokens each; tokens per second of the whole batch, speculative against
+by another token, one draw per request and output position (``Controlled``). With greedy
+verification a proposal is then kept exactly when it and every one before it are the target's, so
+the acceptance per position is the chosen rate. Both paths run once at each batch size before it
+is timed (first-use kernel compilation is not counted; ``auto`` has then measured its passes).
+Each point: ``batch`` requests of ``--prompt-len`` random tokens, ``--gen-len`` greedy tokens
+each; tokens per second of the whole batch, speculative against
 baseline, and the analytic expectation ``(1 - a^(k+1)) / (1 - a) / (1 + c k)`` for acceptance
 ``a`` and the draft's cost ``c`` (its weight bytes over the target's), and the same from the
 passes' measured seconds (``expected_speedup_measured_costs``), and where the speculative run's

@@ -7,6 +7,7 @@ allocations by tag, injectable out-of-memory errors and leak accounting.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import re
 import threading
@@ -74,7 +75,7 @@ class CudaDevice:
     def empty_cache(self) -> None:
         """Return torch's cached blocks to the device. cuBLAS workspaces stay: a captured CUDA
         graph replays its GEMMs into the workspace it was captured with, so freeing one under a
-        live graph corrupts memory (``engine.cuda_graphs.release_workspaces`` frees them once no
+        live graph corrupts memory (``engine.step.graphs.release_workspaces`` frees them once no
         graph is left)."""
         self._cuda.empty_cache()
 
@@ -118,10 +119,8 @@ class CpuDevice:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     def reset_peak(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             Path("/proc/self/clear_refs").write_text("5")
-        except OSError:
-            pass
 
     def empty_cache(self) -> None:
         """Nothing to return: torch's CPU allocator keeps no cache (a large tensor's pages go back

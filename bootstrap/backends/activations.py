@@ -1,53 +1,12 @@
 """Analytic memory of one forward pass and of a started executor, for the simulated backend.
 
 Pure arithmetic on a ``ModelShape``; no torch. The figures are estimates of what torch's
-caching allocator would see at its peak, term by term, so that a simulated profile can be
-explained line by line. Notation (all per tensor-parallel rank):
-
-  T = max_num_tokens of the dummy step     b = weight dtype bytes    tp = tensor_parallel_size
-  h = hidden_size   nh, nkv = query / KV heads   d = head_dim   I = intermediate_size   V = vocab
-  R = number of dummy requests = len(dummy_request_lengths(T, max_seq_len))
-  shard(x) = ceil(x / tp): a tensor split across ranks (heads, MLP columns, experts' columns)
-
-One forward runs layer after layer and frees each layer's intermediates before the next, so the
-peak is the largest phase below on top of the stream that lives through the whole forward. The
-layout is what transformers' model code keeps alive (the native engine runs that code):
-
-  stream       = 3*T*h*b                residual / layer input, RMSNorm output, and the embedding
-                                        output that the model's forward keeps referenced
-               + 2*T*r*b + 8*T          rotary cos and sin (r = head_dim, MLA: qk_rope_head_dim;
-                                        0 without rotary) and int64 position ids
-               + T*T                    a bool attention mask, with sliding-window layers once
-                                        T >= the smallest window (sdpa then cannot use is_causal)
-  attention    = T*shard((nh + 2*nkv)*d)*b          q, k, v projections
-               + T*shard((nh + nkv)*d)*b            q and k after rotary
-               + T*shard(nh*d)*b + T*h*b            attention output, o_proj output
-               + T*shard(nh)*4                      fp32 softmax log-sum-exp (flash attention)
-     MLA:        T*q_lora*b + T*(kv_lora + rope)*b  compressed q and kv latents (replicated)
-               + T*shard(nh*(nope + rope))*b        q after up-projection
-               + T*shard(nh*(nope + rope + v))*b    k and v decompressed for prefill
-               + T*shard(nh*v)*b + T*h*b + T*shard(nh)*4   attention and o_proj outputs, lse
-     Mamba:      T*shard(2*di)*b + 2*T*shard(di)*b  in_proj (x, z), conv and scan outputs
-               + T*(dt_rank + 2*d_state)*b + T*h*b  x_proj (B, C, dt), out_proj output
-  dense MLP    = 3*T*shard(I)*b + T*h*b             gate, up, act(gate)*up; down_proj output
-  MoE MLP      = T*E*4                              fp32 router logits (replicated)
-               + T*k*h*b                            routed copies of the tokens (k = experts_per_token)
-               + 4*T*k*shard(I_moe)*b               fused gate_up (2 I), act, act*up per routed copy
-               + T*h*b                              the combined expert output
-               + 3*T*shard(I_shared)*b              shared experts, where the model has them
-  logits       = R*V*4                              fp32 logits of each request's last token only
-  workspace    = 32 MiB                             cuBLAS workspace (torch's Hopper default,
-                                                    ``:4096:8`` = 8 x 4 MiB, taken from the allocator)
-  peak         = stream + max(attention, MLP, logits) + workspace
-
-Calibration (H200, torch 2.11, transformers 5.17, bf16, sdpa, 2-layer models built from the
-presets' configs, ``logits_to_keep=1``, ``max_memory_allocated`` over one forward of T = 1024,
-4096 and 8192 tokens, workspace already allocated): llama-3.1-8b, mistral-7b, qwen3-8b and
-gemma-2-9b match to the byte; mixtral-8x7b is 58 bytes per token low (0.02 %). Known gap:
-deepseek-v2-lite is 23.5 % low (38.7 KB per token), as transformers' DeepSeek-V2 MoE keeps more
-per-expert copies than this model counts. A cold first matmul allocated the 32 MiB workspace.
-
-Every term is non-decreasing in T (R too), so the peak is monotonic in ``max_num_tokens``.
+caching allocator would see at its peak, term by term (the formulas: ``activation_peak``), so a
+simulated profile can be explained line by line. The layout is what transformers' model code
+keeps alive (the native engine runs that code), calibrated against measured forwards
+(benchmarks/README.md, "Calibration constants in the code"); the known gap is DeepSeek-V2's MoE,
+where transformers keeps more per-expert copies than counted here. Every term is non-decreasing
+in ``max_num_tokens``, so the peak is monotonic in it.
 """
 
 from __future__ import annotations
@@ -89,7 +48,43 @@ class ActivationEstimate:
 def activation_peak(
     shape: ModelShape, *, max_num_tokens: int, max_seq_len: int, dtype_bytes: int, tp: int = 1
 ) -> ActivationEstimate:
-    """The analytic peak of one forward over ``max_num_tokens`` tokens (see the module docstring)."""
+    """The analytic peak of one forward over ``max_num_tokens`` tokens. One forward runs layer
+    after layer and frees each layer's intermediates before the next, so the peak is the largest
+    phase below on top of the stream that lives through the whole forward. Per tensor-parallel
+    rank:
+
+      T = max_num_tokens of the dummy step     b = weight dtype bytes    tp = tensor_parallel_size
+      h = hidden_size   nh, nkv = query / KV heads   d = head_dim   I = intermediate_size   V = vocab
+      R = number of dummy requests = len(dummy_request_lengths(T, max_seq_len))
+      shard(x) = ceil(x / tp): a tensor split across ranks (heads, MLP columns, experts' columns)
+
+      stream       = 3*T*h*b                residual / layer input, RMSNorm output, and the embedding
+                                            output that the model's forward keeps referenced
+                   + 2*T*r*b + 8*T          rotary cos and sin (r = head_dim, MLA: qk_rope_head_dim;
+                                            0 without rotary) and int64 position ids
+                   + T*T                    a bool attention mask, with sliding-window layers once
+                                            T >= the smallest window (sdpa then cannot use is_causal)
+      attention    = T*shard((nh + 2*nkv)*d)*b          q, k, v projections
+                   + T*shard((nh + nkv)*d)*b            q and k after rotary
+                   + T*shard(nh*d)*b + T*h*b            attention output, o_proj output
+                   + T*shard(nh)*4                      fp32 softmax log-sum-exp (flash attention)
+         MLA:        T*q_lora*b + T*(kv_lora + rope)*b  compressed q and kv latents (replicated)
+                   + T*shard(nh*(nope + rope))*b        q after up-projection
+                   + T*shard(nh*(nope + rope + v))*b    k and v decompressed for prefill
+                   + T*shard(nh*v)*b + T*h*b + T*shard(nh)*4   attention and o_proj outputs, lse
+         Mamba:      T*shard(2*di)*b + 2*T*shard(di)*b  in_proj (x, z), conv and scan outputs
+                   + T*(dt_rank + 2*d_state)*b + T*h*b  x_proj (B, C, dt), out_proj output
+      dense MLP    = 3*T*shard(I)*b + T*h*b             gate, up, act(gate)*up; down_proj output
+      MoE MLP      = T*E*4                              fp32 router logits (replicated)
+                   + T*k*h*b                            routed copies of the tokens (k = experts_per_token)
+                   + 4*T*k*shard(I_moe)*b               fused gate_up (2 I), act, act*up per routed copy
+                   + T*h*b                              the combined expert output
+                   + 3*T*shard(I_shared)*b              shared experts, where the model has them
+      logits       = R*V*4                              fp32 logits of each request's last token only
+      workspace    = 32 MiB                             cuBLAS workspace (torch's Hopper default,
+                                                        ``:4096:8`` = 8 x 4 MiB, taken from the allocator)
+      peak         = stream + max(attention, MLP, logits) + workspace
+    """
     if max_num_tokens < 1:
         raise ValueError(f"max_num_tokens must be >= 1, got {max_num_tokens}")
     if tp < 1:

@@ -24,7 +24,7 @@ class MemoryProfile:
     ``graph_bytes``: device memory the decode CUDA graphs of the ``warmup`` stage take (their
     memory pool, static outputs and the driver's graph objects), from the probe after the dummy
     forward: the native backend estimates it from one eager decode step of the largest bucket
-    (``engine.cuda_graphs.capture_reserve_bytes``); 0 where nothing is captured. It is not part of
+    (``engine.step.graphs.capture_reserve_bytes``); 0 where nothing is captured. It is not part of
     the peak: the graphs stay allocated beside every later step, so the plan reserves it whole.
     """
 

@@ -1,19 +1,16 @@
 """``bootstrap cache list | clear``: what the plan cache and the model cache hold, and deleting it.
 
 The plan cache (``--plan-cache``, default ``~/.cache/executor-bootstrap/plans``) holds one small
-JSON file per setup. The model cache (``--model-cache``, default ``~/.cache/executor-bootstrap``,
-where ``run`` and ``serve`` keep models) holds the default model's GGUF and its converted
-checkpoint, and every ``.gguf`` file converted once (``bootstrap.engine.sources.model_cache``).
-``list`` prints each with its size; ``clear`` deletes both (``--plans`` or ``--models``: only that
-one) and prints what it removed and how much. Only what these caches wrote is touched, however
-the directory was named (``--plan-cache .`` or ``~/.cache`` included): plan files recognised by
-name and first bytes (``plan_cache.is_own_file``), the model cache's entries by place, name and
-content (``model_cache.is_own``), never a link or what it points to, never another file. A folder
-goes only once the clear emptied it and only when it is the caches' own: the plan directory
-``PlanCache`` created, the model cache's ``downloads/`` and ``gguf/`` that held removed entries,
-the default model cache directory. Sizes in decimal MB (10^6 bytes). Exit status 0; 2 for a cache
-path that is a file; 1 when an entry could not be deleted (the message names it). No torch is
-imported.
+JSON file per setup; the model cache (``--model-cache``, default ``~/.cache/executor-bootstrap``)
+the models ``run`` and ``serve`` fetched or converted (``bootstrap.engine.sources.model_cache``).
+``list`` prints each with its size (decimal MB); ``clear`` deletes both (``--plans`` or
+``--models``: only that one) and prints what it removed. Only what these caches wrote is
+touched, however the directory was named (``--plan-cache .`` included): plan files by name and
+first bytes (``plan_cache.is_own_file``), model entries by place, name and content
+(``model_cache.is_own``), never a link or what it points to. A folder goes only once the clear
+emptied it and only when it is the caches' own (the plan directory ``PlanCache`` created, the
+model cache's ``downloads/`` and ``gguf/``, the default cache directory). Exit status 0; 2 for
+a cache path that is a file; 1 when an entry could not be deleted (named). No torch import.
 """
 
 from __future__ import annotations

@@ -1,11 +1,15 @@
-"""The exit status of every command, in one table, and which errors count as bad input.
+"""The exit status of every command, in one table (README.md shows it), and which errors count as
+bad input:
 
-| status | meaning |
-|---|---|
-| 0 | done: the executor was ready (``plan``, ``run``), the server stopped after a signal (``serve``), the command did its work (``trace``, ``cache``) |
-| 1 | a stage failed at run time: out of memory after its retries, an I/O error, a failed smoke request; or ``run``'s generation failed after ready (a failed step, a rank that stopped) |
-| 2 | bad input, found before the run or by a stage during it: an invalid flag or value, a configuration that cannot fit (the capacity stage's ``CapacityError``), a model that cannot be read, a missing extra, an unreadable trace file |
-| 130, 143, 129 | stopped by SIGINT (Ctrl-C), SIGTERM or SIGHUP (128 + the signal's number; ``serve`` exits 0 instead); every completed stage was rolled back |
+- 0: done: the executor was ready (``plan``, ``run``), the server stopped after a signal
+  (``serve``), the command did its work (``trace``, ``cache``);
+- 1: a stage failed at run time: out of memory after its retries, an I/O error, a failed smoke
+  request; or ``run``'s generation failed after ready (a failed step, a rank that stopped);
+- 2: bad input, found before the run or by a stage during it: an invalid flag or value, a
+  configuration that cannot fit (the capacity stage's ``CapacityError``), a model that cannot be
+  read, a missing extra, an unreadable trace file;
+- 130, 143, 129: stopped by SIGINT (Ctrl-C), SIGTERM or SIGHUP (128 + the signal's number;
+  ``serve`` exits 0 instead); every completed stage was rolled back.
 
 The message always goes to stderr, one paragraph, no traceback.
 """

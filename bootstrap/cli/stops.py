@@ -6,13 +6,12 @@
 - Before them (the checks, the imports), SIGTERM and SIGHUP are held, and the build does not
   start; SIGINT there is Python's ``KeyboardInterrupt``, as it always was.
 - After them, while the run releases the executor and prints its report, SIGTERM and SIGHUP are
-  held and the report is the run's own: torch's launcher stops the other ranks the moment one
-  ends with an error, and that must not cut rank 0's report short.
+  held: torch's launcher stops the other ranks the moment one ends with an error, and that must
+  not cut rank 0's report short.
 
-``held_stops`` installs the one handler SIGTERM and SIGHUP have for a command's whole main
-thread: it notes the signal, and while a window is open it also wakes the event loop
-(``call_soon_threadsafe``, as asyncio's own Ctrl-C handler does) to cancel the work. The loop's
-receiver takes only SIGINT, so there is never a moment where SIGTERM has its default action.
+``held_stops`` installs the one handler SIGTERM and SIGHUP have for the main thread: it notes the
+signal, and while a window is open wakes the event loop (``call_soon_threadsafe``, as asyncio's
+Ctrl-C handler does) to cancel the work; the loop's own receiver takes only SIGINT.
 """
 
 from __future__ import annotations

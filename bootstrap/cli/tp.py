@@ -103,7 +103,10 @@ def launched_status(launched: Any) -> tuple[int, str | None]:
     status = codes.get(0) or next((c for _, c in sorted(codes.items()) if c), OK)
     if not unsaid:
         return status, None
-    line = f"rank {unsaid[0]} {_ended(codes[unsaid[0]], launched.raised.get(unsaid[0]))}; the launcher stopped the other ranks"
+    line = (
+        f"rank {unsaid[0]} {_ended(codes[unsaid[0]], launched.raised.get(unsaid[0]))}; "
+        "the launcher stopped the other ranks"
+    )
     return (STAGE_FAILED if crashed else status), line
 
 

@@ -1,8 +1,11 @@
-"""The native PyTorch inference engine: paged KV cache, paged attention for transformers models,
-capacity and micro-batch scheduling, sampling, and the ``PyExecutor`` loop.
+"""The native PyTorch inference engine, in rooms whose imports go down ``ENGINE_ALLOWED``
+(``tests/unit/test_layout.py``): ``executor`` (``PyExecutor`` and its loop), ``spec``
+(speculative decoding), ``scheduler``, ``step`` (one forward, its CUDA graphs), ``request``,
+``sampling``, ``sources`` (where weights come from), ``models`` and ``layers`` (the own model
+code), ``kernels`` (Triton), ``kv_cache`` (the paged pool) and ``tokenizer``.
 
-Names are exported lazily, so importing a light submodule (``bootstrap.engine.sampling.sampler``) does
-not import transformers.
+Names are exported lazily, so importing a light submodule (``bootstrap.engine.sampling.sampler``)
+does not import transformers.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ _EXPORTS = {
     "AttentionMetadata": "layers.attention",
     "paged_attention": "layers.attention",
     "use_metadata": "layers.attention",
-    "ModelRunner": "step.runner",
+    "ModelRunner": "step.model_runner",
     "Sequence": "request.sequence",
     "SequenceStatus": "request.sequence",
     "CapacityScheduler": "scheduler",

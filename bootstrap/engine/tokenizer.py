@@ -1,27 +1,17 @@
 """A checkpoint's tokenizer without transformers: ``tokenizer.json`` through ``tokenizers``, the
-special tokens of ``tokenizer_config.json``, and the chat template (``chat_template.jinja``, as
-transformers 5 writes it, or the config's ``chat_template``) rendered with jinja2 the way
-transformers renders it: a sandboxed environment with ``trim_blocks`` and ``lstrip_blocks``,
-loop controls, its ``tojson``, ``raise_exception`` and ``strftime_now``, and the special tokens
-as variables.
+special tokens of ``tokenizer_config.json``, and the chat template (``chat_template.jinja`` or the
+config's ``chat_template``) rendered with jinja2 as transformers renders it (sandboxed,
+``trim_blocks`` and ``lstrip_blocks``, loop controls, its ``tojson``, ``raise_exception`` and
+``strftime_now``, the special tokens as variables).
 
-``load_tokenizer`` first works out the class transformers 5's ``AutoTokenizer`` picks (from the
-class ``tokenizer_config.json``, or else ``config.json``, names and the model type: ``_pipeline``)
-and runs three of them here, for the model types of ``MODEL_TYPES``: none (no config.json), llama,
-mistral, qwen2, qwen3, gemma and gemma2. As tested against the installed transformers:
-
-- ``TokenizersBackend`` / ``PreTrainedTokenizerFast``: the file's pipeline as it is (its
-  post-processor decides BOS and EOS, whatever ``add_bos_token`` says);
-- ``Qwen2Tokenizer`` (qwen2 whatever the config names; qwen3 unless it names another class) and
-  ``GemmaTokenizer`` (gemma, gemma2 unless it names another class), or either where the config
-  names it: these keep only the file's BPE vocab, merges and post-processor (BOS and EOS as above),
-  put their own model options, normalizer, pre-tokenizer and decoder around them, take their own
-  default special tokens for keys the config lacks, and add the added and special tokens back;
-  ``_rebuilt`` replays that step by step.
-
-Any other class (``LlamaTokenizer``, ...) or model type, a file the class would turn into another
-model, or a checkpoint without ``tokenizer.json`` returns None, and the caller loads it through
-transformers.
+``load_tokenizer`` works out the class transformers 5's ``AutoTokenizer`` picks (``_pipeline``)
+and runs three of them here, for the model types of ``MODEL_TYPES``, as tested against the
+installed transformers: ``TokenizersBackend`` / ``PreTrainedTokenizerFast`` (the file's pipeline
+as it is), and ``Qwen2Tokenizer`` and ``GemmaTokenizer``, which keep only the file's BPE vocab,
+merges and post-processor and put their own options, normalizer, pre-tokenizer, decoder and
+default special tokens around them (``_rebuilt`` replays that). Any other class or model type, a
+file the class would turn into another model, or no ``tokenizer.json``: None, and the caller
+loads it through transformers.
 """
 
 from __future__ import annotations
@@ -70,7 +60,10 @@ DEFAULTS = {
         "mask_token": "<mask>",
     },
 }
-QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 def load_tokenizer(path: Path) -> Tokenizer | None:
@@ -92,7 +85,12 @@ def load_tokenizer(path: Path) -> Tokenizer | None:
 
 
 def _pipeline(declared: str | None, model_type: str | None) -> str | None:
-    """The pipeline of the class transformers' AutoTokenizer picks, or None for a class not ours."""
+    """The pipeline of the class transformers' AutoTokenizer picks (from ``tokenizer_config.json``'s
+    class, else ``config.json``'s, and the model type), or None for a class not ours:
+    ``Qwen2Tokenizer`` for qwen2 whatever the config names, and for qwen3 unless it names another;
+    ``GemmaTokenizer`` for gemma and gemma2 unless it names another; either where the config names
+    it; the file's own pipeline for ``TokenizersBackend`` / ``PreTrainedTokenizerFast`` (its
+    post-processor decides BOS and EOS, whatever ``add_bos_token`` says)."""
     if model_type not in MODEL_TYPES:
         return None
     if declared is None or model_type == "qwen2":
@@ -104,7 +102,8 @@ def _pipeline(declared: str | None, model_type: str | None) -> str | None:
 def _rebuilt(path: Path, data: dict, config: Mapping[str, Any], pipeline: str) -> tuple[Backend, dict] | None:
     """The backend Qwen2Tokenizer / GemmaTokenizer (``pipeline``) make of tokenizer.json (``data``) and
     their named special tokens, replaying their ``__init__`` and TokenizersBackend's on the arguments
-    transformers' ``from_pretrained`` passes them; None where that is not reproduced here."""
+    transformers' ``from_pretrained`` passes them (their own default special tokens for keys the
+    config lacks, the added and special tokens added back); None where that is not reproduced here."""
     model = data["model"]
     if model.get("type") != "BPE":
         return None  # the class would make a BPE without merges of another model's vocab; no checkpoint ships that

@@ -2,20 +2,17 @@
 
 ``launch`` is ``torchrun --standalone --nproc-per-node N`` called as a function: the elastic
 agent behind ``torchrun`` (``torch.distributed.launcher.api.elastic_launch``) with torchrun's
-single-machine settings. The ranks get torchrun's environment (``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, the ``TORCHELASTIC_*`` variables, and
-``OMP_NUM_THREADS=1`` where it is unset), and the agent's handling of signals and failures:
+single-machine settings, so the ranks get torchrun's environment (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_*``, ``OMP_NUM_THREADS=1`` where
+unset) and the agent's handling of signals and failures:
 
-- SIGINT, SIGTERM, SIGHUP or SIGQUIT to the launcher: the agent sends that signal to every rank,
-  waits up to ``SHUTDOWN_S`` for them, kills what is left, and ``launch`` reports the signal.
-- A rank that ends with an error: the agent stops the others at once (SIGTERM, SIGKILL after
-  ``SHUTDOWN_S``); nothing is restarted.
-- The launcher killed outright: each rank gets SIGINT from the kernel (torch's spawn sets the
-  parent-death signal).
-
-Each rank runs in a session of its own, as torchrun's ranks do, so a terminal's Ctrl-C reaches
-the launcher alone and each rank hears it once, from the agent. No rank outlives ``launch``.
-"""
+- SIGINT, SIGTERM, SIGHUP or SIGQUIT to the launcher: the agent sends it to every rank, waits up
+  to ``SHUTDOWN_S``, kills what is left, and ``launch`` reports the signal;
+- a rank that ends with an error: the agent stops the others at once (SIGTERM, SIGKILL after
+  ``SHUTDOWN_S``); nothing is restarted;
+- the launcher killed outright: each rank gets SIGINT (torch's spawn sets the parent-death signal).
+Each rank has a session of its own, as torchrun's do, so a terminal's Ctrl-C reaches the launcher
+alone and each rank hears it once, from the agent. No rank outlives ``launch``."""
 
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ class TorchCollective:
             return [int(r) for r in re.findall(r"\d+", named.group(1))]
         if self.rank != 0:
             return [0]
-        return [r for r in range(1, self.world_size)]
+        return list(range(1, self.world_size))
 
 
 def _first_line(exc: BaseException) -> str:

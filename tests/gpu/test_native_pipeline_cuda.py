@@ -301,7 +301,8 @@ async def _cancellation_mid_start_rolls_everything_back():
     before = settled_bytes()
     boot = Bootstrap(config(**LLAMA_1B))
 
-    async def cancel_when_profiling_starts(scope: anyio.CancelScope) -> None:
+    # boot passed in, not closed over: the `del boot` below must be what releases it
+    async def cancel_when_profiling_starts(boot: Bootstrap, scope: anyio.CancelScope) -> None:
         async for event in boot.events():
             if (event.stage, event.kind) == ("profiling", "started"):
                 scope.cancel()
@@ -309,7 +310,7 @@ async def _cancellation_mid_start_rolls_everything_back():
 
     with anyio.fail_after(300):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(cancel_when_profiling_starts, tg.cancel_scope)
+            tg.start_soon(cancel_when_profiling_starts, boot, tg.cancel_scope)
             tg.start_soon(boot.build)
     states = {stage: status.state for stage, status in boot.pipeline.status.items()}
     assert "cancelled" in states.values() and states["scheduler_sampler"] != "done"

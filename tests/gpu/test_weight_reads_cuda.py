@@ -61,7 +61,7 @@ def test_an_own_model_loaded_on_the_gpu_holds_the_checkpoint_exactly(tmp_path, d
     model = load_own_model(tmp_path, CUDA, dtype)
     expected = reference.state_dict()
     attention = model.model.layers[2].self_attn
-    q, k, v = attention.qkv_proj.split(attention.qkv_proj.weight.T)
+    _q, k, _v = attention.qkv_proj.split(attention.qkv_proj.weight.T)
     assert torch.equal(k.T.cpu(), expected["model.layers.2.self_attn.k_proj.weight"])
     assert torch.equal(model.lm_head.weight.cpu(), expected["lm_head.weight"])
     assert torch.equal(model.model.embed_tokens.weight.cpu(), expected["model.embed_tokens.weight"])

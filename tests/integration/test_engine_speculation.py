@@ -118,7 +118,7 @@ def test_stops_and_max_tokens_inside_an_accepted_run_end_where_they_would_withou
         plain.shutdown()
     ex = executor(target, target, k=4)
     try:
-        got = [r for r in outputs(ex, PROMPTS[:1] * 2, stop)] + outputs(ex, PROMPTS[:1], short)
+        got = list(outputs(ex, PROMPTS[:1] * 2, stop)) + outputs(ex, PROMPTS[:1], short)
         assert [r.token_ids for r in got] == want and len(want[2]) == 7
         assert [r.finish_reason for r in got] == ["stop", "stop", "length"] and empty(ex)
     finally:
@@ -166,7 +166,7 @@ def test_each_step_keeps_exactly_the_verified_tokens_in_both_pools():
         ex = executor(target, draft, k=4)
         forwards = []
         run = ex.runner.run
-        ex.runner.run = lambda batch: forwards.append(batch.total_tokens) or run(batch)
+        ex.runner.run = lambda batch, forwards=forwards, run=run: forwards.append(batch.total_tokens) or run(batch)
         try:
             request = ex.enqueue(PROMPTS[0], SamplingParams(max_tokens=21, temperature=0))
             seq = ex._requests.get(request).seq

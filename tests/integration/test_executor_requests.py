@@ -158,9 +158,11 @@ async def test_without_a_worker_an_abandoned_wait_is_cancelled_when_the_loop_nex
     ex.shutdown()
 
 
-async def _until(condition, timeout: float = 10.0) -> None:
-    with anyio.fail_after(timeout):
-        while not condition():
+async def _until(condition) -> None:
+    """Poll ``condition`` for up to 10 s: it reads state the executor's worker thread changes,
+    which has no event to wait on."""
+    with anyio.fail_after(10.0):
+        while not condition():  # noqa: ASYNC110 -- a poll of the worker thread's state, bounded above
             await anyio.sleep(0.01)
 
 

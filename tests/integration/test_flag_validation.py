@@ -1,7 +1,8 @@
 """Every flag of ``run`` and ``serve`` is checked before any work (issue 20, item 10): exit 2 and
-one line naming the flag (as its field, as every error here does; several bad fields share the line) and its allowed range, in well under a second of work, before any stage
-runs and (serve) before the port opens. The console script runs in a subprocess, as a user meets
-it; a bad value the old code let through ran the stages (a line per stage) or started the server."""
+one line naming the flag (as its field, as every error here does; several bad fields share the
+line) and its allowed range, in well under a second of work, before any stage runs and (serve)
+before the port opens. The console script runs in a subprocess, as a user meets it; a bad value
+the old code let through ran the stages (a line per stage) or started the server."""
 
 from __future__ import annotations
 

@@ -195,7 +195,7 @@ def test_at_the_deadline_the_unfinished_requests_are_counted_and_cancelled(tiny)
             executor = await boot.build()
             report = capacity.worst_case_load(executor, boot.report().plan, torch.device("cpu"), 0.0)
             with anyio.move_on_after(30):  # the worker applies the cancellations in its next round
-                while executor.scheduler.kv_cache.stats().used_blocks:
+                while executor.scheduler.kv_cache.stats().used_blocks:  # noqa: ASYNC110 -- polls the worker's state
                     await anyio.sleep(0.05)
             return report, executor.scheduler.kv_cache.stats().used_blocks
         finally:

@@ -165,7 +165,7 @@ def _bad_dirs(tmp_path: Path) -> dict[str, str]:
 def test_bad_paths_name_what_was_given(tmp_path):
     for name, expected in _bad_dirs(tmp_path).items():
         given = str(tmp_path / name)
-        with pytest.raises(ModelSourceError, match="accepted|random:") as info:
+        with pytest.raises(ModelSourceError, match=r"accepted|random:") as info:
             load_model(given, device=CPU)
         assert given in str(info.value) and expected in str(info.value)
 
@@ -204,7 +204,7 @@ def test_a_random_config_that_is_no_json_object_says_so(tmp_path, content, expec
 
 
 def test_bad_dtype_is_rejected(tiny_config_path):
-    with pytest.raises(ValueError, match="dtype must be None or a floating-point torch.dtype"):
+    with pytest.raises(ValueError, match=r"dtype must be None or a floating-point torch\.dtype"):
         load_model(f"random:{tiny_config_path}", device=CPU, dtype=torch.int8)
 
 

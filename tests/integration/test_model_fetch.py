@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import random
 import re
 import time
@@ -64,7 +65,7 @@ def test_the_fetch_shows_megabytes_against_the_announced_size_then_the_time_it_t
     updates = seen[1:-1]
     received = [float(re.fullmatch(rf"{LINE}: (\d+\.\d) / {total} MB", line)[1]) for _, line in updates]
     assert received == sorted(received) and len([r for r in received if 0 < r < float(total)]) >= 2
-    gaps = [later - earlier for (earlier, _), (later, _) in zip(updates, updates[1:])]
+    gaps = [later - earlier for (earlier, _), (later, _) in itertools.pairwise(updates)]
     assert min(gaps) >= INTERVAL_S * 0.9  # at most twice a second
     assert len(updates) <= SEND_S / INTERVAL_S + 4  # not one per poll: pip starts, then about 2 s of bytes
 

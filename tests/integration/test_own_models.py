@@ -187,7 +187,7 @@ def test_a_sharded_checkpoint_loads_every_shard(tmp_path):
     own = load_own_model(tmp_path, CPU, torch.float32)
     assert torch.equal(own.model.layers[1].mlp.down_proj.weight, reference.model.layers[1].mlp.down_proj.weight)
     attention, expected = own.model.layers[0].self_attn, reference.model.layers[0].self_attn
-    q, k, v = attention.qkv_proj.split(attention.qkv_proj.weight.T)  # split by output rows
+    _q, k, v = attention.qkv_proj.split(attention.qkv_proj.weight.T)  # split by output rows
     assert torch.equal(k.T, expected.k_proj.weight) and torch.equal(v.T, expected.v_proj.weight)
 
 
@@ -195,7 +195,7 @@ def test_a_checkpoint_in_another_dtype_is_converted_on_its_way_in(tmp_path):
     reference = checkpoint("llama-attention-bias-tied", tmp_path)  # stored float32, read as bfloat16
     own = load_own_model(tmp_path, CPU, torch.bfloat16)
     expected = reference.model.layers[0].self_attn
-    q, k, v = own.model.layers[0].self_attn.qkv_proj.split(own.model.layers[0].self_attn.qkv_proj.weight.T)
+    _q, _k, v = own.model.layers[0].self_attn.qkv_proj.split(own.model.layers[0].self_attn.qkv_proj.weight.T)
     assert own.dtype == torch.bfloat16 and torch.equal(v.T, expected.v_proj.weight.to(torch.bfloat16))
     assert torch.equal(
         own.model.layers[1].mlp.down_proj.weight, reference.model.layers[1].mlp.down_proj.weight.bfloat16()

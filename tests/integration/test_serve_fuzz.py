@@ -105,7 +105,7 @@ def served(tmp_path_factory):
 
 def send(served: tuple, route: str, content: bytes, content_type: str | None = "application/json") -> tuple:
     """POST ``content``; the response and the slowest /health answer while it was in flight."""
-    server, watch, http, _ = served
+    _server, watch, http, _ = served
     headers = {"content-type": content_type} if content_type else {}
     watch.settle()
     start = time.perf_counter()
@@ -161,8 +161,8 @@ def check_stream(route: str, text: str) -> None:
     assert events and events[-1] == "[DONE]", text[-500:]
     chunk = s.Completion if route == "/v1/completions" else s.ChatCompletionChunk
     finishes = []
-    for event in events[:-1]:
-        data = json.loads(event)
+    for payload in events[:-1]:
+        data = json.loads(payload)
         assert "error" not in data, data
         parsed = chunk.model_validate(data)
         finishes += [c.finish_reason for c in parsed.choices if c.finish_reason]

@@ -203,5 +203,5 @@ def test_tensor_parallel_without_ranks_is_a_clear_config_error():
     from bootstrap.backends.native.backend import NativeBackend
     from bootstrap.config import BootstrapConfig, ConfigError
 
-    with pytest.raises(ConfigError, match="tensor_parallel_size: 2 needs 2 ranks.*torchrun --nproc-per-node 2"):
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size: 2 needs 2 ranks.*torchrun --nproc-per-node 2"):
         NativeBackend.for_config(BootstrapConfig(device="cpu", tensor_parallel_size=2))

@@ -434,14 +434,18 @@ def test_qwen_and_gemma_checkpoints_load_without_importing_transformers(tmp_path
         "from pathlib import Path\nfrom bootstrap.engine.tokenizer import load_tokenizer\n"
         f"for path in {[str(p) for p in paths]!r}:\n"
         "    tok = load_tokenizer(Path(path))\n"
-        "    print(tok.decode(tok('Hi <|im_end|>').input_ids), len(tok.apply_chat_template([{'role': 'user', 'content': 'Hi'}])))\n"
+        "    print(tok.decode(tok('Hi <|im_end|>').input_ids),"
+        " len(tok.apply_chat_template([{'role': 'user', 'content': 'Hi'}])))\n"
     )
 
 
 def without_transformers(script: str) -> str:
     """Run ``script`` in a fresh interpreter and assert it exited 0 with no transformers module
     ever imported; its stdout before the module list."""
-    listing = "import sys\nprint('TRANSFORMERS', sorted(m for m in sys.modules if m == 'transformers' or m.startswith('transformers.')))\n"
+    listing = (
+        "import sys\nprint('TRANSFORMERS',"
+        " sorted(m for m in sys.modules if m == 'transformers' or m.startswith('transformers.')))\n"
+    )
     done = subprocess.run(
         [sys.executable, "-c", f"{script}\n{listing}"],
         check=False,
@@ -490,7 +494,7 @@ def test_bootstrap_run_on_a_checkpoint_directory_never_imports_transformers(fami
     path = with_weights(FAMILY_DIRS[family](tmp_path / family), family)
     out = without_transformers(
         "from bootstrap.cli import main\n"
-        f"assert main(['run', '--device', 'cpu', '--model', {str(path)!r}, '--chat', 'Hello there', '--max-tokens', '4',"
-        " '--no-plan-cache', '--json']) == 0\n"
+        f"assert main(['run', '--device', 'cpu', '--model', {str(path)!r}, '--chat', 'Hello there',"
+        " '--max-tokens', '4', '--no-plan-cache', '--json']) == 0\n"
     )
     assert json.loads(out)["finish_reason"] in ("length", "stop")

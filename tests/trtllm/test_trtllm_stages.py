@@ -212,14 +212,14 @@ def test_config_errors_fail_in_resolve_classes(version):
         s = make_setup(version, **overrides)
         return resolve_classes(s.config, s.backend)
 
-    with pytest.raises(ConfigError, match="free_gpu_memory_fraction: 1.0 .*V1 KVCacheManager"):
+    with pytest.raises(ConfigError, match=r"free_gpu_memory_fraction: 1\.0 .*V1 KVCacheManager"):
         resolve(free_gpu_memory_fraction=1.0)
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
         resolve(model="llama-3.1-70b", tensor_parallel_size=4)
     with pytest.raises(ConfigError, match="backend 'trtllm'"):
         resolve(backend="native")
     if version == "1.2.1":
-        with pytest.raises(ConfigError, match="needs TensorRT-LLM 1.3"):
+        with pytest.raises(ConfigError, match=r"needs TensorRT-LLM 1\.3"):
             resolve(kv_manager="v2")
     else:
         assert resolve(kv_manager="v2", free_gpu_memory_fraction=1.0).kv_manager == "KVCacheManagerV2"

@@ -2,8 +2,9 @@
 lines); no document links outside the repository; every result file under
 ``benchmarks/results/`` and every ``bootstrap/....py`` module a document cites exists; every
 relative markdown link (and its ``#anchor``) resolves; ``docs/design.md``'s layering table is
-the one ``tests/unit/test_layout.py`` checks. Reads files only: no torch, no imports of the
-package. Run alone: ``python -m pytest -q tests/unit/test_docs.py``.
+the one ``tests/unit/test_layout.py`` checks; no module docstring of ``bootstrap/`` runs over 15
+lines. Reads files only: no torch, no imports of the package. Run alone:
+``python -m pytest -q tests/unit/test_docs.py``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ BENCHMARKS = ROOT / "benchmarks" / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 FILES = [README, *DOCS, BENCHMARKS]
 MAX_README_LINES = 200
+PACKAGE = ROOT / "bootstrap"
+MAX_MODULE_DOCSTRING_LINES = 15  # what the module is for and its contract; a mechanism is explained once, by its owner
 
 FENCE = re.compile(r"^```.*?^```", re.DOTALL | re.MULTILINE)
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
@@ -144,3 +147,30 @@ def test_the_checks_see_what_they_check():
     assert LINK.findall(sample) == ["../../shared/DESIGN.md"]
     assert not (README.parent / "../../shared/DESIGN.md").resolve().is_relative_to(ROOT)
     assert slug("The budget split (`split.py`)") == "the-budget-split-splitpy"
+
+
+def module_docstring_lines(source: str) -> int:
+    """How many lines a module's docstring spans as written (0 for a module without one)."""
+    tree = ast.parse(source)
+    first = tree.body[0] if tree.body else None
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        assert first.end_lineno is not None
+        return first.end_lineno - first.lineno + 1
+    return 0
+
+
+def test_every_module_docstring_is_at_most_15_lines():
+    too_long = {
+        str(path.relative_to(ROOT)): lines
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if (lines := module_docstring_lines(text_of(path))) > MAX_MODULE_DOCSTRING_LINES
+    }
+    assert too_long == {}, f"module docstrings over {MAX_MODULE_DOCSTRING_LINES} lines: shorten them"
+
+
+def test_the_docstring_check_sees_a_long_docstring():
+    """Break-check of the counter: a 17-line docstring is seen as one, a one-liner and none too."""
+    assert module_docstring_lines('"""First line.\n' + "more\n" * 15 + '"""\n\nx = 1\n') == 17
+    assert module_docstring_lines('"""One line."""\n') == 1
+    assert module_docstring_lines("# a comment\nx = 1\n") == 0
+    assert module_docstring_lines("") == 0

@@ -213,7 +213,7 @@ def test_truncate_never_leaves_a_request_writing_into_a_shared_block():
     cache.extend("child", 3)
     cache.truncate("child", 8)  # back to the fork point, a block boundary: fine
     assert cache.shared_blocks() == 2 and cache.num_free_blocks == 6
-    with pytest.raises(ValueError, match="inside block .* which another request shares"):
+    with pytest.raises(ValueError, match=r"inside block .* which another request shares"):
         cache.truncate("child", 6)
     assert cache.num_tokens("child") == 8  # refused: nothing changed
     cache.free("child")

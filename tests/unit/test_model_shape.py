@@ -160,9 +160,9 @@ def test_from_path_and_resolve(tmp_path):
     assert resolve_model_shape(f"random:{tmp_path}") == preset_shape("smollm2-135m")
     assert resolve_model_shape("random:gemma-2-9b") == preset_shape("gemma-2-9b")
     assert resolve_model_shape("smollm2-135m-instruct") == preset_shape("smollm2-135m")
-    with pytest.raises(ModelConfigError, match="llama-3.1-8b"):
+    with pytest.raises(ModelConfigError, match=r"llama-3\.1-8b"):
         resolve_model_shape("no-such-model")
-    with pytest.raises(ModelConfigError, match="no config.json"):
+    with pytest.raises(ModelConfigError, match=r"no config\.json"):
         shape_from_path(tmp_path / "missing")
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ModelConfigError, match="cannot read"):
@@ -227,5 +227,5 @@ def test_parameter_count_matches_transformers(model_type):
 
 def test_absurd_layer_counts_are_rejected_before_building_per_layer_tuples():
     cfg = {**preset_config("llama-3.1-8b"), "num_hidden_layers": 10**12}
-    with pytest.raises(ModelConfigError, match="num_hidden_layers.*must be an integer in"):
+    with pytest.raises(ModelConfigError, match=r"num_hidden_layers.*must be an integer in"):
         parse_config(cfg)

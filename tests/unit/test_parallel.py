@@ -1,4 +1,5 @@
-"""The agreement rules of ``bootstrap.pipeline.collective`` and ``bootstrap.capacity.agree``, with a collective that hands back set outcomes."""
+"""The agreement rules of ``bootstrap.pipeline.collective`` and ``bootstrap.capacity.agree``, with
+a collective that hands back set outcomes."""
 
 from __future__ import annotations
 

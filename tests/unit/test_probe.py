@@ -136,7 +136,7 @@ async def test_an_estimation_oom_with_a_probe_capped_by_memory_gives_up_at_once(
     max_num_tokens down to its floor is larger: a retry would build the same probe."""
     room = 6 * 1024**2  # free beyond weights and executor state: 0.9 x 6 MiB holds one block of 32 tokens
     gpu = str(623_706_112 + 16_060_522_496 + 131_399_680 + room)  # CUDA context + weights + state (64 slots)
-    pipeline, device, memory = setup(gpu, max_seq_len=8192, max_num_tokens=8192, max_batch_size=64)
+    pipeline, device, _memory = setup(gpu, max_seq_len=8192, max_num_tokens=8192, max_batch_size=64)
     device.inject_oom("estimation_build/probe_kv", 1)
     with pytest.raises(StageFailed) as info:
         await pipeline.run()
@@ -146,7 +146,7 @@ async def test_an_estimation_oom_with_a_probe_capped_by_memory_gives_up_at_once(
 
 
 async def test_retry_after_profiling_failed_rebuilds_the_probe_it_released():
-    pipeline, device, memory = setup("h100-80gb", max_seq_len=8192, max_num_tokens=8192, max_batch_size=64)
+    pipeline, device, _memory = setup("h100-80gb", max_seq_len=8192, max_num_tokens=8192, max_batch_size=64)
     device.inject_oom("profiling", 3)  # attempt 2 released the original probe for a smaller one
     with pytest.raises(StageFailed):
         await pipeline.run()

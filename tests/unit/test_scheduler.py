@@ -48,7 +48,7 @@ def apply(scheduler: Scheduler, batch) -> list[Sequence]:
 def test_config_validation_names_fields():
     with pytest.raises(ValueError, match="max_num_tokens"):
         SchedulerConfig(max_batch_size=1, max_num_tokens=0)
-    with pytest.raises(ValueError, match="max_batch_size .* must be <= max_num_tokens"):
+    with pytest.raises(ValueError, match=r"max_batch_size .* must be <= max_num_tokens"):
         SchedulerConfig(max_batch_size=8, max_num_tokens=4)
 
 

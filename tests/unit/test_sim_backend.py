@@ -3,6 +3,8 @@ zero, injected OOMs fail the right stage cleanly, and the activation model behav
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from bootstrap.backends.activations import CUBLAS_WORKSPACE_BYTES, activation_peak, sampler_state_bytes
@@ -248,7 +250,7 @@ def test_activation_peak_grows_with_max_num_tokens(model):
         activation_peak(shape, max_num_tokens=t, max_seq_len=4096, dtype_bytes=2).total
         for t in (16, 256, 1024, 4096, 8192, 32768)
     ]
-    assert all(a < b for a, b in zip(peaks, peaks[1:]))
+    assert all(a < b for a, b in itertools.pairwise(peaks))
     assert peaks[0] > CUBLAS_WORKSPACE_BYTES
 
 

@@ -179,7 +179,7 @@ async def test_cancellation_mid_pipeline_rolls_everything_back():
 
 
 async def test_plan_cache_skips_estimation_and_profiling(tmp_path):
-    first, device1, _ = setup(plan_cache=tmp_path)
+    first, _device1, _ = setup(plan_cache=tmp_path)
     planned = (await first.run())["plan"]
     await first.aclose()
     second, device2, memory = setup(plan_cache=tmp_path)
@@ -247,7 +247,7 @@ async def test_missing_weights_file_is_not_retried():
 
 
 async def test_oom_at_the_max_num_tokens_floor_fails_with_the_reason():
-    pipeline, device, memory = setup(max_num_tokens=64, max_batch_size=64)  # already at its floor
+    pipeline, device, _memory = setup(max_num_tokens=64, max_batch_size=64)  # already at its floor
     device.inject_oom("profiling", 2)  # the first one shrinks the probe to the dummy workload
     with pytest.raises(StageFailed) as info:
         await pipeline.run()
@@ -260,7 +260,7 @@ async def test_oom_at_the_max_num_tokens_floor_fails_with_the_reason():
 
 
 async def test_final_build_gives_up_rather_than_shrink_below_one_request():
-    pipeline, device, memory = setup(max_kv_tokens=8192)  # exactly one max_seq_len request
+    pipeline, device, _memory = setup(max_kv_tokens=8192)  # exactly one max_seq_len request
     device.inject_oom("final_build", 1)
     with pytest.raises(StageFailed) as info:
         await pipeline.run()
@@ -299,7 +299,7 @@ async def test_a_profile_taken_after_an_oom_adaptation_is_not_cached(tmp_path):
     assert (await first.run())["plan"].max_num_tokens == 4096
     await first.aclose()
     assert list(tmp_path.glob("*.json")) == []
-    second, _, memory = setup(plan_cache=tmp_path)
+    second, _, _memory = setup(plan_cache=tmp_path)
     assert (await second.run())["plan"].max_num_tokens == 8192  # profiled afresh at full size
     await second.aclose()
 

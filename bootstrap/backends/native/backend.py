@@ -1,38 +1,17 @@
 """``NativeBackend``: the backend protocol over this package's own engine (``bootstrap.engine``).
 
-The stages decide sizes and retries; this module does the torch work, always on the pipeline's
-device thread, and pushes the release of everything it allocates on the attempt's ``Undo``:
-
-  load_model        weights (and draft weights) through the engine's loader; released by moving
-                    every parameter to the ``meta`` device, so no stray reference keeps them alive.
-                    The loader's slow first-use steps (in ``resolve_classes`` the default
-                    model's fetch and a GGUF file's metadata read, here its conversion) print
-                    progress lines to stderr (``progress``; only rank 0 of several)
-  estimation_build  probe pools of the estimation token count (target and draft), a temporary
-                    executor on each (no worker); released by shutting the executors down
-  profiling         dummy requests filling ``max_num_tokens`` (cut by ``max_seq_len``) through the
-                    probe executors (``engine.profile_run``: a failed step raises, it is never split),
-                    and with a draft one speculative step of ``max_batch_size`` sampled requests at
-                    full depth (its draft and verify passes, its judging);
-                    every figure of the profile is read from the device port, free memory after
-                    torch's cached blocks are returned (else the activations' cached blocks would
-                    count again as non-torch memory, and the plan would set them aside twice);
-                    with CUDA graphs on, the memory of the warmup stage's graphs is estimated from
-                    one eager decode step of the largest bucket on the probe
-                    (``MemoryProfile.graph_bytes``; nothing is captured twice)
-  final_build       the final pools, ``PagedKVCache.from_bytes`` of each pool's budget
-  warmup            the target's ``ModelRunner`` on its final pool, its decode steps captured as
-                    CUDA graphs (``ModelRunner.capture_decode_graphs``), with a draft its verify
-                    passes too, and the draft's runner with its passes; released by dropping them
-  scheduler_sampler the ``PyExecutor`` on the target pool (and the warmup's runner), its worker
-                    started, one smoke request
-
-Tensor parallelism (``collective`` of N ranks): each process is one rank; weights load as its
-shard through transformers' TP plan, and every pool holds ``kv_heads / N`` heads per token.
-
-A draft model is loaded, profiled, pooled and released like the target (``engine.spec.rows``, ``executor.profile_run``).
-The native pool stores every layer at full length (sliding windows are applied as masks), so the
-model shape it reports carries no windows and the plan prices every layer for every token.
+The stages decide sizes and retries; this module does the torch work on the device thread and
+pushes the release of all it allocates on the attempt's ``Undo`` (``docs/stages.md``).
+``load_model``: the weights through the engine's loader (progress lines on stderr, rank 0
+only), released by moving every parameter to ``meta``; ``estimation_build``: probe pools, a
+temporary executor on each; ``profiling``: the dummy requests (``executor.profile_run``) and with
+a draft one rehearsed speculative step, every figure read from the device port once torch's
+cached blocks are returned (else they would count twice, as non-torch memory), the graphs'
+memory estimated (``capture``); ``final_build``: the final pools; ``warmup``: the runners and
+their CUDA graphs; ``scheduler_sampler``: the ``PyExecutor``, its worker, one smoke request. A
+draft goes through each like the target. Each process is one rank of tensor parallelism: its
+shard of the weights, ``kv_heads / N`` heads a token per pool. Pools store every layer at full
+length (windows as masks), so the shape reported has no windows: every layer priced in full.
 """
 
 from __future__ import annotations
@@ -179,7 +158,7 @@ class NativeBackend:
 
     def check_weights(self, config: BootstrapConfig, shapes: list[ModelShape], dtype: str) -> None:
         """The weights of ``shapes`` in ``dtype`` against the device's free bytes, before
-        ``load_model`` allocates any (``native_checks.check_weights_fit``)."""
+        ``load_model`` allocates any (``checks.check_weights_fit``)."""
         check_weights_fit(config, shapes, dtype, self.device, self.tp)
 
     def kv_caps(self, resolved: ResolvedClasses, config: BootstrapConfig) -> dict[str, int]:
@@ -194,7 +173,7 @@ class NativeBackend:
     def default_headroom_bytes(
         self, profile: MemoryProfile | None, resolved: ResolvedClasses, config: BootstrapConfig
     ) -> int | None:
-        """On CUDA with the Triton paged decode kernel, ``native_headroom``'s bound; else None."""
+        """On CUDA with the Triton paged decode kernel, ``headroom``'s bound; else None."""
         if self.torch_device.type != "cuda" or not paged_kv.available(self.torch_device, config.tokens_per_block):
             return None
         return headroom_terms(profile, resolved, config)["total"]

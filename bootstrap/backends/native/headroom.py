@@ -1,23 +1,13 @@
-"""The native engine's default memory rule on CUDA: the KV cache gets everything after the
-measured peak except the memory its executor can still need on top of that peak.
+"""The native engine's default memory rule on CUDA (the rules: ``bootstrap.capacity.rules``): the
+KV cache gets everything after the measured peak except what its executor can still need on top
+of that peak, bounded by ``headroom_terms``.
 
-Profiling measures one step of ``max_num_tokens`` fresh prompt tokens. What a served step can
-add beyond it, with the Triton paged decode kernel (decode rows attend through each row's block
-table, so nothing of the running requests' contexts is copied) and fresh prompts attending their
-own keys (``engine.attention``), is bounded by:
-
-- ``activation``: the measured activation peak once more: allocator fragmentation between steps
-  of different shapes, and a step's working set at deep contexts;
-- ``continued_chunk``: the one continued prompt chunk a step can hold (the scheduler splits at
-  most one prompt per step) gathers its cached keys and values of one layer, up to
-  ``max_seq_len`` tokens, and masks ``max_num_tokens`` queries against them (a bool mask and
-  SDPA's additive bias in the compute dtype);
-- ``workspace``: 512 MiB for library workspaces created after profiling (cuBLAS on new streams,
-  Triton's and the compiled norms' kernels).
-
-Where the decode kernel cannot run (no Triton, or blocks under 16 tokens), decode rows gather a
-layer of every running request's context, which no fixed headroom bounds well, so there is no
-default and TensorRT-LLM's rule applies (``free_gpu_memory_fraction`` 0.9).
+Profiling measures one step of ``max_num_tokens`` fresh prompt tokens; with the Triton paged
+decode kernel, decode rows copy nothing of the running requests' contexts and fresh prompts
+attend their own keys (``engine.layers.attention``), so what a served step adds is bounded.
+Where the kernel cannot run (no Triton, or blocks under 16 tokens), decode rows gather a layer
+of every running request's context, which no fixed headroom bounds well: there is no default,
+and TensorRT-LLM's rule applies (``free_gpu_memory_fraction`` 0.9).
 """
 
 from __future__ import annotations
@@ -30,8 +20,17 @@ WORKSPACE_BYTES = 512 * 1024**2
 
 
 def headroom_terms(profile: MemoryProfile | None, resolved: ResolvedClasses, config: BootstrapConfig) -> dict[str, int]:
-    """The terms above, in bytes, and their ``total``. Before profiling (``profile`` None: the
-    probe cap) the activation term is not measured yet and counts 0."""
+    """The headroom's terms in bytes, and their ``total``:
+
+    - ``activation``: the measured activation peak once more: allocator fragmentation between
+      steps of different shapes, and a step's working set at deep contexts (before profiling,
+      ``profile`` None: the probe cap, not measured yet, it counts 0);
+    - ``continued_chunk``: the one continued prompt chunk a step can hold (the scheduler splits at
+      most one prompt per step) gathers its cached keys and values of one layer, up to
+      ``max_seq_len`` tokens, and masks ``max_num_tokens`` queries against them (a bool mask and
+      SDPA's additive bias in the compute dtype);
+    - ``workspace``: ``WORKSPACE_BYTES`` for library workspaces created after profiling (cuBLAS on
+      new streams, Triton's and the compiled norms' kernels)."""
     layer_bytes_per_token = resolved.cost.slope // max(resolved.shape.num_layers, 1)  # keys and values, one rank
     chunk = profile.max_num_tokens if profile is not None else config.max_num_tokens
     context = resolved.max_seq_len

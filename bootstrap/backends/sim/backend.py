@@ -1,19 +1,17 @@
 """``SimBackend``: the backend protocol on a ``FakeDevice``: a simulated GPU, no torch, no compute.
 
 It powers ``bootstrap plan`` (a dry-run capacity planner) and the stage tests. Every byte goes
-through ``device.allocate(nbytes, tag)`` with a tag that starts with the id of the stage that
-makes it, so ``device.inject_oom("<stage id>", n)`` fails that stage's next ``n`` allocations:
+through ``device.allocate(nbytes, tag)``, tagged with the id of the stage that makes it, so
+``device.inject_oom("<stage id>", n)`` fails that stage's next ``n`` allocations:
 
   load_model/weights, load_model/draft_weights       weights on this rank (``weight_bytes / tp``)
-  estimation_build/probe_kv                          probe KV pool (``probe_cost``: every layer holds every token)
+  estimation_build/probe_kv                          probe KV pool (``probe_cost``: every layer, every token)
   estimation_build/workspace                         the temporary executor's sampler + block tables
-  profiling/activations                              the forward's analytic peak, freed at once
+  profiling/activations                              the forward's peak (``backends.activations``), freed at once
   final_build/kv_target, kv_draft, kv_cross          the final KV pools, as the budgets say
   scheduler_sampler/sampler, scheduler_sampler/block_tables   the started executor's state
 
-Right after each allocation its release goes on the ``Undo`` the method was given, so running
-the undos frees everything. Releases are idempotent (an executor's ``shutdown`` and its undo
-may both run). See ``bootstrap.backends.activations`` for the activation and executor formulas.
+Each release goes on the method's ``Undo`` right after its allocation; releases are idempotent.
 """
 
 from __future__ import annotations

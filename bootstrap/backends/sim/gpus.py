@@ -1,25 +1,17 @@
 """Simulated GPUs: memory presets for the dry-run planner and stage tests.
 
-``total_bytes`` is what ``torch.cuda.mem_get_info()[1]`` (equivalently
-``torch.cuda.get_device_properties(i).total_memory``) reports, which is *less* than the
-``memory.total`` of ``nvidia-smi``: the driver keeps a few hundred MiB out of reach. Sources:
-
-- h200: measured on this project's H200 machine (torch 2.11.0+cu130, driver 580.159):
-  ``mem_get_info`` total = 150,109,880,320 B (143,155.5 MiB; nvidia-smi shows 143,771 MiB).
-- h100-80gb: ``_CudaDeviceProperties(name='NVIDIA H100 80GB HBM3', total_memory=81089MB)`` as
-  printed by torch in public bug reports (81,082-81,090 MiB seen, by driver; nvidia-smi 81,559).
-  Torch prints ``total_memory // 2**20`` with the unit "MB": the figures are MiB.
-- a100-80gb: OOM messages "GPU 0 has a total capacity of 79.15 GiB" on A100-SXM4-80GB
-  (about 81,050 MiB; nvidia-smi 81,920).
-- a100-40gb: ``total_memory=40536MB`` for A100-SXM4-40GB (nvidia-smi 40,960).
-- l40s: ``total_memory=45589MB`` (nvidia-smi 46,068).
-- rtx-4090: ``total_memory=24563MB`` (nvidia-smi 24,564).
+``total_bytes`` is what ``torch.cuda.mem_get_info()[1]`` (or ``get_device_properties(i)
+.total_memory``) reports: a few hundred MiB *less* than ``nvidia-smi``'s ``memory.total``, which
+the driver keeps out of reach. Each preset's ``source`` says where its figure comes from: the
+h200's was measured on this project's H200 machine, the others are torch's ``total_memory`` as
+public bug reports print it (``total_memory=81089MB``: ``total_memory // 2**20`` with the unit
+"MB", so MiB) or, for the a100-80gb, its OOM messages ("total capacity of 79.15 GiB").
 
 ``non_torch_bytes`` is memory a process holds outside torch's caching allocator once it has run
-a matrix product: CUDA context, kernel images, cuBLAS/cuBLASLt handles and workspaces. Measured
-on the H200 (same setup): 552,402,944 B after context creation, 623,706,112 B (595 MiB) after the
-first bf16 and fp32 matmuls. That figure is used for every preset; it depends mostly on the CUDA
-version and the loaded libraries, little on the card's memory size.
+a matrix product (CUDA context, kernel images, cuBLAS/cuBLASLt handles and workspaces), measured
+on the H200 and used for every preset: it depends mostly on the CUDA version and the loaded
+libraries, little on the card's memory size. The measurements and each preset's sources:
+benchmarks/README.md, "Calibration constants in the code".
 """
 
 from __future__ import annotations

@@ -9,8 +9,7 @@ layer in ``checked_api.py``. Layout:
   checked_api.py               the checking layer (and the clear error when TRT is missing)
   llm_args.py                  TorchLlmArgs / KvCacheConfig from the config; per-attempt copies
   handles.py                   releasable holders for what stages hand on
-  load.py, probe.py, final.py  the stages: engines and sampler; estimation and profiling;
-                               final managers, executor and smoke request
+  load.py, probe.py, final.py  the stages: engines, sampler; estimation, profiling; final managers, executor, smoke
   teardown.py                  rollback in the reference's teardown order
   backend.py                   TrtllmBackend, the Backend protocol
 """

@@ -42,7 +42,8 @@ def build_pools(
     for pool in budgets.pools():
         if pool.name not in POOL_KEYS:
             raise ConfigError(  # resolve_classes refuses cross pools first; this guards the mapping below
-                f"cross_kv_cache_fraction: the trtllm backend builds target and draft pools only, not {pool.name!r}; leave it unset"
+                "cross_kv_cache_fraction: the trtllm backend builds target and draft pools only, "
+                f"not {pool.name!r}; leave it unset"
             )
         update = pool_kv_update(pool, kv_manager=kv_manager, user_max_tokens=user_max_tokens)
         key = api.constant(f"ResourceManagerType.{POOL_KEYS[pool.name]}")

@@ -30,7 +30,7 @@ def create_executor(
 ) -> PyExecutor:
     """Wire a loaded model (switched to paged attention in place) and a KV pool into a
     ``PyExecutor``; its worker is started unless ``start=False``. ``max_unclaimed``: how many
-    finished responses nobody waits for are kept (see the module docstring). ``runner``: one
+    finished responses nobody waits for are kept (``executor.request_table``). ``runner``: one
     already made for this model and pool (with its CUDA graphs captured, say) instead of a new one.
     ``draft``: a draft model and its pool, or a runner made for them: each decode step proposes
     ``speculative_tokens`` tokens with it (with ``adaptive``, up to that many, as each request's

@@ -6,9 +6,10 @@ as much GPU time as the weights' reads; here each is one kernel.
 Each kernel rounds to the tensor's dtype where the eager code rounds (the residual sum, the
 normalised value, each product of the rotation, the activation), so it gives the eager results
 to a unit or two in the last place (its float32 math contracted into FMAs, one reciprocal square
-root, its own reduction order; tests/gpu/test_fused_kernels.py measures it). Triton compiles a kernel once per shape class and keeps it in its on-disk
-cache (``~/.triton/cache``), so a later start loads it instead of compiling. ``usable(x)``: Triton
-imported and ``x`` on a CUDA device; elsewhere the layers run their eager code.
+root, its own reduction order; tests/gpu/test_fused_kernels.py measures it). Triton compiles a
+kernel once per shape class and keeps it in its on-disk cache (``~/.triton/cache``), so a later
+start loads it instead of compiling. ``usable(x)``: Triton imported and ``x`` on a CUDA device;
+elsewhere the layers run their eager code.
 """
 
 from __future__ import annotations
@@ -130,7 +131,8 @@ if triton is not None:
         xf = x.to(tl.float32)
         normed = xf * (1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n + eps))
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-        if OFFSET_FORM:  # Gemma: (x * (offset + w)) in float32, rounded once
+        # SIM108: a constexpr branch, resolved when the kernel compiles; kept a statement with its comments
+        if OFFSET_FORM:  # noqa: SIM108 -- Gemma: (x * (offset + w)) in float32, rounded once
             y = normed * (offset + w)
         else:  # Llama: the normalised value rounded to the dtype, then times the weight
             y = normed.to(X.dtype.element_ty).to(tl.float32) * w

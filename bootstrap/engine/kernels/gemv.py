@@ -1,19 +1,14 @@
 """A linear layer's product for one row, as a Triton kernel that streams the weight once.
 
 At batch 1 a decode step (and each pass of a draft model) multiplies one row by every weight
-matrix: a read of the weights. cuBLAS takes as long for that row as for 16, and on the H200 it
-runs some of these matrices well above the time their bytes take. Here each program owns
-``BLOCK_N`` output rows of the weight and walks the input dimension ``BLOCK_K`` at a time,
-each thread keeping its products in float32 registers and the program summing them across
-threads once, at the end; then the bias, and one rounding to the dtype.
-
-Measured side by side in CUDA graphs over weights that L2 does not hold (``benchmarks/gemv.py``,
-``benchmarks/results/gemv_sweep_h200_rows_1_2_5.json``), µs at one row, cuBLAS against this
-kernel (``BLOCK_N`` 4, ``BLOCK_K`` 1,024): Llama-3.1-8B's q/k/v 15.5 / 15.7, o 12.5 / 10.6,
-gate/up 61.4 / 57.3, down 31.4 / 29.9, the output head 272 / 238; Llama-3.2-1B's q/k/v 6.1 /
-5.7, o 6.0 / 4.8, gate/up 18.4 / 19.1, down 12.6 / 11.6, head 140 / 120. At two rows or more it
-lost or tied in most shapes (that sweep's earlier form of this kernel also took 2 to 8 rows,
-with per-thread sums and with ``tl.dot``), so those go to cuBLAS. ``usable`` says when the layers take this path.
+matrix: a read of the weights. cuBLAS takes as long for that row as for 16, and runs some of
+these matrices well above the time their bytes take. Here each program owns ``BLOCK_N`` output
+rows of the weight and walks the input dimension ``BLOCK_K`` at a time, each thread keeping its
+products in float32 registers and the program summing them across threads once, at the end;
+then the bias, and one rounding to the dtype. Measured against cuBLAS per shape
+(benchmarks/README.md, "The one-row linear kernel against cuBLAS"): at one row it wins in most
+shapes; at two rows or more it lost or tied, so those go to cuBLAS. ``usable`` says when the
+layers take this path.
 """
 
 from __future__ import annotations

@@ -3,19 +3,15 @@ its context fills, read once through its block table (no gathered copy of the co
 
 One program per (row, KV head, split): the row's ``G`` query heads of that KV head (padded to 16
 rows for ``tl.dot``) attend over the row's blocks up to its context length (from its window start
-with a sliding window), with an online softmax in float32. The loop bound is read on the
-device, so a CUDA graph captured over a static-width block table replays any context length
-without reading the columns past it. Float32 inputs use IEEE products (no TF32), so float32
-output matches the reference attention to rounding. Needs Triton (it ships with CUDA builds of
-torch) and at least 16 tokens per block; ``available()`` says whether it can be used.
+with a sliding window), with an online softmax in float32. The loop bound is read on the device,
+so a CUDA graph captured over a static-width block table replays any context length. Float32
+inputs use IEEE products (no TF32), so they match the reference attention to rounding. Needs
+Triton and 16 tokens a block or more (``available()``).
 
-A few rows (batch 1, a speculative request's verify rows, a small draft) give the device only
-``rows × KV heads`` programs, each walking its blocks one after the other: at batch 1 an 8B
-model's attention took 27 µs a layer over 576 tokens, its bandwidth all but idle. So each
-row's blocks are split in up to ``splits`` equal runs (flash-decoding): a program per run keeps
-its running maximum, sum and unnormalized output, and a second kernel merges a row's runs.
-``num_splits`` picks the count on the host from the grid and the table's width only, so a
-graph's count is fixed at capture; the runs' bounds come from the length on the device.
+A few rows (batch 1, verify rows, a small draft) leave the device idle at one program per
+``rows × KV heads``, so each row's blocks split in up to ``splits`` runs (flash-decoding), each
+keeping its running maximum, sum and unnormalized output, and a second kernel merges them.
+``num_splits`` picks the count from the grid and the table's width: fixed at a graph's capture.
 """
 
 from __future__ import annotations
@@ -128,7 +124,7 @@ if triton is not None:
             offsets = block * stride_kb + t[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
             k = tl.load(K + offsets, mask=kv_mask, other=0.0).to(q.dtype)
             v = tl.load(V + offsets, mask=kv_mask, other=0.0).to(q.dtype)
-            if IEEE:
+            if IEEE:  # noqa: SIM108 -- a constexpr branch, resolved when the kernel compiles
                 s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
             else:
                 s = tl.dot(q, tl.trans(k)) * scale
@@ -344,10 +340,10 @@ def num_splits(programs: int, width: int, wanted: int) -> int:
 
 @functools.cache
 def programs_wanted(device: torch.device) -> int:
-    """Four programs per streaming multiprocessor (Triton's interpreter: a fixed 16). On the
-    H200 (132) that splits rows in two at batch 32 of an 8-KV-head model (34 µs a layer down to
-    27 at 576 tokens, 203 to 138 at 4,096) and in none at 64, where splitting cost more
-    (``benchmarks/decode_attention_splits.py``)."""
+    """Four programs per streaming multiprocessor (Triton's interpreter: a fixed 16): on a
+    132-multiprocessor device that splits rows in two at batch 32 of an 8-KV-head model and in
+    none at 64, where splitting measured slower (benchmarks/README.md, "The paged decode kernel
+    split in runs")."""
     if device.type != "cuda":
         return 16
     return 4 * torch.cuda.get_device_properties(device).multi_processor_count

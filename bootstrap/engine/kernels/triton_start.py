@@ -2,8 +2,8 @@
 
 The first Triton kernel a process launches, compiled or found in Triton's on-disk cache, first
 pays for Triton itself: its import, its ``gluon`` frontend's import, and ``triton_key``, a hash
-of Triton's sources and of its 400 MB library that keys every cache entry. On the H200 machine
-that is about 1.2 s alone, and about three times that beside the weight read. None of it needs
+of Triton's sources and of its large library that keys every cache entry: seconds beside the
+weight read (benchmarks/README.md, "Figures without a saved result"). None of it needs
 torch (Triton imports no torch module), so a command that will launch kernels on CUDA calls
 ``begin_for`` as soon as it knows that (the kernels' compile-ahead calls ``begin`` too), and it
 runs in a thread while the main thread imports torch; ``wait`` joins it before the engine's own

@@ -1,40 +1,17 @@
-"""Paged attention, plugged into transformers through its ``AttentionInterface``.
+"""Paged attention: ``attend``, called by the engine's own model code with a step's metadata, and
+``paged_attention``, which ``register`` gives transformers' ``AttentionInterface`` as
+``"bootstrap_paged"`` for every other model (metadata from a thread-local, ``use_metadata``;
+with no mask function for that name, transformers builds no mask). A step is a ragged batch
+``[1, total_tokens]``. Each layer writes the new keys and values to their slots, then attends
+per group of requests (``AttentionMetadata``) the first of three ways that applies, one result:
 
-Importing this module registers ``paged_attention`` under the name ``"bootstrap_paged"``; a model
-set to ``attn_implementation="bootstrap_paged"`` then calls it from every attention layer, with
-no model code copied. transformers builds no attention mask for a name it has no mask function
-for, so the forward stays cheap; the mask is ours, built from per-step metadata.
-
-A step runs a ragged batch flattened into ``[1, total_tokens]``: request ``b`` contributes
-``query_lens[b]`` new tokens (a prefill chunk or one decode token) and, after the step, holds
-``context_lens[b]`` tokens in the cache. The metadata (slot of every new token, block tables,
-lengths) reaches the attention function through a thread-local set by ``use_metadata``. Each
-layer writes the new keys and values into their slots, then attends per group of requests
-(``ModelRunner`` groups one-token queries, fresh prompt chunks and continued prompt chunks):
-
-- one-token queries, where Triton runs (``kernel="triton"``): the paged decode kernel reads each
-  row's blocks in place, so a mixed step copies nothing of the running requests' contexts;
-- fresh prompt chunks (nothing cached before them), without a soft-cap or a window shorter than
-  the chunk: their own new keys and values under a causal flag (SDPA's flash kernel, no mask);
-- anything else: every request's cached keys and values gathered through its block table, and
-  one padded, masked ``scaled_dot_product_attention`` (causal, grouped-query, with the layer's
-  sliding window when it has one; Gemma 2's logit soft-cap too).
-
-The three give the same result; the scaling is the one the model passes in.
-
-Every tensor of a group is derived with device operations of static shape from the block
-tables, the lengths and three integers (``num_tokens``, ``max_query_len``, ``kv_blocks``).
-
-Decode steps captured as CUDA graphs (``bootstrap.engine.step.graphs``) use ``DecodeMetadata``
-instead: one token per row, every tensor a view of the runner's static buffers, and no
-host-side value read during the forward. Each layer gathers whole blocks of a fixed number of
-block-table columns, masks the positions at or past each row's context length (and outside its
-sliding window), and runs one grouped-query ``scaled_dot_product_attention`` with the query
-heads of a KV head as its query rows, so keys and values are never repeated per query head.
-Padding rows of a graph repeat the last real row, and write that row's keys and values
-(``write_rows``), so two writes to one slot always carry the same bits. Where Triton runs
-(CUDA builds of torch), ``kernel="triton"`` replaces the gather, mask and SDPA with one paged
-kernel that reads only the blocks each row's context fills (``bootstrap.engine.kernels.paged_kv``).
+- one-token queries where Triton runs (``kernel="triton"``): the paged decode kernel
+  (``kernels.paged_kv``) reads each row's blocks in place, copying no context;
+- fresh prompt chunks, no soft-cap, no window shorter than the chunk: their own keys and values
+  under a causal flag (SDPA's flash kernel, no mask);
+- anything else: cached keys and values gathered through the block tables, one padded, masked
+  SDPA (causal, grouped-query, sliding window, Gemma 2's soft-cap).
+Decode steps replayed as CUDA graphs use ``DecodeMetadata`` instead (``_attend_decode``).
 """
 
 from __future__ import annotations
@@ -60,6 +37,8 @@ class AttentionGroup:
     """Requests attended together in one padded call: ``[b, Qmax]`` queries, ``[b, K]`` keys.
 
     ``query_starts[i]`` is where request ``i``'s new tokens begin among the step's ``T`` tokens.
+    Every derived tensor comes from device operations of static shape on the block tables, the
+    lengths and three integers (``num_tokens``, ``max_query_len``, ``kv_blocks``).
     """
 
     block_tables: torch.Tensor  # [b, W] long: block ids, padded with any valid block id
@@ -320,7 +299,14 @@ def _attend_decode(
     sliding_window: int | None,
     softcap: float | None,
 ) -> torch.Tensor:
-    """``[B, H, D]``: one query token per row against the row's blocks (static shapes only)."""
+    """``[B, H, D]``: one query token per row against the row's blocks, every tensor a view of
+    the runner's static buffers and no host-side value read, so a CUDA graph can capture it
+    (``bootstrap.engine.step.graphs``). With the Triton kernel, only the blocks each row's context
+    fills are read; otherwise whole blocks of a fixed number of table columns are gathered, the
+    positions at or past each row's length (or outside its window) masked, and one grouped-query
+    SDPA runs with a KV head's query heads as its query rows (keys and values never repeated per
+    query head). Padding rows repeat the last real row and write its keys and values
+    (``write_rows``), so two writes to one slot always carry the same bits."""
     rows, heads, head_dim = tokens.shape
     if meta.kernel == "triton":
         return paged_decode(

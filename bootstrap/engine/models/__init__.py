@@ -79,7 +79,7 @@ def build_own_model(
     config = DecoderConfig.from_shape(parse_config(cfg), cfg)
     dtype = dtype or getattr(torch, config.torch_dtype or "float32")
     # Built on meta by argument, not under ``torch.device("meta")``: that mode routes the
-    # initialisers through torch's Python references, which import torch._dynamo (1.7 s here).
+    # initialisers through torch's Python references, which import torch._dynamo (slow to import).
     model = DecoderLM(config, generation_eos=generation_eos, device="meta", shard=shard).to(dtype)
     materialize(model, device)
     model.model.rotary.reset(device)  # float32 frequencies on the device
@@ -89,7 +89,7 @@ def build_own_model(
 def materialize(model: torch.nn.Module, device: torch.device) -> None:
     """Give every meta parameter uninitialised storage on ``device`` (a tied one stays shared).
     Not ``Module.to_empty``: ``empty_like`` of a meta tensor goes through torch's Python
-    references, which import sympy (0.6 s on a 2-core CPU)."""
+    references, which import sympy (slow to import)."""
     made: dict[int, torch.nn.Parameter] = {}
     for module in model.modules():
         for name, param in list(module._parameters.items()):

@@ -2,19 +2,14 @@
 
 ``read_ranges(ranges)`` fills each ``ByteRange``'s destination (a contiguous tensor) with
 ``nbytes`` of its file from ``offset``. The work is cut into pieces of at most ``piece_bytes``
-and shared by ``threads`` threads, each reading with ``os.preadv`` (which releases the GIL, so the
-reads run in parallel and beside the other threads of the start):
-
-- a CPU destination is read into in place: no copy after the read;
-- a CUDA destination goes through each thread's two page-locked staging buffers: the thread
-  reads a piece into one buffer while the previous piece's copy to the device runs from the
-  other, on the thread's own stream. The buffers are ordinary host memory page-locked for the
-  read (``cudaHostRegister``) and given back when it ends, so no pinned memory stays held.
-
-This replaces reading through a memory map and copying each tensor to the device from pageable
-memory (one thread, the driver staging every byte), which is what ``safetensors`` does. Every
-thread is joined before ``read_ranges`` returns, an error included; the first error is raised,
-naming the file.
+and shared by ``threads`` threads, each reading with ``os.preadv`` (which releases the GIL, so
+the reads run in parallel and beside the start's other threads). A CPU destination is read into
+in place; a CUDA destination goes through each thread's two page-locked staging buffers, one
+read into while the other's copy to the device runs on the thread's own stream (ordinary host
+memory page-locked for the read, ``cudaHostRegister``, and given back after it). This replaces
+what ``safetensors`` does: a memory map, one thread, each tensor copied from pageable memory.
+Every thread is joined before ``read_ranges`` returns, an error included; the first error is
+raised, naming the file.
 """
 
 from __future__ import annotations

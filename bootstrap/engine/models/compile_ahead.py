@@ -1,18 +1,15 @@
 """Triton's first compile of the own code's kernels, overlapped with the load.
 
-On a machine whose Triton cache does not hold them yet, compiling the kernels a model launches
-takes seconds, paid by its first forward (the profiling stage's). ``compiling_ahead(model)``
-launches each kernel once on zero tensors of the model's own widths and dtype (so Triton
-specializes it exactly as the real calls will) while the block runs (the weights being read):
-the norm, rotary and activation kernels (``layers.fused``), the one-row linear kernel
-(``layers.gemv``, for each projection's shape), the paged decode
-kernel (whole rows, and rows split in runs with their merge kernel) and KV-write kernel (``kernels.paged_kv``,
-for blocks of ``BootstrapConfig``'s default size: another size compiles at its first use).
-Each kernel function gets its own thread, so their compiles (and the compiler and linker
-processes they wait on) run side by side and no function is compiled by two threads at once;
-Triton's own start (``triton_start``) comes first, once. Every thread is joined when the block
-ends, so none outlives the load; an error there only means the real call compiles the kernel
-itself.
+Where Triton's cache does not hold them yet, compiling a model's kernels takes seconds, paid by
+its first forward (profiling's). ``compiling_ahead(model)`` launches each kernel once on zero
+tensors of the model's own widths and dtype (so Triton specializes it as the real calls will)
+while the block runs (the weights being read): the norm, rotary and activation kernels
+(``kernels.fused``), the one-row linear kernel (``kernels.gemv``, per projection shape), the
+paged decode kernel (whole and split rows, with the merge) and the KV-write kernel
+(``kernels.paged_kv``, for ``BootstrapConfig``'s default block size). Each kernel function gets
+its own thread, so compiles run side by side and none twice; Triton's own start
+(``triton_start``) comes first, once. Every thread is joined when the block ends; an error there
+only means the real call compiles the kernel itself.
 """
 
 from __future__ import annotations

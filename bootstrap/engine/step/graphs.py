@@ -1,35 +1,17 @@
-"""Decode steps captured as CUDA graphs: one graph per (batch size, block-table width) bucket.
+"""Decode steps captured as CUDA graphs: one graph per (batch size, block-table width) bucket
+(captured by the ``warmup`` stage: ``docs/cuda-graphs.md``).
 
-A decode step of the transformers model is a few thousand small kernels; launched one by one
-from Python they take far longer than the GPU needs to read the weights. Captured once as a CUDA
-graph, a step is one launch. A graph replays fixed shapes and fixed addresses, so every input of
-a decode step lives in the runner's static ``DecodeBuffers`` and the attention reads them through
-``DecodeMetadata`` (static shapes, no host-side value read inside the forward).
-
-Buckets. A step of ``n`` requests whose longest block table has ``w`` blocks replays the graph
-of the smallest captured batch size ``>= n`` and the smallest captured width ``>= w``; the rows
-past ``n`` repeat the last request (their logits are dropped, their KV writes are that request's
-own), the columns past each table are masked. Batch sizes default to 1, 2, 4, 8, then every
-multiple of 8 up to ``max_batch_size`` (and it); with a draft model, the verify pass's rows
-too (``bootstrap.capacity.cuda_graph_buckets.speculative_batch_sizes``). Widths: with the Triton paged kernel (CUDA
-builds of torch), one, the whole block table: the kernel stops at each row's context length, so
-one graph per batch size serves every length. With the gathering attention (no Triton), widths
-double from the blocks of 256 tokens up to those of ``min(max_seq_len, CUDA_GRAPH_MAX_SEQ_LEN)``:
-that attention gathers its whole width, so a graph far wider than the contexts wastes bandwidth,
-and one for ``max_seq_len`` 131,072 would need gigabytes of gather buffers per layer; steps past
-the widest bucket run eagerly. Steps past the largest batch size always do.
-
-Capture. Largest bucket first, all into one memory pool (``torch.cuda.graph_pool_handle``): the
-graphs never run at once, so a later capture reuses the intermediates the earlier ones freed, and
-the pool grows to about the largest graph's working memory. Each graph copies its logits into
-one shared static buffer, so no per-graph output stays allocated. The first bucket is run once
-eagerly before its capture (lazy initialisation: cuBLAS handle and workspace, Triton's and the
-compiled norms' kernels), and so is the one-row bucket (the compiled norms specialize a size of
-one); the others need no eager run, which halves the capture time. Every capture uses one side
-stream: torch keeps a cuBLAS workspace (32 MiB on Hopper) per stream that ran a GEMM. The dummy
-inputs write block 0, so capture needs an empty KV pool. An out-of-memory error inside a capture
-is re-raised as itself (not as the capture-invalidated error CUDA reports next), so a caller can
-retry with fewer buckets.
+A graph replays fixed shapes at fixed addresses, so every input of a decode step lives in the
+runner's static ``DecodeBuffers`` and attention reads them through ``DecodeMetadata``. A step of
+``n`` rows whose longest block table has ``w`` blocks replays the smallest captured bucket
+covering both; rows past ``n`` repeat the last request (logits dropped, KV writes its own),
+columns past each table are masked; steps no bucket covers run eagerly. Batch sizes: 1, 2, 4, 8,
+then every multiple of 8 up to ``max_batch_size``, with a draft the verify pass's rows too
+(``bootstrap.capacity.cuda_graph_buckets``). Widths: with the Triton paged kernel one, the whole
+table (the kernel stops at each row's length); with the gathering attention, doubling from the
+blocks of 256 tokens up to ``min(max_seq_len, CUDA_GRAPH_MAX_SEQ_LEN)`` (it reads its whole
+width; one for 131,072 tokens would need gigabytes of gather buffers per layer). How a capture
+runs: ``DecodeGraphs.capture``; what it will take, without capturing: ``capture_reserve_bytes``.
 """
 
 from __future__ import annotations
@@ -46,11 +28,10 @@ from bootstrap.devices import is_oom
 from bootstrap.engine.step.decode_step import DecodeRunner, DecodeStep
 
 MiB = 1024**2
-# What a capture holds besides one eager step's working memory and the logits buffer. Measured on
-# an H200 (8B shape, bf16, the first capture in a process): 11 graphs took 189 MB of device
-# memory, 35 graphs 302 MB; of that, outside torch's allocator about 108 MB fixed (the capture
-# stream's cuBLAS workspace, the compiled norms' and Triton's kernels, the driver's graph state)
-# and 2.7 MB per graph. The allowances keep a margin over both.
+# What a capture holds besides one eager step's working memory and the logits buffer, outside
+# torch's allocator: a fixed part (the capture stream's cuBLAS workspace, the compiled norms' and
+# Triton's kernels, the driver's graph state) and a part per graph. Calibrated on the H200 with a
+# margin over both (benchmarks/README.md, "Calibration constants in the code").
 CAPTURE_FIXED_BYTES = 128 * MiB
 GRAPH_EXEC_BYTES = 4 * MiB  # per captured graph: its executable graph, and any growth of the shared pool
 
@@ -85,6 +66,17 @@ class DecodeGraphs:
         self._logits: torch.Tensor | None = None
 
     def capture(self, batch_sizes: Sequence[int], widths: Sequence[int]) -> GraphCapture:
+        """Capture every (batch size, width) bucket, largest first, all into one memory pool:
+        the graphs never run at once, so a later capture reuses what an earlier one freed and the
+        pool grows to about the largest graph's working memory. Each graph copies its logits into
+        one shared static buffer. The first bucket, and the one-row bucket (the compiled norms
+        specialize a size of one), run once eagerly before their capture (lazy initialisation:
+        the cuBLAS handle and workspace, Triton's and the compiled norms' kernels); the others need
+        no eager run, which shortens the capture. One side stream for every capture: torch keeps a
+        cuBLAS workspace (32 MiB on Hopper) per stream that ran a GEMM. The dummy inputs write
+        block 0, so the KV pool must be empty. An out-of-memory error inside a capture is re-raised
+        as itself, not as the capture-invalidated error CUDA reports next, so a caller can retry
+        with fewer buckets."""
         runner = self.runner
         sizes, widths = (
             self._checked(batch_sizes, runner.max_rows, "batch size"),

@@ -2,17 +2,14 @@
 code (``bootstrap.engine.models``) or a transformers model (``step.hf_model``).
 
 The batch is flattened into one row: ``input_ids`` and ``position_ids`` of shape
-``[1, total_tokens]``, every request's new tokens back to back. The model computes logits only at the last token
-of each request that samples this step (``logits_to_keep`` with explicit indices), so the
-vocabulary projection never runs over a whole prompt.
-
-Decode steps, and the other steps of one-token rows (``run_rows``: speculative decoding's verify
-and draft passes, where a request has a row per token), fill preallocated buffers (inputs,
-positions, slots, lengths, and block tables of static width ``ceil(max_seq_len /
-tokens_per_block)``) and run on views of them. After ``capture_decode_graphs`` (CUDA), such a
-step whose size and block-table width a captured bucket covers is replayed as a CUDA graph,
-padded up to the bucket; mixed steps (prefill chunks and decode tokens), steps no bucket
-covers, and every step on the CPU run eagerly as before.
+``[1, total_tokens]``, every request's new tokens back to back. The model computes logits only
+at the last token of each request that samples this step (``logits_to_keep`` with explicit
+indices), so the vocabulary projection never runs over a whole prompt. Decode steps, and the
+other steps of one-token rows (``run_rows``: speculative decoding's verify and draft passes),
+fill preallocated buffers (``step.decode_step``) and run on views of them; after
+``capture_decode_graphs`` (CUDA) such a step that a captured bucket covers is replayed as a
+CUDA graph (``step.graphs``). Mixed steps, steps no bucket covers and every step on the CPU run
+eagerly.
 """
 
 from __future__ import annotations

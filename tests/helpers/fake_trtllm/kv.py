@@ -171,7 +171,7 @@ class KVCacheManagerV2(_Manager):
         cfg = self.kv_config
         quota = cfg.max_gpu_total_bytes if cfg.max_gpu_total_bytes and cfg.max_gpu_total_bytes > 0 else math.inf
         if cfg.max_tokens is not None:
-            quota = min(quota, int(math.ceil(self.quota_from_max_tokens(cfg.max_tokens) / cfg.max_util_for_resume)))
+            quota = min(quota, math.ceil(self.quota_from_max_tokens(cfg.max_tokens) / cfg.max_util_for_resume))
         assert quota != math.inf, (
             "Quota not set. Check kv_cache_config.max_tokens or kv_cache_config.max_gpu_total_bytes"
         )

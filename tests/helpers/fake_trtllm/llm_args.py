@@ -8,13 +8,13 @@ that (like pydantic's) copies without validating. Defaults are TensorRT-LLM's.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, ClassVar
 
 from helpers.fake_trtllm import checked, export
 
 
 class FakeModel:
-    FIELDS: dict[str, Any] = {}
+    FIELDS: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, **values: Any) -> None:
         unknown = set(values) - set(self.FIELDS)
@@ -32,7 +32,7 @@ class FakeModel:
 
 @export("KvCacheConfig")
 class KvCacheConfig(FakeModel):
-    FIELDS = dict(
+    FIELDS: ClassVar[dict[str, Any]] = dict(
         free_gpu_memory_fraction=0.9,
         max_tokens=None,
         max_gpu_total_bytes=0,
@@ -61,7 +61,7 @@ class KvCacheConfig(FakeModel):
 
 @export("DraftTargetDecodingConfig")
 class DraftTargetDecodingConfig(FakeModel):
-    FIELDS = dict(max_draft_len=None, speculative_model=None)
+    FIELDS: ClassVar[dict[str, Any]] = dict(max_draft_len=None, speculative_model=None)
 
     @checked("DraftTargetDecodingConfig")
     def __init__(self, **values: Any) -> None:
@@ -80,7 +80,7 @@ class ParallelConfig:
 
 @export("TorchLlmArgs")
 class TorchLlmArgs(FakeModel):
-    FIELDS = dict(
+    FIELDS: ClassVar[dict[str, Any]] = dict(
         model=None,
         tensor_parallel_size=1,
         dtype="auto",
