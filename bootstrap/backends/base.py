@@ -16,7 +16,7 @@ or executors offer is a ``Protocol`` of its own (``ChecksWeights``, ``CapturesGr
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from bootstrap.backends.artifacts import EstimationBuild, FinalBuild, LoadedModel, ResolvedClasses, Warmup
@@ -157,6 +157,16 @@ class Executor(Protocol):
     def shutdown(self) -> None: ...
 
 
+class ClosableEvents(Protocol):
+    """One request's events (``stream_async``); ``aclose`` lets go of it before its final one."""
+
+    def __aiter__(self) -> ClosableEvents: ...
+
+    async def __anext__(self) -> StreamEvent: ...
+
+    async def aclose(self) -> None: ...
+
+
 @runtime_checkable
 class RequestExecutor(Executor, Protocol):
     tokenizer: Any
@@ -174,7 +184,7 @@ class RequestExecutor(Executor, Protocol):
         """Give the request up (with ``keep_response``: cancel it, its response kept to be
         taken); unknown ids are ignored."""
 
-    def stream_async(self, request_id: int, *, cancel_on_abandon: bool = False) -> AsyncIterator[StreamEvent]:
+    def stream_async(self, request_id: int, *, cancel_on_abandon: bool = False) -> ClosableEvents:
         """Its events until the final one; a cancelled wait takes nothing."""
 
     # ASYNC109: the sync await_response's signature, its timeout (TimeoutError) included, for async callers

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 
 import anyio
@@ -190,7 +190,7 @@ class PyExecutor:
         finally:
             self._requests.detach(claim.handle, claim, give_up=cancel_on_abandon and not finished)
 
-    def stream_async(self, request_id: int, *, cancel_on_abandon: bool = False) -> AsyncIterator[StreamEvent]:
+    def stream_async(self, request_id: int, *, cancel_on_abandon: bool = False) -> EventStream:
         """``stream`` for async callers. A cancelled wait for the next event takes nothing and
         ends this iterator (it lets go of the request at once, even unclosed)."""
         return EventStream(self._waiter, request_id, cancel_on_abandon)
