@@ -40,7 +40,14 @@ from bootstrap.cli.tp import (
 )
 from bootstrap.config import BootstrapConfig
 from bootstrap.engine.kernels import triton_start
-from bootstrap.engine.request.prompts import chat_ids, checked_max_tokens, sampling_params, text_ids
+from bootstrap.engine.request.prompts import (
+    EMPTY_PROMPT,
+    PromptError,
+    chat_ids,
+    checked_max_tokens,
+    sampling_params,
+    text_ids,
+)
 from bootstrap.pipeline import StageFailed, failure_paragraph
 from bootstrap.pipeline.events import StageEvent
 from bootstrap.pipeline.report import stage_table
@@ -117,6 +124,8 @@ def _checked_config(args: argparse.Namespace) -> BootstrapConfig:
     (each has the same arguments and launcher environment)."""
     config = config_from_args(args)
     check_run_values(args)
+    if args.prompt == "":  # no tokens under any tokenizer without a BOS: the server refuses it too
+        raise PromptError(EMPTY_PROMPT, field="prompt")
     check_kv_tokens(config)
     check_rank_count(config)
     require_engine()
@@ -268,8 +277,9 @@ def prompt_ids(args: argparse.Namespace, tokenizer: Any) -> list[int]:
     if tokenizer is None and args.prompt is None and args.chat is None:
         return [0]
     if args.chat is not None or (args.prompt is None and getattr(tokenizer, "chat_template", None)):
-        return chat_ids(tokenizer, [{"role": "user", "content": args.chat or DEFAULT_QUESTION}], field="chat")
-    return text_ids(tokenizer, args.prompt or DEFAULT_QUESTION)
+        question = DEFAULT_QUESTION if args.chat is None else args.chat
+        return chat_ids(tokenizer, [{"role": "user", "content": question}], field="chat")
+    return text_ids(tokenizer, DEFAULT_QUESTION if args.prompt is None else args.prompt)
 
 
 async def generate(args: argparse.Namespace, executor: RequestExecutor, max_seq_len: int) -> dict[str, Any]:
@@ -345,5 +355,5 @@ def rank_of(args: argparse.Namespace) -> int:
 def emit(result: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print(json.dumps(result, indent=2, default=str))
-    if result.get("error"):
-        print(f"bootstrap: {result['error']}", file=sys.stderr)
+    if result.get("error"):  # a stage failure's paragraph begins "bootstrap failed at": one prefix
+        print(f"bootstrap: {result['error'].removeprefix('bootstrap ')}", file=sys.stderr)

@@ -161,6 +161,28 @@ def test_stop_string_ends_the_request_and_is_cut_from_text_and_stream(model):
     ex.shutdown()
 
 
+@pytest.mark.parametrize(
+    "stops, cut, tokens",
+    [
+        ((slice(1, 3), slice(8, 10)), 8, 10),  # the first twice before the 6th token: ignored; the second cuts
+        ((slice(4, 6),), 4, 6),  # one that ends in the 6th token counts
+    ],
+)
+def test_stop_strings_count_from_the_min_tokens_th_token_and_stream_and_response_agree(model, stops, cut, tokens):
+    ex = make(model, tokenizer=char_tokenizer())
+    ex.start_worker()
+    prompt = [9, 10]
+    full = ex.generate([prompt], SamplingParams(max_tokens=12))[0].text  # one char per token
+    stop = tuple(full[s] for s in stops)
+    assert [full.find(s) for s in stop] == [s.start for s in stops]  # where each first occurs
+    params = SamplingParams(max_tokens=12, stop=stop, min_tokens=6)
+    streamed = list(ex.stream(ex.enqueue(prompt, params)))
+    response = ex.await_response(ex.enqueue(prompt, params), timeout=60)
+    assert "".join(e.text for e in streamed) == response.text == full[:cut]
+    assert len(response.token_ids) == tokens and response.finish_reason == "stop"
+    ex.shutdown()
+
+
 def test_stop_token_and_eos(model):
     prompt = [11, 12, 13 + 1]
     tokens = expected(model, prompt, 8)

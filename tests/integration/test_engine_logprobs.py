@@ -59,6 +59,24 @@ def test_greedy_logprobs_match_the_transformers_model(checkpoint):
             torch.testing.assert_close(torch.tensor([v for _, v in top]), top_values, atol=1e-4, rtol=0)
 
 
+def test_a_sampled_token_that_is_not_the_argmax_has_its_own_logprob(checkpoint):
+    params = SamplingParams(max_tokens=8, temperature=3.0, seed=11, logprobs=2, ignore_eos=True)
+    ex = _executor(checkpoint)
+    try:
+        response = ex.await_response(ex.enqueue(PROMPTS[0], params), timeout=60)
+    finally:
+        ex.shutdown()
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="eager").eval()
+    below_top = 0
+    for step, entry in enumerate(response.logprobs):
+        want = _reference(model, PROMPTS[0] + response.token_ids[:step])
+        assert entry.token_id == response.token_ids[step]
+        assert entry.logprob == pytest.approx(float(want[entry.token_id]), abs=1e-4)  # the raw distribution's
+        assert entry.top[0][0] == int(want.argmax())
+        below_top += entry.token_id != int(want.argmax())
+    assert below_top > 0  # some steps sampled a token other than the most likely
+
+
 def test_requests_without_logprobs_carry_none(checkpoint):
     ex = _executor(checkpoint)
     try:

@@ -204,6 +204,12 @@ def test_bad_input_is_one_clear_line_and_exit_2(case, checkpoints, capsys, tmp_p
     assert len([line for line in err.splitlines() if line.startswith("bootstrap: ")]) == 1
 
 
+def test_an_empty_prompt_is_refused_before_any_stage_as_the_server_refuses_it(capsys):
+    code = main(["run", "--device", "cpu", "--model", "/no/such/model", "--no-plan-cache", "--prompt", ""])
+    err = capsys.readouterr().err  # the prompt is refused before the model is looked for
+    assert (code, err.splitlines()) == (2, ["bootstrap: prompt: empty; at least one prompt token is needed"])
+
+
 def test_console_script_prints_the_stage_table_and_the_text(checkpoints, tmp_path):
     """The installed entry point, as the README runs it."""
     proc = subprocess.run(

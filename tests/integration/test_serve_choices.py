@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 from helpers.serve_backends import plugin_module
-from helpers.serve_process import ServeProcess, metric, wait_metric
+from helpers.serve_process import ServeProcess, metric, metric_or_0, wait_metric
 from helpers.tiny_models import CHAT_TEMPLATE, save_checkpoint
 
 PROMPTS = ["w5 w37 w33 w9", "w64 w42 w7", "w11 w12 w13 w14 w15"]
@@ -139,6 +139,13 @@ def test_n_greedy_choices_are_identical_and_the_prompt_is_counted_once(served, c
     assert {c.text for c in four.choices} == {alone.choices[0].text}
     assert four.usage.prompt_tokens == alone.usage.prompt_tokens  # prefilled once, counted once
     assert four.usage.completion_tokens == 4 * alone.usage.completion_tokens
+
+
+def test_n_choices_count_each_prompt_once_in_the_metrics_as_in_usage(served, checkpoint):
+    before = metric_or_0(httpx.get(f"{served.url}/metrics").text, "bootstrap_prompt_tokens_total")
+    six = api(served).completions.create(model=str(checkpoint), prompt=PROMPTS[:2], max_tokens=4, n=3)
+    after = metric(httpx.get(f"{served.url}/metrics").text, "bootstrap_prompt_tokens_total")
+    assert after - before == six.usage.prompt_tokens == 7  # 4 + 3 words, each prompt once
 
 
 def test_n_seeded_chat_choices_repeat_on_a_second_run_streamed_or_not(served, checkpoint):

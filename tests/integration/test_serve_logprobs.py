@@ -93,6 +93,15 @@ def test_completion_logprobs_are_the_models_own(api, checkpoint, reference, stre
         )
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_completion_text_offset_does_not_move_with_a_stop_string_never_produced(api, checkpoint, stream):
+    text, lp = completion(api, checkpoint, stream, logprobs=1)
+    held_text, held = completion(api, checkpoint, stream, logprobs=1, stop=["never said"])  # text held back
+    assert (held_text, held.tokens) == (text, lp.tokens)
+    assert held.text_offset == lp.text_offset and lp.text_offset[0] == 0
+    assert all(text[o:].lstrip().startswith(t) for o, t in zip(held.text_offset, held.tokens)), (text, held)
+
+
 def test_completion_logprobs_name_the_sampled_token_even_outside_the_top(api, checkpoint):
     _, lp = completion(api, checkpoint, False, logprobs=0, temperature=2.0, seed=7, max_tokens=12)
     assert all(

@@ -47,6 +47,22 @@ def test_chat_shape_and_each_token_decoded_once():
     assert sorted(map(tuple, words.decoded)) == [(5,), (7,), (9,)]  # cached: one decode per token id
 
 
+class Pieces(Words):
+    """Ids 3 and 4 are each a piece of one UTF-8 character: each decodes alone to U+FFFD, as byte-level BPE does."""
+
+    def decode(self, ids: list[int]) -> str:
+        return "\ufffd" if ids in ([3], [4]) else super().decode(ids)
+
+
+def test_tokens_that_decode_alike_keep_the_most_likely_value():
+    out = LogprobsOut("completion", Pieces())
+    events = [
+        StreamEvent(5, "w5", logprob=-0.2, top_logprobs=((5, -0.2), (3, -1.0), (4, -2.0))),
+        StreamEvent(4, "", logprob=-2.5, top_logprobs=((3, -0.5), (5, -1.0))),  # sampled 4, less likely than 3
+    ]
+    assert out.of(events).top_logprobs == [{"w5": -0.2, "\ufffd": -1.0}, {"\ufffd": -0.5, "w5": -1.0}]
+
+
 def test_without_a_tokenizer_tokens_are_named_by_id():
     out = LogprobsOut("completion", None)
     assert out.of(EVENTS[:1]).tokens == ["token_id:5"]

@@ -66,6 +66,15 @@ def test_a_penalty_changes_the_argmax(params, prompt, output):
     assert Sampler(CPU).sample(logits, [params], gens, [History(prompt + output, len(prompt))]).tolist() == [1]
 
 
+def test_a_tiny_repetition_penalty_with_a_temperature_samples_among_the_seen_tokens():
+    logits = torch.tensor([[0.5, 2.0, 1.0, -1.0]])  # 2.0 / 1e-39 overflows float32
+    tokens = set()
+    for seed in range(32):
+        p = SamplingParams(repetition_penalty=1e-39, temperature=1.0, seed=seed)
+        tokens.add(Sampler(CPU).sample(logits, [p], [make_generator(seed, CPU)], [History([1, 2], 2)]).item())
+    assert tokens == {1, 2}  # both seen positive logits are pushed to the top; a NaN row would give 0
+
+
 def test_presence_and_frequency_ignore_the_prompt_and_repetition_multiplies_negatives():
     logits = torch.tensor([[5.0, 4.0, -1.0, 0.5]])
     history = [History([0, 2], 2)]

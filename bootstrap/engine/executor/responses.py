@@ -76,16 +76,20 @@ class ResponseWriter:
         seq.append(token)
         if logprob is not None:
             seq.logprobs.append(logprob)
+        start = None  # where the token's text starts in the whole text (with a tokenizer)
         if handle.detokenizer is not None:
+            start = len(handle.detokenizer.text)
+            if len(seq.output_token_ids) <= seq.params.min_tokens:  # stop strings count from here on
+                seq.stop_from = start
             handle.detokenizer.add(token)
         text = handle.detokenizer.text if handle.detokenizer is not None else ""
-        reason = stop_reason(seq.output_token_ids, text, seq.params, self.eos_token_ids)
+        reason = stop_reason(seq.output_token_ids, text, seq.params, self.eos_token_ids, seq.stop_from)
         if reason is None:
-            event = StreamEvent(token, _release_text(handle, text, final=False), **_logprob_fields(logprob))
+            event = StreamEvent(token, _release_text(handle, text, final=False), **_logprob_fields(logprob, start))
             self.requests.publish(handle, event)
             return
         self.scheduler.finish(seq)
-        self.complete(handle, reason, token=token, logprob=logprob)
+        self.complete(handle, reason, token=token, logprob=logprob, text_offset=start)
 
     def fail(self, seqs: Iterable[Sequence], exc: BaseException) -> None:
         for seq in seqs:
@@ -101,6 +105,7 @@ class ResponseWriter:
         error: str | None = None,
         token: int | None = None,
         logprob: TokenLogprob | None = None,
+        text_offset: int | None = None,
     ) -> None:
         seq = handle.seq
         full = ""
@@ -113,7 +118,7 @@ class ResponseWriter:
             full = handle.detokenizer.text
         seq.finish(reason, error)
         delta = _release_text(handle, full, final=True)
-        text = trim_stop_text(full, seq.params)
+        text = trim_stop_text(full, seq.params, seq.stop_from)
         logprobs = list(seq.logprobs) if seq.params.logprobs is not None else None
         timing = seq.clock.timing()
         response = Response(
@@ -127,19 +132,20 @@ class ResponseWriter:
             logprobs,
             timing,
         )
-        final = StreamEvent(token, delta, reason, error, **_logprob_fields(logprob), timing=timing)
+        final = StreamEvent(token, delta, reason, error, **_logprob_fields(logprob, text_offset), timing=timing)
         self.requests.publish(handle, final, response)
 
 
-def _logprob_fields(entry: TokenLogprob | None) -> dict:
-    """The stream event's logprob fields for one token's ``TokenLogprob`` (empty when not asked)."""
-    return {} if entry is None else {"logprob": entry.logprob, "top_logprobs": entry.top}
+def _logprob_fields(entry: TokenLogprob | None, text_offset: int | None) -> dict:
+    """The stream event's logprob fields for one token's ``TokenLogprob`` and where its text
+    starts (empty when not asked)."""
+    return {} if entry is None else {"logprob": entry.logprob, "top_logprobs": entry.top, "text_offset": text_offset}
 
 
 def _release_text(handle: Handle, text: str, final: bool) -> str:
     """New text safe to show: held back while it could still be the start of a stop string."""
     stops = handle.seq.params.stop
-    visible = trim_stop_text(text, handle.seq.params) if final else text
+    visible = trim_stop_text(text, handle.seq.params, handle.seq.stop_from) if final else text
     if stops and not final:
         visible = text[: max(len(text) - max(map(len, stops)) + 1, 0)]
     delta = visible[handle.emitted :]

@@ -16,6 +16,7 @@ from typing import Any
 from bootstrap.config import ConfigError
 
 MAX_CHOICES = 16  # choices of one prompt (n), prefilled once: PyExecutor.enqueue_choices
+EMPTY_PROMPT = "prompt: empty; at least one prompt token is needed"
 
 
 class PromptError(ConfigError):
@@ -68,7 +69,7 @@ def length_problem(prompt_len: int, max_tokens: int, max_seq_len: int, field: st
     """Why a prompt of ``prompt_len`` tokens plus ``max_tokens`` to generate cannot run within
     ``max_seq_len``, or None when it can."""
     if prompt_len == 0:
-        return "prompt: empty; at least one prompt token is needed"
+        return EMPTY_PROMPT
     if prompt_len + max_tokens > max_seq_len:
         return (
             f"prompt ({prompt_len} tokens) + {field} ({max_tokens}) = {prompt_len + max_tokens} exceeds "

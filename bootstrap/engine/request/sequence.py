@@ -50,6 +50,7 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None
     text: str = ""
+    stop_from: int = 0  # text offset where stop strings start to count: the ``min_tokens``-th token's text
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, if asked
     forks: list[Sequence] = field(default_factory=list)  # the other choices of its prompt, until its prefill ends
     clock: RequestClock = field(default_factory=RequestClock)  # its passage, written by the engine thread
@@ -122,8 +123,9 @@ class Response:
 class StreamEvent:
     """One streamed step: the new token and the text it completes; the last one has ``finish_reason``.
     With ``params.logprobs`` set, ``logprob`` is the token's and ``top_logprobs`` the most likely
-    (token id, logprob) pairs, under the model's raw distribution. The final event carries the
-    request's ``timing``."""
+    (token id, logprob) pairs, under the model's raw distribution, and ``text_offset`` where the
+    token's text starts in the request's whole text (``text`` may lag it: held back while it
+    could start a stop string). The final event carries the request's ``timing``."""
 
     token_id: int | None
     text: str
@@ -132,6 +134,7 @@ class StreamEvent:
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
     timing: RequestTiming | None = None
+    text_offset: int | None = None
 
     @property
     def finished(self) -> bool:

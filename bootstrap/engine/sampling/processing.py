@@ -4,7 +4,7 @@ Whole batches with a few tensor operations, only on the rows that ask (the sampl
 module when ``needs_processing`` finds no penalty and no unmet ``min_tokens``).
 
 - **Repetition** (HF/vLLM), over the prompt and the generated tokens: a token seen has its
-  logit divided by ``r`` when positive, multiplied by ``r`` otherwise.
+  logit divided by ``r`` when positive (capped at the largest finite float), times ``r`` otherwise.
 - **Presence and frequency** (OpenAI), over the generated tokens only:
   ``logit[t] -= presence * (count[t] > 0) + frequency * count[t]``.
 - **min_tokens**: until that many tokens were generated, EOS ids (unless ``ignore_eos``) and
@@ -95,7 +95,8 @@ def _apply_penalties(
         prompt = _counts([h.token_ids[: h.num_prompt] for h in histories], vocab, logits.device)
         r = _column([p.repetition_penalty for p in params], logits)
         seen = (prompt + output) > 0
-        logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+        divided = (logits / r).clamp_(max=torch.finfo(logits.dtype).max)  # a tiny r: the largest finite, not inf
+        logits = torch.where(seen, torch.where(logits > 0, divided, logits * r), logits)
     if any(p.presence_penalty != 0 or p.frequency_penalty != 0 for p in params):
         presence = _column([p.presence_penalty for p in params], logits)
         frequency = _column([p.frequency_penalty for p in params], logits)

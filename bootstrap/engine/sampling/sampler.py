@@ -284,12 +284,15 @@ class Sampler:
         return noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # a 0 would divide 0 into NaN
 
 
-def stop_reason(token_ids: list[int], text: str, params: SamplingParams, eos_token_ids: set[int]) -> str | None:
+def stop_reason(
+    token_ids: list[int], text: str, params: SamplingParams, eos_token_ids: set[int], stop_from: int = 0
+) -> str | None:
     """Why a request with these generated tokens and text should finish, or None to go on.
 
-    ``"stop"`` for a stop token, EOS (unless ``ignore_eos``) or a stop string anywhere in
-    ``text``, once at least ``min_tokens`` tokens were generated; otherwise ``"length"`` once
-    ``max_tokens`` tokens were generated.
+    ``"stop"`` for a stop token, EOS (unless ``ignore_eos``) or a stop string in ``text`` that
+    ends after ``stop_from`` (where the ``min_tokens``-th token's text starts: earlier ones are
+    ignored, as vLLM does), once at least ``min_tokens`` tokens were generated; otherwise
+    ``"length"`` once ``max_tokens`` tokens were generated.
     """
     if len(token_ids) < params.min_tokens:
         return None
@@ -297,7 +300,7 @@ def stop_reason(token_ids: list[int], text: str, params: SamplingParams, eos_tok
         last = token_ids[-1]
         if last in params.stop_token_ids or (not params.ignore_eos and last in eos_token_ids):
             return "stop"
-    if any(s in text for s in params.stop):
+    if _stop_cuts(text, params, stop_from):
         return "stop"
     if len(token_ids) >= params.max_tokens:
         return "length"
@@ -315,7 +318,13 @@ def model_eos_ids(model: object) -> set[int]:
     return {value} if isinstance(value, int) else set(value)
 
 
-def trim_stop_text(text: str, params: SamplingParams) -> str:
-    """``text`` cut just before the earliest stop string in it (OpenAI semantics)."""
-    cuts = [i for i in (text.find(s) for s in params.stop) if i >= 0]
+def trim_stop_text(text: str, params: SamplingParams, stop_from: int = 0) -> str:
+    """``text`` cut just before the earliest stop string in it that ends after ``stop_from`` (OpenAI semantics)."""
+    cuts = _stop_cuts(text, params, stop_from)
     return text[: min(cuts)] if cuts else text
+
+
+def _stop_cuts(text: str, params: SamplingParams, stop_from: int) -> list[int]:
+    """Where each stop string first occurs in ``text`` ending after ``stop_from``."""
+    found = (text.find(s, max(stop_from - len(s) + 1, 0)) for s in params.stop)
+    return [i for i in found if i >= 0]

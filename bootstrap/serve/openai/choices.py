@@ -61,8 +61,9 @@ class Choices:
         choices = cls(state, endpoint, sum(len(ids) for ids in prompts), span)
         try:
             for ids, p in zip(prompts, params, strict=True):
-                for request_id in enqueue(state, ids, p, n):
-                    choices.jobs.append(Job(state, metrics, endpoint, request_id, len(ids)))
+                for j, request_id in enumerate(enqueue(state, ids, p, n)):
+                    # the prompt is the first choice's: the others share its prefill (counted once, as in usage)
+                    choices.jobs.append(Job(state, metrics, endpoint, request_id, len(ids) if j == 0 else 0))
         except BaseException:
             await choices.close()
             raise

@@ -46,12 +46,14 @@ class LogprobsOut:
         out = s.CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
         for event in events:
             if event.token_id is not None and event.logprob is not None:
-                top = {self.text(i): lp for i, lp in event.top_logprobs}
-                top.setdefault(self.text(event.token_id), event.logprob)
+                top: dict[str, float] = {}
+                for i, lp in (*event.top_logprobs, (event.token_id, event.logprob)):
+                    key = self.text(i)  # two tokens may share one (byte-level BPE pieces are each U+FFFD)
+                    top[key] = max(lp, top.get(key, lp))
                 out.tokens.append(self.text(event.token_id))
                 out.token_logprobs.append(event.logprob)
                 out.top_logprobs.append(top)
-                out.text_offset.append(self._offset)
+                out.text_offset.append(self._offset if event.text_offset is None else event.text_offset)
             self._offset += len(event.text)
         return out
 
