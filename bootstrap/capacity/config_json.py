@@ -33,6 +33,22 @@ LAYER_TYPES = ("full_attention", "sliding_attention")  # what a supported family
 TORCH_DTYPES = ("float32", "float16", "bfloat16", "float64")  # a checkpoint's stored weight dtype
 MAX_CONFIG_INT = 1 << 31  # far above any real model's sizes; keeps a typo from exhausting memory
 MAX_LAYERS = 1 << 14  # per-layer tuples are built, so the layer count gets a tighter bound
+# numbers the model code divides by, takes the log of or raises to a power: each > 0 where given
+POSITIVE = ("rms_norm_eps", "rope_theta", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")
+ROPE_POSITIVE = (
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "attention_factor",
+    "beta_fast",
+    "beta_slow",
+    "rope_theta",
+)
+ROPE_NEEDS = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+}
 
 
 def shape_from_path(path: str | Path) -> ModelShape:
@@ -87,8 +103,41 @@ class _Parser:
             raise ModelConfigError(f"{self.model_type} config.json: field {key!r} must be true/false, got {value!r}")
         return value
 
+    def check_positive(self, key: str, value: Any) -> None:
+        if value is not None and not (
+            isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < math.inf
+        ):
+            raise ModelConfigError(
+                f"{self.model_type} config.json: field {key!r} must be a finite number > 0, got {value!r}"
+            )
+
+    def check_numbers(self) -> None:
+        """The float fields and each rope scaling's (``rope_scaling`` or transformers 5's ``rope_parameters``)."""
+        for key in POSITIVE:
+            self.check_positive(key, self.cfg.get(key))
+        for key in ("rope_scaling", "rope_parameters"):
+            scaling = self.cfg.get(key)
+            if scaling is not None and not isinstance(scaling, dict):
+                raise ModelConfigError(f"{self.model_type} config.json: field {key!r} must be an object or null")
+            if not scaling or any(isinstance(v, dict) for v in scaling.values()):  # none, or per layer type
+                continue
+            kind = scaling.get("rope_type", scaling.get("type", "default"))
+            for field in ROPE_NEEDS.get(kind, ()):
+                if scaling.get(field) is None:
+                    raise ModelConfigError(
+                        f"{self.model_type} config.json: field '{key}.{field}' is required for rope_type {kind!r}"
+                    )
+            for field in ROPE_POSITIVE:
+                self.check_positive(f"{key}.{field}", scaling.get(field))
+            if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+                raise ModelConfigError(
+                    f"{self.model_type} config.json: field '{key}.high_freq_factor' must be greater than "
+                    f"low_freq_factor ({scaling['low_freq_factor']}), got {scaling['high_freq_factor']}"
+                )
+
     def shape(self) -> ModelShape:
         tie_default, norms, qkv_bias, qk_norm = _FAMILIES[self.model_type]
+        self.check_numbers()
         layers, heads = self.get_int("num_hidden_layers", maximum=MAX_LAYERS), self.get_int("num_attention_heads")
         hidden = self.get_int("hidden_size")
         kv_heads = self.get_int("num_key_value_heads", heads)

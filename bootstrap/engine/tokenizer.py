@@ -26,6 +26,8 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
+from bootstrap.config import ConfigError
+
 # The pipeline of the class a config names ("file": tokenizer.json's as it is) ...
 PIPELINES = {
     "TokenizersBackend": "file",
@@ -69,19 +71,34 @@ QWEN2_SPLIT = (
 def load_tokenizer(path: Path) -> Tokenizer | None:
     """The tokenizer of the checkpoint directory ``path``, or None (see the module docstring)."""
     config_file, model_file = path / "tokenizer_config.json", path / "config.json"
-    config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
-    model_config = json.loads(model_file.read_text(encoding="utf-8")) if model_file.is_file() else {}
+    config = _json(config_file) if config_file.is_file() else {}
+    model_config = _json(model_file) if model_file.is_file() else {}
     pipeline = _pipeline(
         config.get("tokenizer_class") or model_config.get("tokenizer_class"), model_config.get("model_type")
     )
-    if not (path / "tokenizer.json").is_file() or pipeline is None:
+    file = path / "tokenizer.json"
+    if not file.is_file() or pipeline is None:
         return None
     template_file = path / "chat_template.jinja"
     template = template_file.read_text(encoding="utf-8") if template_file.is_file() else config.get("chat_template")
     if pipeline == "file":
-        return Tokenizer(Backend.from_file(str(path / "tokenizer.json")), config, template)
-    rebuilt = _rebuilt(path, json.loads((path / "tokenizer.json").read_text(encoding="utf-8")), config, pipeline)
+        try:
+            return Tokenizer(Backend.from_file(str(file)), config, template)
+        except Exception as exc:  # tokenizers' own error says only what its parser met ("EOF while parsing ...")
+            raise ConfigError(f"{file}: not a tokenizer file ({exc})") from None
+    rebuilt = _rebuilt(path, _json(file), config, pipeline)
     return None if rebuilt is None else Tokenizer(rebuilt[0], {**config, **rebuilt[1]}, template)
+
+
+def _json(file: Path) -> Any:
+    """The JSON object in ``file``; ``ConfigError`` naming the file when it holds none."""
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{file}: not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{file}: must hold a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _pipeline(declared: str | None, model_type: str | None) -> str | None:
@@ -194,6 +211,8 @@ class Tokenizer:
         self.chat_template = chat_template if isinstance(chat_template, str) else None
         self.special_tokens_map = {k: _content(config[k]) for k in SPECIAL if config.get(k) is not None}
         self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
+        # transformers 5 skips the cleanup for BPE (it strips real spaces) unless the config insists
+        self.clean_up_bpe = bool(config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"))
 
     def __getattr__(self, name: str) -> Any:
         if name in SPECIAL:
@@ -211,7 +230,7 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         text = self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
-        if self.clean_up_tokenization_spaces and type(self.backend.model).__name__ != "BPE":
+        if self.clean_up_tokenization_spaces and (self.clean_up_bpe or type(self.backend.model).__name__ != "BPE"):
             text = _clean_up(text)
         return text
 

@@ -3,6 +3,8 @@
 
 - ``tiny_models``: tiny seeded models of several architectures and checkpoint directories of them
   (a word-level tokenizer, an optional chat template); nothing is downloaded;
+- ``broken_checkpoints``: such a checkpoint broken in one way (a header edited, tensors replaced or split);
+- ``tiny_tokenizers``: tiny BPE, WordPiece and word-level tokenizers with the config options a test sets;
 - ``tiny_llama``: a tiny Llama and a ``PyExecutor`` on it, its transformers reference, CPU-time helpers;
 - ``smollm2``: the default model, SmolLM2-135M-Instruct, fetched once (the ``smollm2_cache`` fixture);
 - ``tp_ranks``: what each spawned rank of a tensor-parallel test runs;

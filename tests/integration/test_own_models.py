@@ -257,3 +257,23 @@ def test_what_the_own_code_does_not_implement_stays_on_transformers(change, prob
 
 def test_the_families_are_those_the_issue_names_for_this_decoder():
     assert FAMILIES == ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+
+
+def test_gemma_legacy_gelu_runs_the_tanh_form_as_transformers_does(tmp_path):
+    """Official Gemma configs say ``"hidden_act": "gelu"``; transformers' GemmaConfig reads it as
+    the tanh approximation, the form the weights were trained with."""
+    checkpoint("gemma", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text()) | {"hidden_act": "gelu"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()  # the file as it reads it
+    own = load_own_model(tmp_path, CPU, torch.float32)
+    x = 3 * torch.randn(16, SHAPE["hidden_size"], generator=torch.Generator().manual_seed(0))  # where the forms differ
+    with torch.no_grad():
+        torch.testing.assert_close(own.model.layers[0].mlp(x), reference.model.layers[0].mlp(x), atol=1e-5, rtol=1e-5)
+        expected = reference(torch.tensor([prompt()])).logits[0, -1]
+    ex = executor(own)
+    try:
+        assert torch.allclose(last_logits(ex, prompt()), expected, atol=1e-4, rtol=0)
+    finally:
+        ex.scheduler.drain()
+        ex.shutdown()

@@ -101,7 +101,10 @@ SHORT = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
         (b"\x01\x02", "not a safetensors file"),
         (struct.pack("<Q", 10**9) + b"{}", "not a safetensors file"),
         (struct.pack("<Q", 9) + b"not json!", "its header is not JSON"),
-        (struct.pack("<Q", len(SHORT)) + SHORT + bytes(8), "does not fit bytes 0..16"),  # 8 bytes where 16 belong
+        (
+            struct.pack("<Q", len(SHORT)) + SHORT + bytes(8),
+            r"'data_offsets' \[0, 16\] must span",
+        ),  # 8 bytes where 16 belong
     ],
 )
 def test_a_broken_header_is_an_error_naming_the_file(tmp_path, content, match):

@@ -8,7 +8,6 @@ activation other than SiLU or GELU, MLP biases); the loader says so once in the 
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from bootstrap.capacity.shape import ModelConfigError
 from bootstrap.engine.layers.linear import Shard
 from bootstrap.engine.layers.rotary import rope_scaling_problem
 from bootstrap.engine.models.decoder import ACTIVATIONS, activation_name
+from bootstrap.engine.models.files import exists, read_json
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def load_own_model(
     from bootstrap.engine.models.compile_ahead import compiling_ahead
     from bootstrap.engine.models.weights import load_weights, safetensors_files
 
-    cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    cfg = read_json(path / "config.json")
     files = safetensors_files(path)
     problem = own_model_problem(cfg) or (None if files else "no safetensors weights")
     if problem is None:
@@ -103,4 +103,4 @@ def materialize(model: torch.nn.Module, device: torch.device) -> None:
 
 def _generation_eos(path: Path) -> int | list[int] | None:
     file = path / "generation_config.json"
-    return json.loads(file.read_text(encoding="utf-8")).get("eos_token_id") if file.is_file() else None
+    return read_json(file).get("eos_token_id") if exists(file) else None

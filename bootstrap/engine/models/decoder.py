@@ -109,10 +109,13 @@ def rope_theta(cfg: dict[str, Any]) -> float:
 
 def activation_name(cfg: dict[str, Any]) -> str:
     """The MLP activation, from the field transformers reads for the family (Gemma 2:
-    ``hidden_activation``; the others: ``hidden_act``)."""
+    ``hidden_activation``; the others: ``hidden_act``, where Gemma's legacy ``"gelu"``, what the
+    official configs carry, means the tanh form, as transformers' ``GemmaConfig`` reads it)."""
     if cfg.get("model_type") == "gemma2":
         return cfg.get("hidden_activation") or "gelu_pytorch_tanh"
-    return cfg.get("hidden_act") or ("gelu_pytorch_tanh" if cfg.get("model_type") == "gemma" else "silu")
+    if cfg.get("model_type") == "gemma":
+        return "gelu_pytorch_tanh" if cfg.get("hidden_act") in (None, "gelu") else cfg["hidden_act"]
+    return cfg.get("hidden_act") or "silu"
 
 
 def _gemma_options(cfg: dict[str, Any], shape: ModelShape) -> dict[str, Any]:

@@ -4,17 +4,19 @@ Every checkpoint tensor has one place: a parameter of the same name, or its rows
 projection (``q_proj`` of ``qkv_proj``, ``gate_proj`` of ``gate_up_proj``: ``FUSED``). Under
 tensor parallelism each rank reads only its slice of a sharded weight (``layers.linear``). The
 places are worked out from the files' headers first, so a tensor the model does not have, a
-parameter no tensor fills, or a shape that differs is an error naming it before any weight is
-read. Then every tensor whose slice is one run of bytes in the file, stored in the model's dtype,
-is read by ``byte_reads`` straight into its place (threads, page-locked staging on CUDA); the
-rest (a dtype to convert, a column slice under tensor parallelism) through ``safetensors``. The
-model is built on the meta device first, so no second full copy of the weights ever exists.
+parameter no tensor fills, a shape or dtype that differs, a tensor stored twice or a header whose
+spans do not hold together (``headers``) is an error naming it before any weight is read. Then
+every tensor whose slice is one run of bytes in the file, stored in the model's dtype, is read by
+``byte_reads`` straight into its place (threads, page-locked staging on CUDA); the rest (a dtype
+to convert, a column slice under tensor parallelism) through ``safetensors``. The model is built
+on the meta device first, so no second full copy of the weights ever exists.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +26,9 @@ from safetensors import safe_open
 
 from bootstrap.engine.layers.linear import FusedLinear, Index, RowLinear
 from bootstrap.engine.models.byte_reads import PIECE_BYTES, ByteRange, read_ranges
+from bootstrap.engine.models.files import ModelSourceError, check_regular, exists, read_json
+from bootstrap.engine.models.headers import DTYPES, check_header
+from bootstrap.paths import open_regular
 
 FUSED = {
     "q_proj": "qkv_proj",
@@ -33,18 +38,6 @@ FUSED = {
     "up_proj": "gate_up_proj",
 }
 IGNORED = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry; recomputed here
-DTYPES = {
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 
 
 @dataclass(frozen=True)
@@ -59,39 +52,36 @@ class Stored:
 
 
 def safetensors_files(path: Path) -> list[Path]:
-    """The checkpoint's weight files, in the order its index lists them."""
+    """The checkpoint's weight files, in the order its index lists them, each checked to be a
+    regular file (``files.check_regular``)."""
     index = path / "model.safetensors.index.json"
-    if index.is_file():
-        names = dict.fromkeys(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
-        return [path / name for name in names]
+    if exists(index):
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ModelSourceError(f"{index}: field 'weight_map' must be an object of tensor name -> file name")
+        return [check_regular(path / name) for name in dict.fromkeys(weight_map.values())]
     single = path / "model.safetensors"
-    return [single] if single.is_file() else []
+    return [check_regular(single)] if exists(single) else []
 
 
 def stored_tensors(file: Path) -> list[Stored]:
-    """The tensors a safetensors file holds, read from its header (8 bytes of length, JSON)."""
-    size = file.stat().st_size
-    with file.open("rb") as f:
-        length = struct.unpack("<Q", f.read(8))[0] if size >= 8 else size
+    """The tensors a safetensors file holds, from its header (8 bytes of length, JSON), checked
+    as ``safetensors`` checks it (``headers.check_header``) before any weight is read."""
+    with open_regular(check_regular(file).resolve()) as fd:
+        size = os.fstat(fd).st_size
+        length = struct.unpack("<Q", os.pread(fd, 8, 0))[0] if size >= 8 else size
         if length > size - 8:
-            raise ValueError(f"{file}: not a safetensors file (header of {length} bytes in {size})")
-        try:
-            header = json.loads(f.read(length))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{file}: not a safetensors file (its header is not JSON: {exc})") from None
-    out = []
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        (begin, end), shape = entry["data_offsets"], tuple(entry["shape"])
-        dtype = DTYPES.get(entry["dtype"])
-        if (dtype is not None and end - begin != math.prod(shape) * dtype.itemsize) or 8 + length + end > size:
-            raise ValueError(
-                f"{file}: tensor {name!r} of shape {list(shape)} {entry['dtype']} does not fit bytes "
-                f"{begin}..{end} of the data ({size - 8 - length} bytes)"
+            raise ModelSourceError(
+                f"{file} cannot be read: not a safetensors file (header of {length} bytes in {size})"
             )
-        out.append(Stored(file, name, entry["dtype"], shape, 8 + length + begin))
-    return out
+        try:
+            header = json.loads(os.pread(fd, length, 8))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ModelSourceError(
+                f"{file} cannot be read: not a safetensors file (its header is not JSON: {exc})"
+            ) from None
+    spans = check_header(file, header, size - 8 - length)
+    return [Stored(file, name, dtype, shape, 8 + length + begin) for name, dtype, shape, begin in spans]
 
 
 def load_weights(
@@ -104,11 +94,21 @@ def load_weights(
     direct: list[ByteRange] = []
     converted: list[tuple[Stored, torch.Tensor, Index]] = []
     filled: set[str] = set()
+    seen: dict[str, Path] = {}
     for file in files:
         for stored in stored_tensors(file):
+            if stored.name in seen:
+                raise ModelSourceError(
+                    f"checkpoint tensor {stored.name!r} is stored twice: in {seen[stored.name]} and {file}"
+                )
+            seen[stored.name] = file
             if stored.name.endswith(IGNORED):
                 continue
             name, target, index = _place(stored, params, modules)
+            if DTYPES[stored.dtype].is_floating_point != target.dtype.is_floating_point:
+                raise ModelSourceError(
+                    f"{file}: tensor {stored.name!r} is stored as {stored.dtype}, the model's {name} is {target.dtype}"
+                )
             filled.add(name)
             start = _contiguous_start(index, stored.shape)
             if start is not None and DTYPES.get(stored.dtype) == target.dtype and target.is_contiguous():
@@ -120,7 +120,9 @@ def load_weights(
         filled |= tied
     missing = sorted(set(params) - filled)
     if missing:
-        raise ValueError(f"the checkpoint has no tensor for {len(missing)} parameter(s): {', '.join(missing[:5])}")
+        raise ModelSourceError(
+            f"the checkpoint has no tensor for {len(missing)} parameter(s): {', '.join(missing[:5])}"
+        )
     with torch.no_grad():
         read_ranges(direct, threads, piece_bytes)
         _read_converting(converted)
@@ -135,17 +137,21 @@ def _place(stored: Stored, params: dict, modules: dict) -> tuple[str, torch.Tens
         fused = f"{parent}.{FUSED[part]}"
         module = modules.get(fused)
         if not isinstance(module, FusedLinear):
-            raise ValueError(f"checkpoint tensor {stored.name!r} has no place in this model (no {fused!r})")
+            raise ModelSourceError(f"checkpoint tensor {stored.name!r} has no place in this model (no {fused!r})")
         index = module.checkpoint_index(part, kind, stored.shape)
-        return f"{fused}.{kind}", module.part_target(part, kind, _sliced_shape(index, stored.shape)), index
+        try:
+            target = module.part_target(part, kind, _sliced_shape(index, stored.shape))
+        except ValueError as exc:  # a part's rows or columns that do not fit the fused projection
+            raise ModelSourceError(f"{stored.file}: tensor {stored.name!r}: {exc}") from None
+        return f"{fused}.{kind}", target, index
     param = params.get(stored.name)
     if param is None:
-        raise ValueError(f"checkpoint tensor {stored.name!r} has no place in this model")
+        raise ModelSourceError(f"checkpoint tensor {stored.name!r} has no place in this model")
     module = modules[owner]
     index = module.checkpoint_index(None, kind, stored.shape) if isinstance(module, RowLinear) else ()
     shape = _sliced_shape(index, stored.shape)
     if tuple(param.shape) != shape:
-        raise ValueError(f"{stored.name}: checkpoint shape {shape}, the model's {tuple(param.shape)}")
+        raise ModelSourceError(f"{stored.name}: checkpoint shape {shape}, the model's {tuple(param.shape)}")
     return stored.name, param, index
 
 

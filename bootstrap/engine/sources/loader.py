@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bootstrap.config import ConfigError
 from bootstrap.engine.models import own_model_problem
+from bootstrap.engine.models.files import ModelSourceError, check_checkpoint_files, read_json
 from bootstrap.engine.sources import checkpoint, conversions, random_init, smollm2
 from bootstrap.engine.sources.model_cache import default_cache_dir, has_weights
 from bootstrap.engine.sources.progress_lines import Progress, quiet
@@ -35,11 +35,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 DEFAULT_MODEL = smollm2.NAME
 CHECKPOINT, GGUF, RANDOM, DEFAULT = "checkpoint", "gguf", "random", "default"
-
-
-class ModelSourceError(ConfigError):
-    """A model source string that names nothing loadable; the message lists what is accepted
-    (bad input of the ``model`` field: exit status 2)."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +120,7 @@ def _resolve_path(text: str) -> ModelSource:
 
 
 def _resolve_dir(text: str, path: Path) -> ModelSource:
+    check_checkpoint_files(path)  # a FIFO or a link loop, before anything opens it
     if not (path / "config.json").is_file():
         raise ModelSourceError(f"model directory {text!r} has no config.json; accepted: {accepted_sources()}")
     if not has_weights(path):
@@ -143,7 +139,7 @@ def config_dict(source: str, *, cache_dir: Path | None = None, progress: Progres
     cache = cache_dir or default_cache_dir()
     directory = _converted(resolved, cache) or _convert_now(resolved, cache, progress)
     if directory is not None:
-        return json.loads((directory / "config.json").read_text(encoding="utf-8"))
+        return read_json(directory / "config.json")
     if resolved.kind == RANDOM and own_model_problem(values := random_init.config_dict(resolved.random_spec)) is None:
         return values  # what the own code builds from, as it stands
     return load_hf_config(source, cache_dir=cache_dir, progress=progress).to_dict()
