@@ -1,6 +1,8 @@
 """Shared by every test directory: ``tests/`` on the path for ``helpers`` (pytest's default import
-mode does this for the directory of this file; said here so that any mode finds it), and the
-default model's fixture."""
+mode does this for the directory of this file; said here so that any mode finds it), the
+default model's fixture, and a home of the suite's own (``helpers.home``): HOME and
+XDG_CACHE_HOME point into a temporary folder before anything is imported, so no test, nor any
+process a test starts (they inherit the environment), reads or writes the user's real caches."""
 
 from __future__ import annotations
 
@@ -12,6 +14,10 @@ import pytest
 TESTS = str(Path(__file__).resolve().parent)
 if TESTS not in sys.path:
     sys.path.insert(0, TESTS)
+
+from helpers import home  # noqa: E402
+
+home.enter()  # before ``bootstrap`` is imported: its default cache paths are read from HOME
 
 from helpers.smollm2 import smollm2_cache_dir  # noqa: E402
 
@@ -39,3 +45,7 @@ def screenshots(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
     folder = request.config.getoption("--screenshots") or tmp_path
     folder.mkdir(parents=True, exist_ok=True)
     return folder
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    home.leave()

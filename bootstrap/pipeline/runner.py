@@ -47,8 +47,14 @@ def failure_paragraph(exc: StageFailed) -> str:
     """The failure in one paragraph for people (the CLI's stderr, the server's log and
     ``/ready``): the stage, its attempts, the cause, and the advice, if any."""
     tries = "attempt" if exc.attempts == 1 else "attempts"
-    text = f"bootstrap failed at stage {exc.stage!r} after {exc.attempts} {tries}: {exc.cause}"
+    text = f"bootstrap failed at stage {exc.stage!r} after {exc.attempts} {tries}: {cause_text(exc.cause)}"
     return f"{text}. {exc.advice}" if exc.advice else text
+
+
+def cause_text(cause: BaseException) -> str:
+    """What ``cause`` says; its type where it says nothing (or ``None``)."""
+    text = str(cause).strip()
+    return text if text and text != "None" else f"{type(cause).__name__} (no message)"
 
 
 class PipelineClosed(RuntimeError):

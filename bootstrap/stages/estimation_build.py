@@ -3,7 +3,8 @@ executor on them. The probe is TensorRT-LLM's estimation size capped by ``max_kv
 what the memory rule (``bootstrap.capacity.rules``) gives of the free memory once the executor state beside it
 (``Backend.estimation_overhead_bytes``) is allocated. OOM: the attempt's pools are released and
 the probe shrinks, first to the dummy workload, then with ``max_num_tokens`` halved (``shrink``).
-Skipped (reason ``plan-cache``) when a cached plan matches and the device has room for it."""
+Skipped (reason ``plan-cache``) when a cached plan matches and the device has room for it, not
+much more than when it was measured (``plan_cache.CachedPlan.much_more_room``)."""
 
 from __future__ import annotations
 
@@ -78,8 +79,9 @@ def cached_plan(
     backend: Backend,
     plan_cache: PlanCache | None,
 ) -> tuple[CachedPlan | None, str]:
-    """The cached plan for this exact setup if the device has room for it now; else None and why
-    not: the cache is off, holds nothing for this setup, or lacks the room (with the figures)."""
+    """The cached plan for this exact setup if the device has room for it now, and not much more
+    than when it was measured; else None and why not: the cache is off, holds nothing for this
+    setup, lacks the room, or has much more (with the figures)."""
     if plan_cache is None:
         return None, "off"
     cached = plan_cache.lookup(config, resolved, backend)
@@ -91,6 +93,13 @@ def cached_plan(
         return (
             None,
             f"no room: the cached plan needs {fmt_bytes(needed)} beside the weights, {fmt_bytes(free)} are free",
+        )
+    if cached.much_more_room(free, loaded.weight_bytes):
+        measured = cached.measured_free() - loaded.weight_bytes
+        return (
+            None,
+            f"more room: the cached plan was measured with {fmt_bytes(measured)} free beside the weights, "
+            f"{fmt_bytes(free)} are free now",
         )
     return cached, ""
 

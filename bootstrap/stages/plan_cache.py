@@ -2,8 +2,9 @@
 (``fingerprint``): its one full account (``docs/design.md`` points here).
 
 A later start with the same fingerprint skips ``estimation_build`` and ``profiling`` when the
-device has room for the plan now: free memory covers the activation peak plus the KV budget,
-never equality with a fluctuating figure such as the last start's free memory. An entry that
+device has room for the plan now (free memory covers the activation peak plus the KV budget) and
+not much more room than when it was measured (``CachedPlan.much_more_room``: a plan measured
+while another job held memory is a measurement, not a limit). An entry that
 cannot be used (unreadable, damaged, another fingerprint's) costs one warning and a profiling
 run; so does a store that fails. An entry is read only when it is a regular file of at most
 ``MAX_ENTRY_BYTES`` (``read_entry``): never through a link, never from a FIFO or a device, so it
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 NOT_FINGERPRINTED = frozenset({"model", "draft_model", "device", "plan_cache"})
 LIBRARIES = ("executor-bootstrap", "torch", "transformers", "tensorrt-llm")
 
+MORE_ROOM = 1.25  # free beside the weights above this times the measured: profile again
 MAX_ENTRY_BYTES = 1 << 20  # an entry is about 400 bytes; anything near this size is not one
 ENTRY_NAME = re.compile(r"(?P<key>[0-9a-f]{32})\.json")
 # ``store``'s temporary file (``<key>.<mkstemp's 8 characters>.tmp``; older versions: ``tmp<8>.tmp``)
@@ -93,6 +95,21 @@ def fingerprint(config: BootstrapConfig, resolved: ResolvedClasses, device: Devi
 class CachedPlan:
     profile: MemoryProfile
     kv_budget_bytes: int
+    free_bytes: int | None = None  # free before the measured start loaded anything; None: an older entry
+
+    def measured_free(self) -> int:
+        """Free memory before the measured start loaded anything: recorded, or (older entries)
+        from the profile: free before the forward plus the probe, weights and executor state."""
+        if self.free_bytes is not None:
+            return self.free_bytes
+        p = self.profile
+        return p.free_before_bytes + p.probe_kv_bytes + p.model_bytes
+
+    def much_more_room(self, free_bytes: int, weight_bytes: int) -> bool:
+        """True when ``free_bytes`` (beside the weights now) exceeds ``MORE_ROOM`` times what was
+        free beside them when measured: what held memory then (another job) is gone, and the plan
+        would keep its limit."""
+        return free_bytes > MORE_ROOM * max(self.measured_free() - weight_bytes, 0)
 
     def needed_after_load(self, weight_bytes: int) -> int:
         """Bytes a start needs once ``weight_bytes`` of weights are loaded: the rest of the
@@ -150,12 +167,13 @@ class PlanCache:
         backend: Backend,
         profile: MemoryProfile,
         plan: CapacityPlan,
+        free_bytes: int | None = None,
     ) -> Path | None:
         """Store the plan; None when the directory cannot be written (its one warning came at
         construction: a start must not warn again for each plan it cannot store)."""
         if not self.writable:
             return None
-        return self.store(fingerprint(config, resolved, backend.device, backend.name), profile, plan)
+        return self.store(fingerprint(config, resolved, backend.device, backend.name), profile, plan, free_bytes)
 
     def remember_measured(
         self,
@@ -165,13 +183,15 @@ class PlanCache:
         profile: MemoryProfile,
         plan: CapacityPlan,
     ) -> None:
-        """Run after ``capacity`` (``api.make_pipeline``): store its plan, unless a retry lowered
-        ``max_num_tokens`` (one transient OOM must not halve every later start). A failure to
-        write costs the next start a profiling run, not this start: one warning."""
+        """Run after ``capacity`` (``api.make_pipeline``): store its plan with the free memory it
+        was measured with, unless a retry lowered ``max_num_tokens`` (one transient OOM must not
+        halve every later start). A failure to write costs the next start a profiling run, not
+        this start: one warning."""
         if profile.max_num_tokens != config.max_num_tokens:
             return
+        free = CachedPlan(profile, plan.kv_budget_bytes).measured_free()
         try:
-            self.remember(config, resolved, backend, profile, plan)
+            self.remember(config, resolved, backend, profile, plan, free)
         except OSError as exc:
             log.warning("plan cache: could not store the plan in %s: %s", self.directory, exc)
 
@@ -191,10 +211,12 @@ class PlanCache:
         except (ValueError, KeyError, TypeError, OverflowError) as exc:  # JSON and Unicode errors are ValueErrors
             return _ignored(path, str(exc) if type(exc) is ValueError else f"{type(exc).__name__}: {exc}")
 
-    def store(self, key: str, profile: MemoryProfile, plan: CapacityPlan) -> Path:
+    def store(self, key: str, profile: MemoryProfile, plan: CapacityPlan, free_bytes: int | None = None) -> Path:
         """Write atomically, so a concurrent or killed start never reads half a file; a failed
         write leaves no temporary file behind (and raises ``OSError``)."""
         data = {"fingerprint": key, "profile": dataclasses.asdict(profile), "kv_budget_bytes": plan.kv_budget_bytes}
+        if free_bytes is not None:
+            data["free_bytes"] = free_bytes
         text = json.dumps(data, indent=1)  # "fingerprint" first: the HEADER that marks the file as ours
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f"{key}.", suffix=".tmp")
         try:
@@ -257,7 +279,10 @@ def _parse(blob: bytes, key: str) -> CachedPlan:
     budget = data["kv_budget_bytes"]
     if not is_int(budget) or budget < 0:
         raise ValueError(f"kv_budget_bytes must be an integer >= 0, got {budget!r}")
-    return CachedPlan(MemoryProfile(**data["profile"]), budget)
+    free = data.get("free_bytes")
+    if free is not None and (not is_int(free) or free < 0):
+        raise ValueError(f"free_bytes must be an integer >= 0, got {free!r}")
+    return CachedPlan(MemoryProfile(**data["profile"]), budget, free)
 
 
 def _ignored(path: Path, reason: str) -> None:

@@ -88,10 +88,29 @@ def _check_config(config: BootstrapConfig, shape: ModelShape, draft: ModelShape 
             f"draft_model: {config.draft_model!r} has a vocabulary of {draft.vocab_size} tokens and the target "
             f"{config.model!r} one of {shape.vocab_size}; a draft model must share the target's tokenizer"
         )
+    if draft is not None:
+        _check_draft(config, shape, draft)
     tp = config.tensor_parallel_size
     for field, model in (("model", shape), ("draft_model", draft)):
         if model is not None:
             check_tp_split(model, tp, field)
+
+
+def _check_draft(config: BootstrapConfig, shape: ModelShape, draft: ModelShape) -> None:
+    """A draft must reach every position the target serves (else it fails late, at estimation_build,
+    not named) and be smaller than the target (a larger one only slows decoding)."""
+    max_seq_len = config.max_seq_len or shape.max_position_embeddings
+    if draft.max_position_embeddings < max_seq_len:
+        raise ConfigError(
+            f"draft_model: {config.draft_model!r} has max_position_embeddings {draft.max_position_embeddings}, below "
+            f"max_seq_len {max_seq_len}; allowed max_seq_len 2..{draft.max_position_embeddings} with this draft, "
+            "or a draft that covers the target's positions"
+        )
+    if draft.parameter_count() > shape.parameter_count():
+        raise ConfigError(
+            f"draft_model: {config.draft_model!r} has {draft.parameter_count():,} parameters, more than the target "
+            f"{config.model!r}'s {shape.parameter_count():,}; a draft model must be at most the target's size"
+        )
 
 
 # Blocking: a real backend reads config files (the default model may be fetched once) and

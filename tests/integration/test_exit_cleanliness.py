@@ -99,7 +99,7 @@ class Case:
         self.out, self.err = tmp / "out.txt", tmp / "err.txt"
         env = {**os.environ, "EXIT_CASE": self.mark, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
         with self.out.open("w") as out, self.err.open("w") as err:
-            self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=err)
+            self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=err, preexec_fn=default_stops)
 
     def text(self) -> str:
         return self.out.read_text() + self.err.read_text()
@@ -125,6 +125,14 @@ class Case:
         assert leftovers() - self.before == set()
         assert "Traceback" not in self.err.read_text() or argv_is_script(self.proc.args)
         return code
+
+
+def default_stops() -> None:
+    """In the child, before exec: SIGINT, SIGTERM and SIGHUP at their defaults, as the cases assume.
+    An ignored signal stays ignored across exec, so under ``nohup`` (SIGHUP) or a shell's
+    background job (SIGINT) the case would otherwise never see the signal it sends."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def _parent(pid: int) -> int:

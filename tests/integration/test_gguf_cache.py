@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -156,3 +157,25 @@ def test_bootstrap_run_converts_a_gguf_file_once_and_its_second_run_imports_no_t
     skipped = {s["id"]: (s["outcome"], s["skip_reason"]) for s in second["stages"]}
     assert skipped["estimation_build"] == skipped["profiling"] == ("skipped", "plan-cache")
     assert second["token_ids"] == first["token_ids"]
+
+
+def test_a_conversion_says_it_is_still_working_until_it_ends(tmp_path, monkeypatch):
+    """Reading a GGUF file says nothing for tens of seconds: a heartbeat line comes meanwhile. The
+    conversion's first line waits for one (no timing assumed), and none comes after the last."""
+    monkeypatch.setattr(conversions, "HEARTBEAT_S", 0.01)
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama(0))
+    lines: list[str] = []
+    beat = threading.Event()
+
+    def progress(line: str) -> None:
+        lines.append(line)
+        if "still working" in line:
+            beat.set()
+        elif line.endswith(" ..."):
+            assert beat.wait(60)
+
+    conversions.ensure_converted(gguf, tmp_path / "models", progress)
+    done = len(lines)
+    assert lines[0].startswith("converting tiny.gguf to a checkpoint (once): ") and " done in " in lines[-1]
+    assert lines[1].startswith("converting tiny.gguf to a checkpoint (once): still working, ")
+    assert "bootstrap-conversion-heartbeat" not in [t.name for t in threading.enumerate()] and len(lines) == done

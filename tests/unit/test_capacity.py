@@ -478,3 +478,12 @@ def test_probe_room_with_a_headroom_is_free_memory_less_the_headroom():
         cap_probe_tokens(
             10**9, cost=cost, free_bytes=10**8, fraction=0.9, tokens_per_block=10, headroom_bytes=10**8 - 5_000
         )
+
+
+def test_a_max_seq_len_that_is_not_a_multiple_of_the_block_size_takes_its_last_block_whole():
+    """max_seq_len 1000 in blocks of 32: 32 blocks a request (1024 tokens), not 31 (992, too few)."""
+    short = plan(max_seq_len=1000, max_kv_tokens=95 * 32)  # 95 blocks: 2 requests of 32 blocks, not 3 of 31
+    assert (short.kv_tokens, short.kv_requests, short.max_concurrent_requests) == (3040, 2, 2)
+    assert plan(max_seq_len=1000, max_kv_tokens=96 * 32).kv_requests == 3
+    with pytest.raises(CapacityError, match=r"one request of max_seq_len=1000 \(32 blocks\)"):
+        plan(max_seq_len=1000, max_kv_tokens=31 * 32)  # 992 tokens hold 31 blocks, one short of a request

@@ -48,6 +48,15 @@ def test_every_flag_has_help_and_says_its_default(command):
             assert "default" in text, f"{command} {action.option_strings[0]}: help does not say the default: {text!r}"
 
 
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_no_on_off_flag_shows_its_destination_s_value_as_its_default(command):
+    """``--no-cuda-graphs`` stores False; its default, True, read as "on by default", says the opposite."""
+    formatter = HelpFormatter(command)
+    for action in options(subparsers()[command]):
+        text = " ".join(formatter._expand_help(action).split())  # as --help prints it
+        assert "(default: True)" not in text and "(default: False)" not in text, f"{action.option_strings}: {text}"
+
+
 def test_model_help_lists_the_presets_and_names_the_default():
     run_help = subparsers()["run"].format_help()
     plan_help = subparsers()["plan"].format_help()
@@ -180,6 +189,19 @@ def test_tp_over_a_source_ranks_cannot_load_exits_2_before_any_rank_starts(monke
     monkeypatch.setattr(run_command, "launch_ranks", lambda *a: pytest.fail("a rank was started"))
     assert main(["run", "--device", "cpu", "--model", "random:llama-3.1-8b", "--tp", "2"]) == BAD_INPUT
     assert "needs a checkpoint directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("launched", [False, True], ids=["by hand", "under torchrun"])
+def test_serve_with_tp_exits_2_before_the_port_opens_advising_what_works(launched, monkeypatch, capsys):
+    """Serving runs on one rank: under ``torchrun`` every rank would bind the port."""
+    if launched:
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("LOCAL_RANK", "0")
+    assert main(["serve", "--tp", "2", "--port", "0", "--no-plan-cache"]) == BAD_INPUT
+    err = capsys.readouterr().err
+    assert "tensor_parallel_size: 2, but bootstrap serve runs on one rank; allowed 1" in err
+    assert "`bootstrap run --tp 2`" in err and "torchrun" not in err and "Uvicorn" not in err
 
 
 # ---- 80 columns -------------------------------------------------------------------------------

@@ -25,6 +25,10 @@ STOPPED = "; the launcher stopped the other ranks"
         (Launched({1: 143}), 143, "rank 1 was stopped by SIGTERM" + STOPPED),
         (Launched({0: 1}, raised={0: "ValueError: a bug"}), 1, "rank 0 raised ValueError: a bug" + STOPPED),
         (Launched({0: 2, 1: -6}), 1, "rank 1 was killed by SIGABRT" + STOPPED),
+        # rank 0's own stop (a signal sent to it alone): it said so itself; the launcher stopped the rest
+        (Launched({0: 143}), 143, None),
+        (Launched({0: 129}), 129, None),
+        (Launched({0: 130}), 130, None),
     ],
 )
 def test_the_status_is_rank_0_s_and_a_rank_it_cannot_speak_for_is_named(launched, status, line):

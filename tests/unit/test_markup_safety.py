@@ -69,7 +69,8 @@ def test_a_stage_failure_message_is_shown_verbatim_in_the_progress_and_the_parag
     err = capsys.readouterr().err
     assert code == STAGE_FAILED, err
     assert f"load_model         failed RuntimeError: {message}" in err
-    assert f"bootstrap: bootstrap failed at stage 'load_model' after 1 attempt: {message}" in err
+    assert f"bootstrap: failed at stage 'load_model' after 1 attempt: {message}" in err
+    assert "bootstrap: bootstrap" not in err
     assert "Traceback" not in err
 
 

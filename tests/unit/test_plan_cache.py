@@ -15,6 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from bootstrap.api import make_pipeline
 from bootstrap.backends.sim.backend import SimBackend
 from bootstrap.backends.sim.gpus import sim_device
+from bootstrap.capacity.presets import preset_config
 from bootstrap.config import BootstrapConfig
 from bootstrap.pipeline import Pipeline
 from bootstrap.pipeline.telemetry import make_tracer_provider
@@ -223,3 +224,52 @@ async def test_a_cached_plan_without_room_now_is_profiled_again_and_the_span_say
     again = await estimation_attempt(crowded)
     assert again["bootstrap.plan_cache.miss"].startswith("no room: the cached plan needs ")
     assert "are free" in again["bootstrap.plan_cache.miss"]
+
+
+async def test_a_plan_measured_while_another_job_held_memory_is_measured_again_once_it_is_gone(tmp_path):
+    """A cached plan is a measurement, not a limit: it records what was free when measured, and a
+    start with much more room (``MORE_ROOM``) profiles again; a little more reuses it."""
+
+    async def start_on(device) -> tuple[str, str | None, int]:
+        memory = InMemorySpanExporter()
+        config = BootstrapConfig.parse(**BASE, plan_cache=tmp_path)
+        pipeline = make_pipeline(config, SimBackend(device), tracer_provider=make_tracer_provider(memory=memory))
+        artifacts = await pipeline.run()
+        await pipeline.aclose()
+        spans = {s.name: s.attributes for s in memory.get_finished_spans()}
+        estimation, profiling = spans["bootstrap.stage.estimation_build"], spans["bootstrap.stage.profiling"]
+        return profiling["bootstrap.outcome"], estimation.get("bootstrap.plan_cache.miss"), artifacts["plan"].kv_tokens
+
+    def held(gib: int):
+        device = sim_device("h100-80gb")
+        device.non_torch += gib * 1024**3  # another process's memory: outside this one's allocator
+        return device
+
+    crowded = held(40)
+    free_then = crowded.free_bytes()
+    outcome, _, crowded_tokens = await start_on(crowded)
+    (entry,) = tmp_path.glob("*.json")
+    assert outcome == "ok" and json.loads(entry.read_text())["free_bytes"] == free_then
+    outcome, miss, tokens = await start_on(sim_device("h100-80gb"))
+    assert outcome == "ok" and miss.startswith("more room: the cached plan was measured with ")
+    assert tokens > 2 * crowded_tokens
+    assert json.loads(entry.read_text())["free_bytes"] == free_then + 40 * 1024**3  # the new measurement
+    assert await start_on(held(4)) == ("skipped", None, tokens)  # a little less room: the plan still fits
+    outcome, miss, _ = await start_on(sim_device("h100-80gb"))
+    assert (outcome, miss) == ("skipped", None)
+
+
+async def test_two_checkpoints_of_one_shape_with_different_weight_dtypes_never_share_a_plan(tmp_path):
+    """The stored dtype is not in the key (``model_key``), but the dtype the weights load in is:
+    with ``dtype`` auto a GPU loads each 16-bit checkpoint in its own dtype, so each has its plan."""
+    models = {}
+    for dtype in ("bfloat16", "float16"):
+        folder = tmp_path / dtype
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({**preset_config("llama-3.1-8b"), "torch_dtype": dtype}))
+        models[dtype] = str(folder)
+    plans = tmp_path / "plans"
+    assert await start(plans, model=models["bfloat16"]) == "ok"
+    assert await start(plans, model=models["float16"]) == "ok"  # measured, not the bfloat16 checkpoint's plan
+    assert len(list(plans.glob("*.json"))) == 2
+    assert await start(plans, model=models["bfloat16"]) == await start(plans, model=models["float16"]) == "skipped"

@@ -358,3 +358,30 @@ async def test_a_draft_with_another_vocabulary_is_refused_naming_both_models_and
     assert info.value.stage == "resolve_classes" and isinstance(info.value.cause, ConfigError)
     assert "'qwen2.5-7b' has a vocabulary of 152064 tokens" in message and "'llama-3.1-8b' one of 128256" in message
     assert device.live() == {} and device.peak_bytes() == 0
+
+
+async def test_a_draft_shorter_than_max_seq_len_is_refused_before_any_load_naming_the_draft(tmp_path):
+    import json
+
+    from bootstrap.capacity.presets import preset_config
+
+    draft = tmp_path / "config.json"
+    draft.write_text(json.dumps({**preset_config("llama-3.2-1b"), "max_position_embeddings": 4096}))
+    pipeline, device, _ = setup(draft_model=str(draft))  # max_seq_len 8192
+    with pytest.raises(StageFailed) as info:
+        await pipeline.run()
+    assert info.value.stage == "resolve_classes" and isinstance(info.value.cause, ConfigError)
+    assert "draft_model:" in str(info.value) and "max_position_embeddings 4096, below max_seq_len 8192" in str(
+        info.value
+    )
+    assert device.peak_bytes() == 0
+
+
+async def test_a_draft_larger_than_the_target_is_refused_naming_both():
+    pipeline, device, _ = setup(model="llama-3.2-1b", draft_model="llama-3.1-8b")
+    with pytest.raises(StageFailed) as info:
+        await pipeline.run()
+    message = str(info.value)
+    assert info.value.stage == "resolve_classes" and isinstance(info.value.cause, ConfigError)
+    assert "draft_model: 'llama-3.1-8b' has" in message and "more than the target 'llama-3.2-1b'" in message
+    assert device.peak_bytes() == 0

@@ -96,3 +96,28 @@ def test_wait_blocks_until_a_held_stop_arrives_from_another_thread():
         assert held.wait(30) is True and held.heard == [signal.SIGTERM]
         timer.join()
         assert held.wait(0) is True  # a stop already heard ends any later wait at once
+
+
+@pytest.mark.parametrize("first, second", [(signal.SIGHUP, signal.SIGTERM), (signal.SIGTERM, signal.SIGHUP)])
+def test_of_two_different_held_signals_the_exit_status_follows_the_first(first, second, capsys):
+    async def never() -> None:
+        pytest.fail("the work started after a held stop")
+
+    with held_stops() as held:  # both held before the window
+        os.kill(os.getpid(), first)
+        os.kill(os.getpid(), second)
+        with pytest.raises(Stopped) as stopped:
+            anyio.run(until_stopped, never, lambda: "", held)
+    assert stopped.value.status == 128 + first
+
+    async def work() -> None:  # the second arrives while the first's cancellation unwinds the work
+        try:
+            os.kill(os.getpid(), first)
+            await anyio.sleep(30)
+        finally:
+            os.kill(os.getpid(), second)
+
+    with held_stops() as held, pytest.raises(Stopped) as stopped:
+        anyio.run(until_stopped, work, lambda: "rolling back", held)
+    assert stopped.value.status == 128 + first and held.heard == [first, second]
+    assert capsys.readouterr().err == f"bootstrap: stopped by {first.name}: rolling back ...\n"

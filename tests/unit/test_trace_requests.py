@@ -9,7 +9,7 @@ import json
 import pytest
 from rich.console import Console
 
-from bootstrap.cli.trace.requests import request_rows, requests_table
+from bootstrap.cli.trace.requests import fitted_requests_table, request_rows, requests_table
 
 MS = 1_000_000
 
@@ -99,3 +99,16 @@ def test_attributes_of_the_wrong_type_show_as_a_question_mark():
     text = console.export_text()
     assert "requests, slowest first (1 of 1" in text and "7→?" in text
     json.dumps(spans)  # still the file's shape
+
+
+@pytest.mark.parametrize("width", [80, 100, 200])
+def test_the_request_table_fits_the_console_with_every_header_and_value_whole(width):
+    rows = request_rows([*traced_request("a1", 0, [(10, 20, 60)]), *traced_request("b2", 50, [(5, 10, 30)])])
+    console = Console(width=width, record=True)
+    console.print(fitted_requests_table(rows, 20, width))
+    text = console.export_text()
+    header = next(line for line in text.splitlines() if "start" in line)
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= width
+    for column in ("request", "start", "total", "queue", "prefill", "decode", "tokens", "finish"):
+        assert f" {column} " in header
+    assert ("timeline" in header and "00000000" in text) == (width == 200)  # the bar goes first, then the trace id

@@ -116,3 +116,15 @@ def test_a_run_cut_short_before_its_root_span_shows_as_unfinished(traces, tmp_pa
     bars = timeline(read_spans(cut)).bars
     assert (bars[0].label, bars[0].outcome) == ("pipeline run 1", "unfinished")
     assert [b.label for b in bars if b.level == 1] == list(STAGE_IDS)
+
+
+def test_at_80_columns_no_word_of_a_note_is_cut(traces, monkeypatch, capsys):
+    """Notes too long for their column beside the bar are numbered and written out under the table."""
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["trace", str(traces["retried"]), str(traces["warm"])]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    words = out.split()
+    for name in ("retried", "warm"):
+        for bar in timeline(read_spans(traces[name])).bars:
+            assert all(word in words for word in bar.note.split()), bar.note

@@ -28,7 +28,7 @@ from rich.text import Text
 
 from bootstrap.cli.args import check_values_given
 from bootstrap.cli.trace.png import check_png_path, printable, special_kind, write_png
-from bootstrap.cli.trace.requests import DEFAULT_SHOWN, RequestRow, request_rows, requests_table
+from bootstrap.cli.trace.requests import DEFAULT_SHOWN, RequestRow, fitted_requests_table, request_rows
 from bootstrap.cli.trace.spans import STAGE_PREFIX, Skipped, TraceFileError, read_spans
 from bootstrap.config import ConfigError, is_int
 from bootstrap.pipeline.process import PHASE_PREFIX, PROCESS_SPAN
@@ -36,7 +36,7 @@ from bootstrap.pipeline.telemetry import ROOT_SPAN, MissingExtra
 
 ATTEMPT_SUFFIX = ".attempt"
 COLORS = {"ok": "green", "failed": "red", "cancelled": "dark_orange", "skipped": "bright_black", "unfinished": "blue"}
-LABEL_COLUMNS = 72  # what the other columns of the table take, besides the bar and the note
+BAR_MIN, BAR_MAX = 12, 60  # the timeline bar's characters
 
 
 @dataclass(frozen=True)
@@ -261,13 +261,28 @@ def _error(span: dict[str, Any]) -> str:
 # ---- terminal -------------------------------------------------------------------------------
 
 
-def bar_width(console_width: int) -> int:
-    """Characters for the bar: what the console leaves beside the other columns, 12 to 60."""
-    return max(12, min(60, console_width - LABEL_COLUMNS - 20))
+def timeline_view(line: Timeline, scale_s: float, console_width: int) -> list[Table | Text]:
+    """The timeline within ``console_width``, no word cut: the notes in their column when it gets
+    their longest word beside a bar of ``BAR_MIN``; else numbered there, and written out under
+    the table, where the console wraps them at their spaces."""
+    cells = [("  " * b.level + b.label, b.outcome, _ms(b.start_s), _ms(b.duration_s)) for b in line.bars]
+    headers = ("span", "outcome", "start", "duration")
+    fixed = sum(max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)) + 3 * 6 + 1
+    noted = [b for b in line.bars if b.note]
+    word = max((len(w) for b in noted for w in b.note.split()), default=0)
+    if console_width - fixed - max(word, len("note")) >= BAR_MIN:
+        bar = min(console_width - fixed - max(word, len("note")), BAR_MAX)
+        return [timeline_table(line, scale_s, bar, note_width=word)]
+    bar = max(BAR_MIN, min(console_width - fixed - len("note"), BAR_MAX))
+    notes = [Text(f"[{i}] {b.label}: {b.note}") for i, b in enumerate(noted, 1)]
+    return [timeline_table(line, scale_s, bar, numbered=True), *notes]
 
 
-def timeline_table(line: Timeline, scale_s: float | None = None, width: int = 40) -> Table:
-    """A rich table: label, outcome, start and duration in ms, a bar on a shared scale, notes.
+def timeline_table(
+    line: Timeline, scale_s: float | None = None, width: int = 40, note_width: int = 0, numbered: bool = False
+) -> Table:
+    """A rich table: label, outcome, start and duration in ms, a bar on a shared scale, notes
+    (``note_width`` at least; ``numbered``: "[1]", ... for ``timeline_view`` to write out).
     Labels, notes and the title come from the file: ``Text``, never read as rich markup."""
     scale = scale_s or line.end_s or 1.0
     table = Table(title=Text(f"{line.source} ({line.end_s * 1000:.1f} ms)") if line.source else None)
@@ -277,19 +292,25 @@ def timeline_table(line: Timeline, scale_s: float | None = None, width: int = 40
         ("start", "right"),
         ("duration", "right"),
         ("timeline", "left"),
-        ("note", "left"),
     ):
-        table.add_column(column, justify=justify, no_wrap=column != "note", overflow="fold")
+        table.add_column(column, justify=justify, no_wrap=True)
+    table.add_column("note", min_width=note_width, overflow="fold")
+    number = iter(range(1, len(line.bars) + 1))
     for bar in line.bars:
+        note = f"[{next(number)}]" if numbered and bar.note else bar.note
         table.add_row(
             Text("  " * bar.level + bar.label),
             Text(bar.outcome, style=COLORS.get(bar.outcome, "")),
-            f"{bar.start_s * 1000:.1f} ms",
-            f"{bar.duration_s * 1000:.1f} ms",
+            _ms(bar.start_s),
+            _ms(bar.duration_s),
             _text_bar(bar, scale, width),
-            Text(bar.note),
+            Text(note),
         )
     return table
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms"
 
 
 def _text_bar(bar: Bar, scale_s: float, width: int) -> Text:
@@ -351,9 +372,10 @@ def main_trace(args: argparse.Namespace, console: Console | None = None) -> int:
     scale = max(line.end_s for line in lines)
     for line, rows in zip(lines, requests):
         if line.bars or not rows:
-            console.print(timeline_table(line, scale, bar_width(console.width)))
+            for part in timeline_view(line, scale, console.width):
+                console.print(part)
         if rows and getattr(args, "requests", DEFAULT_SHOWN):
-            console.print(requests_table(rows, args.requests, max(10, min(40, console.width - 100))))
+            console.print(fitted_requests_table(rows, args.requests, console.width))
     if args.png is not None:
         print(f"wrote {printable(str(args.png))}")
     return 0

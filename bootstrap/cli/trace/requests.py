@@ -18,6 +18,10 @@ PHASES = ("queue", "prefill", "decode")
 PHASE_COLORS = {"queue": "yellow", "prefill": "blue", "decode": "green", "server": "bright_black"}
 DEFAULT_SHOWN = 20
 MS_COLUMNS = ("start", "total", "queue", "prefill", "decode")
+COLUMNS = ("trace", "request", "start", "total", "queue", "prefill", "decode", "tokens", "finish", "KV", "timeline")
+WRAPPED = ("request", "finish")  # wrap at their spaces; every other cell stays on one line
+DROPPED = ("timeline", "trace", "KV")  # in this order, where the console is too narrow for them
+BAR_MIN, BAR_MAX = 10, 40
 
 
 @dataclass(frozen=True)
@@ -83,41 +87,60 @@ def _text(value: Any) -> str:
     return str(value) if isinstance(value, str | int | float) and not isinstance(value, bool) else "?"
 
 
-def requests_table(rows: Sequence[RequestRow], shown: int = DEFAULT_SHOWN, width: int = 40) -> Table:
-    """The ``shown`` slowest requests: times in ms, and a bar on the requests' shared time axis."""
+def requests_table(
+    rows: Sequence[RequestRow], shown: int = DEFAULT_SHOWN, width: int = 40, columns: Sequence[str] = COLUMNS
+) -> Table:
+    """The ``shown`` slowest requests: times in ms, and a bar of ``width`` on the requests' shared
+    time axis; ``columns``: those shown (``fitted_requests_table`` leaves some out)."""
     scale = max((r.end_s for r in rows), default=0.0) or 1.0
     title = (
         f"requests, slowest first ({min(shown, len(rows))} of {len(rows)}; ms; "
         "bar: queue yellow, prefill blue, decode green, the server's own time grey)"
     )
     table = Table(title=Text(title))
-    for column in (
-        "trace",
-        "request",
-        "start",
-        "total",
-        "queue",
-        "prefill",
-        "decode",
-        "tokens",
-        "finish",
-        "KV",
-        "timeline",
-    ):
-        table.add_column(column, justify="right" if column in MS_COLUMNS else "left", no_wrap=column != "finish")
+    for column in columns:
+        table.add_column(column, justify="right" if column in MS_COLUMNS else "left", no_wrap=column not in WRAPPED)
     for row in rows[:shown]:
-        table.add_row(
-            Text(row.trace_id),
-            Text(f"{row.endpoint} {row.status}"),
-            _ms(row.start_s),
-            _ms(row.duration_s),
-            *(_ms(_length(row.phases.get(p))) for p in PHASES),
-            Text(row.tokens),
-            Text(row.finish),
-            Text(row.kv_blocks),
-            _bar(row, scale, width),
-        )
+        cells = _cells(row)
+        table.add_row(*(_bar(row, scale, width) if column == "timeline" else cells[column] for column in columns))
     return table
+
+
+def fitted_requests_table(rows: Sequence[RequestRow], shown: int, console_width: int) -> Table:
+    """``requests_table`` within ``console_width``, no header or value cut short: the bar takes
+    what the other columns leave (``BAR_MIN`` to ``BAR_MAX``); where even ``BAR_MIN`` does not
+    fit, columns go in ``DROPPED``'s order until the rest fits."""
+    cells = [_cells(row) for row in rows[:shown]]
+
+    def natural(column: str) -> int:
+        texts = [str(c[column]) for c in cells]
+        words = [w for t in texts for w in t.split()] if column in WRAPPED else texts
+        return max(len(column), *(len(w) for w in words))
+
+    columns = list(COLUMNS)
+    for drop in (None, *DROPPED):
+        if drop is not None:
+            columns.remove(drop)
+        # what the bar's column can have: the console less the other cells and every column's borders
+        rest = console_width - sum(natural(c) for c in columns if c != "timeline") - 3 * len(columns) - 1
+        if rest >= (BAR_MIN if "timeline" in columns else 0):
+            break
+    return requests_table(rows, shown, max(BAR_MIN, min(rest, BAR_MAX)), columns)
+
+
+def _cells(row: RequestRow) -> dict[str, Text | str]:
+    """The row's cells but the bar, as the table shows them."""
+    phases = {p: _ms(_length(row.phases.get(p))) for p in PHASES}
+    return {
+        "trace": Text(row.trace_id),
+        "request": Text(f"{row.endpoint} {row.status}"),
+        "start": _ms(row.start_s),
+        "total": _ms(row.duration_s),
+        **phases,
+        "tokens": Text(row.tokens),
+        "finish": Text(row.finish),
+        "KV": Text(row.kv_blocks),
+    }
 
 
 def _length(span: tuple[float, float] | None) -> float | None:

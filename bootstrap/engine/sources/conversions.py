@@ -15,14 +15,20 @@ The weights are float32, 4 bytes a parameter whatever the quantization.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from bootstrap.engine.sources.model_cache import CONVERTED, SOURCE_FILE, Entry, entry, is_checkpoint, is_staging, remove
 from bootstrap.engine.sources.progress_lines import Progress, quiet
+
+HEARTBEAT_S = 5.0  # while a conversion runs: a line this often (reading the GGUF says nothing for long)
 
 
 def identity(gguf: Path) -> dict[str, Any]:
@@ -53,9 +59,32 @@ def ensure_converted(gguf: Path, cache_dir: Path, progress: Progress = quiet) ->
     from bootstrap.engine.sources.checkpoint import convert_gguf  # torch: only to convert
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    convert_gguf(gguf, target, progress, source={"gguf": identity(gguf)})
+    with heartbeat(progress, f"converting {gguf.name} to a checkpoint (once)"):
+        convert_gguf(gguf, target, progress, source={"gguf": identity(gguf)})
     _drop_older(target)
     return target
+
+
+@contextlib.contextmanager
+def heartbeat(progress: Progress, doing: str, interval_s: float | None = None) -> Iterator[None]:
+    """While the block runs, ``"<doing>: still working, N s"`` every ``interval_s`` (default
+    ``HEARTBEAT_S``) from a thread joined when it ends; nothing for ``quiet``."""
+    if progress is quiet:
+        yield
+        return
+    interval, stop, started = interval_s or HEARTBEAT_S, threading.Event(), time.monotonic()
+
+    def beat() -> None:
+        while not stop.wait(interval):
+            progress(f"{doing}: still working, {time.monotonic() - started:.0f} s")
+
+    thread = threading.Thread(target=beat, name="bootstrap-conversion-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _drop_older(target: Path) -> None:

@@ -72,8 +72,9 @@ async def run_bootstrap(state: ServeState, task_group: anyio.abc.TaskGroup, on_f
         await anyio.to_thread.run_sync(make_bootstrap, state)
     except Exception as exc:
         state.fatal = exc
-        state.set_phase("failed", f"cannot start the bootstrap: {type(exc).__name__}: {exc}")
-        log.error("bootstrap serve: %s", state.error)
+        reason = f"cannot start the bootstrap: {type(exc).__name__}: {exc}"
+        state.set_phase("failed", reason)
+        log.error("bootstrap serve: %s", reason)  # not state.error: a shutdown in progress keeps its phase
         on_fatal()
         return
     state.set_phase("bootstrapping")
@@ -103,8 +104,9 @@ async def _settle(state: ServeState, build: Callable[[], Awaitable[Executor]]) -
         raise
     except StageFailed as exc:
         state.failure = exc
-        state.set_phase("failed", failure_paragraph(exc))
-        log.error("bootstrap failed: %s (POST /v1/bootstrap/retry resumes from %s)", state.error, exc.stage)
+        paragraph = failure_paragraph(exc)
+        state.set_phase("failed", paragraph)
+        log.error("%s (POST /v1/bootstrap/retry resumes from %s)", paragraph, exc.stage)
         return
     except Exception as exc:  # not a stage failure: nothing to resume from
         state.set_phase("failed", f"{type(exc).__name__}: {exc}")
