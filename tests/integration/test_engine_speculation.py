@@ -8,7 +8,6 @@ cancel mid-stream; both pools empty afterwards. Seeded sampling with a draft rep
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 import torch
@@ -282,23 +281,33 @@ class FixedCosts(StepCosts):
         pass
 
 
+class ScriptedCosts(StepCosts):
+    """Step costs whose measurements read as ``figures`` (seconds per kind) whatever the wall time
+    was, taken through ``StepCosts.record`` as a measurement is; ``kinds``: what was measured, in order."""
+
+    def __init__(self, prior: float, figures: dict[str, float]) -> None:
+        super().__init__(prior)
+        self.figures, self.kinds = figures, []
+
+    def record(self, what: str, seconds: float) -> None:
+        self.kinds.append(what)
+        super().record(what, self.figures[what])
+
+
 def test_auto_measures_a_decode_step_first_and_stops_when_its_passes_cannot_pay():
     """The first decode step runs alone (what speculating must beat); once a verify pass is
     measured to cost as much as the decode steps that its tokens replace, speculating stops for
-    good, whatever the acceptance (a draft that always agrees here), and output stays the target's."""
+    good, whatever the acceptance (a draft that always agrees here), and output stays the target's.
+    The measurements are scripted (a verify pass ten decode steps long: dearer than the k + 1 its
+    tokens replace), so the outcome does not hang on the load of the machine."""
     target = model("llama", 1)
     ex = create_auto(target, target)
-    ex.speculator.costs = StepCosts(prior=0.1)  # measured from here on; the prior of a draft a tenth of the target
-    slow = ex.speculator._verify
-
-    def slow_verify(*args):
-        time.sleep(0.3)  # a verify pass dearer than the k + 1 decode steps its tokens replace
-        return slow(*args)
-
-    ex.speculator._verify = slow_verify
+    # measured from here on; the prior of a draft a tenth of the target
+    ex.speculator.costs = costs = ScriptedCosts(prior=0.1, figures={"decode": 1.0, "verify": 10.0, "draft": 0.1})
     try:
         got = outputs(ex, PROMPTS[:1], SamplingParams(max_tokens=40, temperature=0))[0].token_ids
-        assert ex.speculator.costs.decode is not None and ex.speculator.stats.steps == 1 and empty(ex)
+        assert costs.kinds[0] == "decode" and costs.kinds.count("verify") == 1
+        assert ex.speculator.costs.decode == 1.0 and ex.speculator.stats.steps == 1 and empty(ex)
     finally:
         ex.shutdown()
     plain = executor(target)

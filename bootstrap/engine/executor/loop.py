@@ -28,7 +28,7 @@ from bootstrap.engine.executor.inbox import Inbox
 from bootstrap.engine.executor.request_table import RequestTable
 from bootstrap.engine.executor.responses import ResponseWriter
 from bootstrap.engine.sampling.processing import History, TokenLogprob
-from bootstrap.engine.sampling.sampler import Sampler
+from bootstrap.engine.sampling.sampler import Sampler, generator_at
 from bootstrap.engine.scheduler import Scheduler
 from bootstrap.engine.spec.speculator import Speculator
 from bootstrap.engine.step.batch import ScheduledBatch
@@ -226,9 +226,8 @@ class EngineLoop:
             logits = logits.index_select(0, torch.tensor(batch.rows, device=logits.device))
         params = [s.params for s in sampling]
         histories = [History(s.token_ids, s.num_prompt_tokens) for s in sampling]
-        sampled = self.sampler.sample_with_logprobs(
-            logits, params, [s.generator for s in sampling], histories, self.responses.eos_token_ids
-        )
+        generators = [generator_at(s.generator, s.params.seed, s.num_tokens - s.num_prompt_tokens) for s in sampling]
+        sampled = self.sampler.sample_with_logprobs(logits, params, generators, histories, self.responses.eos_token_ids)
         return sampled.tokens.tolist(), sampled.logprobs
 
     # ---- teardown -----------------------------------------------------------------------------

@@ -135,6 +135,18 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator | 
     return torch.Generator(device=torch.device(device)).manual_seed(seed)
 
 
+def generator_at(generator: torch.Generator | None, seed: int | None, position: int) -> torch.Generator | None:
+    """``generator`` reseeded for a request's output token at ``position`` (None stays None): a
+    seeded token's draw then depends on its seed and position alone, not on what shares its
+    batch, where step boundaries fall, or whether a draft speculated (``spec.speculator``)."""
+    if generator is None or seed is None:
+        return generator
+    mixed = (seed * 0x9E3779B97F4A7C15 + position + 1) & 0xFFFFFFFFFFFFFFFF  # splitmix64
+    mixed = ((mixed ^ (mixed >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    mixed = ((mixed ^ (mixed >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return generator.manual_seed((mixed ^ (mixed >> 31)) & MAX_SEED)
+
+
 @dataclass(frozen=True)
 class Sampled:
     """A step's tokens ``[B]`` and, per row, its ``TokenLogprob`` (None where not asked)."""

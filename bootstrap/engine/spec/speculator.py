@@ -11,7 +11,7 @@ after queueing the next step's first draft pass (``_queue_ahead``). The depth is
 request with the least room left (``plan``; per request with ``auto``: ``spec.depth``), so a
 verify pass never writes past a reservation; rows with penalties, pending ``min_tokens`` or
 logprobs, and prefill chunks run as ordinary steps, as does a step that raised (``_undo``).
-Seeded requests repeat, with other draws than without speculation (the same distribution).
+A seeded request gets the tokens it gets without a draft, whatever its batch (``spec.verify``).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from bootstrap.engine.kv_cache import PagedKVCache
 from bootstrap.engine.request.sequence import Sequence
 from bootstrap.engine.sampling.argmax import argmax
 from bootstrap.engine.sampling.processing import History, needs_processing
-from bootstrap.engine.sampling.sampler import Sampler
+from bootstrap.engine.sampling.sampler import Sampler, generator_at
 from bootstrap.engine.spec.depth import PROBE_EVERY, REMEASURE_EVERY, ROW_TOKENS, StepCosts, best_depth
 from bootstrap.engine.spec.metrics import SpeculationStats, StepClock
-from bootstrap.engine.spec.verify import Verdict, accept_greedy, accept_sampled
+from bootstrap.engine.spec.verify import Verdict, accept_greedy, accept_matching, accept_sampled
 from bootstrap.engine.step.batch import ScheduledBatch
 from bootstrap.engine.step.decode_step import DecodeStep, queued_tensor, request_runs
 from bootstrap.engine.step.model_runner import ModelRunner
@@ -300,8 +300,9 @@ class Speculator:
         if greedy:
             return argmax(logits)
         probs = self.sampler.probabilities(logits, [seq.params for seq in seqs])
+        ahead = len(dists)  # the pass proposes each request's output token this far past its last
         dists.append(probs)
-        return torch.stack([self._draw(seq, row) for seq, row in zip(seqs, probs)])
+        return torch.stack([self._draw(seq, row, ahead) for seq, row in zip(seqs, probs)])
 
     def _fed(self, seq: Sequence, tokens: int) -> None:
         """Grow the draft's pool to hold ``tokens`` of ``seq``."""
@@ -311,10 +312,12 @@ class Speculator:
             self.pool.extend(seq.request_id, tokens - self.pool.num_tokens(seq.request_id))
 
     @staticmethod
-    def _draw(seq: Sequence, probs: torch.Tensor) -> torch.Tensor:
+    def _draw(seq: Sequence, probs: torch.Tensor, ahead: int) -> torch.Tensor:
         if seq.params.greedy:
             return argmax(probs)
-        return torch.multinomial(probs, 1, generator=seq.generator)[0]
+        if _seeded(seq):  # the race the target's pick at this position runs (``_judge``)
+            return argmax(probs / _noise(seq, ahead, probs))
+        return torch.multinomial(probs, 1)[0]
 
     def _verify(self, seqs: list[Sequence], proposals: torch.Tensor, k: int) -> torch.Tensor:
         """The target over each request's last token and its proposals, a row each (each layer
@@ -340,13 +343,24 @@ class Speculator:
         params = [seq.params for seq in seqs for _ in range(k + 1)]
         p = self.sampler.probabilities(logits.reshape(len(seqs) * (k + 1), -1), params).view(len(seqs), k + 1, -1)
         greedy = torch.tensor([seq.params.greedy for seq in seqs], device=logits.device)
-        sampled = accept_sampled(proposals, q, p, [seq.generator for seq in seqs], limits)
-        if not greedy.any():
-            return sampled
-        exact = accept_greedy(proposals, logits, limits)  # greedy rows of a mixed batch
+        verdict = accept_sampled(proposals, q, p, [None] * len(seqs), limits)  # seeded rows: judged below
+        if greedy.any():
+            exact = accept_greedy(proposals, logits, limits)  # greedy rows of a mixed batch
+            verdict = Verdict(
+                torch.where(greedy, exact.accepted, verdict.accepted),
+                torch.where(greedy[:, None], exact.tokens, verdict.tokens),
+            )
+        seeded = [b for b, seq in enumerate(seqs) if _seeded(seq)]
+        if not seeded:
+            return verdict
+        index = torch.tensor(seeded, device=logits.device)  # each position picked as the sampler would
+        picks = torch.stack(
+            [argmax(p[b] / torch.stack([_noise(seqs[b], j, p[b, j]) for j in range(k + 1)])) for b in seeded]
+        )
+        matched = accept_matching(proposals.index_select(0, index), picks, limits.index_select(0, index))
         return Verdict(
-            torch.where(greedy, exact.accepted, sampled.accepted),
-            torch.where(greedy[:, None], exact.tokens, sampled.tokens),
+            verdict.accepted.index_copy(0, index, matched.accepted),
+            verdict.tokens.index_copy(0, index, matched.tokens),
         )
 
     def rehearse(self, seqs: list[Sequence]) -> None:
@@ -394,3 +408,14 @@ def _weight_bytes(model: torch.nn.Module) -> int:
 
 def _history(seq: Sequence) -> History:
     return History(seq.token_ids, seq.num_prompt_tokens)
+
+
+def _seeded(seq: Sequence) -> bool:
+    return seq.generator is not None and not seq.params.greedy
+
+
+def _noise(seq: Sequence, ahead: int, like: torch.Tensor) -> torch.Tensor:
+    """The exponential noise the sampler races a seeded request's output token ``ahead`` tokens
+    past its last with (``Sampler._exponential_noise``): its seed's, at that position."""
+    generator = generator_at(seq.generator, seq.params.seed, seq.num_tokens - seq.num_prompt_tokens + ahead)
+    return torch.empty_like(like).exponential_(generator=generator).clamp_(min=torch.finfo(like.dtype).tiny)

@@ -9,8 +9,9 @@ verify pass gives the target's distribution at ``k + 1`` positions, ``i`` after 
   drawn from the draft's ``q_i`` is kept with probability ``min(1, p_i(x_i) / q_i(x_i))``; at the
   first rejection the next token is drawn from ``max(0, p_i - q_i)`` normalized (``p_i`` itself
   where that is all zero), after ``k`` kept from ``p_k``. Every token is distributed as the
-  target's own sampling (``p``, ``q``: after temperature and filters); a row draws from its own
-  ``torch.Generator`` when it has one, so a seeded request repeats whatever the batch.
+  target's own sampling (``p``, ``q``: after temperature and filters).
+- **Seeded** (``accept_matching``): draft and target pick by the sampler's race with the seeded
+  noise of each position, judged as greedy: the target's own seeded output, whatever the batch.
 """
 
 from __future__ import annotations
@@ -69,10 +70,21 @@ def accept_greedy(
     """``draft_tokens`` [B, k] against ``target_logits`` [B, k + 1, V]: see the module docstring.
     ``limits`` [B]: row ``b`` considers only its first ``limits[b]`` proposals (the rest are
     padding: a request that speculates less this step)."""
-    _rows, k = _check(draft_tokens, target_logits)
-    best = argmax(target_logits)  # [B, k + 1]
-    accepted = _kept_prefix(_within(draft_tokens == best[:, :k], limits))
-    return Verdict(accepted, _assemble(draft_tokens, accepted, best.gather(1, accepted[:, None])[:, 0]))
+    _check(draft_tokens, target_logits)
+    return accept_matching(draft_tokens, argmax(target_logits), limits)
+
+
+def accept_matching(
+    draft_tokens: torch.Tensor, target_tokens: torch.Tensor, limits: torch.Tensor | None = None
+) -> Verdict:
+    """``draft_tokens`` [B, k] against the tokens the target picks ``target_tokens`` [B, k + 1]
+    (its argmax, or a seeded row's race): the longest prefix equal to them, then the target's
+    token after it; ``limits`` as in ``accept_greedy``."""
+    rows, k = draft_tokens.shape
+    if target_tokens.shape != (rows, k + 1):
+        raise ValueError(f"target_tokens must be [{rows}, {k + 1}], got {list(target_tokens.shape)}")
+    accepted = _kept_prefix(_within(draft_tokens == target_tokens[:, :k], limits))
+    return Verdict(accepted, _assemble(draft_tokens, accepted, target_tokens.gather(1, accepted[:, None])[:, 0]))
 
 
 def accept_sampled(
