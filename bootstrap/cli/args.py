@@ -22,8 +22,9 @@ from bootstrap.paths import file_kind
 DEFAULT_PLAN_CACHE = Path.home() / ".cache" / "executor-bootstrap" / "plans"
 DEFAULT_MODEL = BootstrapConfig.model_fields["model"].default
 MAX_SEED = 2**63 - 1  # the engine's SamplingParams range (bootstrap.engine.sampling.sampler, which imports torch)
-# free text that reaches a tokenizer (prompt, chat), an HTTP header (api_key) or a JSON body (served_model_name)
-TEXT_FLAGS = ("prompt", "chat", "api_key", "served_model_name")
+# free text that reaches a tokenizer (prompt, chat), an HTTP header (api_key, allowed_origins) or a JSON body
+# (served_model_name)
+TEXT_FLAGS = ("prompt", "chat", "api_key", "served_model_name", "allowed_origins")
 MAX_SECONDS = 86_400.0  # a day: beyond it a timeout is a typo, and timedelta/asyncio overflow near inf
 
 
@@ -160,7 +161,8 @@ def add_config_args(parser: argparse.ArgumentParser, command: str) -> None:
         "--no-cuda-graphs",
         dest="cuda_graphs",
         action="store_false",
-        help="do not capture decode steps as CUDA graphs (the warmup stage is skipped, reason disabled)",
+        help="do not capture decode steps as CUDA graphs; the warmup stage is then skipped, reason disabled "
+        "(default: captured on a CUDA device)",
     )
     add(
         "--cuda-graph-batch-sizes",

@@ -60,6 +60,12 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         help=f"require 'Authorization: Bearer KEY' on every route but /health, /ready and /metrics "
         f"(default: env {ENV_API_KEY})",
     )
+    add(
+        "--allowed-origins",
+        metavar="ORIGINS",
+        help="comma-separated browser origins (scheme://host[:port]) a server on a loopback address takes "
+        "requests from, with CORS (default: none; other sites and foreign Host names get a 403)",
+    )
     add("--served-model-name", help="the model id clients send (default: --model as given)")
     add("--shutdown-timeout", type=float, default=30.0, help="seconds requests in flight get after a signal")
     add(
@@ -81,19 +87,27 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
 
 def serve_options(args: argparse.Namespace, config: Any) -> Any:
     from bootstrap.config import ConfigError
-    from bootstrap.serve.state import ServeOptions
+    from bootstrap.serve.state import ServeOptions, parse_origins
 
+    origins = parse_origins(getattr(args, "allowed_origins", None))  # first: the checks below come later
     if config.backend != "native":
         raise ConfigError(
             f"backend: {config.backend!r} is not served yet: the server answers through the native "
             "executor's request API (allowed: native; bootstrap run and plan take trtllm)"
+        )
+    if config.tensor_parallel_size != 1:  # under torchrun every rank would bind the port
+        tp = config.tensor_parallel_size
+        raise ConfigError(
+            f"tensor_parallel_size: {tp}, but bootstrap serve runs on one rank; allowed 1 (serve with --tp 1, "
+            f"or use `bootstrap run --tp {tp}` for tensor parallelism)"
         )
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"port: must be in [0, 65535] (got {args.port})")
     check_number("shutdown_timeout", args.shutdown_timeout, 0.0, MAX_SECONDS, unit=" seconds")
     ratio = getattr(args, "request_trace_ratio", 1.0)  # a Namespace made by hand may leave it out
     check_number("request_trace_ratio", ratio, 0.0, 1.0)
-    check_host(getattr(args, "host", "127.0.0.1"))  # a Namespace made by hand may leave it out
+    host = getattr(args, "host", "127.0.0.1")  # a Namespace made by hand may leave it out
+    check_host(host)
     check_kv_tokens(config)
     key = args.api_key if args.api_key is not None else os.environ.get(ENV_API_KEY)
     if key is not None and not key.strip():
@@ -107,6 +121,8 @@ def serve_options(args: argparse.Namespace, config: Any) -> Any:
         request_trace_ratio=ratio,
         backend_factory=args.backend_factory,
         shutdown_timeout_s=args.shutdown_timeout,
+        host=host,
+        allowed_origins=origins,
     )
 
 

@@ -2,6 +2,8 @@
 
 With an API key, every route but ``/health``, ``/ready`` and ``/metrics`` needs it, the docs and
 ``/openapi.json`` included (``bootstrap.serve.auth``); the app logs that once, never the key.
+Bound to a loopback address, it refuses other sites and foreign ``Host`` names, except the
+origins ``--allowed-origins`` names (which CORS then lets read the answers).
 
 The lifespan starts the bootstrap in the background and returns at once, so the server binds
 its port while the stages run. On shutdown (``state.begin_shutdown``, from a signal) the drain
@@ -20,8 +22,9 @@ from contextlib import asynccontextmanager
 
 import anyio
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 
-from bootstrap.serve.auth import OPEN, APIKeyMiddleware
+from bootstrap.serve.auth import OPEN, APIKeyMiddleware, LocalOnlyMiddleware, is_loopback
 from bootstrap.serve.body_limit import BodyLimitMiddleware
 from bootstrap.serve.errors import install_handlers
 from bootstrap.serve.metrics import ServeMetrics
@@ -34,6 +37,7 @@ from bootstrap.serve.state import ServeState
 from bootstrap.serve.status import routes as status_routes
 
 log = logging.getLogger("bootstrap.serve")
+CORS = {"allow_methods": ["*"], "allow_headers": ["*"]}  # for the origins --allowed-origins names
 
 
 def create_app(state: ServeState, on_fatal: Callable[[], None] = lambda: None) -> FastAPI:
@@ -56,6 +60,10 @@ def create_app(state: ServeState, on_fatal: Callable[[], None] = lambda: None) -
             "bootstrap serve: an API key is required ('Authorization: Bearer <key>') on every route except %s",
             ", ".join(sorted(OPEN)),
         )
+    if state.options.allowed_origins:  # outside the key check: a preflight carries no key
+        app.add_middleware(CORSMiddleware, allow_origins=list(state.options.allowed_origins), **CORS)
+    if state.options.host is not None and is_loopback(state.options.host):
+        app.add_middleware(LocalOnlyMiddleware, bound_host=state.options.host, allowed=state.options.allowed_origins)
     app.add_middleware(BodyLimitMiddleware)  # outermost: a body too large is refused before anything reads it
     return app
 

@@ -1,17 +1,13 @@
-"""The optional API key: once set, every route but the probes needs it, checked before anything
-else reads the request.
+"""The optional API key, and a loopback server's refusal of other sites.
 
-``Authorization: Bearer <key>``, compared in constant time (``hmac.compare_digest``). A browser
-cannot send that header for the status page (``GET /``) or its event stream, so HTTP Basic is
-taken too, the key as the password: a page request (``Accept: text/html``) without the key is
-challenged with ``Basic`` and the browser sends the key with the page's own requests. Since a
-browser also sends those credentials with requests other sites make it send, a request that
-changes something (any method but GET, HEAD, OPTIONS) with Basic credentials from another site
-(``Sec-Fetch-Site``, ``Origin``) is refused with 403. Open without the key: ``/health``,
-``/ready`` and ``/metrics`` (``OPEN``); everything else is a 401 without it, FastAPI's docs and
-``/openapi.json``, an unknown path (not a 404 that would map the server) and any route added
-later included: the list names what is open, not what is guarded. The configured key loses its
-surrounding whitespace first (``ServeOptions``): a key read from a file keeps its newline.
+The key: once set, every route but ``/health``, ``/ready`` and ``/metrics`` (``OPEN``) needs it,
+checked first and in constant time, as ``Authorization: Bearer <key>`` or as HTTP Basic's password
+(a browser cannot send the header for the status page, so a page request without the key is
+challenged with ``Basic``). Everything else is a 401 without it, unknown paths included: the list
+names what is open, not what is guarded. A request that changes something (any method but GET,
+HEAD, OPTIONS) with Basic credentials from another site (``Sec-Fetch-Site``, ``Origin``) is a 403.
+With or without a key, a server on a loopback address takes nothing from other sites and no
+foreign ``Host`` (``LocalOnlyMiddleware``; ``--allowed-origins`` names exceptions).
 """
 
 from __future__ import annotations
@@ -19,6 +15,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hmac
+import ipaddress
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -59,6 +56,71 @@ class APIKeyMiddleware:
                 code="cross_site",
             )
         return None
+
+
+class LocalOnlyMiddleware:
+    """For a server bound to a loopback address: a ``Host`` that is not a loopback name (DNS
+    rebinding: a page whose name now points here) and a request the browser marks as from
+    another site (``Sec-Fetch-Site``, ``Origin``) are refused with 403, unless its ``Origin`` is
+    in ``allowed`` (whose host names are then taken as ``Host`` too)."""
+
+    def __init__(self, app: ASGIApp, bound_host: str, allowed: tuple[str, ...] = ()) -> None:
+        self.app, self._origins = app, frozenset(origin.encode() for origin in allowed)
+        names = {"localhost", "127.0.0.1", "[::1]", _bracketed(bound_host.lower())}
+        names.update(_host_name(origin.partition("://")[2].encode()).decode() for origin in allowed)
+        self._hosts = frozenset(name.encode() for name in names)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            error = self._check(dict(scope["headers"]))
+            if error is not None:
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _check(self, headers: dict[bytes, bytes]) -> APIError | None:
+        host = headers.get(b"host", b"").lower()
+        if _host_name(host) not in self._hosts:
+            return APIError(
+                403,
+                f"refused: Host {host.decode('latin-1')!r} is not this server's (allowed on a loopback "
+                "address: localhost, 127.0.0.1, [::1] or the bound host, with any port, or a host "
+                "--allowed-origins names)",
+                code="foreign_host",
+            )
+        origin = headers.get(b"origin")
+        if _cross_site(headers) and (origin is None or origin.lower() not in self._origins):
+            return APIError(
+                403,
+                "refused: a request from another site (Sec-Fetch-Site, Origin) to a server on a loopback "
+                "address; allowed: the origins --allowed-origins names",
+                code="cross_site",
+            )
+        return None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (as ``--host`` gives it) is a loopback address or ``localhost``."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _bracketed(host: str) -> str:
+    """An IPv6 address as a ``Host`` header writes it (``[::1]``); anything else as it is."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def _host_name(host: bytes) -> bytes:
+    """``host[:port]`` without its port (``[::1]:8000`` is ``[::1]``); a port that is not digits
+    keeps it whole, so it matches no name."""
+    name, sep, port = host.rpartition(b":")
+    if not sep or name.endswith(b":") or (host.startswith(b"[") and not name.endswith(b"]")):
+        return host  # no port, or an IPv6 address without brackets (no Host header carries one)
+    return name if port.isdigit() else host
 
 
 def _basic_password(credentials: bytes) -> bytes | None:

@@ -7,6 +7,7 @@ reached through its thread-safe request API (``bootstrap.backends.base.RequestEx
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -42,10 +43,13 @@ class ServeOptions:
     request_trace_ratio: float = 1.0  # of the requests that come without a trace context, those traced
     backend_factory: str | None = None  # "module:callable"; None: the backend config.backend names
     shutdown_timeout_s: float = 30.0
+    host: str | None = None  # the bound address; a loopback one refuses other sites (``serve.auth``)
+    allowed_origins: tuple[str, ...] = ()  # browser origins taken anyway (``parse_origins``)
 
     def __post_init__(self) -> None:
         if self.api_key is not None:
             object.__setattr__(self, "api_key", clean_api_key(self.api_key))
+        object.__setattr__(self, "allowed_origins", tuple(check_origin(o) for o in self.allowed_origins))
         if self.backend_factory is not None:
             factory_parts(self.backend_factory)
         ratio = self.request_trace_ratio
@@ -68,6 +72,26 @@ def factory_parts(spec: str) -> tuple[str, str]:
     if not module_name.strip() or not attr.strip():
         raise ConfigError(f"backend_factory: expected 'module:callable', got {spec!r}")
     return module_name, attr
+
+
+ORIGIN = re.compile(r"(https?)://([a-z0-9.-]+|\[[0-9a-f:.]+\])(?::([0-9]{1,5}))?", re.IGNORECASE | re.ASCII)
+
+
+def parse_origins(text: str | None) -> tuple[str, ...]:
+    """``--allowed-origins``: comma-separated origins, each checked (``check_origin``)."""
+    return () if text is None else tuple(check_origin(part.strip()) for part in text.split(","))
+
+
+def check_origin(origin: str) -> str:
+    """``origin`` as a browser sends it (``scheme://host[:port]``, lower case); ``ConfigError``
+    for anything else, a path or a trailing ``/`` included: no browser sends those."""
+    found = ORIGIN.fullmatch(origin)
+    if found is None or (found.group(3) is not None and not 0 < int(found.group(3)) <= 65535):
+        raise ConfigError(
+            f"allowed_origins: {origin!r} is not an origin (allowed: comma-separated scheme://host[:port], "
+            "scheme http or https, port in [1, 65535], no path, e.g. http://localhost:3000)"
+        )
+    return origin.lower()
 
 
 def clean_api_key(key: str) -> str:

@@ -287,6 +287,13 @@ def _api_key(v: str) -> bool:
     return _text(v) and bool(v.strip()) and not any(ord(c) < 0x20 or ord(c) == 0x7F for c in v.strip())
 
 
+def _origins(v: str) -> bool:
+    """Comma-separated ``http[s]://host[:port]``, ASCII, port in [1, 65535], no path."""
+    shape = r"https?://([A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\])(:[0-9]{1,5})?"
+    found = [re.fullmatch(shape, part.strip(), re.IGNORECASE | re.ASCII) for part in v.split(",")]
+    return all(f is not None and (f.group(2) is None or 1 <= int(f.group(2)[1:]) <= 65535) for f in found)
+
+
 def _text(v: str) -> bool:
     try:
         v.encode("utf-8")
@@ -320,11 +327,13 @@ RULES: dict[str, Any] = {  # dest -> valid(parsed) given the base argv, or None:
     "chat": _text,
     "served_model_name": _text,
     "api_key": _api_key,
+    "allowed_origins": _origins,
     "fault": lambda v: all(FAULT.fullmatch(f) and not f.endswith(":0") for f in v),
     "host": lambda v: True if v in ("127.0.0.1", "localhost", "0.0.0.0") else None,
 }
 RULES_BY_COMMAND: dict[tuple[str, str], Any] = {
     ("plan", "tensor_parallel_size"): lambda v: 1 <= v <= 64,
+    ("run", "prompt"): lambda v: _text(v) and v != "",  # an empty prompt is refused as the server refuses it
     ("run", "tensor_parallel_size"): lambda v: v in (1, 3),  # the default model: 9 heads, 3 KV heads
     ("serve", "tensor_parallel_size"): lambda v: True if v == 1 else None if 1 < v <= 64 else False,
     ("plan", "max_kv_tokens"): lambda v: v >= 1,  # the capacity stage checks the rest

@@ -19,7 +19,8 @@ from bootstrap.backends.native.placement import device_for
 
 class GatedBackend(NativeBackend):
     """``gate``: a FIFO; the backend method ``gated`` blocks until a writer opens it (``open_gate``).
-    ``fail_once``: backend methods whose first call raises. ``step_delay_s``: sleep before each
+    ``fail_once``: backend methods whose first call raises (``failure``: its message, ``{method}``
+    the method's name). ``step_delay_s``: sleep before each
     forward of the started executor, so requests stay in flight long enough to be cut."""
 
     def __init__(
@@ -29,10 +30,11 @@ class GatedBackend(NativeBackend):
         gated: str = "load_model",
         fail_once: tuple[str, ...] = (),
         step_delay_s: float = 0.0,
+        failure: str = "injected failure in {method} (test)",
     ) -> None:
         super().__init__(*device_for(config.device))
         self.gate, self.gated, self.step_delay_s = gate, gated, step_delay_s
-        self.failures_left = set(fail_once)
+        self.failures_left, self.failure = set(fail_once), failure
 
     def _enter(self, method: str) -> None:
         if self.gate and method == self.gated:
@@ -40,7 +42,7 @@ class GatedBackend(NativeBackend):
                 pass
         if method in self.failures_left:
             self.failures_left.discard(method)
-            raise RuntimeError(f"injected failure in {method} (test)")
+            raise RuntimeError(self.failure.format(method=method))
 
     def load_model(self, *args: Any) -> Any:
         self._enter("load_model")

@@ -38,7 +38,8 @@ def args(**overrides: object) -> argparse.Namespace:
 
 def client(options: ServeOptions) -> httpx.AsyncClient:
     app = create_app(ServeState(BootstrapConfig(model="m"), options))
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://serve")
+    # localhost: serve_options binds 127.0.0.1 by default, which refuses any other Host (``serve.auth``)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost")
 
 
 @pytest.mark.parametrize("configured", [f"{KEY}\n", f"{KEY}\r\n", f"  {KEY}\t \n"], ids=repr)

@@ -106,6 +106,7 @@ async def answer(
     choices = await Choices.start(state, request.app.state.metrics, render.kind, prompts, params, body.n, span)
     try:
         if await unless_disconnected(request, choices.first_events) is None:
+            await choices.close()  # gone before its first token: every choice is cancelled, not left running
             return Response(status_code=CLIENT_CLOSED)
         if body.stream:
             return ChoicesStream(choices, render, body.include_usage)
