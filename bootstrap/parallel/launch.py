@@ -17,6 +17,7 @@ alone and each rank hears it once, from the agent. No rank outlives ``launch``."
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -63,8 +64,8 @@ def launch(target: Callable[..., int | None], args: tuple[Any, ...], world_size:
             rdzv_endpoint="127.0.0.1:0",
             max_restarts=0,
             start_method="spawn",
-            shutdown_timeout=SHUTDOWN_S,
             logs_specs=DefaultLogsSpecs(log_dir=logs),
+            **_shutdown_timeout(LaunchConfig),
         )
         try:
             returned = elastic_launch(config, _rank_main)(target, args)
@@ -123,3 +124,10 @@ def _last_line(message: Any) -> str:
     text = message.get("message", "") if isinstance(message, dict) else message
     lines = [line for line in str(text).strip().splitlines() if line.strip()]
     return lines[-1].strip() if lines else "an exception"
+
+
+def _shutdown_timeout(config_class: type) -> dict[str, float]:
+    """``shutdown_timeout=SHUTDOWN_S`` where this torch's ``LaunchConfig`` takes it (newer
+    releases); an older one (2.11 has none) keeps its own wait before SIGKILL."""
+    names = {f.name for f in dataclasses.fields(config_class)}
+    return {"shutdown_timeout": SHUTDOWN_S} if "shutdown_timeout" in names else {}

@@ -79,3 +79,22 @@ def test_all_ranks_ok_agree_on_one_artifact():
         ).model_bytes
         == 12
     )
+
+
+def test_the_launcher_passes_its_shutdown_wait_only_to_a_torch_that_takes_it():
+    """torch 2.11's ``LaunchConfig`` has no ``shutdown_timeout``: passing it raised a TypeError on
+    the first two-GPU run."""
+    import dataclasses
+
+    from torch.distributed.launcher.api import LaunchConfig
+
+    from bootstrap.parallel.launch import SHUTDOWN_S, _shutdown_timeout
+
+    @dataclasses.dataclass
+    class Older:
+        min_nodes: int = 1
+
+    assert _shutdown_timeout(Older) == {}
+    has = "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}
+    assert _shutdown_timeout(LaunchConfig) == ({"shutdown_timeout": SHUTDOWN_S} if has else {})
+    assert Older(**_shutdown_timeout(Older)) == Older()
