@@ -147,6 +147,15 @@ def generator_at(generator: torch.Generator | None, seed: int | None, position: 
     return generator.manual_seed((mixed ^ (mixed >> 31)) & MAX_SEED)
 
 
+def exponential_noise(
+    like: torch.Tensor, generator: torch.Generator | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Exponential(1) noise shaped like ``like`` (in ``out`` when given), from ``generator``
+    where given, never 0 (a 0 would divide 0 into NaN): what sampling races ``probs`` with."""
+    noise = torch.empty_like(like) if out is None else out
+    return noise.exponential_(generator=generator).clamp_(min=torch.finfo(noise.dtype).tiny)
+
+
 @dataclass(frozen=True)
 class Sampled:
     """A step's tokens ``[B]`` and, per row, its ``TokenLogprob`` (None where not asked)."""
@@ -289,11 +298,11 @@ class Sampler:
 
     @staticmethod
     def _exponential_noise(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-        noise = torch.empty_like(probs).exponential_()
+        noise = exponential_noise(probs)
         for row, gen in enumerate(generators):
             if gen is not None:
-                noise[row].exponential_(generator=gen)
-        return noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # a 0 would divide 0 into NaN
+                exponential_noise(noise[row], gen, out=noise[row])
+        return noise
 
 
 def stop_reason(

@@ -11,7 +11,7 @@ after queueing the next step's first draft pass (``_queue_ahead``). The depth is
 request with the least room left (``plan``; per request with ``auto``: ``spec.depth``), so a
 verify pass never writes past a reservation; rows with penalties, pending ``min_tokens`` or
 logprobs, and prefill chunks run as ordinary steps, as does a step that raised (``_undo``).
-A seeded request gets the tokens it gets without a draft, whatever its batch (``spec.verify``).
+A seeded request gets the tokens it gets without a draft, whatever its batch (``spec.judge``).
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ from bootstrap.engine.kv_cache import PagedKVCache
 from bootstrap.engine.request.sequence import Sequence
 from bootstrap.engine.sampling.argmax import argmax
 from bootstrap.engine.sampling.processing import History, needs_processing
-from bootstrap.engine.sampling.sampler import Sampler, generator_at
+from bootstrap.engine.sampling.sampler import Sampler
 from bootstrap.engine.spec.depth import PROBE_EVERY, REMEASURE_EVERY, ROW_TOKENS, StepCosts, best_depth
+from bootstrap.engine.spec.judge import draw, judge
 from bootstrap.engine.spec.metrics import SpeculationStats, StepClock
-from bootstrap.engine.spec.verify import Verdict, accept_greedy, accept_matching, accept_sampled
+from bootstrap.engine.spec.verify import Verdict
 from bootstrap.engine.step.batch import ScheduledBatch
 from bootstrap.engine.step.decode_step import DecodeStep, queued_tensor, request_runs
 from bootstrap.engine.step.model_runner import ModelRunner
@@ -204,7 +205,7 @@ class Speculator:
             proposals, q = self._propose(seqs, k)
             clock.drafted()
             logits = self._verify(seqs, proposals, k)
-            verdict = self._judge(seqs, proposals, q, logits, queued_tensor(logits.device, limits))
+            verdict = judge(self.sampler, seqs, proposals, q, logits, queued_tensor(logits.device, limits))
             clock.verified()
             on_host = verdict.to_host()
             ahead = self._queue_ahead(seqs, proposals, verdict, k)
@@ -302,7 +303,7 @@ class Speculator:
         probs = self.sampler.probabilities(logits, [seq.params for seq in seqs])
         ahead = len(dists)  # the pass proposes each request's output token this far past its last
         dists.append(probs)
-        return torch.stack([self._draw(seq, row, ahead) for seq, row in zip(seqs, probs)])
+        return torch.stack([draw(seq, row, ahead) for seq, row in zip(seqs, probs)])
 
     def _fed(self, seq: Sequence, tokens: int) -> None:
         """Grow the draft's pool to hold ``tokens`` of ``seq``."""
@@ -310,14 +311,6 @@ class Speculator:
             self.pool.allocate(seq.request_id, tokens)
         elif tokens > self.pool.num_tokens(seq.request_id):
             self.pool.extend(seq.request_id, tokens - self.pool.num_tokens(seq.request_id))
-
-    @staticmethod
-    def _draw(seq: Sequence, probs: torch.Tensor, ahead: int) -> torch.Tensor:
-        if seq.params.greedy:
-            return argmax(probs)
-        if _seeded(seq):  # the race the target's pick at this position runs (``_judge``)
-            return argmax(probs / _noise(seq, ahead, probs))
-        return torch.multinomial(probs, 1)[0]
 
     def _verify(self, seqs: list[Sequence], proposals: torch.Tensor, k: int) -> torch.Tensor:
         """The target over each request's last token and its proposals, a row each (each layer
@@ -328,40 +321,6 @@ class Speculator:
             self.target.kv_cache.extend(seq.request_id, k)  # the step's own token is already in
             rows.append((seq.request_id, seq.num_computed, [seq.token_ids[-1]] + [0] * k))
         return self.target.run_rows(self.target.token_rows(rows), proposals).view(len(seqs), k + 1, -1)
-
-    def _judge(
-        self,
-        seqs: list[Sequence],
-        proposals: torch.Tensor,
-        q: torch.Tensor | None,
-        logits: torch.Tensor,
-        limits: torch.Tensor,
-    ) -> Verdict:
-        k = proposals.shape[1]
-        if q is None:
-            return accept_greedy(proposals, logits, limits)
-        params = [seq.params for seq in seqs for _ in range(k + 1)]
-        p = self.sampler.probabilities(logits.reshape(len(seqs) * (k + 1), -1), params).view(len(seqs), k + 1, -1)
-        greedy = torch.tensor([seq.params.greedy for seq in seqs], device=logits.device)
-        verdict = accept_sampled(proposals, q, p, [None] * len(seqs), limits)  # seeded rows: judged below
-        if greedy.any():
-            exact = accept_greedy(proposals, logits, limits)  # greedy rows of a mixed batch
-            verdict = Verdict(
-                torch.where(greedy, exact.accepted, verdict.accepted),
-                torch.where(greedy[:, None], exact.tokens, verdict.tokens),
-            )
-        seeded = [b for b, seq in enumerate(seqs) if _seeded(seq)]
-        if not seeded:
-            return verdict
-        index = torch.tensor(seeded, device=logits.device)  # each position picked as the sampler would
-        picks = torch.stack(
-            [argmax(p[b] / torch.stack([_noise(seqs[b], j, p[b, j]) for j in range(k + 1)])) for b in seeded]
-        )
-        matched = accept_matching(proposals.index_select(0, index), picks, limits.index_select(0, index))
-        return Verdict(
-            verdict.accepted.index_copy(0, index, matched.accepted),
-            verdict.tokens.index_copy(0, index, matched.tokens),
-        )
 
     def rehearse(self, seqs: list[Sequence]) -> None:
         """A speculative step of ``seqs`` at full depth, its tokens thrown away: the draft's
@@ -377,7 +336,9 @@ class Speculator:
             drawn.append(self._draw_pass(seqs, self.draft.run_rows(DecodeStep.dummy(rows), drawn[-1]), greedy, dists))
         proposals, q = torch.stack(drawn, dim=1), torch.stack(dists, dim=1) if dists else None
         logits = self.target.run_rows(DecodeStep.dummy(rows * (k + 1))).view(rows, k + 1, -1)
-        on_host = self._judge(seqs, proposals, q, logits, torch.full((rows,), k, device=logits.device)).to_host()
+        on_host = judge(
+            self.sampler, seqs, proposals, q, logits, torch.full((rows,), k, device=logits.device)
+        ).to_host()
         still = torch.zeros(2 * rows, dtype=torch.long, device=self.draft.device)  # moved by nothing kept
         self.draft.run_rows(DecodeStep.dummy(2 * rows), offsets=still).view(rows, 2, -1)[:, 1].clone()
         on_host.new_tokens()
@@ -408,14 +369,3 @@ def _weight_bytes(model: torch.nn.Module) -> int:
 
 def _history(seq: Sequence) -> History:
     return History(seq.token_ids, seq.num_prompt_tokens)
-
-
-def _seeded(seq: Sequence) -> bool:
-    return seq.generator is not None and not seq.params.greedy
-
-
-def _noise(seq: Sequence, ahead: int, like: torch.Tensor) -> torch.Tensor:
-    """The exponential noise the sampler races a seeded request's output token ``ahead`` tokens
-    past its last with (``Sampler._exponential_noise``): its seed's, at that position."""
-    generator = generator_at(seq.generator, seq.params.seed, seq.num_tokens - seq.num_prompt_tokens + ahead)
-    return torch.empty_like(like).exponential_(generator=generator).clamp_(min=torch.finfo(like.dtype).tiny)
