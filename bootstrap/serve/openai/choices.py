@@ -62,8 +62,7 @@ class Choices:
         try:
             for ids, p in zip(prompts, params, strict=True):
                 for j, request_id in enumerate(enqueue(state, ids, p, n)):
-                    # the prompt is the first choice's: the others share its prefill (counted once, as in usage)
-                    choices.jobs.append(Job(state, metrics, endpoint, request_id, len(ids) if j == 0 else 0))
+                    choices.jobs.append(Job(state, metrics, endpoint, request_id, len(ids), prefills=j == 0))
         except BaseException:
             await choices.close()
             raise

@@ -42,10 +42,19 @@ class Job:
     """One enqueued request (``enqueue``), from its first event to ``close``."""
 
     def __init__(
-        self, state: ServeState, metrics: ServeMetrics, endpoint: str, request_id: int, prompt_tokens: int
+        self,
+        state: ServeState,
+        metrics: ServeMetrics,
+        endpoint: str,
+        request_id: int,
+        prompt_tokens: int,
+        *,
+        prefills: bool = True,
     ) -> None:
+        """``prefills``: this choice computes its prompt (the first of ``n``; the others share its
+        prefill), so the metrics count the prompt once, as ``usage`` does."""
         self.executor, self.state, self.metrics, self.endpoint = state.executor, state, metrics, endpoint
-        self.prompt_tokens = prompt_tokens
+        self.prompt_tokens, self.prefills = prompt_tokens, prefills
         self.started = time.monotonic()
         self.request_id = request_id
         state.inflight.add(self.request_id)
@@ -123,7 +132,7 @@ class Job:
     def _record(self) -> None:
         reason = self.reason
         self.metrics.requests.labels(self.endpoint, reason).inc()
-        self.metrics.prompt_tokens.inc(self.prompt_tokens)
+        self.metrics.prompt_tokens.inc(self.prompt_tokens if self.prefills else 0)
         self.metrics.generated_tokens.inc(self.tokens)
         if reason in ("stop", "length"):
             self.metrics.e2e.labels(self.endpoint).observe(time.monotonic() - self.started)
