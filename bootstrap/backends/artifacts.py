@@ -97,3 +97,32 @@ class Warmup:
     graph_bytes: int = 0
     reserved_bytes: int = 0
     capture_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class WeightsPlan:
+    """A live weights update checked from the new files' headers, nothing read yet: where each
+    tensor goes in the serving model's parameters (``handle``), and the bytes to read."""
+
+    handle: Any
+    path: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class HostWeights:
+    """A sleeping model's weights in host memory (level 1): ``handle`` restores them."""
+
+    handle: Any
+    nbytes: int
+    pinned: bool
+
+
+@dataclass(frozen=True)
+class RoomCheck:
+    """A wake's look at free device memory against what its plan needs; ``plan``: a smaller plan
+    when less is free than it needs, else None (the plan stands)."""
+
+    free_bytes: int
+    needed_bytes: int
+    plan: Any = None

@@ -19,7 +19,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from bootstrap.backends.artifacts import EstimationBuild, FinalBuild, LoadedModel, ResolvedClasses, Warmup
+from bootstrap.backends.artifacts import (
+    EstimationBuild,
+    FinalBuild,
+    HostWeights,
+    LoadedModel,
+    ResolvedClasses,
+    Warmup,
+    WeightsPlan,
+)
 from bootstrap.capacity import CapacityPlan, MemoryProfile
 from bootstrap.capacity.shape import ModelShape
 from bootstrap.capacity.split import PoolBudgets
@@ -118,9 +126,36 @@ class Backend(Protocol):
 class ChecksWeights(Protocol):
     """A backend that refuses, before any load, weights the device cannot hold (``resolve_classes``)."""
 
-    def check_weights(self, config: BootstrapConfig, shapes: list[ModelShape], dtype: str) -> None:
+    def check_weights(
+        self, config: BootstrapConfig, shapes: list[ModelShape], dtype: str, releasable_bytes: int = 0
+    ) -> None:
         """Raise ``ConfigError`` when the weights of ``shapes`` (the target and a draft) in ``dtype``
-        cannot fit the device (the native backend: weights it cannot hold end in the kernel's OOM killer)."""
+        cannot fit the device beside what is free and ``releasable_bytes`` (a live swap's old
+        model); the native backend: weights it cannot hold end in the kernel's OOM killer."""
+
+
+@runtime_checkable
+class TakesWeights(Protocol):
+    """A backend that reads new weights into a serving model's parameters (``update_weights``)."""
+
+    def plan_weights(self, loaded: LoadedModel, path: str) -> WeightsPlan:
+        """Check ``path``'s safetensors headers against the loaded model (``ConfigError`` naming
+        a tensor missing or of another shape), reading no weight."""
+
+    def read_weights(self, plan: WeightsPlan) -> int:
+        """Read the planned tensors into the parameters in place; the bytes read."""
+
+
+@runtime_checkable
+class Sleeps(Protocol):
+    """A backend whose weights can leave the device and come back (``sleep`` level 1)."""
+
+    def offload_weights(self, loaded: LoadedModel, reuse: HostWeights | None, undo: Undo) -> HostWeights:
+        """Every parameter to host memory (``reuse``: an earlier offload's buffers), device
+        memory released; ``undo`` brings them back."""
+
+    def restore_weights(self, host: HostWeights) -> int:
+        """The parameters back on the device from ``host``; the bytes moved."""
 
 
 @runtime_checkable

@@ -66,16 +66,22 @@ class StageStatus:
 
 
 class EventHub:
-    """Fan-out of stage events to every subscriber, plus the running status table."""
+    """Fan-out of stage events to every subscriber, plus the running status table of the
+    pipeline's own stages (an operation's one-off stages are in the history only)."""
 
-    def __init__(self, stage_ids: list[str]) -> None:
-        self.status: dict[str, StageStatus] = {s: StageStatus(s) for s in stage_ids}
+    def __init__(self, stage_ids: list[str] | None = None) -> None:
+        self.status: dict[str, StageStatus] = {s: StageStatus(s) for s in stage_ids or []}
         self._subscribers: list[MemoryObjectSendStream[StageEvent]] = []
         self.history: list[StageEvent] = []
         self._closed = False
 
+    def reset(self, stage_ids: list[str]) -> None:
+        """A new table, every stage pending (a new pipeline on this hub); the history stays."""
+        self.status = {s: StageStatus(s) for s in stage_ids}
+
     def publish(self, event: StageEvent) -> None:
-        self.status[event.stage] = self.status[event.stage].after(event)
+        if event.stage in self.status:
+            self.status[event.stage] = self.status[event.stage].after(event)
         self.history.append(event)
         for send in list(self._subscribers):
             try:

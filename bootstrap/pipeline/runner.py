@@ -6,12 +6,15 @@ span and an ``Undo``; a retryable failure runs the undo (rollback), lets the sta
 inputs, and tries again under the stage's tenacity policy. A stage that gives up raises
 ``StageFailed``; every artifact made so far is kept, and ``retry()`` resumes from there.
 Cancelling ``run()`` releases every completed stage, newest first; so does ``aclose()`` during a
-run, which then raises ``PipelineClosed``. One run at a time: ``run()`` and ``retry()`` claim
-the pipeline before touching any state, and refuse while another run holds it.
+run, which then raises ``PipelineClosed``. One run at a time: ``run()``, ``retry()`` and
+``rewind()`` claim the pipeline before touching any state, and refuse while another holds it.
+A live operation (``bootstrap.api.operations``) rewinds some stages and runs them again under
+its own root span, and runs one-off stages (``run_stage``) with the same spans and events.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -73,12 +76,14 @@ class Pipeline:
         thread: DeviceThread | None = None,
         collective: Collective | None = None,
         after: Mapping[str, Callable[..., None]] | None = None,
+        hub: EventHub | None = None,
     ) -> None:
         """``after``: stage id -> a function run once that stage has its artifact (ran or was
         skipped), inside the stage's span, before its consumed artifacts are released; it names
         what it needs of the stage's inputs and artifact by parameter, as a stage does. The owner
         of an input acts there on a stage's result, and the stage stays pure (the plan cache
-        stores a plan after ``capacity``). What it raises fails the stage."""
+        stores a plan after ``capacity``). What it raises fails the stage. ``hub``: an event hub
+        shared across pipelines (a live server's, across swaps), whose owner sets its table."""
         check_graph(stages, inputs.keys())
         check_after(stages, after or {})
         self.stages = topological_order(stages)
@@ -86,7 +91,8 @@ class Pipeline:
         self.artifacts: dict[str, Any] = dict(inputs)
         self.device = device
         self.collective = collective  # several ranks: every attempt's outcome is agreed (bootstrap.pipeline.collective)
-        self.hub = EventHub([s.id for s in self.stages])
+        self.hub = hub if hub is not None else EventHub([s.id for s in self.stages])
+        self._owns_hub = hub is None  # a shared hub's owner closes it
         self._tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer(TRACER_NAME)
         self._thread = thread or DeviceThread()
         self._owns_thread = thread is None
@@ -108,21 +114,27 @@ class Pipeline:
     def events(self) -> AsyncIterator[StageEvent]:
         return self.hub.subscribe()
 
-    async def run(self) -> dict[str, Any]:
-        """Run every stage not yet done; return all artifacts.
+    async def run(self, *, upto: str | None = None, span: Span | None = None) -> dict[str, Any]:
+        """Run every stage not yet done (``upto``: only that stage and those it depends on);
+        return all artifacts. ``span``: the root span to run under (an operation's), else one
+        ``bootstrap.pipeline`` span of its own.
 
         Raises ``StageFailed``; ``PipelineClosed`` when ``aclose()`` comes before it returns;
         ``RuntimeError`` at once, touching nothing, when the pipeline is closed or already running.
         """
-        return await self._exclusively(self._run_pending)
+        if upto is not None:
+            self._check_stage_id(upto)
+        return await self._exclusively(self._run_pending, upto, span)
 
-    async def _run_pending(self) -> dict[str, Any]:
-        pending = [s for s in self.stages if self.status[s.id].state not in ("done", "skipped")]
-        await self._run_traced(pending)
+    async def _run_pending(self, upto: str | None = None, span: Span | None = None) -> dict[str, Any]:
+        wanted = self._upstream(upto) if upto is not None else {s.id for s in self.stages}
+        pending = [s for s in self.stages if s.id in wanted and self.status[s.id].state not in ("done", "skipped")]
+        await self._run_traced(pending, span)
         return self.artifacts
 
-    async def _run_traced(self, pending: list[Stage]) -> None:
-        with self._tracer.start_as_current_span(ROOT_SPAN) as root:
+    async def _run_traced(self, pending: list[Stage], span: Span | None = None) -> None:
+        opened = contextlib.nullcontext(span) if span is not None else self._tracer.start_as_current_span(ROOT_SPAN)
+        with opened as root:
             root.set_attribute("bootstrap.stages", [s.id for s in pending])
             try:
                 await self._run_graph(pending, root)
@@ -136,20 +148,62 @@ class Pipeline:
             root.set_attribute("bootstrap.outcome", "ok")
             root.set_status(Status(StatusCode.OK))
 
-    async def retry(self, stage_id: str | None = None) -> dict[str, Any]:
+    async def retry(self, stage_id: str | None = None, *, span: Span | None = None) -> dict[str, Any]:
         """Resume after ``StageFailed``: rerun the failed stage (or ``stage_id``) and the rest.
 
         Refused like ``run()``, before any artifact is released or any stage reset.
         """
         if stage_id is not None:
             self._check_stage_id(stage_id)
-        return await self._exclusively(self._reset_and_run, stage_id)
+        return await self._exclusively(self._reset_and_run, stage_id, span)
 
-    async def _reset_and_run(self, stage_id: str | None) -> dict[str, Any]:
+    async def _reset_and_run(self, stage_id: str | None, span: Span | None = None) -> dict[str, Any]:
         if stage_id is not None:
             with anyio.CancelScope(shield=True):  # a half-done reset would leave stale artifacts
                 await self._reset(stage_id)
-        return await self._run_pending()
+        return await self._run_pending(span=span)
+
+    async def rewind(self, stage_ids: Sequence[str], replace: Mapping[str, Any] | None = None) -> None:
+        """Release exactly ``stage_ids``' artifacts (newest first) and make those stages pending,
+        keeping every other artifact; then set the artifacts in ``replace`` (an input, or what a
+        kept stage made). The next ``run()`` builds the rewound stages again from what is kept:
+        the caller names every stage whose artifact would go stale. Refused like ``run()``."""
+        for stage_id in stage_ids:
+            self._check_stage_id(stage_id)
+        await self._exclusively(self._rewind, set(stage_ids), dict(replace or {}))
+
+    async def _rewind(self, stale: set[str], replace: dict[str, Any]) -> None:
+        with anyio.CancelScope(shield=True):  # a half-done rewind would leave stale artifacts
+            for sid in [s for s in reversed(self._finished) if s in stale]:
+                await self._release(sid)
+                self._finished.remove(sid)
+            for stage in self.stages:
+                if stage.id in stale:
+                    self.artifacts.pop(stage.provides, None)
+                    self.hub.status[stage.id] = StageStatus(stage.id)
+            self.artifacts.update(replace)
+
+    async def run_stage(self, stage: Stage, inputs: Mapping[str, Any], span: Span | None = None) -> Any:
+        """Run a stage outside the graph (an operation's own step) with the same span, attempts,
+        retries, rollback and events as a graph stage, on this pipeline's device thread; return
+        its artifact. Its undo runs after a failed attempt only: a success keeps what it did.
+        Raises ``StageFailed``; refused like ``run()``."""
+        return await self._exclusively(self._one_stage, stage, inputs, span)
+
+    async def _one_stage(self, stage: Stage, inputs: Mapping[str, Any], span: Span | None) -> Any:
+        run = StageRun(stage, inputs, self._tracer, self.hub, self._thread, self.device, self.collective)
+        token = otel_context.attach(trace.set_span_in_context(span)) if span is not None else None
+        try:
+            artifact, _ = await run.execute()
+        except anyio.get_cancelled_exc_class():
+            raise
+        except BaseException as exc:
+            advice = stage.oom_advice if is_oom(failure_of(exc)) and not isinstance(exc, GiveUp) else ""
+            raise StageFailed(stage.id, run.attempts, exc, advice) from exc
+        finally:
+            if token is not None:
+                otel_context.detach(token)
+        return artifact
 
     def detach(self) -> dict[str, Any]:
         """Hand every artifact of a finished run to the caller, who owns them from now on (an
@@ -165,7 +219,8 @@ class Pipeline:
         self._finished.clear()
         if self._owns_thread:
             self._thread.close()
-        self.hub.close()
+        if self._owns_hub:
+            self.hub.close()
         return self.artifacts
 
     async def aclose(self) -> None:
@@ -183,7 +238,8 @@ class Pipeline:
                 await self._release_completed()
                 if self._owns_thread:
                     await self._thread.aclose()
-                self.hub.close()
+                if self._owns_hub:
+                    self.hub.close()
 
     async def _exclusively(self, body: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Claim the pipeline with no await before the claim, so a concurrent ``run``, ``retry``
@@ -284,6 +340,14 @@ class Pipeline:
             failures = [e for e in exc.exceptions if isinstance(e, StageFailed | BaseExceptionGroup)]
             exc = failures[0] if failures else exc.exceptions[0]
         return exc
+
+    def _upstream(self, stage_id: str) -> set[str]:
+        """``stage_id`` and every stage it needs, directly or not."""
+        wanted = {stage_id}
+        for stage in reversed(self.stages):  # reverse topological order: one pass suffices
+            if stage.id in wanted:
+                wanted |= {p for p in map(self._producer, stage.requires) if p is not None}
+        return wanted
 
     def _check_stage_id(self, stage_id: str) -> None:
         ids = [s.id for s in self.stages]

@@ -28,6 +28,7 @@ from bootstrap.config import ConfigError
 from bootstrap.paths import ensure_directory
 
 ROOT_SPAN = "bootstrap.pipeline"
+OPERATIONS = ("swap", "weights", "sleep", "wake")  # a live server's operations, each a root span of its own
 TRACER_NAME = "bootstrap"
 REQUEST_SPAN = "bootstrap.request"  # one per traced HTTP generation request (``bootstrap.serve.request_trace``)
 CHOICE_SPAN = "bootstrap.request.choice"  # one per choice, parent of its queue, prefill and decode spans
@@ -35,6 +36,16 @@ REQUEST_QUEUE = 16384  # request spans waiting for the file's exporting thread (
 OTLP_TIMEOUT_S = 2.0  # per export, retries included; the collector is local or near in practice
 
 log = logging.getLogger(__name__)
+
+
+def operation_span(operation: str) -> str:
+    """``bootstrap.swap``, ``.weights``, ``.sleep``, ``.wake``: the root of one live operation."""
+    return f"bootstrap.{operation}"
+
+
+def is_root_span(name: str) -> bool:
+    """A start's ``bootstrap.pipeline`` or an operation's root."""
+    return name == ROOT_SPAN or name in {operation_span(o) for o in OPERATIONS}
 
 
 def stage_span(stage_id: str) -> str:

@@ -15,7 +15,9 @@ from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.pipeline.stage import Stage
 
 
-def resolve_classes(config: BootstrapConfig, backend: Backend) -> ResolvedClasses:
+def resolve_classes(config: BootstrapConfig, backend: Backend, releasable_bytes: int) -> ResolvedClasses:
+    """``releasable_bytes``: device memory the model serving now gives back before this one
+    loads (a live swap; 0 at a start), counted as free by the weights' check."""
     shape = backend.model_shape(config.model)
     draft = backend.model_shape(config.draft_model) if config.draft_model else None
     _check_config(config, shape, draft)
@@ -24,7 +26,7 @@ def resolve_classes(config: BootstrapConfig, backend: Backend) -> ResolvedClasse
         backend.check_config(config, model)
     dtype = config.dtype if config.dtype != "auto" else backend.default_dtype(shape)
     if isinstance(backend, ChecksWeights):
-        backend.check_weights(config, models, dtype)  # before any weight is allocated
+        backend.check_weights(config, models, dtype, releasable_bytes)  # before any weight is allocated
     manager = resolve_kv_manager(config, shape)
     max_seq_len = config.max_seq_len or shape.max_position_embeddings
     kv_dtype = config.kv_cache_dtype if config.kv_cache_dtype != "auto" else dtype

@@ -157,7 +157,7 @@ def test_ctrl_c_exits_130(command, target, monkeypatch, tmp_path, capsys):
 @pytest.mark.parametrize("command", ["run", "serve"])
 def test_without_torch_run_and_serve_name_the_install_command(command, monkeypatch, capsys):
     real = importlib.util.find_spec
-    monkeypatch.setattr("bootstrap.api.find_spec", lambda name: None if name == "torch" else real(name))
+    monkeypatch.setattr("bootstrap.api.factory.find_spec", lambda name: None if name == "torch" else real(name))
     assert main([command, "--no-plan-cache"]) == BAD_INPUT
     err = capsys.readouterr().err
     assert "pip install torch==2.13.0 && pip install -e '.[engine]'" in err and "Traceback" not in err

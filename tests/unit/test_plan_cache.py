@@ -70,7 +70,7 @@ def cache_warnings(caplog) -> list[str]:
 async def test_the_capacity_stage_writes_nothing_the_pipeline_that_made_the_cache_stores_the_plan(tmp_path):
     config = BootstrapConfig.parse(**BASE, plan_cache=tmp_path)
     device = sim_device("h100-80gb")
-    inputs = {"config": config, "backend": SimBackend(device), "plan_cache": PlanCache(tmp_path)}
+    inputs = {"config": config, "backend": SimBackend(device), "plan_cache": PlanCache(tmp_path), "releasable_bytes": 0}
     bare = Pipeline(DEFAULT_STAGES, inputs, device=device)  # the stages alone: the cache is read, never written
     await bare.run()
     await bare.aclose()

@@ -156,10 +156,12 @@ class NativeBackend:
             raise ConfigError(f"model: {shape.architecture} uses {kind}, which the native paged KV cache does not hold")
         check_probe_tokens(config, shape)
 
-    def check_weights(self, config: BootstrapConfig, shapes: list[ModelShape], dtype: str) -> None:
-        """The weights of ``shapes`` in ``dtype`` against the device's free bytes, before
-        ``load_model`` allocates any (``checks.check_weights_fit``)."""
-        check_weights_fit(config, shapes, dtype, self.device, self.tp)
+    def check_weights(
+        self, config: BootstrapConfig, shapes: list[ModelShape], dtype: str, releasable_bytes: int = 0
+    ) -> None:
+        """The weights of ``shapes`` in ``dtype`` against the device's free bytes (and what the
+        serving model releases first), before ``load_model`` allocates any (``checks``)."""
+        check_weights_fit(config, shapes, dtype, self.device, self.tp, releasable_bytes)
 
     def kv_caps(self, resolved: ResolvedClasses, config: BootstrapConfig) -> dict[str, int]:
         """Extra caps on the KV budget, in bytes, by name (``limited_by``). On the CPU: what

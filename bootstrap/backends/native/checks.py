@@ -37,14 +37,16 @@ def check_probe_tokens(config: BootstrapConfig, shape: ModelShape) -> None:
         )
 
 
-def check_weights_fit(config: BootstrapConfig, shapes: list[ModelShape], dtype: str, device: Device, tp: int) -> None:
+def check_weights_fit(
+    config: BootstrapConfig, shapes: list[ModelShape], dtype: str, device: Device, tp: int, releasable_bytes: int = 0
+) -> None:
     """The weights' bytes (the target's and a draft's, in ``dtype``), known from the shapes,
     against ``device``'s free bytes. Each rank holds 1/tp of the parameters. Tolerance: none
     beyond counting low: the count leaves out buffers, parts replicated on every rank and the
     allocator's rounding, so a refusal is never wrong; what else must fit (KV, activations) is
     the later stages' to plan."""
     need = sum(-(-shape.weight_bytes(weight_dtype_bytes(dtype)) // tp) for shape in shapes)
-    free = device.free_bytes()
+    free = device.free_bytes() + releasable_bytes
     if need > free:
         raise ConfigError(weights_refusal(config, dtype, need, free, device.name, tp))
 

@@ -1,0 +1,312 @@
+"""A live executor's operations: ``swap``, ``update_weights``, ``sleep`` and ``wake``.
+
+Each is one root span (``bootstrap.swap``, ``.weights``, ``.sleep``, ``.wake``) over the stage
+spans it runs: graph stages rewound and run again, and one-off stages (``bootstrap.stages.live``).
+An operation first checks what it was given while the model keeps serving; a refusal
+(``Refused``) changes nothing. Then ``drain`` (the caller's: a server lets requests in flight
+finish) and the old state's release, then the rest. A stage that fails from there raises
+``StageFailed`` and ``resume`` (``Bootstrap.retry``) continues from that step. One operation or
+build at a time: another is refused at once with ``Busy``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from opentelemetry.context import Context
+from opentelemetry.trace import Span, Status, StatusCode
+
+from bootstrap.backends.base import Executor, Sleeps
+from bootstrap.config import BootstrapConfig, ConfigError
+from bootstrap.pipeline import PipelineClosed, StageFailed
+from bootstrap.pipeline.runner import cause_text
+from bootstrap.pipeline.telemetry import operation_span
+from bootstrap.stages import live
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Tracer
+
+    from bootstrap.backends.artifacts import HostWeights
+    from bootstrap.backends.base import Backend
+    from bootstrap.pipeline import Pipeline
+    from bootstrap.pipeline.events import EventHub
+
+Drain = Callable[[], Awaitable[None]]
+Step = Callable[[Span], Awaitable[None]]
+AFTER_WEIGHTS = ("final_build", "warmup", "scheduler_sampler")  # what holds the KV pool, graphs and executor
+SAME_IN_A_SWAP = ("device", "backend", "tensor_parallel_size")  # the process's, not the model's
+
+
+class Busy(RuntimeError):
+    """Another operation or the build runs, or the state does not allow this one (HTTP 409)."""
+
+
+class Refused(ValueError):
+    """The operation's check refused what it was given; nothing changed (HTTP 400)."""
+
+
+@dataclass
+class OperationRecord:
+    """One operation as the history shows it (``GET /v1/bootstrap``, the status page)."""
+
+    name: str  # swap | weights | sleep | wake
+    detail: str
+    started_at: float  # Unix time
+    duration_s: float | None = None
+    outcome: str = "running"  # running | ok | refused | failed | cancelled
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+async def _no_drain() -> None:
+    return None
+
+
+class Operations:
+    """The operations of ``Bootstrap`` (its mixin): the state they share and their steps."""
+
+    config: BootstrapConfig
+    backend: Backend
+    pipeline: Pipeline
+    hub: EventHub
+    tracer: Tracer
+
+    def __init__(self) -> None:
+        self.operations: list[OperationRecord] = []
+        self.asleep = 0  # the level slept at; 0 awake
+        self.busy: str | None = None  # the build or operation running
+        self.resumable: tuple[str, list[Step]] | None = None  # a failed operation's steps left
+        self._host: HostWeights | None = None  # level 1's host copy, its buffers kept for the next sleep
+        self._weights_path: str | None = None  # the last update's, read again after a level-2 wake
+        self._scope: anyio.CancelScope | None = None
+        self._ended = anyio.Event()  # set when the operation in progress has unwound
+
+    # ---- the operations ------------------------------------------------------------------------
+
+    async def swap(self, config: BootstrapConfig, *, drain: Drain = _no_drain) -> Executor:
+        """Serve ``config`` (any field may change but ``SAME_IN_A_SWAP``): its source checked by
+        ``resolve_classes`` (counting the serving model's memory as free) while the old model
+        serves; then ``drain``, the old pipeline released, the new one's stages run."""
+        for field in SAME_IN_A_SWAP:
+            if getattr(config, field) != getattr(self.config, field):
+                raise Refused(
+                    f"{field}: a live server keeps its {getattr(self.config, field)!r}; "
+                    f"start another server for {getattr(config, field)!r}"
+                )
+        new: Pipeline | None = None
+
+        async def check(span: Span) -> None:
+            nonlocal new
+            new = self.new_pipeline(config, releasable_bytes=self._held_bytes())
+            table = self.hub.status
+            self.hub.reset([s.id for s in new.stages])
+            try:
+                await new.run(upto="resolve_classes", span=span)
+            except BaseException:
+                self.hub.status = table
+                await new.aclose()
+                raise
+
+        async def release(span: Span) -> None:
+            await drain()
+            old, self.pipeline = self.pipeline, new
+            self.config, self.asleep, self._host, self._weights_path = config, 0, None, None
+            await old.aclose()
+
+        return await self._operate("swap", f"model={config.model}", check, [release, self._build_rest])
+
+    async def update_weights(self, path: str | Any, *, drain: Drain = _no_drain) -> Executor:
+        """Read the checkpoint at ``path`` (same architecture and shapes, checked from its
+        headers first) into the serving model's parameters in place; the KV is dropped with the
+        executor, the CUDA graphs stay valid (same addresses)."""
+        self._check_serving("update weights")
+        path = str(path)
+        plan: Any = None
+
+        async def check(span: Span) -> None:
+            nonlocal plan
+            plan = await self._one(live.CHECK_WEIGHTS, span, path=path)
+
+        async def stop(span: Span) -> None:
+            await drain()
+            await self.pipeline.rewind(["scheduler_sampler"])
+
+        async def read(span: Span) -> None:
+            await self._one(live.READ_WEIGHTS, span, weights_plan=plan)
+            self._weights_path = path
+
+        return await self._operate("weights", f"path={path}", check, [stop, read, self._build_rest])
+
+    async def sleep(self, level: int, *, drain: Drain = _no_drain) -> None:
+        """Give the device back: level 1 keeps the weights in host memory (page-locked on
+        CUDA), level 2 drops them (``wake`` reads them from the source again). The KV pool, the
+        CUDA graphs and the executor go at both levels."""
+        if level not in (1, 2) or isinstance(level, bool):
+            raise Refused(f"level: {level!r} is not a sleep level; allowed: 1 (weights to host memory), 2 (dropped)")
+        if level == 1 and not isinstance(self.backend, Sleeps):
+            raise Refused(f"level: the {self.backend.name} backend cannot keep weights in host memory; allowed: 2")
+        self._check_serving("sleep")
+
+        async def release(span: Span) -> None:
+            await drain()
+            dropped = ("load_model",) if level == 2 else ()
+            await self.pipeline.rewind([s for s in dropped + AFTER_WEIGHTS if s in self._stage_ids()])
+            if level == 2:
+                self.asleep, self._host = 2, None
+
+        async def offload(span: Span) -> None:
+            self._host = await self._one(live.OFFLOAD_WEIGHTS, span, host_weights=self._host)
+            self.asleep = 1
+
+        steps = [release, offload] if level == 1 else [release]
+        await self._operate("sleep", f"level={level}", None, steps)
+
+    async def wake(self) -> Executor:
+        """The weights back (level 1: from host memory; 2: read from the source again, and a
+        weights update's files after them), the room checked (less free than planned: a smaller
+        KV pool, never an OOM later), then the pool, graphs and executor built again."""
+        if self.busy is not None:
+            raise Busy(f"cannot wake while the {self.busy} runs")
+        if not self.asleep:
+            raise Busy("nothing to wake: the executor is not asleep")
+
+        async def restore(span: Span) -> None:
+            if self.asleep == 1:
+                await self._one(live.RESTORE_WEIGHTS, span, host_weights=self._host)
+            else:
+                await self.pipeline.run(upto="load_model", span=span)
+                if self._weights_path is not None:
+                    plan = await self._one(live.CHECK_WEIGHTS, span, path=self._weights_path)
+                    await self._one(live.READ_WEIGHTS, span, weights_plan=plan)
+            self.asleep = 0
+
+        async def room(span: Span) -> None:
+            checked = await self._one(live.CHECK_ROOM, span)
+            if checked.plan is not None:
+                await self.pipeline.rewind(["budget_split"], replace={"plan": checked.plan})
+
+        return await self._operate("wake", f"level={self.asleep}", None, [restore, room, self._build_rest])
+
+    async def resume(self) -> Executor | None:
+        """Continue a failed operation from its failed step (``Bootstrap.retry``)."""
+        if self.resumable is None:
+            raise Busy("no operation to resume")
+        name, steps = self.resumable
+        return await self._operate(name, "resumed", None, steps)
+
+    # ---- running them --------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def claim(self, what: str) -> Iterator[None]:
+        """Hold the Bootstrap for ``what`` (a build, a retry, an operation), checked and taken with
+        no await between; ``Busy`` while another holds it."""
+        if self.busy is not None:
+            raise Busy(f"cannot {what}: the {self.busy} is still running")
+        self.busy = what
+        try:
+            yield
+        finally:
+            self.busy = None
+
+    async def close_operations(self) -> None:
+        """Cancel an operation in progress (``aclose``) and wait for it to unwind; its steps roll
+        back what they began."""
+        if self._scope is not None:
+            self._scope.cancel()
+            await self._ended.wait()
+
+    async def _operate(self, name: str, detail: str, check: Step | None, steps: list[Step]) -> Executor | None:
+        with self.claim(name):
+            self.forget_spans()
+            record = OperationRecord(name, detail, time.time())
+            self.operations.append(record)
+            began, self._ended = time.monotonic(), anyio.Event()
+            with self.tracer.start_as_current_span(operation_span(name), context=Context()) as span:
+                span.set_attribute("bootstrap.operation.detail", detail)
+                try:
+                    with anyio.CancelScope() as self._scope:
+                        await self._run_steps(record, check, steps, span)
+                    if self._scope.cancelled_caught:  # by close_operations
+                        raise PipelineClosed(f"the {name} was cancelled: the Bootstrap is closing")
+                except BaseException as exc:
+                    _record(record, span, exc)
+                    raise
+                finally:
+                    self._scope = None
+                    self._ended.set()
+                    record.duration_s = round(time.monotonic() - began, 6)
+                record.outcome = "ok"
+                span.set_attribute("bootstrap.outcome", "ok")
+                span.set_status(Status(StatusCode.OK))
+        return self.executor if not self.asleep else None
+
+    async def _run_steps(self, record: OperationRecord, check: Step | None, steps: list[Step], span: Span) -> None:
+        self.resumable = None
+        if check is not None:
+            try:
+                await check(span)
+            except StageFailed as exc:
+                raise Refused(f"{record.name} refused at {exc.stage}: {cause_text(exc.cause)}") from exc
+        for index, step in enumerate(steps):
+            try:
+                await step(span)
+            except BaseException:
+                self.resumable = (record.name, steps[index:])
+                raise
+
+    async def _build_rest(self, span: Span) -> None:
+        await self.pipeline.run(span=span)
+
+    async def _one(self, stage: Any, span: Span, **given: Any) -> Any:
+        """A one-off stage of ``bootstrap.stages.live``: its inputs from the pipeline's artifacts,
+        ``given`` over them."""
+        known = {**self.pipeline.artifacts, **given}
+        return await self.pipeline.run_stage(stage, {name: known[name] for name in stage.requires}, span)
+
+    def _check_serving(self, what: str) -> None:
+        if self.busy is not None:
+            raise Busy(f"cannot {what}: the {self.busy} is still running")
+        if self.asleep:
+            raise Busy(f"cannot {what}: the executor is asleep (level {self.asleep}); wake it first")
+        if self.executor is None:
+            raise Busy(f"cannot {what}: no executor is serving (idle, failed or not built yet)")
+
+    def _stage_ids(self) -> set[str]:
+        return {s.id for s in self.pipeline.stages}
+
+    def _held_bytes(self) -> int:
+        """Device bytes the serving model gives back when released: weights, KV pools, graphs."""
+        if self.asleep:
+            return 0
+        artifacts = self.pipeline.artifacts
+        held = getattr(artifacts.get("loaded"), "weight_bytes", 0)
+        held += sum(getattr(artifacts.get("final"), "pool_bytes", {}).values())
+        return held + getattr(artifacts.get("warmup"), "graph_bytes", 0)
+
+    # declared for the mixin; ``Bootstrap`` defines them
+    def new_pipeline(self, config: BootstrapConfig, releasable_bytes: int = 0) -> Pipeline:
+        raise NotImplementedError
+
+    def forget_spans(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def executor(self) -> Executor | None:
+        raise NotImplementedError
+
+
+def _record(record: OperationRecord, span: Span, exc: BaseException) -> None:
+    cancelled = isinstance(exc, anyio.get_cancelled_exc_class() | PipelineClosed)
+    record.outcome = "refused" if isinstance(exc, Refused | ConfigError) else "cancelled" if cancelled else "failed"
+    record.error = str(exc) or type(exc).__name__
+    span.set_attribute("bootstrap.outcome", record.outcome)
+    if isinstance(exc, StageFailed):
+        span.set_attribute("bootstrap.failed_stage", exc.stage)
+    span.set_status(Status(StatusCode.ERROR, record.error))
