@@ -1,7 +1,7 @@
 """A live executor's operations: ``swap``, ``update_weights``, ``sleep`` and ``wake``.
 
 Each is one root span (``bootstrap.swap``, ``.weights``, ``.sleep``, ``.wake``) over the stage
-spans it runs: graph stages rewound and run again, and one-off stages (``bootstrap.stages.live``).
+spans it runs: graph stages rewound and run again, and one-off stages (``bootstrap.stages.operation``).
 An operation first checks what it was given while the model keeps serving; a refusal
 (``Refused``) changes nothing. Then ``drain`` (the caller's: a server lets requests in flight
 finish) and the old state's release, then the rest. A stage that fails from there raises
@@ -26,7 +26,7 @@ from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.pipeline import PipelineClosed, StageFailed
 from bootstrap.pipeline.runner import cause_text
 from bootstrap.pipeline.telemetry import operation_span
-from bootstrap.stages import live
+from bootstrap.stages import operation as live
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
@@ -265,7 +265,7 @@ class Operations:
         await self.pipeline.run(span=span)
 
     async def _one(self, stage: Any, span: Span, **given: Any) -> Any:
-        """A one-off stage of ``bootstrap.stages.live``: its inputs from the pipeline's artifacts,
+        """A one-off stage of ``bootstrap.stages.operation``: its inputs from the pipeline's artifacts,
         ``given`` over them."""
         known = {**self.pipeline.artifacts, **given}
         return await self.pipeline.run_stage(stage, {name: known[name] for name in stage.requires}, span)

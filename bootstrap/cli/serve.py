@@ -69,6 +69,19 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     add("--served-model-name", help="the model id clients send (default: --model as given)")
     add("--shutdown-timeout", type=float, default=30.0, help="seconds requests in flight get after a signal")
     add(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds requests in flight get to finish on the old model before a swap, weights update or "
+        "sleep releases it (then they end with finish_reason abort and their partial output)",
+    )
+    add(
+        "--idle",
+        action="store_true",
+        help="start without a model: torch imported and the device initialized, /ready 503 (state idle) "
+        "until POST /v1/bootstrap/swap gives it one",
+    )
+    add(
         "--request-trace-ratio",
         type=float,
         default=1.0,
@@ -104,6 +117,8 @@ def serve_options(args: argparse.Namespace, config: Any) -> Any:
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"port: must be in [0, 65535] (got {args.port})")
     check_number("shutdown_timeout", args.shutdown_timeout, 0.0, MAX_SECONDS, unit=" seconds")
+    drain = getattr(args, "drain_timeout", 30.0)  # a Namespace made by hand may leave it out
+    check_number("drain_timeout", drain, 0.0, MAX_SECONDS, unit=" seconds")
     ratio = getattr(args, "request_trace_ratio", 1.0)  # a Namespace made by hand may leave it out
     check_number("request_trace_ratio", ratio, 0.0, 1.0)
     host = getattr(args, "host", "127.0.0.1")  # a Namespace made by hand may leave it out
@@ -121,6 +136,8 @@ def serve_options(args: argparse.Namespace, config: Any) -> Any:
         request_trace_ratio=ratio,
         backend_factory=args.backend_factory,
         shutdown_timeout_s=args.shutdown_timeout,
+        drain_timeout_s=drain,
+        idle=getattr(args, "idle", False),
         host=host,
         allowed_origins=origins,
     )
@@ -276,9 +293,7 @@ def _force(state: Any, server: Any, loop: asyncio.AbstractEventLoop) -> None:
     on as after the grace period: exit 0, everything released. Not uvicorn's ``force_exit``, which
     skips the lifespan's shutdown and leaves the handlers to be cancelled mid-send (a traceback
     each). A connection still open ``FORCE_CLOSE_S`` later is closed under its handler."""
-    from bootstrap.serve.app import cut_short
-
-    count = cut_short(state)
+    count = state.cut_short()
     log.warning("SIGINT again: cancelled %d request(s) in flight; exiting without the grace period", count)
     loop.call_later(FORCE_CLOSE_S, _close_connections, server)
 

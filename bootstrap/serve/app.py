@@ -27,6 +27,7 @@ from starlette.middleware.cors import CORSMiddleware
 from bootstrap.serve.auth import OPEN, APIKeyMiddleware, LocalOnlyMiddleware, is_loopback
 from bootstrap.serve.body_limit import BodyLimitMiddleware
 from bootstrap.serve.errors import install_handlers
+from bootstrap.serve.live import routes as live_routes
 from bootstrap.serve.metrics import ServeMetrics
 from bootstrap.serve.openai import routes as openai_routes
 from bootstrap.serve.openai.bodies import document_bodies
@@ -49,6 +50,7 @@ def create_app(state: ServeState, on_fatal: Callable[[], None] = lambda: None) -
     app.state.created = time.time()
     install_handlers(app)
     app.include_router(startup_routes.router)
+    app.include_router(live_routes.router)
     app.include_router(openai_routes.router)
     app.include_router(status_routes.router)
     document_bodies(app)
@@ -101,17 +103,7 @@ async def drain_on_shutdown(state: ServeState) -> None:
             len(state.inflight),
             state.options.shutdown_timeout_s,
         )
-    cut_short(state)
-
-
-def cut_short(state: ServeState) -> int:
-    """Cancel every request in flight in the executor now; how many. Each one's handler then ends
-    by itself (a stream with its ``abort`` chunk and ``[DONE]``), so nothing is torn down
-    mid-send: the grace period's end and a second SIGINT both use it."""
-    left = list(state.inflight)
-    for request_id in left:
-        state.executor.cancel(request_id)
-    return len(left)
+    state.cut_short()
 
 
 async def release(state: ServeState) -> None:

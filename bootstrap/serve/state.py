@@ -28,7 +28,20 @@ if TYPE_CHECKING:
     from bootstrap.pipeline.events import StageEvent
     from bootstrap.pipeline.process import Phase as ProcessPhase
 
-Phase = Literal["starting", "bootstrapping", "ready", "failed", "shutting_down"]
+Phase = Literal[
+    "starting",
+    "bootstrapping",
+    "ready",
+    "failed",
+    "shutting_down",
+    "idle",  # serve --idle: no model until a swap
+    "swapping",
+    "updating_weights",
+    "sleeping",
+    "asleep",
+    "waking",
+]
+OPERATING: dict[str, Phase] = {"swap": "swapping", "weights": "updating_weights", "sleep": "sleeping", "wake": "waking"}
 
 
 @dataclass(frozen=True)
@@ -43,6 +56,8 @@ class ServeOptions:
     request_trace_ratio: float = 1.0  # of the requests that come without a trace context, those traced
     backend_factory: str | None = None  # "module:callable"; None: the backend config.backend names
     shutdown_timeout_s: float = 30.0
+    drain_timeout_s: float = 30.0  # requests in flight before an operation releases the model
+    idle: bool = False  # start without a model (``serve --idle``)
     host: str | None = None  # the bound address; a loopback one refuses other sites (``serve.auth``)
     allowed_origins: tuple[str, ...] = ()  # browser origins taken anyway (``parse_origins``)
 
@@ -161,6 +176,7 @@ class ServeState:
     boot: Bootstrap | None = None  # made off the event loop (it imports torch)
     executor: RequestExecutor | None = None  # the started executor once ready
     max_seq_len: int | None = None
+    model_id: str = ""  # the id clients send: options.model_id, then a swap's
     time_to_ready_s: float | None = None
     error: str | None = None
     failure: BaseException | None = None  # the StageFailed a retry can resume from
@@ -175,11 +191,14 @@ class ServeState:
     process: ProcessTimeline | None = None  # the command's timeline: serving and draining are its phases
     _process_phase: ProcessPhase | None = field(default=None, init=False, repr=False)  # the phase track_process began
 
+    def __post_init__(self) -> None:
+        self.model_id = self.model_id or self.options.model_id
+
     def set_phase(self, phase: Phase, error: str | None = None) -> None:
         if self.phase == "shutting_down":  # final: a late bootstrap result does not undo it
             return
         self.phase, self.error = phase, error
-        if phase in ("ready", "failed", "shutting_down"):  # the server answers from ready or failed on
+        if phase in ("ready", "failed", "shutting_down", "idle", "asleep"):  # the server answers from here on
             self.track_process("draining" if phase == "shutting_down" else "serving")
         self.changes.notify()
 
@@ -202,6 +221,16 @@ class ServeState:
     def stage_history(self) -> list[StageEvent]:
         """Every stage event so far (kept by the pipeline's event hub), oldest first."""
         return [] if self.boot is None else self.boot.pipeline.hub.history
+
+    def cut_short(self) -> int:
+        """Cancel every request in flight in the executor now; how many. Each one's handler then
+        ends by itself (a stream with its ``abort`` chunk and ``[DONE]``), so nothing is torn down
+        mid-send: a drain's end, the grace period's end and a second SIGINT all use it."""
+        left = list(self.inflight)
+        if self.executor is not None:
+            for request_id in left:
+                self.executor.cancel(request_id)
+        return len(left)
 
     def begin_shutdown(self) -> None:
         """Called once per signal: stop taking requests; the drain task does the rest."""

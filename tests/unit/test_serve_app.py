@@ -143,7 +143,8 @@ def test_stage_rows_show_retrying_skipped_and_failed_stages():
     for stage, kind, message in events:
         hub.publish(StageEvent(stage, kind, 1, message))
     state = ServeState(BootstrapConfig(model="m"), ServeOptions(model_id="m"), phase="bootstrapping")
-    state.boot = SimpleNamespace(pipeline=SimpleNamespace(status=hub.status, hub=hub, artifacts={}))
+    pipeline = SimpleNamespace(status=hub.status, hub=hub, artifacts={})
+    state.boot = SimpleNamespace(pipeline=pipeline, asleep=0, operations=[])
     rows = {row["id"]: row for row in bootstrap_view(state)["stages"]}
     assert [rows[s]["state"] for s in rows] == ["done", "skipped", "retrying", "pending"]
     assert rows["estimation_build"]["skip_reason"] == "plan-cache"

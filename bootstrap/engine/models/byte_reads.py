@@ -19,6 +19,7 @@ import ctypes
 import logging
 import os
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,12 +105,12 @@ class _Staged:
         self.device, self.piece_bytes = device, piece_bytes
 
     def work(self, pieces: collections.deque, fds: dict, failed: threading.Event) -> None:
-        buffers: list[_PageLocked] = []
+        buffers: list[PageLocked] = []
         stream = None
         copied = [None, None]  # the event of each buffer's last copy
         try:
             for _ in range(2):  # one by one: a failed second allocation still releases the first
-                buffers.append(_PageLocked(self.piece_bytes))
+                buffers.append(PageLocked(self.piece_bytes))
             stream = torch.cuda.Stream(self.device)
             turn = 0
             for file, offset, target in _taken(pieces, failed):
@@ -132,21 +133,26 @@ class _Staged:
                 buffer.release()
 
 
-class _PageLocked:
-    """Host memory page-locked while the read uses it (pageable if the driver refuses)."""
+class PageLocked:
+    """``nbytes`` of host memory page-locked (``cudaHostRegister``) until ``release`` or until it
+    is collected (pageable if the driver refuses)."""
 
     def __init__(self, nbytes: int) -> None:
         self.tensor = torch.empty(nbytes, dtype=torch.uint8)
         self.locked = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)) == 0
         if not self.locked:
-            log.info(
-                "page-locking a %d MB staging buffer failed: the weights are read through pageable memory", nbytes >> 20
-            )
+            log.info("page-locking %d MB of host memory failed: the copies go through pageable memory", nbytes >> 20)
+        # the tensor is held until unregistered: registered memory is never freed
+        self._unlock = weakref.finalize(self, _unregister, self.tensor) if self.locked else None
 
     def release(self) -> None:
-        if self.locked:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
-            self.locked = False
+        if self._unlock is not None:
+            self._unlock()  # runs once, however often called
+        self.locked = False
+
+
+def _unregister(tensor: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
 
 
 def _pread_into(fd: int, file: Path, offset: int, target: torch.Tensor) -> None:

@@ -88,8 +88,39 @@ def load_weights(
     model: torch.nn.Module, files: list[Path], threads: int | None = None, piece_bytes: int = PIECE_BYTES
 ) -> None:
     """Fill every parameter of ``model`` (already on its device, in its dtype) from ``files``
-    (``threads`` and ``piece_bytes``: ``byte_reads.read_ranges``'s)."""
+    (``threads`` and ``piece_bytes``: ``byte_reads.read_ranges``'s): ``plan_weights``, then its ``read``."""
+    plan_weights(model, files).read(threads, piece_bytes)
+
+
+@dataclass(frozen=True)
+class WeightReads:
+    """The checked reads of a checkpoint into a model's parameters (``plan_weights``): byte ranges
+    read straight into their places, and slices read through ``safetensors`` to convert. It holds
+    the parameters' storage as it was when planned: read it before their data is replaced."""
+
+    direct: tuple[ByteRange, ...]
+    converted: tuple[tuple[Stored, torch.Tensor, Index], ...]
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes ``read`` reads from the files."""
+        converted = sum(target.numel() * DTYPES[stored.dtype].itemsize for stored, target, _ in self.converted)
+        return sum(r.nbytes for r in self.direct) + converted
+
+    def read(self, threads: int | None = None, piece_bytes: int = PIECE_BYTES) -> None:
+        """Every planned tensor into its place, in place (same storage, same addresses)."""
+        with torch.no_grad():
+            read_ranges(list(self.direct), threads, piece_bytes)
+            _read_converting(list(self.converted))
+
+
+def plan_weights(model: torch.nn.Module, files: list[Path]) -> WeightReads:
+    """Where each tensor of ``files`` goes in ``model``, every check done (``ModelSourceError``
+    naming the tensor) and no weight read."""
     params = dict(model.named_parameters(remove_duplicate=False))  # a tied head under both names
+    on_meta = [name for name, param in params.items() if param.is_meta]
+    if on_meta:
+        raise ValueError(f"parameter {on_meta[0]} has no storage (meta): reallocate the model before reading into it")
     modules = dict(model.named_modules())
     direct: list[ByteRange] = []
     converted: list[tuple[Stored, torch.Tensor, Index]] = []
@@ -123,9 +154,7 @@ def load_weights(
         raise ModelSourceError(
             f"the checkpoint has no tensor for {len(missing)} parameter(s): {', '.join(missing[:5])}"
         )
-    with torch.no_grad():
-        read_ranges(direct, threads, piece_bytes)
-        _read_converting(converted)
+    return WeightReads(tuple(direct), tuple(converted))
 
 
 def _place(stored: Stored, params: dict, modules: dict) -> tuple[str, torch.Tensor, Index]:

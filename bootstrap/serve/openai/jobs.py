@@ -17,6 +17,7 @@ from starlette.requests import Request
 
 from bootstrap.serve.errors import APIError
 from bootstrap.serve.metrics import ServeMetrics
+from bootstrap.serve.openai.readiness import ready_executor
 from bootstrap.serve.openai.schemas import finish_reason
 from bootstrap.serve.state import ServeState
 
@@ -32,8 +33,9 @@ T = TypeVar("T")
 
 def enqueue(state: ServeState, ids: list[int], params: SamplingParams, n: int = 1) -> list[int]:
     """The request ids of ``n`` choices of one prompt (``n`` > 1: prefilled once, its KV shared)."""
+    executor = ready_executor(state)  # again: an operation may have begun while the prompt was read
     try:
-        return [state.executor.enqueue(ids, params)] if n == 1 else state.executor.enqueue_choices(ids, params, n)
+        return [executor.enqueue(ids, params)] if n == 1 else executor.enqueue_choices(ids, params, n)
     except RuntimeError as exc:  # shut down between the readiness check and here
         raise APIError(503, f"the executor is not taking requests: {exc}", code="shutting_down") from exc
 

@@ -24,35 +24,22 @@ from bootstrap.serve.openai.inputs import (
     token_limit,
 )
 from bootstrap.serve.openai.jobs import unless_disconnected
+from bootstrap.serve.openai.readiness import ready_executor
 from bootstrap.serve.openai.render import Render
 from bootstrap.serve.request_trace import SCOPE_KEY
 from bootstrap.serve.state import ServeState
 
-RETRY_AFTER_S = {"starting": 1, "bootstrapping": 1, "failed": 5, "shutting_down": 5}
 CLIENT_CLOSED = 499  # the client went away; nobody reads this status
+AGAIN = {"Retry-After": "1"}
 
 router = APIRouter(prefix="/v1")
 
 
-def ready_executor(state: ServeState) -> RequestExecutor:
-    """The executor, or 503 with ``Retry-After`` and what the bootstrap is doing."""
-    if state.phase == "ready" and state.executor is not None:
-        return state.executor
-    if state.phase == "shutting_down":
-        message = "the server is shutting down"
-    elif state.phase == "failed":
-        message = f"the bootstrap failed: {state.error}; see GET /v1/bootstrap, POST /v1/bootstrap/retry"
-    else:
-        message = "the executor is not ready yet (bootstrap in progress; see GET /ready or /v1/bootstrap)"
-    code = {"failed": "bootstrap_failed", "shutting_down": "shutting_down"}.get(state.phase, "not_ready")
-    raise APIError(503, message, code=code, headers={"Retry-After": str(RETRY_AFTER_S.get(state.phase, 1))})
-
-
 def check_model(state: ServeState, model: str) -> None:
-    if model != state.options.model_id:
+    if model != state.model_id:
         raise APIError(
             404,
-            f"model {model!r} does not exist; this server serves {state.options.model_id!r}",
+            f"model {model!r} does not exist; this server serves {state.model_id!r}",
             param="model",
             code="model_not_found",
         )
@@ -63,7 +50,7 @@ async def list_models(request: Request) -> s.ModelList:
     state: ServeState = request.app.state.serve
     ready_executor(state)
     created = int(request.app.state.created)
-    return s.ModelList(data=[s.Model(id=state.options.model_id, created=created, max_model_len=state.max_seq_len)])
+    return s.ModelList(data=[s.Model(id=state.model_id, created=created, max_model_len=state.max_seq_len)])
 
 
 @router.post("/completions", response_model=None, openapi_extra=body_of(s.CompletionRequest))
@@ -102,6 +89,10 @@ async def answer(
     state: ServeState = request.app.state.serve
     limit, field = token_limit(body)
     params = [sampling_params(body, tokens) for tokens in check_lengths(prompts, limit, field, state.max_seq_len)]
+    if ready_executor(state).tokenizer is not render.tokenizer:  # a swap ended while the prompt was read
+        raise APIError(
+            503, "the model changed while this request was read; send it again", headers={"Retry-After": "1"}
+        )
     span = getattr(request.state, SCOPE_KEY, None)  # set by RequestTracing when this request is traced
     choices = await Choices.start(state, request.app.state.metrics, render.kind, prompts, params, body.n, span)
     try:

@@ -99,7 +99,7 @@ def bootstrap_view(state: ServeState) -> dict[str, Any]:
     stage = current_stage(rows)
     return {
         "state": state.phase,
-        "model": state.options.model_id,
+        "model": state.model_id,
         "elapsed_s": round(state.elapsed_s(), 6),
         "time_to_ready_s": state.time_to_ready_s,
         "current_stage": stage["id"] if stage else None,
@@ -107,6 +107,8 @@ def bootstrap_view(state: ServeState) -> dict[str, Any]:
         "retryable": state.failure is not None and state.phase == "failed",
         "stages": rows,
         "plan": plan_summary(state.boot.pipeline.artifacts) if state.boot is not None else {},
+        "asleep": state.boot.asleep if state.boot is not None else 0,
+        "operations": [r.to_dict() for r in state.boot.operations] if state.boot is not None else [],
     }
 
 

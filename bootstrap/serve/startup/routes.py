@@ -12,13 +12,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from bootstrap.serve.errors import APIError
+from bootstrap.serve.openai.readiness import RETRY_AFTER_S
 from bootstrap.serve.openai.render import SSE_HEADERS, sse
-from bootstrap.serve.openai.routes import RETRY_AFTER_S
 from bootstrap.serve.startup import task as build_task
 from bootstrap.serve.startup.progress import bootstrap_view, ready_view
 from bootstrap.serve.state import ServeState
 
-SETTLED = ("ready", "failed", "shutting_down")
+SETTLED = ("ready", "failed", "shutting_down", "idle", "asleep")
 
 router = APIRouter()
 

@@ -77,8 +77,12 @@ async def run_bootstrap(state: ServeState, task_group: anyio.abc.TaskGroup, on_f
         log.error("bootstrap serve: %s", reason)  # not state.error: a shutdown in progress keeps its phase
         on_fatal()
         return
-    state.set_phase("bootstrapping")
     task_group.start_soon(follow_progress, state)
+    if state.options.idle:  # serve --idle: a swap gives it a model
+        state.set_phase("idle")
+        log.info("idle: no model until POST /v1/bootstrap/swap")
+        return
+    state.set_phase("bootstrapping")
     await _settle(state, state.boot.build)
 
 
@@ -96,7 +100,7 @@ async def _retry(state: ServeState) -> None:
     await _settle(state, state.boot.retry)
 
 
-async def _settle(state: ServeState, build: Callable[[], Awaitable[Executor]]) -> None:
+async def _settle(state: ServeState, build: Callable[[], Awaitable[Executor | None]]) -> None:
     try:
         executor = await build()
     except anyio.get_cancelled_exc_class():
@@ -111,6 +115,9 @@ async def _settle(state: ServeState, build: Callable[[], Awaitable[Executor]]) -
     except Exception as exc:  # not a stage failure: nothing to resume from
         state.set_phase("failed", f"{type(exc).__name__}: {exc}")
         log.exception("bootstrap failed")
+        return
+    if executor is None:  # a resumed sleep: asleep now
+        state.set_phase("asleep")
         return
     report = state.boot.report()
     # not checked here: ``bootstrap serve`` takes the native backend only (``bootstrap.cli.serve``), and a

@@ -1,0 +1,1 @@
+"""A live server's operations over HTTP (``docs/serving.md#live-operations``)."""

@@ -1,0 +1,134 @@
+"""One live operation for the server: checked, run in the app's task group (a client that
+hangs up does not cancel it), the phase moved as it goes, its outcome the route's answer.
+
+While the operation checks what it was given the old model serves; the drain then moves the
+phase (new requests get 503 naming the operation), lets requests in flight finish for
+``--drain-timeout`` and cancels the rest (they end with ``abort`` and their partial output).
+A shutdown cancels the operation (``state.build_scope``); its stages roll back.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+
+from bootstrap.api import Busy, Refused
+from bootstrap.backends.base import Executor
+from bootstrap.config import ConfigError
+from bootstrap.pipeline import StageFailed, failure_paragraph
+from bootstrap.serve.errors import APIError
+from bootstrap.serve.openai.jobs import CANCEL_WAIT_S
+from bootstrap.serve.state import OPERATING, ServeState
+
+log = logging.getLogger("bootstrap.serve")
+Call = Callable[[Callable[[], Awaitable[None]]], Awaitable[Executor | None]]
+ALLOWED_FROM = {  # the phases each operation starts from
+    "swap": ("ready", "failed", "idle", "asleep"),
+    "weights": ("ready",),
+    "sleep": ("ready",),
+    "wake": ("asleep",),
+}
+
+
+def check_allowed(state: ServeState, name: str) -> None:
+    """409 unless ``name`` may start now: nothing else runs and the phase allows it."""
+    busy = state.boot.busy if state.boot is not None else None
+    if busy is not None or state.phase not in ALLOWED_FROM[name]:
+        doing = f"the {busy} is running" if busy is not None else f"the server is {state.phase}"
+        allowed = ", ".join(ALLOWED_FROM[name])
+        raise APIError(409, f"cannot {name} now: {doing} (a {name} starts from: {allowed})", code="operation_conflict")
+
+
+async def run_operation(state: ServeState, tasks: anyio.abc.TaskGroup, name: str, call: Call, param: str) -> dict:
+    """Run ``call(drain)`` as operation ``name``; its answer (200), or the ``APIError`` of a
+    refusal (400, naming ``param``), a conflict (409), a failure (500, retryable)."""
+    check_allowed(state, name)
+    outcome: dict[str, Any] = {}
+    done = anyio.Event()
+    tasks.start_soon(_run, state, name, call, param, outcome, done)
+    await done.wait()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["answer"]
+
+
+async def _run(state: ServeState, name: str, call: Call, param: str, outcome: dict, done: anyio.Event) -> None:
+    before = state.phase
+    try:
+        with anyio.CancelScope() as scope:
+            state.build_scope = scope
+            if name == "wake":
+                state.set_phase("waking")
+            executor = await call(lambda: drain(state, OPERATING[name]))
+            settle(state, executor)
+            outcome["answer"] = answer(state, name)
+        if scope.cancelled_caught:
+            outcome["error"] = APIError(
+                503, f"the {name} was cancelled: the server is shutting down", code="shutting_down"
+            )
+    except (Refused, ConfigError) as exc:
+        state.set_phase(before, state.error)  # a refusal comes before the drain: nothing changed
+        outcome["error"] = APIError(400, str(exc), param=param, code="operation_refused")
+    except Busy as exc:
+        outcome["error"] = APIError(409, str(exc), code="operation_conflict")
+    except StageFailed as exc:
+        state.failure, state.executor = exc, None
+        paragraph = failure_paragraph(exc)
+        state.set_phase("failed", paragraph)
+        log.error("%s: %s (POST /v1/bootstrap/retry resumes from %s)", name, paragraph, exc.stage)
+        outcome["error"] = APIError(500, f"{paragraph}; POST /v1/bootstrap/retry resumes it", code="operation_failed")
+    except Exception as exc:  # not a stage's failure: the state is what the operation left
+        log.exception("%s failed", name)
+        state.executor = state.boot.executor if state.boot is not None else None
+        state.set_phase("failed" if state.executor is None else "ready", f"{type(exc).__name__}: {exc}")
+        outcome["error"] = APIError(500, f"the {name} failed: {type(exc).__name__}: {exc}", code="operation_failed")
+    finally:
+        done.set()
+
+
+async def drain(state: ServeState, phase: str) -> None:
+    """New requests refused from here on; those in flight finish, or are cut short after
+    ``drain_timeout_s`` (each then ends by itself with its partial output)."""
+    state.set_phase(phase)  # type: ignore[arg-type]
+    with anyio.move_on_after(state.options.drain_timeout_s):
+        await state.inflight.wait_idle()
+    if len(state.inflight):
+        log.warning(
+            "%s: cancelling %d request(s) still running after %.1f s",
+            phase,
+            len(state.inflight),
+            state.options.drain_timeout_s,
+        )
+        state.cut_short()
+        with anyio.move_on_after(CANCEL_WAIT_S):
+            await state.inflight.wait_idle()
+    state.executor = None
+
+
+def settle(state: ServeState, executor: Executor | None) -> None:
+    """The state after a successful operation (or a resumed one): serving, or asleep."""
+    boot = state.boot
+    state.failure = None
+    if executor is None and boot is not None and boot.asleep:
+        state.executor = None
+        state.set_phase("asleep")
+        return
+    state.executor = executor  # type: ignore[assignment]  # a RequestExecutor: serve runs the native backend
+    state.max_seq_len = boot.report().plan.get("max_seq_len") if boot is not None else None
+    state.set_phase("ready")
+
+
+def answer(state: ServeState, name: str) -> dict[str, Any]:
+    record = state.boot.operations[-1]
+    report = state.boot.report()
+    return {
+        "operation": name,
+        "state": state.phase,
+        "model": state.model_id,
+        "duration_s": record.duration_s,
+        "stages": report.stages,
+        "plan": report.plan,
+    }

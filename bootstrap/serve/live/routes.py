@@ -1,0 +1,156 @@
+"""``POST /v1/bootstrap/swap | weights | sleep | wake``, and the routes vLLM and SGLang give the
+same operations, as aliases for the tools that call them: ``POST /sleep?level=N``, ``POST
+/wake_up``, ``GET /is_sleeping``, ``POST /update_weights_from_disk``. All behind ``--api-key``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import ValidationError
+
+from bootstrap.config import BootstrapConfig, ConfigError, describe_validation_error, is_int
+from bootstrap.serve.errors import APIError
+from bootstrap.serve.live.operate import run_operation
+from bootstrap.serve.state import ServeState
+
+router = APIRouter()
+SWAP_FIELDS = frozenset(BootstrapConfig.model_fields) | {"served_model_name"}
+
+
+def _state(request: Request) -> ServeState:
+    return request.app.state.serve
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise APIError(400, f"the body is not JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object", code="invalid_body")
+    return body
+
+
+def _text(body: dict[str, Any], field: str) -> str:
+    value = body.get(field)
+    if not isinstance(value, str) or not value.strip():
+        raise APIError(400, f"{field}: required, a non-empty string", param=field, code="invalid_value")
+    return value
+
+
+def swap_config(state: ServeState, body: dict[str, Any]) -> tuple[BootstrapConfig, str]:
+    """The config a swap body asks for: the server's own flags with the body's fields over
+    them (``model`` required), and the model id clients will send."""
+    unknown = sorted(set(body) - SWAP_FIELDS)
+    if unknown:
+        raise APIError(
+            400,
+            f"{unknown[0]}: not a field a swap takes; allowed: {', '.join(sorted(SWAP_FIELDS))}",
+            param=unknown[0],
+            code="invalid_value",
+        )
+    model = _text(body, "model")
+    fields = {k: v for k, v in body.items() if k != "served_model_name"}
+    try:
+        config = BootstrapConfig.model_validate({**state.config.model_dump(), **fields})
+    except ValidationError as exc:
+        raise APIError(400, describe_validation_error(exc), code="invalid_value") from None
+    except ConfigError as exc:
+        raise APIError(400, str(exc), code="invalid_value") from None
+    name = body.get("served_model_name", model)
+    if not isinstance(name, str) or not name.strip():
+        raise APIError(400, "served_model_name: a non-empty string", param="served_model_name", code="invalid_value")
+    return config, name
+
+
+@router.post("/v1/bootstrap/swap")
+async def swap(request: Request) -> dict[str, Any]:
+    """Serve another model (``{"model": SOURCE, ...}``, any config field beside it)."""
+    state = _state(request)
+    config, name = swap_config(state, await _body(request))
+
+    async def call(drain):
+        executor = await state.boot.swap(config, drain=drain)
+        state.model_id = name
+        return executor
+
+    return await run_operation(state, request.app.state.tasks, "swap", call, "model")
+
+
+@router.post("/v1/bootstrap/weights")
+async def weights(request: Request) -> dict[str, Any]:
+    """New weights of the same model in place (``{"path": DIR}``)."""
+    state = _state(request)
+    path = _text(await _body(request), "path")
+    return await _weights(request, state, path)
+
+
+async def _weights(request: Request, state: ServeState, path: str) -> dict[str, Any]:
+    call = lambda drain: state.boot.update_weights(path, drain=drain)  # noqa: E731
+    return await run_operation(state, request.app.state.tasks, "weights", call, "path")
+
+
+@router.post("/v1/bootstrap/sleep")
+async def sleep(request: Request) -> dict[str, Any]:
+    """Give the device back (``{"level": 1 | 2}``, default 1)."""
+    body = await _body(request)
+    return await _sleep(request, _level(body.get("level", 1)))
+
+
+def _level(value: Any) -> int:
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if not is_int(value) or value not in (1, 2):
+        raise APIError(
+            400, f"level: {value!r} is not a sleep level; allowed: 1 or 2", param="level", code="invalid_value"
+        )
+    return value
+
+
+async def _sleep(request: Request, level: int) -> dict[str, Any]:
+    state = _state(request)
+    call = lambda drain: state.boot.sleep(level, drain=drain)  # noqa: E731
+    return await run_operation(state, request.app.state.tasks, "sleep", call, "level")
+
+
+@router.post("/v1/bootstrap/wake")
+async def wake(request: Request) -> dict[str, Any]:
+    """The model back after a sleep."""
+    state = _state(request)
+    call = lambda drain: state.boot.wake()  # noqa: E731
+    return await run_operation(state, request.app.state.tasks, "wake", call, "level")
+
+
+# ---- vLLM's and SGLang's routes for the same operations ----------------------------------------
+
+
+@router.post("/sleep")
+async def vllm_sleep(request: Request, level: str = "1") -> dict[str, Any]:
+    """vLLM's ``POST /sleep?level=N``."""
+    return await _sleep(request, _level(level))
+
+
+@router.post("/wake_up")
+async def vllm_wake_up(request: Request) -> dict[str, Any]:
+    """vLLM's ``POST /wake_up``."""
+    return await wake(request)
+
+
+@router.get("/is_sleeping")
+async def vllm_is_sleeping(request: Request) -> dict[str, bool]:
+    """vLLM's ``GET /is_sleeping``."""
+    return {"is_sleeping": _state(request).phase == "asleep"}
+
+
+@router.post("/update_weights_from_disk")
+async def sglang_update_weights(request: Request) -> dict[str, Any]:
+    """SGLang's ``POST /update_weights_from_disk`` (``{"model_path": DIR}``): its answer's shape."""
+    state = _state(request)
+    path = _text(await _body(request), "model_path")
+    done = await _weights(request, state, path)
+    return {"success": True, "message": f"weights updated from {path} in {done['duration_s']} s"}
