@@ -24,11 +24,20 @@ from pathlib import Path
 
 import torch
 
-from bootstrap.backends.artifacts import EstimationBuild, FinalBuild, LoadedModel, ResolvedClasses, Warmup
+from bootstrap.backends.artifacts import (
+    EstimationBuild,
+    FinalBuild,
+    HostWeights,
+    LoadedModel,
+    ResolvedClasses,
+    Warmup,
+    WeightsPlan,
+)
 from bootstrap.backends.native import capture
 from bootstrap.backends.native.checks import (
     check_draft_tokenizer,
     check_probe_tokens,
+    check_weights_dir,
     check_weights_fit,
     unreadable_as_source_error,
 )
@@ -46,6 +55,8 @@ from bootstrap.engine.executor.profile_run import rehearse_speculation, run_dumm
 from bootstrap.engine.executor.py_executor import PyExecutor
 from bootstrap.engine.kernels import paged_kv
 from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
+from bootstrap.engine.models.residency import HostCopy, offload
+from bootstrap.engine.models.weights import plan_weights, safetensors_files
 from bootstrap.engine.sampling.sampler import SamplingParams
 from bootstrap.engine.scheduler import SchedulerConfig
 from bootstrap.engine.sources.loader import LoadedWeights, config_dict, load_model
@@ -367,10 +378,44 @@ class NativeBackend:
             speculative_tokens=config.speculative_tokens or 1,
             adaptive=config.num_speculative_tokens == "auto",
         )
-        undo.push(executor.shutdown)
+        undo.push(executor.shutdown, keep_pool=True)  # the pools and graphs are final_build's and warmup's
         executor.start_worker()
         serve_smoke_request(executor)
         return executor
+
+    # ---- live operations: new weights in place, sleep level 1 ---------------------------------
+
+    def plan_weights(self, loaded: LoadedModel, path: str) -> WeightsPlan:
+        """``path``'s headers against the target's parameters (``weights.plan_weights``): a
+        checkpoint directory of the same architecture, every tensor present and of its shape."""
+        target = loaded.handle.target
+        directory = check_weights_dir(path, target.hf_config)
+        with unreadable_as_source_error(path):
+            reads = plan_weights(target.model, safetensors_files(directory))
+        return WeightsPlan(reads, path, reads.nbytes)
+
+    def read_weights(self, plan: WeightsPlan) -> int:
+        plan.handle.read()
+        self.device.synchronize()
+        return plan.nbytes
+
+    def offload_weights(self, loaded: LoadedModel, reuse: HostWeights | None, undo: Undo) -> HostWeights:
+        """Target and draft to host memory, page-locked on CUDA (``residency.offload``, whose
+        buffer a later sleep takes again); the allocator's cache goes back to the device."""
+        copies: dict[str, HostCopy] = {}
+        undo.push(self._return_cached)
+        for name, weights in loaded.handle.by_name().items():
+            kept = reuse.handle.get(name) if reuse is not None else None
+            copies[name] = copy = offload(weights.model, pin=self.torch_device.type == "cuda", reuse=kept)
+            undo.push(copy.restore)
+        self._return_cached()
+        pinned = all(c.pinned for c in copies.values())
+        return HostWeights(copies, sum(c.nbytes for c in copies.values()), pinned)
+
+    def restore_weights(self, host: HostWeights) -> int:
+        moved = sum(copy.restore() for copy in host.handle.values() if copy.holding)
+        self.device.synchronize()
+        return moved
 
     # ---- helpers ------------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from bootstrap.backends.activations import weight_dtype_bytes
 from bootstrap.capacity import dummy_request_lengths
@@ -112,3 +113,26 @@ def unreadable_as_source_error(source: str) -> Iterator[None]:
         if is_oom(exc) or is_transient_io(exc):
             raise
         raise ModelSourceError(f"model {source!r} cannot be read: {type(exc).__name__}: {exc}") from exc
+
+
+def check_weights_dir(path: str, live_config: Any) -> Path:
+    """``path`` as new weights for a model of ``live_config`` (its transformers config): a
+    checkpoint directory whose ``config.json`` names the same ``model_type`` and sizes; else
+    ``ConfigError`` naming the field."""
+    directory = Path(path)
+    if not directory.is_dir() or not (directory / "config.json").is_file():
+        raise ConfigError(f"path: {path!r} is not a checkpoint directory (one with config.json and safetensors)")
+    try:
+        new = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"path: {directory / 'config.json'} cannot be read: {exc}") from None
+    if not isinstance(new, dict):
+        raise ConfigError(f"path: {directory / 'config.json'} is not a JSON object")
+    for key in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        have, given = getattr(live_config, key, None), new.get(key)
+        if have is not None and given != have:
+            raise ConfigError(
+                f"path: {key} is {given!r} in {directory / 'config.json'}, the serving model's is {have!r}; "
+                "new weights must be of the same model (swap to serve another)"
+            )
+    return directory

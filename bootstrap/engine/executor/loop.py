@@ -54,6 +54,7 @@ class EngineLoop:
     ) -> None:
         self.speculator = speculator  # a draft model's proposals, verified by the target (speculative decoding)
         self.runner = runner
+        self.keep_pool = False  # set by stop(): the teardown leaves the pool and graphs to their owner
         self.scheduler = scheduler
         self.sampler = sampler
         self.requests = requests
@@ -102,9 +103,11 @@ class EngineLoop:
             atexit.register(self._shutdown_at_exit)
             self.thread.start()
 
-    def stop(self, timeout: float | None) -> None:
-        """Remove the exit hook, stop and join the worker. Raises if it is still in a step after
-        ``timeout`` s (it tears down itself when that step ends)."""
+    def stop(self, timeout: float | None, keep_pool: bool = False) -> None:
+        """Remove the exit hook, stop and join the worker (``keep_pool``: its teardown leaves
+        the pool and graphs). Raises if it is still in a step after ``timeout`` s (it tears down
+        itself when that step ends)."""
+        self.keep_pool = keep_pool
         atexit.unregister(self._shutdown_at_exit)
         self._stop.set()
         self.inbox.post(None)
@@ -233,14 +236,16 @@ class EngineLoop:
     # ---- teardown -----------------------------------------------------------------------------
 
     def teardown(self, died: BaseException | None = None) -> None:
-        """Cancel every unfinished request and release the KV pool (idempotent); if the worker
-        ``died``, fail its requests with that error instead and keep the pool for callers."""
+        """Cancel every unfinished request and release the KV pool and graphs (idempotent; kept
+        when ``keep_pool`` is set); if the worker ``died``, fail its requests with that error
+        instead and keep the pool for callers."""
         with self.step_lock:
             self.inbox.drain_into(self.scheduler)
             if died is not None:
                 return self.responses.fail(self.scheduler.drain(), died)
             for seq in self.scheduler.drain():
                 self.responses.complete(self.responses.handle_of(seq), "cancelled", "the executor was shut down")
-            self.runner.release_graphs()
-            self.runner.kv_cache.release()
+            if not self.keep_pool:
+                self.runner.release_graphs()
+                self.runner.kv_cache.release()
             self._publish_load()

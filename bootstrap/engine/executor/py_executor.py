@@ -296,14 +296,16 @@ class PyExecutor:
 
     # ---- teardown -----------------------------------------------------------------------------
 
-    def shutdown(self, timeout: float | None = 30.0) -> None:
+    def shutdown(self, timeout: float | None = 30.0, *, keep_pool: bool = False) -> None:
         """Stop and join the worker, cancel unfinished requests (waking their waiters), release
-        the KV pool (idempotent). Raises if the worker is still in a step after ``timeout`` s."""
+        the KV pool and the runner's CUDA graphs (idempotent); ``keep_pool``: both stay, every
+        block freed, for their owner (a pipeline's stages) and a next executor on them. Raises
+        if the worker is still in a step after ``timeout`` s."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        self._loop.stop(timeout)
+        self._loop.stop(timeout, keep_pool)
         self._loop.teardown()
 
     def __enter__(self) -> PyExecutor:

@@ -140,7 +140,7 @@ def drop(model: torch.nn.Module) -> int:
     for (name,) in groups.values():
         param = params[name]
         released += param.untyped_storage().nbytes()
-        param.data = torch.empty(param.shape, dtype=param.dtype, device="meta")
+        _hold(param, torch.empty(param.shape, dtype=param.dtype, device="meta"))
     return released
 
 
@@ -150,11 +150,11 @@ def reallocate(model: torch.nn.Module, device: torch.device | str) -> int:
     done: list[torch.nn.Parameter] = []
     try:
         for param in model.parameters():  # each parameter once: a tied head is the embeddings' own
-            param.data = torch.empty(param.shape, dtype=param.dtype, device=device)
+            _hold(param, torch.empty(param.shape, dtype=param.dtype, device=device))
             done.append(param)
     except BaseException:
         for param in model.parameters():
-            param.data = torch.empty(param.shape, dtype=param.dtype, device="meta")
+            _hold(param, torch.empty(param.shape, dtype=param.dtype, device="meta"))
         raise
     return sum(param.numel() * param.element_size() for param in done)
 
@@ -177,6 +177,18 @@ def _device(model: torch.nn.Module) -> torch.device:
     if len(devices) != 1:
         raise ValueError(f"offload: the model's parameters are on {len(devices)} devices ({sorted(map(str, devices))})")
     return devices.pop()
+
+
+def _hold(param: torch.nn.Parameter, data: torch.Tensor) -> None:
+    """``param``, the same object, holding ``data``. Between ``meta`` and a device ``param.data =``
+    refuses (another tensor type): ``torch.utils.swap_tensors`` swaps the contents of ``param``
+    and a new parameter given its attributes."""
+    if torch._has_compatible_shallow_copy_type(param, data):
+        param.data = data
+        return
+    new = torch.nn.Parameter(data, requires_grad=param.requires_grad)
+    new.__dict__.update(param.__dict__)
+    torch.utils.swap_tensors(param, new)
 
 
 def _point(storage: _Storage, flat: torch.Tensor, start: int) -> None:

@@ -1,0 +1,281 @@
+"""The live operations through the Python API, on the real engine on the CPU: a swap, a weights
+update, sleep and wake each give the tokens a fresh start of the same model or weights gives;
+a refusal changes nothing; a failure after the release resumes; cancelling one mid-way loses
+nothing; twenty swaps leave no thread, pool or request behind."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import anyio
+import anyio.lowlevel
+import pytest
+import torch
+from helpers.tiny_models import save_checkpoint
+from safetensors.torch import load_file, save_file
+
+from bootstrap.api import Bootstrap, Busy, Refused
+from bootstrap.config import BootstrapConfig
+from bootstrap.engine.sampling.sampler import SamplingParams
+from bootstrap.pipeline import StageFailed
+
+PROMPT = [1, 7, 9, 4, 11, 3]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    return save_checkpoint("llama", tmp_path_factory.mktemp("ckpt") / "llama")
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory) -> Path:
+    return save_checkpoint("qwen2", tmp_path_factory.mktemp("ckpt") / "qwen2")
+
+
+@pytest.fixture(scope="module")
+def llama_tuned(llama, tmp_path_factory) -> Path:
+    """The llama checkpoint with other weights: every matrix scaled and shifted (an "RL step")."""
+    return perturbed(llama, tmp_path_factory.mktemp("ckpt") / "tuned", seed=7)
+
+
+def perturbed(source: Path, target: Path, seed: int, drop: str | None = None, reshape: str | None = None) -> Path:
+    shutil.copytree(source, target)
+    tensors = load_file(target / "model.safetensors")
+    generator = torch.Generator().manual_seed(seed)
+    for name, tensor in tensors.items():
+        if tensor.dim() > 1:
+            tensors[name] = tensor + 0.5 * torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype)
+    if drop is not None:
+        del tensors[drop]
+    if reshape is not None:
+        tensors[reshape] = tensors[reshape][:-1].contiguous()
+    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    return target
+
+
+def config(path: Path, **extra) -> BootstrapConfig:
+    return BootstrapConfig(model=str(path), device="cpu", max_num_tokens=64, max_batch_size=4, **extra)
+
+
+def greedy(executor, prompt=PROMPT, tokens: int = 12) -> list[int]:
+    rid = executor.enqueue(list(prompt), SamplingParams(max_tokens=tokens, ignore_eos=True))
+    return list(executor.await_response(rid, 60).token_ids)
+
+
+async def fresh_tokens(cfg: BootstrapConfig) -> list[int]:
+    boot = Bootstrap(cfg)
+    try:
+        return greedy(await boot.build())
+    finally:
+        await boot.aclose()
+
+
+def worker_threads() -> set[str]:
+    return {t.name for t in threading.enumerate() if t is not threading.main_thread()}
+
+
+def test_swap_update_sleep_and_wake_answer_as_a_fresh_start(llama, qwen, llama_tuned):
+    async def main():
+        expected = {
+            "llama": await fresh_tokens(config(llama)),
+            "qwen": await fresh_tokens(config(qwen)),
+            "tuned": await fresh_tokens(config(llama_tuned)),
+        }
+        assert expected["llama"] != expected["tuned"] != expected["qwen"]
+        boot = Bootstrap(config(llama))
+        try:
+            first = await boot.build()
+            assert greedy(first) == expected["llama"]
+            swapped = await boot.swap(config(qwen))
+            assert swapped is boot.executor and not first.is_running
+            assert greedy(swapped) == expected["qwen"]
+            await boot.swap(config(llama))
+            updated = await boot.update_weights(llama_tuned)
+            assert greedy(updated) == expected["tuned"]
+            await boot.sleep(1)
+            assert boot.asleep == 1 and boot.executor is None
+            assert greedy(await boot.wake()) == expected["tuned"]
+            await boot.sleep(2)
+            assert boot.asleep == 2 and boot.executor is None
+            assert greedy(await boot.wake()) == expected["tuned"]  # the source, then the update's files again
+            names = [(r.name, r.outcome) for r in boot.operations]
+            assert names == [
+                ("swap", "ok"),
+                ("swap", "ok"),
+                ("weights", "ok"),
+                ("sleep", "ok"),
+                ("wake", "ok"),
+                ("sleep", "ok"),
+                ("wake", "ok"),
+            ]
+        finally:
+            await boot.aclose()
+
+    anyio.run(main)
+
+
+def test_the_weights_update_writes_in_place_and_keeps_the_pool_whole(llama, llama_tuned):
+    async def main():
+        boot = Bootstrap(config(llama))
+        try:
+            await boot.build()
+            model = boot.pipeline.artifacts["loaded"].handle.target.model
+            pointers = {n: p.data_ptr() for n, p in model.named_parameters()}
+            pool = boot.pipeline.artifacts["final"].handle.pools["target"]
+            await boot.update_weights(llama_tuned)
+            assert {n: p.data_ptr() for n, p in model.named_parameters()} == pointers
+            assert boot.pipeline.artifacts["final"].handle.pools["target"] is pool
+            assert boot.executor.engine_stats().kv_used_blocks == 0
+            rows = {row["id"]: row["outcome"] for row in boot.report().stages}
+            assert rows == {"check_weights": "ok", "read_weights": "ok", "scheduler_sampler": "ok"}
+        finally:
+            await boot.aclose()
+
+    anyio.run(main)
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"drop": "model.layers.0.mlp.down_proj.weight"}, "model.layers.0.mlp.down_proj.weight"),
+        ({"reshape": "model.layers.1.self_attn.o_proj.weight"}, "model.layers.1.self_attn.o_proj.weight"),
+    ],
+)
+def test_weights_of_another_shape_or_missing_are_refused_and_change_nothing(llama, tmp_path, change, named):
+    bad = perturbed(llama, tmp_path / "bad", seed=3, **change)
+
+    async def main():
+        boot = Bootstrap(config(llama))
+        try:
+            executor = await boot.build()
+            before = greedy(executor)
+            with pytest.raises(Refused, match=named.replace(".", r"\.")):
+                await boot.update_weights(bad)
+            assert boot.executor is executor and executor.is_running
+            assert greedy(executor) == before
+            assert boot.operations[-1].outcome == "refused"
+        finally:
+            await boot.aclose()
+
+    anyio.run(main)
+
+
+def test_a_bad_source_for_a_swap_is_refused_while_the_old_model_serves(llama, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps({"model_type": "llama"}))
+
+    async def main():
+        boot = Bootstrap(config(llama))
+        try:
+            executor = await boot.build()
+            table = dict(boot.pipeline.status)
+            for bad in (config(tmp_path / "missing"), config(broken)):
+                with pytest.raises(Refused, match="resolve_classes"):
+                    await boot.swap(bad)
+                assert boot.executor is executor and executor.is_running
+                assert boot.pipeline.status == table
+            with pytest.raises(Refused, match="device"):
+                await boot.swap(config(llama).model_copy(update={"device": "cuda"}))
+            assert greedy(executor)
+        finally:
+            await boot.aclose()
+
+    anyio.run(main)
+
+
+def test_one_operation_at_a_time_and_each_checks_the_state_first(llama):
+    async def main():
+        boot = Bootstrap(config(llama))
+        try:
+            with pytest.raises(Busy, match="no executor"):
+                await boot.sleep(1)
+            with pytest.raises(Busy, match="not asleep"):
+                await boot.wake()
+            with pytest.raises(Refused, match="level"):
+                await boot.sleep(3)
+            await boot.build()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(boot.sleep, 1)
+                await anyio.lowlevel.checkpoint()
+                with pytest.raises(Busy, match="sleep"):
+                    await boot.swap(config(llama))
+            with pytest.raises(Busy, match="asleep"):
+                await boot.update_weights(llama)
+            await boot.wake()
+        finally:
+            await boot.aclose()
+
+    anyio.run(main)
+
+
+def test_a_failure_after_the_release_resumes_from_its_stage_and_a_swap_back_works(llama, qwen, monkeypatch):
+    from bootstrap.backends.native.backend import NativeBackend
+
+    real, fail = NativeBackend.build_final, {"left": 1}
+
+    def failing_once(self, *args, **kwargs):
+        if fail["left"]:
+            fail["left"] -= 1
+            raise RuntimeError("the pools could not be made")
+        return real(self, *args, **kwargs)
+
+    async def main():
+        boot = Bootstrap(config(llama))
+        try:
+            await boot.build()
+            monkeypatch.setattr(NativeBackend, "build_final", failing_once)
+            with pytest.raises(StageFailed) as failed:
+                await boot.swap(config(qwen))
+            assert failed.value.stage == "final_build" and boot.executor is None
+            assert boot.pipeline.status["load_model"].state == "done"  # the new weights stay loaded
+            assert greedy(await boot.retry()) == await fresh_tokens(config(qwen))
+            fail["left"] = 1
+            with pytest.raises(StageFailed):
+                await boot.swap(config(llama))
+            assert greedy(await boot.swap(config(llama))) == await fresh_tokens(config(llama))
+        finally:
+            await boot.aclose()
+
+    anyio.run(main)
+
+
+def test_a_cancelled_operation_loses_nothing_and_a_retry_finishes_it(llama, qwen):
+    async def main():
+        boot = Bootstrap(config(llama))
+        try:
+            await boot.build()
+            with anyio.move_on_after(0) as scope:  # cancelled at its first wait
+                await boot.swap(config(qwen))
+            assert scope.cancelled_caught and boot.busy is None
+            assert boot.operations[-1].outcome == "cancelled"
+            executor = boot.executor or await boot.retry()
+            assert greedy(executor)
+        finally:
+            await boot.aclose()
+        assert not boot.pipeline.artifacts.get("executor") or not boot.pipeline.artifacts["executor"].is_running
+
+    anyio.run(main)
+
+
+def test_twenty_swaps_leave_no_thread_pool_or_request_behind(llama, qwen):
+    async def main():
+        boot = Bootstrap(config(llama))
+        try:
+            await boot.build()
+            threads, previous = worker_threads(), boot.executor
+            for cycle in range(20):
+                executor = await boot.swap(config(qwen if cycle % 2 == 0 else llama))
+                stats = previous.engine_stats()  # published by its shutdown: every request and block back
+                assert (stats.running, stats.waiting, stats.kv_used_blocks) == (0, 0, 0)
+                assert not previous.is_running and worker_threads() == threads
+                greedy(executor, tokens=3)
+                previous = executor
+            assert [r.outcome for r in boot.operations] == ["ok"] * 20
+        finally:
+            await boot.aclose()
+
+    anyio.run(main)
