@@ -4,6 +4,7 @@ mismatch refused before any byte is read."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -59,9 +60,9 @@ def test_a_tensor_of_another_shape_is_refused_naming_it_and_nothing_is_read(firs
     path = broken(second, tmp_path, lambda tensors: {**tensors, name: tensors[name][:, :32].contiguous()})
     live = own(first)
     before = snapshot(live)
-    with pytest.raises(ModelSourceError, match=name.replace(".", r"\.")):
+    with pytest.raises(ModelSourceError, match=re.escape(name)):
         plan_weights(live, safetensors_files(path))
-    with pytest.raises(ModelSourceError, match=name.replace(".", r"\.")):
+    with pytest.raises(ModelSourceError, match=re.escape(name)):
         reload_weights(live, path)
     assert same(live, before)
 
@@ -103,7 +104,7 @@ def test_another_setting_in_config_json_is_refused_naming_it(first, second, tmp_
     edit_config(path, rope_theta=123456.0)
     live = own(first)
     before = snapshot(live)
-    with pytest.raises(ModelSourceError, match="rope_theta 123456.0, the serving model's is 10000.0"):
+    with pytest.raises(ModelSourceError, match=re.escape("rope_theta 123456.0, the serving model's is 10000.0")):
         reload_weights(live, path)
     assert same(live, before)
 
@@ -113,7 +114,7 @@ def test_a_directory_without_weights_is_refused_in_words(first, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "config.json").write_bytes((first / "config.json").read_bytes())
-    with pytest.raises(ModelSourceError, match=f"weights: {empty} has no safetensors files"):
+    with pytest.raises(ModelSourceError, match=re.escape(f"weights: {empty} has no safetensors files")):
         reload_weights(live, empty)
     with pytest.raises(ModelSourceError, match="is not a checkpoint directory"):
         reload_weights(live, first / "config.json")

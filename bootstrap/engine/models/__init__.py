@@ -1,9 +1,11 @@
 """The engine's own model code, for the families it serves without transformers on the hot path.
 
 ``decoder`` is one dense decoder for llama (SmolLM2 is one), mistral, qwen2, qwen3, gemma and
-gemma2; ``weights`` fills it from safetensors. ``own_model_problem`` says why a checkpoint stays
-on the transformers path instead (another family, a rotary scaling not implemented here, an
-activation other than SiLU or GELU, MLP biases); the loader says so once in the log and loads it through transformers.
+gemma2; ``weights`` fills it from safetensors, ``reload`` again from another checkpoint in place,
+and ``residency`` moves its parameters to host memory and back (sleep and wake).
+``own_model_problem`` says why a checkpoint stays on the transformers path instead (another
+family, a rotary scaling not implemented here, an activation other than SiLU or GELU, MLP
+biases); the loader says so once in the log and loads it through transformers.
 """
 
 from __future__ import annotations

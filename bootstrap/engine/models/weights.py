@@ -3,13 +3,14 @@
 Every checkpoint tensor has one place: a parameter of the same name, or its rows of a fused
 projection (``q_proj`` of ``qkv_proj``, ``gate_proj`` of ``gate_up_proj``: ``FUSED``). Under
 tensor parallelism each rank reads only its slice of a sharded weight (``layers.linear``). The
-places are worked out from the files' headers first, so a tensor the model does not have, a
+places are worked out from the files' headers first (``plan_weights``), so a tensor the model does not have, a
 parameter no tensor fills, a shape or dtype that differs, a tensor stored twice or a header whose
 spans do not hold together (``headers``) is an error naming it before any weight is read. Then
 every tensor whose slice is one run of bytes in the file, stored in the model's dtype, is read by
 ``byte_reads`` straight into its place (threads, page-locked staging on CUDA); the rest (a dtype
-to convert, a column slice under tensor parallelism) through ``safetensors``. The model is built
-on the meta device first, so no second full copy of the weights ever exists.
+to convert, a column slice under tensor parallelism) through ``safetensors`` (``WeightReads.read``;
+``load_weights`` is the two in a row). The model is built on the meta device first, so no second
+full copy of the weights ever exists.
 """
 
 from __future__ import annotations
