@@ -15,7 +15,7 @@ from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.pipeline.stage import Stage
 
 
-def resolve_classes(config: BootstrapConfig, backend: Backend, releasable_bytes: int) -> ResolvedClasses:
+def resolve_classes(config: BootstrapConfig, backend: Backend, releasable_bytes: int = 0) -> ResolvedClasses:
     """``releasable_bytes``: device memory the model serving now gives back before this one
     loads (a live swap; 0 at a start), counted as free by the weights' check."""
     shape = backend.model_shape(config.model)
@@ -117,4 +117,8 @@ def _check_draft(config: BootstrapConfig, shape: ModelShape, draft: ModelShape) 
 
 # Blocking: a real backend reads config files (the default model may be fetched once) and
 # imports transformers; none of that may stall the event loop that answers health probes.
-STAGE = Stage("resolve_classes", resolve_classes, provides="resolved")
+def _stage(config: BootstrapConfig, backend: Backend, releasable_bytes: int) -> ResolvedClasses:
+    return resolve_classes(config, backend, releasable_bytes)  # the pipeline input, never defaulted
+
+
+STAGE = Stage("resolve_classes", _stage, provides="resolved")
