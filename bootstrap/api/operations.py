@@ -60,6 +60,8 @@ class OperationRecord:
     duration_s: float | None = None
     outcome: str = "running"  # running | ok | refused | failed | cancelled
     error: str | None = None
+    drain_s: float | None = None  # the caller's drain (requests in flight finishing)
+    release_s: float | None = None  # the old state's release (executor, pools, graphs, weights)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -115,10 +117,12 @@ class Operations:
                 raise
 
         async def release(span: Span) -> None:
-            await drain()
+            with self._timed("drain"):
+                await drain()
             old, self.pipeline = self.pipeline, new
             self.config, self.asleep, self._host, self._weights_path = config, 0, None, None
-            await old.aclose()
+            with self._timed("release"):
+                await old.aclose()
 
         return await self._operate("swap", f"model={config.model}", check, [release, self._build_rest])
 
@@ -135,8 +139,10 @@ class Operations:
             plan = await self._one(live.CHECK_WEIGHTS, span, path=path)
 
         async def stop(span: Span) -> None:
-            await drain()
-            await self.pipeline.rewind(["scheduler_sampler"])
+            with self._timed("drain"):
+                await drain()
+            with self._timed("release"):
+                await self.pipeline.rewind(["scheduler_sampler"])
 
         async def read(span: Span) -> None:
             await self._one(live.READ_WEIGHTS, span, weights_plan=plan)
@@ -155,11 +161,15 @@ class Operations:
         self._check_serving("sleep")
 
         async def release(span: Span) -> None:
-            await drain()
+            with self._timed("drain"):
+                await drain()
             dropped = ("load_model",) if level == 2 else ()
-            await self.pipeline.rewind([s for s in dropped + AFTER_WEIGHTS if s in self._stage_ids()])
+            if level == 2:  # first: a host copy holds the parameters, whose device memory must go now
+                self._host = None
+            with self._timed("release"):
+                await self.pipeline.rewind([s for s in dropped + AFTER_WEIGHTS if s in self._stage_ids()])
             if level == 2:
-                self.asleep, self._host = 2, None
+                self.asleep = 2
 
         async def offload(span: Span) -> None:
             self._host = await self._one(live.OFFLOAD_WEIGHTS, span, host_weights=self._host)
@@ -260,6 +270,15 @@ class Operations:
             except BaseException:
                 self.resumable = (record.name, steps[index:])
                 raise
+
+    @contextlib.contextmanager
+    def _timed(self, part: str) -> Iterator[None]:
+        """A part of the operation that is no stage (``drain``, ``release``): a child span
+        ``bootstrap.<part>`` and its seconds in the record."""
+        began = time.monotonic()
+        with self.tracer.start_as_current_span(f"bootstrap.{part}"):
+            yield
+        setattr(self.operations[-1], f"{part}_s", round(time.monotonic() - began, 6))
 
     async def _build_rest(self, span: Span) -> None:
         await self.pipeline.run(span=span)

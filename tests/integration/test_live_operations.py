@@ -131,6 +131,8 @@ def test_the_weights_update_writes_in_place_and_keeps_the_pool_whole(llama, llam
             assert boot.executor.engine_stats().kv_used_blocks == 0
             rows = {row["id"]: row["outcome"] for row in boot.report().stages}
             assert rows == {"check_weights": "ok", "read_weights": "ok", "scheduler_sampler": "ok"}
+            record = boot.operations[-1]
+            assert record.drain_s is not None and record.release_s is not None and record.duration_s >= record.release_s
         finally:
             await boot.aclose()
 
