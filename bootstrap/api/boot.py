@@ -80,16 +80,15 @@ class Bootstrap(Operations):
             self._end_process()
             self._provider.shutdown()
             raise
-        self.hub = EventHub()  # one for every pipeline this Bootstrap runs: its subscribers see them all
+        self.hub = EventHub()  # every pipeline's events relayed: its subscribers and history see them all
         self.pipeline: Pipeline = self.new_pipeline(config)
-        self.hub.reset([s.id for s in self.pipeline.stages])
         self._started: float | None = None
         self._ready_s: float | None = None
         super().__init__()
 
     def new_pipeline(self, config: BootstrapConfig, releasable_bytes: int = 0) -> Pipeline:
         return make_pipeline(
-            config, self.backend, tracer_provider=self._provider, hub=self.hub, releasable_bytes=releasable_bytes
+            config, self.backend, tracer_provider=self._provider, relay=self.hub, releasable_bytes=releasable_bytes
         )
 
     @functools.cached_property

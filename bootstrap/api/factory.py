@@ -22,12 +22,14 @@ def make_pipeline(
     *,
     tracer_provider: TracerProvider | None = None,
     stages: Sequence[Stage] = DEFAULT_STAGES,
-    hub: EventHub | None = None,
+    relay: EventHub | None = None,
     releasable_bytes: int = 0,
 ) -> Pipeline:
     """On several ranks (a backend with a ``collective``), every attempt is agreed across them
     and the plan cache is off: one rank's cache hit must not skip a stage its peers run. The plan
-    cache made here stores the plan once ``capacity`` has succeeded; that stage only computes it."""
+    cache made here stores the plan once ``capacity`` has succeeded; that stage only computes it.
+    ``relay``: a ``Bootstrap``'s hub, which sees every pipeline's events; ``releasable_bytes``: what
+    a swap's old model gives back before this one loads (``resolve_classes``)."""
     collective = backend.collective if isinstance(backend, HasCollective) else None
     several = collective is not None and collective.world_size > 1
     plan_cache = PlanCache(config.plan_cache) if config.plan_cache and not several else None
@@ -41,7 +43,7 @@ def make_pipeline(
         device=backend.device,
         collective=collective,
         after=after,
-        hub=hub,
+        relay=relay,
     )
 
 

@@ -88,6 +88,7 @@ class Operations:
         self._host: HostWeights | None = None  # level 1's host copy, its buffers kept for the next sleep
         self._weights_path: str | None = None  # the last update's, read again after a level-2 wake
         self._scope: anyio.CancelScope | None = None
+        self._next: Pipeline | None = None  # a swap's new pipeline until it replaces the current one
         self._ended = anyio.Event()  # set when the operation in progress has unwound
 
     # ---- the operations ------------------------------------------------------------------------
@@ -106,20 +107,17 @@ class Operations:
 
         async def check(span: Span) -> None:
             nonlocal new
-            new = self.new_pipeline(config, releasable_bytes=self._held_bytes())
-            table = self.hub.status
-            self.hub.reset([s.id for s in new.stages])
+            new = self._next = self.new_pipeline(config, releasable_bytes=self._held_bytes())
             try:
                 await new.run(upto="resolve_classes", span=span)
             except BaseException:
-                self.hub.status = table
-                await new.aclose()
+                await self._close_next()
                 raise
 
         async def release(span: Span) -> None:
             with self._timed("drain"):
                 await drain()
-            old, self.pipeline = self.pipeline, new
+            old, self.pipeline, self._next = self.pipeline, new, None
             self.config, self.asleep, self._host, self._weights_path = config, 0, None, None
             with self._timed("release"):
                 await old.aclose()
@@ -209,7 +207,7 @@ class Operations:
         if self.resumable is None:
             raise Busy("no operation to resume")
         name, steps = self.resumable
-        return await self._operate(name, "resumed", None, steps)
+        return await self._operate(name, "resumed", None, steps, resuming=True)
 
     # ---- running them --------------------------------------------------------------------------
 
@@ -227,13 +225,23 @@ class Operations:
 
     async def close_operations(self) -> None:
         """Cancel an operation in progress (``aclose``) and wait for it to unwind; its steps roll
-        back what they began."""
+        back what they began. A swap's new pipeline that never replaced the current one is closed."""
         if self._scope is not None:
             self._scope.cancel()
             await self._ended.wait()
+        await self._close_next()
 
-    async def _operate(self, name: str, detail: str, check: Step | None, steps: list[Step]) -> Executor | None:
+    async def _close_next(self) -> None:
+        if self._next is not None:
+            next_pipeline, self._next = self._next, None
+            await next_pipeline.aclose()
+
+    async def _operate(
+        self, name: str, detail: str, check: Step | None, steps: list[Step], resuming: bool = False
+    ) -> Executor | None:
         with self.claim(name):
+            if not resuming:  # a new operation: what a failed swap left unadopted goes
+                await self._close_next()
             self.forget_spans()
             record = OperationRecord(name, detail, time.time())
             self.operations.append(record)

@@ -241,8 +241,9 @@ async def _serve(config: Any, options: Any, args: argparse.Namespace) -> BaseExc
 def announce(config: Any, args: argparse.Namespace) -> None:
     """The first line, before the server's and the engine's imports."""
     trace = f"; trace: {args.trace_file}" if args.trace_file else ""
+    model = "idle (no model until POST /v1/bootstrap/swap)" if getattr(args, "idle", False) else config.model
     print(
-        f"bootstrap serve: {config.model} on {config.device}, http://{args.host}:{args.port}{trace}",
+        f"bootstrap serve: {model} on {config.device}, http://{args.host}:{args.port}{trace}",
         file=sys.stderr,
         flush=True,
     )

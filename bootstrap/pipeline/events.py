@@ -67,19 +67,19 @@ class StageStatus:
 
 class EventHub:
     """Fan-out of stage events to every subscriber, plus the running status table of the
-    pipeline's own stages (an operation's one-off stages are in the history only)."""
+    pipeline's own stages (an operation's one-off stages are in the history only). ``relay``
+    gets every event too: a hub over several pipelines (a ``Bootstrap``'s), its table unused."""
 
-    def __init__(self, stage_ids: list[str] | None = None) -> None:
+    def __init__(self, stage_ids: list[str] | None = None, relay: EventHub | None = None) -> None:
         self.status: dict[str, StageStatus] = {s: StageStatus(s) for s in stage_ids or []}
         self._subscribers: list[MemoryObjectSendStream[StageEvent]] = []
         self.history: list[StageEvent] = []
         self._closed = False
-
-    def reset(self, stage_ids: list[str]) -> None:
-        """A new table, every stage pending (a new pipeline on this hub); the history stays."""
-        self.status = {s: StageStatus(s) for s in stage_ids}
+        self._relay = relay
 
     def publish(self, event: StageEvent) -> None:
+        if self._relay is not None:
+            self._relay.publish(event)
         if event.stage in self.status:
             self.status[event.stage] = self.status[event.stage].after(event)
         self.history.append(event)

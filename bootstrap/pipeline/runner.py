@@ -76,14 +76,14 @@ class Pipeline:
         thread: DeviceThread | None = None,
         collective: Collective | None = None,
         after: Mapping[str, Callable[..., None]] | None = None,
-        hub: EventHub | None = None,
+        relay: EventHub | None = None,
     ) -> None:
         """``after``: stage id -> a function run once that stage has its artifact (ran or was
         skipped), inside the stage's span, before its consumed artifacts are released; it names
         what it needs of the stage's inputs and artifact by parameter, as a stage does. The owner
         of an input acts there on a stage's result, and the stage stays pure (the plan cache
-        stores a plan after ``capacity``). What it raises fails the stage. ``hub``: an event hub
-        shared across pipelines (a live server's, across swaps), whose owner sets its table."""
+        stores a plan after ``capacity``). What it raises fails the stage. ``relay``: a hub that
+        gets every event too (a ``Bootstrap``'s, across its pipelines); this pipeline's table is its own."""
         check_graph(stages, inputs.keys())
         check_after(stages, after or {})
         self.stages = topological_order(stages)
@@ -91,8 +91,7 @@ class Pipeline:
         self.artifacts: dict[str, Any] = dict(inputs)
         self.device = device
         self.collective = collective  # several ranks: every attempt's outcome is agreed (bootstrap.pipeline.collective)
-        self.hub = hub if hub is not None else EventHub([s.id for s in self.stages])
-        self._owns_hub = hub is None  # a shared hub's owner closes it
+        self.hub = EventHub([s.id for s in self.stages], relay=relay)
         self._tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer(TRACER_NAME)
         self._thread = thread or DeviceThread()
         self._owns_thread = thread is None
@@ -219,8 +218,7 @@ class Pipeline:
         self._finished.clear()
         if self._owns_thread:
             self._thread.close()
-        if self._owns_hub:
-            self.hub.close()
+        self.hub.close()
         return self.artifacts
 
     async def aclose(self) -> None:
@@ -238,8 +236,7 @@ class Pipeline:
                 await self._release_completed()
                 if self._owns_thread:
                     await self._thread.aclose()
-                if self._owns_hub:
-                    self.hub.close()
+                self.hub.close()
 
     async def _exclusively(self, body: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Claim the pipeline with no await before the claim, so a concurrent ``run``, ``retry``

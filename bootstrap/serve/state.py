@@ -219,8 +219,8 @@ class ServeState:
         return time.monotonic() - self.started_at
 
     def stage_history(self) -> list[StageEvent]:
-        """Every stage event so far (kept by the pipeline's event hub), oldest first."""
-        return [] if self.boot is None else self.boot.pipeline.hub.history
+        """Every stage event so far, of every pipeline the bootstrap ran (its hub), oldest first."""
+        return [] if self.boot is None else self.boot.hub.history
 
     def cut_short(self) -> int:
         """Cancel every request in flight in the executor now; how many. Each one's handler then

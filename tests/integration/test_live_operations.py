@@ -74,7 +74,8 @@ async def fresh_tokens(cfg: BootstrapConfig) -> list[int]:
 
 
 def worker_threads() -> set[str]:
-    return {t.name for t in threading.enumerate() if t is not threading.main_thread()}
+    """The package's own threads (device threads, executor workers, weight readers)."""
+    return {t.name for t in threading.enumerate() if t.name.startswith("bootstrap")}
 
 
 def test_swap_update_sleep_and_wake_answer_as_a_fresh_start(llama, qwen, llama_tuned):
@@ -279,5 +280,30 @@ def test_twenty_swaps_leave_no_thread_pool_or_request_behind(llama, qwen):
             assert [r.outcome for r in boot.operations] == ["ok"] * 20
         finally:
             await boot.aclose()
+
+    anyio.run(main)
+
+
+def test_a_swap_cancelled_in_its_drain_leaves_no_thread_after_aclose(llama, qwen):
+    async def main():
+        threads = worker_threads()
+        boot = Bootstrap(config(llama))
+        draining = anyio.Event()
+
+        async def drain_forever() -> None:
+            draining.set()
+            await anyio.sleep_forever()
+
+        try:
+            executor = await boot.build()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lambda: boot.swap(config(qwen), drain=drain_forever))
+                await draining.wait()  # checked: the new pipeline holds its device thread now
+                tg.cancel_scope.cancel()
+            assert boot.operations[-1].outcome == "cancelled"
+            assert boot.executor is executor and greedy(executor)  # nothing was released yet
+        finally:
+            await boot.aclose()
+        assert worker_threads() == threads
 
     anyio.run(main)

@@ -2,8 +2,9 @@
 attempts, read from ``--trace-file`` JSON Lines (``docs/design.md``), in the terminal and as a
 PNG; for a ``bootstrap serve`` trace, its requests too, the slowest first (``trace.requests``).
 
-Each file becomes one timeline: a row per pipeline run, per stage and, for a stage that took more
-than one attempt, per attempt, placed by time from the start of the file's first span. Several
+Each file becomes one timeline: a row per pipeline run and per live operation (a server's swap,
+weights, sleep, wake: its detail as the note), per stage and, for a stage that took more than
+one attempt, per attempt, placed by time from the start of the file's first span. Several
 files (a cold and a warm start, say) share one time scale. The PNG needs matplotlib (the
 ``plot`` extra). A damaged file shows what can be read (``trace.spans``): a line cut short, not
 UTF-8, not JSON, or with a field of the wrong type is left out, with one warning per kind of
@@ -32,10 +33,24 @@ from bootstrap.cli.trace.requests import DEFAULT_SHOWN, RequestRow, fitted_reque
 from bootstrap.cli.trace.spans import STAGE_PREFIX, Skipped, TraceFileError, read_spans
 from bootstrap.config import ConfigError, is_int
 from bootstrap.pipeline.process import PHASE_PREFIX, PROCESS_SPAN
-from bootstrap.pipeline.telemetry import ROOT_SPAN, MissingExtra
+from bootstrap.pipeline.telemetry import (
+    OPERATIONS,
+    ROOT_SPAN,
+    MissingExtra,
+    is_request_span,
+    is_root_span,
+    operation_span,
+)
 
 ATTEMPT_SUFFIX = ".attempt"
-COLORS = {"ok": "green", "failed": "red", "cancelled": "dark_orange", "skipped": "bright_black", "unfinished": "blue"}
+COLORS = {
+    "ok": "green",
+    "failed": "red",
+    "cancelled": "dark_orange",
+    "refused": "magenta",
+    "skipped": "bright_black",
+    "unfinished": "blue",
+}
 BAR_MIN, BAR_MAX = 12, 60  # the timeline bar's characters
 
 
@@ -44,7 +59,7 @@ class Bar:
     """One row of a timeline: a run, a stage or an attempt, in seconds from the file's start."""
 
     label: str
-    level: int  # 0 run, 1 stage, 2 attempt
+    level: int  # 0 run or operation, 1 stage, 2 attempt
     start_s: float
     end_s: float
     outcome: str
@@ -70,18 +85,27 @@ class Timeline:
 
 def timeline(spans: Sequence[dict[str, Any]], source: str = "") -> Timeline:
     """The process (when the command traced it: ``bootstrap.pipeline.process``) and its phases,
-    runs, stages and (when a stage took more than one) attempts, in start order. A run whose
-    root span is missing (the process ended before the run did) is shown as ``unfinished``, and
-    so is a stage of which only attempts reached the file."""
+    runs and live operations (``is_root_span``; an operation's parts that are no stage, such as
+    its drain, too), their stages and (when a stage took more than one) attempts, in start
+    order. A run whose root span is missing (the process ended before the run did) is shown as
+    ``unfinished``, and so is a stage of which only attempts reached the file."""
     spans = [*spans, *_missing_stages(spans)]
     t0 = min(s["start_time_unix_nano"] for s in spans)
     children = _by_parent(spans)
     blocks: list[tuple[int, list[Bar]]] = []
-    for run_number, root in enumerate(_sorted([*_roots(spans), *_missing_roots(spans, children)]), 1):
-        bars = [_bar(root, t0, f"pipeline run {run_number}", 0)]
-        for stage in _sorted(s for s in children.get(root["span_id"], []) if _is_stage(s)):
-            bars.append(_bar(stage, t0, stage["name"].removeprefix(STAGE_PREFIX), 1, _stage_note(stage)))
-            attempts = [s for s in children.get(stage["span_id"], []) if _is_attempt(s)]
+    runs = 0
+    for root in _sorted([*_roots(spans), *_missing_roots(spans, children)]):
+        if root["name"] == ROOT_SPAN:
+            runs += 1
+            bars = [_bar(root, t0, f"pipeline run {runs}", 0)]
+        else:
+            bars = [_bar(root, t0, OPERATION_NAMES[root["name"]], 0, _operation_note(root))]
+        for child in _sorted(s for s in children.get(root["span_id"], []) if _is_stage(s) or _is_part(root, s)):
+            if not _is_stage(child):
+                bars.append(_bar(child, t0, child["name"].removeprefix("bootstrap."), 1, _error(child)))
+                continue
+            bars.append(_bar(child, t0, child["name"].removeprefix(STAGE_PREFIX), 1, _stage_note(child)))
+            attempts = [s for s in children.get(child["span_id"], []) if _is_attempt(s)]
             if len(attempts) > 1:
                 bars += [_bar(a, t0, f"attempt {_attempt_number(a)}", 2, _attempt_note(a)) for a in _sorted(attempts)]
         blocks.append((root["start_time_unix_nano"], bars))
@@ -127,7 +151,20 @@ def _coverage_note(spans: Sequence[dict[str, Any]], process: dict[str, Any]) -> 
 
 
 def _roots(spans: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [s for s in spans if s["name"] == ROOT_SPAN]
+    """The pipeline runs' root spans and the live operations' (each a trace of its own)."""
+    return [s for s in spans if is_root_span(s["name"])]
+
+
+OPERATION_NAMES = {operation_span(o): o for o in OPERATIONS}  # bootstrap.swap -> swap
+
+
+def _operation_note(span: dict[str, Any]) -> str:
+    """An operation's detail (``model=...``, ``level=1``) and the stage it failed at."""
+    attrs = span["attributes"]
+    parts = [str(attrs.get("bootstrap.operation.detail") or "")]
+    if attrs.get("bootstrap.failed_stage"):
+        parts.append(f"failed at {attrs['bootstrap.failed_stage']}")
+    return "; ".join(p for p in parts if p)
 
 
 def _missing_roots(
@@ -202,6 +239,11 @@ def _sorted(spans: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _is_stage(span: dict[str, Any]) -> bool:
     return span["name"].startswith(STAGE_PREFIX) and not span["name"].endswith(ATTEMPT_SUFFIX)
+
+
+def _is_part(root: dict[str, Any], span: dict[str, Any]) -> bool:
+    """A child of an operation that is no stage: its drain, its release of the old state."""
+    return root["name"] != ROOT_SPAN and not span["name"].startswith(STAGE_PREFIX) and not is_request_span(span["name"])
 
 
 def _is_attempt(span: dict[str, Any]) -> bool:

@@ -14,7 +14,7 @@ from bootstrap.config import ConfigError
 from bootstrap.paths import file_kind
 from bootstrap.pipeline.telemetry import MissingExtra
 
-PNG_COLORS = {"ok": "#2e7d32", "failed": "#c62828", "cancelled": "#ef6c00", "skipped": "#9e9e9e"}
+PNG_COLORS = {"ok": "#2e7d32", "failed": "#c62828", "cancelled": "#ef6c00", "refused": "#8e24aa", "skipped": "#9e9e9e"}
 
 
 def printable(text: str) -> str:

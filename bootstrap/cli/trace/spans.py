@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from bootstrap.config import ConfigError, is_int
-from bootstrap.pipeline.telemetry import ROOT_SPAN, is_request_span
+from bootstrap.pipeline.telemetry import is_request_span, is_root_span
 
 STAGE_PREFIX = "bootstrap.stage."
 CONTRACT_KEYS = (
@@ -78,7 +78,7 @@ def read_spans(path: Path, skipped: Skipped | None = None) -> list[dict[str, Any
         if span is not None:
             spans.append(span)
     if not any(
-        s["name"] == ROOT_SPAN or s["name"].startswith(STAGE_PREFIX) or is_request_span(s["name"]) for s in spans
+        is_root_span(s["name"]) or s["name"].startswith(STAGE_PREFIX) or is_request_span(s["name"]) for s in spans
     ):
         damage = "; ".join(skipped.describe(kind) for kind in skipped.lines)
         why = f" that can be read: {damage}" if damage else " (write one with --trace-file)"

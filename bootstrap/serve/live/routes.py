@@ -10,8 +10,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
-from bootstrap.config import BootstrapConfig, ConfigError, describe_validation_error, is_int
-from bootstrap.serve.errors import APIError
+from bootstrap.api.operations import SAME_IN_A_SWAP
+from bootstrap.config import BootstrapConfig, ConfigError, is_int
+from bootstrap.serve.errors import APIError, describe_validation
 from bootstrap.serve.live.operate import run_operation
 from bootstrap.serve.state import ServeState
 
@@ -58,8 +59,9 @@ def swap_config(state: ServeState, body: dict[str, Any]) -> tuple[BootstrapConfi
     fields = {k: v for k, v in body.items() if k != "served_model_name"}
     try:
         config = BootstrapConfig.model_validate({**state.config.model_dump(), **fields})
-    except ValidationError as exc:
-        raise APIError(400, describe_validation_error(exc), code="invalid_value") from None
+    except ValidationError as exc:  # one line per bad field, the field as param when there is one
+        error = describe_validation(exc)
+        raise APIError(400, error.message, param=error.param, code="invalid_value") from None
     except ConfigError as exc:
         raise APIError(400, str(exc), code="invalid_value") from None
     name = body.get("served_model_name", model)
@@ -73,13 +75,16 @@ async def swap(request: Request) -> dict[str, Any]:
     """Serve another model (``{"model": SOURCE, ...}``, any config field beside it)."""
     state = _state(request)
     config, name = swap_config(state, await _body(request))
+    kept = [field for field in SAME_IN_A_SWAP if getattr(config, field) != getattr(state.config, field)]
 
     async def call(drain):
-        executor = await state.boot.swap(config, drain=drain)
-        state.model_id = name
-        return executor
+        async def drain_then_rename() -> None:
+            await drain()
+            state.model_id = name  # the old model goes now: a failure resumed by a retry serves the new one
 
-    return await run_operation(state, request.app.state.tasks, "swap", call, "model")
+        return await state.boot.swap(config, drain=drain_then_rename)
+
+    return await run_operation(state, request.app.state.tasks, "swap", call, kept[0] if kept else "model")
 
 
 @router.post("/v1/bootstrap/weights")

@@ -99,7 +99,7 @@ def bootstrap_view(state: ServeState) -> dict[str, Any]:
     stage = current_stage(rows)
     return {
         "state": state.phase,
-        "model": state.model_id,
+        "model": state.model_id or None,
         "elapsed_s": round(state.elapsed_s(), 6),
         "time_to_ready_s": state.time_to_ready_s,
         "current_stage": stage["id"] if stage else None,

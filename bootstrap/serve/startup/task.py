@@ -78,7 +78,8 @@ async def run_bootstrap(state: ServeState, task_group: anyio.abc.TaskGroup, on_f
         on_fatal()
         return
     task_group.start_soon(follow_progress, state)
-    if state.options.idle:  # serve --idle: a swap gives it a model
+    if state.options.idle:  # serve --idle: a swap gives it a model (and its id)
+        state.model_id = ""
         state.set_phase("idle")
         log.info("idle: no model until POST /v1/bootstrap/swap")
         return

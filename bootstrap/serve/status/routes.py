@@ -49,7 +49,8 @@ async def status_page() -> HTMLResponse:
 @router.get("/v1/engine")
 async def engine(request: Request) -> dict[str, Any]:
     """The engine's load now (null before the executor is ready), the tokens generated so far,
-    and the slowest of the recently answered requests, slowest first."""
+    the slowest of the recently answered requests, slowest first, and how many live operations
+    began so far (the page polls this: a new one, or a new phase, and it reads ``/v1/bootstrap``)."""
     state: ServeState = request.app.state.serve
     live = state.executor is not None and state.phase in ("ready", "shutting_down")
     return {
@@ -60,6 +61,7 @@ async def engine(request: Request) -> dict[str, Any]:
         "tokens_generated": state.tokens_generated,
         "requests_answered": state.recent.answered,
         "slowest": state.recent.slowest(),
+        "operation_count": len(state.boot.operations) if state.boot is not None else 0,
     }
 
 
