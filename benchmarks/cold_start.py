@@ -72,8 +72,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def write_checkpoint(args: argparse.Namespace, path: Path) -> dict[str, Any]:
-    """The preset's shape, random bfloat16 weights (float32 on the CPU), a word-level tokenizer."""
+def write_checkpoint(args: argparse.Namespace, path: Path, seed: int = 0, words: int | None = WORDS) -> dict[str, Any]:
+    """The preset's shape (``args.shape``), random bfloat16 weights (float32 on the CPU) drawn
+    with ``seed``, a word-level tokenizer of ``words`` words (None: one per token id)."""
     if (path / "config.json").is_file():
         return {"checkpoint": str(path), "written": False}
     dtype = "bfloat16" if args.device == "cuda" else "float32"
@@ -89,6 +90,8 @@ def write_checkpoint(args: argparse.Namespace, path: Path) -> dict[str, Any]:
             args.device,
             "--dtype",
             dtype,
+            "--seed",
+            str(seed),
         ],
         capture_output=True,
         text=True,
@@ -96,7 +99,8 @@ def write_checkpoint(args: argparse.Namespace, path: Path) -> dict[str, Any]:
     )
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    words = min(WORDS, json.loads((path / "config.json").read_text())["vocab_size"])
+    vocab_size = json.loads((path / "config.json").read_text())["vocab_size"]
+    words = vocab_size if words is None else min(words, vocab_size)
     vocab = {f"w{i}": i for i in range(words)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

@@ -11,8 +11,12 @@
 #   cold_start.json  benchmarks/cold_start.py (fresh run and serve processes on an 8B checkpoint directory)
 #   traces.tar.gz    every start's trace file
 #
-# Usage, from the repository root:  bash benchmarks/gpu_suite.sh [--smoke]
+# Usage, from the repository root:  bash benchmarks/gpu_suite.sh [--smoke] [--live-ops]
 #   --smoke: tiny shapes on the CPU, to check the script itself (tests/gpu then skip).
+#   --live-ops: instead of the steps above, benchmarks/live_ops.py alone (three 8B checkpoints written,
+#     a server swapped, slept, woken and updated, then 20 swap cycles under traffic: about 4 to 6 minutes,
+#     which the budget above has no room for): a second invocation, with its own 10 minutes:
+#       live_ops.json    benchmarks/live_ops.py (plus suite.log and steps.jsonl, as above)
 # Missing Python packages travel as wheels in .whl/ (python3 -m pip download --no-deps --only-binary=:all: -d .whl ...);
 # they are installed from there, never from an index. The whole suite keeps within
 # SUITE_BUDGET_S seconds: each step gets at most its own cap and what the budget has left.
@@ -21,6 +25,17 @@
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
+
+SMOKE=0
+LIVE_OPS=0
+FAILED=0
+for arg in "$@"; do
+  case $arg in
+    --smoke) SMOKE=1 ;;
+    --live-ops) LIVE_OPS=1 ;;
+    *) echo "gpu_suite.sh: unknown flag $arg (allowed: --smoke, --live-ops)" >&2; exit 2 ;;
+  esac
+done
 
 OUT=${OUT:-./out}
 mkdir -p "$OUT"
@@ -31,9 +46,6 @@ export OUT WORK
 : > "$OUT/steps.jsonl"
 SUITE_BUDGET_S=590
 START=$(date +%s)
-SMOKE=0
-FAILED=0
-[ "${1:-}" = "--smoke" ] && SMOKE=1
 export SMOKE
 exec > >(tee -a "$OUT/suite.log") 2>&1
 
@@ -93,6 +105,7 @@ EOF
   STARTUP=(--models "random:$WORK/tiny.json" --max-seq-len 64 --max-num-tokens 64 --max-batch-size 4 --repeats 1)
   CAPACITY=(--model "random:$WORK/tiny.json" --max-seq-len 64 --max-num-tokens 64 --max-batch-size 4 --load-timeout-s 60)
   COLD=(--shape "$WORK/tiny.json" --device cpu --repeats 1 --max-seq-len 64 --max-num-tokens 64 --max-batch-size 4)
+  LIVE=(--preset tiny --device cpu --cycles 2)
 else
   DEVICE=(--device cuda --dtype bfloat16)
   STARTUP=(--models random:llama-3.2-1b,random:llama-3.1-8b,random:qwen2.5-14b --max-seq-len 8192
@@ -100,6 +113,7 @@ else
   CAPACITY=(--model random:llama-3.1-8b --max-seq-len 8192 --max-num-tokens 8192 --max-batch-size 256
             --load-timeout-s 100)
   COLD=(--shape llama-3.1-8b --device cuda --repeats 3)
+  LIVE=(--preset 8b --device cuda --cycles 20)
 fi
 
 say "results under $OUT"
@@ -108,6 +122,14 @@ export PYTHONPATH="$WORK/site:$PWD"
 run_step environment 60 python3 -c "import torch, transformers, pydantic, opentelemetry.sdk, tenacity, pytest; \
 print('torch', torch.__version__, 'transformers', transformers.__version__, 'pytest', pytest.__version__, \
 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')"
+if [ "$LIVE_OPS" = 1 ]; then  # the stress stops early (--deadline-s) rather than meet the step's timeout
+  run_step live_ops 560 python3 benchmarks/live_ops.py "${LIVE[@]}" --deadline-s 480 --work-dir "$WORK/live" \
+    --out "$OUT/live_ops.json"
+  say "done; steps:"
+  cat "$OUT/steps.jsonl"
+  rm -rf "$WORK"
+  exit "$FAILED"
+fi
 run_step gpu_tests 170 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider -p no:asyncio --junitxml="$OUT/gpu_tests.xml"
 run_step startup 200 python3 benchmarks/startup.py "${DEVICE[@]}" "${STARTUP[@]}" \
   --trace-dir "$WORK/traces" --out "$OUT/startup.json"

@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="where the random weights are built: cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--shard-size", default="5GB", help="largest safetensors shard, as transformers takes it")
+    parser.add_argument("--seed", type=int, default=0, help="the random weights' seed (another seed: other values)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     # Built by transformers (an attention other than the engine's keeps random: there), whose
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         device=torch.device(args.device),
         dtype=getattr(torch, args.dtype),
         attn_implementation="sdpa",
+        seed=args.seed,
     )
     loaded.model.save_pretrained(args.out, max_shard_size=args.shard_size)
     size = sum(p.stat().st_size for p in args.out.iterdir())

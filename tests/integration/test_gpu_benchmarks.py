@@ -204,3 +204,55 @@ def test_at_the_deadline_the_unfinished_requests_are_counted_and_cancelled(tiny)
     report, used_blocks = anyio.run(load)
     assert report["unfinished_at_deadline"] >= 1 and report["completed"] + report["unfinished_at_deadline"] == 4
     assert used_blocks == 0  # the cancelled requests gave their blocks back
+
+
+def test_live_ops_times_every_operation_against_its_floor_and_the_stress(tmp_path):
+    """``live_ops.py`` on tiny checkpoints: every operation answered, with its stage rows and
+    figures, floor and ratio; the plans cached where they should be; the stress counted."""
+    out, work = tmp_path / "live_ops.json", tmp_path / "work"
+    argv = ["--preset", "tiny", "--device", "cpu", "--cycles", "2", "--work-dir", str(work), "--out", str(out)]
+    report = load_script("live_ops").main(argv)
+    assert json.loads(out.read_text()) == report and "error" not in report
+    assert not any(work.iterdir())  # without --keep, what it wrote is gone
+    warm, start, ops = report["warmup_process"], report["start"], report["operations"]
+    assert warm["idle"]["ready_s"] > 0 and warm["exit"]["code"] == 0
+    assert not warm["swap_idle_to_a"]["plan_cached"] and not warm["swap_a_to_b"]["plan_cached"]
+    assert start["plan_cached"] and start["first_token_s"] > start["ready_s"] > start["port_open_s"] > 0
+    assert list(ops) == [
+        "swap_a_to_b",
+        "swap_b_to_a",
+        "sleep_level_1",
+        "wake_level_1",
+        "sleep_level_2",
+        "wake_level_2",
+        "weights_a_to_a2",
+    ]
+    states = {name: (op["status"], op["state"]) for name, op in ops.items()}
+    assert states == {name: (200, "asleep" if name.startswith("sleep") else "ready") for name in ops}
+    for name, op in ops.items():
+        assert op["server_duration_s"] <= op["post_s"], name
+        if not name.startswith("sleep"):
+            assert op["first_token_s"] > op["post_s"] and op["answer_status"] == 200, name
+    assert ops["swap_a_to_b"]["plan_cached"] and ops["swap_b_to_a"]["plan_cached"]
+    figures = {name: {row["id"]: row["figures"] for row in op["stages"]} for name, op in ops.items()}
+    read = figures["weights_a_to_a2"]["read_weights"]["bootstrap.weights.read_bytes"]
+    assert read == figures["weights_a_to_a2"]["check_weights"]["bootstrap.weights.bytes"] > 0
+    assert figures["sleep_level_1"]["offload_weights"]["bootstrap.weights.host_bytes"] == read
+    assert figures["wake_level_1"]["restore_weights"]["bootstrap.weights.restored_bytes"] == read
+    assert "load_model" in figures["wake_level_2"] and "load_model" not in figures["wake_level_1"]
+    assert ops["sleep_level_1"]["given_back"]["basis"] == "rss_bytes"  # the CPU: no device memory to read
+    floors = report["floors"]
+    assert floors["checks"] == dict.fromkeys(floors["checks"], True)  # float32 on the CPU: the same tokens
+    for name, floor in floors["floor_s"].items():
+        assert floor > 0 and floors["over_floor"][name] == round(ops[name]["first_token_s"] / floor, 3), name
+    rates = floors["rates"]
+    assert rates["loader"]["bytes"] >= read  # the loader counts the buffers (rotary frequencies) too
+    assert rates["read_weights"]["gb_s"] > 0 < rates["host_to_device_copy_gb_s"]
+    stress = report["stress"]
+    assert stress["cycles_done"] == 2 and stress["swaps_failed"] == 0 and stress["answer_after_same_text"]
+    assert all(row[k]["served_s"] for row in stress["cycles"] for k in ("to_a", "to_b"))
+    assert stress["traffic"]["ok"] >= 4 and set(stress["traffic"]) <= {"ok", "http_503"}
+    assert set(stress["growth"]) == {"rss_bytes", "threads", "fds", "process_mib"}
+    tokens = "bootstrap_generation_tokens_total"
+    assert stress["metrics_after"][tokens] > stress["metrics_before"][tokens]
+    assert report["exit"] == {**report["exit"], "code": 0, "threads_left": []}
