@@ -120,6 +120,7 @@ class Operations:
             old, self.pipeline, self._next = self.pipeline, new, None
             self.config, self.asleep, self._host, self._weights_path = config, 0, None, None
             with self._timed("release"):
+                await old.rewind([s.id for s in old.stages])  # each artifact dropped as it is released
                 await old.aclose()
 
         return await self._operate("swap", f"model={config.model}", check, [release, self._build_rest])

@@ -174,7 +174,7 @@ class Pipeline:
     async def _rewind(self, stale: set[str], replace: dict[str, Any]) -> None:
         with anyio.CancelScope(shield=True):  # a half-done rewind would leave stale artifacts
             for sid in [s for s in reversed(self._finished) if s in stale]:
-                await self._release(sid)
+                await self._release_and_forget(sid)
                 self._finished.remove(sid)
             for stage in self.stages:
                 if stage.id in stale:
@@ -314,6 +314,14 @@ class Pipeline:
     async def _release_completed(self) -> None:
         while self._finished:
             await self._release(self._finished.pop())
+
+    async def _release_and_forget(self, stage_id: str) -> None:
+        """Release a stage's artifact and drop the pipeline's reference to it at once, so what
+        it holds (an executor's buffers) is gone before the stages under it release theirs."""
+        await self._release(stage_id)
+        stage = next(s for s in self.stages if s.id == stage_id)
+        if self._producer(stage.provides) == stage_id:
+            self.artifacts.pop(stage.provides, None)
 
     async def _on_abort(self, exc: BaseException, root: Span) -> None:
         failure = self._unwrap(exc)

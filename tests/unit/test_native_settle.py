@@ -43,4 +43,22 @@ def test_bytes_still_held_after_a_release_trigger_one_collection(monkeypatch):
     undo.push(backend._settler())
     device.allocate(GiB, "held by a cycle")  # never freed by the undo entries
     undo.run()
-    assert calls == [1] and device.emptied == 1
+    assert calls == [1] and device.emptied == 2  # the cache returned first, and again after the collection
+
+
+def test_bytes_the_returned_cache_frees_do_not_trigger_a_collection(monkeypatch):
+    """As a capture's cuBLAS workspace: allocated past the baseline until the cache is returned
+    (``release_workspaces`` then ``empty_cache``); it made every swap's release pay a collection."""
+
+    class WorkspaceDevice(CountingDevice):
+        def empty_cache(self) -> None:
+            super().empty_cache()
+            if workspace:
+                self.free(workspace.pop())
+
+    device = WorkspaceDevice()
+    backend, undo, calls = NativeBackend(device, torch.device("cpu")), Undo(), collections(monkeypatch)
+    undo.push(backend._settler())
+    workspace = [device.allocate(32 << 20, "workspace")]
+    undo.run()
+    assert calls == [] and device.emptied == 1

@@ -224,16 +224,18 @@ class NativeBackend:
 
     def _settler(self) -> Callable[[], None]:
         """An undo entry that returns the allocator's cache once everything pushed after it is
-        released, with a full garbage collection first only if bytes are still allocated beyond
-        what was allocated now: a reference cycle (a failed attempt's traceback) holds tensors.
-        A full collection walks every Python object (a quarter of a second with torch and
-        transformers loaded), so a clean release, the common case, must not pay for one."""
+        released, with a full garbage collection only if bytes are still allocated beyond what
+        was allocated now once the cuBLAS workspaces are freed too: a reference cycle (a failed
+        attempt's traceback) holds tensors. A full collection walks every Python object (a
+        quarter of a second with torch and transformers loaded), so a clean release, the common
+        case, must not pay for one (a capture's workspace alone made every release pay)."""
         baseline = self.device.allocated_bytes()
 
         def settle() -> None:
+            self._return_cached()
             if self.device.allocated_bytes() > baseline:
                 gc.collect()
-            self._return_cached()
+                self._return_cached()
 
         return settle
 
