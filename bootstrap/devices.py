@@ -8,6 +8,8 @@ allocations by tag, injectable out-of-memory errors and leak accounting.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import itertools
 import re
 import threading
@@ -215,3 +217,20 @@ class FakeDevice:
                 raise DeviceOutOfMemory(
                     f"out of memory (injected fault) allocating {nbytes / GiB:.2f} GiB for {tag!r} on {self.name}"
                 )
+
+
+def trim_host_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``; nothing
+    elsewhere): large host buffers freed by reader threads (a load's page-locked staging) stay
+    in their arenas otherwise, and a server that loads again and again grows in resident set."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(None)
+    except OSError:
+        return None

@@ -11,6 +11,16 @@ from rich.table import Table
 from bootstrap.devices import GiB
 
 PREFIX = "bootstrap.stage."
+ROW_ATTRIBUTES = frozenset(  # a row's own columns; every other attribute is one of the stage's figures
+    {
+        "bootstrap.stage",
+        "bootstrap.outcome",
+        "bootstrap.attempts",
+        "bootstrap.device.free_bytes.before",
+        "bootstrap.device.free_bytes.after",
+        "bootstrap.skip_reason",
+    }
+)
 
 
 def stage_rows(spans: Iterable[ReadableSpan]) -> list[dict[str, Any]]:
@@ -29,6 +39,7 @@ def stage_rows(spans: Iterable[ReadableSpan]) -> list[dict[str, Any]]:
                 "free_bytes_after": attrs.get("bootstrap.device.free_bytes.after"),
                 "skip_reason": attrs.get("bootstrap.skip_reason"),
                 "error": span.status.description if span.status.description else None,
+                "figures": {k: v for k, v in attrs.items() if k not in ROW_ATTRIBUTES},
             }
         )
     return rows

@@ -7,22 +7,23 @@ attempts, time to ready, KV blocks, queues) are read from the state at scrape ti
 from __future__ import annotations
 
 import time
+from collections import Counter as Tally
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from bootstrap.backends.base import RequestExecutor, Speculates
-from bootstrap.serve.state import ServeState
+from bootstrap.serve.state import Phase, ServeState
 
 if TYPE_CHECKING:
     from bootstrap.engine.spec.metrics import SpeculationStats
     from bootstrap.pipeline.events import StageStatus
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-PHASES = ("starting", "bootstrapping", "ready", "failed", "shutting_down")
+PHASES = get_args(Phase)  # every phase, the live operations' included
 
 
 class ServeMetrics:
@@ -88,6 +89,7 @@ class StateCollector(Collector):
         yield GaugeMetricFamily(
             "bootstrap_requests_in_flight", "Requests the server is answering", value=float(len(state.inflight))
         )
+        yield from _operations(state)
 
     def _engine(self, executor: RequestExecutor) -> Iterator[Metric]:
         stats = executor.engine_stats()  # the executor's own snapshot: safe here, on the event loop
@@ -122,6 +124,21 @@ def _speculation(stats: SpeculationStats) -> Iterator[Metric]:
         rate.add_metric([str(position)], kept / proposed if proposed else 0.0)
     rate.add_metric(["all"], stats.acceptance_rate or 0.0)
     yield rate
+
+
+def _operations(state: ServeState) -> Iterator[Metric]:
+    """The live operations so far, by name and outcome, and their seconds (``bootstrap.api.operations``)."""
+    records = state.boot.operations if state.boot is not None else []
+    count = CounterMetricFamily(
+        "bootstrap_operations", "Live operations by name and outcome", labels=["name", "outcome"]
+    )
+    seconds = CounterMetricFamily("bootstrap_operation_seconds", "Seconds spent in live operations", labels=["name"])
+    for (name, outcome), n in Tally((r.name, r.outcome) for r in records).items():
+        count.add_metric([name, outcome], float(n))
+    for name in sorted({r.name for r in records}):
+        seconds.add_metric([name], sum(r.duration_s or 0.0 for r in records if r.name == name))
+    yield count
+    yield seconds
 
 
 def _statuses(state: ServeState) -> list[StageStatus]:

@@ -63,6 +63,9 @@ async def test_a_swap_serves_the_new_model_as_a_fresh_server_does_under_its_new_
         view = (await server.http.get("/v1/bootstrap")).json()
         assert [(o["name"], o["outcome"]) for o in view["operations"]] == [("swap", "ok"), ("swap", "ok")]
         assert view["operations"][0]["detail"] == f"model={qwen}" and view["operations"][0]["duration_s"] > 0
+        page = (await server.http.get("/metrics")).text
+        assert 'bootstrap_operations_total{name="swap",outcome="ok"} 2.0' in page
+        assert 'bootstrap_phase{phase="ready"} 1.0' in page and 'bootstrap_phase{phase="swapping"} 0.0' in page
 
 
 async def test_a_refused_swap_names_the_field_and_the_old_model_keeps_serving(llama, tmp_path, fresh):

@@ -49,7 +49,7 @@ from bootstrap.capacity.cuda_graph_buckets import graph_batch_sizes
 from bootstrap.capacity.shape import ModelShape, check_tp_split
 from bootstrap.capacity.split import PoolBudgets
 from bootstrap.config import BootstrapConfig, ConfigError
-from bootstrap.devices import Device
+from bootstrap.devices import Device, trim_host_heap
 from bootstrap.engine.executor.create import create_executor
 from bootstrap.engine.executor.profile_run import rehearse_speculation, run_dummy_requests
 from bootstrap.engine.executor.py_executor import PyExecutor
@@ -212,6 +212,7 @@ class NativeBackend:
                 progress=self.progress,
             )
         undo.push(lambda: weights.model.to(torch.device("meta")))  # frees the storage even if a reference survives
+        trim_host_heap()  # the load's staging buffers, freed by its threads
         return weights
 
     def _return_cached(self) -> None:

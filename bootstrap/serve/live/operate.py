@@ -129,6 +129,8 @@ def answer(state: ServeState, name: str) -> dict[str, Any]:
         "state": state.phase,
         "model": state.model_id,
         "duration_s": record.duration_s,
+        "drain_s": record.drain_s,
+        "release_s": record.release_s,
         "stages": report.stages,
         "plan": report.plan,
     }
