@@ -441,3 +441,23 @@ def test_wrong_argument_types_raise_naming_the_argument(model):
     tensor_ids = torch.tensor([3, 4, 5])  # tensor (and numpy) integers are accepted
     assert ex.await_response(ex.enqueue(tensor_ids, SamplingParams(max_tokens=2))).ok
     ex.shutdown()
+
+
+def test_a_shut_down_executor_goes_with_its_last_reference_without_a_collection(model):
+    """No reference cycle keeps an executor (its runner, its buffers, on CUDA its graphs) alive
+    once shut down: a live swap releases one and would otherwise pay a full collection."""
+    import gc
+    import weakref
+
+    ex = make(model)
+    ex.start_worker()
+    rid = ex.enqueue([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    ex.await_response(rid, 30)
+    ex.shutdown()
+    gone = weakref.ref(ex)
+    gc.disable()
+    try:
+        del ex
+        assert gone() is None
+    finally:
+        gc.enable()

@@ -307,3 +307,26 @@ def test_a_swap_cancelled_in_its_drain_leaves_no_thread_after_aclose(llama, qwen
         assert worker_threads() == threads
 
     anyio.run(main)
+
+
+def test_a_swap_frees_the_old_executor_without_a_garbage_collection(llama, qwen):
+    """What the old model held goes with its last reference as the swap releases it: no full
+    collection (a quarter of a second in a real server) is needed to free it."""
+    import gc
+    import weakref
+
+    async def main():
+        boot = Bootstrap(config(llama))
+        try:
+            old = weakref.ref(await boot.build())
+            gc.collect()
+            gc.disable()
+            try:
+                await boot.swap(config(qwen))
+                assert old() is None
+            finally:
+                gc.enable()
+        finally:
+            await boot.aclose()
+
+    anyio.run(main)

@@ -109,6 +109,7 @@ class EngineLoop:
         itself when that step ends)."""
         self.keep_pool = keep_pool
         atexit.unregister(self._shutdown_at_exit)
+        self._shutdown = None  # the executor's own method: a cycle that only a full collection would free
         self._stop.set()
         self.inbox.post(None)
         if self.thread is not None:
@@ -124,9 +125,11 @@ class EngineLoop:
         a daemon thread still inside a torch call is killed by ``pthread_exit`` as it retakes the
         GIL and the unwind through torch's C++ frames aborts the process ("terminate called
         without an active exception"). A worker stuck in a step costs one warning, not the exit."""
+        shutdown = self._shutdown
+        if shutdown is None:  # a stop() began meanwhile
+            return
         try:
-            assert self._shutdown is not None  # registered by start, with it
-            self._shutdown(EXIT_TIMEOUT_S)
+            shutdown(EXIT_TIMEOUT_S)
         except RuntimeError as exc:
             log.warning("at exit: %s", exc)
 
