@@ -31,6 +31,8 @@ CASES = [  # (command, flags, what the one line names)
     ("serve", ["--shutdown-timeout", "nan"], "shutdown_timeout"),
     ("serve", ["--shutdown-timeout", "inf"], "shutdown_timeout"),
     ("serve", ["--shutdown-timeout", "-1"], "shutdown_timeout"),
+    ("serve", ["--drain-timeout", "nan"], "drain_timeout"),
+    ("serve", ["--drain-timeout", "-1"], "drain_timeout"),
     ("serve", ["--host", "256.0.0.1"], "host"),
     ("serve", ["--request-trace-ratio", "1.5"], "request_trace_ratio"),
     ("serve", ["--request-trace-ratio", "nan"], "request_trace_ratio"),
