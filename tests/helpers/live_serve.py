@@ -81,7 +81,7 @@ class Server:
 async def serving(model: Path, **options) -> AsyncIterator[Server]:
     """The app on ``model`` (``options``: ``ServeOptions``' fields) with its lifespan running, once ready."""
     config = BootstrapConfig(model=str(model), device="cpu", max_num_tokens=64, max_batch_size=4)
-    state = ServeState(config, ServeOptions(model_id=str(model), **options))
+    state = ServeState(config, ServeOptions(**{"model_id": str(model), **options}))
     app = create_app(state)
     async with app.router.lifespan_context(app):
         await settled(state, "ready", "idle")
