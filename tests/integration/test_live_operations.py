@@ -322,8 +322,10 @@ def test_a_swap_frees_the_old_executor_without_a_garbage_collection(llama, qwen)
             gc.collect()
             gc.disable()
             try:
-                await boot.swap(config(qwen))
-                assert old() is None
+                swapped = weakref.ref(await boot.swap(config(qwen)))
+                assert old() is None  # built by the start
+                await boot.swap(config(llama))
+                assert swapped() is None  # built by a swap
             finally:
                 gc.enable()
         finally:

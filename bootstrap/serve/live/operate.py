@@ -62,9 +62,10 @@ async def _run(state: ServeState, name: str, call: Call, param: str, outcome: di
             state.build_scope = scope
             if name == "wake":
                 state.set_phase("waking")
-            executor = await call(lambda: drain(state, OPERATING[name]))
+            cut: list[int] = []  # the requests the drain cut short
+            executor = await call(lambda: drain(state, OPERATING[name], cut))
             settle(state, executor)
-            outcome["answer"] = answer(state, name)
+            outcome["answer"] = answer(state, name) | {"cut_short": sum(cut)}
         if scope.cancelled_caught:
             outcome["error"] = APIError(
                 503, f"the {name} was cancelled: the server is shutting down", code="shutting_down"
@@ -89,9 +90,9 @@ async def _run(state: ServeState, name: str, call: Call, param: str, outcome: di
         done.set()
 
 
-async def drain(state: ServeState, phase: str) -> None:
+async def drain(state: ServeState, phase: str, cut: list[int]) -> None:
     """New requests refused from here on; those in flight finish, or are cut short after
-    ``drain_timeout_s`` (each then ends by itself with its partial output)."""
+    ``drain_timeout_s`` (each then ends by itself with its partial output; counted in ``cut``)."""
     state.set_phase(phase)  # type: ignore[arg-type]
     with anyio.move_on_after(state.options.drain_timeout_s):
         await state.inflight.wait_idle()
@@ -102,7 +103,7 @@ async def drain(state: ServeState, phase: str) -> None:
             len(state.inflight),
             state.options.drain_timeout_s,
         )
-        state.cut_short()
+        cut.append(state.cut_short())
         with anyio.move_on_after(CANCEL_WAIT_S):
             await state.inflight.wait_idle()
     state.executor = None
