@@ -17,6 +17,8 @@ from anyio.streams.memory import MemoryObjectSendStream
 EventKind = Literal["started", "attempt_failed", "retrying", "done", "skipped", "failed", "cancelled"]
 StageState = Literal["pending", "running", "done", "skipped", "failed", "cancelled"]
 
+HISTORY_KEPT = 4096  # events a hub keeps: a start has tens, an operation about twenty
+
 _STATE_AFTER: dict[EventKind, StageState] = {
     "started": "running",
     "attempt_failed": "running",
@@ -70,12 +72,21 @@ class EventHub:
     pipeline's own stages (an operation's one-off stages are in the history only). ``relay``
     gets every event too: a hub over several pipelines (a ``Bootstrap``'s), its table unused."""
 
-    def __init__(self, stage_ids: list[str] | None = None, relay: EventHub | None = None) -> None:
+    def __init__(
+        self, stage_ids: list[str] | None = None, relay: EventHub | None = None, keep: int = HISTORY_KEPT
+    ) -> None:
         self.status: dict[str, StageStatus] = {s: StageStatus(s) for s in stage_ids or []}
         self._subscribers: list[MemoryObjectSendStream[StageEvent]] = []
-        self.history: list[StageEvent] = []
+        self.history: list[StageEvent] = []  # the newest ``keep`` at most (a server swaps for weeks)
+        self.forgotten = 0  # events dropped from the front of the history so far
+        self._keep = keep
         self._closed = False
         self._relay = relay
+
+    def since(self, cursor: int) -> tuple[list[StageEvent], int]:
+        """The events after the first ``cursor`` ever published (those still kept), and the
+        cursor after them: a reader's place survives what the history forgets."""
+        return self.history[max(cursor - self.forgotten, 0) :], self.forgotten + len(self.history)
 
     def publish(self, event: StageEvent) -> None:
         if self._relay is not None:
@@ -83,6 +94,10 @@ class EventHub:
         if event.stage in self.status:
             self.status[event.stage] = self.status[event.stage].after(event)
         self.history.append(event)
+        if len(self.history) > self._keep:  # forgotten half at a time: the cost stays constant per event
+            cut = len(self.history) - self._keep // 2
+            del self.history[:cut]
+            self.forgotten += cut
         for send in list(self._subscribers):
             try:
                 send.send_nowait(event)

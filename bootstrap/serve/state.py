@@ -218,8 +218,12 @@ class ServeState:
     def elapsed_s(self) -> float:
         return time.monotonic() - self.started_at
 
+    def stage_events_since(self, cursor: int) -> tuple[list[StageEvent], int]:
+        """The stage events after ``cursor`` and the cursor after them (``EventHub.since``)."""
+        return ([], cursor) if self.boot is None else self.boot.hub.since(cursor)
+
     def stage_history(self) -> list[StageEvent]:
-        """Every stage event so far, of every pipeline the bootstrap ran (its hub), oldest first."""
+        """The stage events of every pipeline the bootstrap ran (its hub; the newest it keeps), oldest first."""
         return [] if self.boot is None else self.boot.hub.history
 
     def cut_short(self) -> int:

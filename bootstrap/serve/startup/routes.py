@@ -59,10 +59,9 @@ async def _progress(state: ServeState) -> AsyncIterator[str]:
     cursor = 0
     while True:
         change = state.changes.next()  # taken before reading: a change after the read wakes us
-        history = state.stage_history()
-        for event in history[cursor:]:
+        events, cursor = state.stage_events_since(cursor)
+        for event in events:
             yield sse(dataclasses.asdict(event), event="stage")
-        cursor = len(history)
         if state.phase in SETTLED:
             yield sse(ready_view(state), event=state.phase)
             return
