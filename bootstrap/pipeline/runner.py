@@ -173,13 +173,7 @@ class Pipeline:
 
     async def _rewind(self, stale: set[str], replace: dict[str, Any]) -> None:
         with anyio.CancelScope(shield=True):  # a half-done rewind would leave stale artifacts
-            for sid in [s for s in reversed(self._finished) if s in stale]:
-                await self._release_and_forget(sid)
-                self._finished.remove(sid)
-            for stage in self.stages:
-                if stage.id in stale:
-                    self.artifacts.pop(stage.provides, None)
-                    self.hub.status[stage.id] = StageStatus(stage.id)
+            await self._make_pending(stale)
             self.artifacts.update(replace)
 
     async def run_stage(self, stage: Stage, inputs: Mapping[str, Any], span: Span | None = None) -> Any:
@@ -362,9 +356,13 @@ class Pipeline:
     async def _reset(self, stage_id: str) -> None:
         """Make ``stage_id``, what depends on it, and producers of inputs it lost pending again."""
         stale = self._downstream(stage_id)
-        stale |= self._lost_upstream(stale)
+        await self._make_pending(stale | self._lost_upstream(stale))
+
+    async def _make_pending(self, stale: set[str]) -> None:
+        """Release the completed stages of ``stale``, newest first, each artifact dropped as it
+        is released, and make every stage of ``stale`` pending."""
         for sid in [s for s in reversed(self._finished) if s in stale]:
-            await self._release(sid)
+            await self._release_and_forget(sid)
             self._finished.remove(sid)
         for stage in self.stages:
             if stage.id in stale:
