@@ -74,11 +74,15 @@ async def _no_drain() -> None:
 class Operations:
     """The operations of ``Bootstrap`` (its mixin): the state they share and their steps."""
 
+    # what ``Bootstrap`` holds and defines, declared here for the steps below
     config: BootstrapConfig
     backend: Backend
     pipeline: Pipeline
     hub: EventHub
     tracer: Tracer
+    executor: Executor | None  # a property of ``Bootstrap``
+    new_pipeline: Callable[..., Pipeline]
+    forget_spans: Callable[[], None]
 
     def __init__(self) -> None:
         self.operations: list[OperationRecord] = []
@@ -317,17 +321,6 @@ class Operations:
         held = getattr(artifacts.get("loaded"), "weight_bytes", 0)
         held += sum(getattr(artifacts.get("final"), "pool_bytes", {}).values())
         return held + getattr(artifacts.get("warmup"), "graph_bytes", 0)
-
-    # declared for the mixin; ``Bootstrap`` defines them
-    def new_pipeline(self, config: BootstrapConfig, releasable_bytes: int = 0) -> Pipeline:
-        raise NotImplementedError
-
-    def forget_spans(self) -> None:
-        raise NotImplementedError
-
-    @property
-    def executor(self) -> Executor | None:
-        raise NotImplementedError
 
 
 def _record(record: OperationRecord, span: Span, exc: BaseException) -> None:
