@@ -19,29 +19,21 @@ from __future__ import annotations
 import dataclasses
 import gc
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from bootstrap.backends.artifacts import (
-    EstimationBuild,
-    FinalBuild,
-    HostWeights,
-    LoadedModel,
-    ResolvedClasses,
-    Warmup,
-    WeightsPlan,
-)
+from bootstrap.backends.artifacts import EstimationBuild, FinalBuild, LoadedModel, ResolvedClasses, Warmup
 from bootstrap.backends.native import capture
+from bootstrap.backends.native.builds import NativeBuild, NativeModels
 from bootstrap.backends.native.checks import (
     check_draft_tokenizer,
     check_probe_tokens,
-    check_weights_dir,
     check_weights_fit,
     unreadable_as_source_error,
 )
 from bootstrap.backends.native.headroom import headroom_terms
+from bootstrap.backends.native.live_weights import LiveWeights
 from bootstrap.backends.native.placement import device_for, rank_device, rank_env
 from bootstrap.capacity import CapacityPlan, MemoryProfile, dummy_request_lengths
 from bootstrap.capacity.config_json import parse_config
@@ -55,8 +47,6 @@ from bootstrap.engine.executor.profile_run import rehearse_speculation, run_dumm
 from bootstrap.engine.executor.py_executor import PyExecutor
 from bootstrap.engine.kernels import paged_kv
 from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
-from bootstrap.engine.models.residency import HostCopy, offload
-from bootstrap.engine.models.weights import plan_weights, safetensors_files
 from bootstrap.engine.sampling.sampler import SamplingParams
 from bootstrap.engine.scheduler import SchedulerConfig
 from bootstrap.engine.sources.loader import LoadedWeights, config_dict, load_model
@@ -71,28 +61,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 SMOKE_TIMEOUT_S = 300.0
 
 
-@dataclass(frozen=True)
-class NativeModels:
-    """``LoadedModel.handle``: the loaded target and draft, and the pool geometry they share."""
-
-    target: LoadedWeights
-    draft: LoadedWeights | None
-    tokens_per_block: int
-    max_seq_len: int
-
-    def by_name(self) -> dict[str, LoadedWeights]:
-        return {"target": self.target} | ({"draft": self.draft} if self.draft is not None else {})
-
-
-@dataclass(frozen=True)
-class NativeBuild:
-    """Handle of a probe or final build: one pool (and, for probes, one executor) per model."""
-
-    pools: Mapping[str, PagedKVCache]
-    executors: Mapping[str, PyExecutor] = dataclasses.field(default_factory=dict)
-
-
-class NativeBackend:
+class NativeBackend(LiveWeights):
     """The backend protocol over ``bootstrap.engine`` (see the module docstring)."""
 
     name = "native"
@@ -385,40 +354,6 @@ class NativeBackend:
         executor.start_worker()
         serve_smoke_request(executor)
         return executor
-
-    # ---- live operations: new weights in place, sleep level 1 ---------------------------------
-
-    def plan_weights(self, loaded: LoadedModel, path: str) -> WeightsPlan:
-        """``path``'s headers against the target's parameters (``weights.plan_weights``): a
-        checkpoint directory of the same architecture, every tensor present and of its shape."""
-        target = loaded.handle.target
-        directory = check_weights_dir(path, target.hf_config)
-        with unreadable_as_source_error(path):
-            reads = plan_weights(target.model, safetensors_files(directory))
-        return WeightsPlan(reads, path, reads.nbytes)
-
-    def read_weights(self, plan: WeightsPlan) -> int:
-        plan.handle.read()
-        self.device.synchronize()
-        return plan.nbytes
-
-    def offload_weights(self, loaded: LoadedModel, reuse: HostWeights | None, undo: Undo) -> HostWeights:
-        """Target and draft to host memory, page-locked on CUDA (``residency.offload``, whose
-        buffer a later sleep takes again); the allocator's cache goes back to the device."""
-        copies: dict[str, HostCopy] = {}
-        undo.push(self._return_cached)
-        for name, weights in loaded.handle.by_name().items():
-            kept = reuse.handle.get(name) if reuse is not None else None
-            copies[name] = copy = offload(weights.model, pin=self.torch_device.type == "cuda", reuse=kept)
-            undo.push(copy.restore)
-        self._return_cached()
-        pinned = all(c.pinned for c in copies.values())
-        return HostWeights(copies, sum(c.nbytes for c in copies.values()), pinned)
-
-    def restore_weights(self, host: HostWeights) -> int:
-        moved = sum(copy.restore() for copy in host.handle.values() if copy.holding)
-        self.device.synchronize()
-        return moved
 
     # ---- helpers ------------------------------------------------------------------------------
 

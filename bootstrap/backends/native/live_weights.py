@@ -1,0 +1,55 @@
+"""The native backend's part of the live operations (``bootstrap.stages.operation``): new
+weights read into the serving model in place, and sleep level 1's trip to host memory."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from bootstrap.backends.artifacts import HostWeights, LoadedModel, WeightsPlan
+from bootstrap.backends.native.checks import check_weights_dir, unreadable_as_source_error
+from bootstrap.devices import Device
+from bootstrap.engine.models.residency import HostCopy, offload
+from bootstrap.engine.models.weights import plan_weights, safetensors_files
+from bootstrap.pipeline.undo import Undo
+
+
+class LiveWeights:
+    """``TakesWeights`` and ``Sleeps`` for ``NativeBackend`` (its mixin)."""
+
+    device: Device
+    torch_device: torch.device
+    _return_cached: Callable[[], None]
+
+    def plan_weights(self, loaded: LoadedModel, path: str) -> WeightsPlan:
+        """``path``'s headers against the target's parameters (``weights.plan_weights``): a
+        checkpoint directory of the same architecture, every tensor present and of its shape."""
+        target = loaded.handle.target
+        directory = check_weights_dir(path, target.hf_config)
+        with unreadable_as_source_error(path):
+            reads = plan_weights(target.model, safetensors_files(directory))
+        return WeightsPlan(reads, path, reads.nbytes)
+
+    def read_weights(self, plan: WeightsPlan) -> int:
+        plan.handle.read()
+        self.device.synchronize()
+        return plan.nbytes
+
+    def offload_weights(self, loaded: LoadedModel, reuse: HostWeights | None, undo: Undo) -> HostWeights:
+        """Target and draft to host memory, page-locked on CUDA (``residency.offload``, whose
+        buffer a later sleep takes again); the allocator's cache goes back to the device."""
+        copies: dict[str, HostCopy] = {}
+        undo.push(self._return_cached)
+        for name, weights in loaded.handle.by_name().items():
+            kept = reuse.handle.get(name) if reuse is not None else None
+            copies[name] = copy = offload(weights.model, pin=self.torch_device.type == "cuda", reuse=kept)
+            undo.push(copy.restore)
+        self._return_cached()
+        pinned = all(c.pinned for c in copies.values())
+        return HostWeights(copies, sum(c.nbytes for c in copies.values()), pinned)
+
+    def restore_weights(self, host: HostWeights) -> int:
+        moved = sum(copy.restore() for copy in host.handle.values() if copy.holding)
+        self.device.synchronize()
+        return moved
