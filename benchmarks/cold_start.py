@@ -39,7 +39,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bootstrap.cli.trace.command import coverage, read_spans
+from bootstrap.cli.trace.command import read_spans
+from bootstrap.cli.trace.timeline import coverage
 
 HERE = Path(__file__).resolve().parent
 WORDS = 512  # the word-level tokenizer written beside the weights: w0 .. w511

@@ -19,7 +19,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from bootstrap.cli.trace.command import coverage, read_spans
+from bootstrap.cli.trace.command import read_spans
+from bootstrap.cli.trace.timeline import coverage
 from bootstrap.pipeline.process import PROCESS_SPAN, ProcessTimeline, spawn_time_ns
 from bootstrap.pipeline.telemetry import ROOT_SPAN
 

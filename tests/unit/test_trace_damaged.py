@@ -19,7 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bootstrap.cli import main
-from bootstrap.cli.trace.command import STAGE_PREFIX, read_spans
+from bootstrap.cli.trace.command import read_spans
+from bootstrap.cli.trace.spans import STAGE_PREFIX
 
 PLAN = ["plan", "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--fault", "profiling:oom:1", "--json"]
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -14,7 +14,8 @@ from helpers.tiny_models import save_checkpoint
 
 from bootstrap.api import Bootstrap, Refused
 from bootstrap.cli import main
-from bootstrap.cli.trace.command import read_spans, timeline
+from bootstrap.cli.trace.command import read_spans
+from bootstrap.cli.trace.timeline import timeline
 from bootstrap.config import BootstrapConfig
 from bootstrap.pipeline import StageFailed
 from bootstrap.stages import STAGE_IDS

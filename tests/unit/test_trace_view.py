@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from bootstrap.cli import main
-from bootstrap.cli.trace.command import read_spans, timeline
+from bootstrap.cli.trace.command import read_spans
+from bootstrap.cli.trace.timeline import timeline
 from bootstrap.stages import STAGE_IDS
 
 PLAN = ["plan", "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--json"]

@@ -1,6 +1,6 @@
 """The PNG of ``bootstrap trace --png``: one panel per timeline on one time axis; needs
 matplotlib (the ``plot`` extra). The path is checked before anything is drawn. A timeline is
-``bootstrap.cli.trace.command.Timeline`` (its ``source``, ``bars`` and ``end_s``)."""
+``bootstrap.cli.trace.timeline.Timeline`` (its ``source``, ``bars`` and ``end_s``)."""
 
 from __future__ import annotations
 
