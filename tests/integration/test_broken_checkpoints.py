@@ -24,7 +24,6 @@ from helpers.broken_checkpoints import (
     split_in_two,
     write_header,
 )
-from helpers.tiny_models import save_checkpoint
 from safetensors.torch import load_file, save_file
 
 from bootstrap.cli import main
@@ -152,11 +151,6 @@ IN_THE_WEIGHTS = [
     "a header entry without data_offsets",
     "a header that is a list",
 ]
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> Path:
-    return save_checkpoint("llama", tmp_path_factory.mktemp("ckpt") / "llama")
 
 
 def _broken(llama: Path, tmp_path: Path, case: str) -> Path:

@@ -14,7 +14,6 @@ import anyio
 import anyio.lowlevel
 import pytest
 import torch
-from helpers.tiny_models import save_checkpoint
 from safetensors.torch import load_file, save_file
 
 from bootstrap.api import Bootstrap, Busy, Refused
@@ -23,16 +22,6 @@ from bootstrap.engine.sampling.sampler import SamplingParams
 from bootstrap.pipeline import StageFailed
 
 PROMPT = [1, 7, 9, 4, 11, 3]
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> Path:
-    return save_checkpoint("llama", tmp_path_factory.mktemp("ckpt") / "llama")
-
-
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory) -> Path:
-    return save_checkpoint("qwen2", tmp_path_factory.mktemp("ckpt") / "qwen2")
 
 
 @pytest.fixture(scope="module")

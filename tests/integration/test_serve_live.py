@@ -12,19 +12,8 @@ from pathlib import Path
 import anyio
 import pytest
 from helpers.live_serve import error_of, fresh_answers, perturbed, serving
-from helpers.tiny_models import save_checkpoint
 
 KEY = "live-key-0123"
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> Path:
-    return save_checkpoint("llama", tmp_path_factory.mktemp("ckpt") / "llama")
-
-
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory) -> Path:
-    return save_checkpoint("qwen2", tmp_path_factory.mktemp("ckpt") / "qwen2")
 
 
 @pytest.fixture(scope="module")

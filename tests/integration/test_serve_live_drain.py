@@ -9,7 +9,6 @@ way nothing stays counted in flight. A stage that fails after the release is a 5
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import anyio
 import pytest
@@ -26,17 +25,6 @@ from helpers.live_serve import (
     text_and_finish,
 )
 from helpers.serve_process import metric
-from helpers.tiny_models import save_checkpoint
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> Path:
-    return save_checkpoint("llama", tmp_path_factory.mktemp("ckpt") / "llama")
-
-
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory) -> Path:
-    return save_checkpoint("qwen2", tmp_path_factory.mktemp("ckpt") / "qwen2")
 
 
 @pytest.fixture(scope="module")

@@ -12,27 +12,15 @@ from pathlib import Path
 
 import anyio
 import httpx
-import pytest
 from helpers.live_serve import PROMPT, TOKENS
 from helpers.serve_backends import plugin_module
 from helpers.serve_process import ServeProcess, metric
-from helpers.tiny_models import save_checkpoint
 
 from bootstrap.api import Bootstrap
 from bootstrap.config import BootstrapConfig
 from bootstrap.engine.sampling.sampler import SamplingParams
 
 EXIT_BOUND_S = 60  # a clean exit takes a few seconds; the drain it interrupts would take far longer
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> Path:
-    return save_checkpoint("llama", tmp_path_factory.mktemp("ckpt") / "llama")
-
-
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory) -> Path:
-    return save_checkpoint("qwen2", tmp_path_factory.mktemp("ckpt") / "qwen2")
 
 
 def fresh_tokens(model: Path) -> list[int]:

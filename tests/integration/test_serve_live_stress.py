@@ -7,26 +7,13 @@ from __future__ import annotations
 
 import random
 import threading
-from pathlib import Path
 
 import anyio
-import pytest
 from helpers.live_serve import BOUND_S, Stream, serving
 from helpers.serve_process import metric, metric_or_0
-from helpers.tiny_models import save_checkpoint
 
 SWAPS = 20
 CLIENTS = 3
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> Path:
-    return save_checkpoint("llama", tmp_path_factory.mktemp("ckpt") / "llama")
-
-
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory) -> Path:
-    return save_checkpoint("qwen2", tmp_path_factory.mktemp("ckpt") / "qwen2")
 
 
 async def received(stream: Stream, count: int) -> int:
