@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
+from opentelemetry import trace
 
 from bootstrap.backends.artifacts import EstimationBuild, FinalBuild, LoadedModel, ResolvedClasses, Warmup
 from bootstrap.backends.native import capture
@@ -41,7 +42,7 @@ from bootstrap.capacity.cuda_graph_buckets import graph_batch_sizes
 from bootstrap.capacity.shape import ModelShape, check_tp_split
 from bootstrap.capacity.split import PoolBudgets
 from bootstrap.config import BootstrapConfig, ConfigError
-from bootstrap.devices import Device, trim_host_heap
+from bootstrap.devices import Device
 from bootstrap.engine.executor.create import create_executor
 from bootstrap.engine.executor.profile_run import rehearse_speculation, run_dummy_requests
 from bootstrap.engine.executor.py_executor import PyExecutor
@@ -179,10 +180,24 @@ class NativeBackend(LiveWeights):
                 cache_dir=self.cache_dir,
                 tp_size=self.tp,
                 progress=self.progress,
+                background=True,  # read while final_build and warmup run: a capture needs addresses only
             )
         undo.push(lambda: weights.model.to(torch.device("meta")))  # frees the storage even if a reference survives
-        trim_host_heap()  # the load's staging buffers, freed by its threads
+        undo.push(weights.stop_reading)  # first: no read may write into storage released under it
         return weights
+
+    def _await_weights(self, loaded: LoadedModel) -> float:
+        """Every weight read (``_load`` reads in the background); the seconds waited, and on the
+        waiting attempt's span the read's own seconds and bytes (``load_model``'s span ends
+        before the read does)."""
+        waited, span = 0.0, trace.get_current_span()
+        for name, weights in loaded.handle.by_name().items():
+            waited += weights.wait_for_weights()
+            if weights.reading is not None and weights.reading.seconds is not None:
+                span.set_attribute(f"bootstrap.weights.{name}.read_s", round(weights.reading.seconds, 6))
+                span.set_attribute(f"bootstrap.weights.{name}.read_bytes", weights.reading.nbytes)
+        span.set_attribute("bootstrap.weights.waited_s", round(waited, 6))
+        return waited
 
     def _return_cached(self) -> None:
         """Torch's cached blocks back to the device, after the work queued so far; cuBLAS
@@ -223,6 +238,7 @@ class NativeBackend(LiveWeights):
         self, loaded: LoadedModel, resolved: ResolvedClasses, probe_tokens: int, config: BootstrapConfig, undo: Undo
     ) -> EstimationBuild:
         models: NativeModels = loaded.handle
+        self._await_weights(loaded)  # the probe's forwards need the values
         pools = self._pools(
             dict.fromkeys(models.by_name(), probe_tokens), models, resolved, undo, PagedKVCache.from_tokens
         )
@@ -332,7 +348,9 @@ class NativeBackend(LiveWeights):
         undo: Undo,
         warmup: Warmup | None = None,
     ) -> PyExecutor:
-        """With a ``warmup`` that captured graphs, its runner (and graphs) serve the executor."""
+        """With a ``warmup`` that captured graphs, its runner (and graphs) serve the executor,
+        once every weight is read."""
+        self._await_weights(loaded)
         target = loaded.handle.target
         scheduler = SchedulerConfig(config.max_batch_size, plan.max_num_tokens, resolved.max_seq_len)
         runners = warmup.handle if warmup is not None and warmup.handle is not None else {}

@@ -21,11 +21,13 @@ class LiveWeights:
     device: Device
     torch_device: torch.device
     _return_cached: Callable[[], None]
+    _await_weights: Callable[[LoadedModel], float]
 
     def plan_weights(self, loaded: LoadedModel, path: str) -> WeightsPlan:
         """``path``'s headers against the target's parameters (``weights.plan_weights``): a
         checkpoint directory of the same architecture, every tensor present and of its shape."""
         target = loaded.handle.target
+        self._await_weights(loaded)  # a read still running would write over the new weights
         directory = check_weights_dir(path, target.hf_config)
         with unreadable_as_source_error(path):
             reads = plan_weights(target.model, safetensors_files(directory))
@@ -39,6 +41,7 @@ class LiveWeights:
     def offload_weights(self, loaded: LoadedModel, reuse: HostWeights | None, undo: Undo) -> HostWeights:
         """Target and draft to host memory, page-locked on CUDA (``residency.offload``, whose
         buffer a later sleep takes again); the allocator's cache goes back to the device."""
+        self._await_weights(loaded)
         copies: dict[str, HostCopy] = {}
         undo.push(self._return_cached)
         for name, weights in loaded.handle.by_name().items():

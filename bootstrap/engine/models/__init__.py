@@ -44,7 +44,7 @@ def own_model_problem(cfg: dict[str, Any]) -> str | None:
 
 
 def load_own_model(
-    path: Path, device: torch.device, dtype: torch.dtype | None, shard: Shard = Shard()
+    path: Path, device: torch.device, dtype: torch.dtype | None, shard: Shard = Shard(), background: bool = False
 ) -> torch.nn.Module | None:
     """The checkpoint at ``path`` in the engine's own model code (this rank's part of it under
     tensor parallelism), or None (said once in the log) when it stays on the transformers path."""
@@ -62,6 +62,12 @@ def load_own_model(
     if problem is not None:
         log.info("model %s loads through transformers: %s", path, problem)
         return None
+    if background:  # the headers checked now; the bytes arrive while the caller goes on (``reading``)
+        from bootstrap.engine.models.reading import BackgroundRead
+        from bootstrap.engine.models.weights import plan_weights
+
+        model.reading = BackgroundRead(plan_weights(model, files), model)
+        return model.eval()
     with compiling_ahead(model):  # Triton's first compile of the kernels, while the weights are read
         load_weights(model, files)
     return model.eval()

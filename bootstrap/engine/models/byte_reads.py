@@ -48,8 +48,14 @@ def default_threads() -> int:
     return max(2, min(8, len(os.sched_getaffinity(0))))
 
 
-def read_ranges(ranges: list[ByteRange], threads: int | None = None, piece_bytes: int = PIECE_BYTES) -> None:
-    """Fill every range's destination from its file; all destinations on one device."""
+def read_ranges(
+    ranges: list[ByteRange],
+    threads: int | None = None,
+    piece_bytes: int = PIECE_BYTES,
+    stop: threading.Event | None = None,
+) -> None:
+    """Fill every range's destination from its file; all destinations on one device. ``stop``,
+    once set, ends the read after the pieces in flight (unfinished, no error)."""
     pieces = collections.deque(_pieces(ranges, piece_bytes))
     if not pieces:
         return
@@ -60,7 +66,7 @@ def read_ranges(ranges: list[ByteRange], threads: int | None = None, piece_bytes
     try:
         for file in files:
             fds[file] = os.open(file, os.O_RDONLY)
-        failed = threading.Event()
+        failed = _Halt(stop)  # set by a thread that failed, or from outside: no thread takes more pieces
         work = _Staged(device, piece_bytes).work if device.type == "cuda" else _in_place
         with ThreadPoolExecutor(threads, thread_name_prefix="bootstrap-weights") as pool:
             futures = [pool.submit(work, pieces, fds, failed) for _ in range(threads)]
@@ -71,6 +77,19 @@ def read_ranges(ranges: list[ByteRange], threads: int | None = None, piece_bytes
             os.close(fd)
 
 
+class _Halt:
+    """An event a failing thread sets, that also reads as set once ``stop`` is (never setting it)."""
+
+    def __init__(self, stop: threading.Event | None) -> None:
+        self._failed, self._stop = threading.Event(), stop
+
+    def set(self) -> None:
+        self._failed.set()
+
+    def is_set(self) -> bool:
+        return self._failed.is_set() or (self._stop is not None and self._stop.is_set())
+
+
 def _pieces(ranges: list[ByteRange], piece_bytes: int):
     """(file, offset, destination bytes) pieces of at most ``piece_bytes``, in file order."""
     for r in sorted(ranges, key=lambda r: (str(r.file), r.offset)):
@@ -79,7 +98,7 @@ def _pieces(ranges: list[ByteRange], piece_bytes: int):
             yield r.file, r.offset + start, flat[start : start + piece_bytes]
 
 
-def _taken(pieces: collections.deque, failed: threading.Event):
+def _taken(pieces: collections.deque, failed: _Halt):
     """The pieces this thread takes from the shared queue, until it is empty or a thread failed."""
     while not failed.is_set():
         try:
@@ -88,7 +107,7 @@ def _taken(pieces: collections.deque, failed: threading.Event):
             return
 
 
-def _in_place(pieces: collections.deque, fds: dict, failed: threading.Event) -> None:
+def _in_place(pieces: collections.deque, fds: dict, failed: _Halt) -> None:
     """Read each piece straight into its (CPU) destination."""
     try:
         for file, offset, target in _taken(pieces, failed):
@@ -104,7 +123,7 @@ class _Staged:
     def __init__(self, device: torch.device, piece_bytes: int) -> None:
         self.device, self.piece_bytes = device, piece_bytes
 
-    def work(self, pieces: collections.deque, fds: dict, failed: threading.Event) -> None:
+    def work(self, pieces: collections.deque, fds: dict, failed: _Halt) -> None:
         buffers: list[PageLocked] = []
         stream = None
         copied = [None, None]  # the event of each buffer's last copy

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,11 +109,14 @@ class WeightReads:
         converted = sum(target.numel() * DTYPES[stored.dtype].itemsize for stored, target, _ in self.converted)
         return sum(r.nbytes for r in self.direct) + converted
 
-    def read(self, threads: int | None = None, piece_bytes: int = PIECE_BYTES) -> None:
+    def read(
+        self, threads: int | None = None, piece_bytes: int = PIECE_BYTES, stop: threading.Event | None = None
+    ) -> None:
         """Every planned tensor into its place, in place (same storage, same addresses)."""
         with torch.no_grad():
-            read_ranges(list(self.direct), threads, piece_bytes)
-            _read_converting(list(self.converted))
+            read_ranges(list(self.direct), threads, piece_bytes, stop)
+            if stop is None or not stop.is_set():
+                _read_converting(list(self.converted))
 
 
 def plan_weights(model: torch.nn.Module, files: list[Path]) -> WeightReads:

@@ -48,7 +48,12 @@ def _model_kwargs(dtype: torch.dtype | None, attn_implementation: str | None) ->
 
 
 def load_checkpoint_dir(
-    path: Path, device: torch.device, dtype: torch.dtype | None, attn_implementation: str | None, tp_size: int = 1
+    path: Path,
+    device: torch.device,
+    dtype: torch.dtype | None,
+    attn_implementation: str | None,
+    tp_size: int = 1,
+    background: bool = False,
 ) -> tuple[torch.nn.Module, Any]:
     """Model (eval mode, on ``device``) and tokenizer (None without tokenizer files).
 
@@ -56,7 +61,7 @@ def load_checkpoint_dir(
     shard, read at load into the engine's own column- and row-parallel layers; a model on the
     transformers path shards through its tensor-parallel plan (``tp_plan="auto"``: DTensor
     parameters, placed on ``cuda:LOCAL_RANK`` or the CPU by transformers itself)."""
-    model = own_model(path, device, dtype, attn_implementation, tp_size)
+    model = own_model(path, device, dtype, attn_implementation, tp_size, background)
     if model is None:
         model = _transformers_model(path, device, dtype, attn_implementation, tp_size)
     return model.eval(), checkpoint_tokenizer(path)
@@ -96,14 +101,19 @@ def checkpoint_tokenizer(path: Path) -> Any:
 
 
 def own_model(
-    path: Path, device: torch.device, dtype: torch.dtype | None, attn_implementation: str | None, tp_size: int
+    path: Path,
+    device: torch.device,
+    dtype: torch.dtype | None,
+    attn_implementation: str | None,
+    tp_size: int,
+    background: bool = False,
 ) -> torch.nn.Module | None:
     """The engine's own model code for this checkpoint (``bootstrap.engine.models``) with the
     paged attention, this rank's shard at ``tp_size`` > 1; None keeps it on transformers."""
     if attn_implementation not in (None, ATTN_IMPLEMENTATION):
         return None
     shard = Shard(torch.distributed.get_rank(), tp_size) if tp_size > 1 else Shard()
-    return load_own_model(path, device, dtype, shard)
+    return load_own_model(path, device, dtype, shard, background)
 
 
 def load_gguf_file(

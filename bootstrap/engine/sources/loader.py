@@ -32,6 +32,8 @@ from bootstrap.engine.sources.progress_lines import Progress, quiet
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from bootstrap.engine.models.reading import BackgroundRead
+
 log = logging.getLogger(__name__)
 DEFAULT_MODEL = smollm2.NAME
 CHECKPOINT, GGUF, RANDOM, DEFAULT = "checkpoint", "gguf", "random", "default"
@@ -57,6 +59,15 @@ class LoadedWeights:
     source: str
     weight_bytes: int
     eos_token_ids: frozenset[int]
+    reading: BackgroundRead | None = None  # ``background``: the bytes still arriving (``engine.models.reading``)
+
+    def wait_for_weights(self) -> float:
+        """Block until every weight is read (``background`` loads); the seconds waited."""
+        return self.reading.wait() if self.reading is not None else 0.0
+
+    def stop_reading(self) -> None:
+        if self.reading is not None:
+            self.reading.stop()
 
 
 def accepted_sources() -> str:
@@ -194,6 +205,7 @@ def load_model(
     seed: int = 0,
     tp_size: int = 1,
     progress: Progress = quiet,
+    background: bool = False,
 ) -> LoadedWeights:
     """Load ``source`` onto ``device``; ``dtype`` None keeps the checkpoint's own dtype.
 
@@ -203,14 +215,17 @@ def load_model(
     on first use (reported to ``progress``).
     Raises ``ModelSourceError`` for a bad source (before any loading), also for a source that
     cannot be sharded, and ``ModelFetchError`` when the default model cannot be fetched.
+    ``background``: a checkpoint on the own model code returns once its storage is allocated and
+    its headers checked, its bytes still arriving (``LoadedWeights.wait_for_weights``).
     """
     resolved = resolve_source(source)
     device = torch.device(device)
     _check_dtype(dtype)
     check_shardable(resolved, tp_size)
     cache = cache_dir or default_cache_dir()
-    model, tokenizer = _load(resolved, device, dtype, cache, attn_implementation, seed, tp_size, progress)
+    model, tokenizer = _load(resolved, device, dtype, cache, attn_implementation, seed, tp_size, progress, background)
     return LoadedWeights(
+        reading=model.__dict__.pop("reading", None),
         model=model,
         tokenizer=tokenizer,
         hf_config=checkpoint.without_gguf_marks(model.config) if resolved.kind == GGUF else model.config,
@@ -234,6 +249,7 @@ def _load(
     seed: int,
     tp_size: int = 1,
     progress: Progress = quiet,
+    background: bool = False,
 ) -> tuple[Any, Any]:
     if resolved.kind == RANDOM:
         return random_init.load_random(resolved.random_spec, device, dtype, attn_implementation, seed), None
@@ -245,7 +261,7 @@ def _load(
         path = smollm2.ensure_checkpoint(cache, progress)
     else:
         path = resolved.path
-    return checkpoint.load_checkpoint_dir(path, device, dtype, attn_implementation, tp_size)
+    return checkpoint.load_checkpoint_dir(path, device, dtype, attn_implementation, tp_size, background)
 
 
 def _converted_gguf(gguf: Path, cache: Path, progress: Progress) -> Path | None:
