@@ -6,9 +6,9 @@ from its POST to the first streamed token after it, beside its floor measured in
 Checkpoints written first (A: llama-3.1-8b; A2: A's shapes, other values; B: qwen3-8b; ``--preset
 tiny``: small ones for the CPU). A ``serve --idle`` process gives the device-memory baseline and
 is then swapped to A and to B: that fills the plan and kernel caches this run owns, so the
-measured server's start and swaps find their plans cached. Floors: weights and level-2 wake at
-the loader's GB/s (the start's ``load_model``), level-1 wake at a pinned host->device copy's,
-plus the start's ``warmup`` (graph capture). JSON to ``--out``, a short table on stdout:
+measured server's start and swaps find their plans cached. Floors: swaps, weights and level-2 wake at
+the loader's GB/s (the start's read, from the server's trace file: the read runs in the background,
+beside ``warmup``'s capture), level-1 wake at a pinned host->device copy's plus the capture. JSON to ``--out``, a short table on stdout:
 
     python benchmarks/live_ops.py --out benchmarks/results/live_ops_h200.json
     python benchmarks/live_ops.py --preset tiny --device cpu --cycles 2 --out /tmp/live_ops_cpu.json
@@ -537,7 +537,8 @@ def run(args: argparse.Namespace, work: Path, report: dict[str, Any], servers: l
 
     # the measured server: a fresh serve of A, its plan and kernels cached
     quiet = memory.snapshot(os.getpid()) if memory.cuda else {}
-    server = Server(args, work, "serve", a)
+    traced = work / "serve.trace.jsonl"  # the background reads' own seconds are on its spans only
+    server = Server(args, work, "serve", a, "--trace-file", str(traced))
     servers.append(server)
     start: dict[str, Any] = {"command": server.command, **server.wait_ready()}
     first = complete(server.url, since=server.t0)
@@ -549,8 +550,10 @@ def run(args: argparse.Namespace, work: Path, report: dict[str, Any], servers: l
     report["start"] = start
     loaded = stage(start["stages"], "load_model")
     weight_bytes = loaded.get("figures", {}).get("bootstrap.model.weight_bytes")
-    load_s = loaded.get("duration_s")
-    loader = {"bytes": weight_bytes, "s": load_s, "gb_s": gb_s(weight_bytes, load_s)}
+    first_read = weight_reads(traced)[0]
+    loader = {"bytes": first_read["bytes"], "s": first_read["s"], "gb_s": gb_s(first_read["bytes"], first_read["s"])}
+    loader["load_model_stage_s"] = loaded.get("duration_s")  # storage and headers: the bytes arrive meanwhile
+    start["weight_bytes"] = weight_bytes
     capture_s = stage(start["stages"], "warmup").get("duration_s") or 0.0
 
     ops: dict[str, Any] = {}
@@ -579,7 +582,8 @@ def run(args: argparse.Namespace, work: Path, report: dict[str, Any], servers: l
     ops["weights_a_to_a2"] = operate(server, "/v1/bootstrap/weights", {"path": a2})
     source = baseline.get("context_source", "the RSS of a `serve --idle` process")
     report["memory_baseline"] = {"context": context, "source": source}
-    report["floors"] = floors(ops, loader, copy, capture_s, start)
+    report["weight_reads"] = weight_reads(traced)
+    report["floors"] = floors(ops, loader, copy, capture_s, start, report["weight_reads"])
     save(report, args.out)
 
     if not args.skip_stress:
@@ -591,33 +595,62 @@ def _plus(a: int | None, b: int | None) -> int | None:
     return a + b if a is not None and b is not None else None
 
 
-def floors(ops: dict[str, Any], loader: dict[str, Any], copy: dict[str, Any], capture_s: float, start: dict) -> dict:
+def weight_reads(trace: Path) -> list[dict[str, Any]]:
+    """Each checkpoint read of the traced server, in order: its operation (the root span's name),
+    bytes, its own seconds (``bootstrap.weights.target.read_s``, on the span of the attempt that
+    waited for it: ``load_model`` returns before the bytes are in), and the seconds waited."""
+    spans = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
+    roots = {s["trace_id"]: s["name"] for s in spans if s["parent_span_id"] is None}
+    reads = []
+    for span in sorted(spans, key=lambda s: s["end_time_unix_nano"]):
+        attrs = span["attributes"]
+        if "bootstrap.weights.target.read_s" in attrs:
+            reads.append(
+                {
+                    "operation": roots.get(span["trace_id"]),
+                    "stage": attrs.get("bootstrap.stage"),
+                    "bytes": attrs["bootstrap.weights.target.read_bytes"],
+                    "s": attrs["bootstrap.weights.target.read_s"],
+                    "waited_s": attrs.get("bootstrap.weights.waited_s"),
+                }
+            )
+    return reads
+
+
+def floors(
+    ops: dict[str, Any], loader: dict[str, Any], copy: dict[str, Any], capture_s: float, start: dict, reads: list
+) -> dict:
     """Each operation's first token against its floor: the bytes it moves at the rate measured in
-    this run (the loader's; for a level-1 wake the host->device copy's) plus, where graphs are
-    captured again, the start's capture seconds (for the swap to B, the swap's own)."""
+    this run (the loader's; for a level-1 wake the host->device copy's) and, where graphs are
+    captured again, the start's capture seconds (for the swap to B, the swap's own): the longer of
+    the two where the read runs in the background, their sum after a level-1 wake's copy."""
     loader_bps = loader["bytes"] / loader["s"] if loader["bytes"] and loader["s"] else None
     copy_bps = copy["bytes"] / copy["s"] if copy["s"] else None
 
-    def at(rate: float | None, nbytes: int | None, plus: float = 0.0) -> float | None:
-        return round(nbytes / rate + plus, 4) if rate and nbytes else None
+    def at(rate: float | None, nbytes: int | None, capture_s: float = 0.0, overlap: bool = True) -> float | None:
+        """A checkpoint's read overlaps the capture (it runs in the background): the longer one;
+        a level-1 wake's copy does not."""
+        if not rate or not nbytes:
+            return None
+        return round(max(nbytes / rate, capture_s) if overlap else nbytes / rate + capture_s, 4)
 
     weights = ops["weights_a_to_a2"]
     read = stage(weights.get("stages", []), "read_weights")
     read_bytes = read.get("figures", {}).get("bootstrap.weights.read_bytes")
     restore = stage(ops["wake_level_1"].get("stages", []), "restore_weights")
     restored = restore.get("figures", {}).get("bootstrap.weights.restored_bytes")
-    reload = stage(ops["wake_level_2"].get("stages", []), "load_model")
+    reload = next((r for r in reversed(reads) if r["operation"] == "bootstrap.wake"), {})
     swap_b = ops["swap_a_to_b"].get("stages", [])
     b_bytes = stage(swap_b, "load_model").get("figures", {}).get("bootstrap.model.weight_bytes")
     rows = {
         "swap_a_to_b": at(loader_bps, b_bytes, stage(swap_b, "warmup").get("duration_s") or 0.0),
         "swap_b_to_a": at(loader_bps, loader["bytes"], capture_s),
-        "wake_level_1": at(copy_bps, restored or loader["bytes"], capture_s),
+        "wake_level_1": at(copy_bps, restored or loader["bytes"], capture_s, overlap=False),
         "wake_level_2": at(loader_bps, loader["bytes"], capture_s),
         "weights_a_to_a2": at(loader_bps, read_bytes),
     }
     over = {name: ratio(ops[name].get("first_token_s"), floor) for name, floor in rows.items()}
-    read_s, restore_s, reload_s = read.get("duration_s"), restore.get("duration_s"), reload.get("duration_s")
+    read_s, restore_s, reload_s = read.get("duration_s"), restore.get("duration_s"), reload.get("s")
     rates = {
         "loader": loader,
         "host_to_device_copy_gb_s": copy["gb_s"],
