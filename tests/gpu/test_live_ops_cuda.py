@@ -136,9 +136,11 @@ def test_sleep_gives_the_device_back_and_wake_captures_and_replays_graphs_again(
 
 async def _sleep_and_wake(llama: Path, level: int) -> None:
     free_before = settled_free()
+    allocated_before = torch.cuda.memory_allocated()
     boot = Bootstrap(config(llama))
     try:
         executor = await boot.build()
+        weight_bytes = boot.pipeline.artifacts["loaded"].weight_bytes
         captured = boot.pipeline.artifacts["warmup"]
         assert captured.num_graphs > 0
         expected = greedy(executor)
@@ -153,6 +155,10 @@ async def _sleep_and_wake(llama: Path, level: int) -> None:
             f"level {level}: {fraction:.4f} of {held / 2**30:.2f} GiB given back; "
             f"{(free_before - free_asleep) / 2**20:.1f} MiB still held"
         )
+        # the weights too (the share above is mostly the pool's): nothing, a view of a parameter
+        # left in a finished read's plan included, keeps their device storage
+        kept = torch.cuda.memory_allocated() - allocated_before
+        assert kept < weight_bytes // 4, f"level {level}: {kept} bytes allocated asleep, weights {weight_bytes}"
 
         woken = await boot.wake()
         rows = outcomes(boot)

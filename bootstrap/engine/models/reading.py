@@ -21,7 +21,9 @@ from bootstrap.engine.models.weights import WeightReads
 
 class BackgroundRead:
     def __init__(self, reads: WeightReads, model: torch.nn.Module) -> None:
-        self._reads, self._model = reads, model
+        self._reads: WeightReads | None = reads
+        self._model: torch.nn.Module | None = model
+        self.nbytes = reads.nbytes
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self.began = time.perf_counter()
@@ -33,15 +35,17 @@ class BackgroundRead:
         try:
             with compiling_ahead(self._model):  # Triton's first compile of the kernels, meanwhile
                 self._reads.read(stop=self._stop)
+            self._forget()
         except BaseException as exc:  # handed to the waiter
             self._error = exc
         finally:
             self.seconds = time.perf_counter() - self.began
             trim_host_heap()  # the read's staging buffers, freed by its threads
 
-    @property
-    def nbytes(self) -> int:
-        return self._reads.nbytes
+    def _forget(self) -> None:
+        """Drop the plan and the model: the plan's destinations are views of every parameter, and
+        would keep the device storage alive after an offload or a release moved it away."""
+        self._reads = self._model = None
 
     def wait(self) -> float:
         """Block until every byte is in; the seconds waited. Raises what a second read raised."""
@@ -50,11 +54,13 @@ class BackgroundRead:
         if self._stop.is_set():
             raise RuntimeError("the weights' read was stopped: the model was released")
         if self._error is not None:
+            self._reads.read()  # once more, here: a second error is the stage's (and its retry reads again)
             self._error = None
-            self._reads.read()  # once more, here: a second error is the stage's
+            self._forget()
         return time.perf_counter() - began
 
     def stop(self) -> None:
         """End the read after the pieces in flight and wait for it (idempotent)."""
         self._stop.set()
         self._thread.join()
+        self._forget()
