@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bootstrap.api import Bootstrap, Busy, Refused
+from bootstrap.backends.native import backend as backend_module
 from bootstrap.config import BootstrapConfig
 from bootstrap.engine.sampling.sampler import SamplingParams
 from bootstrap.pipeline import StageFailed
@@ -159,13 +160,15 @@ def test_a_bad_source_for_a_swap_is_refused_while_the_old_model_serves(llama, tm
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    untokenizable = shutil.copytree(llama, tmp_path / "untokenizable")  # weights whole, tokenizer.json not
+    (untokenizable / "tokenizer.json").write_text("{not json")
 
     async def main():
         boot = Bootstrap(config(llama))
         try:
             executor = await boot.build()
             table = dict(boot.pipeline.status)
-            for bad in (config(tmp_path / "missing"), config(broken)):
+            for bad in (config(tmp_path / "missing"), config(broken), config(untokenizable)):
                 with pytest.raises(Refused, match="resolve_classes"):
                     await boot.swap(bad)
                 assert boot.executor is executor and executor.is_running
@@ -177,6 +180,30 @@ def test_a_bad_source_for_a_swap_is_refused_while_the_old_model_serves(llama, tm
             await boot.aclose()
 
     anyio.run(main)
+
+
+def test_a_swap_loads_the_new_tokenizer_once_while_the_old_model_serves(llama, qwen, monkeypatch):
+    """``resolve_classes`` loads it (the swap's check, before the release); ``load_model`` takes it."""
+    loads: list[tuple[str, bool]] = []
+    load = backend_module.checkpoint_tokenizer
+
+    def counting(path):
+        loads.append((Path(path).name, serving.executor is not None and serving.executor.is_running))
+        return load(path)
+
+    monkeypatch.setattr(backend_module, "checkpoint_tokenizer", counting)
+    serving = Bootstrap(config(llama))
+
+    async def main():
+        try:
+            await serving.build()
+            await serving.swap(config(qwen))
+            assert serving.executor.tokenizer is not None and greedy(serving.executor)
+        finally:
+            await serving.aclose()
+
+    anyio.run(main)
+    assert loads == [(llama.name, False), (qwen.name, True)]
 
 
 def test_one_operation_at_a_time_and_each_checks_the_state_first(llama):

@@ -20,6 +20,7 @@ import dataclasses
 import gc
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from opentelemetry import trace
@@ -50,7 +51,8 @@ from bootstrap.engine.kernels import paged_kv
 from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
 from bootstrap.engine.sampling.sampler import SamplingParams
 from bootstrap.engine.scheduler import SchedulerConfig
-from bootstrap.engine.sources.loader import LoadedWeights, config_dict, load_model
+from bootstrap.engine.sources.checkpoint import checkpoint_tokenizer
+from bootstrap.engine.sources.loader import CHECKPOINT, LoadedWeights, config_dict, load_model, resolve_source
 from bootstrap.engine.sources.progress_lines import Progress, quiet, to_stderr
 from bootstrap.engine.spec.rows import graph_sizes, max_rows
 from bootstrap.engine.step.graphs import release_workspaces
@@ -85,6 +87,7 @@ class NativeBackend(LiveWeights):
         if progress is None:
             progress = to_stderr if collective is None or collective.rank == 0 else quiet
         self.progress = progress
+        self._tokenizers: dict[Path, Any] = {}  # by directory: loaded by resolve_classes, taken by load_model
 
     @classmethod
     def for_config(
@@ -136,6 +139,21 @@ class NativeBackend(LiveWeights):
             kind = "multi-head latent attention" if shape.attention_kind == "mla" else "recurrent layers"
             raise ConfigError(f"model: {shape.architecture} uses {kind}, which the native paged KV cache does not hold")
         check_probe_tokens(config, shape)
+        self._preload_tokenizer(config.model)
+
+    def _preload_tokenizer(self, source: str) -> None:
+        """A checkpoint directory's tokenizer, loaded (and a broken one refused) here: a swap's
+        check runs while the old model serves, and ``load_model`` then takes it as it is."""
+        resolved = resolve_source(source)
+        if resolved.kind == CHECKPOINT:
+            with unreadable_as_source_error(source):
+                self._tokenizer_of(resolved.path)
+
+    def _tokenizer_of(self, path: Path) -> Any:
+        key = path.resolve()
+        if key not in self._tokenizers:
+            self._tokenizers[key] = checkpoint_tokenizer(path)
+        return self._tokenizers[key]
 
     def check_weights(
         self, config: BootstrapConfig, shapes: list[ModelShape], dtype: str, releasable_bytes: int = 0
@@ -181,6 +199,7 @@ class NativeBackend(LiveWeights):
                 tp_size=self.tp,
                 progress=self.progress,
                 background=True,  # read while final_build and warmup run: a capture needs addresses only
+                tokenizer_of=self._tokenizer_of,
             )
         undo.push(lambda: weights.model.to(torch.device("meta")))  # frees the storage even if a reference survives
         undo.push(weights.stop_reading)  # first: no read may write into storage released under it

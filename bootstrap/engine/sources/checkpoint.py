@@ -17,7 +17,7 @@ import logging
 import shutil
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +54,7 @@ def load_checkpoint_dir(
     attn_implementation: str | None,
     tp_size: int = 1,
     background: bool = False,
+    tokenizer_of: Callable[[Path], Any] | None = None,
 ) -> tuple[torch.nn.Module, Any]:
     """Model (eval mode, on ``device``) and tokenizer (None without tokenizer files).
 
@@ -64,7 +65,7 @@ def load_checkpoint_dir(
     model = own_model(path, device, dtype, attn_implementation, tp_size, background)
     if model is None:
         model = _transformers_model(path, device, dtype, attn_implementation, tp_size)
-    return model.eval(), checkpoint_tokenizer(path)
+    return model.eval(), (tokenizer_of or checkpoint_tokenizer)(path)
 
 
 def _transformers_model(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -206,6 +207,7 @@ def load_model(
     tp_size: int = 1,
     progress: Progress = quiet,
     background: bool = False,
+    tokenizer_of: Callable[[Path], Any] | None = None,
 ) -> LoadedWeights:
     """Load ``source`` onto ``device``; ``dtype`` None keeps the checkpoint's own dtype.
 
@@ -217,13 +219,16 @@ def load_model(
     cannot be sharded, and ``ModelFetchError`` when the default model cannot be fetched.
     ``background``: a checkpoint on the own model code returns once its storage is allocated and
     its headers checked, its bytes still arriving (``LoadedWeights.wait_for_weights``).
+    ``tokenizer_of``: a checkpoint directory's tokenizer (one loaded earlier, by a caller's cache).
     """
     resolved = resolve_source(source)
     device = torch.device(device)
     _check_dtype(dtype)
     check_shardable(resolved, tp_size)
     cache = cache_dir or default_cache_dir()
-    model, tokenizer = _load(resolved, device, dtype, cache, attn_implementation, seed, tp_size, progress, background)
+    model, tokenizer = _load(
+        resolved, device, dtype, cache, attn_implementation, seed, tp_size, progress, background, tokenizer_of
+    )
     return LoadedWeights(
         reading=model.__dict__.pop("reading", None),
         model=model,
@@ -250,6 +255,7 @@ def _load(
     tp_size: int = 1,
     progress: Progress = quiet,
     background: bool = False,
+    tokenizer_of: Callable[[Path], Any] | None = None,
 ) -> tuple[Any, Any]:
     if resolved.kind == RANDOM:
         return random_init.load_random(resolved.random_spec, device, dtype, attn_implementation, seed), None
@@ -261,7 +267,7 @@ def _load(
         path = smollm2.ensure_checkpoint(cache, progress)
     else:
         path = resolved.path
-    return checkpoint.load_checkpoint_dir(path, device, dtype, attn_implementation, tp_size, background)
+    return checkpoint.load_checkpoint_dir(path, device, dtype, attn_implementation, tp_size, background, tokenizer_of)
 
 
 def _converted_gguf(gguf: Path, cache: Path, progress: Progress) -> Path | None:
