@@ -515,7 +515,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def _remove_ours(work: Path) -> None:
     for name in ("checkpoint-a", "checkpoint-a2", "checkpoint-b", "caches"):
         shutil.rmtree(work / name, ignore_errors=True)
-    for path in [*work.glob("*.log"), *work.glob("tiny-*.json")]:
+    for path in [*work.glob("*.log"), *work.glob("*.trace.jsonl"), *work.glob("tiny-*.json")]:
         path.unlink(missing_ok=True)
 
 
