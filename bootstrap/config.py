@@ -82,6 +82,9 @@ class BootstrapConfig(BaseModel):
     cuda_graph_batch_sizes: tuple[int, ...] | None = Field(
         None, description="batch sizes to capture; default 1, 2, 4, 8, then multiples of 8 up to max_batch_size"
     )
+    prefix_caching: bool = Field(
+        True, description="reuse the KV blocks of a prompt prefix computed before (TensorRT-LLM: enable_block_reuse)"
+    )
 
     @field_validator("free_gpu_memory_fraction", "cross_kv_cache_fraction", mode="before")
     @classmethod

@@ -9,15 +9,23 @@ are reused first (last in, first out), so the blocks ever touched stay as few as
 on the CPU the pool's pages are mapped zeroed on first touch, so an idle pool costs no memory.
 ``fork`` (the ``n`` choices of a prompt) gives a child the parent's full blocks by reference,
 counted, and a copy of its partial last block (copy-on-write where they diverge); a full block is
-never written again, so a shared one stays shared until every holder frees it. ``stats()``:
-``total_bytes`` the pool, ``allocated_bytes`` the blocks handed out, ``used_bytes`` the tokens held
-(a shared block or token counts once).
+never written again, so a shared one stays shared until every holder frees it.
+
+Prefix caching: ``publish`` registers a request's full, final blocks under their chained digests
+(``prefix_hash``); ``match`` finds the longest run of a new request's digests already registered
+and ``allocate(..., prefix=)`` starts its table with those blocks, shared. A registered block that
+no request holds stays cached, counted free: it is handed out again only when no plain free block
+is left, least recently released first, and forgets its digest then. ``clear_cache`` forgets every
+digest (new weights make the cached keys and values wrong). ``stats()``: ``total_bytes`` the pool,
+``allocated_bytes`` the blocks handed out, ``used_bytes`` the tokens held (a shared block or token
+counts once), ``cached_blocks`` the registered blocks, ``cached_free_blocks`` those no request holds.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +90,8 @@ class KVCacheStats:
     free_blocks: int
     tokens_per_block: int
     used_tokens: int
+    cached_blocks: int = 0
+    cached_free_blocks: int = 0
 
     @property
     def capacity_tokens(self) -> int:
@@ -117,10 +127,13 @@ class PagedKVCache:
         shape = (2, spec.num_layers, num_blocks, tokens_per_block, spec.num_kv_heads, spec.head_dim)
         # Zeros, not empty: masked attention weights are exactly 0, and 0 * NaN garbage would be NaN.
         self._kv: torch.Tensor | None = zeros(shape, spec.dtype, self.device)
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: deque[int] = deque(range(num_blocks))  # neither held nor cached
         self._tables: dict[Any, list[int]] = {}
         self._lengths: dict[Any, int] = {}
-        self._holders: dict[int, int] = {}  # block -> requests holding it, for blocks held by more than one
+        self._refs: dict[int, int] = {}  # block -> requests holding it (every held block)
+        self._cached: dict[bytes, int] = {}  # digest -> block (prefix caching)
+        self._digest: dict[int, bytes] = {}  # block -> digest
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, held by none: least recently released first
         self._lock = threading.Lock()  # stats() may be read from another thread than the engine's
 
     # ---- sizing -------------------------------------------------------------------------------
@@ -180,8 +193,9 @@ class PagedKVCache:
             self._kv = None
             self._tables.clear()
             self._lengths.clear()
-            self._holders.clear()
+            self._refs.clear()
             self._free.clear()
+            self._forget_digests()
 
     @property
     def released(self) -> bool:
@@ -195,22 +209,33 @@ class PagedKVCache:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks no request holds: the plain free ones and the cached ones."""
+        return len(self._free) + len(self._evictable)
 
     def can_allocate(self, num_tokens: int) -> bool:
         """True if a new request of ``num_tokens`` tokens fits in the free blocks now."""
-        return self.blocks_needed(num_tokens) <= len(self._free)
+        return self.blocks_needed(num_tokens) <= self.num_free_blocks
 
-    def allocate(self, request_id: Any, num_tokens: int) -> list[int]:
-        """Start a block table for ``request_id`` holding ``num_tokens`` tokens (may be 0)."""
+    def allocate(self, request_id: Any, num_tokens: int, prefix: Sequence[int] = ()) -> list[int]:
+        """Start a block table for ``request_id`` holding ``num_tokens`` tokens (may be 0); with
+        ``prefix`` (cached blocks, as ``match`` found them) its first blocks are those, shared."""
         self._pool()
         if request_id in self._tables:
             raise ValueError(f"request {request_id!r} already holds KV blocks; extend or free it")
-        if not isinstance(num_tokens, int) or num_tokens < 0:
-            raise ValueError(f"num_tokens must be an integer >= 0, got {num_tokens!r}")
+        if not isinstance(num_tokens, int) or num_tokens < len(prefix) * self.tokens_per_block:
+            raise ValueError(
+                f"num_tokens must be an integer >= {len(prefix) * self.tokens_per_block} (the prefix's "
+                f"{len(prefix)} full blocks), got {num_tokens!r}"
+            )
         with self._lock:
-            self._take(self.blocks_needed(num_tokens), request_id)
-            self._tables[request_id] = [self._free.popleft() for _ in range(self.blocks_needed(num_tokens))]
+            unknown = [b for b in prefix if b not in self._digest]
+            if unknown:
+                raise ValueError(f"prefix block {unknown[0]} is not cached (match the digests again)")
+            fresh = self.blocks_needed(num_tokens) - len(prefix)
+            self._take(fresh + sum(b in self._evictable for b in prefix), request_id)
+            for block in prefix:
+                self._hold(block)
+            self._tables[request_id] = [*prefix, *(self._fresh_block() for _ in range(fresh))]
             self._lengths[request_id] = num_tokens
         return self._tables[request_id]
 
@@ -223,7 +248,7 @@ class PagedKVCache:
         extra = self.blocks_needed(length + num_tokens) - len(table)
         with self._lock:
             self._take(extra, request_id)
-            table.extend(self._free.popleft() for _ in range(extra))
+            table.extend(self._fresh_block() for _ in range(extra))
             self._lengths[request_id] = length + num_tokens
         return table
 
@@ -239,7 +264,7 @@ class PagedKVCache:
             )
         table, keep = self._tables[request_id], self.blocks_needed(num_tokens)
         with self._lock:
-            if num_tokens % self.tokens_per_block and self._holders.get(table[keep - 1], 1) > 1:
+            if num_tokens % self.tokens_per_block and self._refs.get(table[keep - 1], 1) > 1:
                 raise ValueError(
                     f"request {request_id!r}: cannot cut to {num_tokens} tokens inside block "
                     f"{table[keep - 1]}, which another request shares"
@@ -247,15 +272,31 @@ class PagedKVCache:
             dropped, table[keep:] = table[keep:], []
             self._lengths[request_id] = num_tokens
             if self._kv is not None:
-                self._free.extendleft(reversed([b for b in dropped if not self._let_go(b)]))
+                self._let_go(dropped)
         return table
 
     def _take(self, count: int, request_id: Any) -> None:
-        if count > len(self._free):
+        if count > self.num_free_blocks:
             raise KVCacheFull(
-                f"request {request_id!r} needs {count} more KV blocks but only {len(self._free)} of "
+                f"request {request_id!r} needs {count} more KV blocks but only {self.num_free_blocks} of "
                 f"{self.num_blocks} are free ({self.tokens_per_block} tokens per block)"
             )
+
+    def _fresh_block(self) -> int:
+        """A block for new tokens, held once: a plain free one (the last released first), else
+        the cached block released longest ago, which forgets its digest (call under the lock)."""
+        if self._free:
+            block = self._free.popleft()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            del self._cached[self._digest.pop(block)]
+        self._refs[block] = 1
+        return block
+
+    def _hold(self, block: int) -> None:
+        """One holder more for ``block`` (call under the lock)."""
+        self._evictable.pop(block, None)
+        self._refs[block] = self._refs.get(block, 0) + 1
 
     def fork(self, parent_id: Any, child_id: Any) -> list[int]:
         """Give ``child_id`` the tokens ``parent_id`` holds: its full blocks shared, its partial
@@ -267,9 +308,9 @@ class PagedKVCache:
         full, table = length // self.tokens_per_block, self._tables[parent_id]
         with self._lock:
             self._take(len(table) - full, child_id)
-            copies = [self._free.popleft() for _ in table[full:]]
+            copies = [self._fresh_block() for _ in table[full:]]
             for block in table[:full]:
-                self._holders[block] = self._holders.get(block, 1) + 1
+                self._hold(block)
             self._tables[child_id] = table[:full] + copies
             self._lengths[child_id] = length
         for source, copy in zip(table[full:], copies):
@@ -283,23 +324,69 @@ class PagedKVCache:
             table = self._tables.pop(request_id, None)
             self._lengths.pop(request_id, None)
             if table and self._kv is not None:
-                self._free.extendleft(
-                    reversed([b for b in table if not self._let_go(b)])
-                )  # LIFO: reuse the last touched
+                self._let_go(table)
 
-    def _let_go(self, block: int) -> bool:
-        """One holder fewer for ``block``; True while others still hold it (call under the lock)."""
-        holders = self._holders.get(block, 1)
-        if holders > 2:
-            self._holders[block] = holders - 1
-        elif holders == 2:
-            del self._holders[block]
-        return holders > 1
+    def _let_go(self, blocks: list[int]) -> None:
+        """One holder fewer for each of ``blocks``; one nobody holds now is cached if it has a
+        digest (the most recently released last), else free, the table's first block reused
+        first (call under the lock)."""
+        released = []
+        for block in blocks:
+            holders = self._refs.pop(block)
+            if holders > 1:
+                self._refs[block] = holders - 1
+            elif block in self._digest:
+                self._evictable[block] = None
+            else:
+                released.append(block)
+        self._free.extendleft(reversed(released))  # LIFO: reuse the last touched
 
     def shared_blocks(self) -> int:
         """Blocks more than one request holds."""
         with self._lock:
-            return len(self._holders)
+            return sum(holders > 1 for holders in self._refs.values())
+
+    # ---- prefix caching ------------------------------------------------------------------------
+
+    def match(self, digests: Sequence[bytes]) -> list[int]:
+        """The cached blocks of the longest run of leading ``digests`` (``prefix_hash``)."""
+        blocks = []
+        with self._lock:
+            for digest in digests:
+                block = self._cached.get(digest)
+                if block is None:
+                    break
+                blocks.append(block)
+        return blocks
+
+    def publish(self, request_id: Any, digests: Sequence[bytes]) -> int:
+        """Register the first ``len(digests)`` blocks of ``request_id`` (full, and never written
+        again) under their digests, each unless it or its digest is registered already; returns
+        how many it registered."""
+        table = self.block_table(request_id)
+        if len(digests) > len(table) or len(digests) * self.tokens_per_block > self.num_tokens(request_id):
+            raise ValueError(
+                f"request {request_id!r} holds {self.num_tokens(request_id)} tokens: fewer than "
+                f"{len(digests)} full blocks of {self.tokens_per_block}"
+            )
+        added = 0
+        with self._lock:
+            for block, digest in zip(table, digests):
+                if block not in self._digest and digest not in self._cached:
+                    self._cached[digest], self._digest[block] = block, digest
+                    added += 1
+        return added
+
+    def clear_cache(self) -> None:
+        """Forget every digest: cached blocks nobody holds become plain free blocks."""
+        with self._lock:
+            self._free.extend(self._evictable)
+            self._forget_digests()
+
+    def _forget_digests(self) -> None:
+        self._evictable.clear()
+        self._cached.clear()
+        self._digest.clear()
 
     def holds(self, request_id: Any) -> bool:
         return request_id in self._tables
@@ -330,10 +417,11 @@ class PagedKVCache:
     def stats(self) -> KVCacheStats:
         """A consistent snapshot; safe to call from any thread."""
         with self._lock:
-            extra_holds = sum(self._holders.values()) - len(self._holders)  # a shared block's other holders
-            used_blocks = sum(len(t) for t in self._tables.values()) - extra_holds
+            used_blocks = len(self._refs)
+            extra_holds = sum(self._refs.values()) - used_blocks  # a shared block's other holders
             used_tokens = sum(self._lengths.values()) - extra_holds * self.tokens_per_block  # shared: full blocks
-            free_blocks = len(self._free)
+            free_blocks = self.num_free_blocks
+            cached, cached_free = len(self._digest), len(self._evictable)
             total_blocks = 0 if self._kv is None else self.num_blocks
         return KVCacheStats(
             total_bytes=total_blocks * self.bytes_per_block,
@@ -344,4 +432,6 @@ class PagedKVCache:
             free_blocks=free_blocks,
             tokens_per_block=self.tokens_per_block,
             used_tokens=used_tokens,
+            cached_blocks=cached,
+            cached_free_blocks=cached_free,
         )

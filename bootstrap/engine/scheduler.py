@@ -12,6 +12,13 @@ request until its prefill ends: the first choice carries the others (``Sequence.
 admitted with the blocks of all (the prompt's full blocks counted once), and the step that
 completes the prefill forks them (``fork``), each sampling its first token from the same logits
 row; should the first end before that, the next live choice takes its place in the queue.
+
+With ``prefix_caching`` a request admitted looks its prompt's full blocks up in the pool
+(``PagedKVCache.match``, in both pools with a draft: the shorter run) and starts after the
+longest cached prefix, at least its last prompt token left to compute (its logits sample the
+first token); its reservation stays that of its whole life, so the cache never admits what would
+not fit without it. Each step first registers the blocks the running requests have completed
+since (``publish``), and a request that ends registers its own before they are freed.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from dataclasses import dataclass
 
 from bootstrap.config import is_int
 from bootstrap.engine.kv_cache import PagedKVCache
+from bootstrap.engine.prefix_hash import extend_hashes
 from bootstrap.engine.request.prompts import length_problem
 from bootstrap.engine.request.sequence import Sequence, SequenceStatus
 from bootstrap.engine.step.batch import ScheduledBatch
@@ -31,12 +39,15 @@ class SchedulerConfig:
     max_batch_size: int = 32
     max_num_tokens: int = 2048
     max_seq_len: int = 2048
+    prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_num_tokens", "max_seq_len"):
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.prefix_caching, bool):
+            raise ValueError(f"SchedulerConfig.prefix_caching must be a bool, got {self.prefix_caching!r}")
         if self.max_batch_size > self.max_num_tokens:
             raise ValueError(
                 f"SchedulerConfig.max_batch_size ({self.max_batch_size}) must be <= max_num_tokens "
@@ -143,6 +154,11 @@ class Scheduler:
         self.micro_batch = MicroBatchScheduler(config.max_batch_size, config.max_num_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.pools = [p for p in (kv_cache, draft_kv) if p is not None]
+        for pool in self.pools:
+            pool.clear_cache()  # a new engine trusts no earlier one's keys (new weights keep the pool)
+        self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hit_tokens = 0  # and found there
 
     def add(self, seq: Sequence) -> str | None:
         """Queue ``seq``; return the reason it can never run instead (then it is not queued)."""
@@ -163,6 +179,8 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         """Admit what fits, plan the next step and grow the KV of the chosen requests."""
+        for seq in self.running:
+            self._publish(seq)
         self._admit()
         batch = self.micro_batch.plan(self.running)
         for seq, count in zip(batch.seqs, batch.num_new_tokens):
@@ -181,6 +199,40 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             seq.clock.scheduled()
             self.running.append(seq)
+            if self.config.prefix_caching and not seq.is_warmup:
+                self._reuse_prefix(seq)
+
+    def _reuse_prefix(self, seq: Sequence) -> None:
+        """Start ``seq`` after the longest cached prefix of its prompt, in every pool."""
+        tpb = self.kv_cache.tokens_per_block
+        digests = extend_hashes(seq.block_digests, seq.prompt_token_ids, tpb, seq.cache_salt)
+        usable = digests[: (seq.num_prompt_tokens - 1) // tpb]  # the last prompt token is computed
+        found = [pool.match(usable) for pool in self.pools]
+        hit = min(len(blocks) for blocks in found)
+        self.prefix_query_tokens += seq.num_prompt_tokens
+        self.prefix_hit_tokens += hit * tpb
+        if hit:
+            for pool, blocks in zip(self.pools, found):
+                pool.allocate(seq.request_id, hit * tpb, prefix=blocks[:hit])
+            seq.num_computed = seq.draft_computed = seq.cached_tokens = hit * tpb
+            seq.published = seq.draft_published = hit
+
+    def _publish(self, seq: Sequence) -> None:
+        """Register ``seq``'s blocks completed since its last call: those of tokens whose keys
+        and values are final in each pool (the draft's: those it computed of them too)."""
+        if not self.config.prefix_caching or seq.is_warmup or not self.kv_cache.holds(seq.request_id):
+            return
+        tpb = self.kv_cache.tokens_per_block
+        full = seq.num_computed // tpb
+        if full > seq.published:
+            digests = extend_hashes(seq.block_digests, seq.token_ids[: full * tpb], tpb, seq.cache_salt)
+            self.kv_cache.publish(seq.request_id, digests[:full])
+            seq.published = full
+        if self.draft_kv is not None and self.draft_kv.holds(seq.request_id):
+            drafted = min(seq.draft_computed, seq.num_computed, self.draft_kv.num_tokens(seq.request_id)) // tpb
+            if drafted > seq.draft_published:
+                self.draft_kv.publish(seq.request_id, seq.block_digests[:drafted])
+                seq.draft_published = drafted
 
     def fork(self, batch: ScheduledBatch) -> ScheduledBatch:
         """After the forward of ``batch``: the forks of each request whose prefill it completes
@@ -232,6 +284,7 @@ class Scheduler:
             self.waiting.remove(seq)
         if self.kv_cache.holds(seq.request_id):
             seq.clock.kv_blocks = len(self.kv_cache.block_table(seq.request_id))
+            self._publish(seq)  # its blocks stay cached once freed
         self.capacity.release(seq)
         heirs, seq.forks = [c for c in seq.forks if not c.finished], []
         if heirs:

@@ -44,8 +44,9 @@ log = logging.getLogger(__name__)
 # Config fields left out of the fingerprint; every other field is in it, so a field added later
 # invalidates cached plans rather than reusing one measured without it. The model and the draft
 # enter through their normalized shapes (a preset and its config.json are one model), the device
-# through its name and total memory; where plans are cached changes nothing.
-NOT_FINGERPRINTED = frozenset({"model", "draft_model", "device", "plan_cache"})
+# through its name and total memory; where plans are cached and whether prefixes are reused
+# (cached blocks are free capacity) change nothing.
+NOT_FINGERPRINTED = frozenset({"model", "draft_model", "device", "plan_cache", "prefix_caching"})
 LIBRARIES = ("executor-bootstrap", "torch", "transformers", "tensorrt-llm")
 
 MORE_ROOM = 1.25  # free beside the weights above this times the measured: profile again

@@ -371,7 +371,9 @@ class NativeBackend(LiveWeights):
         once every weight is read."""
         self._await_weights(loaded)
         target = loaded.handle.target
-        scheduler = SchedulerConfig(config.max_batch_size, plan.max_num_tokens, resolved.max_seq_len)
+        scheduler = SchedulerConfig(
+            config.max_batch_size, plan.max_num_tokens, resolved.max_seq_len, config.prefix_caching
+        )
         runners = warmup.handle if warmup is not None and warmup.handle is not None else {}
         runner, draft = runners.get("target"), loaded.handle.draft
         drafted = runners.get("draft") or ((draft.model, final.handle.pools["draft"]) if draft is not None else None)

@@ -51,6 +51,7 @@ def kv_cache_fields(
         tokens_per_block=config.tokens_per_block,
         dtype="fp8" if resolved.kv_dtype == "fp8" else "auto",
         max_attention_window=window_pattern(resolved, draft=draft),
+        enable_block_reuse=config.prefix_caching,
     )
     if "use_kv_cache_manager_v2" in param_names(api, "KvCacheConfig"):  # main only
         fields["use_kv_cache_manager_v2"] = resolved.kv_manager == "KVCacheManagerV2"

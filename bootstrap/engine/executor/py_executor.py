@@ -80,16 +80,27 @@ class PyExecutor:
     # ---- requests -----------------------------------------------------------------------------
 
     def enqueue(
-        self, prompt_token_ids: Seq[int], params: SamplingParams | None = None, *, is_warmup: bool = False
+        self,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams | None = None,
+        *,
+        is_warmup: bool = False,
+        cache_salt: str | None = None,
     ) -> int:
         """Queue a request; return its id. Impossible requests are answered at once with an error;
-        arguments of the wrong type raise ``TypeError`` naming the argument."""
+        arguments of the wrong type raise ``TypeError`` naming the argument. ``cache_salt``: with
+        prefix caching, the request shares cached blocks only with requests of the same salt."""
         self._check_open()
-        [handle] = self._submit([self._sequence(prompt_token_ids, params, is_warmup)])
+        [handle] = self._submit([self._sequence(prompt_token_ids, params, is_warmup, cache_salt)])
         return handle.request_id
 
     def enqueue_choices(
-        self, prompt_token_ids: Seq[int], params: SamplingParams | None = None, n: int = 1
+        self,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams | None = None,
+        n: int = 1,
+        *,
+        cache_salt: str | None = None,
     ) -> list[int]:
         """Queue ``n`` choices (1 to ``MAX_CHOICES``) of one prompt; their ids, one request each.
         The prompt is prefilled once and its KV blocks shared (``bootstrap.engine.scheduler``).
@@ -98,8 +109,11 @@ class PyExecutor:
         self._check_open()
         if not is_int(n) or not 1 <= n <= MAX_CHOICES:
             raise ValueError(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}")
-        first = self._sequence(prompt_token_ids, params)
-        first.forks = [self._sequence(first.prompt_token_ids, _choice_params(first.params, i)) for i in range(1, n)]
+        first = self._sequence(prompt_token_ids, params, cache_salt=cache_salt)
+        first.forks = [
+            self._sequence(first.prompt_token_ids, _choice_params(first.params, i), cache_salt=cache_salt)
+            for i in range(1, n)
+        ]
         return [h.request_id for h in self._submit([first, *first.forks])]
 
     def cancel(self, request_id: int, *, keep_response: bool = False) -> None:
@@ -133,6 +147,11 @@ class PyExecutor:
             waiting + self._loop.inbox.pending(),
             spec.proposed if spec else 0,
             spec.accepted if spec else 0,
+            self.scheduler.config.prefix_caching,
+            kv.cached_blocks,
+            kv.cached_free_blocks,
+            self.scheduler.prefix_query_tokens,
+            self.scheduler.prefix_hit_tokens,
         )
 
     @property
@@ -222,12 +241,20 @@ class PyExecutor:
         if self._closed:
             raise RuntimeError("the executor is shut down; build a new one")
 
-    def _sequence(self, prompt_token_ids: Seq[int], params: SamplingParams | None, is_warmup: bool = False) -> Sequence:
+    def _sequence(
+        self,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams | None,
+        is_warmup: bool = False,
+        cache_salt: str | None = None,
+    ) -> Sequence:
         """A checked, not yet queued request (``TypeError`` for arguments of the wrong type)."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        return Sequence(next_request_id(), token_id_list(prompt_token_ids), params, is_warmup=is_warmup)
+        check_cache_salt(cache_salt)
+        tokens = token_id_list(prompt_token_ids)
+        return Sequence(next_request_id(), tokens, params, is_warmup=is_warmup, cache_salt=cache_salt)
 
     def _submit(self, seqs: list[Sequence], claim: Claim | None = None) -> list[Handle]:
         """Register and queue ``seqs`` all at once (held by ``claim`` if given); answer
@@ -318,3 +345,16 @@ class PyExecutor:
 def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
     """Choice ``index``'s params: its own seed (``seed + index``), if seeded."""
     return params if params.seed is None else dataclasses.replace(params, seed=(params.seed + index) % (MAX_SEED + 1))
+
+
+MAX_CACHE_SALT_CHARS = 1024
+
+
+def check_cache_salt(salt: object) -> None:
+    """``cache_salt``: None or a string of 1 to ``MAX_CACHE_SALT_CHARS`` characters."""
+    if salt is None:
+        return
+    if not isinstance(salt, str):
+        raise TypeError(f"cache_salt must be a string, got {type(salt).__name__}")
+    if not 1 <= len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise ValueError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters, got {len(salt)}")

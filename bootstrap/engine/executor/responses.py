@@ -131,8 +131,17 @@ class ResponseWriter:
             seq.is_warmup,
             logprobs,
             timing,
+            seq.cached_tokens,
         )
-        final = StreamEvent(token, delta, reason, error, **_logprob_fields(logprob, text_offset), timing=timing)
+        final = StreamEvent(
+            token,
+            delta,
+            reason,
+            error,
+            **_logprob_fields(logprob, text_offset),
+            timing=timing,
+            cached_tokens=seq.cached_tokens,
+        )
         self.requests.publish(handle, final, response)
 
 

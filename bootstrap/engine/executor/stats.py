@@ -18,3 +18,13 @@ class EngineStats:
     waiting: int
     draft_tokens_proposed: int = 0  # speculative decoding: draft tokens the target verified
     draft_tokens_accepted: int = 0  # and kept
+    prefix_caching: bool = False  # whether admitted requests look their prompts up in the cache
+    kv_cached_blocks: int = 0  # blocks holding a cached prefix (held or not)
+    kv_cached_free_blocks: int = 0  # of them, those no request holds (free capacity, counted in it)
+    prefix_query_tokens: int = 0  # prompt tokens looked up, since the engine started
+    prefix_hit_tokens: int = 0  # of them, found cached
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        """Hit tokens over looked-up tokens; None before any lookup."""
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else None

@@ -56,6 +56,11 @@ class Sequence:
     clock: RequestClock = field(default_factory=RequestClock)  # its passage, written by the engine thread
     draft_computed: int = 0  # leading tokens whose KV is in the draft's pool (speculative decoding)
     acceptance: Acceptance = field(default_factory=Acceptance)  # its draft's recent acceptance (auto)
+    cache_salt: str | None = None  # prefix caching: only requests of the same salt share blocks
+    cached_tokens: int = 0  # leading prompt tokens whose KV came from the prefix cache
+    block_digests: list[bytes] = field(default_factory=list)  # of its full blocks so far (``prefix_hash``)
+    published: int = 0  # leading blocks registered in the prefix cache
+    draft_published: int = 0  # and in the draft's pool
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -113,6 +118,7 @@ class Response:
     is_warmup: bool = False
     logprobs: list[TokenLogprob] | None = None  # one per generated token when params.logprobs is set
     timing: RequestTiming | None = None  # when it was queued, admitted, first sampled and finished
+    cached_tokens: int = 0  # prompt tokens whose KV the prefix cache held
 
     @property
     def ok(self) -> bool:
@@ -125,7 +131,8 @@ class StreamEvent:
     With ``params.logprobs`` set, ``logprob`` is the token's and ``top_logprobs`` the most likely
     (token id, logprob) pairs, under the model's raw distribution, and ``text_offset`` where the
     token's text starts in the request's whole text (``text`` may lag it: held back while it
-    could start a stop string). The final event carries the request's ``timing``."""
+    could start a stop string). The final event carries the request's ``timing`` and
+    ``cached_tokens``."""
 
     token_id: int | None
     text: str
@@ -135,6 +142,7 @@ class StreamEvent:
     top_logprobs: tuple[tuple[int, float], ...] = ()
     timing: RequestTiming | None = None
     text_offset: int | None = None
+    cached_tokens: int | None = None  # on the final event: prompt tokens whose KV the prefix cache held
 
     @property
     def finished(self) -> bool:
