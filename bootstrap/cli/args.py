@@ -165,6 +165,12 @@ def add_config_args(parser: argparse.ArgumentParser, command: str) -> None:
         "(default: captured on a CUDA device)",
     )
     add(
+        "--no-prefix-cache",
+        dest="prefix_caching",
+        action="store_false",
+        help="do not reuse the KV blocks of a prompt prefix computed before (default: reused, per cache_salt)",
+    )
+    add(
         "--cuda-graph-batch-sizes",
         type=int_list,
         metavar="N,N,...",
