@@ -130,6 +130,37 @@ def test_the_weights_update_writes_in_place_and_keeps_the_pool_whole(llama, llam
     anyio.run(main)
 
 
+def test_new_weights_a_swap_and_a_sleep_leave_no_cached_prefix_behind(llama, qwen, llama_tuned):
+    """The prefix cache holds keys and values of the weights that computed them: a weights update
+    (its pool kept), a swap and a level-2 sleep each start the next engine with none cached."""
+    prompt = [(5 * i + 2) % 200 + 3 for i in range(80)]  # 2 full blocks of 32 and more
+
+    def cached(executor) -> tuple[int, list[int]]:
+        response = executor.await_response(executor.enqueue(prompt, SamplingParams(max_tokens=4, ignore_eos=True)), 60)
+        return response.cached_tokens, list(response.token_ids)
+
+    async def main():
+        fresh = Bootstrap(config(llama_tuned))
+        try:
+            _, tuned_tokens = cached(await fresh.build())
+        finally:
+            await fresh.aclose()
+        boot = Bootstrap(config(llama))
+        try:
+            executor = await boot.build()
+            assert cached(executor)[0] == 0 and cached(executor)[0] == 64
+            assert cached(await boot.update_weights(llama_tuned)) == (0, tuned_tokens)
+            assert cached(boot.executor)[0] == 64
+            await boot.swap(config(qwen))
+            assert cached(boot.executor)[0] == 0
+            await boot.sleep(2)
+            assert cached(await boot.wake())[0] == 0
+        finally:
+            await boot.aclose()
+
+    anyio.run(main)
+
+
 @pytest.mark.parametrize(
     ("change", "named"),
     [
