@@ -8,7 +8,8 @@ tiny``: small ones for the CPU). A ``serve --idle`` process gives the device-mem
 is then swapped to A and to B: that fills the plan and kernel caches this run owns, so the
 measured server's start and swaps find their plans cached. Floors: swaps, weights and level-2 wake at
 the loader's GB/s (the start's read, from the server's trace file: the read runs in the background,
-beside ``warmup``'s capture), level-1 wake at a pinned host->device copy's plus the capture. JSON to ``--out``, a short table on stdout:
+beside ``warmup``'s capture), level-1 wake at a pinned host->device copy's plus the capture.
+JSON to ``--out``, a short table on stdout:
 
     python benchmarks/live_ops.py --out benchmarks/results/live_ops_h200.json
     python benchmarks/live_ops.py --preset tiny --device cpu --cycles 2 --out /tmp/live_ops_cpu.json

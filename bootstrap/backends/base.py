@@ -206,12 +206,21 @@ class ClosableEvents(Protocol):
 class RequestExecutor(Executor, Protocol):
     tokenizer: Any
 
-    def enqueue(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None) -> int:
+    def enqueue(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None, *, cache_salt: str | None = None
+    ) -> int:
         """Queue a request from any thread; its id. An impossible one is answered at once with
-        an error event (``finish_reason="error"``, ``error`` starting ``request rejected: ``)."""
+        an error event (``finish_reason="error"``, ``error`` starting ``request rejected: ``).
+        ``cache_salt``: it shares cached prefix blocks only with requests of the same salt; its
+        final event and response carry ``cached_tokens``."""
 
     def enqueue_choices(
-        self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None, n: int = 1
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        n: int = 1,
+        *,
+        cache_salt: str | None = None,
     ) -> list[int]:
         """``n`` requests of one prompt, prefilled once; their ids (``PyExecutor.enqueue_choices``)."""
 
@@ -233,7 +242,8 @@ class RequestExecutor(Executor, Protocol):
         """Its response; ``KeyError`` once it was released."""
 
     def engine_stats(self) -> EngineStats:
-        """KV blocks and requests running and waiting, from any thread, without waiting."""
+        """KV blocks, requests running and waiting and the prefix cache's figures, from any
+        thread, without waiting."""
 
 
 # ---- optional executor features ------------------------------------------------------------------

@@ -104,6 +104,8 @@ async def run_plan(args: argparse.Namespace) -> tuple[dict[str, Any], StageFaile
             error = exc
         finally:
             summary = plan_summary(pipeline.artifacts)
+            if summary:  # the cache reserves nothing: the plan is the same either way
+                summary["prefix_caching"] = config.prefix_caching
             await pipeline.aclose()  # also after Ctrl-C: no device thread or bytes left behind
     finally:
         provider.shutdown()
@@ -134,7 +136,15 @@ def plan_line(plan: dict[str, Any]) -> str:
     for name, pool in plan.get("pools", {}).items():
         share = plan.get(f"{name}_share", 0.0)
         lines.append(f"  {name}: {pool['gpu_bytes'] / GiB:.2f} GiB, {pool['tokens']} tokens ({share:.1%})")
+    if "prefix_caching" in plan:
+        lines.append(PREFIX_CACHING[plan["prefix_caching"]])
     return "\n".join(lines)
+
+
+PREFIX_CACHING = {  # the cache changes no figure above: cached blocks nobody holds are free capacity
+    True: "prefix caching: on (a prompt prefix computed before reuses its KV blocks)",
+    False: "prefix caching: off (--no-prefix-cache)",
+}
 
 
 def print_plan(result: dict[str, Any], console: Console) -> None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from bootstrap.config import is_int
 from bootstrap.engine.kv_cache import PagedKVCache
-from bootstrap.engine.prefix_hash import extend_hashes
+from bootstrap.engine.request.prefix_hash import extend_hashes
 from bootstrap.engine.request.prompts import length_problem
 from bootstrap.engine.request.sequence import Sequence, SequenceStatus
 from bootstrap.engine.step.batch import ScheduledBatch

@@ -19,6 +19,7 @@ from bootstrap.backends.base import RequestExecutor, Speculates
 from bootstrap.serve.state import Phase, ServeState
 
 if TYPE_CHECKING:
+    from bootstrap.engine.executor.stats import EngineStats
     from bootstrap.engine.spec.metrics import SpeculationStats
     from bootstrap.pipeline.events import StageStatus
 
@@ -104,9 +105,38 @@ class StateCollector(Collector):
         yield GaugeMetricFamily(
             "bootstrap_requests_waiting", "Requests queued in the engine, not yet admitted", value=stats.waiting
         )
+        yield from _prefix_cache(stats)
         speculator = executor.speculator if isinstance(executor, Speculates) else None
         if speculator is not None:
             yield from _speculation(speculator.stats)
+
+
+def _prefix_cache(stats: EngineStats) -> Iterator[Metric]:
+    """Prefix caching: whether it is on, cached blocks, and prompt tokens looked up and found
+    (counted by the engine since it started: a swap, a weights update or a wake starts them again)."""
+    yield GaugeMetricFamily(
+        "bootstrap_prefix_caching", "1 when prefix caching is on", value=float(stats.prefix_caching)
+    )
+    yield GaugeMetricFamily(
+        "bootstrap_kv_cached_blocks",
+        "KV cache blocks holding a cached prefix, held or not",
+        value=stats.kv_cached_blocks,
+    )
+    yield GaugeMetricFamily(
+        "bootstrap_kv_cached_free_blocks",
+        "Of the cached blocks, those no request holds (free capacity, reused on a hit)",
+        value=stats.kv_cached_free_blocks,
+    )
+    yield CounterMetricFamily(
+        "bootstrap_prefix_cache_query_tokens",
+        "Prompt tokens looked up in the prefix cache",
+        value=stats.prefix_query_tokens,
+    )
+    yield CounterMetricFamily(
+        "bootstrap_prefix_cache_hit_tokens",
+        "Prompt tokens found in the prefix cache (their KV not computed again)",
+        value=stats.prefix_hit_tokens,
+    )
 
 
 def _speculation(stats: SpeculationStats) -> Iterator[Metric]:

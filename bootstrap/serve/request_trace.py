@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 TRACED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 SCOPE_KEY = "request_span"  # where the handler finds the span: ``request.state.request_span``
+CACHED_TOKENS = "gen_ai.usage.cache_read.input_tokens"  # OpenTelemetry's GenAI name: prompt tokens from the cache
 _PROPAGATOR = TraceContextTextMapPropagator()
 _IDS = RandomIdGenerator()
 
@@ -116,9 +117,15 @@ def _answered(span: Span, status: int) -> None:
 
 
 def record_choices(
-    span: Span | None, tracer: Tracer | None, endpoint: str, jobs: Iterable[Job], prompt_tokens: int
+    span: Span | None,
+    tracer: Tracer | None,
+    endpoint: str,
+    jobs: Iterable[Job],
+    prompt_tokens: int,
+    cached_tokens: int = 0,
 ) -> None:
-    """The request's totals on ``span``, and a choice span (with its phases) per closed job;
+    """The request's totals on ``span`` (``cached_tokens``: of its prompt tokens, those the prefix
+    cache held, as ``usage`` counts them), and a choice span (with its phases) per closed job;
     nothing when the request is not recorded."""
     if span is None or tracer is None or not span.is_recording():
         return
@@ -128,6 +135,7 @@ def record_choices(
             "bootstrap.endpoint": endpoint,
             "bootstrap.choices": len(jobs),
             "gen_ai.usage.input_tokens": prompt_tokens,
+            CACHED_TOKENS: cached_tokens,
             "gen_ai.usage.output_tokens": sum(job.tokens for job in jobs),
             "gen_ai.response.finish_reasons": [job.reason for job in jobs],
         }
@@ -149,6 +157,7 @@ def _record_choice(tracer: Tracer, context: Context, index: int, job: Job) -> No
             "bootstrap.request_id": job.request_id,
             "bootstrap.finish_reason": job.reason,
             "gen_ai.usage.input_tokens": job.prompt_tokens,
+            CACHED_TOKENS: job.cached_tokens,
             "gen_ai.usage.output_tokens": job.tokens,
             "bootstrap.kv_blocks": t.kv_blocks,
         },

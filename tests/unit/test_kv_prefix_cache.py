@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bootstrap.engine.kv_cache import KVCacheFull, KVCacheSpec, PagedKVCache
-from bootstrap.engine.prefix_hash import extend_hashes
+from bootstrap.engine.request.prefix_hash import extend_hashes
 
 SPEC = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32)
 TPB = 4

@@ -1,7 +1,8 @@
 """The choices of one OpenAI request: ``n`` jobs per prompt (completions take a list), each
 answered as its own choice, ``index`` = prompt index * ``n`` + choice (as vLLM numbers them).
 The ``n`` choices of a prompt are one prefill in the engine, their prompt's KV blocks shared
-(``PyExecutor.enqueue_choices``); ``usage`` counts each prompt once.
+(``PyExecutor.enqueue_choices``); ``usage`` counts each prompt once, its cached tokens those of
+its first choice (the one that prefilled it).
 
 Every job is enqueued before any is awaited, so the engine batches them. A refusal of any is the
 request's 400, and every job is closed whatever way the request ends. Streamed, the choices'
@@ -55,13 +56,14 @@ class Choices:
         params: Sequence[SamplingParams],
         n: int = 1,
         span: Span | None = None,
+        cache_salt: str | None = None,
     ) -> Choices:
         """Enqueue ``n`` jobs per prompt (choice ``i * n + j`` is prompt i's j-th); if some
         cannot be (shutting down), those before them are closed."""
         choices = cls(state, endpoint, sum(len(ids) for ids in prompts), span)
         try:
             for ids, p in zip(prompts, params, strict=True):
-                for j, request_id in enumerate(enqueue(state, ids, p, n)):
+                for j, request_id in enumerate(enqueue(state, ids, p, n, cache_salt)):
                     choices.jobs.append(Job(state, metrics, endpoint, request_id, len(ids), prefills=j == 0))
         except BaseException:
             await choices.close()
@@ -86,9 +88,14 @@ class Choices:
                 tg.start_soon(collect_one, index)
         return events
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache held, each prompt counted once (its first choice's)."""
+        return sum(job.cached_tokens for job in self.jobs if job.prefills)
+
     def usage(self) -> s.Usage:
         """Each prompt counted once; every choice's generated tokens."""
-        return s.Usage.of(self.prompt_tokens, sum(job.tokens for job in self.jobs))
+        return s.Usage.of(self.prompt_tokens, sum(job.tokens for job in self.jobs), self.cached_tokens)
 
     async def close(self) -> None:
         """Close every job (idempotent; shielded inside each ``Job.close``), then record the request once."""
@@ -102,7 +109,7 @@ class Choices:
         recording = self.span is not None and self.span.is_recording()
         trace_id = f"{self.span.get_span_context().trace_id:032x}" if recording else None
         self.state.recent.add(RequestSummary.of(self.endpoint, self.jobs, self.prompt_tokens, trace_id))
-        record_choices(self.span, self.state.tracer(), self.endpoint, self.jobs, self.prompt_tokens)
+        record_choices(self.span, self.state.tracer(), self.endpoint, self.jobs, self.prompt_tokens, self.cached_tokens)
 
 
 class ChoicesStream(StreamingResponse):

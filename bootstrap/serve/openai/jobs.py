@@ -31,11 +31,17 @@ REJECTED = "request rejected: "
 T = TypeVar("T")
 
 
-def enqueue(state: ServeState, ids: list[int], params: SamplingParams, n: int = 1) -> list[int]:
-    """The request ids of ``n`` choices of one prompt (``n`` > 1: prefilled once, its KV shared)."""
+def enqueue(
+    state: ServeState, ids: list[int], params: SamplingParams, n: int = 1, cache_salt: str | None = None
+) -> list[int]:
+    """The request ids of ``n`` choices of one prompt (``n`` > 1: prefilled once, its KV shared);
+    ``cache_salt`` (checked in ``schemas``) is passed only when given, so an unsalted call is as before."""
     executor = ready_executor(state)  # again: an operation may have begun while the prompt was read
+    salted = {} if cache_salt is None else {"cache_salt": cache_salt}
     try:
-        return [executor.enqueue(ids, params)] if n == 1 else executor.enqueue_choices(ids, params, n)
+        if n == 1:
+            return [executor.enqueue(ids, params, **salted)]
+        return executor.enqueue_choices(ids, params, n, **salted)
     except RuntimeError as exc:  # shut down between the readiness check and here
         raise APIError(503, f"the executor is not taking requests: {exc}", code="shutting_down") from exc
 
@@ -66,6 +72,7 @@ class Job:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.timing: RequestTiming | None = None  # once it ended in the engine
+        self.cached_tokens = 0  # once it ended: prompt tokens whose KV the prefix cache held
         self._closed = False
 
     async def first_event(self) -> StreamEvent:
@@ -93,6 +100,7 @@ class Job:
             self.state.tokens_generated += 1
         if event.finished:
             self.finish_reason, self.error, self.timing = event.finish_reason, event.error, event.timing
+            self.cached_tokens = event.cached_tokens or 0
         return event
 
     @property
@@ -124,6 +132,7 @@ class Job:
             with anyio.move_on_after(CANCEL_WAIT_S):
                 response = await self.executor.await_response_async(self.request_id)
                 self.finish_reason, self.error, self.timing = response.finish_reason, response.error, response.timing
+                self.cached_tokens = response.cached_tokens
                 collected = True
         except (KeyError, TimeoutError, RuntimeError):  # released (past max_unclaimed), in use, or shut down
             pass

@@ -94,7 +94,8 @@ async def answer(
             503, "the model changed while this request was read; send it again", headers={"Retry-After": "1"}
         )
     span = getattr(request.state, SCOPE_KEY, None)  # set by RequestTracing when this request is traced
-    choices = await Choices.start(state, request.app.state.metrics, render.kind, prompts, params, body.n, span)
+    metrics = request.app.state.metrics
+    choices = await Choices.start(state, metrics, render.kind, prompts, params, body.n, span, body.cache_salt)
     try:
         if await unless_disconnected(request, choices.first_events) is None:
             await choices.close()  # gone before its first token: every choice is cancelled, not left running

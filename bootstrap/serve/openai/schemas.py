@@ -24,6 +24,7 @@ MAX_STOP_IDS = 256
 MAX_LOGPROBS = 20  # alternatives per token, as vLLM allows (OpenAI: chat 20, completions 5)
 MAX_PROMPTS = 64  # completions' prompt list: each prompt is its own choice, enqueued at once
 MAX_ITEMS = 2**17  # items of any list in a request: as many token ids as a 128k context holds
+MAX_CACHE_SALT_CHARS = 1024  # the engine's bound (``PyExecutor``'s ``check_cache_salt``; its module imports torch)
 
 
 def _items(item: object, limit: int = MAX_ITEMS) -> object:
@@ -108,6 +109,18 @@ class _Sampling(_Strict):
     stop_token_ids: _items(Annotated[int, Field(ge=0)], MAX_STOP_IDS) | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, description="tokens before EOS, a stop token or a stop string may end it")
+    cache_salt: str | None = Field(
+        None, description="vLLM's: the prefix cache shares a prompt's blocks only with requests of the same salt"
+    )
+
+    @field_validator("cache_salt", mode="before")
+    @classmethod
+    def _salt(cls, value: object) -> object:
+        """The engine's rule (``check_cache_salt``) in the server's words; checked before pydantic's own."""
+        if value is None or (isinstance(value, str) and 1 <= len(value) <= MAX_CACHE_SALT_CHARS):
+            return value
+        sent = f"; {len(value)} sent" if isinstance(value, str) else ""
+        raise ValueError(f"must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters, or left out{sent}")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -214,14 +227,25 @@ def finish_reason(engine_reason: str | None) -> str | None:
     return FINISH_REASONS.get(engine_reason, engine_reason) if engine_reason else engine_reason
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
     @classmethod
-    def of(cls, prompt: int, completion: int) -> Usage:
-        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    def of(cls, prompt: int, completion: int, cached: int = 0) -> Usage:
+        details = PromptTokensDetails(cached_tokens=cached)
+        return cls(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=details,
+        )
 
 
 class Choice(BaseModel):

@@ -65,7 +65,8 @@ async def engine(request: Request) -> dict[str, Any]:
     }
 
 
-def _engine(executor: RequestExecutor) -> dict[str, int]:
+def _engine(executor: RequestExecutor) -> dict[str, Any]:
+    """The load, and the prefix cache's figures (its tokens counted since this engine started)."""
     stats = executor.engine_stats()
     return {
         "kv_total_blocks": stats.kv_total_blocks,
@@ -73,4 +74,10 @@ def _engine(executor: RequestExecutor) -> dict[str, int]:
         "kv_capacity_tokens": stats.kv_capacity_tokens,
         "running": stats.running,
         "waiting": stats.waiting,
+        "prefix_caching": stats.prefix_caching,
+        "kv_cached_blocks": stats.kv_cached_blocks,
+        "kv_cached_free_blocks": stats.kv_cached_free_blocks,
+        "prefix_query_tokens": stats.prefix_query_tokens,
+        "prefix_hit_tokens": stats.prefix_hit_tokens,
+        "prefix_hit_rate": stats.prefix_hit_rate,
     }
