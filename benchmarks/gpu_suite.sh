@@ -11,12 +11,15 @@
 #   cold_start.json  benchmarks/cold_start.py (fresh run and serve processes on an 8B checkpoint directory)
 #   traces.tar.gz    every start's trace file
 #
-# Usage, from the repository root:  bash benchmarks/gpu_suite.sh [--smoke] [--live-ops]
+# Usage, from the repository root:  bash benchmarks/gpu_suite.sh [--smoke] [--live-ops | --prefix-cache]
 #   --smoke: tiny shapes on the CPU, to check the script itself (tests/gpu then skip).
 #   --live-ops: instead of the steps above, benchmarks/live_ops.py alone (three 8B checkpoints written,
 #     a server swapped, slept, woken and updated, then 20 swap cycles under traffic: about 4 to 6 minutes,
 #     which the budget above has no room for): a second invocation, with its own 10 minutes:
 #       live_ops.json    benchmarks/live_ops.py (plus suite.log and steps.jsonl, as above)
+#   --prefix-cache: instead, benchmarks/prefix_cache.py --preset 8b alone (an 8B checkpoint written, then one
+#     fresh server with the prefix cache and one without, 64 chat requests at once on each), a second invocation:
+#       prefix_cache.json    benchmarks/prefix_cache.py (plus suite.log and steps.jsonl, as above)
 # Missing Python packages travel as wheels in .whl/ (python3 -m pip download --no-deps --only-binary=:all: -d .whl ...);
 # they are installed from there, never from an index. The whole suite keeps within
 # SUITE_BUDGET_S seconds: each step gets at most its own cap and what the budget has left.
@@ -28,12 +31,14 @@ export PYTHONUNBUFFERED=1
 
 SMOKE=0
 LIVE_OPS=0
+PREFIX_CACHE=0
 FAILED=0
 for arg in "$@"; do
   case $arg in
     --smoke) SMOKE=1 ;;
     --live-ops) LIVE_OPS=1 ;;
-    *) echo "gpu_suite.sh: unknown flag $arg (allowed: --smoke, --live-ops)" >&2; exit 2 ;;
+    --prefix-cache) PREFIX_CACHE=1 ;;
+    *) echo "gpu_suite.sh: unknown flag $arg (allowed: --smoke, --live-ops, --prefix-cache)" >&2; exit 2 ;;
   esac
 done
 
@@ -106,6 +111,7 @@ EOF
   CAPACITY=(--model "random:$WORK/tiny.json" --max-seq-len 64 --max-num-tokens 64 --max-batch-size 4 --load-timeout-s 60)
   COLD=(--shape "$WORK/tiny.json" --device cpu --repeats 1 --max-seq-len 64 --max-num-tokens 64 --max-batch-size 4)
   LIVE=(--preset tiny --device cpu --cycles 2)
+  PREFIX=(--preset tiny)
 else
   DEVICE=(--device cuda --dtype bfloat16)
   STARTUP=(--models random:llama-3.2-1b,random:llama-3.1-8b,random:qwen2.5-14b --max-seq-len 8192
@@ -114,6 +120,7 @@ else
             --load-timeout-s 100)
   COLD=(--shape llama-3.1-8b --device cuda --repeats 3)
   LIVE=(--preset 8b --device cuda --cycles 20)
+  PREFIX=(--preset 8b)
 fi
 
 say "results under $OUT"
@@ -125,6 +132,14 @@ print('torch', torch.__version__, 'transformers', transformers.__version__, 'pyt
 if [ "$LIVE_OPS" = 1 ]; then  # the stress stops early (--deadline-s) rather than meet the step's timeout
   run_step live_ops 560 python3 benchmarks/live_ops.py "${LIVE[@]}" --deadline-s 480 --work-dir "$WORK/live" \
     --out "$OUT/live_ops.json"
+  say "done; steps:"
+  cat "$OUT/steps.jsonl"
+  rm -rf "$WORK"
+  exit "$FAILED"
+fi
+if [ "$PREFIX_CACHE" = 1 ]; then
+  run_step prefix_cache 560 python3 benchmarks/prefix_cache.py "${PREFIX[@]}" --work-dir "$WORK/prefix" \
+    --out "$OUT/prefix_cache.json"
   say "done; steps:"
   cat "$OUT/steps.jsonl"
   rm -rf "$WORK"
