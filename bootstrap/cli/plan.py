@@ -103,9 +103,7 @@ async def run_plan(args: argparse.Namespace) -> tuple[dict[str, Any], StageFaile
         except StageFailed as exc:
             error = exc
         finally:
-            summary = plan_summary(pipeline.artifacts)
-            if summary:  # the cache reserves nothing: the plan is the same either way
-                summary["prefix_caching"] = config.prefix_caching
+            summary = plan_summary(pipeline.artifacts)  # prefix_caching too: it reserves nothing, the plan is the same
             await pipeline.aclose()  # also after Ctrl-C: no device thread or bytes left behind
     finally:
         provider.shutdown()

@@ -12,13 +12,17 @@ from bootstrap.capacity.split import PoolBudgets
 
 def plan_summary(artifacts: dict[str, Any]) -> dict[str, Any]:
     """The ``plan`` object of ``--json``: budget, tokens, concurrency, the profile it came from,
-    and per-pool shares. Once ``final_build`` ran, the figures are what it allocated (a retry may
-    have shrunk the pools); ``planned_kv_budget_bytes`` keeps what ``capacity`` planned."""
+    per-pool shares, and whether prefixes are cached. Once ``final_build`` ran, the figures are
+    what it allocated (a retry may have shrunk the pools); ``planned_kv_budget_bytes`` keeps what
+    ``capacity`` planned."""
     plan: CapacityPlan | None = artifacts.get("plan")
     if plan is None:
         return {}
     out = plan.to_dict()
     out["planned_kv_budget_bytes"] = plan.kv_budget_bytes
+    config = artifacts.get("config")
+    if config is not None:
+        out["prefix_caching"] = config.prefix_caching
     profile = artifacts.get("profile")
     if profile is not None:
         out["profile"] = profile.to_dict()

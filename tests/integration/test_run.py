@@ -81,7 +81,8 @@ def test_second_run_skips_the_probe_stages_and_reaches_the_same_capacity(checkpo
         str(tmp_path),
     )
     _, cold = run_json(capsys, *argv)
-    _, warm = run_json(capsys, *argv)
+    _, warm = run_json(capsys, *argv, "--no-prefix-cache")  # the plan is the same: the cache reserves nothing
+    assert cold["plan"]["prefix_caching"] is True and warm["plan"]["prefix_caching"] is False
     outcomes = {s["id"]: (s["outcome"], s["skip_reason"]) for s in warm["stages"]}
     assert outcomes["estimation_build"] == outcomes["profiling"] == ("skipped", "plan-cache")
     assert {s["outcome"] for s in cold["stages"] if s["id"] != "warmup"} == {"ok"}

@@ -106,19 +106,10 @@ def bootstrap_view(state: ServeState) -> dict[str, Any]:
         "error": state.error,
         "retryable": state.failure is not None and state.phase == "failed",
         "stages": rows,
-        "plan": _plan(state),
+        "plan": plan_summary(state.boot.pipeline.artifacts) if state.boot is not None else {},
         "asleep": state.boot.asleep if state.boot is not None else 0,
         "operations": [r.to_dict() for r in state.boot.operations] if state.boot is not None else [],
     }
-
-
-def _plan(state: ServeState) -> dict[str, Any]:
-    """The plan once known, with whether the model it serves caches prefixes (the config of the
-    last start or swap)."""
-    plan = plan_summary(state.boot.pipeline.artifacts) if state.boot is not None else {}
-    if plan:
-        plan["prefix_caching"] = state.boot.config.prefix_caching
-    return plan
 
 
 def ready_view(state: ServeState) -> dict[str, Any]:
