@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from bootstrap.capacity.quantization import parse_quantization
 from bootstrap.capacity.shape import ATTENTION, RECURRENT, ModelConfigError, ModelShape
 from bootstrap.config import is_int
 
@@ -171,6 +172,7 @@ class _Parser:
         fields.update(self._mla())
         fields.update(self._moe(layers))
         fields.update(self._mamba(hidden))
+        fields["quantization"] = parse_quantization(self.cfg)
         return ModelShape(**fields)
 
     def _torch_dtype(self) -> str | None:

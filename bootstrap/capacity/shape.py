@@ -20,9 +20,14 @@ import dataclasses
 import hashlib
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from bootstrap.config import ConfigError
+
+if TYPE_CHECKING:
+    from bootstrap.capacity.quantization import WeightQuantization
 
 MHA, GQA, MQA, MLA = "mha", "gqa", "mqa", "mla"
 ATTENTION, RECURRENT = "attention", "recurrent"
@@ -77,6 +82,7 @@ class ModelShape:
     mamba_dt_rank: int = 0
     mamba_conv_bias: bool = False
     mamba_proj_bias: bool = False
+    quantization: WeightQuantization | None = None  # FP8 weights (``capacity.quantization``), else 16 bits
 
     @property
     def attention_kind(self) -> str:
@@ -112,8 +118,50 @@ class ModelShape:
         return embeddings + layers + self.hidden_size + lm_head
 
     def weight_bytes(self, dtype_bytes: float) -> int:
-        """Bytes of all parameters at ``dtype_bytes`` per parameter."""
-        return math.ceil(self.parameter_count() * dtype_bytes)
+        """Bytes of all parameters at ``dtype_bytes`` per parameter; with FP8 weights, their
+        projections at 1 byte each plus their scales."""
+        total = self.parameter_count() * dtype_bytes
+        q = self.quantization
+        if q is not None and q.fp8:
+            for module, rows, columns in self.projections():
+                if not q.ignores(module):
+                    total -= rows * columns * (dtype_bytes - 1)
+                    total += q.scale_bytes(rows, columns)
+        return math.ceil(total)
+
+    def projections(self) -> Iterator[tuple[str, int, int]]:
+        """Every attention and MLP (expert) projection matrix: its module name as checkpoints
+        name it, output rows and input columns."""
+        h = self.hidden_size
+        for i, kind in enumerate(self.layer_kinds):
+            if kind == ATTENTION:
+                for name, rows, columns in self._attention_projections():
+                    yield f"model.layers.{i}.self_attn.{name}", rows, columns
+            if not self.moe_layers[i]:
+                yield from _mlp_projections(f"model.layers.{i}.mlp", h, self.intermediate_size)
+                continue
+            for e in range(self.num_experts):
+                yield from _mlp_projections(f"model.layers.{i}.mlp.experts.{e}", h, self.moe_intermediate_size)
+            if self.num_shared_experts:
+                shared = self.shared_expert_intermediate_size
+                yield from _mlp_projections(f"model.layers.{i}.mlp.shared_experts", h, shared)
+
+    def _attention_projections(self) -> list[tuple[str, int, int]]:
+        h, heads = self.hidden_size, self.num_heads
+        if self.kv_lora_rank is None:
+            q, kv = heads * self.head_dim, self.num_kv_heads * self.head_dim
+            return [("q_proj", q, h), ("k_proj", kv, h), ("v_proj", kv, h), ("o_proj", h, q)]
+        qk_head, rank = self.qk_nope_head_dim + self.qk_rope_head_dim, self.kv_lora_rank
+        if self.q_lora_rank is None:
+            query = [("q_proj", heads * qk_head, h)]
+        else:
+            query = [("q_a_proj", self.q_lora_rank, h), ("q_b_proj", heads * qk_head, self.q_lora_rank)]
+        return [
+            *query,
+            ("kv_a_proj_with_mqa", rank + self.qk_rope_head_dim, h),
+            ("kv_b_proj", heads * (self.qk_nope_head_dim + self.v_head_dim), rank),
+            ("o_proj", h, heads * self.v_head_dim),
+        ]
 
     def fingerprint(self) -> str:
         """Stable sha256 of the normalized shape (same shape, same hash, whatever the key order)."""
@@ -166,6 +214,12 @@ class ModelShape:
         ssm = d * n + d  # A_log, D
         out_proj = d * h + proj_bias * h
         return in_proj + conv + x_proj + dt_proj + ssm + out_proj + r + 2 * n  # + dt/B/C norms
+
+
+def _mlp_projections(prefix: str, hidden: int, inner: int) -> Iterator[tuple[str, int, int]]:
+    yield f"{prefix}.gate_proj", inner, hidden
+    yield f"{prefix}.up_proj", inner, hidden
+    yield f"{prefix}.down_proj", hidden, inner
 
 
 def _mlp(hidden: int, inner: int, bias: bool) -> int:

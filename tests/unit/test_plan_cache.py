@@ -46,7 +46,8 @@ CHANGED = {
 }
 ON_TRTLLM_ONLY = {"kv_manager": "v2"}  # refused with the native backend of BASE
 REJECTED_FOR_EVERY_PRESET = {"cross_kv_cache_fraction": 0.25}  # decoder-only models refuse it
-IRRELEVANT = {"device", "plan_cache"}  # the device enters by name and size; the cache's location changes nothing
+# the device enters by name and size; the cache's location, and prefix reuse (it reserves nothing), change nothing
+IRRELEVANT = {"device", "plan_cache", "prefix_caching"}
 WITH_A_DRAFT_ONLY = {
     "num_speculative_tokens"
 }  # refused without draft_model (BASE has none); fingerprinted all the same
