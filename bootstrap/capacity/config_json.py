@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from bootstrap.capacity.quantization import parse_quantization
+from bootstrap.capacity.quantization import QuantizationError, parse_quantization
 from bootstrap.capacity.shape import ATTENTION, RECURRENT, ModelConfigError, ModelShape
 from bootstrap.config import is_int
 
@@ -172,7 +172,10 @@ class _Parser:
         fields.update(self._mla())
         fields.update(self._moe(layers))
         fields.update(self._mamba(hidden))
-        fields["quantization"] = parse_quantization(self.cfg)
+        try:
+            fields["quantization"] = parse_quantization(self.cfg)
+        except QuantizationError as exc:
+            raise ModelConfigError(f"{self.model_type} config.json: {exc}") from None
         return ModelShape(**fields)
 
     def _torch_dtype(self) -> str | None:

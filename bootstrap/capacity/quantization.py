@@ -18,13 +18,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from bootstrap.capacity.shape import ModelConfigError
-
 SCALE_BYTES = 4
 
 
-class QuantizationError(ModelConfigError):
-    """A ``quantization_config`` that declares FP8 weights in a way that cannot be priced."""
+class QuantizationError(ValueError):
+    """A ``quantization_config`` that cannot be priced (``config_json`` says it as a ``ModelConfigError``)."""
 
 
 @dataclass(frozen=True)

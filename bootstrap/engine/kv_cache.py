@@ -1,24 +1,15 @@
 """Paged KV cache: one block pool for all layers of a model, and per-request block tables.
 
 The pool is one tensor ``[2, layers, blocks, tokens_per_block, kv_heads, head_dim]`` (keys, then
-values), so ``k_cache(layer)`` and ``v_cache(layer)`` are views and ``release()`` frees it all.
-A request owns a block table and a length; its token ``p`` lives in slot
-``table[p // tpb] * tpb + p % tpb`` of a layer's flattened ``[blocks * tpb, kv_heads, head_dim]``
-view. The same class serves the probe pool, the final target pool and a draft pool. Freed blocks
-are reused first (last in, first out), so the blocks ever touched stay as few as the peak needs;
-on the CPU the pool's pages are mapped zeroed on first touch, so an idle pool costs no memory.
-``fork`` (the ``n`` choices of a prompt) gives a child the parent's full blocks by reference,
-counted, and a copy of its partial last block (copy-on-write where they diverge); a full block is
-never written again, so a shared one stays shared until every holder frees it.
-
-Prefix caching: ``publish`` registers a request's full, final blocks under their chained digests
-(``prefix_hash``); ``match`` finds the longest run of a new request's digests already registered
-and ``allocate(..., prefix=)`` starts its table with those blocks, shared. A registered block that
-no request holds stays cached, counted free: it is handed out again only when no plain free block
-is left, least recently released first, and forgets its digest then. ``clear_cache`` forgets every
-digest (new weights make the cached keys and values wrong). ``stats()``: ``total_bytes`` the pool,
-``allocated_bytes`` the blocks handed out, ``used_bytes`` the tokens held (a shared block or token
-counts once), ``cached_blocks`` the registered blocks, ``cached_free_blocks`` those no request holds.
+values); a request's token ``p`` lives in slot ``table[p // tpb] * tpb + p % tpb`` of a layer's
+flattened view. One class serves the probe, target and draft pools. Freed blocks are reused last
+in, first out; on the CPU the pool's pages are mapped zeroed on first touch. ``fork`` gives a
+child the parent's full blocks, counted, and a copy of its partial last one; a full block is never
+written again, so a shared one stays shared until every holder frees it. Prefix caching
+(``match``, ``publish``, ``allocate(prefix=)``; design.md): a registered block nobody holds stays
+cached and counts as free, handed out only when no plain free block is left, least recently
+released first. ``stats()``: the pool, the blocks handed out, the tokens held (a shared block
+counts once), the registered blocks and those of them nobody holds.
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
 """Scheduling in two layers, as TensorRT-LLM splits it; ``Scheduler`` holds the queues and ties
 the two to the KV cache.
 
-``CapacityScheduler`` admits waiting requests with the guaranteed-no-evict policy: a request
-starts only when the KV blocks of its whole life (prompt plus ``max_tokens``) fit in what the
-running requests have not reserved, so nothing is ever preempted; first come, first served, the
-head of the queue never overtaken. ``MicroBatchScheduler`` picks one step's tokens: one for every
-request in decode, then prefill chunks in admission order up to ``max_num_tokens`` (chunked
-prefill). With a draft model (``spec.speculator``) a reservation holds in both pools (admission
-counts the smaller one's blocks) and is freed in both. The ``n`` choices of one prompt are one
-request until its prefill ends: the first choice carries the others (``Sequence.forks``), is
-admitted with the blocks of all (the prompt's full blocks counted once), and the step that
-completes the prefill forks them (``fork``), each sampling its first token from the same logits
-row; should the first end before that, the next live choice takes its place in the queue.
-
-With ``prefix_caching`` a request admitted looks its prompt's full blocks up in the pool
-(``PagedKVCache.match``, in both pools with a draft: the shorter run) and starts after the
-longest cached prefix, at least its last prompt token left to compute (its logits sample the
-first token); its reservation stays that of its whole life, so the cache never admits what would
-not fit without it. Each step first registers the blocks the running requests have completed
-since (``publish``), and a request that ends registers its own before they are freed.
+``CapacityScheduler`` admits with the guaranteed-no-evict policy: a request starts only when the
+blocks of its whole life fit in what the running requests have not reserved (in both pools with a
+draft), first come, first served. ``MicroBatchScheduler`` picks one step's tokens: a token for
+every request in decode, then prefill chunks up to ``max_num_tokens``. The ``n`` choices of a
+prompt are one request until its prefill ends (``Sequence.forks``, the prompt's full blocks
+counted once), then forked (``fork``). With ``prefix_caching`` an admitted request starts after
+the longest cached prefix of its prompt (the shorter run of both pools with a draft; its last
+prompt token always computed), its reservation unchanged; each step first registers the blocks
+completed since (``publish``), and a request that ends registers its own before they are freed.
 """
 
 from __future__ import annotations

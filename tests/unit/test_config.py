@@ -58,6 +58,7 @@ VALID = {
     "kv_manager": "auto",
     "kv_headroom_bytes": 1 << 30,
     "cuda_graphs": False,
+    "prefix_caching": False,
     "cuda_graph_batch_sizes": (1, 2),
     "num_speculative_tokens": 3,
 }

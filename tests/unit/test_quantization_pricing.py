@@ -11,7 +11,6 @@ import pytest
 
 from bootstrap.capacity.config_json import parse_config
 from bootstrap.capacity.presets import MODEL_PRESETS
-from bootstrap.capacity.quantization import QuantizationError
 from bootstrap.capacity.shape import ModelConfigError
 
 LLAMA = dict(MODEL_PRESETS["llama-3.1-8b"])
@@ -88,9 +87,8 @@ def test_experts_and_latent_attention_are_priced_too():
     ],
 )
 def test_a_layout_that_cannot_be_priced_is_refused_naming_its_field(quantization, field):
-    with pytest.raises(QuantizationError, match=field.replace(".", r"\.")) as refused:
+    with pytest.raises(ModelConfigError, match=field.replace(".", r"\.")):
         shape(quantization)
-    assert isinstance(refused.value, ModelConfigError)
 
 
 def test_the_native_engine_refuses_fp8_weights_in_resolve_classes(tmp_path):
