@@ -91,11 +91,19 @@ def test_a_layout_that_cannot_be_priced_is_refused_naming_its_field(quantization
         shape(quantization)
 
 
-def test_the_native_engine_refuses_fp8_weights_in_resolve_classes(tmp_path):
-    import json
+@pytest.mark.parametrize(
+    ("quantization", "device", "named"),
+    [
+        ({"quant_method": "awq", "bits": 4}, "cpu", "quant_method 'awq'"),
+        ({**BLOCK, "activation_scheme": "static"}, "cpu", "static activation scales"),
+        (CHANNEL, "cuda", "FP8 weights run on the CPU"),
+    ],
+)
+def test_the_native_engine_refuses_what_it_does_not_run_in_resolve_classes(quantization, device, named):
+    from bootstrap.backends.native.checks import check_quantization
+    from bootstrap.config import ConfigError
 
-    from bootstrap.cli.main import main
-
-    path = tmp_path / "fp8.json"
-    path.write_text(json.dumps({**LLAMA, "num_hidden_layers": 2, "quantization_config": CHANNEL}))
-    assert main(["run", "--model", f"random:{path}", "--device", "cpu", "--json"]) == 2
+    with pytest.raises(ConfigError, match=named):
+        check_quantization(shape(quantization), device)
+    check_quantization(shape(CHANNEL), "cpu")
+    check_quantization(shape(BLOCK), "cpu")

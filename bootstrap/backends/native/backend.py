@@ -31,6 +31,7 @@ from bootstrap.backends.native.builds import NativeBuild, NativeModels
 from bootstrap.backends.native.checks import (
     check_draft_tokenizer,
     check_probe_tokens,
+    check_quantization,
     check_weights_fit,
     unreadable_as_source_error,
 )
@@ -135,11 +136,7 @@ class NativeBackend(LiveWeights):
         check_draft_tokenizer(config)
         if config.host_cache_bytes:
             raise ConfigError("host_cache_bytes: the native engine has no host KV tier; allowed: 0")
-        if shape.quantization is not None:
-            raise ConfigError(
-                f"quantization_config: {shape.quantization.method} weights ({shape.architecture}) are priced by "
-                "bootstrap plan but not loaded by the native engine yet; use --backend trtllm or a 16-bit checkpoint"
-            )
+        check_quantization(shape, self.torch_device.type)
         if shape.attention_kind == "mla" or shape.num_recurrent_layers:
             kind = "multi-head latent attention" if shape.attention_kind == "mla" else "recurrent layers"
             raise ConfigError(f"model: {shape.architecture} uses {kind}, which the native paged KV cache does not hold")

@@ -136,3 +136,27 @@ def check_weights_dir(path: str, live_config: Any) -> Path:
                 "new weights must be of the same model (swap to serve another)"
             )
     return directory
+
+
+def check_quantization(shape: ModelShape, device_type: str) -> None:
+    """FP8 weights the engine reads (``layers.fp8``): dynamic activations, on the CPU (on CUDA
+    the FP8 kernels are not in yet, and dequantizing every step would be slower than 16 bits);
+    nothing else quantized."""
+    q = shape.quantization
+    if q is None:
+        return
+    if not q.fp8:
+        raise ConfigError(
+            f"quantization_config: quant_method {q.method!r} is not loaded by the native engine; allowed: "
+            "compressed-tensors (float-quantized FP8), fp8"
+        )
+    if not q.dynamic_activations:
+        raise ConfigError(
+            "quantization_config: static activation scales are not used by the native engine; allowed: dynamic "
+            "(activation_scheme dynamic, or input_activations dynamic: true)"
+        )
+    if device_type != "cpu":
+        raise ConfigError(
+            "quantization_config: FP8 weights run on the CPU in this version (dequantized for each product); "
+            "on CUDA their kernels are not in yet: use a 16-bit checkpoint or --backend trtllm"
+        )

@@ -14,14 +14,21 @@ one row of half-precision input on CUDA takes ``gemv``'s kernel, the rest ``F.li
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from bootstrap.engine.kernels import gemv
+from bootstrap.engine.layers.fp8 import dequantized, is_fp8
 
 Index = tuple[slice, ...]
+
+
+def _weight(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The weight to multiply by: an FP8 one dequantized to ``x``'s dtype (``layers.fp8``)."""
+    return dequantized(module, x.dtype) if is_fp8(module.weight) else module.weight
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -73,14 +80,19 @@ class FusedLinear(torch.nn.Linear):
             start += rows
 
     def checkpoint_index(self, part: str, kind: str, shape: list[int]) -> Index:
-        """This rank's rows of the checkpoint's ``part`` weight or bias of ``shape``."""
+        """This rank's rows of the checkpoint's ``part`` weight, bias or scales of ``shape`` (a
+        part's single per-tensor scale: all of it)."""
+        if kind == "weight_scale" and math.prod(shape) == 1:
+            return ()
         return (self.shard.span(shape[0]),)
 
     def part_target(self, part: str, kind: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """The rows of the weight (``kind`` "weight") or bias that this rank's slice of the
-        checkpoint's ``part`` fills, the slice being of ``shape``."""
-        target = self.weight if kind == "weight" else self.bias
+        """The rows of the weight (``kind`` "weight"), bias or scales that this rank's slice of
+        the checkpoint's ``part`` fills, the slice being of ``shape``."""
+        target = getattr(self, kind, None)
         rows = self.parts[part]
+        if kind == "weight_scale":
+            return self._scale_rows(part, target, shape)
         if target is None or shape[0] != rows.stop - rows.start or tuple(shape[1:]) != tuple(target.shape[1:]):
             raise ValueError(
                 f"{part}.{kind}: checkpoint shape {tuple(shape)} does not fit rows {rows} of "
@@ -88,8 +100,25 @@ class FusedLinear(torch.nn.Linear):
             )
         return target[rows]
 
+    def _scale_rows(self, part: str, target: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
+        """The scales of ``part``: its rows' (one per row, or a per-tensor one filling them all),
+        or with blocks its block rows (the part's rows a whole number of blocks)."""
+        rows = self.parts[part]
+        block = getattr(self, "fp8_block", None)
+        if target is None:
+            raise ValueError(f"{part}: a checkpoint scale for a projection that is not FP8 here")
+        if block is not None:
+            if rows.start % block[0] or rows.stop % block[0]:
+                raise ValueError(f"{part}: rows {rows} are not whole blocks of {block[0]} (weight_block_size)")
+            rows = slice(rows.start // block[0], rows.stop // block[0])
+        elif math.prod(shape) == 1:
+            return target[rows]
+        if shape[0] != rows.stop - rows.start or tuple(shape[1:]) != tuple(target.shape[1:]):
+            raise ValueError(f"{part}.weight_scale: checkpoint shape {tuple(shape)} does not fit rows {rows}")
+        return target[rows]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(x, self.weight, self.bias)
+        return project(x, _weight(self, x), self.bias)
 
     def split(self, out: torch.Tensor) -> list[torch.Tensor]:
         return list(out.split([s.stop - s.start for s in self.parts.values()], dim=-1))
@@ -109,12 +138,15 @@ class RowLinear(torch.nn.Linear):
         self.shard = shard
 
     def checkpoint_index(self, part: None, kind: str, shape: list[int]) -> Index:
+        if kind == "weight_scale":
+            return ()  # per row (the rows are whole on every rank) or per tensor
         return (slice(None), self.shard.span(shape[1])) if kind == "weight" else (slice(None),)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = _weight(self, x)
         if self.shard.size == 1:
-            return project(x, self.weight, self.bias)
-        out = F.linear(x, self.weight)
+            return project(x, weight, self.bias)
+        out = F.linear(x, weight)
         torch.distributed.all_reduce(out)
         return out if self.bias is None else out + self.bias
 

@@ -84,14 +84,35 @@ def build_own_model(
     the config's), its parameters uninitialised; ``ModelConfigError`` for a config it cannot read."""
     from bootstrap.engine.models.decoder import DecoderConfig, DecoderLM
 
-    config = DecoderConfig.from_shape(parse_config(cfg), cfg)
+    shape = parse_config(cfg)
+    config = DecoderConfig.from_shape(shape, cfg)
     dtype = dtype or getattr(torch, config.torch_dtype or "float32")
     # Built on meta by argument, not under ``torch.device("meta")``: that mode routes the
     # initialisers through torch's Python references, which import torch._dynamo (slow to import).
     model = DecoderLM(config, generation_eos=generation_eos, device="meta", shard=shard).to(dtype)
+    if shape.quantization is not None and shape.quantization.fp8:
+        fp8_projections(model, shape.quantization)
     materialize(model, device)
     model.model.rotary.reset(device)  # float32 frequencies on the device
     return model
+
+
+def fp8_projections(model: torch.nn.Module, quantization: Any) -> None:
+    """The projections the checkpoint stores in FP8 (all but what ``ignore`` names) made so
+    (``layers.fp8``), by the checkpoint's names of their parts."""
+    from bootstrap.engine.layers.fp8 import make_fp8
+    from bootstrap.engine.layers.linear import FusedLinear, RowLinear
+
+    for name, module in model.named_modules():
+        if isinstance(module, FusedLinear | RowLinear):
+            parts = (
+                [name.rpartition(".")[0] + "." + p for p in module.parts] if isinstance(module, FusedLinear) else [name]
+            )
+            kept = [p for p in parts if quantization.ignores(p)]
+            if kept and len(kept) < len(parts):
+                raise ModelConfigError(f"quantization_config: ignore names {kept[0]} but not the parts fused with it")
+            if not kept:
+                make_fp8(module, quantization.block)
 
 
 def materialize(model: torch.nn.Module, device: torch.device) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from bootstrap.engine.layers.fp8 import SCALE_NAMES
 from bootstrap.engine.layers.linear import FusedLinear, Index, RowLinear
 from bootstrap.engine.models.byte_reads import PIECE_BYTES, ByteRange, read_ranges
 from bootstrap.engine.models.files import ModelSourceError, check_regular, exists, read_json
@@ -147,7 +148,8 @@ def plan_weights(model: torch.nn.Module, files: list[Path]) -> WeightReads:
                 )
             filled.add(name)
             start = _contiguous_start(index, stored.shape)
-            if start is not None and DTYPES.get(stored.dtype) == target.dtype and target.is_contiguous():
+            whole = math.prod(_sliced_shape(index, stored.shape)) == target.numel()  # not a scale filling rows
+            if start is not None and whole and DTYPES.get(stored.dtype) == target.dtype and target.is_contiguous():
                 direct.append(ByteRange(file, stored.offset + start * target.element_size(), target.detach()))
             else:
                 converted.append((stored, target, index))
@@ -166,6 +168,7 @@ def _place(stored: Stored, params: dict, modules: dict) -> tuple[str, torch.Tens
     """The parameter checkpoint tensor ``stored`` fills, the part of it that this rank's slice
     lands in, and that slice of the stored tensor."""
     owner, _, kind = stored.name.rpartition(".")
+    kind = "weight_scale" if kind in SCALE_NAMES else kind  # block-wise fp8's weight_scale_inv multiplies too
     parent, _, part = owner.rpartition(".")
     if part in FUSED:
         fused = f"{parent}.{FUSED[part]}"
@@ -178,15 +181,18 @@ def _place(stored: Stored, params: dict, modules: dict) -> tuple[str, torch.Tens
         except ValueError as exc:  # a part's rows or columns that do not fit the fused projection
             raise ModelSourceError(f"{stored.file}: tensor {stored.name!r}: {exc}") from None
         return f"{fused}.{kind}", target, index
-    param = params.get(stored.name)
+    name = f"{owner}.{kind}"
+    param = params.get(name)
     if param is None:
         raise ModelSourceError(f"checkpoint tensor {stored.name!r} has no place in this model")
     module = modules[owner]
     index = module.checkpoint_index(None, kind, stored.shape) if isinstance(module, RowLinear) else ()
     shape = _sliced_shape(index, stored.shape)
+    if kind == "weight_scale" and math.prod(shape) == 1:
+        return name, param, index  # one scale for the whole tensor: it fills every row
     if tuple(param.shape) != shape:
         raise ModelSourceError(f"{stored.name}: checkpoint shape {shape}, the model's {tuple(param.shape)}")
-    return stored.name, param, index
+    return name, param, index
 
 
 def _bounds(index: Index, shape: tuple[int, ...]) -> list[tuple[int, int, int]]:
@@ -222,7 +228,8 @@ def _read_converting(items: list[tuple[Stored, torch.Tensor, Index]]) -> None:
     for file, group in by_file.items():
         with safe_open(str(file), framework="pt", device=str(group[0][1].device)) as reader:
             for stored, target, index in group:
-                target.copy_(reader.get_slice(stored.name)[index].to(target.dtype))
+                tensor = reader.get_slice(stored.name)[index] if index else reader.get_tensor(stored.name)
+                target.copy_(tensor.to(target.dtype))  # a per-tensor scale broadcasts over its rows
 
 
 def _tied(model: torch.nn.Module) -> set[str]:
