@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bootstrap.api import Bootstrap, Busy, Refused
-from bootstrap.backends.native import backend as backend_module
+from bootstrap.backends.native import loading as loading_module
 from bootstrap.config import BootstrapConfig
 from bootstrap.engine.sampling.sampler import SamplingParams
 from bootstrap.pipeline import StageFailed
@@ -216,13 +216,13 @@ def test_a_bad_source_for_a_swap_is_refused_while_the_old_model_serves(llama, tm
 def test_a_swap_loads_the_new_tokenizer_once_while_the_old_model_serves(llama, qwen, monkeypatch):
     """``resolve_classes`` loads it (the swap's check, before the release); ``load_model`` takes it."""
     loads: list[tuple[str, bool]] = []
-    load = backend_module.checkpoint_tokenizer
+    load = loading_module.checkpoint_tokenizer
 
     def counting(path):
         loads.append((Path(path).name, serving.executor is not None and serving.executor.is_running))
         return load(path)
 
-    monkeypatch.setattr(backend_module, "checkpoint_tokenizer", counting)
+    monkeypatch.setattr(loading_module, "checkpoint_tokenizer", counting)
     serving = Bootstrap(config(llama))
 
     async def main():

@@ -2,8 +2,8 @@
 
 The stages decide sizes and retries; this module does the torch work on the device thread and
 pushes the release of all it allocates on the attempt's ``Undo`` (``docs/stages.md``).
-``load_model``: the weights through the engine's loader (progress lines on stderr, rank 0
-only), released by moving every parameter to ``meta``; ``estimation_build``: probe pools, a
+``load_model`` (``loading``, read in the background; progress lines on stderr, rank 0 only),
+released by moving every parameter to ``meta``; ``estimation_build``: probe pools, a
 temporary executor on each; ``profiling``: the dummy requests (``executor.profile_run``) and with
 a draft one rehearsed speculative step, every figure read from the device port once torch's
 cached blocks are returned (else they would count twice, as non-torch memory), the graphs'
@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from opentelemetry import trace
 
 from bootstrap.backends.artifacts import EstimationBuild, FinalBuild, LoadedModel, ResolvedClasses, Warmup
 from bootstrap.backends.native import capture
@@ -37,6 +36,7 @@ from bootstrap.backends.native.checks import (
 )
 from bootstrap.backends.native.headroom import headroom_terms
 from bootstrap.backends.native.live_weights import LiveWeights
+from bootstrap.backends.native.loading import DTYPES, Loading
 from bootstrap.backends.native.placement import device_for, rank_device, rank_env
 from bootstrap.capacity import CapacityPlan, MemoryProfile, dummy_request_lengths
 from bootstrap.capacity.config_json import parse_config
@@ -52,8 +52,7 @@ from bootstrap.engine.kernels import paged_kv
 from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
 from bootstrap.engine.sampling.sampler import SamplingParams
 from bootstrap.engine.scheduler import SchedulerConfig
-from bootstrap.engine.sources.checkpoint import checkpoint_tokenizer
-from bootstrap.engine.sources.loader import CHECKPOINT, LoadedWeights, config_dict, load_model, resolve_source
+from bootstrap.engine.sources.loader import config_dict
 from bootstrap.engine.sources.progress_lines import Progress, quiet, to_stderr
 from bootstrap.engine.spec.rows import graph_sizes, max_rows
 from bootstrap.engine.step.graphs import release_workspaces
@@ -61,11 +60,10 @@ from bootstrap.engine.step.model_runner import ModelRunner
 from bootstrap.pipeline.collective import Collective
 from bootstrap.pipeline.undo import Undo
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SMOKE_TIMEOUT_S = 300.0
 
 
-class NativeBackend(LiveWeights):
+class NativeBackend(Loading, LiveWeights):
     """The backend protocol over ``bootstrap.engine`` (see the module docstring)."""
 
     name = "native"
@@ -143,20 +141,6 @@ class NativeBackend(LiveWeights):
         check_probe_tokens(config, shape)
         self._preload_tokenizer(config.model)
 
-    def _preload_tokenizer(self, source: str) -> None:
-        """A checkpoint directory's tokenizer, loaded (and a broken one refused) here: a swap's
-        check runs while the old model serves, and ``load_model`` then takes it as it is."""
-        resolved = resolve_source(source)
-        if resolved.kind == CHECKPOINT:
-            with unreadable_as_source_error(source):
-                self._tokenizer_of(resolved.path)
-
-    def _tokenizer_of(self, path: Path) -> Any:
-        key = path.resolve()
-        if key not in self._tokenizers:
-            self._tokenizers[key] = checkpoint_tokenizer(path)
-        return self._tokenizers[key]
-
     def check_weights(
         self, config: BootstrapConfig, shapes: list[ModelShape], dtype: str, releasable_bytes: int = 0
     ) -> None:
@@ -181,44 +165,7 @@ class NativeBackend(LiveWeights):
             return None
         return headroom_terms(profile, resolved, config)["total"]
 
-    # ---- load_model ---------------------------------------------------------------------------
-
-    def load_model(self, config: BootstrapConfig, resolved: ResolvedClasses, undo: Undo) -> LoadedModel:
-        target = self._load(config.model, resolved.dtype, undo)
-        draft = self._load(config.draft_model, resolved.dtype, undo) if config.draft_model else None
-        total = target.weight_bytes + (draft.weight_bytes if draft else 0)
-        models = NativeModels(target, draft, config.tokens_per_block, resolved.max_seq_len)
-        return LoadedModel(models, total, draft_handle=draft, tokenizer=target.tokenizer)
-
-    def _load(self, source: str, dtype: str, undo: Undo) -> LoadedWeights:
-        undo.push(self._settler())  # a load that fails half way leaves garbage for the allocator's cache
-        with unreadable_as_source_error(source):
-            weights = load_model(
-                source,
-                device=self.torch_device,
-                dtype=DTYPES[dtype],
-                cache_dir=self.cache_dir,
-                tp_size=self.tp,
-                progress=self.progress,
-                background=True,  # read while final_build and warmup run: a capture needs addresses only
-                tokenizer_of=self._tokenizer_of,
-            )
-        undo.push(lambda: weights.model.to(torch.device("meta")))  # frees the storage even if a reference survives
-        undo.push(weights.stop_reading)  # first: no read may write into storage released under it
-        return weights
-
-    def _await_weights(self, loaded: LoadedModel) -> float:
-        """Every weight read (``_load`` reads in the background); the seconds waited, and on the
-        waiting attempt's span the read's own seconds and bytes (``load_model``'s span ends
-        before the read does)."""
-        waited, span = 0.0, trace.get_current_span()
-        for name, weights in loaded.handle.by_name().items():
-            waited += weights.wait_for_weights()
-            if weights.reading is not None and weights.reading.seconds is not None:
-                span.set_attribute(f"bootstrap.weights.{name}.read_s", round(weights.reading.seconds, 6))
-                span.set_attribute(f"bootstrap.weights.{name}.read_bytes", weights.reading.nbytes)
-        span.set_attribute("bootstrap.weights.waited_s", round(waited, 6))
-        return waited
+    # ---- the allocator's cache, after a release ----------------------------------------------
 
     def _return_cached(self) -> None:
         """Torch's cached blocks back to the device, after the work queued so far; cuBLAS
