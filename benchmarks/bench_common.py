@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import gc
 import json
+import os
 import platform
 import sys
 from pathlib import Path
@@ -130,3 +131,16 @@ def graph_replay_us(call, replays: int) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / replays * 1000
+
+
+def server_env(caches: Path) -> dict[str, str]:
+    """The environment of a ``bootstrap serve`` subprocess: Triton's and inductor's caches under
+    ``caches``, output unbuffered, this checkout first on ``PYTHONPATH``."""
+    root = str(Path(__file__).resolve().parent.parent)
+    return {
+        **os.environ,
+        "TRITON_CACHE_DIR": str(caches / "triton"),
+        "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
+    }

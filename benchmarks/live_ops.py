@@ -41,7 +41,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))  # bench_common and cold_start, also when loaded by path
-from bench_common import ratio, save  # noqa: E402
+from bench_common import ratio, save, server_env  # noqa: E402
 from cold_start import write_checkpoint  # noqa: E402
 
 MODEL_ID = "live"  # the served model name of every model the servers hold: clients never change it
@@ -129,13 +129,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = work / f"{name}.log"
-        env = {
-            **os.environ,
-            "TRITON_CACHE_DIR": str(work / "caches" / "triton"),
-            "TORCHINDUCTOR_CACHE_DIR": str(work / "caches" / "inductor"),
-            "PYTHONUNBUFFERED": "1",
-            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
-        }
+        env = server_env(work / "caches")
         flags = args.serve_args.split() if args.serve_args else PRESETS[args.preset]["flags"]
         command = [
             *("-m", "bootstrap.cli", "serve", "--model", model, "--device", args.device),

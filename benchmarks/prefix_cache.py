@@ -43,7 +43,7 @@ import httpx
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))  # bench_common, cold_start and live_ops, also when loaded by path
-from bench_common import ratio, report_header, resolve_device, save  # noqa: E402
+from bench_common import ratio, report_header, resolve_device, save, server_env  # noqa: E402
 from cold_start import write_checkpoint  # noqa: E402
 from live_ops import call, free_port, metrics  # noqa: E402
 
@@ -175,13 +175,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = work / f"serve-{arm}.log"
-        env = {
-            **os.environ,
-            "TRITON_CACHE_DIR": str(work / "caches" / "triton"),
-            "TORCHINDUCTOR_CACHE_DIR": str(work / "caches" / "inductor"),
-            "PYTHONUNBUFFERED": "1",
-            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
-        }
+        env = server_env(work / "caches")
         batch = ["--max-batch-size", str(args.requests)] if args.requests > DEFAULT_MAX_BATCH else []
         command = [
             *("-m", "bootstrap.cli", "serve", "--model", model, "--device", args.device),
