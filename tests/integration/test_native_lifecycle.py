@@ -18,15 +18,11 @@ from helpers.tiny_models import save_checkpoint
 import bootstrap
 from bootstrap.api import Bootstrap
 from bootstrap.backends.native import backend as native
+from bootstrap.backends.native import loading
 from bootstrap.config import BootstrapConfig
 from bootstrap.engine.kv_cache import PagedKVCache
 from bootstrap.engine.sampling.sampler import SamplingParams
 from bootstrap.pipeline import StageFailed
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    return save_checkpoint("llama", tmp_path_factory.mktemp("ckpt") / "llama")
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +34,7 @@ def draft_ckpt(tmp_path_factory) -> Path:
 def made(monkeypatch) -> dict[str, list]:
     """Every pool and model the backend makes from now on."""
     record: dict[str, list] = {"pools": [], "models": []}
-    init, load = PagedKVCache.__init__, native.load_model
+    init, load = PagedKVCache.__init__, loading.load_model
 
     def recording_init(self, *args, **kwargs):
         init(self, *args, **kwargs)
@@ -50,7 +46,7 @@ def made(monkeypatch) -> dict[str, list]:
         return weights
 
     monkeypatch.setattr(PagedKVCache, "__init__", recording_init)
-    monkeypatch.setattr(native, "load_model", recording_load)
+    monkeypatch.setattr(loading, "load_model", recording_load)
     return record
 
 
@@ -68,8 +64,8 @@ def assert_all_released(made: dict[str, list]) -> None:
     assert bootstrap_threads() == []
 
 
-async def test_context_manager_releases_everything_on_exit(ckpt, made):
-    async with bootstrap.executor(config(ckpt)) as ex:
+async def test_context_manager_releases_everything_on_exit(llama, made):
+    async with bootstrap.executor(config(llama)) as ex:
         [response] = ex.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
         assert response.ok and len(response.token_ids) == 4
         assert ex.worker_running and len(made["pools"]) == 2  # the probe, then the final pool
@@ -77,8 +73,8 @@ async def test_context_manager_releases_everything_on_exit(ckpt, made):
     assert_all_released(made)
 
 
-async def test_build_executor_hands_the_executor_over(ckpt, made):
-    ex, report = await bootstrap.build_executor(config(ckpt))
+async def test_build_executor_hands_the_executor_over(llama, made):
+    ex, report = await bootstrap.build_executor(config(llama))
     assert [row["outcome"] for row in report.stages] == ["ok"] * 7 + ["skipped", "ok"] and report.trace_id
     assert report.stages[7]["id"] == "warmup"  # skipped on the CPU: no CUDA graphs
     assert report.plan["kv_tokens"] == ex.scheduler.kv_cache.stats().capacity_tokens
@@ -88,8 +84,8 @@ async def test_build_executor_hands_the_executor_over(ckpt, made):
     assert all(pool.released for pool in made["pools"]) and bootstrap_threads() == []
 
 
-async def test_draft_model_gets_its_own_pool_sized_by_budget_split(ckpt, draft_ckpt, made):
-    boot = Bootstrap(config(ckpt, draft_model=str(draft_ckpt)))
+async def test_draft_model_gets_its_own_pool_sized_by_budget_split(llama, draft_ckpt, made):
+    boot = Bootstrap(config(llama, draft_model=str(draft_ckpt)))
     try:
         ex = await boot.build()
         plan = boot.report().plan
@@ -104,12 +100,12 @@ async def test_draft_model_gets_its_own_pool_sized_by_budget_split(ckpt, draft_c
     assert_all_released(made)
 
 
-async def test_failure_keeps_the_weights_for_retry_and_aclose_releases_them(ckpt, made, monkeypatch):
+async def test_failure_keeps_the_weights_for_retry_and_aclose_releases_them(llama, made, monkeypatch):
     real = PagedKVCache.from_bytes
     monkeypatch.setattr(
         PagedKVCache, "from_bytes", classmethod(lambda *a, **k: (_ for _ in ()).throw(ValueError("boom")))
     )
-    boot = Bootstrap(config(ckpt))
+    boot = Bootstrap(config(llama))
     try:
         with pytest.raises(StageFailed) as info:
             await boot.build()
@@ -125,7 +121,7 @@ async def test_failure_keeps_the_weights_for_retry_and_aclose_releases_them(ckpt
 
 
 @pytest.mark.parametrize("where", ["profiling", "final_build"])
-async def test_cancellation_mid_stage_rolls_everything_back(where, ckpt, made, monkeypatch):
+async def test_cancellation_mid_stage_rolls_everything_back(where, llama, made, monkeypatch):
     entered, gate = threading.Event(), threading.Event()
 
     def blocking(real):
@@ -140,7 +136,7 @@ async def test_cancellation_mid_stage_rolls_everything_back(where, ckpt, made, m
         monkeypatch.setattr(native, "run_dummy_requests", blocking(native.run_dummy_requests))
     else:
         monkeypatch.setattr(PagedKVCache, "from_bytes", classmethod(blocking(PagedKVCache.from_bytes.__func__)))
-    boot = Bootstrap(config(ckpt))
+    boot = Bootstrap(config(llama))
     async with anyio.create_task_group() as tg:
         tg.start_soon(boot.build)
         assert await anyio.to_thread.run_sync(entered.wait, 30)

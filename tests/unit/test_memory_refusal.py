@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from bootstrap.api import make_pipeline
-from bootstrap.backends.native import backend as native
+from bootstrap.backends.native import loading
 from bootstrap.backends.native.backend import NativeBackend
 from bootstrap.capacity.presets import preset_shape
 from bootstrap.cli.exits import BAD_INPUT, exit_status
@@ -52,7 +52,7 @@ def no_load(monkeypatch):
     def load(*args, **kwargs):
         raise AssertionError("load_model ran: the weights were allocated before the check")
 
-    monkeypatch.setattr(native, "load_model", load)
+    monkeypatch.setattr(loading, "load_model", load)
 
 
 def test_weights_over_the_free_memory_are_refused_with_the_figures_before_the_load():
