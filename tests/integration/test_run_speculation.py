@@ -9,18 +9,11 @@ import json
 import shutil
 
 import httpx
-import pytest
 from helpers.serve_process import ServeProcess, metric
-from helpers.tiny_models import CHAT_TEMPLATE, save_checkpoint
 
 from bootstrap.cli import main
 
 PROMPT = "w5 w37 w33 w9 w64"
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return save_checkpoint("llama", tmp_path_factory.mktemp("ckpt") / "llama", CHAT_TEMPLATE)
 
 
 def run_json(capsys, *flags: str) -> dict:

@@ -21,7 +21,6 @@ import openai
 import pytest
 from helpers.serve_backends import open_gate, plugin_module
 from helpers.serve_process import ServeProcess, metric, metric_or_0, wait_metric
-from helpers.tiny_models import CHAT_TEMPLATE, save_checkpoint
 
 from bootstrap.cli import main
 from bootstrap.stages import STAGE_IDS
@@ -29,11 +28,6 @@ from bootstrap.stages import STAGE_IDS
 PROMPT = "w5 w37 w33 w9 w64 w42 w7"  # 7 tokens (w0, w1, w2 are special: no word here starts with them)
 CHAT = "w33 w44 w55"
 KEY = "test-key-0123456789"
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    return save_checkpoint("llama", tmp_path_factory.mktemp("ckpt") / "llama", CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")

@@ -6,21 +6,14 @@ once; refusals before anything runs; and a client that hangs up mid-stream cance
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from helpers.serve_backends import plugin_module
 from helpers.serve_process import ServeProcess, metric, metric_or_0, wait_metric
-from helpers.tiny_models import CHAT_TEMPLATE, save_checkpoint
 
 PROMPTS = ["w5 w37 w33 w9", "w64 w42 w7", "w11 w12 w13 w14 w15"]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    return save_checkpoint("llama", tmp_path_factory.mktemp("ckpt") / "llama", chat_template=CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")

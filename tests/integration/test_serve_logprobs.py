@@ -5,22 +5,14 @@ within 1e-4, to log-softmax of a transformers model's logits for the same prefix
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import openai
 import pytest
 import torch
 from helpers.serve_process import ServeProcess
-from helpers.tiny_models import CHAT_TEMPLATE, save_checkpoint
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 PROMPT_IDS = [1, 17, 40, 99, 7]
 MESSAGES = [{"role": "user", "content": "w9 w64 w42"}]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    return save_checkpoint("llama", tmp_path_factory.mktemp("ckpt") / "llama", chat_template=CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,6 @@ import openai
 import pytest
 from helpers.browser import chromium, console_errors, wait_for
 from helpers.serve_process import ServeProcess, metric
-from helpers.tiny_models import CHAT_TEMPLATE, save_checkpoint
 
 from bootstrap.serve.request_trace import CACHED_TOKENS
 
@@ -44,11 +43,6 @@ def start(tmp: Path, checkpoint: Path, *flags: str) -> ServeProcess:
     server = ServeProcess(tmp / "serve.log", "--model", str(checkpoint), "--no-plan-cache", *flags)
     server.wait_state("ready")
     return server
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    return save_checkpoint("llama", tmp_path_factory.mktemp("ckpt") / "llama", CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")

@@ -8,24 +8,13 @@ from __future__ import annotations
 import math
 
 import pytest
+from helpers.fp8_checkpoints import CHANNEL
 
 from bootstrap.capacity.config_json import parse_config
 from bootstrap.capacity.presets import MODEL_PRESETS
 from bootstrap.capacity.shape import ModelConfigError
 
 LLAMA = dict(MODEL_PRESETS["llama-3.1-8b"])
-CHANNEL = {
-    "quant_method": "compressed-tensors",
-    "format": "float-quantized",
-    "config_groups": {
-        "group_0": {
-            "targets": ["Linear"],
-            "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
-            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True},
-        }
-    },
-    "ignore": ["lm_head"],
-}
 BLOCK = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 
