@@ -145,8 +145,7 @@ class Scheduler:
         self.micro_batch = MicroBatchScheduler(config.max_batch_size, config.max_num_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.pools = [p for p in (kv_cache, draft_kv) if p is not None]
-        for pool in self.pools:
+        for pool in self.capacity.pools:
             pool.clear_cache()  # a new engine trusts no earlier one's keys (new weights keep the pool)
         self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hit_tokens = 0  # and found there
@@ -198,12 +197,12 @@ class Scheduler:
         tpb = self.kv_cache.tokens_per_block
         digests = extend_hashes(seq.block_digests, seq.prompt_token_ids, tpb, seq.cache_salt)
         usable = digests[: (seq.num_prompt_tokens - 1) // tpb]  # the last prompt token is computed
-        found = [pool.match(usable) for pool in self.pools]
+        found = [pool.match(usable) for pool in self.capacity.pools]
         hit = min(len(blocks) for blocks in found)
         self.prefix_query_tokens += seq.num_prompt_tokens
         self.prefix_hit_tokens += hit * tpb
         if hit:
-            for pool, blocks in zip(self.pools, found):
+            for pool, blocks in zip(self.capacity.pools, found):
                 pool.allocate(seq.request_id, hit * tpb, prefix=blocks[:hit])
             seq.num_computed = seq.draft_computed = seq.cached_tokens = hit * tpb
             seq.published = seq.draft_published = hit
