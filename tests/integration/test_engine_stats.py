@@ -65,3 +65,23 @@ def test_stats_are_read_without_waiting_for_a_step_and_count_every_request():
         assert final.kv_capacity_tokens == final.kv_total_blocks * executor.runner.kv_cache.tokens_per_block
     finally:
         executor.shutdown()
+
+
+def test_a_request_is_counted_out_before_its_answer_wakes_its_waiter():
+    executor = make_executor(build_model(), batch=2)
+    table, at_answer = executor._requests, []
+    publish = table.publish
+
+    def observed(handle, event, response=None):  # the moment a waiter can wake with its answer
+        if response is not None:
+            at_answer.append(executor.engine_stats())
+        publish(handle, event, response)
+
+    table.publish = observed
+    executor.start_worker()
+    try:
+        ids = [executor.enqueue(PROMPT, SamplingParams(max_tokens=n)) for n in (2, 4)]
+        assert all(executor.await_response(rid, timeout=60).ok for rid in ids)
+        assert [(s.running, s.waiting) for s in at_answer] == [(1, 0), (0, 0)]
+    finally:
+        executor.shutdown()

@@ -59,6 +59,7 @@ class EngineLoop:
         self.sampler = sampler
         self.requests = requests
         self.responses = responses
+        responses.before_final = self._publish_load
         self.inbox = Inbox()
         self.step_lock = threading.Lock()
         self.load = (0, 0)  # (running, waiting) after the last round; replaced whole, read without a lock
@@ -161,7 +162,8 @@ class EngineLoop:
             self._publish_load()
 
     def _publish_load(self) -> None:
-        """Record the scheduler's request counts for ``engine_stats`` (step lock held)."""
+        """Record the scheduler's request counts for ``engine_stats``: after each round and before
+        an answer wakes its waiter (``ResponseWriter.before_final``)."""
         self.load = (len(self.scheduler.running), len(self.scheduler.waiting))
 
     def _cancel_given_up(self) -> None:

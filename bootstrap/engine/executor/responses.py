@@ -11,7 +11,7 @@ finished; ``bootstrap.engine.executor.request_table`` holds the events and respo
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 
 from bootstrap.engine.executor.request_table import Handle, RequestTable
@@ -31,6 +31,7 @@ class ResponseWriter:
         self.requests = requests
         self.scheduler = scheduler
         self.eos_token_ids = eos_token_ids
+        self.before_final: Callable[[], None] = lambda: None  # the loop's load, published before a waiter wakes
 
     def record(
         self, batch: ScheduledBatch, tokens: list[int], logprobs: Seq[TokenLogprob | None] | None = None
@@ -142,6 +143,7 @@ class ResponseWriter:
             timing=timing,
             cached_tokens=seq.cached_tokens,
         )
+        self.before_final()  # a caller that reads engine_stats after its answer finds itself gone
         self.requests.publish(handle, final, response)
 
 
