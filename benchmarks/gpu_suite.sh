@@ -11,7 +11,7 @@
 #   cold_start.json  benchmarks/cold_start.py (fresh run and serve processes on an 8B checkpoint directory)
 #   traces.tar.gz    every start's trace file
 #
-# Usage, from the repository root:  bash benchmarks/gpu_suite.sh [--smoke] [--live-ops | --prefix-cache]
+# Usage, from the repository root:  bash benchmarks/gpu_suite.sh [--smoke] [--live-ops | --prefix-cache | --fp8]
 #   --smoke: tiny shapes on the CPU, to check the script itself (tests/gpu then skip).
 #   --live-ops: instead of the steps above, benchmarks/live_ops.py alone (three 8B checkpoints written,
 #     a server swapped, slept, woken and updated, then 20 swap cycles under traffic: about 4 to 6 minutes,
@@ -20,6 +20,10 @@
 #   --prefix-cache: instead, benchmarks/prefix_cache.py --preset 8b alone (an 8B checkpoint written, then one
 #     fresh server with the prefix cache and one without, 64 chat requests at once on each), a second invocation:
 #       prefix_cache.json    benchmarks/prefix_cache.py (plus suite.log and steps.jsonl, as above)
+#   --fp8: instead, the FP8 kernels' tests, then an 8B checkpoint written with its two FP8 twins
+#     (benchmarks/quantize_checkpoint.py: channel and block layouts), benchmarks/fp8_decode.py on the three, and
+#     benchmarks/worst_case_after_capture.py on the block one, a second invocation:
+#       fp8_tests.xml, fp8_decode.json, fp8_worst_case.json   (plus suite.log and steps.jsonl, as above)
 # Missing Python packages travel as wheels in .whl/ (python3 -m pip download --no-deps --only-binary=:all: -d .whl ...);
 # they are installed from there, never from an index. The whole suite keeps within
 # SUITE_BUDGET_S seconds: each step gets at most its own cap and what the budget has left.
@@ -32,13 +36,15 @@ export PYTHONUNBUFFERED=1
 SMOKE=0
 LIVE_OPS=0
 PREFIX_CACHE=0
+FP8=0
 FAILED=0
 for arg in "$@"; do
   case $arg in
     --smoke) SMOKE=1 ;;
     --live-ops) LIVE_OPS=1 ;;
     --prefix-cache) PREFIX_CACHE=1 ;;
-    *) echo "gpu_suite.sh: unknown flag $arg (allowed: --smoke, --live-ops, --prefix-cache)" >&2; exit 2 ;;
+    --fp8) FP8=1 ;;
+    *) echo "gpu_suite.sh: unknown flag $arg (allowed: --smoke, --live-ops, --prefix-cache, --fp8)" >&2; exit 2 ;;
   esac
 done
 
@@ -140,6 +146,23 @@ fi
 if [ "$PREFIX_CACHE" = 1 ]; then
   run_step prefix_cache 560 python3 benchmarks/prefix_cache.py "${PREFIX[@]}" --work-dir "$WORK/prefix" \
     --out "$OUT/prefix_cache.json"
+  say "done; steps:"
+  cat "$OUT/steps.jsonl"
+  rm -rf "$WORK"
+  exit "$FAILED"
+fi
+if [ "$FP8" = 1 ]; then
+  run_step fp8_tests 120 python3 -m pytest tests/gpu/test_fp8_gemm_cuda.py -q -rA -p no:cacheprovider -p no:asyncio \
+    --junitxml="$OUT/fp8_tests.xml"
+  run_step write_8b 120 python3 benchmarks/write_checkpoint.py --model llama-3.1-8b --out "$WORK/8b" --device cuda
+  for layout in channel block; do
+    run_step "quantize_$layout" 90 python3 benchmarks/quantize_checkpoint.py --source "$WORK/8b" \
+      --out "$WORK/8b-$layout" --layout "$layout" --device cuda
+  done
+  run_step fp8_decode 240 python3 benchmarks/fp8_decode.py --checkpoint "bf16=$WORK/8b" \
+    --checkpoint "channel=$WORK/8b-channel" --checkpoint "block=$WORK/8b-block" --out "$OUT/fp8_decode.json"
+  run_step fp8_worst_case 120 python3 benchmarks/worst_case_after_capture.py --model "$WORK/8b-block" \
+    --out "$OUT/fp8_worst_case.json"
   say "done; steps:"
   cat "$OUT/steps.jsonl"
   rm -rf "$WORK"

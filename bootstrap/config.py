@@ -85,6 +85,11 @@ class BootstrapConfig(BaseModel):
     prefix_caching: bool = Field(
         True, description="reuse the KV blocks of a prompt prefix computed before (TensorRT-LLM: enable_block_reuse)"
     )
+    quantization: Literal["fp8"] | None = Field(
+        None,
+        description="fp8: the model's projections quantized to FP8 as a 16-bit checkpoint loads (one scale per "
+        "output row); a checkpoint already FP8 loads as it is. None: the checkpoint's own weights",
+    )
 
     @field_validator("free_gpu_memory_fraction", "cross_kv_cache_fraction", mode="before")
     @classmethod

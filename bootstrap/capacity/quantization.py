@@ -8,7 +8,8 @@ DeepSeek's releases). The matrices priced at 1 byte are the attention and MLP (e
 projections, unless ``ignore`` names them; everything else (embeddings, norms, routers, recurrent
 projections, ``lm_head``) stays at the checkpoint's 16 bits, so a layout that keeps more in 16 bits
 is over-, never under-priced. Scales are priced at 4 bytes each. Any other ``quant_method`` is
-kept as its name (``WeightQuantization.method``) and priced at 16 bits.
+kept as its name (``WeightQuantization.method``) and priced at 16 bits. ``AT_LOAD`` is the
+layout ``quantization: fp8`` gives a 16-bit checkpoint as it loads: one scale per output row.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ class WeightQuantization:
         if self.strategy == "channel":
             return rows * SCALE_BYTES
         return math.ceil(rows / self.block[0]) * math.ceil(columns / self.block[1]) * SCALE_BYTES
+
+
+AT_LOAD = WeightQuantization("fp8-at-load", "channel")
 
 
 def parse_quantization(cfg: dict[str, Any]) -> WeightQuantization | None:

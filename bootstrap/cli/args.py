@@ -171,6 +171,12 @@ def add_config_args(parser: argparse.ArgumentParser, command: str) -> None:
         help="do not reuse the KV blocks of a prompt prefix computed before (default: reused, per cache_salt)",
     )
     add(
+        "--quantization",
+        choices=("fp8",),
+        help="fp8: quantize a 16-bit checkpoint's attention and MLP projections to FP8 at load, one scale per "
+        "output row (default: the checkpoint's own weights; an FP8 checkpoint loads as it is)",
+    )
+    add(
         "--cuda-graph-batch-sizes",
         type=int_list,
         metavar="N,N,...",

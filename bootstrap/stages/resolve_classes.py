@@ -9,6 +9,7 @@ from bootstrap.backends.artifacts import ResolvedClasses
 from bootstrap.backends.base import Backend, ChecksWeights
 from bootstrap.capacity import CacheCost, kv_dtype_bytes
 from bootstrap.capacity.pricing import TRTLLM_KV_MANAGERS, kv_cost, resolve_kv_manager
+from bootstrap.capacity.quantization import AT_LOAD
 from bootstrap.capacity.rules import MemoryRule
 from bootstrap.capacity.shape import ModelShape, check_tp_split
 from bootstrap.config import BootstrapConfig, ConfigError
@@ -18,7 +19,7 @@ from bootstrap.pipeline.stage import Stage
 def resolve_classes(config: BootstrapConfig, backend: Backend, releasable_bytes: int = 0) -> ResolvedClasses:
     """``releasable_bytes``: device memory the model serving now gives back before this one
     loads (a live swap; 0 at a start), counted as free by the weights' check."""
-    shape = backend.model_shape(config.model)
+    shape = quantized_at_load(backend.model_shape(config.model), config)
     draft = backend.model_shape(config.draft_model) if config.draft_model else None
     _check_config(config, shape, draft)
     models = [m for m in (shape, draft) if m is not None]
@@ -53,6 +54,19 @@ def resolve_memory_rule(config: BootstrapConfig, backend: Backend, resolved: Res
         return resolved
     headroom = backend.default_headroom_bytes(None, resolved, config)
     return dataclasses.replace(resolved, memory_rule=MemoryRule.resolve(None, None, headroom))
+
+
+def quantized_at_load(shape: ModelShape, config: BootstrapConfig) -> ModelShape:
+    """The target's shape as it will load: with ``quantization: fp8``, a 16-bit checkpoint's
+    projections in FP8 (``capacity.quantization.AT_LOAD``); an FP8 one as it is."""
+    if config.quantization is None or (shape.quantization is not None and shape.quantization.fp8):
+        return shape
+    if shape.quantization is not None:
+        raise ConfigError(
+            f"quantization: fp8 for a checkpoint quantized with {shape.quantization.method!r}; allowed: "
+            "fp8 for a 16-bit or FP8 checkpoint, or leave it unset"
+        )
+    return dataclasses.replace(shape, quantization=AT_LOAD)
 
 
 def kv_layout(shape: ModelShape) -> str:

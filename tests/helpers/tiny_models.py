@@ -10,6 +10,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     Gemma2Config,
     Gemma2ForCausalLM,
+    GemmaConfig,
+    GemmaForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -17,6 +19,8 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 SHAPE = dict(
@@ -54,7 +58,22 @@ def _gemma2():  # logit soft-capping that changes the output, explicit head_dim,
     return Gemma2ForCausalLM(config)
 
 
-BUILDERS = {"llama": _llama, "mistral": _mistral, "qwen2": _qwen2, "gemma2": _gemma2}
+def _qwen3():  # per-head q and k norms, explicit head_dim
+    return Qwen3ForCausalLM(Qwen3Config(**SHAPE, head_dim=16))
+
+
+def _gemma():  # scaled embeddings, GELU, norms offset by one
+    return GemmaForCausalLM(GemmaConfig(**SHAPE, head_dim=16))
+
+
+BUILDERS = {
+    "llama": _llama,
+    "mistral": _mistral,
+    "qwen2": _qwen2,
+    "qwen3": _qwen3,
+    "gemma": _gemma,
+    "gemma2": _gemma2,
+}
 
 
 def build(name: str) -> torch.nn.Module:

@@ -30,6 +30,7 @@ CHANGED = {
     "draft_model": "llama-3.1-8b",
     "dtype": "float16",
     "kv_cache_dtype": "fp8",
+    "quantization": "fp8",
     "max_batch_size": 32,
     "max_num_tokens": 4096,
     "max_seq_len": 4096,

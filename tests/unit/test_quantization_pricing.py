@@ -1,7 +1,7 @@
 """FP8 weights as the plan prices them (``capacity.quantization``): both layouts of a config.json
 read, their projections at 1 byte plus scales, what ``ignore`` names and everything else at 16
 bits; a layout that cannot be priced refused naming the field; the native engine refuses to load
-what it does not load yet, in ``resolve_classes``."""
+what it does not load, in ``resolve_classes``."""
 
 from __future__ import annotations
 
@@ -81,18 +81,23 @@ def test_a_layout_that_cannot_be_priced_is_refused_naming_its_field(quantization
 
 
 @pytest.mark.parametrize(
-    ("quantization", "device", "named"),
+    ("quantization", "tp", "named"),
     [
-        ({"quant_method": "awq", "bits": 4}, "cpu", "quant_method 'awq'"),
-        ({**BLOCK, "activation_scheme": "static"}, "cpu", "static activation scales"),
-        (CHANNEL, "cuda", "FP8 weights run on the CPU"),
+        ({"quant_method": "awq", "bits": 4}, 1, "quant_method 'awq'"),
+        ({**BLOCK, "activation_scheme": "static"}, 1, "static activation scales"),
+        ({**BLOCK, "weight_block_size": [96, 128]}, 1, r"weight_block_size: \[96, 128\] does not divide the q_proj"),
+        ({**BLOCK, "weight_block_size": [128, 384]}, 2, "does not divide the o_proj columns .4096 over 2"),
+        ({**BLOCK, "weight_block_size": [128, 128]}, 16, "does not divide the k_proj and v_proj rows .1024 over 16"),
     ],
 )
-def test_the_native_engine_refuses_what_it_does_not_run_in_resolve_classes(quantization, device, named):
+def test_the_native_engine_refuses_what_it_does_not_run_in_resolve_classes(quantization, tp, named):
+    import torch
+
     from bootstrap.backends.native.checks import check_quantization
     from bootstrap.config import ConfigError
 
+    cpu = torch.device("cpu")
     with pytest.raises(ConfigError, match=named):
-        check_quantization(shape(quantization), device)
-    check_quantization(shape(CHANNEL), "cpu")
-    check_quantization(shape(BLOCK), "cpu")
+        check_quantization(shape(quantization), cpu, tp)
+    check_quantization(shape(CHANNEL), cpu, 8)
+    check_quantization(shape(BLOCK), cpu, 8)

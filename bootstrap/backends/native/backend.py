@@ -41,6 +41,7 @@ from bootstrap.backends.native.placement import device_for, rank_device, rank_en
 from bootstrap.capacity import CapacityPlan, MemoryProfile, dummy_request_lengths
 from bootstrap.capacity.config_json import parse_config
 from bootstrap.capacity.cuda_graph_buckets import graph_batch_sizes
+from bootstrap.capacity.quantization import AT_LOAD
 from bootstrap.capacity.shape import ModelShape, check_tp_split
 from bootstrap.capacity.split import PoolBudgets
 from bootstrap.config import BootstrapConfig, ConfigError
@@ -50,9 +51,10 @@ from bootstrap.engine.executor.profile_run import rehearse_speculation, run_dumm
 from bootstrap.engine.executor.py_executor import PyExecutor
 from bootstrap.engine.kernels import paged_kv
 from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
+from bootstrap.engine.models import own_model_problem
 from bootstrap.engine.sampling.sampler import SamplingParams
 from bootstrap.engine.scheduler import SchedulerConfig
-from bootstrap.engine.sources.loader import config_dict
+from bootstrap.engine.sources.loader import check_quantizable, config_dict, resolve_source
 from bootstrap.engine.sources.progress_lines import Progress, quiet, to_stderr
 from bootstrap.engine.spec.rows import graph_sizes, max_rows
 from bootstrap.engine.step.graphs import release_workspaces
@@ -112,6 +114,14 @@ class NativeBackend(Loading, LiveWeights):
             shape = parse_config(config_dict(spec, cache_dir=self.cache_dir, progress=self.progress))
         return dataclasses.replace(shape, layer_windows=(None,) * shape.num_layers)
 
+    def _check_quantizable(self, source: str) -> None:
+        """``quantization: fp8`` quantizes a checkpoint on the engine's own code as it is read."""
+        check_quantizable(resolve_source(source), "fp8")
+        with unreadable_as_source_error(source):
+            problem = own_model_problem(config_dict(source, cache_dir=self.cache_dir, progress=self.progress))
+        if problem is not None:
+            raise ConfigError(f"quantization: fp8 needs a model on the engine's own code; {source!r} has {problem}")
+
     def default_dtype(self, shape: ModelShape) -> str:
         """float32 on the CPU (exact parity with transformers); the checkpoint's 16-bit dtype,
         else bfloat16, on CUDA."""
@@ -134,7 +144,9 @@ class NativeBackend(Loading, LiveWeights):
         check_draft_tokenizer(config)
         if config.host_cache_bytes:
             raise ConfigError("host_cache_bytes: the native engine has no host KV tier; allowed: 0")
-        check_quantization(shape, self.torch_device.type)
+        check_quantization(shape, self.torch_device, self.tp)
+        if shape.quantization is AT_LOAD:  # the target, to be quantized as it loads
+            self._check_quantizable(config.model)
         if shape.attention_kind == "mla" or shape.num_recurrent_layers:
             kind = "multi-head latent attention" if shape.attention_kind == "mla" else "recurrent layers"
             raise ConfigError(f"model: {shape.architecture} uses {kind}, which the native paged KV cache does not hold")

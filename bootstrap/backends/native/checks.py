@@ -9,7 +9,7 @@ import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bootstrap.backends.activations import weight_dtype_bytes
 from bootstrap.capacity import dummy_request_lengths
@@ -20,6 +20,11 @@ from bootstrap.devices import Device, is_oom
 from bootstrap.engine.sources.loader import ModelSourceError
 from bootstrap.engine.sources.smollm2 import ModelFetchError
 from bootstrap.pipeline.stage import is_transient_io
+
+if TYPE_CHECKING:
+    import torch
+
+FP8_CAPABILITY = (8, 9)  # e4m3 arithmetic: Ada and Hopper onwards
 
 
 def check_probe_tokens(config: BootstrapConfig, shape: ModelShape) -> None:
@@ -138,10 +143,10 @@ def check_weights_dir(path: str, live_config: Any) -> Path:
     return directory
 
 
-def check_quantization(shape: ModelShape, device_type: str) -> None:
-    """FP8 weights the engine reads (``layers.fp8``): dynamic activations, on the CPU (on CUDA
-    the FP8 kernels are not in yet, and dequantizing every step would be slower than 16 bits);
-    nothing else quantized."""
+def check_quantization(shape: ModelShape, device: torch.device, tp: int = 1) -> None:
+    """FP8 weights the engine reads (``layers.fp8``): dynamic activations, on the CPU or a GPU
+    with FP8 (compute capability 8.9 or newer), block scales whole on every rank; nothing else
+    quantized."""
     q = shape.quantization
     if q is None:
         return
@@ -155,8 +160,32 @@ def check_quantization(shape: ModelShape, device_type: str) -> None:
             "quantization_config: static activation scales are not used by the native engine; allowed: dynamic "
             "(activation_scheme dynamic, or input_activations dynamic: true)"
         )
-    if device_type != "cpu":
+    if device.type == "cuda" and _capability(device) < FP8_CAPABILITY:
+        major, minor = _capability(device)
         raise ConfigError(
-            "quantization_config: FP8 weights run on the CPU in this version (dequantized for each product); "
-            "on CUDA their kernels are not in yet: use a 16-bit checkpoint or --backend trtllm"
+            f"quantization_config: FP8 weights need a GPU of compute capability 8.9 or newer (Ada, Hopper); "
+            f"{device} is {major}.{minor}: use a 16-bit checkpoint"
         )
+    if q.block is not None:
+        _check_blocks(shape, q.block, tp)
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    import torch
+
+    return torch.cuda.get_device_capability(device)
+
+
+def _check_blocks(shape: ModelShape, block: tuple[int, int], tp: int) -> None:
+    """Every rank's rows of each fused part, and under tensor parallelism its input columns of
+    the row-parallel projections, whole blocks of ``weight_block_size``."""
+    q, kv, mlp = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim, shape.intermediate_size
+    shares = [("q_proj rows", q, block[0]), ("k_proj and v_proj rows", kv, block[0]), ("MLP rows", mlp, block[0])]
+    if tp > 1:
+        shares += [("o_proj columns", q, block[1]), ("down_proj columns", mlp, block[1])]
+    for what, n, size in shares:
+        if n % tp or (n // tp) % size:
+            raise ConfigError(
+                f"quantization_config.weight_block_size: {list(block)} does not divide the {what} "
+                f"({n} over {tp} rank(s)); allowed: blocks that divide each rank's share"
+            )

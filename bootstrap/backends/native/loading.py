@@ -34,13 +34,13 @@ class Loading:
     _settler: Callable[[], Callable[[], None]]
 
     def load_model(self, config: BootstrapConfig, resolved: ResolvedClasses, undo: Undo) -> LoadedModel:
-        target = self._load(config.model, resolved.dtype, undo)
+        target = self._load(config.model, resolved.dtype, undo, config.quantization)
         draft = self._load(config.draft_model, resolved.dtype, undo) if config.draft_model else None
         total = target.weight_bytes + (draft.weight_bytes if draft else 0)
         models = NativeModels(target, draft, config.tokens_per_block, resolved.max_seq_len)
         return LoadedModel(models, total, draft_handle=draft, tokenizer=target.tokenizer)
 
-    def _load(self, source: str, dtype: str, undo: Undo) -> LoadedWeights:
+    def _load(self, source: str, dtype: str, undo: Undo, quantize: str | None = None) -> LoadedWeights:
         undo.push(self._settler())  # a load that fails half way leaves garbage for the allocator's cache
         with unreadable_as_source_error(source):
             weights = load_model(
@@ -52,6 +52,7 @@ class Loading:
                 progress=self.progress,
                 background=True,  # read while final_build and warmup run: a capture needs addresses only
                 tokenizer_of=self._tokenizer_of,
+                quantize=quantize,
             )
         undo.push(lambda: weights.model.to(torch.device("meta")))  # frees the storage even if a reference survives
         undo.push(weights.stop_reading)  # first: no read may write into storage released under it

@@ -9,7 +9,8 @@ with one all-reduce (the bias added once, after it). One rank (``Shard()``) is t
 
 ``checkpoint_index`` names the part of a checkpoint tensor this rank reads, so the loader reads
 only that slice from the file, straight into its place. Every product goes through ``project``:
-one row of half-precision input on CUDA takes ``gemv``'s kernel, the rest ``F.linear``.
+one row of half-precision input on CUDA takes ``gemv``'s kernel, the rest ``F.linear``; an FP8
+weight (``layers.fp8``) takes ``fp8_gemm`` on CUDA and is dequantized elsewhere.
 """
 
 from __future__ import annotations
@@ -20,15 +21,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from bootstrap.engine.kernels import gemv
+from bootstrap.engine.kernels import fp8_gemm, gemv
 from bootstrap.engine.layers.fp8 import dequantized, is_fp8
 
 Index = tuple[slice, ...]
 
 
-def _weight(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """The weight to multiply by: an FP8 one dequantized to ``x``'s dtype (``layers.fp8``)."""
-    return dequantized(module, x.dtype) if is_fp8(module.weight) else module.weight
+def _product(module: torch.nn.Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ module.weight.T (+ bias)``, an FP8 weight with its scales (module docstring)."""
+    weight = module.weight
+    if not is_fp8(weight):
+        return project(x, weight, bias)
+    if fp8_gemm.usable(x, weight):
+        return fp8_gemm.linear(x, weight, module.weight_scale, module.fp8_block, bias)
+    return F.linear(x, dequantized(module, x.dtype), bias)
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -118,7 +124,7 @@ class FusedLinear(torch.nn.Linear):
         return target[rows]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(x, _weight(self, x), self.bias)
+        return _product(self, x, self.bias)
 
     def split(self, out: torch.Tensor) -> list[torch.Tensor]:
         return list(out.split([s.stop - s.start for s in self.parts.values()], dim=-1))
@@ -138,15 +144,23 @@ class RowLinear(torch.nn.Linear):
         self.shard = shard
 
     def checkpoint_index(self, part: None, kind: str, shape: list[int]) -> Index:
-        if kind == "weight_scale":
-            return ()  # per row (the rows are whole on every rank) or per tensor
-        return (slice(None), self.shard.span(shape[1])) if kind == "weight" else (slice(None),)
+        """This rank's input columns of the weight, of block scales its column blocks (whole
+        blocks on every rank: ``make_fp8`` sized them so); row and per-tensor scales whole."""
+        block = getattr(self, "fp8_block", None)
+        if kind == "weight_scale" and (block is None or math.prod(shape) == 1):
+            return ()
+        if kind == "weight_scale" and self.shard.size > 1:
+            columns = self.shard.local(shape[1], "weight_scale column blocks")
+            if self.in_features != columns * block[1]:
+                raise ValueError(
+                    f"weight_scale: {self.in_features} input columns per rank are not whole blocks of {block[1]}"
+                )
+        return (slice(None), self.shard.span(shape[1])) if kind in ("weight", "weight_scale") else (slice(None),)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = _weight(self, x)
         if self.shard.size == 1:
-            return project(x, weight, self.bias)
-        out = F.linear(x, weight)
+            return _product(self, x, self.bias)
+        out = _product(self, x, None) if is_fp8(self.weight) else F.linear(x, self.weight)
         torch.distributed.all_reduce(out)
         return out if self.bias is None else out + self.bias
 

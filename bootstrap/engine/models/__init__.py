@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from bootstrap.capacity.config_json import parse_config
+from bootstrap.capacity.quantization import AT_LOAD
 from bootstrap.capacity.shape import ModelConfigError
 from bootstrap.engine.layers.linear import Shard
 from bootstrap.engine.layers.rotary import rope_scaling_problem
@@ -44,10 +45,16 @@ def own_model_problem(cfg: dict[str, Any]) -> str | None:
 
 
 def load_own_model(
-    path: Path, device: torch.device, dtype: torch.dtype | None, shard: Shard = Shard(), background: bool = False
+    path: Path,
+    device: torch.device,
+    dtype: torch.dtype | None,
+    shard: Shard = Shard(),
+    background: bool = False,
+    quantize: str | None = None,
 ) -> torch.nn.Module | None:
     """The checkpoint at ``path`` in the engine's own model code (this rank's part of it under
-    tensor parallelism), or None (said once in the log) when it stays on the transformers path."""
+    tensor parallelism; ``quantize`` "fp8": 16-bit projections in FP8, ``build_own_model``), or
+    None (said once in the log) when it stays on the transformers path."""
     from bootstrap.engine.models.compile_ahead import compiling_ahead
     from bootstrap.engine.models.weights import load_weights, safetensors_files
 
@@ -56,7 +63,7 @@ def load_own_model(
     problem = own_model_problem(cfg) or (None if files else "no safetensors weights")
     if problem is None:
         try:
-            model = build_own_model(cfg, device, dtype, shard, _generation_eos(path))
+            model = build_own_model(cfg, device, dtype, shard, _generation_eos(path), quantize)
         except ModelConfigError as exc:
             problem = str(exc)
     if problem is not None:
@@ -79,9 +86,12 @@ def build_own_model(
     dtype: torch.dtype | None,
     shard: Shard = Shard(),
     generation_eos: int | list[int] | None = None,
+    quantize: str | None = None,
 ) -> torch.nn.Module:
     """The model of ``config.json`` (``cfg``) in the own code, on ``device`` in ``dtype`` (None:
-    the config's), its parameters uninitialised; ``ModelConfigError`` for a config it cannot read."""
+    the config's), its parameters uninitialised; ``ModelConfigError`` for a config it cannot read.
+    Its projections are FP8 where the checkpoint's are, or all of them with ``quantize`` "fp8"
+    (``capacity.quantization.AT_LOAD``: the loader quantizes the 16-bit weights as it reads)."""
     from bootstrap.engine.models.decoder import DecoderConfig, DecoderLM
 
     shape = parse_config(cfg)
@@ -90,8 +100,9 @@ def build_own_model(
     # Built on meta by argument, not under ``torch.device("meta")``: that mode routes the
     # initialisers through torch's Python references, which import torch._dynamo (slow to import).
     model = DecoderLM(config, generation_eos=generation_eos, device="meta", shard=shard).to(dtype)
-    if shape.quantization is not None and shape.quantization.fp8:
-        fp8_projections(model, shape.quantization)
+    quantization = shape.quantization or (AT_LOAD if quantize == "fp8" else None)
+    if quantization is not None and quantization.fp8:
+        fp8_projections(model, quantization)
     materialize(model, device)
     model.model.rotary.reset(device)  # float32 frequencies on the device
     return model

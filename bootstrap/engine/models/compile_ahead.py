@@ -4,7 +4,8 @@ Where Triton's cache does not hold them yet, compiling a model's kernels takes s
 its first forward (profiling's). ``compiling_ahead(model)`` launches each kernel once on zero
 tensors of the model's own widths and dtype (so Triton specializes it as the real calls will)
 while the block runs (the weights being read): the norm, rotary and activation kernels
-(``kernels.fused``), the one-row linear kernel (``kernels.gemv``, per projection shape), the
+(``kernels.fused``), the one-row linear kernel (``kernels.gemv``, per projection shape; for FP8
+weights ``kernels.fp8_gemm``'s, and its activation quantizer for the widths it quantizes), the
 paged decode kernel (whole and split rows, with the merge) and the KV-write kernel
 (``kernels.paged_kv``, for ``BootstrapConfig``'s default block size). Each kernel function gets
 its own thread, so compiles run side by side and none twice; Triton's own start
@@ -23,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from bootstrap.config import BootstrapConfig
-from bootstrap.engine.kernels import fused, gemv, paged_kv, triton_start
+from bootstrap.engine.kernels import fp8_gemm, fused, gemv, paged_kv, triton_start
 from bootstrap.engine.layers.norm import RMSNorm
 
 TOKENS_PER_BLOCK = BootstrapConfig.model_fields["tokens_per_block"].default
@@ -64,6 +65,10 @@ def _calls(model: torch.nn.Module) -> Iterator[tuple]:
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and module.weight.dtype in gemv.HALF_DTYPES:
             yield ("gemv", *module.weight.shape, module.bias is not None)
+        if isinstance(module, torch.nn.Linear) and module.weight.dtype == fp8_gemm.FP8:
+            block = module.fp8_block
+            yield ("fp8_row", *module.weight.shape, block, module.bias is not None)
+            yield ("fp8_quantize", module.weight.shape[1], block[1] if block else module.weight.shape[1])
         if isinstance(module, RMSNorm):
             yield ("norm", module.weight.shape[0], module.offset)
         attention = getattr(module, "self_attn", None)
@@ -113,6 +118,15 @@ def _launch(call: tuple, dtype: torch.dtype, device: torch.device) -> None:
         n, k, has_bias = shape
         weight = zeros(1, k).expand(n, k)  # the same specialization as the layer's [n, k] weight, for k elements
         gemv.linear(zeros(1, k), weight, zeros(n) if has_bias else None)
+    elif kind == "fp8_row":
+        n, k, block, has_bias = shape
+        weight = torch.empty(1, k, dtype=fp8_gemm.FP8, device=device).expand(n, k)
+        scales = (-(-n // block[0]), -(-k // block[1])) if block else (n, 1)
+        scale = torch.ones(scales, device=device)
+        fp8_gemm.one_row(zeros(1, k), weight, scale, block, zeros(n) if has_bias else None)
+    elif kind == "fp8_quantize":
+        k, group = shape
+        fp8_gemm.quantize(zeros(2, k), group, pad_rows=fp8_gemm.SCALE_ROWS_PAD if group < k else 1)
     elif kind == "write_kv":
         kv_heads, head_dim = shape
         cache, key = zeros(1, TOKENS_PER_BLOCK, kv_heads, head_dim), zeros(1, kv_heads, head_dim)

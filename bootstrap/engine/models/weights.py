@@ -9,8 +9,9 @@ spans do not hold together (``headers``) is an error naming it before any weight
 every tensor whose slice is one run of bytes in the file, stored in the model's dtype, is read by
 ``byte_reads`` straight into its place (threads, page-locked staging on CUDA); the rest (a dtype
 to convert, a column slice under tensor parallelism) through ``safetensors`` (``WeightReads.read``;
-``load_weights`` is the two in a row). The model is built on the meta device first, so no second
-full copy of the weights ever exists.
+``load_weights`` is the two in a row). A 16-bit weight read into an FP8 projection
+(``quantization: fp8``) is quantized on its way, a few rows at a time, each row with its own scale.
+The model is built on the meta device first, so no second full copy of the weights ever exists.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from bootstrap.engine.layers.fp8 import SCALE_NAMES
+from bootstrap.engine.layers.fp8 import FP8, SCALE_NAMES, quantize_rows
 from bootstrap.engine.layers.linear import FusedLinear, Index, RowLinear
 from bootstrap.engine.models.byte_reads import PIECE_BYTES, ByteRange, read_ranges
 from bootstrap.engine.models.files import ModelSourceError, check_regular, exists, read_json
@@ -41,6 +42,7 @@ FUSED = {
     "up_proj": "gate_up_proj",
 }
 IGNORED = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry; recomputed here
+QUANTIZE_ROWS_BYTES = 64 << 20  # float32 rows quantized at once (``_read_quantizing``)
 
 
 @dataclass(frozen=True)
@@ -103,12 +105,14 @@ class WeightReads:
 
     direct: tuple[ByteRange, ...]
     converted: tuple[tuple[Stored, torch.Tensor, Index], ...]
+    quantized: tuple[tuple[Stored, torch.Tensor, torch.Tensor, Index], ...] = ()  # and the rows' scales
 
     @property
     def nbytes(self) -> int:
         """The bytes ``read`` reads from the files."""
-        converted = sum(target.numel() * DTYPES[stored.dtype].itemsize for stored, target, _ in self.converted)
-        return sum(r.nbytes for r in self.direct) + converted
+        slices = [(stored, target) for stored, target, _ in self.converted]
+        slices += [(stored, target) for stored, target, _, _ in self.quantized]
+        return sum(r.nbytes for r in self.direct) + sum(t.numel() * DTYPES[s.dtype].itemsize for s, t in slices)
 
     def read(
         self, threads: int | None = None, piece_bytes: int = PIECE_BYTES, stop: threading.Event | None = None
@@ -118,6 +122,8 @@ class WeightReads:
             read_ranges(list(self.direct), threads, piece_bytes, stop)
             if stop is None or not stop.is_set():
                 _read_converting(list(self.converted))
+            if stop is None or not stop.is_set():
+                _read_quantizing(list(self.quantized))
 
 
 def plan_weights(model: torch.nn.Module, files: list[Path]) -> WeightReads:
@@ -130,6 +136,7 @@ def plan_weights(model: torch.nn.Module, files: list[Path]) -> WeightReads:
     modules = dict(model.named_modules())
     direct: list[ByteRange] = []
     converted: list[tuple[Stored, torch.Tensor, Index]] = []
+    quantized: list[tuple[Stored, torch.Tensor, torch.Tensor, Index]] = []
     filled: set[str] = set()
     seen: dict[str, Path] = {}
     for file in files:
@@ -147,6 +154,11 @@ def plan_weights(model: torch.nn.Module, files: list[Path]) -> WeightReads:
                     f"{file}: tensor {stored.name!r} is stored as {stored.dtype}, the model's {name} is {target.dtype}"
                 )
             filled.add(name)
+            if target.dtype == FP8 and DTYPES[stored.dtype] != FP8:  # quantized at load: its scales too
+                scale_name, scale = _scale_of(stored, modules)
+                filled.add(scale_name)
+                quantized.append((stored, target, scale, index))
+                continue
             start = _contiguous_start(index, stored.shape)
             whole = math.prod(_sliced_shape(index, stored.shape)) == target.numel()  # not a scale filling rows
             if start is not None and whole and DTYPES.get(stored.dtype) == target.dtype and target.is_contiguous():
@@ -161,7 +173,7 @@ def plan_weights(model: torch.nn.Module, files: list[Path]) -> WeightReads:
         raise ModelSourceError(
             f"the checkpoint has no tensor for {len(missing)} parameter(s): {', '.join(missing[:5])}"
         )
-    return WeightReads(tuple(direct), tuple(converted))
+    return WeightReads(tuple(direct), tuple(converted), tuple(quantized))
 
 
 def _place(stored: Stored, params: dict, modules: dict) -> tuple[str, torch.Tensor, Index]:
@@ -193,6 +205,16 @@ def _place(stored: Stored, params: dict, modules: dict) -> tuple[str, torch.Tens
     if tuple(param.shape) != shape:
         raise ModelSourceError(f"{stored.name}: checkpoint shape {shape}, the model's {tuple(param.shape)}")
     return name, param, index
+
+
+def _scale_of(stored: Stored, modules: dict) -> tuple[str, torch.Tensor]:
+    """The row scales a 16-bit weight quantized at load fills: its rows of the (fused) projection's."""
+    owner = stored.name.rpartition(".")[0]
+    parent, _, part = owner.rpartition(".")
+    if part in FUSED:
+        module = modules[f"{parent}.{FUSED[part]}"]
+        return f"{parent}.{FUSED[part]}.weight_scale", module.weight_scale[module.parts[part]]
+    return f"{owner}.weight_scale", modules[owner].weight_scale
 
 
 def _bounds(index: Index, shape: tuple[int, ...]) -> list[tuple[int, int, int]]:
@@ -230,6 +252,25 @@ def _read_converting(items: list[tuple[Stored, torch.Tensor, Index]]) -> None:
             for stored, target, index in group:
                 tensor = reader.get_slice(stored.name)[index] if index else reader.get_tensor(stored.name)
                 target.copy_(tensor.to(target.dtype))  # a per-tensor scale broadcasts over its rows
+
+
+def _read_quantizing(items: list[tuple[Stored, torch.Tensor, torch.Tensor, Index]]) -> None:
+    """16-bit weights into FP8 projections: read on the host, quantized on the weights' device
+    ``QUANTIZE_ROWS_BYTES`` of float32 rows at a time (a tensor's whole float32 copy would be
+    the transient the plan does not hold)."""
+    by_file: dict[Path, list] = {}
+    for item in items:
+        by_file.setdefault(item[0].file, []).append(item)
+    for file, group in by_file.items():
+        with safe_open(str(file), framework="pt", device="cpu") as reader:
+            for stored, target, scale, index in group:
+                tensor = reader.get_slice(stored.name)[index] if index else reader.get_tensor(stored.name)
+                step = max(1, QUANTIZE_ROWS_BYTES // (4 * tensor.shape[1]))
+                for begin in range(0, tensor.shape[0], step):
+                    rows = tensor[begin : begin + step].to(target.device, non_blocking=False)
+                    weight, row_scale = quantize_rows(rows)
+                    target[begin : begin + step].copy_(weight)
+                    scale[begin : begin + step].copy_(row_scale)
 
 
 def _tied(model: torch.nn.Module) -> set[str]:

@@ -27,6 +27,7 @@ from safetensors.torch import save_model
 from bootstrap.engine.layers.attention import ATTN_IMPLEMENTATION, register
 from bootstrap.engine.layers.linear import Shard
 from bootstrap.engine.models import load_own_model
+from bootstrap.engine.models.files import ModelSourceError
 from bootstrap.engine.sources.model_cache import SOURCE_FILE, publish, size_of, size_text
 from bootstrap.engine.sources.progress_lines import Progress, quiet
 from bootstrap.engine.tokenizer import load_tokenizer
@@ -55,6 +56,7 @@ def load_checkpoint_dir(
     tp_size: int = 1,
     background: bool = False,
     tokenizer_of: Callable[[Path], Any] | None = None,
+    quantize: str | None = None,
 ) -> tuple[torch.nn.Module, Any]:
     """Model (eval mode, on ``device``) and tokenizer (None without tokenizer files).
 
@@ -62,7 +64,9 @@ def load_checkpoint_dir(
     shard, read at load into the engine's own column- and row-parallel layers; a model on the
     transformers path shards through its tensor-parallel plan (``tp_plan="auto"``: DTensor
     parameters, placed on ``cuda:LOCAL_RANK`` or the CPU by transformers itself)."""
-    model = own_model(path, device, dtype, attn_implementation, tp_size, background)
+    model = own_model(path, device, dtype, attn_implementation, tp_size, background, quantize)
+    if model is None and quantize is not None:
+        raise ModelSourceError(f"quantization: {quantize} needs a model on the engine's own code; {path} is not")
     if model is None:
         model = _transformers_model(path, device, dtype, attn_implementation, tp_size)
     return model.eval(), (tokenizer_of or checkpoint_tokenizer)(path)
@@ -108,13 +112,14 @@ def own_model(
     attn_implementation: str | None,
     tp_size: int,
     background: bool = False,
+    quantize: str | None = None,
 ) -> torch.nn.Module | None:
     """The engine's own model code for this checkpoint (``bootstrap.engine.models``) with the
     paged attention, this rank's shard at ``tp_size`` > 1; None keeps it on transformers."""
     if attn_implementation not in (None, ATTN_IMPLEMENTATION):
         return None
     shard = Shard(torch.distributed.get_rank(), tp_size) if tp_size > 1 else Shard()
-    return load_own_model(path, device, dtype, shard, background)
+    return load_own_model(path, device, dtype, shard, background, quantize)
 
 
 def load_gguf_file(

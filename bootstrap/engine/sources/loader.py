@@ -208,6 +208,7 @@ def load_model(
     progress: Progress = quiet,
     background: bool = False,
     tokenizer_of: Callable[[Path], Any] | None = None,
+    quantize: str | None = None,
 ) -> LoadedWeights:
     """Load ``source`` onto ``device``; ``dtype`` None keeps the checkpoint's own dtype.
 
@@ -220,14 +221,18 @@ def load_model(
     ``background``: a checkpoint on the own model code returns once its storage is allocated and
     its headers checked, its bytes still arriving (``LoadedWeights.wait_for_weights``).
     ``tokenizer_of``: a checkpoint directory's tokenizer (one loaded earlier, by a caller's cache).
+    ``quantize`` "fp8": a 16-bit checkpoint on the own model code gets FP8 projections as it is
+    read (``models.weights``); any other source is a ``ModelSourceError``.
     """
     resolved = resolve_source(source)
     device = torch.device(device)
     _check_dtype(dtype)
     check_shardable(resolved, tp_size)
     cache = cache_dir or default_cache_dir()
+    if quantize is not None:
+        check_quantizable(resolved, quantize)
     model, tokenizer = _load(
-        resolved, device, dtype, cache, attn_implementation, seed, tp_size, progress, background, tokenizer_of
+        resolved, device, dtype, cache, attn_implementation, seed, tp_size, progress, background, tokenizer_of, quantize
     )
     return LoadedWeights(
         reading=model.__dict__.pop("reading", None),
@@ -256,6 +261,7 @@ def _load(
     progress: Progress = quiet,
     background: bool = False,
     tokenizer_of: Callable[[Path], Any] | None = None,
+    quantize: str | None = None,
 ) -> tuple[Any, Any]:
     if resolved.kind == RANDOM:
         return random_init.load_random(resolved.random_spec, device, dtype, attn_implementation, seed), None
@@ -267,7 +273,9 @@ def _load(
         path = smollm2.ensure_checkpoint(cache, progress)
     else:
         path = resolved.path
-    return checkpoint.load_checkpoint_dir(path, device, dtype, attn_implementation, tp_size, background, tokenizer_of)
+    return checkpoint.load_checkpoint_dir(
+        path, device, dtype, attn_implementation, tp_size, background, tokenizer_of, quantize
+    )
 
 
 def _converted_gguf(gguf: Path, cache: Path, progress: Progress) -> Path | None:
@@ -283,6 +291,15 @@ def _converted_gguf(gguf: Path, cache: Path, progress: Progress) -> Path | None:
             exc.strerror or exc,
         )
         return None
+
+
+def check_quantizable(source: ModelSource, quantize: str) -> None:
+    """Quantizing at load reads a checkpoint: ``random:`` weights are drawn, not read."""
+    if source.kind == RANDOM:
+        raise ModelSourceError(
+            f"quantization: {quantize} quantizes a checkpoint as it is read; {source.text!r} is drawn at random "
+            "(write it as a checkpoint first: benchmarks/write_checkpoint.py)"
+        )
 
 
 def check_shardable(source: ModelSource, tp_size: int) -> None:

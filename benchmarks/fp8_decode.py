@@ -1,0 +1,185 @@
+"""FP8 checkpoints against their 16-bit source on one GPU: decode and prefill tokens/s, each
+decode figure as a fraction of its own bandwidth roofline, the plan's KV tokens, and greedy
+agreement with the 16-bit answers. In-process figures (one process, engines built one after
+another through the pipeline with the default flags but ``--max-batch-size``).
+
+Per checkpoint and batch size B (prompts of P tokens, G generated, greedy, EOS ignored):
+``prefill_s`` is the wall time of a 1-token generation and ``total_s`` of a G-token one, best
+of ``--repeats``; ``decode_tok_s = B * (G - 1) / (total_s - prefill_s)``. Prefill throughput
+is ``--prefill-batch`` prompts of ``--prefill-len`` tokens with one token each. Roofline: a
+decode step reads every weight but the embedding table once, and the KV of every request:
+``roofline_tok_s = B * bandwidth / (step_weight_bytes + B * kv_bytes_per_token * (P + G / 2))``,
+``bandwidth`` a device-to-device copy measured in the same run. Agreement: one prompt, 256
+greedy tokens, the share of positions equal to the 16-bit checkpoint's up to its first
+difference and overall (random weights: a sanity check, not an accuracy figure).
+
+    python benchmarks/fp8_decode.py --checkpoint bf16=/tmp/llama-8b \
+        --checkpoint channel=/tmp/llama-8b-channel --checkpoint block=/tmp/llama-8b-block --out fp8.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import torch
+from bench_common import emit, positive_int, ratio, release_memory, report_header, synchronize
+
+from bootstrap.api import Bootstrap
+from bootstrap.config import BootstrapConfig
+from bootstrap.engine import SamplingParams
+from bootstrap.stages.summary import plan_summary
+
+AGREEMENT_TOKENS = 256
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--checkpoint",
+        action="append",
+        required=True,
+        metavar="NAME=DIR",
+        help="a checkpoint to measure; the first is the 16-bit reference",
+    )
+    parser.add_argument("--batch-sizes", default="1,16,64")
+    parser.add_argument("--prompt-len", type=positive_int, default=128)
+    parser.add_argument("--gen-len", type=positive_int, default=128)
+    parser.add_argument("--prefill-batch", type=positive_int, default=16)
+    parser.add_argument("--prefill-len", type=positive_int, default=1024)
+    parser.add_argument("--repeats", type=positive_int, default=2)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument(
+        "--bandwidth-bytes", type=positive_int, default=4 << 30, help="the copy that measures bandwidth"
+    )
+    parser.add_argument("--out", type=Path)
+    return parser.parse_args(argv)
+
+
+def prompts(batch: int, length: int, seed: int, vocab: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, length), generator=generator).tolist()
+
+
+def timed(executor, batch_prompts: list[list[int]], max_tokens: int, device: torch.device) -> tuple[float, list]:
+    synchronize(device)
+    start = time.perf_counter()
+    responses = executor.generate(batch_prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    synchronize(device)
+    failed = [r.error for r in responses if r.error is not None]
+    if failed:
+        raise RuntimeError(f"a request failed: {failed[0]}")
+    return time.perf_counter() - start, [list(r.token_ids) for r in responses]
+
+
+def measure_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes per second of a device-to-device copy (read + write), best of 10."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(10):
+        synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    del src, dst
+    return 2 * nbytes / best
+
+
+def step_weight_bytes(model: torch.nn.Module) -> int:
+    """What a decode step reads of the weights: every parameter but the embedding table (a
+    tied head is read as the head)."""
+    embed = model.model.embed_tokens.weight
+    tied = model.get_output_embeddings().weight is embed
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed or tied)
+
+
+def kv_bytes_per_token(shape) -> int:
+    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2
+
+
+async def measure(name: str, path: str, args: argparse.Namespace, bandwidth: float) -> dict:
+    device = torch.device(args.device)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    config = BootstrapConfig(model=path, device=args.device, max_batch_size=max(batches), plan_cache=None)
+    boot = Bootstrap(config)
+    try:
+        started = time.perf_counter()
+        executor = await boot.build()
+        artifacts = boot.pipeline.artifacts
+        result = {"checkpoint": path, "build_s": round(time.perf_counter() - started, 2)}
+        model = artifacts["loaded"].handle.target.model
+        shape = artifacts["resolved"].shape
+        result["weight_bytes"] = artifacts["loaded"].weight_bytes
+        result["step_weight_bytes"] = weight_bytes = step_weight_bytes(model)
+        plan = plan_summary(artifacts)
+        result["kv_tokens"], result["kv_budget_bytes"] = plan.get("kv_tokens"), plan.get("kv_budget_bytes")
+        timed(executor, prompts(2, 16, 9, shape.vocab_size), 4, device)  # the first requests' one-time costs
+        per_batch = {}
+        for batch in batches:
+            batch_prompts = prompts(batch, args.prompt_len, batch, shape.vocab_size)
+            prefill_s = total_s = float("inf")
+            for _ in range(args.repeats):
+                prefill_s = min(prefill_s, timed(executor, batch_prompts, 1, device)[0])
+                total_s = min(total_s, timed(executor, batch_prompts, args.gen_len, device)[0])
+            decode = batch * (args.gen_len - 1) / (total_s - prefill_s)
+            step_bytes = weight_bytes + batch * kv_bytes_per_token(shape) * (args.prompt_len + args.gen_len / 2)
+            roofline = batch * bandwidth / step_bytes
+            per_batch[str(batch)] = {
+                "prefill_s": round(prefill_s, 4),
+                "total_s": round(total_s, 4),
+                "decode_tok_s": round(decode, 1),
+                "roofline_tok_s": round(roofline, 1),
+                "decode_roofline_fraction": round(decode / roofline, 3),
+            }
+        result["batches"] = per_batch
+        long_prompts = prompts(args.prefill_batch, args.prefill_len, 99, shape.vocab_size)
+        prefill_s = min(timed(executor, long_prompts, 1, device)[0] for _ in range(args.repeats))
+        result["prefill_tok_s"] = round(args.prefill_batch * args.prefill_len / prefill_s, 1)
+        result["greedy_tokens"] = timed(executor, prompts(1, 32, 7, shape.vocab_size), AGREEMENT_TOKENS, device)[1][0]
+        return result
+    finally:
+        await boot.aclose()
+        release_memory(device)
+
+
+def agreement(tokens: list[int], reference: list[int]) -> dict:
+    same = [a == b for a, b in zip(tokens, reference)]
+    first = same.index(False) if False in same else len(same)
+    return {"equal_prefix_tokens": first, "equal_share": round(sum(same) / len(same), 3)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    report = report_header("fp8_decode", argv, device)
+    report["bandwidth_bytes_s"] = bandwidth = measure_bandwidth(device, args.bandwidth_bytes)
+    sides = dict(item.split("=", 1) for item in args.checkpoint)
+    results = {name: anyio.run(measure, name, path, args, bandwidth) for name, path in sides.items()}
+    reference_name = next(iter(sides))
+    reference = results[reference_name]
+    for name, result in results.items():
+        if name == reference_name:
+            continue
+        result["agreement"] = agreement(result["greedy_tokens"], reference["greedy_tokens"])
+        result["vs_" + reference_name] = {
+            "decode_tok_s": {
+                b: ratio(f["decode_tok_s"], reference["batches"][b]["decode_tok_s"])
+                for b, f in result["batches"].items()
+            },
+            "prefill_tok_s": ratio(result["prefill_tok_s"], reference["prefill_tok_s"]),
+            "kv_tokens": ratio(result["kv_tokens"], reference["kv_tokens"]),
+        }
+    for result in results.values():
+        result.pop("greedy_tokens")
+    report["results"] = results
+    emit(report, args.out)
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

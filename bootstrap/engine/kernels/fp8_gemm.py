@@ -1,0 +1,224 @@
+"""FP8 projections on CUDA: e4m3 weights with their scales (``layers.fp8``), 16-bit activations
+in and out.
+
+One row (a batch-1 decode step, a draft's pass) takes ``one_row``: a Triton kernel that streams
+the e4m3 weight once, as ``gemv`` streams a 16-bit one, each product scaled by its row's scale
+(or its block's) in float32; the activation stays 16-bit (weight-only). More rows take
+cuBLASLt's FP8 GEMM (``torch._scaled_mm``) on activations quantized per token, or per token and
+128 columns for block scales, by ``quantize`` (one Triton kernel); the scales are applied in the
+GEMM's epilogue. Block scales need torch's ``scaled_mm`` with ``BlockWise128x128``; where it
+is missing (``blockwise_supported``) those products dequantize the weight first. Measured per
+shape and batch: benchmarks/README.md, "FP8 projections".
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from bootstrap.engine.kernels import triton_start
+
+triton_start.wait()  # never two threads importing Triton at once (``triton_start``)
+try:  # an optional dependency: CPU builds of torch come without it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+MIN_AMAX = 1e-12  # a row of zeros still gets a finite scale
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+BLOCK_N = 4
+BLOCK_K = 1024
+SCALE_ROWS_PAD = 4  # cuBLASLt's block-scaled GEMM wants the token count, and the weight's column blocks, in fours
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True when ``x @ weight.T`` of an e4m3 ``weight`` takes this module: Triton imported, a
+    2-D half-precision CUDA input, the weight's rows contiguous."""
+    return (
+        triton is not None
+        and x.is_cuda
+        and x.dim() == 2
+        and x.dtype in HALF_DTYPES
+        and weight.dtype == FP8
+        and weight.stride(1) == 1
+    )
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] | None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x [M, K] @ (weight * scale)[N, K].T (+ bias)`` in ``x``'s dtype: ``one_row`` for one
+    row, else the FP8 GEMM (module docstring)."""
+    if x.shape[0] == 1:
+        return one_row(x, weight, scale, block, bias)
+    if block is None:
+        q, q_scale = quantize(x, x.shape[1])
+        out = torch._scaled_mm(q, weight.t(), scale_a=q_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype)
+    elif blockwise_supported(x.device) and block == (128, 128) and scale.shape[1] % SCALE_ROWS_PAD == 0:
+        q, q_scale = quantize(x, block[1], pad_rows=SCALE_ROWS_PAD)
+        recipe = F.ScalingType
+        out = F.scaled_mm(
+            q,
+            weight.t(),
+            q_scale,
+            recipe.BlockWise1x128,
+            scale.t(),
+            recipe.BlockWise128x128,
+            output_dtype=x.dtype,
+        )[: x.shape[0]]
+    else:
+        out = F.linear(x, dequantize(weight, scale, block, x.dtype))
+    return out if bias is None else out.add_(bias)
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, dtype: torch.dtype):
+    """``weight`` times its scales, in ``dtype`` (float32 first)."""
+    if block is not None:
+        rows, columns = weight.shape
+        scale = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :columns]
+    return (weight.float() * scale).to(dtype)
+
+
+@functools.cache
+def blockwise_supported(device: torch.device) -> bool:
+    """Whether torch's ``scaled_mm`` takes 1x128 activation and 128x128 weight scales here
+    (torch 2.9 and CUDA 12.9 or later, on Hopper): one tiny product, tried once per device."""
+    if not hasattr(F, "scaled_mm") or not hasattr(F, "ScalingType"):
+        return False
+    try:
+        k = 128 * SCALE_ROWS_PAD  # whole fours of column blocks
+        a, b = torch.zeros(SCALE_ROWS_PAD, k, device=device).to(FP8), torch.zeros(128, k, device=device).to(FP8)
+        a_scale = torch.ones(SCALE_ROWS_PAD, SCALE_ROWS_PAD, device=device).t()  # column-major
+        b_scale = torch.ones(1, SCALE_ROWS_PAD, device=device)  # the weight's [row blocks, column blocks]
+        recipe = F.ScalingType
+        F.scaled_mm(
+            a, b.t(), a_scale, recipe.BlockWise1x128, b_scale.t(), recipe.BlockWise128x128, output_dtype=torch.bfloat16
+        )
+        torch.cuda.synchronize(device)
+        return True
+    except (RuntimeError, NotImplementedError, ValueError, TypeError):
+        return False
+
+
+def quantize(x: torch.Tensor, group: int, pad_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` in e4m3 and its float32 scales, one per row and ``group`` columns (``group``
+    ``K``: per token, scales ``[M, 1]``; else ``[M', K / group]`` stored column-major as cuBLASLt
+    takes them, ``M'`` the rows rounded up to ``pad_rows``, the added rows zero)."""
+    rows, k = x.shape
+    padded = -(-rows // pad_rows) * pad_rows
+    groups = -(-k // group)
+    q = torch.empty(padded, k, dtype=FP8, device=x.device)
+    scale = torch.empty(groups, padded, dtype=torch.float32, device=x.device).t()  # column-major [padded, groups]
+    x = x if x.stride(1) == 1 else x.contiguous()
+    _quantize_kernel[(padded, groups)](
+        x,
+        q,
+        scale,
+        rows,
+        k,
+        x.stride(0),
+        scale.stride(0),
+        scale.stride(1),
+        GROUP=group,
+        BLOCK=triton.next_power_of_2(group),
+        num_warps=8 if group >= 4096 else 4,
+    )
+    return q, scale
+
+
+def one_row(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] | None,
+    bias: torch.Tensor | None = None,
+    block_n: int = BLOCK_N,
+    block_k: int = BLOCK_K,
+) -> torch.Tensor:
+    """``x [1, K] @ (weight * scale).T (+ bias)`` as ``[1, N]`` in ``x``'s dtype (``block_n``
+    and ``block_k``: the tile, for the benchmark's sweep)."""
+    n, k = weight.shape
+    x = x if x.stride(1) == 1 else x.contiguous()
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    _one_row_kernel[(triton.cdiv(n, block_n),)](
+        x,
+        weight,
+        scale,
+        bias if bias is not None else out,
+        out,
+        n,
+        k,
+        weight.stride(0),
+        scale.stride(0),
+        SCALE_ROWS=block[0] if block else 1,
+        SCALE_COLS=block[1] if block else 0,
+        HAS_BIAS=bias is not None,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=4,
+    )
+    return out
+
+
+if triton is not None:
+    _FP8_MAX = tl.constexpr(FP8_MAX)
+    _MIN_AMAX = tl.constexpr(MIN_AMAX)
+
+    @triton.jit
+    def _one_row_kernel(
+        X,
+        W,
+        S,
+        Bias,
+        Out,
+        N,
+        K,
+        stride_wn,
+        stride_sn,
+        SCALE_ROWS: tl.constexpr,
+        SCALE_COLS: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        kk = tl.arange(0, BLOCK_K)
+        wide = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # each thread's products, summed across threads once
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + kk
+            mask = (n < N)[:, None] & (k < K)[None, :]
+            w = tl.load(W + n[:, None] * stride_wn + k[None, :], mask=mask, other=0.0)
+            x = tl.load(X + k, mask=k < K, other=0.0)
+            product = x.to(tl.float32)[None, :] * w.to(tl.float32)
+            if SCALE_COLS > 0:  # block scales: each product by its block's
+                blocks = (n // SCALE_ROWS)[:, None] * stride_sn + (k // SCALE_COLS)[None, :]
+                product *= tl.load(S + blocks, mask=mask, other=0.0)
+            wide += product
+        acc = tl.sum(wide, axis=1)
+        if SCALE_COLS == 0:  # one scale per row
+            acc *= tl.load(S + n * stride_sn, mask=n < N, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(Bias + n, mask=n < N, other=0.0).to(tl.float32)
+        tl.store(Out + n, acc.to(Out.dtype.element_ty), mask=n < N)
+
+    @triton.jit
+    def _quantize_kernel(X, Q, S, M, K, stride_xm, stride_sm, stride_sg, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+        m = tl.program_id(0)
+        g = tl.program_id(1)
+        offsets = tl.arange(0, BLOCK)
+        k = g * GROUP + offsets
+        inside = (offsets < GROUP) & (k < K)
+        x = tl.load(X + m * stride_xm + k, mask=inside & (k < K * (m < M)), other=0.0).to(tl.float32)  # padding rows: 0
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0), _MIN_AMAX) / _FP8_MAX
+        q = tl.clamp(x / scale, -_FP8_MAX, _FP8_MAX)
+        tl.store(Q + m * K + k, q.to(Q.dtype.element_ty), mask=inside)
+        tl.store(S + m * stride_sm + g * stride_sg, scale)
