@@ -6,13 +6,17 @@ checkpoint as it loads into exactly the channel checkpoint's weights and scales.
 
 from __future__ import annotations
 
+import json
+
 import anyio
 import pytest
 import torch
 from helpers.fp8_checkpoints import quantized
 from helpers.tiny_models import save_checkpoint
+from safetensors.torch import save_file
 
 from bootstrap.api import Bootstrap
+from bootstrap.capacity.presets import MODEL_PRESETS
 from bootstrap.config import BootstrapConfig
 from bootstrap.engine.sampling.sampler import SamplingParams
 
@@ -60,3 +64,28 @@ def test_quantizing_at_load_gives_the_channel_checkpoints_weights_and_tokens(fam
     assert weights.keys() == offline.keys() and any(w.dtype == torch.float8_e4m3fn for w in weights.values())
     for name, weight in weights.items():
         assert weight.dtype == offline[name].dtype and torch.equal(weight.float(), offline[name].float()), name
+
+
+@pytest.mark.parametrize(
+    ("source", "named"),
+    [("random:smollm2-135m", "is drawn at random"), ("mixtral", "needs a model on the engine's own code")],
+)
+def test_quantization_fp8_of_what_it_cannot_read_is_refused_in_resolve_classes(source, named, tmp_path):
+    from bootstrap.pipeline.runner import StageFailed
+
+    if source == "mixtral":  # a family the own code does not run: config.json is all resolve_classes reads
+        source = str(tmp_path / "mixtral")
+        (tmp_path / "mixtral").mkdir()
+        (tmp_path / "mixtral" / "config.json").write_text(json.dumps(dict(MODEL_PRESETS["mixtral-8x7b"])))
+        save_file({"lm_head.weight": torch.zeros(1)}, tmp_path / "mixtral" / "model.safetensors")  # never read
+
+    async def build() -> None:
+        boot = Bootstrap(BootstrapConfig(model=source, device="cpu", quantization="fp8", plan_cache=None))
+        try:
+            await boot.build()
+        finally:
+            await boot.aclose()
+
+    with pytest.raises(StageFailed) as info:
+        anyio.run(build)
+    assert info.value.stage == "resolve_classes" and named in str(info.value.cause)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.fp8_checkpoints import quantized
 from helpers.tiny_models import save_checkpoint
 from helpers.tp_ranks import PROMPT_IDS, build_and_generate
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -205,3 +206,43 @@ def test_tensor_parallel_without_ranks_is_a_clear_config_error():
 
     with pytest.raises(ConfigError, match=r"tensor_parallel_size: 2 needs 2 ranks.*torchrun --nproc-per-node 2"):
         NativeBackend.for_config(BootstrapConfig(device="cpu", tensor_parallel_size=2))
+
+
+@pytest.mark.parametrize("layout", ["channel", "block", "at_load"])
+def test_two_ranks_of_fp8_weights_generate_the_tokens_of_one(layout, llama, tmp_path):
+    """FP8 projections split over the ranks with their scales: row scales with the rows, and 16 x
+    16 block scales by row blocks (fused parts) and by column blocks (row-parallel projections).
+    ``at_load``: the 16-bit checkpoint quantized as each rank reads its slice, so a row-parallel
+    projection's rows are scaled over each rank's columns: one rank holding those scales (as
+    blocks of one row by half the columns) answers as the two do."""
+    path, config = (llama, {"quantization": "fp8"}) if layout == "at_load" else (None, {})
+    if path is None:
+        path, _ = quantized(llama, tmp_path / layout, layout)
+    codes, results = run_ranks(path, tmp_path, **config)
+    assert codes == [0, 0], [r and r["error"] for r in results]
+    one = load_model(str(path), device=torch.device("cpu"), quantize=config.get("quantization"))
+    assert one.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+    if layout == "at_load":
+        scale_halves(one.model, load_model(str(path), device=torch.device("cpu")).model)
+    cache = PagedKVCache.from_tokens(KVCacheSpec.from_config(one.model.config, torch.float32), 256, 4, "cpu")
+    ex = create_executor(one.model, cache, SchedulerConfig(4, 128, 64), start=False)
+    try:
+        [single] = ex.generate([PROMPT_IDS], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    finally:
+        ex.shutdown()
+    assert results[0]["tokens"] == results[1]["tokens"] == single.token_ids
+
+
+def scale_halves(model: torch.nn.Module, plain: torch.nn.Module) -> None:
+    """Each row-parallel projection of ``model`` quantized from ``plain``'s 16-bit weight by
+    column halves, as two ranks quantize their slices."""
+    from bootstrap.engine.layers.fp8 import quantize_rows
+    from bootstrap.engine.layers.linear import RowLinear
+
+    weights = dict(plain.named_modules())
+    for name, module in model.named_modules():
+        if isinstance(module, RowLinear):
+            halves = [quantize_rows(half) for half in weights[name].weight.detach().chunk(2, dim=1)]
+            module.weight.data = torch.cat([q for q, _ in halves], dim=1)
+            module.weight_scale.data = torch.cat([s for _, s in halves], dim=1)
+            module.fp8_block = (1, module.weight.shape[1] // 2)

@@ -101,3 +101,28 @@ def test_the_native_engine_refuses_what_it_does_not_run_in_resolve_classes(quant
         check_quantization(shape(quantization), cpu, tp)
     check_quantization(shape(CHANNEL), cpu, 8)
     check_quantization(shape(BLOCK), cpu, 8)
+
+
+def test_quantization_fp8_prices_a_16_bit_checkpoint_as_fp8_and_keeps_an_fp8_one():
+    from bootstrap.backends.sim.backend import SimBackend
+    from bootstrap.backends.sim.gpus import sim_device
+    from bootstrap.capacity.quantization import AT_LOAD
+    from bootstrap.config import BootstrapConfig
+    from bootstrap.stages.resolve_classes import quantized_at_load, resolve_classes
+
+    backend = SimBackend(sim_device("h200"))
+    plain = resolve_classes(BootstrapConfig(model="llama-3.1-8b"), backend).shape
+    at_load = resolve_classes(BootstrapConfig(model="llama-3.1-8b", quantization="fp8"), backend).shape
+    assert plain.quantization is None and at_load.quantization is AT_LOAD
+    assert at_load.weight_bytes(2) == shape(CHANNEL).weight_bytes(2) < plain.weight_bytes(2)
+    assert at_load.fingerprint() != plain.fingerprint()
+    config = BootstrapConfig(model="llama-3.1-8b", quantization="fp8")
+    assert quantized_at_load(shape(BLOCK), config) == shape(BLOCK)  # an FP8 checkpoint loads as it is
+
+
+def test_quantization_fp8_refuses_a_checkpoint_quantized_otherwise():
+    from bootstrap.config import BootstrapConfig, ConfigError
+    from bootstrap.stages.resolve_classes import quantized_at_load
+
+    with pytest.raises(ConfigError, match="quantization: fp8 for a checkpoint quantized with 'awq'"):
+        quantized_at_load(shape({"quant_method": "awq", "bits": 4}), BootstrapConfig(quantization="fp8"))

@@ -13,8 +13,6 @@ shape and batch: benchmarks/README.md, "FP8 projections".
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
@@ -33,6 +31,7 @@ MIN_AMAX = 1e-12  # a row of zeros still gets a finite scale
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 BLOCK_N = 4
 BLOCK_K = 1024
+_BLOCKWISE: dict[torch.device, bool] = {}  # ``blockwise_supported``, per device
 SCALE_ROWS_PAD = 4  # cuBLASLt's block-scaled GEMM wants the token count, and the weight's column blocks, in fours
 
 
@@ -88,10 +87,19 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
     return (weight.float() * scale).to(dtype)
 
 
-@functools.cache
 def blockwise_supported(device: torch.device) -> bool:
     """Whether torch's ``scaled_mm`` takes 1x128 activation and 128x128 weight scales here
-    (torch 2.9 and CUDA 12.9 or later, on Hopper): one tiny product, tried once per device."""
+    (torch 2.9 and CUDA 12.9 or later, on Hopper): one tiny product, tried once per device
+    outside a CUDA graph's capture (the load's compile-ahead and profiling's prefill come first;
+    a capture that asks first gets the dequantizing path)."""
+    if device not in _BLOCKWISE:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        _BLOCKWISE[device] = _try_blockwise(device)
+    return _BLOCKWISE[device]
+
+
+def _try_blockwise(device: torch.device) -> bool:
     if not hasattr(F, "scaled_mm") or not hasattr(F, "ScalingType"):
         return False
     try:

@@ -127,6 +127,8 @@ def _launch(call: tuple, dtype: torch.dtype, device: torch.device) -> None:
     elif kind == "fp8_quantize":
         k, group = shape
         fp8_gemm.quantize(zeros(2, k), group, pad_rows=fp8_gemm.SCALE_ROWS_PAD if group < k else 1)
+        if group < k:
+            fp8_gemm.blockwise_supported(device)  # probed now, never first inside a capture
     elif kind == "write_kv":
         kv_heads, head_dim = shape
         cache, key = zeros(1, TOKENS_PER_BLOCK, kv_heads, head_dim), zeros(1, kv_heads, head_dim)
