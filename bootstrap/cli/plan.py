@@ -134,6 +134,9 @@ def plan_line(plan: dict[str, Any]) -> str:
     for name, pool in plan.get("pools", {}).items():
         share = plan.get(f"{name}_share", 0.0)
         lines.append(f"  {name}: {pool['gpu_bytes'] / GiB:.2f} GiB, {pool['tokens']} tokens ({share:.1%})")
+    if "kv_dtype" in plan:
+        scales = f", scales {plan['kv_scales']}" if "kv_scales" in plan else ""
+        lines.append(f"KV cache dtype: {plan['kv_dtype']}{scales}")
     if "prefix_caching" in plan:
         lines.append(PREFIX_CACHING[plan["prefix_caching"]])
     return "\n".join(lines)

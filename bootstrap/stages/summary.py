@@ -23,6 +23,9 @@ def plan_summary(artifacts: dict[str, Any]) -> dict[str, Any]:
     config = artifacts.get("config")
     if config is not None:
         out["prefix_caching"] = config.prefix_caching
+    resolved = artifacts.get("resolved")
+    if resolved is not None:
+        out["kv_dtype"] = resolved.kv_dtype
     profile = artifacts.get("profile")
     if profile is not None:
         out["profile"] = profile.to_dict()
@@ -32,6 +35,8 @@ def plan_summary(artifacts: dict[str, Any]) -> dict[str, Any]:
     final: FinalBuild | None = artifacts.get("final")
     if final is not None:
         out.update(_allocated(out, plan, final))
+        if final.kv_scales is not None:
+            out["kv_scales"] = final.kv_scales  # an fp8 pool's: "checkpoint" or "1.0"
     warmup = artifacts.get("warmup")
     if warmup is not None and warmup.num_graphs:
         out["cuda_graphs"] = {

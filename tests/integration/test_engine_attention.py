@@ -1,5 +1,6 @@
 """paged_attention against a direct float64 computation, on a ragged batch that mixes a
-continued prefill chunk, a fresh prefill and a decode token, with blocks scattered in the pool."""
+continued prefill chunk, a fresh prefill and a decode token, with blocks scattered in the pool;
+an e4m3 pool against the same computation over its keys and values rounded and scaled back."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
 from bootstrap.engine.layers.attention import AttentionGroup, AttentionMetadata, paged_attention, use_metadata
+from bootstrap.engine.layers.fp8 import FP8, to_fp8
 
 HEADS, KV_HEADS, DIM, TPB = 4, 2, 8, 4
 # (tokens already cached, new tokens this step) per request
@@ -37,9 +39,14 @@ def reference(q, k, v, cached, window, softcap, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
+FP8_SCALES = (0.25, 0.5)  # layer 1's key and value scales in the e4m3 tests
+
+
 def setup(requests, dtype=torch.float32):
     gen = torch.Generator().manual_seed(0)
     cache = PagedKVCache(KVCacheSpec(2, KV_HEADS, DIM, dtype), num_blocks=32, tokens_per_block=TPB, device="cpu")
+    if dtype == FP8:
+        cache.set_scales([1.0, FP8_SCALES[0]], [1.0, FP8_SCALES[1]])
     cache.allocate("filler", 5)  # so request blocks do not start at 0
     full_k, full_v = [], []
     for i, (cached, new) in enumerate(requests):
@@ -47,8 +54,11 @@ def setup(requests, dtype=torch.float32):
         v = torch.randn(cached + new, KV_HEADS, DIM, generator=gen)
         cache.allocate(i, cached)
         slots = cache.slots(i, 0, cached)
-        cache.k_cache(1).view(-1, KV_HEADS, DIM)[slots] = k[:cached].to(dtype)
-        cache.v_cache(1).view(-1, KV_HEADS, DIM)[slots] = v[:cached].to(dtype)
+        for part, values, scale in ((cache.k_cache(1), k, FP8_SCALES[0]), (cache.v_cache(1), v, FP8_SCALES[1])):
+            stored = to_fp8(values[:cached], torch.tensor(scale)) if dtype == FP8 else values[:cached].to(dtype)
+            part.view(-1, KV_HEADS, DIM).view(torch.uint8 if dtype == FP8 else dtype)[slots] = stored.view(
+                torch.uint8 if dtype == FP8 else dtype
+            )
         cache.extend(i, new)
         cache.allocate(f"gap{i}", 3)  # interleave other requests' blocks
         full_k.append(k)
@@ -176,3 +186,45 @@ def test_calling_outside_a_step_is_a_clear_error():
     k = torch.zeros(1, KV_HEADS, 1, DIM)
     with pytest.raises(RuntimeError, match="outside a step"):
         paged_attention(Layer(), q, k, k, None)
+
+
+def rounded(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """What an e4m3 pool gives back of ``x``: rounded at ``x / scale``, multiplied back."""
+    return to_fp8(x, torch.tensor(scale)).float() * scale
+
+
+@pytest.mark.parametrize("window, softcap", [(None, None), (4, None), (None, 2.0), (3, 1.5)])
+def test_an_fp8_pool_attends_over_its_keys_and_values_rounded_and_scaled_back(window, softcap):
+    """Every group gathers from the pool (none is fresh), the step's own keys included."""
+    cache, full_k, full_v = setup(REQUESTS, dtype=FP8)
+    total = sum(n for _, n in REQUESTS)
+    query = torch.randn(1, HEADS, total, DIM, generator=torch.Generator().manual_seed(1))
+    key = torch.cat([k[c:] for k, (c, _) in zip(full_k, REQUESTS)]).transpose(0, 1).unsqueeze(0)
+    value = torch.cat([v[c:] for v, (c, _) in zip(full_v, REQUESTS)]).transpose(0, 1).unsqueeze(0)
+    with use_metadata(metadata(cache, REQUESTS)):
+        out, _ = paged_attention(Layer(), query, key, value, None, scaling=0.3, sliding_window=window, softcap=softcap)
+    start = 0
+    for i, (cached, new) in enumerate(REQUESTS):
+        q = query[0, :, start : start + new].transpose(0, 1)
+        k, v = rounded(full_k[i], FP8_SCALES[0]), rounded(full_v[i], FP8_SCALES[1])
+        want = reference(q, k, v, cached, window, softcap, 0.3)
+        torch.testing.assert_close(out[0, start : start + new].double(), want, atol=1e-5, rtol=1e-5)
+        start += new
+    slots = cache.slots(0, 0, sum(REQUESTS[0]))  # the new keys stored as their e4m3 bits, scaled
+    stored = cache.k_cache(1).view(-1, KV_HEADS, DIM)[slots].view(torch.uint8)
+    assert torch.equal(stored, to_fp8(full_k[0], torch.tensor(FP8_SCALES[0])).view(torch.uint8))
+
+
+def test_fresh_prompts_in_an_fp8_pool_attend_their_own_keys_unrounded():
+    requests = [(0, 5), (7, 1), (0, 2)]
+    cache, full_k, full_v = setup(requests, dtype=FP8)
+    total = sum(n for _, n in requests)
+    query = torch.randn(1, HEADS, total, DIM, generator=torch.Generator().manual_seed(3))
+    key = torch.cat([k[c:] for k, (c, _) in zip(full_k, requests)]).transpose(0, 1).unsqueeze(0)
+    value = torch.cat([v[c:] for v, (c, _) in zip(full_v, requests)]).transpose(0, 1).unsqueeze(0)
+    with use_metadata(grouped_metadata(cache, requests)):
+        out, _ = paged_attention(Layer(), query, key, value, None, scaling=0.3)
+    for i, start in ((0, 0), (2, 6)):
+        q = query[0, :, start : start + requests[i][1]].transpose(0, 1)
+        want = reference(q, full_k[i], full_v[i], 0, None, None, 0.3)
+        torch.testing.assert_close(out[0, start : start + requests[i][1]].double(), want, atol=1e-5, rtol=1e-5)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from bootstrap.backends.native import capture
 from bootstrap.backends.native.builds import NativeBuild, NativeModels
 from bootstrap.backends.native.checks import (
     check_draft_tokenizer,
+    check_fp8_kv,
     check_probe_tokens,
     check_quantization,
     check_weights_fit,
@@ -36,7 +38,7 @@ from bootstrap.backends.native.checks import (
 )
 from bootstrap.backends.native.headroom import headroom_terms
 from bootstrap.backends.native.live_weights import LiveWeights
-from bootstrap.backends.native.loading import DTYPES, Loading
+from bootstrap.backends.native.loading import KV_DTYPES, Loading
 from bootstrap.backends.native.placement import device_for, rank_device, rank_env
 from bootstrap.capacity import CapacityPlan, MemoryProfile, dummy_request_lengths
 from bootstrap.capacity.config_json import parse_config
@@ -63,6 +65,8 @@ from bootstrap.pipeline.collective import Collective
 from bootstrap.pipeline.undo import Undo
 
 SMOKE_TIMEOUT_S = 300.0
+
+log = logging.getLogger(__name__)
 
 
 class NativeBackend(Loading, LiveWeights):
@@ -131,10 +135,7 @@ class NativeBackend(Loading, LiveWeights):
 
     def check_config(self, config: BootstrapConfig, shape: ModelShape) -> None:
         """What the native engine cannot run, refused before any weight is loaded."""
-        if config.kv_cache_dtype == "fp8":
-            raise ConfigError(
-                "kv_cache_dtype: fp8 is not supported by the native engine; allowed: auto, float32, bfloat16, float16"
-            )
+        check_fp8_kv(config.kv_cache_dtype, self.torch_device)
         if config.tensor_parallel_size != self.tp:
             raise ConfigError(
                 f"tensor_parallel_size: {config.tensor_parallel_size}, but this backend runs on {self.tp} rank(s); "
@@ -286,8 +287,12 @@ class NativeBackend(Loading, LiveWeights):
     ) -> FinalBuild:
         wanted = {p.name: p.gpu_bytes for p in budgets.pools()}
         pools = self._pools(wanted, loaded.handle, resolved, undo, PagedKVCache.from_bytes)
+        for name, pool in pools.items():
+            if pool.quantized:
+                log.info("KV cache %s in fp8: per-layer scales %s", name, pool.scales_source)
         return FinalBuild(
             handle=NativeBuild(pools),
+            kv_scales=pools["target"].scales_source if pools["target"].quantized else None,
             pool_bytes={n: p.stats().total_bytes for n, p in pools.items()},
             pool_tokens={n: p.stats().capacity_tokens for n, p in pools.items()},
         )
@@ -370,9 +375,11 @@ class NativeBackend(Loading, LiveWeights):
         weights = models.by_name()
         undo.push(self._settler())  # last in the rollback: the allocator's cache goes back to the device
         for name, size in sizes.items():
-            spec = KVCacheSpec.from_config(weights[name].hf_config, DTYPES[resolved.kv_dtype], tp=self.tp)
+            spec = KVCacheSpec.from_config(weights[name].hf_config, KV_DTYPES[resolved.kv_dtype], tp=self.tp)
             pools[name] = pool = make(spec, size, models.tokens_per_block, self.torch_device)
             undo.push(pool.release)
+            if pool.quantized and weights[name].kv_scales is not None:
+                pool.set_scales(*weights[name].kv_scales)
         return pools
 
 

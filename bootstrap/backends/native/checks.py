@@ -170,6 +170,16 @@ def check_quantization(shape: ModelShape, device: torch.device, tp: int = 1) -> 
         _check_blocks(shape, q.block, tp)
 
 
+def check_fp8_kv(kv_cache_dtype: str, device: torch.device) -> None:
+    """An e4m3 KV pool: on the CPU, or a GPU with FP8 (8.9 or newer: the kernels convert in hardware)."""
+    if kv_cache_dtype == "fp8" and device.type == "cuda" and _capability(device) < FP8_CAPABILITY:
+        major, minor = _capability(device)
+        raise ConfigError(
+            f"kv_cache_dtype: fp8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper); {device} is "
+            f"{major}.{minor}; allowed here: auto, float32, bfloat16, float16"
+        )
+
+
 def _capability(device: torch.device) -> tuple[int, int]:
     import torch
 

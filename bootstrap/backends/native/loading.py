@@ -21,6 +21,7 @@ from bootstrap.engine.sources.progress_lines import Progress
 from bootstrap.pipeline.undo import Undo
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn}  # a KV pool's: e4m3 with per-layer scales
 
 
 class Loading:

@@ -152,6 +152,7 @@ class PyExecutor:
             kv.cached_free_blocks,
             self.scheduler.prefix_query_tokens,
             self.scheduler.prefix_hit_tokens,
+            "fp8" if self.runner.kv_cache.quantized else str(self.runner.kv_cache.spec.dtype).removeprefix("torch."),
         )
 
     @property

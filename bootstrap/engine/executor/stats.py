@@ -23,6 +23,7 @@ class EngineStats:
     kv_cached_free_blocks: int = 0  # of them, those no request holds (free capacity, counted in it)
     prefix_query_tokens: int = 0  # prompt tokens looked up, since the engine started
     prefix_hit_tokens: int = 0  # of them, found cached
+    kv_dtype: str = ""  # the pool's: float32, bfloat16, float16 or fp8
 
     @property
     def prefix_hit_rate(self) -> float | None:

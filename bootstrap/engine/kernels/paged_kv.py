@@ -12,6 +12,9 @@ A few rows (batch 1, verify rows, a small draft) leave the device idle at one pr
 ``rows × KV heads``, so each row's blocks split in up to ``splits`` runs (flash-decoding), each
 keeping its running maximum, sum and unnormalized output, and a second kernel merges them.
 ``num_splits`` picks the count from the grid and the table's width: fixed at a graph's capture.
+
+An e4m3 pool (``kv_cache_dtype fp8``) is written divided by its layer's scales, saturated, and
+read multiplied back: the key scale folded into the softmax scale, the value scale into the output.
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ if triton is not None:
         Q,
         K,
         V,
+        KScale,
+        VScale,
         Tables,
         Lens,
         Out,
@@ -91,10 +96,13 @@ if triton is not None:
         STATIC_BLOCKS: tl.constexpr,
         HEADS: tl.constexpr,
         SPLIT: tl.constexpr,
+        SCALED: tl.constexpr,
     ):
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
+        if SCALED:  # e4m3 keys: their scale joins the softmax's
+            scale = scale * tl.load(KScale)
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, D_PAD)
         t = tl.arange(0, TPB)
@@ -141,6 +149,8 @@ if triton is not None:
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
+        if SCALED:  # e4m3 values: their scale, once
+            acc = acc * tl.load(VScale)
         if SPLIT:  # the run's unnormalized output, maximum and sum, for _merge_splits_kernel
             at = (row * splits + split) * HEADS + heads  # rows of [rows, splits, HEADS]
             tl.store(Partial + at[:, None] * D + d[None, :], acc, mask=q_mask)
@@ -195,6 +205,8 @@ if triton is not None:
         Slots,
         KC,
         VC,
+        KScale,
+        VScale,
         stride_kt,
         stride_kh,
         stride_vt,
@@ -203,6 +215,7 @@ if triton is not None:
         stride_ch,
         D: tl.constexpr,
         D_PAD: tl.constexpr,
+        SCALED: tl.constexpr,
     ):
         row = tl.program_id(0)
         head = tl.program_id(1)
@@ -212,6 +225,9 @@ if triton is not None:
         mask = d < D
         k = tl.load(Key + src * stride_kt + head * stride_kh + d, mask=mask)
         v = tl.load(Value + src * stride_vt + head * stride_vh + d, mask=mask)
+        if SCALED:  # e4m3: divided by the layer's scales, saturated at 448
+            k = tl.clamp(k.to(tl.float32) / tl.load(KScale), -448.0, 448.0)
+            v = tl.clamp(v.to(tl.float32) / tl.load(VScale), -448.0, 448.0)
         tl.store(KC + slot * stride_cs + head * stride_ch + d, k.to(KC.dtype.element_ty), mask=mask)
         tl.store(VC + slot * stride_cs + head * stride_ch + d, v.to(VC.dtype.element_ty), mask=mask)
 
@@ -223,10 +239,12 @@ def write_kv(
     slots: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Store ``key[rows[i]]`` and ``value[rows[i]]`` (``[T, KVH, D]``, any strides) at flat slot
     ``slots[i]`` of the caches ``[blocks, tpb, KVH, D]``: one kernel for what would be two
-    gathers and two scatters. Padding rows repeat a real row, so a repeated slot gets equal bits."""
+    gathers and two scatters. Padding rows repeat a real row, so a repeated slot gets equal bits.
+    ``scales``: an e4m3 pool's key and value scales (0-dim float32 tensors)."""
     key = key if key.stride(-1) == 1 else key.contiguous()
     value = value if value.stride(-1) == 1 else value.contiguous()
     k_flat = k_cache.view(-1, *k_cache.shape[2:])
@@ -239,6 +257,7 @@ def write_kv(
         slots,
         k_flat,
         v_flat,
+        *(scales or (k_flat, v_flat)),
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -247,6 +266,7 @@ def write_kv(
         k_flat.stride(1),
         D=head_dim,
         D_PAD=triton.next_power_of_2(head_dim),
+        SCALED=scales is not None,
         num_warps=1,
     )
 
@@ -261,10 +281,11 @@ def paged_decode(
     sliding_window: int | None = None,
     softcap: float | None = None,
     splits: int | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``q [B, H, D]`` (one token per row) against caches ``[blocks, tpb, KVH, D]``; ``[B, H, D]``.
     ``scale`` None: ``head_dim ** -0.5``, as SDPA's default. ``splits``: runs per row (None:
-    ``num_splits`` for this grid and table width)."""
+    ``num_splits`` for this grid and table width). ``scales``: an e4m3 pool's key and value scales."""
     rows, heads, head_dim = q.shape
     scale = scale if scale is not None else head_dim**-0.5
     _, tpb, kv_heads, _ = k_cache.shape
@@ -281,6 +302,7 @@ def paged_decode(
         q,
         k_cache,
         v_cache,
+        *(scales or (k_cache, v_cache)),
         block_tables,
         context_lens,
         out,
@@ -309,6 +331,7 @@ def paged_decode(
         STATIC_BLOCKS=block_tables.shape[1] if _interpreting() else 0,
         HEADS=heads,
         SPLIT=splits > 1,
+        SCALED=scales is not None,
         num_warps=4,
     )
     if splits > 1:

@@ -9,11 +9,14 @@ written again, so a shared one stays shared until every holder frees it. Prefix 
 (``match``, ``publish``, ``allocate(prefix=)``; design.md): a registered block nobody holds stays
 cached and counts as free, handed out only when no plain free block is left, least recently
 released first. ``stats()``: the pool, the blocks handed out, the tokens held (a shared block
-counts once), the registered blocks and those of them nobody holds.
+counts once), the registered blocks and those of them nobody holds. An e4m3 pool (``kv_cache_dtype
+fp8``) stores keys and values divided by its per-layer ``scales`` (1.0, or the checkpoint's:
+``set_scales``); the attention multiplies them back.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Sequence
@@ -45,6 +48,8 @@ class PagedKVCache:
         shape = (2, spec.num_layers, num_blocks, tokens_per_block, spec.num_kv_heads, spec.head_dim)
         # Zeros, not empty: masked attention weights are exactly 0, and 0 * NaN garbage would be NaN.
         self._kv: torch.Tensor | None = zeros(shape, spec.dtype, self.device)
+        self.scales = torch.ones(2, spec.num_layers, dtype=torch.float32, device=self.device)  # K, V per layer
+        self.scales_source = "1.0"  # or "checkpoint" (``set_scales``)
         self._free: deque[int] = deque(range(num_blocks))  # neither held nor cached
         self._tables: dict[Any, list[int]] = {}
         self._lengths: dict[Any, int] = {}
@@ -98,6 +103,27 @@ class PagedKVCache:
     def v_cache(self, layer: int) -> torch.Tensor:
         """Values of ``layer``: ``[blocks, tokens_per_block, kv_heads, head_dim]``."""
         return self._pool()[1, layer]
+
+    def k_scale(self, layer: int) -> torch.Tensor:
+        """The keys' dequantization scale of ``layer`` (0-dim float32; 1.0 unless ``set_scales``)."""
+        return self.scales[0, layer]
+
+    def v_scale(self, layer: int) -> torch.Tensor:
+        return self.scales[1, layer]
+
+    @property
+    def quantized(self) -> bool:
+        """True for an e4m3 pool: writes divide by the scales, reads multiply."""
+        return self.spec.dtype == torch.float8_e4m3fn
+
+    def set_scales(self, keys: Sequence[float], values: Sequence[float]) -> None:
+        """The checkpoint's per-layer scales (in place: a captured graph reads the same tensor)."""
+        if len(keys) != self.spec.num_layers or len(values) != self.spec.num_layers:
+            raise ValueError(f"KV scales: {len(keys)} and {len(values)} given for {self.spec.num_layers} layers")
+        if not all(math.isfinite(s) and s > 0 for s in (*keys, *values)):
+            raise ValueError("KV scales must be finite and positive")
+        self.scales.copy_(torch.tensor([list(keys), list(values)], dtype=torch.float32))
+        self.scales_source = "checkpoint"
 
     def _pool(self) -> torch.Tensor:
         if self._kv is None:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from bootstrap.engine.kernels.paged_kv import paged_decode, write_kv
 from bootstrap.engine.kv_cache import PagedKVCache
+from bootstrap.engine.layers.fp8 import FP8, to_fp8
 
 ATTN_IMPLEMENTATION = "bootstrap_paged"
 
@@ -211,34 +212,48 @@ def attend(
     """One layer's paged attention over a step: ``query [T, H, D]``, ``key/value [T, KVH, D]``
     (written to the layer's cache first), output ``[T, H, D]``. The engine's own model code
     calls this with the step's metadata as an argument."""
-    k_cache, v_cache = meta.kv_cache.k_cache(layer), meta.kv_cache.v_cache(layer)
+    pool = meta.kv_cache
+    cache = _Cache(pool.k_cache(layer), pool.v_cache(layer), pool.k_scale(layer), pool.v_scale(layer))
     if isinstance(meta, DecodeMetadata):
         if meta.kernel == "triton":
-            write_kv(key, value, meta.write_rows, meta.slot_mapping, k_cache, v_cache)
+            write_kv(key, value, meta.write_rows, meta.slot_mapping, cache.k, cache.v, cache.scales)
         else:
             _write(
-                k_cache,
-                v_cache,
-                key.index_select(0, meta.write_rows),
-                value.index_select(0, meta.write_rows),
-                meta.slot_mapping,
+                cache, key.index_select(0, meta.write_rows), value.index_select(0, meta.write_rows), meta.slot_mapping
             )
-        return _attend_decode(query, k_cache, v_cache, meta, scaling, sliding_window, softcap)
-    _write(k_cache, v_cache, key, value, meta.slot_mapping)
+        return _attend_decode(query, cache, meta, scaling, sliding_window, softcap)
+    _write(cache, key, value, meta.slot_mapping)
     if len(meta.groups) == 1:
-        return _attend(query, (key, value), k_cache, v_cache, meta.groups[0], scaling, sliding_window, softcap)
+        return _attend(query, (key, value), cache, meta.groups[0], scaling, sliding_window, softcap)
     out = torch.empty_like(query)
     for group in meta.groups:
-        part = _attend(query, (key, value), k_cache, v_cache, group, scaling, sliding_window, softcap)
+        part = _attend(query, (key, value), cache, group, scaling, sliding_window, softcap)
         out.index_copy_(0, group.token_ids, part)
     return out
+
+
+@dataclass(frozen=True)
+class _Cache:
+    """One layer's keys and values ``[blocks, tpb, KVH, D]`` and, for an e4m3 pool, their scales."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+
+    @property
+    def quantized(self) -> bool:
+        return self.k.dtype == FP8
+
+    @property
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return (self.k_scale, self.v_scale) if self.quantized else None
 
 
 def _attend(
     tokens: torch.Tensor,
     new_kv: tuple[torch.Tensor, torch.Tensor],
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: _Cache,
     group: AttentionGroup,
     scaling: float | None,
     sliding_window: int | None,
@@ -250,19 +265,20 @@ def _attend(
         tables = group.block_tables[:, : group.kv_blocks]
         return paged_decode(
             tokens.index_select(0, group.token_ids),
-            k_cache,
-            v_cache,
+            cache.k,
+            cache.v,
             tables,
             group.context_lens,
             scaling,
             sliding_window,
             softcap,
+            scales=cache.scales,
         )
     q = tokens[group.query_index].transpose(1, 2)  # [b, H, Qmax, D]
     if group.fresh and softcap is None and (sliding_window is None or sliding_window >= group.max_query_len):
         return _attend_fresh(q, new_kv, group, scaling)
-    k = _gather(k_cache, group.kv_slots, q.dtype)
-    v = _gather(v_cache, group.kv_slots, q.dtype)
+    k = _gather(cache.k, cache.k_scale, group.kv_slots, q.dtype)
+    v = _gather(cache.v, cache.v_scale, group.kv_slots, q.dtype)
     mask = group.mask(sliding_window)
     if softcap is None:
         out = F.scaled_dot_product_attention(
@@ -292,8 +308,7 @@ def _unpad(out: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
 
 def _attend_decode(
     tokens: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: _Cache,
     meta: DecodeMetadata,
     scaling: float | None,
     sliding_window: int | None,
@@ -310,12 +325,20 @@ def _attend_decode(
     rows, heads, head_dim = tokens.shape
     if meta.kernel == "triton":
         return paged_decode(
-            tokens, k_cache, v_cache, meta.block_tables, meta.context_lens, scaling, sliding_window, softcap
+            tokens,
+            cache.k,
+            cache.v,
+            meta.block_tables,
+            meta.context_lens,
+            scaling,
+            sliding_window,
+            softcap,
+            scales=cache.scales,
         )
-    kv_heads = k_cache.shape[2]
+    kv_heads = cache.k.shape[2]
     q = tokens.reshape(rows, kv_heads, heads // kv_heads, head_dim)  # query heads grouped by KV head
-    k = _gather_blocks(k_cache, meta.block_tables, q.dtype)
-    v = _gather_blocks(v_cache, meta.block_tables, q.dtype)
+    k = _gather_blocks(cache.k, cache.k_scale, meta.block_tables, q.dtype)
+    v = _gather_blocks(cache.v, cache.v_scale, meta.block_tables, q.dtype)
     mask = meta.mask(sliding_window)
     if softcap is None:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
@@ -324,27 +347,32 @@ def _attend_decode(
     return out.reshape(rows, heads, head_dim)
 
 
-def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``[B, KVH, W * tpb, D]``: whole blocks of every row, in position order."""
+def _gather_blocks(cache: torch.Tensor, scale: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, KVH, W * tpb, D]``: whole blocks of every row, in position order, dequantized."""
     rows, width = tables.shape
     blocks = cache.index_select(0, tables.reshape(-1))  # [B * W, tpb, KVH, D]
-    return blocks.view(rows, width * cache.shape[1], *cache.shape[2:]).transpose(1, 2).to(dtype)
+    return _dequantized(blocks.view(rows, width * cache.shape[1], *cache.shape[2:]).transpose(1, 2), scale, dtype)
 
 
-def _write(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
-) -> None:
-    """Store the step's keys and values ``[T, KVH, D]`` at their flat slots."""
-    k_flat = k_cache.view(-1, *k_cache.shape[2:])
-    v_flat = v_cache.view(-1, *v_cache.shape[2:])
-    k_flat.index_copy_(0, slots, key.to(k_flat.dtype))
-    v_flat.index_copy_(0, slots, value.to(v_flat.dtype))
+def _write(cache: _Cache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store the step's keys and values ``[T, KVH, D]`` at their flat slots (an e4m3 pool: divided
+    by its scales and saturated, written as bytes, since torch has no e4m3 ``index_copy_`` on the CPU)."""
+    for part, new, scale in ((cache.k, key, cache.k_scale), (cache.v, value, cache.v_scale)):
+        flat = part.view(-1, *part.shape[2:])
+        if cache.quantized:
+            flat.view(torch.uint8).index_copy_(0, slots, to_fp8(new, scale).view(torch.uint8))
+        else:
+            flat.index_copy_(0, slots, new.to(flat.dtype))
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``[B, KVH, K, D]``: the cached tokens of every request, in position order."""
+def _gather(cache: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, KVH, K, D]``: the cached tokens of every request, in position order, dequantized."""
     flat = cache.view(-1, *cache.shape[2:])
-    return flat[slots].transpose(1, 2).to(dtype)
+    return _dequantized(flat[slots].transpose(1, 2), scale, dtype)
+
+
+def _dequantized(kv: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return kv.to(dtype) * scale.to(dtype) if kv.dtype == FP8 else kv.to(dtype)
 
 
 def _softcapped_attention(

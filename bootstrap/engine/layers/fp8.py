@@ -40,6 +40,12 @@ def dequantized(module: torch.nn.Linear, dtype: torch.dtype) -> torch.Tensor:
     return (weight * scale).to(dtype)
 
 
+def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x / scale`` in e4m3, saturated at its largest finite value (no NaN for a key past it)."""
+    finite = torch.finfo(FP8).max
+    return (x.float() / scale).clamp(-finite, finite).to(FP8)
+
+
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` in e4m3 with one float32 scale per row (the absolute maximum over 448)."""
     scale = weight.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / torch.finfo(FP8).max

@@ -42,6 +42,12 @@ FUSED = {
     "up_proj": "gate_up_proj",
 }
 IGNORED = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry; recomputed here
+KV_SCALES = {  # an FP8 KV cache's per-layer scales (compressed-tensors' names, then older ones): the pool's
+    "self_attn.k_scale": 0,
+    "self_attn.v_scale": 1,
+    "self_attn.k_proj.output_scale": 0,
+    "self_attn.v_proj.output_scale": 1,
+}
 QUANTIZE_ROWS_BYTES = 64 << 20  # float32 rows quantized at once (``_read_quantizing``)
 
 
@@ -146,7 +152,7 @@ def plan_weights(model: torch.nn.Module, files: list[Path]) -> WeightReads:
                     f"checkpoint tensor {stored.name!r} is stored twice: in {seen[stored.name]} and {file}"
                 )
             seen[stored.name] = file
-            if stored.name.endswith(IGNORED):
+            if stored.name.endswith(IGNORED) or stored.name.endswith(tuple(KV_SCALES)):
                 continue
             name, target, index = _place(stored, params, modules)
             if DTYPES[stored.dtype].is_floating_point != target.dtype.is_floating_point:
@@ -205,6 +211,29 @@ def _place(stored: Stored, params: dict, modules: dict) -> tuple[str, torch.Tens
     if tuple(param.shape) != shape:
         raise ModelSourceError(f"{stored.name}: checkpoint shape {shape}, the model's {tuple(param.shape)}")
     return name, param, index
+
+
+def checkpoint_kv_scales(files: list[Path], num_layers: int) -> tuple[list[float], list[float]] | None:
+    """The keys' and values' scales of every layer (``KV_SCALES``), or None when the checkpoint
+    has none; ``ModelSourceError`` when only some layers have them."""
+    found: dict[tuple[int, int], tuple[Path, str]] = {}
+    for file in files:
+        for stored in stored_tensors(file):
+            for suffix, kind in KV_SCALES.items():
+                prefix = stored.name.removesuffix("." + suffix)
+                if prefix != stored.name and prefix.rpartition(".")[2].isdigit():
+                    found[(kind, int(prefix.rpartition(".")[2]))] = (file, stored.name)
+    if not found:
+        return None
+    missing = [(k, i) for k in (0, 1) for i in range(num_layers) if (k, i) not in found]
+    if missing:
+        kind, layer = missing[0]
+        raise ModelSourceError(f"the checkpoint has no {'kv'[kind]}_scale for layer {layer}, but has some for others")
+    scales: list[list[float]] = [[0.0] * num_layers, [0.0] * num_layers]
+    for (kind, layer), (file, name) in found.items():
+        with safe_open(str(file), framework="pt", device="cpu") as reader:
+            scales[kind][layer] = float(reader.get_tensor(name).float().reshape(-1)[0])
+    return scales[0], scales[1]
 
 
 def _scale_of(stored: Stored, modules: dict) -> tuple[str, torch.Tensor]:

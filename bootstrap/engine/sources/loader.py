@@ -61,6 +61,7 @@ class LoadedWeights:
     weight_bytes: int
     eos_token_ids: frozenset[int]
     reading: BackgroundRead | None = None  # ``background``: the bytes still arriving (``engine.models.reading``)
+    kv_scales: tuple[list[float], list[float]] | None = None  # a checkpoint's FP8 KV scales per layer (keys, values)
 
     def wait_for_weights(self) -> float:
         """Block until every weight is read (``background`` loads); the seconds waited."""
@@ -242,7 +243,18 @@ def load_model(
         source=resolved.text,
         weight_bytes=weight_bytes(model),
         eos_token_ids=eos_token_ids(model, tokenizer),
+        kv_scales=_kv_scales(resolved, model.config),
     )
+
+
+def _kv_scales(resolved: ModelSource, config: Any) -> tuple[list[float], list[float]] | None:
+    """A checkpoint directory's FP8 KV scales (``weights.checkpoint_kv_scales``); None elsewhere."""
+    if resolved.kind != CHECKPOINT:
+        return None
+    from bootstrap.engine.models.weights import checkpoint_kv_scales, safetensors_files
+
+    layers = (config.get_text_config() if hasattr(config, "get_text_config") else config).num_hidden_layers
+    return checkpoint_kv_scales(safetensors_files(resolved.path), layers)
 
 
 def _check_dtype(dtype: torch.dtype | None) -> None:

@@ -72,6 +72,7 @@ def _engine(executor: RequestExecutor) -> dict[str, Any]:
         "kv_total_blocks": stats.kv_total_blocks,
         "kv_used_blocks": stats.kv_used_blocks,
         "kv_capacity_tokens": stats.kv_capacity_tokens,
+        "kv_dtype": stats.kv_dtype,
         "running": stats.running,
         "waiting": stats.waiting,
         "prefix_caching": stats.prefix_caching,

@@ -1,0 +1,77 @@
+"""An e4m3 KV cache (``kv_cache_dtype: fp8``) on the CPU engine, for each tiny family: the pool
+holds a quarter of float32's bytes a token, the plan and ``/v1/engine``'s stats say fp8 and
+where its scales came from, a prompt's first token (its prefill attends its own keys, never
+rounded) equals the float32 pool's, and a checkpoint's per-layer ``k_scale``/``v_scale`` of 0.5
+(a power of two: e4m3 rounds ``x / 0.5`` as it rounds ``x``) answers every token as scales of
+1.0 do, where forgetting a scale anywhere would change them. A checkpoint with scales for some
+layers only is refused. The attention's own arithmetic: tests/integration/test_engine_attention.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+from helpers.tiny_models import save_checkpoint
+from safetensors.torch import load_file, save_file
+
+from bootstrap.api import Bootstrap
+from bootstrap.config import BootstrapConfig
+from bootstrap.engine.sampling.sampler import SamplingParams
+from bootstrap.pipeline.runner import StageFailed
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"]
+PROMPTS = [[1, 7, 9, 4, 11, 3, 200, 13, 5, 6, 7, 8, 9, 10, 11, 12, 40, 41, 42], [5, 9, 2, 77]]
+
+
+async def answer(path: Path, **config) -> tuple[list[list[int]], dict, object]:
+    settings = dict(device="cpu", max_num_tokens=16, max_batch_size=4, plan_cache=None)  # prompts in chunks
+    boot = Bootstrap(BootstrapConfig(model=str(path), **settings, **config))
+    try:
+        executor = await boot.build()
+        rids = [executor.enqueue(p, SamplingParams(max_tokens=16, ignore_eos=True)) for p in PROMPTS]
+        tokens = [list(executor.await_response(rid, 60).token_ids) for rid in rids]
+        return tokens, boot.report().to_dict()["plan"], executor
+    finally:
+        await boot.aclose()
+
+
+def with_kv_scales(source: Path, target: Path, scale: float, layers: int) -> Path:
+    """``source`` with every layer's ``self_attn.k_scale`` and ``v_scale`` set to ``scale``."""
+    target.mkdir()
+    for item in source.iterdir():
+        if item.name != "model.safetensors":
+            (target / item.name).write_bytes(item.read_bytes())
+    tensors = load_file(source / "model.safetensors")
+    for i in range(layers):
+        for kind in ("k_scale", "v_scale"):
+            tensors[f"model.layers.{i}.self_attn.{kind}"] = torch.tensor(scale)
+    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    return target
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_fp8_pool_answers_and_applies_the_checkpoints_scales(family, tmp_path):
+    source = save_checkpoint(family, tmp_path / family)
+    full, full_plan, full_executor = anyio.run(answer, source)
+    fp8, plan, executor = anyio.run(lambda: answer(source, kv_cache_dtype="fp8"))
+    assert [t[0] for t in fp8] == [t[0] for t in full]  # the prefill attends its own keys
+    assert (plan["kv_dtype"], plan["kv_scales"], full_plan["kv_dtype"]) == ("fp8", "1.0", "float32")
+    spec, full_spec = executor.runner.kv_cache.spec, full_executor.runner.kv_cache.spec
+    assert spec.dtype == torch.float8_e4m3fn and spec.bytes_per_token * 4 == full_spec.bytes_per_token
+    assert executor.engine_stats().kv_dtype == "fp8" and full_executor.engine_stats().kv_dtype == "float32"
+    halves = with_kv_scales(source, tmp_path / f"{family}-scaled", 0.5, 2)
+    scaled, scaled_plan, scaled_executor = anyio.run(lambda: answer(halves, kv_cache_dtype="fp8"))
+    assert scaled_plan["kv_scales"] == "checkpoint" and scaled == fp8
+    assert torch.equal(scaled_executor.runner.kv_cache.scales, torch.full((2, 2), 0.5))
+    plain, _, _ = anyio.run(answer, halves)  # a 16-bit pool reads past the scales
+    assert plain == full
+
+
+def test_scales_for_some_layers_only_are_refused_naming_the_layer(tmp_path):
+    source = save_checkpoint("llama", tmp_path / "llama")
+    partial = with_kv_scales(source, tmp_path / "partial", 0.5, 1)
+    with pytest.raises(StageFailed) as info:
+        anyio.run(lambda: answer(partial, kv_cache_dtype="fp8"))
+    assert info.value.stage == "load_model" and "no k_scale for layer 1" in str(info.value.cause)
