@@ -1,7 +1,8 @@
-"""FP8 checkpoints against their 16-bit source on one GPU: decode and prefill tokens/s, each
-decode figure as a fraction of its own bandwidth roofline, the plan's KV tokens, and greedy
-agreement with the 16-bit answers. In-process figures (one process, engines built one after
-another through the pipeline with the default flags but ``--max-batch-size``).
+"""FP8 checkpoints (or an FP8 KV cache) against their 16-bit source on one GPU: decode and
+prefill tokens/s, each decode figure as a fraction of its own bandwidth roofline, the plan's KV
+tokens, and greedy agreement with the first side's answers. In-process figures (one process,
+engines built one after another through the pipeline with the default flags but
+``--max-batch-size`` and a side's own settings: ``NAME=DIR,kv_cache_dtype=fp8``).
 
 Per checkpoint and batch size B (prompts of P tokens, G generated, greedy, EOS ignored):
 ``prefill_s`` is the wall time of a 1-token generation and ``total_s`` of a G-token one, best
@@ -15,6 +16,8 @@ difference and overall (random weights: a sanity check, not an accuracy figure).
 
     python benchmarks/fp8_decode.py --checkpoint bf16=/tmp/llama-8b \
         --checkpoint channel=/tmp/llama-8b-channel --checkpoint block=/tmp/llama-8b-block --out fp8.json
+    python benchmarks/fp8_decode.py --checkpoint bf16=/tmp/llama-8b \
+        --checkpoint fp8kv=/tmp/llama-8b,kv_cache_dtype=fp8 --batch-sizes 64 --prompt-len 4096 --out fp8_kv.json
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 from bench_common import emit, positive_int, ratio, release_memory, report_header, synchronize
 
 from bootstrap.api import Bootstrap
+from bootstrap.capacity import kv_dtype_bytes
 from bootstrap.config import BootstrapConfig
 from bootstrap.engine import SamplingParams
 from bootstrap.stages.summary import plan_summary
@@ -42,8 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--checkpoint",
         action="append",
         required=True,
-        metavar="NAME=DIR",
-        help="a checkpoint to measure; the first is the 16-bit reference",
+        metavar="NAME=DIR[,FIELD=VALUE...]",
+        help="a checkpoint to measure, with config fields of its own; the first is the reference",
     )
     parser.add_argument("--batch-sizes", default="1,16,64")
     parser.add_argument("--prompt-len", type=positive_int, default=128)
@@ -98,22 +102,24 @@ def step_weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed or tied)
 
 
-def kv_bytes_per_token(shape) -> int:
-    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2
+def kv_bytes_per_token(shape, kv_dtype: str) -> float:
+    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * kv_dtype_bytes(kv_dtype)
 
 
-async def measure(name: str, path: str, args: argparse.Namespace, bandwidth: float) -> dict:
+async def measure(name: str, side: str, args: argparse.Namespace, bandwidth: float) -> dict:
     device = torch.device(args.device)
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    config = BootstrapConfig(model=path, device=args.device, max_batch_size=max(batches), plan_cache=None)
+    path, *fields = side.split(",")
+    own = dict(field.split("=", 1) for field in fields)
+    config = BootstrapConfig(model=path, device=args.device, max_batch_size=max(batches), plan_cache=None, **own)
     boot = Bootstrap(config)
     try:
         started = time.perf_counter()
         executor = await boot.build()
         artifacts = boot.pipeline.artifacts
-        result = {"checkpoint": path, "build_s": round(time.perf_counter() - started, 2)}
+        result = {"checkpoint": path, "config": own, "build_s": round(time.perf_counter() - started, 2)}
         model = artifacts["loaded"].handle.target.model
-        shape = artifacts["resolved"].shape
+        shape, kv_dtype = artifacts["resolved"].shape, artifacts["resolved"].kv_dtype
         result["weight_bytes"] = artifacts["loaded"].weight_bytes
         result["step_weight_bytes"] = weight_bytes = step_weight_bytes(model)
         plan = plan_summary(artifacts)
@@ -127,7 +133,8 @@ async def measure(name: str, path: str, args: argparse.Namespace, bandwidth: flo
                 prefill_s = min(prefill_s, timed(executor, batch_prompts, 1, device)[0])
                 total_s = min(total_s, timed(executor, batch_prompts, args.gen_len, device)[0])
             decode = batch * (args.gen_len - 1) / (total_s - prefill_s)
-            step_bytes = weight_bytes + batch * kv_bytes_per_token(shape) * (args.prompt_len + args.gen_len / 2)
+            context = args.prompt_len + args.gen_len / 2
+            step_bytes = weight_bytes + batch * kv_bytes_per_token(shape, kv_dtype) * context
             roofline = batch * bandwidth / step_bytes
             per_batch[str(batch)] = {
                 "prefill_s": round(prefill_s, 4),

@@ -20,10 +20,11 @@
 #   --prefix-cache: instead, benchmarks/prefix_cache.py --preset 8b alone (an 8B checkpoint written, then one
 #     fresh server with the prefix cache and one without, 64 chat requests at once on each), a second invocation:
 #       prefix_cache.json    benchmarks/prefix_cache.py (plus suite.log and steps.jsonl, as above)
-#   --fp8: instead, the FP8 kernels' tests, then an 8B checkpoint written with its two FP8 twins
-#     (benchmarks/quantize_checkpoint.py: channel and block layouts), benchmarks/fp8_decode.py on the three, and
-#     benchmarks/worst_case_after_capture.py on the block one, a second invocation:
-#       fp8_tests.xml, fp8_decode.json, fp8_worst_case.json   (plus suite.log and steps.jsonl, as above)
+#   --fp8: instead, the FP8 weight and KV kernels' tests, then an 8B checkpoint written with its two FP8 twins
+#     (benchmarks/quantize_checkpoint.py: channel and block layouts), benchmarks/fp8_decode.py on the three,
+#     benchmarks/worst_case_after_capture.py on the block one, and fp8_decode.py on the 8B with an fp8 KV cache
+#     (batch 64, 4,096-token prompts), a second invocation:
+#       fp8_tests.xml, fp8_decode.json, fp8_worst_case.json, fp8_kv_decode.json   (plus suite.log and steps.jsonl)
 # Missing Python packages travel as wheels in .whl/ (python3 -m pip download --no-deps --only-binary=:all: -d .whl ...);
 # they are installed from there, never from an index. The whole suite keeps within
 # SUITE_BUDGET_S seconds: each step gets at most its own cap and what the budget has left.
@@ -152,7 +153,7 @@ if [ "$PREFIX_CACHE" = 1 ]; then
   exit "$FAILED"
 fi
 if [ "$FP8" = 1 ]; then
-  run_step fp8_tests 120 python3 -m pytest tests/gpu/test_fp8_gemm_cuda.py -q -rA -p no:cacheprovider -p no:asyncio \
+  run_step fp8_tests 120 python3 -m pytest tests/gpu/test_fp8_gemm_cuda.py tests/gpu/test_fp8_kv_cuda.py -q -rA -p no:cacheprovider -p no:asyncio \
     --junitxml="$OUT/fp8_tests.xml"
   run_step write_8b 120 python3 benchmarks/write_checkpoint.py --model llama-3.1-8b --out "$WORK/8b" --device cuda
   for layout in channel block; do
@@ -161,8 +162,11 @@ if [ "$FP8" = 1 ]; then
   done
   run_step fp8_decode 240 python3 benchmarks/fp8_decode.py --checkpoint "bf16=$WORK/8b" \
     --checkpoint "channel=$WORK/8b-channel" --checkpoint "block=$WORK/8b-block" --out "$OUT/fp8_decode.json"
-  run_step fp8_worst_case 120 python3 benchmarks/worst_case_after_capture.py --model "$WORK/8b-block" \
+  run_step fp8_worst_case 90 python3 benchmarks/worst_case_after_capture.py --model "$WORK/8b-block" \
     --out "$OUT/fp8_worst_case.json"
+  run_step fp8_kv_decode 150 python3 benchmarks/fp8_decode.py --checkpoint "bf16=$WORK/8b" \
+    --checkpoint "fp8kv=$WORK/8b,kv_cache_dtype=fp8" --batch-sizes 64 --prompt-len 4096 --repeats 1 \
+    --out "$OUT/fp8_kv_decode.json"
   say "done; steps:"
   cat "$OUT/steps.jsonl"
   rm -rf "$WORK"
