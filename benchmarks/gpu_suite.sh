@@ -11,7 +11,7 @@
 #   cold_start.json  benchmarks/cold_start.py (fresh run and serve processes on an 8B checkpoint directory)
 #   traces.tar.gz    every start's trace file
 #
-# Usage, from the repository root:  bash benchmarks/gpu_suite.sh [--smoke] [--live-ops | --prefix-cache | --fp8]
+# Usage, from the repository root:  bash benchmarks/gpu_suite.sh [--smoke] [--live-ops | --prefix-cache | --fp8 | --fp8-kv]
 #   --smoke: tiny shapes on the CPU, to check the script itself (tests/gpu then skip).
 #   --live-ops: instead of the steps above, benchmarks/live_ops.py alone (three 8B checkpoints written,
 #     a server swapped, slept, woken and updated, then 20 swap cycles under traffic: about 4 to 6 minutes,
@@ -21,10 +21,12 @@
 #     fresh server with the prefix cache and one without, 64 chat requests at once on each), a second invocation:
 #       prefix_cache.json    benchmarks/prefix_cache.py (plus suite.log and steps.jsonl, as above)
 #   --fp8: instead, the FP8 weight and KV kernels' tests, then an 8B checkpoint written with its two FP8 twins
-#     (benchmarks/quantize_checkpoint.py: channel and block layouts), benchmarks/fp8_decode.py on the three,
-#     benchmarks/worst_case_after_capture.py on the block one, and fp8_decode.py on the 8B with an fp8 KV cache
-#     (batch 64, 4,096-token prompts), a second invocation:
-#       fp8_tests.xml, fp8_decode.json, fp8_worst_case.json, fp8_kv_decode.json   (plus suite.log and steps.jsonl)
+#     (benchmarks/quantize_checkpoint.py: channel and block layouts), benchmarks/fp8_decode.py on the three, and
+#     benchmarks/worst_case_after_capture.py on the block one, a second invocation:
+#       fp8_tests.xml, fp8_decode.json, fp8_worst_case.json   (plus suite.log and steps.jsonl, as above)
+#   --fp8-kv: instead, the same tests, an 8B checkpoint, fp8_decode.py with a bfloat16 and an fp8 KV cache (batch 64,
+#     4,096-token prompts), and a worst case on the fp8 cache with every block filled, a third invocation:
+#       fp8_tests.xml, fp8_kv_decode.json, fp8_kv_worst_case.json
 # Missing Python packages travel as wheels in .whl/ (python3 -m pip download --no-deps --only-binary=:all: -d .whl ...);
 # they are installed from there, never from an index. The whole suite keeps within
 # SUITE_BUDGET_S seconds: each step gets at most its own cap and what the budget has left.
@@ -45,7 +47,8 @@ for arg in "$@"; do
     --live-ops) LIVE_OPS=1 ;;
     --prefix-cache) PREFIX_CACHE=1 ;;
     --fp8) FP8=1 ;;
-    *) echo "gpu_suite.sh: unknown flag $arg (allowed: --smoke, --live-ops, --prefix-cache, --fp8)" >&2; exit 2 ;;
+    --fp8-kv) FP8=kv ;;
+    *) echo "gpu_suite.sh: unknown flag $arg (allowed: --smoke, --live-ops, --prefix-cache, --fp8, --fp8-kv)" >&2; exit 2 ;;
   esac
 done
 
@@ -152,21 +155,27 @@ if [ "$PREFIX_CACHE" = 1 ]; then
   rm -rf "$WORK"
   exit "$FAILED"
 fi
-if [ "$FP8" = 1 ]; then
+if [ "$FP8" != 0 ]; then
   run_step fp8_tests 120 python3 -m pytest tests/gpu/test_fp8_gemm_cuda.py tests/gpu/test_fp8_kv_cuda.py -q -rA -p no:cacheprovider -p no:asyncio \
     --junitxml="$OUT/fp8_tests.xml"
   run_step write_8b 120 python3 benchmarks/write_checkpoint.py --model llama-3.1-8b --out "$WORK/8b" --device cuda
-  for layout in channel block; do
+  for layout in $([ "$FP8" = kv ] || echo channel block); do
     run_step "quantize_$layout" 90 python3 benchmarks/quantize_checkpoint.py --source "$WORK/8b" \
       --out "$WORK/8b-$layout" --layout "$layout" --device cuda
   done
-  run_step fp8_decode 240 python3 benchmarks/fp8_decode.py --checkpoint "bf16=$WORK/8b" \
-    --checkpoint "channel=$WORK/8b-channel" --checkpoint "block=$WORK/8b-block" --out "$OUT/fp8_decode.json"
-  run_step fp8_worst_case 90 python3 benchmarks/worst_case_after_capture.py --model "$WORK/8b-block" \
-    --out "$OUT/fp8_worst_case.json"
-  run_step fp8_kv_decode 150 python3 benchmarks/fp8_decode.py --checkpoint "bf16=$WORK/8b" \
-    --checkpoint "fp8kv=$WORK/8b,kv_cache_dtype=fp8" --batch-sizes 64 --prompt-len 4096 --repeats 1 \
-    --out "$OUT/fp8_kv_decode.json"
+  if [ "$FP8" = kv ]; then
+    run_step fp8_kv_decode 200 python3 benchmarks/fp8_decode.py --checkpoint "bf16=$WORK/8b" \
+      --checkpoint "fp8kv=$WORK/8b,kv_cache_dtype=fp8" --batch-sizes 64 --prompt-len 4096 --repeats 1 \
+      --out "$OUT/fp8_kv_decode.json"
+    run_step fp8_kv_worst_case 200 python3 benchmarks/worst_case_after_capture.py --model "$WORK/8b" \
+      --kv-cache-dtype fp8 --max-batch-size 256 --max-num-tokens 8192 --prompt-len 7000 --gen-len 16 \
+      --out "$OUT/fp8_kv_worst_case.json"
+  else
+    run_step fp8_decode 240 python3 benchmarks/fp8_decode.py --checkpoint "bf16=$WORK/8b" \
+      --checkpoint "channel=$WORK/8b-channel" --checkpoint "block=$WORK/8b-block" --out "$OUT/fp8_decode.json"
+    run_step fp8_worst_case 90 python3 benchmarks/worst_case_after_capture.py --model "$WORK/8b-block" \
+      --out "$OUT/fp8_worst_case.json"
+  fi
   say "done; steps:"
   cat "$OUT/steps.jsonl"
   rm -rf "$WORK"

@@ -39,6 +39,7 @@ async def main() -> None:
     parser.add_argument("--max-seq-len", type=int, default=None)
     parser.add_argument("--prompt-len", type=int, default=4096)
     parser.add_argument("--gen-len", type=int, default=64)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "float16", "fp8"))
     parser.add_argument("--draft-model", default=None)
     parser.add_argument("--num-speculative-tokens", default=None)
     parser.add_argument("--temperature", type=float, default=None, help="default: 1 with a draft, else greedy")
@@ -52,6 +53,7 @@ async def main() -> None:
         max_batch_size=args.max_batch_size,
         max_num_tokens=args.max_num_tokens,
         max_seq_len=args.max_seq_len,
+        kv_cache_dtype=args.kv_cache_dtype,
         draft_model=args.draft_model,
         num_speculative_tokens=depth if depth in (None, "auto") else int(depth),
     )
