@@ -16,6 +16,7 @@ import torch
 from helpers.tiny_models import save_checkpoint
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from bootstrap.capacity.presets import MODEL_PRESETS
 from bootstrap.cli import main
 from bootstrap.engine.step.model_runner import ModelRunner
 from bootstrap.stages import STAGE_IDS
@@ -180,7 +181,8 @@ BAD_INPUT = {
     "max_seq_len beyond positions": (["--max-seq-len", "100000"], "max_position_embeddings"),
     "prompt beyond max_seq_len": (["--max-seq-len", "8", "--prompt", PROMPT], "exceeds max_seq_len (8)"),
     "max_tokens 0": (["--max-tokens", "0"], "max_tokens"),
-    "fp8 KV cache on the native engine": (["--kv-cache-dtype", "fp8"], "kv_cache_dtype: fp8 is not supported"),
+    "fp8 weights of random ones": (["--model", "random:smollm2-135m", "--quantization", "fp8"], "is drawn at random"),
+    "fp8 weights of another family": (["--model", "{mixtral}", "--quantization", "fp8"], "engine's own code"),
     "chat without a chat template": (["--chat", "hello"], "no chat template"),
 }
 
@@ -188,14 +190,17 @@ BAD_INPUT = {
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error for a machine without CUDA")
 @pytest.mark.parametrize("case", sorted(BAD_INPUT))
 def test_bad_input_is_one_clear_line_and_exit_2(case, checkpoints, capsys, tmp_path):
-    gguf, corrupt = tmp_path / "fake.gguf", tmp_path / "corrupt"
+    gguf, corrupt, mixtral = tmp_path / "fake.gguf", tmp_path / "corrupt", tmp_path / "mixtral"
     gguf.write_text("not a gguf file")
+    mixtral.mkdir()  # a family the own code does not run: quantizing it at load is refused before any read
+    (mixtral / "config.json").write_text(json.dumps(dict(MODEL_PRESETS["mixtral-8x7b"])))
+    (mixtral / "model.safetensors").write_bytes((checkpoints["llama"] / "model.safetensors").read_bytes())
     corrupt.mkdir()
     for file in checkpoints["llama"].iterdir():
         (corrupt / file.name).write_bytes(file.read_bytes())
     (corrupt / "model.safetensors").write_bytes(b"\x00" * 100)
     argv, expected = BAD_INPUT[case]
-    argv = [a.format(gguf=gguf, corrupt=corrupt) for a in argv]
+    argv = [a.format(gguf=gguf, corrupt=corrupt, mixtral=mixtral) for a in argv]
     model = [] if "--model" in argv else ["--model", str(checkpoints["llama"])]
     device = [] if "--device" in argv else ["--device", "cpu"]
     code = main(["run", *device, *model, "--no-plan-cache", *argv])
