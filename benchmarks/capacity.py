@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also w
 from bench_common import emit, failure, positive_int, ratio, release_memory, report_header, resolve_device, save
 
 from bootstrap.api import Bootstrap
-from bootstrap.backends.native.backend import DTYPES
+from bootstrap.backends.native.loading import DTYPES
 from bootstrap.config import BootstrapConfig
 from bootstrap.devices import is_oom
 from bootstrap.engine.sampling.sampler import SamplingParams

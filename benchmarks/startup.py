@@ -50,7 +50,7 @@ from bench_common import (
 )
 
 from bootstrap.api import Bootstrap
-from bootstrap.backends.native.backend import DTYPES
+from bootstrap.backends.native.loading import DTYPES
 from bootstrap.capacity.config_json import parse_config
 from bootstrap.capacity.cuda_graph_buckets import default_batch_sizes
 from bootstrap.config import BootstrapConfig

@@ -5,16 +5,12 @@ One program per (row, KV head, split): the row's ``G`` query heads of that KV he
 rows for ``tl.dot``) attend over the row's blocks up to its context length (from its window start
 with a sliding window), with an online softmax in float32. The loop bound is read on the device,
 so a CUDA graph captured over a static-width block table replays any context length. Float32
-inputs use IEEE products (no TF32), so they match the reference attention to rounding. Needs
-Triton and 16 tokens a block or more (``available()``).
-
-A few rows (batch 1, verify rows, a small draft) leave the device idle at one program per
-``rows × KV heads``, so each row's blocks split in up to ``splits`` runs (flash-decoding), each
-keeping its running maximum, sum and unnormalized output, and a second kernel merges them.
-``num_splits`` picks the count from the grid and the table's width: fixed at a graph's capture.
-
-An e4m3 pool (``kv_cache_dtype fp8``) is written divided by its layer's scales, saturated, and
-read multiplied back: the key scale folded into the softmax scale, the value scale into the output.
+inputs use IEEE products (no TF32). Needs Triton and 16 tokens a block or more (``available()``).
+A few rows leave the device idle at one program per ``rows x KV heads``, so each row's blocks
+split in up to ``splits`` runs (flash-decoding) that a second kernel merges; ``num_splits`` picks
+the count, fixed at a graph's capture. An e4m3 pool (``kv_cache_dtype fp8``) is written divided
+by its layer's scales, saturated, and read back scaled: the key scale joins the softmax scale,
+the value scale the output.
 """
 
 from __future__ import annotations
