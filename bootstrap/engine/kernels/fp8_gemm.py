@@ -6,8 +6,9 @@ the e4m3 weight once, as ``gemv`` streams a 16-bit one, each product scaled by i
 (or its block's) in float32; the activation stays 16-bit (weight-only). More rows take
 cuBLASLt's FP8 GEMM (``torch._scaled_mm``) on activations quantized per token, or per token and
 128 columns for block scales, by ``quantize`` (one Triton kernel); the scales are applied in the
-GEMM's epilogue. Block scales need torch's ``scaled_mm`` with ``BlockWise128x128``; where it
-is missing (``blockwise_supported``) those products dequantize the weight first. Measured per
+GEMM's epilogue. Block scales need torch's ``scaled_mm`` with ``BlockWise128x128``; where it is
+missing (``blockwise_supported``), and for what cuBLASLt does not take (widths not multiples of
+16, float16 activations), the product dequantizes the weight first. Measured per
 shape and batch: benchmarks/README.md, "FP8 projections".
 """
 
@@ -59,7 +60,10 @@ def linear(
     row, else the FP8 GEMM (module docstring)."""
     if x.shape[0] == 1:
         return one_row(x, weight, scale, block, bias)
-    if block is None:
+    n, k = weight.shape
+    if n % 16 or k % 16 or x.dtype != torch.bfloat16:  # what cuBLASLt's FP8 GEMM takes (row scales: bf16 out)
+        out = F.linear(x, dequantize(weight, scale, block, x.dtype))
+    elif block is None:
         q, q_scale = quantize(x, x.shape[1])
         out = torch._scaled_mm(q, weight.t(), scale_a=q_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype)
     elif blockwise_supported(x.device) and block == (128, 128) and scale.shape[1] % SCALE_ROWS_PAD == 0:
