@@ -20,13 +20,13 @@
 #   --prefix-cache: instead, benchmarks/prefix_cache.py --preset 8b alone (an 8B checkpoint written, then one
 #     fresh server with the prefix cache and one without, 64 chat requests at once on each), a second invocation:
 #       prefix_cache.json    benchmarks/prefix_cache.py (plus suite.log and steps.jsonl, as above)
-#   --fp8: instead, the FP8 weight and KV kernels' tests, then an 8B checkpoint written with its two FP8 twins
-#     (benchmarks/quantize_checkpoint.py: channel and block layouts), benchmarks/fp8_decode.py on the three, and
-#     benchmarks/worst_case_after_capture.py on the block one, a second invocation:
-#       fp8_tests.xml, fp8_decode.json, fp8_worst_case.json   (plus suite.log and steps.jsonl, as above)
-#   --fp8-kv: instead, the same tests, an 8B checkpoint, fp8_decode.py with a bfloat16 and an fp8 KV cache (batch 64,
-#     4,096-token prompts), and a worst case on the fp8 cache with every block filled, a third invocation:
-#       fp8_tests.xml, fp8_kv_decode.json, fp8_kv_worst_case.json
+#   --fp8: instead, the FP8 weight and KV kernels' tests, benchmarks/fp8_products.py (per matrix and row count, with
+#     the one-row tile sweep), then an 8B checkpoint written with its two FP8 twins (benchmarks/quantize_checkpoint.py:
+#     channel and block layouts) and benchmarks/fp8_decode.py on the three, a second invocation:
+#       fp8_tests.xml, fp8_products.json, fp8_decode.json   (plus suite.log and steps.jsonl, as above)
+#   --fp8-kv: instead, the same tests, the 8B and its block twin, fp8_decode.py with a bfloat16 and an fp8 KV cache
+#     (batch 64, 4,096-token prompts), and worst cases on the fp8 cache (every block filled) and on the block
+#     checkpoint, a third invocation:   fp8_tests.xml, fp8_kv_decode.json, fp8_kv_worst_case.json, fp8_worst_case.json
 # Missing Python packages travel as wheels in .whl/ (python3 -m pip download --no-deps --only-binary=:all: -d .whl ...);
 # they are installed from there, never from an index. The whole suite keeps within
 # SUITE_BUDGET_S seconds: each step gets at most its own cap and what the budget has left.
@@ -156,10 +156,11 @@ if [ "$PREFIX_CACHE" = 1 ]; then
   exit "$FAILED"
 fi
 if [ "$FP8" != 0 ]; then
-  run_step fp8_tests 120 python3 -m pytest tests/gpu/test_fp8_gemm_cuda.py tests/gpu/test_fp8_kv_cuda.py -q -rA -p no:cacheprovider -p no:asyncio \
-    --junitxml="$OUT/fp8_tests.xml"
+  run_step fp8_tests 120 python3 -m pytest tests/gpu/test_fp8_gemm_cuda.py tests/gpu/test_fp8_kv_cuda.py -q -rA \
+    -p no:cacheprovider -p no:asyncio --junitxml="$OUT/fp8_tests.xml"
+  [ "$FP8" = kv ] || run_step fp8_products 120 python3 benchmarks/fp8_products.py --sweep --out "$OUT/fp8_products.json"
   run_step write_8b 120 python3 benchmarks/write_checkpoint.py --model llama-3.1-8b --out "$WORK/8b" --device cuda
-  for layout in $([ "$FP8" = kv ] || echo channel block); do
+  for layout in $([ "$FP8" = kv ] && echo block || echo channel block); do
     run_step "quantize_$layout" 90 python3 benchmarks/quantize_checkpoint.py --source "$WORK/8b" \
       --out "$WORK/8b-$layout" --layout "$layout" --device cuda
   done
@@ -167,14 +168,14 @@ if [ "$FP8" != 0 ]; then
     run_step fp8_kv_decode 200 python3 benchmarks/fp8_decode.py --checkpoint "bf16=$WORK/8b" \
       --checkpoint "fp8kv=$WORK/8b,kv_cache_dtype=fp8" --batch-sizes 64 --prompt-len 4096 --repeats 1 \
       --out "$OUT/fp8_kv_decode.json"
-    run_step fp8_kv_worst_case 200 python3 benchmarks/worst_case_after_capture.py --model "$WORK/8b" \
+    run_step fp8_kv_worst_case 150 python3 benchmarks/worst_case_after_capture.py --model "$WORK/8b" \
       --kv-cache-dtype fp8 --max-batch-size 256 --max-num-tokens 8192 --prompt-len 7000 --gen-len 16 \
       --out "$OUT/fp8_kv_worst_case.json"
+    run_step fp8_worst_case 90 python3 benchmarks/worst_case_after_capture.py --model "$WORK/8b-block" \
+      --out "$OUT/fp8_worst_case.json"
   else
     run_step fp8_decode 240 python3 benchmarks/fp8_decode.py --checkpoint "bf16=$WORK/8b" \
       --checkpoint "channel=$WORK/8b-channel" --checkpoint "block=$WORK/8b-block" --out "$OUT/fp8_decode.json"
-    run_step fp8_worst_case 90 python3 benchmarks/worst_case_after_capture.py --model "$WORK/8b-block" \
-      --out "$OUT/fp8_worst_case.json"
   fi
   say "done; steps:"
   cat "$OUT/steps.jsonl"
