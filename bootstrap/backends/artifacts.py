@@ -79,7 +79,7 @@ class FinalBuild:
     handle: Any
     pool_bytes: dict[str, int] = field(default_factory=dict)
     pool_tokens: dict[str, int] = field(default_factory=dict)
-    kv_scales: str | None = None  # an fp8 KV pool's scales: "checkpoint" or "1.0"
+    kv_scales: Any = None  # an fp8 target pool's ``KVScales`` (its ``source``: "checkpoint" or "1.0"); else None
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ def plan_summary(artifacts: dict[str, Any]) -> dict[str, Any]:
     if final is not None:
         out.update(_allocated(out, plan, final))
         if final.kv_scales is not None:
-            out["kv_scales"] = final.kv_scales  # an fp8 pool's: "checkpoint" or "1.0"
+            out["kv_scales"] = final.kv_scales.source  # an fp8 pool's, as new weights may have changed them
     warmup = artifacts.get("warmup")
     if warmup is not None and warmup.num_graphs:
         out["cuda_graphs"] = {

@@ -46,7 +46,7 @@ def setup(requests, dtype=torch.float32):
     gen = torch.Generator().manual_seed(0)
     cache = PagedKVCache(KVCacheSpec(2, KV_HEADS, DIM, dtype), num_blocks=32, tokens_per_block=TPB, device="cpu")
     if dtype == FP8:
-        cache.set_scales([1.0, FP8_SCALES[0]], [1.0, FP8_SCALES[1]])
+        cache.take_scales([1.0, FP8_SCALES[0]], [1.0, FP8_SCALES[1]])
     cache.allocate("filler", 5)  # so request blocks do not start at 0
     full_k, full_v = [], []
     for i, (cached, new) in enumerate(requests):

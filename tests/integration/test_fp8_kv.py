@@ -4,7 +4,8 @@ where its scales came from, a prompt's first token (its prefill attends its own 
 rounded) equals the float32 pool's, and a checkpoint's per-layer ``k_scale``/``v_scale`` of 0.5
 (a power of two: e4m3 rounds ``x / 0.5`` as it rounds ``x``) answers every token as scales of
 1.0 do, where forgetting a scale anywhere would change them. A checkpoint with scales for some
-layers only is refused. The attention's own arithmetic: tests/integration/test_engine_attention.py."""
+layers only is refused; new weights bring their own. The attention's own arithmetic:
+tests/integration/test_engine_attention.py."""
 
 from __future__ import annotations
 
@@ -75,3 +76,22 @@ def test_scales_for_some_layers_only_are_refused_naming_the_layer(tmp_path):
     with pytest.raises(StageFailed) as info:
         anyio.run(lambda: answer(partial, kv_cache_dtype="fp8"))
     assert info.value.stage == "load_model" and "no k_scale for layer 1" in str(info.value.cause)
+
+
+def test_new_weights_bring_their_scales_to_the_pool_and_the_plan(tmp_path):
+    source = save_checkpoint("llama", tmp_path / "llama")
+    halves = with_kv_scales(source, tmp_path / "halves", 0.5, 2)
+
+    async def updated() -> list:
+        boot = Bootstrap(BootstrapConfig(model=str(source), device="cpu", kv_cache_dtype="fp8", plan_cache=None))
+        seen = []
+        try:
+            for path in (None, halves, source):
+                executor = await boot.build() if path is None else await boot.update_weights(str(path))
+                seen.append((executor.runner.kv_cache.scales.tolist(), boot.report().to_dict()["plan"]["kv_scales"]))
+            return seen
+        finally:
+            await boot.aclose()
+
+    ones, halved = [[1.0, 1.0], [1.0, 1.0]], [[0.5, 0.5], [0.5, 0.5]]
+    assert anyio.run(updated) == [(ones, "1.0"), (halved, "checkpoint"), (ones, "1.0")]

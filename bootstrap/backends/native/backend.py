@@ -289,10 +289,12 @@ class NativeBackend(Loading, LiveWeights):
         pools = self._pools(wanted, loaded.handle, resolved, undo, PagedKVCache.from_bytes)
         for name, pool in pools.items():
             if pool.quantized:
-                log.info("KV cache %s in fp8: per-layer scales %s", name, pool.scales_source)
+                log.info(
+                    "KV cache %s in fp8: per-layer scales %s", name, loaded.handle.by_name()[name].kv_scales.source
+                )
         return FinalBuild(
             handle=NativeBuild(pools),
-            kv_scales=pools["target"].scales_source if pools["target"].quantized else None,
+            kv_scales=loaded.handle.target.kv_scales if pools["target"].quantized else None,
             pool_bytes={n: p.stats().total_bytes for n, p in pools.items()},
             pool_tokens={n: p.stats().capacity_tokens for n, p in pools.items()},
         )
@@ -337,6 +339,9 @@ class NativeBackend(Loading, LiveWeights):
         once every weight is read."""
         self._await_weights(loaded)
         target = loaded.handle.target
+        for name, weights in loaded.handle.by_name().items():  # new weights may have brought new scales
+            if final.handle.pools[name].quantized:
+                final.handle.pools[name].take_scales(weights.kv_scales.keys, weights.kv_scales.values)
         scheduler = SchedulerConfig(
             config.max_batch_size, plan.max_num_tokens, resolved.max_seq_len, config.prefix_caching
         )
@@ -378,8 +383,8 @@ class NativeBackend(Loading, LiveWeights):
             spec = KVCacheSpec.from_config(weights[name].hf_config, KV_DTYPES[resolved.kv_dtype], tp=self.tp)
             pools[name] = pool = make(spec, size, models.tokens_per_block, self.torch_device)
             undo.push(pool.release)
-            if pool.quantized and weights[name].kv_scales is not None:
-                pool.set_scales(*weights[name].kv_scales)
+            if pool.quantized:
+                pool.take_scales(weights[name].kv_scales.keys, weights[name].kv_scales.values)
         return pools
 
 

@@ -11,7 +11,7 @@ from bootstrap.backends.artifacts import HostWeights, LoadedModel, WeightsPlan
 from bootstrap.backends.native.checks import check_weights_dir, unreadable_as_source_error
 from bootstrap.devices import Device
 from bootstrap.engine.models.residency import HostCopy, offload
-from bootstrap.engine.models.weights import plan_weights, safetensors_files
+from bootstrap.engine.models.weights import checkpoint_kv_scales, plan_weights, safetensors_files
 from bootstrap.pipeline.undo import Undo
 
 
@@ -30,12 +30,18 @@ class LiveWeights:
         self._await_weights(loaded)  # a read still running would write over the new weights
         directory = check_weights_dir(path, target.hf_config)
         with unreadable_as_source_error(path):
-            reads = plan_weights(target.model, safetensors_files(directory))
-        return WeightsPlan(reads, path, reads.nbytes)
+            files = safetensors_files(directory)
+            reads = plan_weights(target.model, files)
+            scales = checkpoint_kv_scales(files, target.hf_config.num_hidden_layers)
+        return WeightsPlan((reads, target.kv_scales, scales), path, reads.nbytes)
 
     def read_weights(self, plan: WeightsPlan) -> int:
-        plan.handle.read()
+        """The weights in place, and the new checkpoint's KV scales for the pools (taken when the
+        executor starts again: ``start_executor``)."""
+        reads, kept, scales = plan.handle
+        reads.read()
         self.device.synchronize()
+        kept.replace(scales)
         return plan.nbytes
 
     def offload_weights(self, loaded: LoadedModel, reuse: HostWeights | None, undo: Undo) -> HostWeights:

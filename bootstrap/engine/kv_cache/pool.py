@@ -11,7 +11,7 @@ cached and counts as free, handed out only when no plain free block is left, lea
 released first. ``stats()``: the pool, the blocks handed out, the tokens held (a shared block
 counts once), the registered blocks and those of them nobody holds. An e4m3 pool (``kv_cache_dtype
 fp8``) stores keys and values divided by its per-layer ``scales`` (1.0, or the checkpoint's:
-``set_scales``); the attention multiplies them back.
+``take_scales``); the attention multiplies them back.
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ class PagedKVCache:
         # Zeros, not empty: masked attention weights are exactly 0, and 0 * NaN garbage would be NaN.
         self._kv: torch.Tensor | None = zeros(shape, spec.dtype, self.device)
         self.scales = torch.ones(2, spec.num_layers, dtype=torch.float32, device=self.device)  # K, V per layer
-        self.scales_source = "1.0"  # or "checkpoint" (``set_scales``)
         self._free: deque[int] = deque(range(num_blocks))  # neither held nor cached
         self._tables: dict[Any, list[int]] = {}
         self._lengths: dict[Any, int] = {}
@@ -105,7 +104,7 @@ class PagedKVCache:
         return self._pool()[1, layer]
 
     def k_scale(self, layer: int) -> torch.Tensor:
-        """The keys' dequantization scale of ``layer`` (0-dim float32; 1.0 unless ``set_scales``)."""
+        """The keys' dequantization scale of ``layer`` (0-dim float32; 1.0 unless ``take_scales``)."""
         return self.scales[0, layer]
 
     def v_scale(self, layer: int) -> torch.Tensor:
@@ -116,14 +115,17 @@ class PagedKVCache:
         """True for an e4m3 pool: writes divide by the scales, reads multiply."""
         return self.spec.dtype == torch.float8_e4m3fn
 
-    def set_scales(self, keys: Sequence[float], values: Sequence[float]) -> None:
-        """The checkpoint's per-layer scales (in place: a captured graph reads the same tensor)."""
+    def take_scales(self, keys: Sequence[float] | None, values: Sequence[float] | None) -> None:
+        """A checkpoint's per-layer scales, or 1.0 where it has none (in place: a captured graph
+        reads the same tensor)."""
+        if keys is None or values is None:
+            self.scales.fill_(1.0)
+            return
         if len(keys) != self.spec.num_layers or len(values) != self.spec.num_layers:
             raise ValueError(f"KV scales: {len(keys)} and {len(values)} given for {self.spec.num_layers} layers")
         if not all(math.isfinite(s) and s > 0 for s in (*keys, *values)):
             raise ValueError("KV scales must be finite and positive")
         self.scales.copy_(torch.tensor([list(keys), list(values)], dtype=torch.float32))
-        self.scales_source = "checkpoint"
 
     def _pool(self) -> torch.Tensor:
         if self._kv is None:

@@ -213,6 +213,23 @@ def _place(stored: Stored, params: dict, modules: dict) -> tuple[str, torch.Tens
     return name, param, index
 
 
+@dataclass
+class KVScales:
+    """The per-layer key and value scales of the checkpoint a model's weights came from, for an
+    e4m3 pool (None: it has none; 1.0 is used). One per loaded model: new weights read in place
+    bring theirs (``replace``), and the pools take them when an executor starts."""
+
+    keys: list[float] | None = None
+    values: list[float] | None = None
+
+    @property
+    def source(self) -> str:
+        return "checkpoint" if self.keys is not None else "1.0"
+
+    def replace(self, scales: tuple[list[float], list[float]] | None) -> None:
+        self.keys, self.values = scales if scales is not None else (None, None)
+
+
 def checkpoint_kv_scales(files: list[Path], num_layers: int) -> tuple[list[float], list[float]] | None:
     """The keys' and values' scales of every layer (``KV_SCALES``), or None when the checkpoint
     has none; ``ModelSourceError`` when only some layers have them."""

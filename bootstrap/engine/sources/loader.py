@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +26,7 @@ import torch
 
 from bootstrap.engine.models import own_model_problem
 from bootstrap.engine.models.files import ModelSourceError, check_checkpoint_files, read_json
+from bootstrap.engine.models.weights import KVScales
 from bootstrap.engine.sources import checkpoint, conversions, random_init, smollm2
 from bootstrap.engine.sources.model_cache import default_cache_dir, has_weights
 from bootstrap.engine.sources.progress_lines import Progress, quiet
@@ -61,7 +62,7 @@ class LoadedWeights:
     weight_bytes: int
     eos_token_ids: frozenset[int]
     reading: BackgroundRead | None = None  # ``background``: the bytes still arriving (``engine.models.reading``)
-    kv_scales: tuple[list[float], list[float]] | None = None  # a checkpoint's FP8 KV scales per layer (keys, values)
+    kv_scales: KVScales = field(default_factory=KVScales)  # the checkpoint's, for an fp8 KV pool
 
     def wait_for_weights(self) -> float:
         """Block until every weight is read (``background`` loads); the seconds waited."""
@@ -243,7 +244,7 @@ def load_model(
         source=resolved.text,
         weight_bytes=weight_bytes(model),
         eos_token_ids=eos_token_ids(model, tokenizer),
-        kv_scales=_kv_scales(resolved, model.config),
+        kv_scales=KVScales(*(_kv_scales(resolved, model.config) or (None, None))),
     )
 
 
