@@ -144,3 +144,22 @@ def server_env(caches: Path) -> dict[str, str]:
         "PYTHONUNBUFFERED": "1",
         "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
     }
+
+
+def measure_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes per second of a device-to-device copy (read + write), best of 12."""
+    import time
+
+    import torch
+
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(12):
+        synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    del src, dst
+    return 2 * (nbytes // 2) * 2 / best

@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from bench_common import measure_bandwidth
 
 from bootstrap.capacity.cuda_graph_buckets import default_batch_sizes
 from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
@@ -193,21 +194,6 @@ def side_name(variant: str | None) -> str:
     if variant is None:
         return "engine"
     return "engine_graphs" if variant == "auto" else f"engine_graphs_{variant.replace('+', '_')}"
-
-
-def measure_bandwidth(device: torch.device, nbytes: int) -> float:
-    """Bytes per second of a device-to-device copy (read + write), best of 10."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(12):
-        synchronize(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    del src, dst
-    return 2 * (nbytes // 2) * 2 / best
 
 
 def roofline(

@@ -10,7 +10,7 @@ of ``--repeats``; ``decode_tok_s = B * (G - 1) / (total_s - prefill_s)``. Prefil
 is ``--prefill-batch`` prompts of ``--prefill-len`` tokens with one token each. Roofline: a
 decode step reads every weight but the embedding table once, and the KV of every request:
 ``roofline_tok_s = B * bandwidth / (step_weight_bytes + B * kv_bytes_per_token * (P + G / 2))``,
-``bandwidth`` a device-to-device copy measured in the same run. Agreement: one prompt, 256
+``bandwidth`` a device-to-device copy measured in the same run (``bench_common``). Agreement: one prompt, 256
 greedy tokens, the share of positions equal to the 16-bit checkpoint's up to its first
 difference and overall (random weights: a sanity check, not an accuracy figure).
 
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import anyio
 import torch
-from bench_common import emit, positive_int, ratio, release_memory, report_header, synchronize
+from bench_common import emit, measure_bandwidth, positive_int, ratio, release_memory, report_header, synchronize
 
 from bootstrap.api import Bootstrap
 from bootstrap.capacity import kv_dtype_bytes
@@ -77,21 +77,6 @@ def timed(executor, batch_prompts: list[list[int]], max_tokens: int, device: tor
     if failed:
         raise RuntimeError(f"a request failed: {failed[0]}")
     return time.perf_counter() - start, [list(r.token_ids) for r in responses]
-
-
-def measure_bandwidth(device: torch.device, nbytes: int) -> float:
-    """Bytes per second of a device-to-device copy (read + write), best of 10."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(10):
-        synchronize(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    del src, dst
-    return 2 * nbytes / best
 
 
 def step_weight_bytes(model: torch.nn.Module) -> int:
