@@ -43,6 +43,8 @@ from pathlib import Path
 
 import torch
 import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when loaded by path
 from bench_common import measure_bandwidth
 
 from bootstrap.capacity.cuda_graph_buckets import default_batch_sizes
