@@ -160,11 +160,10 @@ def check_quantization(shape: ModelShape, device: torch.device, tp: int = 1) -> 
             "quantization_config: static activation scales are not used by the native engine; allowed: dynamic "
             "(activation_scheme dynamic, or input_activations dynamic: true)"
         )
-    if device.type == "cuda" and _capability(device) < FP8_CAPABILITY:
-        major, minor = _capability(device)
+    if (capability := _short_of_fp8(device)) is not None:
         raise ConfigError(
             f"quantization_config: FP8 weights need a GPU of compute capability 8.9 or newer (Ada, Hopper); "
-            f"{device} is {major}.{minor}: use a 16-bit checkpoint"
+            f"{device} is {capability}: use a 16-bit checkpoint"
         )
     if q.block is not None:
         _check_blocks(shape, q.block, tp)
@@ -172,18 +171,20 @@ def check_quantization(shape: ModelShape, device: torch.device, tp: int = 1) -> 
 
 def check_fp8_kv(kv_cache_dtype: str, device: torch.device) -> None:
     """An e4m3 KV pool: on the CPU, or a GPU with FP8 (8.9 or newer: the kernels convert in hardware)."""
-    if kv_cache_dtype == "fp8" and device.type == "cuda" and _capability(device) < FP8_CAPABILITY:
-        major, minor = _capability(device)
+    if kv_cache_dtype == "fp8" and (capability := _short_of_fp8(device)) is not None:
         raise ConfigError(
             f"kv_cache_dtype: fp8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper); {device} is "
-            f"{major}.{minor}; allowed here: auto, float32, bfloat16, float16"
+            f"{capability}; allowed here: auto, float32, bfloat16, float16"
         )
 
 
-def _capability(device: torch.device) -> tuple[int, int]:
+def _short_of_fp8(device: torch.device) -> str | None:
+    """A CUDA device's compute capability ("8.0") when it is below ``FP8_CAPABILITY``; else None."""
     import torch
 
-    return torch.cuda.get_device_capability(device)
+    if device.type != "cuda" or (capability := torch.cuda.get_device_capability(device)) >= FP8_CAPABILITY:
+        return None
+    return "{}.{}".format(*capability)
 
 
 def _check_blocks(shape: ModelShape, block: tuple[int, int], tp: int) -> None:

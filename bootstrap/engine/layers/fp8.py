@@ -11,7 +11,8 @@ import math
 
 import torch
 
-FP8 = torch.float8_e4m3fn
+from bootstrap.engine.kernels.fp8_gemm import FP8, dequantize
+
 SCALE_NAMES = ("weight_scale", "weight_scale_inv")  # compressed-tensors; block-wise fp8
 
 
@@ -31,13 +32,8 @@ def is_fp8(weight: torch.Tensor) -> bool:
 
 
 def dequantized(module: torch.nn.Linear, dtype: torch.dtype) -> torch.Tensor:
-    """The weight in ``dtype``: e4m3 times its scales, in float32 first."""
-    weight, scale = module.weight.float(), module.weight_scale
-    block = module.fp8_block
-    if block is not None:
-        rows, columns = weight.shape
-        scale = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :columns]
-    return (weight * scale).to(dtype)
+    """The weight in ``dtype``: e4m3 times its scales, in float32 first (``fp8_gemm.dequantize``)."""
+    return dequantize(module.weight, module.weight_scale, module.fp8_block, dtype)
 
 
 def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
