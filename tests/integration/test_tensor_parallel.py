@@ -59,6 +59,17 @@ def greedy_reference(path: Path, max_tokens: int, ids: list[int] = PROMPT_IDS) -
     return out[0, len(ids) :].tolist()
 
 
+def one_rank_tokens(model: torch.nn.Module) -> list[int]:
+    """The engine's greedy tokens for ``PROMPT_IDS`` on one rank (float32, on the CPU)."""
+    cache = PagedKVCache.from_tokens(KVCacheSpec.from_config(model.config, torch.float32), 256, 4, "cpu")
+    ex = create_executor(model, cache, SchedulerConfig(4, 128, 64), start=False)
+    try:
+        [single] = ex.generate([PROMPT_IDS], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    finally:
+        ex.shutdown()
+    return list(single.token_ids)
+
+
 def test_two_ranks_generate_the_greedy_tokens_of_one(llama, tmp_path):
     codes, results = run_ranks(llama, tmp_path)
     assert codes == [0, 0], [r and r["error"] for r in results]
@@ -84,13 +95,7 @@ def test_two_ranks_of_the_own_model_code_generate_the_tokens_of_one(family, tmp_
     )
     for result in results:
         assert result["model"] == {"class": "DecoderLM", "qkv_rows": (heads + 2 * kv_heads) * head_dim // 2}
-    cache = PagedKVCache.from_tokens(KVCacheSpec.from_config(one.model.config, torch.float32), 256, 4, "cpu")
-    ex = create_executor(one.model, cache, SchedulerConfig(4, 128, 64), start=False)
-    try:
-        [single] = ex.generate([PROMPT_IDS], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-    finally:
-        ex.shutdown()
-    assert results[0]["tokens"] == results[1]["tokens"] == single.token_ids == greedy_reference(path, 8)
+    assert results[0]["tokens"] == results[1]["tokens"] == one_rank_tokens(one.model) == greedy_reference(path, 8)
 
 
 def test_ranks_agree_on_the_most_conservative_profile_and_the_smallest_budget(llama, tmp_path):
@@ -224,13 +229,7 @@ def test_two_ranks_of_fp8_weights_generate_the_tokens_of_one(layout, llama, tmp_
     assert one.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
     if layout == "at_load":
         scale_halves(one.model, load_model(str(path), device=torch.device("cpu")).model)
-    cache = PagedKVCache.from_tokens(KVCacheSpec.from_config(one.model.config, torch.float32), 256, 4, "cpu")
-    ex = create_executor(one.model, cache, SchedulerConfig(4, 128, 64), start=False)
-    try:
-        [single] = ex.generate([PROMPT_IDS], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-    finally:
-        ex.shutdown()
-    assert results[0]["tokens"] == results[1]["tokens"] == single.token_ids
+    assert results[0]["tokens"] == results[1]["tokens"] == one_rank_tokens(one.model)
 
 
 def scale_halves(model: torch.nn.Module, plain: torch.nn.Module) -> None:
