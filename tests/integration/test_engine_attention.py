@@ -66,6 +66,16 @@ def setup(requests, dtype=torch.float32):
     return cache, full_k, full_v
 
 
+def step_inputs(requests, full_k, full_v, seed):
+    """A step's seeded queries ``[1, H, T, D]`` and its new keys and values (the tokens past each
+    request's cached ones), laid out as transformers hands them to ``paged_attention``."""
+    total = sum(n for _, n in requests)
+    query = torch.randn(1, HEADS, total, DIM, generator=torch.Generator().manual_seed(seed))
+    key = torch.cat([k[c:] for k, (c, _) in zip(full_k, requests)]).transpose(0, 1).unsqueeze(0)
+    value = torch.cat([v[c:] for v, (c, _) in zip(full_v, requests)]).transpose(0, 1).unsqueeze(0)
+    return query, key, value
+
+
 def metadata(cache, requests):
     tables = [cache.block_table(i) for i in range(len(requests))]
     width = max(map(len, tables))
@@ -112,11 +122,8 @@ def grouped_metadata(cache, requests):
 def test_ragged_paged_attention_matches_direct_computation(window, softcap, grouped):
     requests = REQUESTS
     cache, full_k, full_v = setup(requests)
-    gen = torch.Generator().manual_seed(1)
     total = sum(n for _, n in requests)
-    query = torch.randn(1, HEADS, total, DIM, generator=gen)
-    key = torch.cat([k[c:] for k, (c, _) in zip(full_k, requests)]).transpose(0, 1).unsqueeze(0)
-    value = torch.cat([v[c:] for v, (c, _) in zip(full_v, requests)]).transpose(0, 1).unsqueeze(0)
+    query, key, value = step_inputs(requests, full_k, full_v, seed=1)
     scale = 0.3
     meta = grouped_metadata(cache, requests) if grouped else metadata(cache, requests)
     with use_metadata(meta):
@@ -139,10 +146,7 @@ def test_fresh_prompts_match_direct_computation(window, softcap):
     soft-cap applies (window 6 >= the longest prompt), and gathers otherwise; same result."""
     requests = [(0, 5), (7, 1), (0, 2), (0, 6)]
     cache, full_k, full_v = setup(requests)
-    total = sum(n for _, n in requests)
-    query = torch.randn(1, HEADS, total, DIM, generator=torch.Generator().manual_seed(3))
-    key = torch.cat([k[c:] for k, (c, _) in zip(full_k, requests)]).transpose(0, 1).unsqueeze(0)
-    value = torch.cat([v[c:] for v, (c, _) in zip(full_v, requests)]).transpose(0, 1).unsqueeze(0)
+    query, key, value = step_inputs(requests, full_k, full_v, seed=3)
     meta = grouped_metadata(cache, requests)
     assert [g.fresh for g in meta.groups] == [False, True]
     with use_metadata(meta):
@@ -197,10 +201,7 @@ def rounded(x: torch.Tensor, scale: float) -> torch.Tensor:
 def test_an_fp8_pool_attends_over_its_keys_and_values_rounded_and_scaled_back(window, softcap):
     """Every group gathers from the pool (none is fresh), the step's own keys included."""
     cache, full_k, full_v = setup(REQUESTS, dtype=FP8)
-    total = sum(n for _, n in REQUESTS)
-    query = torch.randn(1, HEADS, total, DIM, generator=torch.Generator().manual_seed(1))
-    key = torch.cat([k[c:] for k, (c, _) in zip(full_k, REQUESTS)]).transpose(0, 1).unsqueeze(0)
-    value = torch.cat([v[c:] for v, (c, _) in zip(full_v, REQUESTS)]).transpose(0, 1).unsqueeze(0)
+    query, key, value = step_inputs(REQUESTS, full_k, full_v, seed=1)
     with use_metadata(metadata(cache, REQUESTS)):
         out, _ = paged_attention(Layer(), query, key, value, None, scaling=0.3, sliding_window=window, softcap=softcap)
     start = 0
@@ -218,10 +219,7 @@ def test_an_fp8_pool_attends_over_its_keys_and_values_rounded_and_scaled_back(wi
 def test_fresh_prompts_in_an_fp8_pool_attend_their_own_keys_unrounded():
     requests = [(0, 5), (7, 1), (0, 2)]
     cache, full_k, full_v = setup(requests, dtype=FP8)
-    total = sum(n for _, n in requests)
-    query = torch.randn(1, HEADS, total, DIM, generator=torch.Generator().manual_seed(3))
-    key = torch.cat([k[c:] for k, (c, _) in zip(full_k, requests)]).transpose(0, 1).unsqueeze(0)
-    value = torch.cat([v[c:] for v, (c, _) in zip(full_v, requests)]).transpose(0, 1).unsqueeze(0)
+    query, key, value = step_inputs(requests, full_k, full_v, seed=3)
     with use_metadata(grouped_metadata(cache, requests)):
         out, _ = paged_attention(Layer(), query, key, value, None, scaling=0.3)
     for i, start in ((0, 0), (2, 6)):
