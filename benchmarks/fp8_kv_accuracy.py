@@ -11,47 +11,22 @@ of equal positions), beside a bfloat16 cache's agreement for scale.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
 import anyio
 import torch
 from bench_common import emit, ratio, report_header
-from fp8_perplexity import TEXT
+from fp8_perplexity import TEXT, perplexity
 
 from bootstrap.api import Bootstrap
 from bootstrap.config import BootstrapConfig
-from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
-from bootstrap.engine.request.sequence import Sequence, next_request_id
+from bootstrap.engine import SamplingParams
 from bootstrap.engine.sources.loader import load_model
 
 MODEL = "smollm2-135m-instruct"
 GENERATED = 256
 QUESTION = "Explain in a few paragraphs how a river shapes the valley it runs through."
-
-
-def chunked_perplexity(loaded, ids: list[int], kv_dtype: torch.dtype, chunk: int) -> float:
-    """exp of the mean negative log-likelihood of ``ids[1:]``, the text prefilled ``chunk`` tokens a step."""
-    model = loaded.model
-    cache = PagedKVCache.from_tokens(KVCacheSpec.from_config(model.config, kv_dtype), len(ids) + 32, 16, "cpu")
-    executor = create_executor(model, cache, SchedulerConfig(1, chunk, len(ids) + 1), start=False)
-    seq = Sequence(next_request_id(), list(ids), SamplingParams(max_tokens=1))
-    logits = []
-    try:
-        executor.scheduler.add(seq)
-        while seq.num_computed < len(ids):
-            batch = executor.scheduler.schedule()
-            inputs = executor.runner.prepare_mixed(batch)
-            with torch.inference_mode():
-                logits.append(executor.runner._forward(inputs.input_ids, inputs.positions, 0, inputs.metadata))
-            for member, count in zip(batch.seqs, batch.num_new_tokens):
-                member.num_computed += count
-        nll = torch.nn.functional.cross_entropy(torch.cat(logits)[:-1].float(), torch.tensor(ids[1:]))
-        return math.exp(nll.item())
-    finally:
-        executor.scheduler.drain()  # the steps ran outside the executor's loop
-        executor.shutdown()
 
 
 async def greedy(kv_cache_dtype: str, prompt: list[int]) -> list[int]:
@@ -72,8 +47,8 @@ def main(argv: list[str] | None = None) -> dict:
     report = report_header("fp8_kv_accuracy", argv, torch.device("cpu"))
     loaded = load_model(MODEL, device=torch.device("cpu"))
     ids = loaded.tokenizer.encode(TEXT)
-    full = chunked_perplexity(loaded, ids, torch.float32, args.chunk)
-    fp8 = chunked_perplexity(loaded, ids, torch.float8_e4m3fn, args.chunk)
+    full = perplexity(loaded.model, ids, torch.float32, args.chunk)
+    fp8 = perplexity(loaded.model, ids, torch.float8_e4m3fn, args.chunk)
     report["perplexity"] = {
         "tokens": len(ids),
         "chunk": args.chunk,

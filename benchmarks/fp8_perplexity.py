@@ -53,22 +53,33 @@ FAMILIES = {
 RANDOM_TOKENS = 256
 
 
-def perplexity(source: str, ids: list[int], dtype: torch.dtype, quantize: str | None) -> float:
-    """exp of the mean negative log-likelihood of ``ids[1:]``, from one prefill of ``ids``."""
-    loaded = load_model(source, device=torch.device("cpu"), dtype=dtype, quantize=quantize)
-    model = loaded.model
-    cache = PagedKVCache.from_tokens(KVCacheSpec.from_config(model.config, model.dtype), len(ids) + 32, 16, "cpu")
-    executor = create_executor(model, cache, SchedulerConfig(1, len(ids), len(ids) + 1), start=False)
+def perplexity(model: torch.nn.Module, ids: list[int], kv_dtype: torch.dtype, chunk: int) -> float:
+    """exp of the mean negative log-likelihood of ``ids[1:]``, the text prefilled ``chunk`` tokens a
+    step (its whole length: one prefill), logits at every position."""
+    cache = PagedKVCache.from_tokens(KVCacheSpec.from_config(model.config, kv_dtype), len(ids) + 32, 16, "cpu")
+    executor = create_executor(model, cache, SchedulerConfig(1, chunk, len(ids) + 1), start=False)
+    seq = Sequence(next_request_id(), list(ids), SamplingParams(max_tokens=1))
+    logits = []
     try:
-        executor.scheduler.add(Sequence(next_request_id(), list(ids), SamplingParams(max_tokens=1)))
-        inputs = executor.runner.prepare_mixed(executor.scheduler.schedule())
-        with torch.inference_mode():
-            logits = executor.runner._forward(inputs.input_ids, inputs.positions, 0, inputs.metadata)
-        nll = torch.nn.functional.cross_entropy(logits[:-1].float(), torch.tensor(ids[1:]))
+        executor.scheduler.add(seq)
+        while seq.num_computed < len(ids):
+            batch = executor.scheduler.schedule()
+            inputs = executor.runner.prepare_mixed(batch)
+            with torch.inference_mode():
+                logits.append(executor.runner._forward(inputs.input_ids, inputs.positions, 0, inputs.metadata))
+            for member, count in zip(batch.seqs, batch.num_new_tokens):
+                member.num_computed += count
+        nll = torch.nn.functional.cross_entropy(torch.cat(logits)[:-1].float(), torch.tensor(ids[1:]))
         return math.exp(nll.item())
     finally:
-        executor.scheduler.drain()  # the step ran outside the executor's loop
+        executor.scheduler.drain()  # the steps ran outside the executor's loop
         executor.shutdown()
+
+
+def weights_perplexity(source: str, ids: list[int], dtype: torch.dtype, quantize: str | None) -> float:
+    """``perplexity`` in one prefill of ``source`` loaded in ``dtype`` (``quantize``: as it loads)."""
+    model = load_model(source, device=torch.device("cpu"), dtype=dtype, quantize=quantize).model
+    return perplexity(model, ids, model.dtype, len(ids))
 
 
 def tiny_checkpoint(family: str, root: Path) -> Path:
@@ -82,7 +93,7 @@ def tiny_checkpoint(family: str, root: Path) -> Path:
 
 
 def side_by_side(source: str, ids: list[int], dtype: torch.dtype) -> dict:
-    plain, fp8 = perplexity(source, ids, dtype, None), perplexity(source, ids, dtype, "fp8")
+    plain, fp8 = weights_perplexity(source, ids, dtype, None), weights_perplexity(source, ids, dtype, "fp8")
     return {
         "tokens": len(ids),
         "perplexity": round(plain, 4),
