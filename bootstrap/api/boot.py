@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import Tracer
 
 from bootstrap.api.factory import default_backend, make_pipeline
-from bootstrap.api.operations import Busy, Operations
+from bootstrap.api.operations import Busy, Operations, OtherRanks
 from bootstrap.backends.base import Backend, Executor
 from bootstrap.config import BootstrapConfig
 from bootstrap.pipeline import Pipeline
@@ -61,10 +61,12 @@ class Bootstrap(Operations):
         otlp: bool = False,
         process: ProcessTimeline | None = None,
         traces_requests: bool = False,
+        ranks: OtherRanks | None = None,
     ) -> None:
         """``process``: the command's timeline (``bootstrap.pipeline.process``); its spans, the
         backend's creation among them, go to the same trace as the stages'. ``traces_requests``:
-        a server will trace its requests with ``tracer`` (their spans reach the file in batches)."""
+        a server will trace its requests with ``tracer`` (their spans reach the file in batches).
+        ``ranks``: the other ranks, which run each operation and retry with this one."""
         self.config = config
         self.process = process
         self._spans = InMemorySpanExporter()
@@ -84,7 +86,7 @@ class Bootstrap(Operations):
         self.pipeline: Pipeline = self.new_pipeline(config)
         self._started: float | None = None
         self._ready_s: float | None = None
-        super().__init__()
+        super().__init__(ranks)
 
     def new_pipeline(self, config: BootstrapConfig, releasable_bytes: int = 0) -> Pipeline:
         return make_pipeline(
@@ -120,7 +122,7 @@ class Bootstrap(Operations):
         After a failed operation, its own steps resume from the failed one."""
         if self.resumable is not None and stage_id is None:
             return await self.resume()
-        with self.claim("retry"):
+        with self.claim("retry"), self.told("retry", (stage_id,)):
             with self._in_process():
                 artifacts = await self.pipeline.retry(stage_id)
             self._ready_s = time.monotonic() - (self._started or time.monotonic())

@@ -15,7 +15,7 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 from opentelemetry.context import Context
@@ -40,6 +40,7 @@ Drain = Callable[[], Awaitable[None]]
 Step = Callable[[Span], Awaitable[None]]
 AFTER_WEIGHTS = ("final_build", "warmup", "scheduler_sampler")  # what holds the KV pool, graphs and executor
 SAME_IN_A_SWAP = ("device", "backend", "tensor_parallel_size")  # the process's, not the model's
+OPERATION_NAMES = {"swap": "swap", "update_weights": "weights", "sleep": "sleep", "wake": "wake"}  # method -> record
 
 
 class Busy(RuntimeError):
@@ -71,6 +72,20 @@ async def _no_drain() -> None:
     return None
 
 
+class OtherRanks(Protocol):
+    """The ranks that run each operation alongside this one, told when it begins, when its drain
+    ended and when it is over (``serve --tp N``: rank 0's lockstep, ``bootstrap.parallel.lockstep``)."""
+
+    def begin(self, method: str, args: tuple[Any, ...]) -> None: ...
+
+    def drained(self) -> None: ...
+
+    def done(self) -> None: ...
+
+    def stop(self) -> None:
+        """The server stops: the other ranks release what they hold and exit."""
+
+
 class Operations:
     """The operations of ``Bootstrap`` (its mixin): the state they share and their steps."""
 
@@ -84,7 +99,8 @@ class Operations:
     new_pipeline: Callable[..., Pipeline]
     forget_spans: Callable[[], None]
 
-    def __init__(self) -> None:
+    def __init__(self, ranks: OtherRanks | None = None) -> None:
+        self.ranks = ranks
         self.operations: list[OperationRecord] = []
         self.asleep = 0  # the level slept at; 0 awake
         self.busy: str | None = None  # the build or operation running
@@ -120,14 +136,14 @@ class Operations:
 
         async def release(span: Span) -> None:
             with self._timed("drain"):
-                await drain()
+                await self._drain(drain)
             old, self.pipeline, self._next = self.pipeline, new, None
             self.config, self.asleep, self._host, self._weights_path = config, 0, None, None
             with self._timed("release"):
                 await old.rewind([s.id for s in old.stages])  # each artifact dropped as it is released
                 await old.aclose()
 
-        return await self._operate("swap", f"model={config.model}", check, [release, self._build_rest])
+        return await self._operate(("swap", (config,)), f"model={config.model}", check, [release, self._build_rest])
 
     async def update_weights(self, path: str | Any, *, drain: Drain = _no_drain) -> Executor:
         """Read the checkpoint at ``path`` (same architecture and shapes, checked from its
@@ -143,7 +159,7 @@ class Operations:
 
         async def stop(span: Span) -> None:
             with self._timed("drain"):
-                await drain()
+                await self._drain(drain)
             with self._timed("release"):
                 await self.pipeline.rewind(["scheduler_sampler"])
 
@@ -151,7 +167,7 @@ class Operations:
             await self._one(live.READ_WEIGHTS, span, weights_plan=plan)
             self._weights_path = path
 
-        return await self._operate("weights", f"path={path}", check, [stop, read, self._build_rest])
+        return await self._operate(("update_weights", (path,)), f"path={path}", check, [stop, read, self._build_rest])
 
     async def sleep(self, level: int, *, drain: Drain = _no_drain) -> None:
         """Give the device back: level 1 keeps the weights in host memory (page-locked on
@@ -165,7 +181,7 @@ class Operations:
 
         async def release(span: Span) -> None:
             with self._timed("drain"):
-                await drain()
+                await self._drain(drain)
             dropped = ("load_model",) if level == 2 else ()
             if level == 2:  # first: a host copy holds the parameters, whose device memory must go now
                 self._host = None
@@ -179,7 +195,7 @@ class Operations:
             self.asleep = 1
 
         steps = [release, offload] if level == 1 else [release]
-        await self._operate("sleep", f"level={level}", None, steps)
+        await self._operate(("sleep", (level,)), f"level={level}", None, steps)
 
     async def wake(self) -> Executor:
         """The weights back (level 1: from host memory; 2: read from the source again, and a
@@ -205,14 +221,14 @@ class Operations:
             if checked.plan is not None:
                 await self.pipeline.rewind(["budget_split"], replace={"plan": checked.plan})
 
-        return await self._operate("wake", f"level={self.asleep}", None, [restore, room, self._build_rest])
+        return await self._operate(("wake", ()), f"level={self.asleep}", None, [restore, room, self._build_rest])
 
     async def resume(self) -> Executor | None:
         """Continue a failed operation from its failed step (``Bootstrap.retry``)."""
         if self.resumable is None:
             raise Busy("no operation to resume")
         name, steps = self.resumable
-        return await self._operate(name, "resumed", None, steps, resuming=True)
+        return await self._operate(("resume", ()), "resumed", None, steps, resuming=name)
 
     # ---- running them --------------------------------------------------------------------------
 
@@ -236,15 +252,35 @@ class Operations:
             await self._ended.wait()
         await self._close_next()
 
+    @contextlib.contextmanager
+    def told(self, method: str, args: tuple[Any, ...]) -> Iterator[None]:
+        """The other ranks (if any) run ``method(*args)`` while the block runs here."""
+        if self.ranks is None:
+            yield
+            return
+        self.ranks.begin(method, args)
+        try:
+            yield
+        finally:
+            self.ranks.done()
+
+    async def _drain(self, drain: Drain) -> None:
+        await drain()
+        if self.ranks is not None:
+            self.ranks.drained()
+
     async def _close_next(self) -> None:
         if self._next is not None:
             next_pipeline, self._next = self._next, None
             await next_pipeline.aclose()
 
     async def _operate(
-        self, name: str, detail: str, check: Step | None, steps: list[Step], resuming: bool = False
+        self, call: tuple[str, tuple[Any, ...]], detail: str, check: Step | None, steps: list[Step], resuming: str = ""
     ) -> Executor | None:
-        with self.claim(name):
+        """Run the operation ``call`` (the method and its arguments, as the other ranks run it);
+        ``resuming``: the name of the failed operation whose ``steps`` are left."""
+        name = resuming or OPERATION_NAMES[call[0]]
+        with self.claim(name), self.told(*call):
             if not resuming:  # a new operation: what a failed swap left unadopted goes
                 await self._close_next()
             self.forget_spans()

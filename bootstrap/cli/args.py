@@ -208,6 +208,12 @@ def add_build_args(parser: argparse.ArgumentParser) -> None:
     add("--trace-file", type=Path, help="write finished spans as JSON Lines, overwriting the file (default: none)")
     add("--otlp", action="store_true", help="also export spans over OTLP (needs the otlp extra)")
     add("--no-plan-cache", action="store_true", help=f"profile every start (default cache: {DEFAULT_PLAN_CACHE})")
+    add(
+        "--dist-timeout",
+        type=float,
+        default=600.0,
+        help="with --tp N: seconds any collective waits for a rank before it names the rank that stopped answering",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> BootstrapConfig:
@@ -284,11 +290,15 @@ def check_number(
     )
 
 
+def check_dist_timeout(args: argparse.Namespace) -> None:
+    check_number("dist_timeout", args.dist_timeout, 0.0, MAX_SECONDS, low_open=True, unit=" seconds")
+
+
 def check_run_values(args: argparse.Namespace) -> None:
     """``run``'s own flags, before any stage: each one names the flag and its allowed range."""
     check_positive(max_tokens=args.max_tokens)
     check_number("temperature", args.temperature, 0.0, note=", 0 = greedy")
-    check_number("dist_timeout", args.dist_timeout, 0.0, MAX_SECONDS, low_open=True, unit=" seconds")
+    check_dist_timeout(args)
     if args.seed is not None and not 0 <= args.seed <= MAX_SEED:
         raise ConfigError(f"seed: must be an integer in [0, {MAX_SEED}] (got {args.seed})")
 

@@ -77,12 +77,6 @@ def add_run_args(run: argparse.ArgumentParser) -> None:
     add("--temperature", type=float, default=0.0, help="0 for greedy")
     add("--seed", type=int, help="sampling seed (default: none, a fresh one per run)")
     add("--json", action="store_true", help="print one JSON object instead of tables and text")
-    add(
-        "--dist-timeout",
-        type=float,
-        default=600.0,
-        help="with --tp N: seconds any collective waits for a rank before it names the rank that stopped answering",
-    )
 
 
 def main_run(args: argparse.Namespace) -> int:

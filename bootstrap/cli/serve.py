@@ -33,13 +33,17 @@ from bootstrap.cli.args import (
     MAX_SECONDS,
     add_build_args,
     add_config_args,
+    check_dist_timeout,
     check_kv_tokens,
     check_number,
     config_from_args,
 )
-from bootstrap.cli.exits import BAD_INPUT, BAD_INPUT_ERRORS, OK
+from bootstrap.cli.exits import BAD_INPUT, BAD_INPUT_ERRORS, OK, STAGE_FAILED
+from bootstrap.cli.serve_ranks import Leading, main_follower
 from bootstrap.cli.stops import STOP_SIGNALS
+from bootstrap.cli.tp import check_rank_count, check_tp_before_launch, launch_ranks, leave, needs_launch, this_rank
 from bootstrap.engine.kernels import triton_start
+from bootstrap.parallel.rank_env import RankEnv
 
 ENV_API_KEY = "BOOTSTRAP_API_KEY"
 FORCE_AFTER_S = 10.0  # past the grace period: how long cancelled streams get to send their final chunk
@@ -108,21 +112,23 @@ def serve_options(args: argparse.Namespace, config: Any) -> Any:
             f"backend: {config.backend!r} is not served yet: the server answers through the native "
             "executor's request API (allowed: native; bootstrap run and plan take trtllm)"
         )
-    if config.tensor_parallel_size != 1:  # under torchrun every rank would bind the port
-        tp = config.tensor_parallel_size
+    if config.tensor_parallel_size > 1 and config.draft_model is not None:
         raise ConfigError(
-            f"tensor_parallel_size: {tp}, but bootstrap serve runs on one rank; allowed 1 (serve with --tp 1, "
-            f"or use `bootstrap run --tp {tp}` for tensor parallelism)"
+            f"draft_model: speculative decoding is not served across ranks (tensor_parallel_size "
+            f"{config.tensor_parallel_size}); allowed: no draft model, or tensor_parallel_size 1"
         )
+    check_rank_count(config)
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"port: must be in [0, 65535] (got {args.port})")
     check_number("shutdown_timeout", args.shutdown_timeout, 0.0, MAX_SECONDS, unit=" seconds")
+    check_dist_timeout(args)
     drain = getattr(args, "drain_timeout", 30.0)  # a Namespace made by hand may leave it out
     check_number("drain_timeout", drain, 0.0, MAX_SECONDS, unit=" seconds")
     ratio = getattr(args, "request_trace_ratio", 1.0)  # a Namespace made by hand may leave it out
     check_number("request_trace_ratio", ratio, 0.0, 1.0)
     host = getattr(args, "host", "127.0.0.1")  # a Namespace made by hand may leave it out
-    check_host(host)
+    if this_rank() == 0:  # the only rank that binds it (another host's address, under torchrun)
+        check_host(host)
     check_kv_tokens(config)
     key = args.api_key if args.api_key is not None else os.environ.get(ENV_API_KEY)
     if key is not None and not key.strip():
@@ -175,17 +181,46 @@ def _is_ipv4(text: str) -> bool:
 
 
 def main_serve(args: argparse.Namespace) -> int:
+    """The server (``--tp N``: rank 0 of N, ``bootstrap.cli.serve_ranks``, or their launcher)."""
     try:
         with args.process.phase("checks"):
             config = config_from_args(args)
             options = serve_options(args, config)
             if options.backend_factory is None:
                 require_engine()
-                triton_start.begin_for(config.device, config.backend, config.tensor_parallel_size)
-        announce(config, args)
+            if needs_launch(config):
+                check_tp_before_launch(config)
+        if not getattr(args, "announced", False):
+            announce(config, args)
     except BAD_INPUT_ERRORS as exc:
-        print(f"bootstrap: {exc}", file=sys.stderr)
+        if this_rank() == 0:  # every rank finds it alike: rank 0 says so
+            print(f"bootstrap: {exc}", file=sys.stderr)
         return BAD_INPUT
+    if needs_launch(config):
+        return launch_ranks(args, config.tensor_parallel_size, main_serve, signalled=OK)
+    try:
+        if options.backend_factory is None:
+            triton_start.begin_for(config.device, config.backend, config.tensor_parallel_size)
+        status, signalled = main_follower(config, args) if this_rank() > 0 else _main_rank_0(config, options, args)
+    finally:
+        leave()
+    if signalled and RankEnv.from_env() is not None:
+        _exit_now(status)
+    return status
+
+
+def _exit_now(status: int) -> None:
+    """A rank stopped by a signal under a launcher exits here, all released: its agent, shutting
+    down, reads no rank's result, and a rank that returned (or raised ``SystemExit(0)``, which
+    the agent's wrapper turns into a return) would wait for that until it is killed."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _main_rank_0(config: Any, options: Any, args: argparse.Namespace) -> tuple[int, bool]:
+    """The server, on its only rank or rank 0 of N: the exit status, and whether a signal stopped it."""
     try:
         with args.process.phase("server"):  # the HTTP stack's imports; the port opens in _serve
             import fastapi  # noqa: F401
@@ -198,18 +233,23 @@ def main_serve(args: argparse.Namespace) -> int:
             f"bootstrap: serve needs the serve extra ({exc.name} is missing): pip install -e '.[serve]'",
             file=sys.stderr,
         )
-        return BAD_INPUT
+        return BAD_INPUT, False
     _configure_logging(args.log_level)
     try:
-        fatal = asyncio.run(_serve(config, options, args))
+        fatal, lost, signalled = asyncio.run(_serve(config, options, args))
     except OSError as exc:  # the port is taken, or the address is not this machine's
         print(f"bootstrap: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
-        return BAD_INPUT
+        return BAD_INPUT, False
     _report_threads()
-    return BAD_INPUT if fatal else OK
+    if lost is not None:
+        print(f"bootstrap: the ranks fell out of step: {lost}", file=sys.stderr)
+        return STAGE_FAILED, signalled
+    return (BAD_INPUT if fatal else OK), signalled
 
 
-async def _serve(config: Any, options: Any, args: argparse.Namespace) -> BaseException | None:
+async def _serve(config: Any, options: Any, args: argparse.Namespace) -> tuple[BaseException | None, str | None, bool]:
+    """Serve until stopped: what stopped the start (``state.fatal``), why the ranks fell out
+    of step (``--tp N``) if they did, and whether a stop signal came."""
     import uvicorn
 
     from bootstrap.serve.app import create_app
@@ -230,12 +270,16 @@ async def _serve(config: Any, options: Any, args: argparse.Namespace) -> BaseExc
             )
         )
     )
-    with _signals(state, servers[0]):
+    leading = Leading(state, args, lambda: _stop(servers)) if config.tensor_parallel_size > 1 else None
+    with _signals(state, servers[0]) as heard:
         try:
             await servers[0].serve()
         except SystemExit as exc:  # uvicorn's answer to a port it cannot bind (logged above)
             raise OSError("the server did not start") from exc
-    return state.fatal
+        finally:
+            if leading is not None:
+                await asyncio.to_thread(leading.close)
+    return state.fatal, leading.lost if leading is not None else None, bool(heard)
 
 
 def announce(config: Any, args: argparse.Namespace) -> None:
@@ -268,10 +312,13 @@ def _stop(servers: list[Any]) -> None:
 
 
 @contextlib.contextmanager
-def _signals(state: Any, server: Any) -> Iterator[None]:
+def _signals(state: Any, server: Any) -> Iterator[list[signal.Signals]]:
+    """The stop signals' handlers while the server runs; yields the signals heard."""
     loop = asyncio.get_running_loop()
+    heard: list[signal.Signals] = []
 
     def on_signal(sig: signal.Signals) -> None:
+        heard.append(sig)
         if server.should_exit and sig == signal.SIGINT:
             _force(state, server, loop)
             return
@@ -282,7 +329,7 @@ def _signals(state: Any, server: Any) -> Iterator[None]:
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
     try:
-        yield
+        yield heard
     finally:
         for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)

@@ -77,26 +77,30 @@ def _tp_shape(model: str, tp: int) -> ModelShape:
     )
 
 
-def launch_ranks(args: argparse.Namespace, tp: int, main: Callable[[argparse.Namespace], int]) -> int:
+def launch_ranks(
+    args: argparse.Namespace, tp: int, main: Callable[[argparse.Namespace], int], signalled: int | None = None
+) -> int:
     """Start ``tp`` ranks of ``main(args)`` (the launcher already printed the start line);
-    the exit status the command reports, with one line on stderr when ``launched_status`` has one."""
+    the exit status the command reports, with one line on stderr when ``launched_status`` has one.
+    ``signalled``: the status after a stop signal (default 128 + its number; ``serve``: 0)."""
     import sys
 
     from bootstrap.parallel.launch import launch
 
-    status, line = launched_status(launch(main, (argparse.Namespace(**{**vars(args), "announced": True}),), tp))
+    launched = launch(main, (argparse.Namespace(**{**vars(args), "announced": True}),), tp)
+    status, line = launched_status(launched, signalled)
     if line:
         print(f"bootstrap: {line}", file=sys.stderr, flush=True)
     return status
 
 
-def launched_status(launched: Any) -> tuple[int, str | None]:
+def launched_status(launched: Any, signalled: int | None = None) -> tuple[int, str | None]:
     """The command's status from how the ranks ended (``bootstrap.parallel.launch.Launched``),
     and one line to add when rank 0 cannot have said it: a rank raised, was killed, exited with a
     status outside the table, or (a rank > 0) was stopped; the launcher then stopped the rest.
     A crash is status 1; otherwise the status is rank 0's, or the first failed rank's."""
     if launched.signal is not None:  # every rank got the launcher's signal, and rank 0 said so
-        return 128 + launched.signal, None
+        return (128 + launched.signal if signalled is None else signalled), None
     codes = launched.codes
     crashed = [r for r, c in sorted(codes.items()) if r in launched.raised or c not in REPORTED]
     unsaid = crashed or [r for r, c in sorted(codes.items()) if r != 0 and c not in AGREED | {OK}]

@@ -112,4 +112,6 @@ async def release(state: ServeState) -> None:
         state.track_process(None)  # draining ends: the shutdown phase is the Bootstrap's own
         if state.boot is not None:
             await state.boot.aclose()
+        if state.ranks is not None:  # serve --tp N: the other ranks release theirs and exit
+            await anyio.to_thread.run_sync(state.ranks.stop)
     log.info("bootstrap serve: executor shut down, everything released")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
 
     from bootstrap.api import Bootstrap
+    from bootstrap.api.operations import OtherRanks
+    from bootstrap.backends.base import Backend
     from bootstrap.pipeline.events import StageEvent
     from bootstrap.pipeline.process import Phase as ProcessPhase
 
@@ -189,6 +191,8 @@ class ServeState:
     stopping: anyio.Event = field(default_factory=anyio.Event)
     build_scope: anyio.CancelScope | None = None  # the running build or retry, cancelled at shutdown
     process: ProcessTimeline | None = None  # the command's timeline: serving and draining are its phases
+    make_backend: Callable[[BootstrapConfig], Backend] | None = None  # rank 0 of --tp N: joins the ranks
+    ranks: OtherRanks | None = None  # rank 0 of --tp N: the lockstep, told of operations and the stop
     _process_phase: ProcessPhase | None = field(default=None, init=False, repr=False)  # the phase track_process began
 
     def __post_init__(self) -> None:

@@ -60,7 +60,7 @@ from bootstrap.engine.sources.loader import check_quantizable, config_dict, reso
 from bootstrap.engine.sources.progress_lines import Progress, quiet, to_stderr
 from bootstrap.engine.spec.rows import graph_sizes, max_rows
 from bootstrap.engine.step.graphs import release_workspaces
-from bootstrap.engine.step.model_runner import ModelRunner
+from bootstrap.engine.step.model_runner import Lockstep, ModelRunner
 from bootstrap.pipeline.collective import Collective
 from bootstrap.pipeline.undo import Undo
 
@@ -93,6 +93,7 @@ class NativeBackend(Loading, LiveWeights):
             progress = to_stderr if collective is None or collective.rank == 0 else quiet
         self.progress = progress
         self._tokenizers: dict[Path, Any] = {}  # by directory: loaded by resolve_classes, taken by load_model
+        self.lockstep: Lockstep | None = None  # serve --tp N, rank 0: the executors it starts lead the ranks
 
     @classmethod
     def for_config(
@@ -362,7 +363,9 @@ class NativeBackend(Loading, LiveWeights):
         )
         undo.push(executor.shutdown, keep_pool=True)  # the pools and graphs are final_build's and warmup's
         executor.start_worker()
-        serve_smoke_request(executor)
+        serve_smoke_request(executor)  # every rank its own, before its runner leads or follows
+        if self.lockstep is not None:
+            executor.runner.lead(self.lockstep)
         return executor
 
     # ---- helpers ------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -57,6 +57,7 @@ class PagedKVCache:
         self._digest: dict[int, bytes] = {}  # block -> digest
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, held by none: least recently released first
         self._lock = threading.Lock()  # stats() may be read from another thread than the engine's
+        self.on_copy: Callable[[Sequence[int], Sequence[int]], None] | None = None  # see copy_blocks
 
     # ---- sizing -------------------------------------------------------------------------------
 
@@ -246,7 +247,7 @@ class PagedKVCache:
     def fork(self, parent_id: Any, child_id: Any) -> list[int]:
         """Give ``child_id`` the tokens ``parent_id`` holds: its full blocks shared, its partial
         last block (if any) copied into a block of the child's own."""
-        pool = self._pool()
+        self._pool()
         if child_id in self._tables:
             raise ValueError(f"request {child_id!r} already holds KV blocks; extend or free it")
         length = self.num_tokens(parent_id)
@@ -258,9 +259,17 @@ class PagedKVCache:
                 self._hold(block)
             self._tables[child_id] = table[:full] + copies
             self._lengths[child_id] = length
-        for source, copy in zip(table[full:], copies):
-            pool[:, :, copy].copy_(pool[:, :, source])
+        self.copy_blocks(table[full:], copies)
         return self._tables[child_id]
+
+    def copy_blocks(self, sources: Sequence[int], copies: Sequence[int]) -> None:
+        """Copy each block of ``sources`` whole into the block of ``copies`` at its index (after
+        ``on_copy``, which a runner sets to send the copy to other ranks' pools)."""
+        if self.on_copy is not None:
+            self.on_copy(sources, copies)
+        pool = self._pool()
+        for source, copy in zip(sources, copies):
+            pool[:, :, copy].copy_(pool[:, :, source])
 
     def free(self, request_id: Any) -> None:
         """Return a request's blocks to the pool, each once no other request holds it; unknown

@@ -14,9 +14,10 @@ eagerly.
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -29,6 +30,16 @@ from bootstrap.engine.step import hf_model
 from bootstrap.engine.step.batch import ScheduledBatch
 from bootstrap.engine.step.decode_step import DecodeBuffers, DecodeStep, queued_tensor
 from bootstrap.engine.step.graphs import DecodeGraphs, GraphCapture
+from bootstrap.engine.step.mixed_step import BlockCopy, GroupRows, MixedStep, RowsStep, describe
+
+
+class Lockstep(Protocol):
+    """Where a runner sends each step's host inputs before it runs them, so that other ranks run
+    the same forward on their shards (``bootstrap.parallel.lockstep.Leader``)."""
+
+    def send(self, step: MixedStep | RowsStep | BlockCopy) -> None: ...
+
+    def failed(self, exc: BaseException) -> None: ...
 
 
 @dataclass
@@ -69,6 +80,7 @@ class ModelRunner:
         )
         self.graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
         self.decode_kernel = self._decode_kernel(decode_kernel)
+        self.lockstep: Lockstep | None = None  # set by lead()
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -79,8 +91,10 @@ class ModelRunner:
         """
         if batch.is_decode:
             return self.run_rows(self.decode_step(batch))
-        inputs = self.prepare_mixed(batch)
-        return self._forward(inputs.input_ids, inputs.positions, inputs.logits_index, inputs.metadata)
+        step = describe(batch, self.kv_cache)
+        with self._sent(step):
+            inputs = self.prepare_mixed(step)
+            return self._forward(inputs.input_ids, inputs.positions, inputs.logits_index, inputs.metadata)
 
     @torch.inference_mode()
     def run_rows(
@@ -98,6 +112,14 @@ class ModelRunner:
         logits are wanted (default all; an eager step computes only theirs)."""
         if step.size > self.max_rows:
             raise ValueError(f"a step of {step.size} rows does not fit this runner's max_rows ({self.max_rows})")
+        if self.lockstep is not None and (tokens is not None or offsets is not None):
+            raise ValueError("rows placed on the device (a draft's) cannot be sent to the other ranks")
+        with self._sent(RowsStep(step, None if keep is None else tuple(keep))):
+            return self._rows(step, tokens, offsets, keep)
+
+    def _rows(
+        self, step: DecodeStep, tokens: torch.Tensor | None, offsets: torch.Tensor | None, keep: Sequence[int] | None
+    ) -> torch.Tensor:
         bucket = self.graphs.bucket(step.size, step.width) if self.graphs is not None else None
         rows = None if keep is None else queued_tensor(self.device, list(keep))
         if bucket is not None:
@@ -108,6 +130,44 @@ class ModelRunner:
         return self._forward(
             inputs.input_ids, inputs.positions, inputs.logits_index if rows is None else rows, inputs.metadata
         )
+
+    def lead(self, lockstep: Lockstep | None) -> None:
+        """Send every later step (and the pool's block copies) to ``lockstep`` before running it;
+        None: run alone again."""
+        self.lockstep = lockstep
+        self.kv_cache.on_copy = None if lockstep is None else self._send_copy
+
+    def _send_copy(self, sources: Sequence[int], copies: Sequence[int]) -> None:
+        with self._sent(BlockCopy(tuple(sources), tuple(copies))):
+            pass
+
+    @contextlib.contextmanager
+    def _sent(self, step: MixedStep | RowsStep | BlockCopy) -> Iterator[None]:
+        """``step`` sent before the block runs; a failure after it was sent is the lockstep's
+        (the other ranks ran the step, or wait in its collectives)."""
+        if self.lockstep is None:
+            yield
+            return
+        self.lockstep.send(step)
+        try:
+            yield
+        except BaseException as exc:
+            self.lockstep.failed(exc)
+            raise
+
+    @torch.inference_mode()
+    def follow(self, step: MixedStep | RowsStep | BlockCopy) -> None:
+        """Run a step that another rank scheduled and sent (``lead``); its logits are that rank's
+        to sample, so none are kept here."""
+        if isinstance(step, BlockCopy):
+            self.kv_cache.copy_blocks(step.sources, step.copies)
+        elif isinstance(step, RowsStep):
+            self._rows(step.step, None, None, step.keep)
+        elif isinstance(step, MixedStep):
+            inputs = self.prepare_mixed(step)
+            self._forward(inputs.input_ids, inputs.positions, inputs.logits_index, inputs.metadata)
+        else:
+            raise TypeError(f"not a step: {type(step).__name__}")
 
     def _forward(
         self,
@@ -246,58 +306,26 @@ class ModelRunner:
         tpb = self.kv_cache.tokens_per_block
         return table[position // tpb] * tpb + position % tpb
 
-    def prepare_mixed(self, batch: ScheduledBatch) -> StepInputs:
+    def prepare_mixed(self, batch: ScheduledBatch | MixedStep) -> StepInputs:
         """Any step: prefill chunks and decode tokens of several requests, flattened."""
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[torch.Tensor] = []
-        for seq, count in zip(batch.seqs, batch.num_new_tokens):
-            start = seq.num_computed
-            ids += seq.token_ids[start : start + count]
-            positions += range(start, start + count)
-            slots.append(self.kv_cache.slots(seq.request_id, start, start + count))
-        counts = torch.tensor(batch.num_new_tokens, dtype=torch.long)
-        ends = torch.cumsum(counts, 0) - 1
-        keep = ends[torch.tensor(batch.samples(), dtype=torch.bool)]
-        metadata = AttentionMetadata(self.kv_cache, self._to_device(torch.cat(slots)), self._groups(batch))
-        as_row = self._to_device(torch.tensor([ids, positions], dtype=torch.long))
-        return StepInputs(as_row[0:1], as_row[1:2], self._to_device(keep), metadata)
+        step = batch if isinstance(batch, MixedStep) else describe(batch, self.kv_cache)
+        groups = [self._group(rows) for rows in step.groups]
+        metadata = AttentionMetadata(self.kv_cache, self._to_device(step.slots), groups)
+        as_row = self._to_device(step.rows)
+        return StepInputs(as_row[0:1], as_row[1:2], self._to_device(step.keep), metadata)
 
-    def _groups(self, batch: ScheduledBatch) -> list[AttentionGroup]:
-        """Attention groups: one-token queries; prompt chunks with nothing cached before them
-        (fresh: they attend their own keys); continued chunks of a prompt longer than a step
-        (they gather their cached context; the scheduler splits at most one prompt per step,
-        so at most one request is here). A group alone covers every token, in order."""
-        counts, seqs = batch.num_new_tokens, batch.seqs
-        starts = [0, *itertools.accumulate(counts)][:-1]
-        kinds: dict[str, list[int]] = {"short": [], "fresh": [], "continued": []}
-        for i, n in enumerate(counts):
-            kinds["short" if n == 1 else "fresh" if seqs[i].num_computed == 0 else "continued"].append(i)
-        groups = [members for members in kinds.values() if members]
-        if len(groups) == 1:
-            return [self._group(batch, list(range(len(counts))), starts)]
-        return [self._group(batch, members, starts) for members in groups]
-
-    def _group(self, batch: ScheduledBatch, members: list[int], starts: list[int]) -> AttentionGroup:
-        tables = [self.kv_cache.block_table(batch.seqs[i].request_id) for i in members]
-        width = max(len(t) for t in tables)
-        counts = [batch.num_new_tokens[i] for i in members]
-        lengths = [
-            [batch.seqs[i].num_computed + batch.num_new_tokens[i] for i in members],
-            counts,
-            [starts[i] for i in members],
-        ]
-        context_lens, query_lens, query_starts = self._to_device(torch.tensor(lengths, dtype=torch.long))
+    def _group(self, rows: GroupRows) -> AttentionGroup:
+        context_lens, query_lens, query_starts = self._to_device(rows.lengths)
         return AttentionGroup(
-            block_tables=self._to_device(torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)),
+            block_tables=self._to_device(rows.tables),
             context_lens=context_lens,
             query_lens=query_lens,
             query_starts=query_starts,
-            num_tokens=sum(counts),
-            max_query_len=max(counts),
-            kv_blocks=width,
+            num_tokens=rows.num_tokens,
+            max_query_len=rows.max_query_len,
+            kv_blocks=rows.tables.shape[1],
             tokens_per_block=self.kv_cache.tokens_per_block,
-            fresh=all(batch.seqs[i].num_computed == 0 for i in members),
+            fresh=rows.fresh,
             kernel=self.decode_kernel,
         )
 

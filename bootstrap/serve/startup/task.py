@@ -47,7 +47,7 @@ def make_bootstrap(state: ServeState) -> None:
     from bootstrap.api import Bootstrap
 
     with state.process.phase("backend") if state.process is not None else contextlib.nullcontext():
-        backend = load_backend_factory(state.options.backend_factory)(state.config)
+        backend = (state.make_backend or load_backend_factory(state.options.backend_factory))(state.config)
     state.boot = Bootstrap(
         state.config,
         backend=backend,
@@ -55,6 +55,7 @@ def make_bootstrap(state: ServeState) -> None:
         otlp=state.options.otlp,
         process=state.process,
         traces_requests=True,
+        ranks=state.ranks,
     )
 
 
