@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -80,9 +81,7 @@ class Leading:
         self.stop_server()
 
     def _watch(self) -> None:
-        import torch.distributed as dist
-
-        self._store = dist.distributed_c10d._get_default_store()
+        self._store = rendezvous_store()  # its own connection: a client waiting blocks its socket
         self._watcher = threading.Thread(target=self._wait_for_stop, name="bootstrap-rank-stops", daemon=True)
         self._watcher.start()
 
@@ -109,7 +108,7 @@ class Leading:
         watcher, self._watcher = self._watcher, None
         if watcher is not None:
             with contextlib.suppress(RuntimeError):  # the store gone with the agent: the wait ends by itself
-                self._store.set(STOP_KEY, "0")
+                rendezvous_store().set(STOP_KEY, "0")
             watcher.join(WATCH_S)
 
 
@@ -216,13 +215,20 @@ class Following:
         self.runner = getattr(executor, "runner", None)
 
 
+def rendezvous_store() -> Any:
+    """A new client of the store the launcher's ranks met at (``MASTER_ADDR``, ``MASTER_PORT``)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+
+
 def _ask_rank_0_to_stop(rank: int) -> None:
     import torch.distributed as dist
 
     if not dist.is_initialized():  # not joined yet: asked once it has
         return
     with contextlib.suppress(RuntimeError):  # rank 0's agent is gone: rank 0 is stopping already
-        dist.distributed_c10d._get_default_store().set(STOP_KEY, str(rank))
+        rendezvous_store().set(STOP_KEY, str(rank))
 
 
 def _is_step(message: Any) -> bool:

@@ -191,17 +191,20 @@ def test_tp_over_a_source_ranks_cannot_load_exits_2_before_any_rank_starts(monke
     assert "needs a checkpoint directory" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("launched", [False, True], ids=["by hand", "under torchrun"])
-def test_serve_with_tp_exits_2_before_the_port_opens_advising_what_works(launched, monkeypatch, capsys):
-    """Serving runs on one rank: under ``torchrun`` every rank would bind the port."""
-    if launched:
-        monkeypatch.setenv("RANK", "0")
-        monkeypatch.setenv("WORLD_SIZE", "2")
-        monkeypatch.setenv("LOCAL_RANK", "0")
-    assert main(["serve", "--tp", "2", "--port", "0", "--no-plan-cache"]) == BAD_INPUT
+def test_serve_with_tp_refuses_a_draft_model_before_any_rank_starts(capsys):
+    """Speculation is not sent across ranks: refused naming the field, before the launcher."""
+    assert main(["serve", "--tp", "2", "--port", "0", "--draft-model", "random:llama-tiny"]) == BAD_INPUT
     err = capsys.readouterr().err
-    assert "tensor_parallel_size: 2, but bootstrap serve runs on one rank; allowed 1" in err
-    assert "`bootstrap run --tp 2`" in err and "torchrun" not in err and "Uvicorn" not in err
+    assert "draft_model: speculative decoding is not served across ranks" in err and "Uvicorn" not in err
+
+
+def test_serve_under_a_launcher_of_another_world_size_exits_2(monkeypatch, capsys):
+    """``torchrun --nproc-per-node 3`` with ``--tp 2``: refused naming the field on every rank."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert main(["serve", "--tp", "2", "--port", "0", "--no-plan-cache"]) == BAD_INPUT
+    assert "tensor_parallel_size: 2, but the launcher started 3 ranks" in capsys.readouterr().err
 
 
 # ---- 80 columns -------------------------------------------------------------------------------

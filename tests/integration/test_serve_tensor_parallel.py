@@ -1,0 +1,247 @@
+"""``bootstrap serve --tp 2`` on the CPU (gloo): two real ranks under torch's launcher, rank 0
+serving and sending each step to rank 1. Its answers are one rank's (greedy, n > 1 with a seed,
+logprobs, streaming), live operations reach both ranks, 64 clients hanging up at random leave
+every counter at zero, a SIGTERM drains and ends every rank with status 0, a killed rank ends the
+server with a line naming it, and two torchrun agents (``--nnodes 2``) serve as one launcher."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from helpers.serve_process import ROOT, ServeProcess, metric, metric_or_0
+
+ARGS = ("--max-num-tokens", "64", "--max-batch-size", "4", "--max-seq-len", "512", "--no-plan-cache")
+PROMPT = "w5 w17 w33 w9 w100 w42 w7"
+EXIT_BOUND_S = 60  # a clean stop takes seconds; the launcher's own wait before SIGKILL is 30 s
+
+
+def rank_pids(launcher: subprocess.Popen) -> list[int]:
+    """The launcher's rank processes (its children running torch's spawn), rank 0 first."""
+    out = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout
+    pids = sorted(int(pid) for pid in out.split())
+    return [pid for pid in pids if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
+def serve(tmp: Path, model: Path, tp: int, *argv: str) -> ServeProcess:
+    server = ServeProcess(tmp / f"serve-tp{tp}.log", "--model", str(model), "--tp", str(tp), *ARGS, *argv)
+    server.wait_state("ready")
+    return server
+
+
+@pytest.fixture(scope="module")
+def servers(llama, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve-tp")
+    one, two = serve(tmp, llama, 1, "--served-model-name", "m"), serve(tmp, llama, 2, "--served-model-name", "m")
+    yield one, two
+    for server in (one, two):
+        server.stop()
+
+
+def completion(server: ServeProcess, **body) -> dict:
+    answer = httpx.post(f"{server.url}/v1/completions", json={"model": "m", "prompt": PROMPT, **body}, timeout=60)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def streamed(server: ServeProcess, **body) -> str:
+    text = []
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/completions",
+        json={"model": "m", "prompt": PROMPT, "stream": True, **body},
+        timeout=60,
+    ) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                text += [c["text"] for c in json.loads(line[6:])["choices"]]
+    return "".join(text)
+
+
+def test_two_ranks_answer_as_one_greedy_sampled_with_logprobs_and_streamed(servers):
+    one, two = servers
+    greedy = {"max_tokens": 12, "temperature": 0, "logprobs": 2}
+    a, b = completion(one, **greedy), completion(two, **greedy)
+    assert [c["text"] for c in a["choices"]] == [c["text"] for c in b["choices"]]
+    assert b["choices"][0]["logprobs"]["tokens"] == a["choices"][0]["logprobs"]["tokens"]
+    assert b["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
+        a["choices"][0]["logprobs"]["token_logprobs"], abs=1e-4
+    )
+    sampled = {"max_tokens": 10, "temperature": 1.0, "n": 3, "seed": 7}  # forks share the prompt's blocks
+    assert [c["text"] for c in completion(one, **sampled)["choices"]] == [
+        c["text"] for c in completion(two, **sampled)["choices"]
+    ]
+    assert streamed(two, max_tokens=12, temperature=0) == a["choices"][0]["text"]
+    stats = httpx.get(f"{two.url}/v1/engine").json()["engine"]
+    assert stats["running"] == stats["waiting"] == stats["kv_used_blocks"] == 0
+
+
+def test_sixty_four_clients_hanging_up_at_random_leave_every_counter_at_zero(servers):
+    _, two = servers
+    before = httpx.get(f"{two.url}/metrics").text
+    answered = []
+
+    def client(seed: int) -> None:
+        pick = random.Random(seed)
+        body = {"model": "m", "prompt": PROMPT, "max_tokens": pick.randint(1, 40), "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{two.url}/v1/completions", json=body, timeout=120) as response:
+            answered.append(response.status_code)
+            hang_up_after = pick.choice([0, 1, 3, None])
+            for count, _ in enumerate(response.iter_lines()):
+                if hang_up_after is not None and count >= hang_up_after:
+                    break  # the client goes mid-answer
+
+    clients = [threading.Thread(target=client, args=(seed,)) for seed in range(64)]
+    for thread in clients:
+        thread.start()
+    for thread in clients:
+        thread.join(120)
+    assert answered == [200] * 64
+    deadline = time.monotonic() + 30
+    while (body := httpx.get(f"{two.url}/v1/engine").json())["in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    engine = body["engine"]
+    assert (body["in_flight"], engine["running"], engine["waiting"], engine["kv_used_blocks"]) == (0, 0, 0, 0)
+    page = httpx.get(f"{two.url}/metrics").text
+    counted = sum(
+        metric_or_0(page, "bootstrap_requests_total", endpoint="completion", finish_reason=reason)
+        - metric_or_0(before, "bootstrap_requests_total", endpoint="completion", finish_reason=reason)
+        for reason in ("length", "stop", "abort", "error")
+    )
+    assert (
+        counted == 64
+        and metric_or_0(page, "bootstrap_requests_total", endpoint="completion", finish_reason="error") == 0
+    )
+    assert metric(page, "bootstrap_requests_in_flight") == 0
+    assert completion(two, max_tokens=12, temperature=0)["choices"][0]["text"]  # still in step
+
+
+def test_live_operations_reach_both_ranks(servers, llama):
+    one, two = servers
+    expected = completion(one, max_tokens=12, temperature=0)["choices"][0]["text"]
+    operations = [
+        ("/v1/bootstrap/swap", {"model": str(llama), "served_model_name": "m", **_config()}),
+        ("/v1/bootstrap/weights", {"path": str(llama)}),
+        ("/v1/bootstrap/sleep", {"level": 1}),
+        ("/v1/bootstrap/wake", {}),
+        ("/v1/bootstrap/sleep", {"level": 2}),
+        ("/v1/bootstrap/wake", {}),
+    ]
+    for route, body in operations:
+        answer = httpx.post(f"{two.url}{route}", json=body, timeout=120)
+        assert answer.status_code == 200, (route, answer.text)
+        if answer.json()["state"] == "ready":
+            assert completion(two, max_tokens=12, temperature=0)["choices"][0]["text"] == expected, route
+
+
+def _config() -> dict:
+    return {"max_num_tokens": 64, "max_batch_size": 4, "max_seq_len": 512}
+
+
+def test_sigterm_mid_stream_drains_and_stops_every_rank_with_status_0(llama, tmp_path):
+    server = serve(tmp_path, llama, 2)
+    ranks = rank_pids(server.proc)
+    assert len(ranks) == 2
+    body = {"model": str(llama), "prompt": PROMPT, "max_tokens": 60, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))  # mid-stream
+        server.proc.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in "".join(rest).replace(" ", "")
+    assert server.proc.wait(EXIT_BOUND_S) == 0
+    server.stop()
+    assert not [pid for pid in ranks if Path(f"/proc/{pid}").exists()]
+    assert "Traceback" not in server.log()
+
+
+def test_a_rank_killed_mid_stream_ends_the_server_with_a_line_naming_it(llama, tmp_path):
+    server = serve(tmp_path, llama, 2)
+    ranks = rank_pids(server.proc)
+    body = {"model": str(llama), "prompt": PROMPT, "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))
+        began = time.monotonic()
+        subprocess.run(["kill", "-KILL", str(ranks[1])], check=True)
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]" and '"code": "engine_error"' in "".join(rest)
+    assert server.proc.wait(EXIT_BOUND_S) == 1
+    assert time.monotonic() - began < 20  # not the launcher's 30 s wait: rank 0 ends by itself
+    server.stop()
+    log = server.log()
+    assert "bootstrap: rank 1 was killed by SIGKILL; the launcher stopped the other ranks" in log
+    assert "the ranks fell out of step" in log
+    assert not Path(f"/proc/{ranks[0]}").exists()
+
+
+def test_two_torchrun_agents_with_nnodes_2_serve_as_one_launcher(llama, servers, tmp_path):
+    one, _ = servers
+    expected = completion(one, max_tokens=12, temperature=0)["choices"][0]["text"]
+    port = _free_port()
+    rdzv = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d"]
+    rdzv += ["--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", "serve-tp"]
+    command = ["-m", "bootstrap", "serve", "--model", str(llama), "--tp", "2", "--device", "cpu", *ARGS]
+    command += ["--port", str(port), "--served-model-name", "m"]
+    agents, logs = [], []
+    for node in range(2):
+        logs.append((tmp_path / f"agent{node}.log").open("w"))
+        agents.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", *rdzv, *command],
+                cwd=ROOT,
+                stdout=logs[-1],
+                stderr=subprocess.STDOUT,
+                env={**_env(), "PYTHONPATH": str(ROOT)},
+            )
+        )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        answer = httpx.post(
+            f"{url}/v1/completions", json={"model": "m", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+        )
+        assert answer.json()["choices"][0]["text"] == expected
+        for agent in agents:  # as Kubernetes stops a group: every pod at once
+            agent.send_signal(signal.SIGTERM)
+        for agent in agents:  # torchrun itself ends with status 1 on a signal, whatever its ranks did
+            agent.wait(EXIT_BOUND_S)
+    finally:
+        for agent, log in zip(agents, logs):
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait()
+            log.close()
+    texts = [(tmp_path / f"agent{n}.log").read_text() for n in range(2)]
+    assert sorted(text.count("Uvicorn running") for text in texts) == [0, 1]  # one rank opened the port
+    assert sum("bootstrap serve: stopped; no thread left" in text for text in texts) == 1
+    assert not any("out of step" in text or "stopped answering" in text for text in texts)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return dict(os.environ)
