@@ -8,11 +8,10 @@ method, whose stages agree collectively), ``Drained`` once rank 0's requests are
 old executor sends no step after it), ``Done`` when it is over (the new executor's steps come
 after it), and ``Stop`` at the end.
 
-The channel is ``broadcast_object_list`` from rank 0 on a gloo group of its own, on the CPU for
-NCCL ranks too. It has no timeout: a server waits for requests as long as it runs, and a rank
-that dies closes its sockets, which fails the next send or receive at once. A step that fails
-on rank 0 after it was sent leaves the ranks out of step (the others ran it, or wait in its
-all-reduce): the leader then refuses every later step, and the server ends.
+The channel is ``broadcast_object_list`` from rank 0 on a gloo group of its own (CPU, for NCCL
+ranks too), without a timeout: a server idles as long as it likes, and a dead rank's closed
+sockets fail the next send or receive at once. A step that fails on rank 0 after it was sent
+leaves the ranks out of step: the leader refuses every later step, and the server ends.
 """
 
 from __future__ import annotations
