@@ -20,6 +20,10 @@ each level on each server one right after the other, ``--rounds`` times: request
 cost, side by side (which setting goes first rotates from round to round; ``medians`` sums the
 rounds up). Each server's trace file is counted afterwards (``traced_requests``).
 
+``--tp-sizes 1,2`` does the same with one server per tensor-parallel size (``serve --tp N``:
+rank 0 serves, the others follow), and records each server's spawn -> ``/ready`` 200 in
+``spawn_to_ready_s``: the launcher's overhead, side by side.
+
     python benchmarks/serve_load.py --model smollm2-135m-instruct --device cpu --levels 1,8,32,64 \
         --requests 64 --prompt-len 32 --gen-len 16 --out benchmarks/results/serve_load_cpu.json
 """
@@ -84,6 +88,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=_ratio_settings,
         help="comma-separated: none (no trace file) or R in [0, 1], one server each (default: none)",
     )
+    parser.add_argument(
+        "--tp-sizes",
+        default=[1],
+        type=lambda text: [int(v) for v in text.split(",")],
+        help="comma-separated tensor-parallel sizes, one server each (default: 1)",
+    )
     parser.add_argument("--rounds", type=int, default=1, help="times each level is measured on each setting")
     parser.add_argument(
         "--serve-args",
@@ -115,10 +125,10 @@ def _logprobs_settings(text: str) -> list[int | None]:
 class Server:
     """``bootstrap serve`` in a subprocess on a free port; SIGTERM on exit."""
 
-    def __init__(self, args: argparse.Namespace, trace_ratio: float | None = None) -> None:
+    def __init__(self, args: argparse.Namespace, trace_ratio: float | None = None, tp: int = 1) -> None:
         # open for the server's whole life (its stdout), closed in stop()
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)  # noqa: SIM115
-        self.trace_ratio = trace_ratio
+        self.trace_ratio, self.tp = trace_ratio, tp
         self.trace = None if trace_ratio is None else Path(tempfile.mkdtemp()) / "trace.jsonl"
         tracing = (
             [] if self.trace is None else ["--trace-file", str(self.trace), "--request-trace-ratio", str(trace_ratio)]
@@ -139,12 +149,16 @@ class Server:
             "--max-seq-len",
             str(args.max_seq_len),
             "--no-plan-cache",
+            "--tp",
+            str(tp),
             *tracing,
             *shlex.split(args.serve_args),
         ]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        self.spawned = time.perf_counter()
         self.proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.url = self._port()
+        self.spawn_to_ready_s: float | None = None  # set once /ready answers 200
 
     def _port(self) -> str:
         while self.proc.poll() is None:
@@ -265,16 +279,18 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 1)
 
 
-async def measure(servers: list[tuple[str, float | None]], args: argparse.Namespace) -> tuple[dict, list[dict]]:
+async def measure(servers: list[tuple[str, float | None, int]], args: argparse.Namespace) -> tuple[dict, list[dict]]:
     """Every level on every (server, logprobs) setting, one right after the other, ``--rounds`` times."""
     levels = [int(v) for v in args.levels.split(",")]
     limits = httpx.Limits(max_connections=max(levels) + 8, max_keepalive_connections=max(levels) + 8)
-    clients = [httpx.AsyncClient(base_url=url, timeout=600, limits=limits) for url, _ in servers]
+    clients = [httpx.AsyncClient(base_url=url, timeout=600, limits=limits) for url, _, _ in servers]
     try:
         ready = [await wait_ready(http) for http in clients]
         model = (await clients[0].get("/v1/models")).json()["data"][0]["id"]
-        settings = [(http, ratio, logprobs) for http, (_, ratio) in zip(clients, servers) for logprobs in args.logprobs]
-        for http, _, logprobs in settings:  # warm each path once
+        settings = [
+            (http, ratio, logprobs, tp) for http, (_, ratio, tp) in zip(clients, servers) for logprobs in args.logprobs
+        ]
+        for http, _, logprobs, _ in settings:  # warm each path once
             await one_request(http, model, list(range(3, 3 + args.prompt_len)), args.gen_len, logprobs)
         results = []
         for round_number in range(1, args.rounds + 1):
@@ -282,9 +298,10 @@ async def measure(servers: list[tuple[str, float | None]], args: argparse.Namesp
                 order = [(i + round_number - 1) % len(settings) for i in range(len(settings))]  # who goes first rotates
                 runs: list[dict] = [{}] * len(settings)
                 for i in order:
-                    http, ratio, logprobs = settings[i]
+                    http, ratio, logprobs, tp = settings[i]
                     runs[i] = {
                         **await run_level(http, args, model, level, logprobs),
+                        "tp": tp,
                         "trace_ratio": ratio,
                         "round": round_number,
                     }
@@ -302,10 +319,11 @@ def medians(levels: list[dict]) -> list[dict]:
     """Per level and setting: the median over the rounds of throughput and of ``vs_first``."""
     groups: dict[tuple, list[dict]] = {}
     for run in levels:
-        groups.setdefault((run["clients"], run["trace_ratio"], run["logprobs"]), []).append(run)
+        groups.setdefault((run["clients"], run["tp"], run["trace_ratio"], run["logprobs"]), []).append(run)
     return [
         {
             "clients": clients,
+            "tp": tp,
             "trace_ratio": ratio,
             "logprobs": logprobs,
             "rounds": len(runs),
@@ -314,7 +332,7 @@ def medians(levels: list[dict]) -> list[dict]:
             if any(r["vs_first"] is not None for r in runs)
             else None,
         }
-        for (clients, ratio, logprobs), runs in groups.items()
+        for (clients, tp, ratio, logprobs), runs in groups.items()
     ]
 
 
@@ -324,10 +342,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--trace-ratios starts its own servers: leave out --url")
     servers: list[Server] = []
     try:
-        for ratio in [] if args.url else args.trace_ratios:  # one at a time: each profiles the device alone
-            servers.append(Server(args, ratio))
-            asyncio.run(_ready(servers[-1].url))
-        urls = [(args.url, None)] if args.url else [(s.url, s.trace_ratio) for s in servers]
+        for tp in [] if args.url else args.tp_sizes:  # one at a time: each profiles the device alone
+            for ratio in args.trace_ratios:
+                servers.append(Server(args, ratio, tp))
+                asyncio.run(_ready(servers[-1].url))
+                servers[-1].spawn_to_ready_s = round(time.perf_counter() - servers[-1].spawned, 3)
+        urls = [(args.url, None, 1)] if args.url else [(s.url, s.trace_ratio, s.tp) for s in servers]
         ready, levels = asyncio.run(measure(urls, args))
     finally:
         exit_codes = [server.stop() for server in servers]
@@ -346,6 +366,10 @@ def main(argv: list[str] | None = None) -> int:
         "gen_len": args.gen_len,
         "max_batch_size": args.max_batch_size,
         "time_to_ready_s": ready["time_to_ready_s"],
+        "spawn_to_ready_s": {
+            f"tp{s.tp}" + ("" if s.trace is None else f" trace {s.trace_ratio}"): s.spawn_to_ready_s for s in servers
+        }
+        or None,
         "server_exit_code_after_sigterm": exit_code,
         "traced_requests": {str(s.trace_ratio): s.traced_requests() for s in servers if s.trace is not None} or None,
         "medians": medians(levels) if args.rounds > 1 or len(servers) > 1 else None,

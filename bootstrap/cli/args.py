@@ -290,15 +290,15 @@ def check_number(
     )
 
 
-def check_dist_timeout(args: argparse.Namespace) -> None:
-    check_number("dist_timeout", args.dist_timeout, 0.0, MAX_SECONDS, low_open=True, unit=" seconds")
+def check_dist_timeout(seconds: float) -> None:
+    check_number("dist_timeout", seconds, 0.0, MAX_SECONDS, low_open=True, unit=" seconds")
 
 
 def check_run_values(args: argparse.Namespace) -> None:
     """``run``'s own flags, before any stage: each one names the flag and its allowed range."""
     check_positive(max_tokens=args.max_tokens)
     check_number("temperature", args.temperature, 0.0, note=", 0 = greedy")
-    check_dist_timeout(args)
+    check_dist_timeout(args.dist_timeout)
     if args.seed is not None and not 0 <= args.seed <= MAX_SEED:
         raise ConfigError(f"seed: must be an integer in [0, {MAX_SEED}] (got {args.seed})")
 

@@ -121,7 +121,7 @@ def serve_options(args: argparse.Namespace, config: Any) -> Any:
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"port: must be in [0, 65535] (got {args.port})")
     check_number("shutdown_timeout", args.shutdown_timeout, 0.0, MAX_SECONDS, unit=" seconds")
-    check_dist_timeout(args)
+    check_dist_timeout(getattr(args, "dist_timeout", 600.0))  # a Namespace made by hand may leave it out
     drain = getattr(args, "drain_timeout", 30.0)  # a Namespace made by hand may leave it out
     check_number("drain_timeout", drain, 0.0, MAX_SECONDS, unit=" seconds")
     ratio = getattr(args, "request_trace_ratio", 1.0)  # a Namespace made by hand may leave it out
