@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import time
 import traceback
 from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
@@ -20,6 +21,8 @@ from bootstrap.pipeline.events import EventHub, StageEvent
 from bootstrap.pipeline.stage import Skip, Stage
 from bootstrap.pipeline.telemetry import attempt_span, stage_span
 from bootstrap.pipeline.undo import Undo
+
+RANK_SECONDS = "bootstrap.collective.rank_seconds"  # "0.512 0.530": each rank's attempt, by rank
 
 
 class StageRun:
@@ -40,6 +43,7 @@ class StageRun:
         self._changes: Mapping[str, str] = {}
         self._span: Span | None = None
         self._skip_reason = ""
+        self._rank_seconds = ""  # several ranks: each one's seconds in the last agreed attempt
 
     async def execute(self, after_success: Callable[[Any], Awaitable[None]] | None = None) -> tuple[Any, Undo]:
         """Run the stage to success, skip, or failure (re-raised after the span records it).
@@ -105,7 +109,9 @@ class StageRun:
             for key, change in self._changes.items():
                 span.set_attribute(f"bootstrap.adapt.{key}", change)
             try:
-                artifact = await self._agreed(span, await self._call_or_error(undo))
+                began = time.monotonic()
+                result = await self._call_or_error(undo)
+                artifact = await self._agreed(span, result, time.monotonic() - began)
             except BaseException as exc:
                 await self._rollback(span, undo, exc)
                 raise
@@ -132,14 +138,17 @@ class StageRun:
                 raise
             return None, exc
 
-    async def _agreed(self, span: Span, result: tuple[Any, BaseException | None]) -> Any:
+    async def _agreed(self, span: Span, result: tuple[Any, BaseException | None], seconds: float) -> Any:
         """On one rank, the artifact. On several, one collective step (in the device thread, it
         blocks): all ranks succeeded and agree on the artifact, or every rank raises the same
-        ``RankFailed``. An event on the stage span records it."""
+        ``RankFailed``. An event on the stage span records it, with every rank's seconds
+        (``RANK_SECONDS``, also a figure of the stage)."""
         artifact, error = result
         if self._collective.world_size == 1:
             return artifact
-        run = partial(agree_attempt, self._collective, self.stage.id, artifact, error, self.stage.agree)
+        timings: list[float | None] = []
+        agree = self.stage.agree
+        run = partial(agree_attempt, self._collective, self.stage.id, artifact, error, agree, seconds, timings)
         attributes: dict[str, Any] = {
             "bootstrap.collective.world_size": self._collective.world_size,
             "bootstrap.collective.rank": self._collective.rank,
@@ -159,6 +168,8 @@ class StageRun:
             )
             raise exc from error
         attributes["bootstrap.collective.outcome"] = "agreed" if self.stage.agree else "ok"
+        self._rank_seconds = " ".join(f"{t:.3f}" if t is not None else "?" for t in timings)
+        attributes[RANK_SECONDS] = self._rank_seconds
         self._span.add_event("bootstrap.collective.attempt", attributes | self._changed_figures(artifact, agreed))
         return agreed
 
@@ -199,6 +210,8 @@ class StageRun:
 
     def _record_success(self, span: Span, artifact: Any, outcome: str) -> None:
         figures = dict(self.stage.figures(artifact)) if self.stage.figures and artifact is not None else {}
+        if self._rank_seconds:
+            figures[RANK_SECONDS] = self._rank_seconds
         for key, value in figures.items():
             span.set_attribute(key, value)
         span.set_attribute("bootstrap.outcome", outcome)

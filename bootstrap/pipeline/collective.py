@@ -88,6 +88,7 @@ class Outcome:
     rank: int
     artifact: Any = None
     error: bytes | None = None
+    seconds: float | None = None  # how long the attempt ran on this rank, before the agreement
 
 
 def agree_attempt(
@@ -96,11 +97,16 @@ def agree_attempt(
     artifact: Any,
     error: BaseException | None,
     agree: Callable[[list[Any]], Any] | None,
+    seconds: float | None = None,
+    timings: list[float | None] | None = None,
 ) -> Any:
-    """The agreed artifact of this attempt on every rank, or raise the agreed failure."""
+    """The agreed artifact of this attempt on every rank, or raise the agreed failure.
+    ``seconds``: how long the attempt ran here; ``timings`` is filled with every rank's, by rank."""
     shared = artifact if error is None and agree is not None else None
-    mine = Outcome(collective.rank, shared, _pickled(error) if error is not None else None)
+    mine = Outcome(collective.rank, shared, _pickled(error) if error is not None else None, seconds)
     outcomes: list[Outcome] = collective.all_gather(mine, f"stage {stage!r}")
+    if timings is not None:
+        timings[:] = [o.seconds for o in sorted(outcomes, key=lambda o: o.rank)]
     failed = {o.rank: error if o.rank == collective.rank else _unpickled(o.error) for o in outcomes if o.error}
     if failed:
         lost = {r for r, e in failed.items() if is_comm_error(e)}

@@ -147,9 +147,12 @@ def _config() -> dict:
 
 
 def test_sigterm_mid_stream_drains_and_stops_every_rank_with_status_0(llama, tmp_path):
-    server = serve(tmp_path, llama, 2)
+    server = serve(tmp_path, llama, 2, "--trace-file", str(tmp_path / "trace.jsonl"))
     ranks = rank_pids(server.proc)
     assert len(ranks) == 2
+    stages = httpx.get(f"{server.url}/v1/bootstrap").json()["stages"]
+    profiling = next(s for s in stages if s["id"] == "profiling")  # every rank's seconds, by rank
+    assert len(profiling["figures"]["bootstrap.collective.rank_seconds"].split()) == 2
     body = {"model": str(llama), "prompt": PROMPT, "max_tokens": 60, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
@@ -161,6 +164,9 @@ def test_sigterm_mid_stream_drains_and_stops_every_rank_with_status_0(llama, tmp
     server.stop()
     assert not [pid for pid in ranks if Path(f"/proc/{pid}").exists()]
     assert "Traceback" not in server.log()
+    for name in ("trace.jsonl", "trace.rank1.jsonl"):  # each rank's stages in its own file
+        spans = [json.loads(line)["name"] for line in (tmp_path / name).read_text().splitlines()]
+        assert "bootstrap.stage.profiling" in spans, name
 
 
 def test_a_rank_killed_mid_stream_ends_the_server_with_a_line_naming_it(llama, tmp_path):
