@@ -6,6 +6,7 @@ server with a line naming it, and two torchrun agents (``--nnodes 2``) serve as 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import signal
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -33,8 +35,22 @@ def rank_pids(launcher: subprocess.Popen) -> list[int]:
 
 def serve(tmp: Path, model: Path, tp: int, *argv: str) -> ServeProcess:
     server = ServeProcess(tmp / f"serve-tp{tp}.log", "--model", str(model), "--tp", str(tp), *ARGS, *argv)
-    server.wait_state("ready")
+    try:
+        server.wait_state("ready")
+    except BaseException:
+        server.stop()
+        raise
     return server
+
+
+@contextlib.contextmanager
+def serving(tmp: Path, model: Path, *argv: str) -> Iterator[ServeProcess]:
+    """``serve --tp 2``, stopped (and its ranks with it) however the test ends."""
+    server = serve(tmp, model, 2, *argv)
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +151,8 @@ def test_live_operations_reach_both_ranks(servers, llama):
         ("/v1/bootstrap/sleep", {"level": 2}),
         ("/v1/bootstrap/wake", {}),
     ]
+    refused = httpx.post(f"{two.url}/v1/bootstrap/swap", json={"model": str(llama), "draft_model": str(llama)})
+    assert refused.status_code == 400 and "draft_model: speculative decoding is not served across ranks" in refused.text
     for route, body in operations:
         answer = httpx.post(f"{two.url}{route}", json=body, timeout=120)
         assert answer.status_code == 200, (route, answer.text)
@@ -147,7 +165,11 @@ def _config() -> dict:
 
 
 def test_sigterm_mid_stream_drains_and_stops_every_rank_with_status_0(llama, tmp_path):
-    server = serve(tmp_path, llama, 2, "--trace-file", str(tmp_path / "trace.jsonl"))
+    with serving(tmp_path, llama, "--trace-file", str(tmp_path / "trace.jsonl")) as server:
+        sigterm_mid_stream(server, llama, tmp_path)
+
+
+def sigterm_mid_stream(server: ServeProcess, llama: Path, tmp_path: Path) -> None:
     ranks = rank_pids(server.proc)
     assert len(ranks) == 2
     stages = httpx.get(f"{server.url}/v1/bootstrap").json()["stages"]
@@ -161,7 +183,6 @@ def test_sigterm_mid_stream_drains_and_stops_every_rank_with_status_0(llama, tmp
         rest = [line for line in lines if line]
     assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in "".join(rest).replace(" ", "")
     assert server.proc.wait(EXIT_BOUND_S) == 0
-    server.stop()
     assert not [pid for pid in ranks if Path(f"/proc/{pid}").exists()]
     assert "Traceback" not in server.log()
     for name in ("trace.jsonl", "trace.rank1.jsonl"):  # each rank's stages in its own file
@@ -170,7 +191,11 @@ def test_sigterm_mid_stream_drains_and_stops_every_rank_with_status_0(llama, tmp
 
 
 def test_a_rank_killed_mid_stream_ends_the_server_with_a_line_naming_it(llama, tmp_path):
-    server = serve(tmp_path, llama, 2)
+    with serving(tmp_path, llama) as server:
+        rank_killed_mid_stream(server, llama)
+
+
+def rank_killed_mid_stream(server: ServeProcess, llama: Path) -> None:
     ranks = rank_pids(server.proc)
     body = {"model": str(llama), "prompt": PROMPT, "max_tokens": 400, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
@@ -182,7 +207,6 @@ def test_a_rank_killed_mid_stream_ends_the_server_with_a_line_naming_it(llama, t
     assert rest[-1] == "data: [DONE]" and '"code": "engine_error"' in "".join(rest)
     assert server.proc.wait(EXIT_BOUND_S) == 1
     assert time.monotonic() - began < 20  # not the launcher's 30 s wait: rank 0 ends by itself
-    server.stop()
     log = server.log()
     assert "bootstrap: rank 1 was killed by SIGKILL; the launcher stopped the other ranks" in log
     assert "the ranks fell out of step" in log
