@@ -96,6 +96,8 @@ def test_two_ranks_answer_as_one_greedy_sampled_with_logprobs_and_streamed(serve
         c["text"] for c in completion(two, **sampled)["choices"]
     ]
     assert streamed(two, max_tokens=12, temperature=0) == a["choices"][0]["text"]
+    long = {"prompt": " ".join(f"w{(7 * i) % 250}" for i in range(150)), "max_tokens": 8, "temperature": 0}
+    assert completion(one, **long)["choices"] == completion(two, **long)["choices"]  # prefill in chunks of 64
     stats = httpx.get(f"{two.url}/v1/engine").json()["engine"]
     assert stats["running"] == stats["waiting"] == stats["kv_used_blocks"] == 0
 
