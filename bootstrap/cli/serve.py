@@ -112,11 +112,6 @@ def serve_options(args: argparse.Namespace, config: Any) -> Any:
             f"backend: {config.backend!r} is not served yet: the server answers through the native "
             "executor's request API (allowed: native; bootstrap run and plan take trtllm)"
         )
-    if config.tensor_parallel_size > 1 and config.draft_model is not None:
-        raise ConfigError(
-            f"draft_model: speculative decoding is not served across ranks (tensor_parallel_size "
-            f"{config.tensor_parallel_size}); allowed: no draft model, or tensor_parallel_size 1"
-        )
     check_rank_count(config)
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"port: must be in [0, 65535] (got {args.port})")

@@ -144,7 +144,7 @@ class Following:
 
     def __init__(self, boot: Any, channel: Any, rank: int, heard: list[int]) -> None:
         self.boot, self.channel, self.rank = boot, channel, rank
-        self.runner: Any = None
+        self.runners: dict[str, Any] = {}  # the serving executor's, by role: target (and draft)
         self.heard = heard  # the stop signals this rank heard
         self.drained = anyio.Event()
         self.finished = anyio.Event()
@@ -176,12 +176,12 @@ class Following:
         from bootstrap.parallel.lockstep import Stop
 
         while not isinstance(message := self.channel.receive(), Stop):
-            if self.runner is not None and _is_step(message):
-                self.runner.follow(message)
-            elif _is_step(message):
-                raise RuntimeError(f"rank {self.rank} has no executor for rank 0's step")
-            else:
+            if not _is_step(message):
                 anyio.from_thread.run(self._control, message)
+            elif message.model in self.runners:
+                self.runners[message.model].follow(message, self.channel.receive_tensor)
+            else:
+                raise RuntimeError(f"rank {self.rank} has no {message.model} runner for rank 0's step")
 
     async def _control(self, message: Any) -> None:
         from bootstrap.parallel.lockstep import Drained, Operation
@@ -191,7 +191,7 @@ class Following:
             self.tasks.start_soon(self._operate, message)
         elif isinstance(message, Drained):
             self.drained.set()
-            self.runner = None  # the old executor is drained: no step of it follows
+            self.runners = {}  # the old executor is drained: no step of it follows
         else:  # Done: the next steps are the new executor's
             await self.finished.wait()
 
@@ -212,7 +212,10 @@ class Following:
         except Exception as exc:  # rank 0 reports the agreed failure
             log.debug("rank %d: %s: %s", self.rank, type(exc).__name__, exc)
         executor = self.boot.executor
-        self.runner = getattr(executor, "runner", None)
+        speculator = getattr(executor, "speculator", None)
+        self.runners = {"target": executor.runner} if executor is not None else {}
+        if speculator is not None:
+            self.runners["draft"] = speculator.draft
 
 
 def rendezvous_store() -> Any:

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 NO_TIMEOUT = timedelta(days=365)  # a server idles as long as it likes; a dead peer fails at once
@@ -81,12 +82,19 @@ class Leader:
     def broken(self) -> str | None:
         return self._broken
 
-    def send(self, step: object) -> None:
-        """A step's host inputs, before rank 0 runs it (``ModelRunner.lockstep``)."""
+    def send(self, step: object, tensors: Sequence[torch.Tensor] = ()) -> None:
+        """A step's host inputs, before rank 0 runs it (``ModelRunner.lockstep``), then the
+        device tensors it names, broadcast on the model's own group (``receive`` takes them)."""
         with self._lock:
             if not self._steps_open:
                 raise StepsClosed("this executor was drained for an operation; its steps no longer run")
             self._post(step)
+            try:
+                for tensor in tensors:
+                    dist.broadcast(tensor.contiguous(), src=0)
+            except RuntimeError as exc:
+                self._break(f"another rank stopped answering: {_first_line(exc)}")
+                raise OutOfStep(self._broken) from exc
 
     def failed(self, exc: BaseException) -> None:
         """A sent step failed here: the other ranks ran it, or wait in its collectives."""
@@ -138,6 +146,14 @@ class Follower:
 
     def __init__(self, group: Any) -> None:
         self._group = group
+
+    @staticmethod
+    def receive_tensor(tensor: torch.Tensor) -> None:
+        """A device tensor that follows a step (``Leader.send``), into ``tensor``."""
+        try:
+            dist.broadcast(tensor, src=0)
+        except RuntimeError as exc:
+            raise OutOfStep(f"rank 0 stopped answering: {_first_line(exc)}") from exc
 
     def receive(self) -> object:
         box: list[object] = [None]

@@ -191,13 +191,6 @@ def test_tp_over_a_source_ranks_cannot_load_exits_2_before_any_rank_starts(monke
     assert "needs a checkpoint directory" in capsys.readouterr().err
 
 
-def test_serve_with_tp_refuses_a_draft_model_before_any_rank_starts(capsys):
-    """Speculation is not sent across ranks: refused naming the field, before the launcher."""
-    assert main(["serve", "--tp", "2", "--port", "0", "--draft-model", "random:llama-tiny"]) == BAD_INPUT
-    err = capsys.readouterr().err
-    assert "draft_model: speculative decoding is not served across ranks" in err and "Uvicorn" not in err
-
-
 def test_serve_under_a_launcher_of_another_world_size_exits_2(monkeypatch, capsys):
     """``torchrun --nproc-per-node 3`` with ``--tp 2``: refused naming the field on every rank."""
     monkeypatch.setenv("RANK", "0")

@@ -143,11 +143,6 @@ class NativeBackend(Loading, LiveWeights):
                 f"launch {config.tensor_parallel_size} ranks (bootstrap run --tp N, or torchrun) or use {self.tp}"
             )
         check_tp_split(shape, self.tp, shard_kv_heads=True)
-        if self.lockstep is not None and config.draft_model is not None:  # a swap may bring one
-            raise ConfigError(
-                f"draft_model: speculative decoding is not served across ranks (tensor_parallel_size "
-                f"{self.tp}); allowed: no draft model, or tensor_parallel_size 1"
-            )
         check_draft_tokenizer(config)
         if config.host_cache_bytes:
             raise ConfigError("host_cache_bytes: the native engine has no host KV tier; allowed: 0")
@@ -371,6 +366,8 @@ class NativeBackend(Loading, LiveWeights):
         serve_smoke_request(executor)  # every rank its own, before its runner leads or follows
         if self.lockstep is not None:
             executor.runner.lead(self.lockstep)
+            if executor.speculator is not None:
+                executor.speculator.draft.lead(self.lockstep, "draft")
         return executor
 
     # ---- helpers ------------------------------------------------------------------------------

@@ -4,7 +4,9 @@ scheduled batch), ``RowsStep`` (one-token rows) and ``BlockCopy`` (a fork's part
 Each holds only ids, positions, slots, block tables and lengths (host lists and CPU tensors), so
 the rank that scheduled a step can send it to the ranks that run the same forward on their own
 shard and pool (``ModelRunner.follow``): the block ids are valid in every rank's pool, which
-has the same geometry.
+has the same geometry. ``model`` names the runner (``target``, or a speculator's ``draft``);
+a ``RowsStep`` whose ids or position moves are on the device (a draft's proposals) gives their
+shapes, and the tensors follow it (``ModelRunner.lead``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class MixedStep:
     slots: torch.Tensor  # [T] long
     keep: torch.Tensor  # [S] long: the flat index of each sampling request's last token
     groups: tuple[GroupRows, ...]
+    model: str = "target"
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,9 @@ class RowsStep:
 
     step: DecodeStep
     keep: tuple[int, ...] | None = None
+    tokens: tuple[int, ...] | None = None  # the shape of the ids on the device that follow
+    offsets: int | None = None  # the length of the position moves on the device that follow
+    model: str = "target"
 
 
 @dataclass(frozen=True)
@@ -59,9 +65,10 @@ class BlockCopy:
 
     sources: tuple[int, ...]
     copies: tuple[int, ...]
+    model: str = "target"
 
 
-def describe(batch: ScheduledBatch, kv_cache: PagedKVCache) -> MixedStep:
+def describe(batch: ScheduledBatch, kv_cache: PagedKVCache, model: str = "target") -> MixedStep:
     """The host inputs of ``batch``: its new tokens back to back, their slots, and the groups
     to attend. Groups: one-token queries; prompt chunks with nothing cached before them (fresh:
     they attend their own keys); continued chunks of a prompt longer than a step (they gather
@@ -78,7 +85,8 @@ def describe(batch: ScheduledBatch, kv_cache: PagedKVCache) -> MixedStep:
     counts = torch.tensor(batch.num_new_tokens, dtype=torch.long)
     keep = (torch.cumsum(counts, 0) - 1)[torch.tensor(batch.samples(), dtype=torch.bool)]
     rows = torch.tensor([ids, positions], dtype=torch.long)
-    return MixedStep(rows, torch.cat(slots), keep, tuple(_group(batch, m, kv_cache) for m in _members(batch)))
+    groups = tuple(_group(batch, m, kv_cache) for m in _members(batch))
+    return MixedStep(rows, torch.cat(slots), keep, groups, model)
 
 
 def _members(batch: ScheduledBatch) -> list[list[int]]:

@@ -15,7 +15,7 @@ eagerly.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -37,7 +37,7 @@ class Lockstep(Protocol):
     """Where a runner sends each step's host inputs before it runs them, so that other ranks run
     the same forward on their shards (``bootstrap.parallel.lockstep.Leader``)."""
 
-    def send(self, step: MixedStep | RowsStep | BlockCopy) -> None: ...
+    def send(self, step: MixedStep | RowsStep | BlockCopy, tensors: Sequence[torch.Tensor] = ()) -> None: ...
 
     def failed(self, exc: BaseException) -> None: ...
 
@@ -81,6 +81,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
         self.decode_kernel = self._decode_kernel(decode_kernel)
         self.lockstep: Lockstep | None = None  # set by lead()
+        self.role = "target"  # the name other ranks know this runner by (lead)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -91,7 +92,7 @@ class ModelRunner:
         """
         if batch.is_decode:
             return self.run_rows(self.decode_step(batch))
-        step = describe(batch, self.kv_cache)
+        step = describe(batch, self.kv_cache, self.role)
         with self._sent(step):
             inputs = self.prepare_mixed(step)
             return self._forward(inputs.input_ids, inputs.positions, inputs.logits_index, inputs.metadata)
@@ -112,9 +113,14 @@ class ModelRunner:
         logits are wanted (default all; an eager step computes only theirs)."""
         if step.size > self.max_rows:
             raise ValueError(f"a step of {step.size} rows does not fit this runner's max_rows ({self.max_rows})")
-        if self.lockstep is not None and (tokens is not None or offsets is not None):
-            raise ValueError("rows placed on the device (a draft's) cannot be sent to the other ranks")
-        with self._sent(RowsStep(step, None if keep is None else tuple(keep))):
+        sent = RowsStep(
+            step,
+            None if keep is None else tuple(keep),
+            None if tokens is None else tuple(tokens.shape),
+            None if offsets is None else offsets.shape[0],
+            self.role,
+        )
+        with self._sent(sent, *(t for t in (tokens, offsets) if t is not None)):
             return self._rows(step, tokens, offsets, keep)
 
     def _rows(
@@ -131,24 +137,24 @@ class ModelRunner:
             inputs.input_ids, inputs.positions, inputs.logits_index if rows is None else rows, inputs.metadata
         )
 
-    def lead(self, lockstep: Lockstep | None) -> None:
-        """Send every later step (and the pool's block copies) to ``lockstep`` before running it;
-        None: run alone again."""
-        self.lockstep = lockstep
+    def lead(self, lockstep: Lockstep | None, role: str = "target") -> None:
+        """Send every later step (and the pool's block copies) to ``lockstep`` before running it,
+        as the runner ``role`` (``target``, or a speculator's ``draft``); None: run alone again."""
+        self.lockstep, self.role = lockstep, role
         self.kv_cache.on_copy = None if lockstep is None else self._send_copy
 
     def _send_copy(self, sources: Sequence[int], copies: Sequence[int]) -> None:
-        with self._sent(BlockCopy(tuple(sources), tuple(copies))):
+        with self._sent(BlockCopy(tuple(sources), tuple(copies), self.role)):
             pass
 
     @contextlib.contextmanager
-    def _sent(self, step: MixedStep | RowsStep | BlockCopy) -> Iterator[None]:
-        """``step`` sent before the block runs; a failure after it was sent is the lockstep's
-        (the other ranks ran the step, or wait in its collectives)."""
+    def _sent(self, step: MixedStep | RowsStep | BlockCopy, *tensors: torch.Tensor) -> Iterator[None]:
+        """``step`` (and the device ``tensors`` it names) sent before the block runs; a failure
+        after it was sent is the lockstep's (the other ranks ran it, or wait in its collectives)."""
         if self.lockstep is None:
             yield
             return
-        self.lockstep.send(step)
+        self.lockstep.send(step, tensors)
         try:
             yield
         except BaseException as exc:
@@ -156,13 +162,18 @@ class ModelRunner:
             raise
 
     @torch.inference_mode()
-    def follow(self, step: MixedStep | RowsStep | BlockCopy) -> None:
+    def follow(self, step: MixedStep | RowsStep | BlockCopy, receive: Callable[[torch.Tensor], None]) -> None:
         """Run a step that another rank scheduled and sent (``lead``); its logits are that rank's
-        to sample, so none are kept here."""
+        to sample, so none are kept here. ``receive`` fills a tensor the step says follows it."""
         if isinstance(step, BlockCopy):
             self.kv_cache.copy_blocks(step.sources, step.copies)
         elif isinstance(step, RowsStep):
-            self._rows(step.step, None, None, step.keep)
+            tokens = offsets = None
+            if step.tokens is not None:
+                receive(tokens := torch.empty(step.tokens, dtype=torch.long, device=self.device))
+            if step.offsets is not None:
+                receive(offsets := torch.empty(step.offsets, dtype=torch.long, device=self.device))
+            self._rows(step.step, tokens, offsets, step.keep)
         elif isinstance(step, MixedStep):
             inputs = self.prepare_mixed(step)
             self._forward(inputs.input_ids, inputs.positions, inputs.logits_index, inputs.metadata)
