@@ -59,6 +59,7 @@ class Leading:
         self.lost: str | None = None
         self._watcher: threading.Thread | None = None
         self._store: Any = None
+        self._closing = threading.Event()
         state.make_backend = self.make_backend
 
     def make_backend(self, config: Any) -> Any:
@@ -78,6 +79,7 @@ class Leading:
 
     def _end(self, reason: str) -> None:
         log.error("bootstrap serve: the ranks are out of step: %s; the server stops", reason)
+        self.state.begin_shutdown()  # new requests refused at once; those in flight fail in their next step
         self.stop_server()
 
     def _watch(self) -> None:
@@ -86,26 +88,28 @@ class Leading:
         self._watcher.start()
 
     def _wait_for_stop(self) -> None:
-        while True:
+        while not self._closing.is_set():
             try:
                 self._store.wait([STOP_KEY], timedelta(seconds=WATCH_S))
-            except RuntimeError:  # DistStoreError on the timeout; the store gone at the end
-                if self._store is None:
-                    return
-                continue
-            break
-        value = self._store.get(STOP_KEY).decode() if self._store is not None else "0"
-        if value != "0":  # "0": rank 0 itself, releasing this thread
-            self.loop.call_soon_threadsafe(self._stop_asked, value)
+            except RuntimeError as exc:  # DistStoreError: a timeout (wait again), or the store gone
+                if "timeout" in str(exc).lower():
+                    continue
+                return
+            if not self._closing.is_set():
+                rank = self._store.get(STOP_KEY).decode()
+                self.loop.call_soon_threadsafe(self._stop_asked, rank)
+            return
 
     def _stop_asked(self, rank: str) -> None:
         if self.state.phase != "shutting_down":
             log.warning("rank %s heard a stop signal: shutting down", rank)
+            self.state.begin_shutdown()  # as a signal to this process does: the drain begins now
             self.stop_server()
 
     def close(self) -> None:
         """End the watcher (once the server is down)."""
         watcher, self._watcher = self._watcher, None
+        self._closing.set()
         if watcher is not None:
             with contextlib.suppress(RuntimeError):  # the store gone with the agent: the wait ends by itself
                 rendezvous_store().set(STOP_KEY, "0")

@@ -259,8 +259,15 @@ def test_two_torchrun_agents_with_nnodes_2_serve_as_one_launcher(llama, servers,
             f"{url}/v1/completions", json={"model": "m", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
         )
         assert answer.json()["choices"][0]["text"] == expected
-        for agent in agents:  # as Kubernetes stops a group: every pod at once
-            agent.send_signal(signal.SIGTERM)
+        texts = [(tmp_path / f"agent{n}.log").read_text() for n in range(2)]
+        serving_node = next(n for n in range(2) if "Uvicorn running" in texts[n])
+        agents[1 - serving_node].send_signal(signal.SIGTERM)  # the other host's agent: rank 0 must hear of it
+        log = tmp_path / f"agent{serving_node}.log"
+        deadline = time.monotonic() + EXIT_BOUND_S
+        while "bootstrap serve: stopped; no thread left" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "rank 1 heard a stop signal: shutting down" in log.read_text()
+        agents[serving_node].send_signal(signal.SIGTERM)  # its agent waits for the other at torchrun's exit barrier
         for agent in agents:  # torchrun itself ends with status 1 on a signal, whatever its ranks did
             agent.wait(EXIT_BOUND_S)
     finally:
