@@ -294,3 +294,15 @@ def _env() -> dict[str, str]:
     import os
 
     return dict(os.environ)
+
+
+def test_the_status_page_shows_each_rank_s_seconds_of_a_stage(servers):
+    from helpers.browser import chromium, console_errors, wait_for
+
+    _, two = servers
+    with chromium() as browser:
+        browser.get(f"{two.url}/")
+        note = "return document.querySelector('li[data-stage=\"profiling\"] .note')?.textContent"
+        shown = wait_for(browser, lambda b: (b.execute_script(note) or "").startswith("ranks "), "the ranks' seconds")
+        assert shown and len(browser.execute_script(note).split(" / ")) == 2  # "ranks 0.051 / 0.049 s"
+        assert console_errors(browser) == []
