@@ -184,6 +184,7 @@ def test_sigterm_mid_stream_drains_and_stops_every_rank_with_status_0(llama, tmp
 def sigterm_mid_stream(server: ServeProcess, llama: Path, tmp_path: Path) -> None:
     ranks = rank_pids(server.proc)
     assert len(ranks) == 2
+    assert httpx.get(f"{server.url}/ready").json()["ranks"] == 2
     stages = httpx.get(f"{server.url}/v1/bootstrap").json()["stages"]
     profiling = next(s for s in stages if s["id"] == "profiling")  # every rank's seconds, by rank
     assert len(profiling["figures"]["bootstrap.collective.rank_seconds"].split()) == 2

@@ -113,7 +113,8 @@ def bootstrap_view(state: ServeState) -> dict[str, Any]:
 
 
 def ready_view(state: ServeState) -> dict[str, Any]:
-    """``GET /ready``: ready or not, the stage it is at, and for how long."""
+    """``GET /ready``: ready or not, the stage it is at, and for how long; ``ranks``: how many
+    run it (``--tp N``: every rank is at this stage, their attempts end agreed)."""
     stage = current_stage(stage_rows(state))
     return {
         "ready": state.phase == "ready",
@@ -124,4 +125,5 @@ def ready_view(state: ServeState) -> dict[str, Any]:
         "elapsed_s": round(state.elapsed_s(), 6),
         "time_to_ready_s": state.time_to_ready_s,
         "error": state.error,
+        "ranks": state.config.tensor_parallel_size,
     }
