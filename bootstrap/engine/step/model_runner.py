@@ -113,6 +113,8 @@ class ModelRunner:
         logits are wanted (default all; an eager step computes only theirs)."""
         if step.size > self.max_rows:
             raise ValueError(f"a step of {step.size} rows does not fit this runner's max_rows ({self.max_rows})")
+        if self.lockstep is None:
+            return self._rows(step, tokens, offsets, keep)
         sent = RowsStep(
             step,
             None if keep is None else tuple(keep),
