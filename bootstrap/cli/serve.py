@@ -8,7 +8,8 @@ skips the grace period: requests in flight are cancelled at once (streams still 
 chunk), then the same clean shutdown, exit 0, no traceback.
 
 Exit status: 0 after a signal; 2 bad input (before the port opens: the configuration; after it:
-a backend or trace file that cannot be used).
+a backend or trace file that cannot be used); 1 when ranks fell out of step. ``--tp N``: rank 0
+serves, the other ranks follow it (``bootstrap.cli.serve_ranks``).
 """
 
 from __future__ import annotations
