@@ -55,6 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a preset (bootstrap plan's presets) or a config.json: the checkpoint's shape",
     )
     add("--device", default="cpu", help="cpu or cuda")
+    add("--tp", type=int, default=1, help="tensor-parallel ranks of each run and serve (--tp N; default 1)")
     add("--repeats", type=int, default=3)
     add("--max-seq-len", type=int, default=8192)
     add("--max-num-tokens", type=int, default=8192)
@@ -166,6 +167,8 @@ def shape_flags(args: argparse.Namespace) -> list[str]:
     return [
         "--device",
         args.device,
+        "--tp",
+        str(args.tp),
         "--max-seq-len",
         str(args.max_seq_len),
         "--max-num-tokens",
@@ -344,6 +347,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "command": " ".join(sys.argv),
         "shape": args.shape,
         "device": args.device,
+        "tp": args.tp,
         "poll_interval_s": args.poll_interval,
         "checkpoint": write_checkpoint(args, model),
         "repeats": [],

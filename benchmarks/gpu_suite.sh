@@ -11,7 +11,7 @@
 #   cold_start.json  benchmarks/cold_start.py (fresh run and serve processes on an 8B checkpoint directory)
 #   traces.tar.gz    every start's trace file
 #
-# Usage, from the repository root:  bash benchmarks/gpu_suite.sh [--smoke] [--live-ops | --prefix-cache | --fp8 | --fp8-kv]
+# Usage, from the repository root:  bash benchmarks/gpu_suite.sh [--smoke] [--live-ops | --prefix-cache | --fp8 | --fp8-kv | --tp2]
 #   --smoke: tiny shapes on the CPU, to check the script itself (tests/gpu then skip).
 #   --live-ops: instead of the steps above, benchmarks/live_ops.py alone (three 8B checkpoints written,
 #     a server swapped, slept, woken and updated, then 20 swap cycles under traffic: about 4 to 6 minutes,
@@ -27,6 +27,11 @@
 #   --fp8-kv: instead, the same tests, the 8B and its block twin, fp8_decode.py with a bfloat16 and an fp8 KV cache
 #     (batch 64, 4,096-token prompts), and worst cases on the fp8 cache (every block filled) and on the block
 #     checkpoint, a third invocation:   fp8_tests.xml, fp8_kv_decode.json, fp8_kv_worst_case.json, fp8_worst_case.json
+#   --tp2 (two GPUs: nvidia-h200-x2): instead, tests/gpu/test_tensor_parallel_cuda.py (NCCL: answers of one rank, a
+#     SIGTERM and a killed rank mid-stream, no process left on a GPU), then fresh run and serve processes on an 8B
+#     checkpoint at --tp 1 and --tp 2 (cold_start.py), greedy agreement over 256 tokens (tp_agreement.py), and
+#     serve_load.py at 1, 16 and 64 clients on a --tp 1 and a --tp 2 server side by side:
+#       tp2_tests.xml, cold_start_tp1.json, cold_start_tp2.json, tp_agreement.json, serve_load_tp.json
 # Missing Python packages travel as wheels in .whl/ (python3 -m pip download --no-deps --only-binary=:all: -d .whl ...);
 # they are installed from there, never from an index. The whole suite keeps within
 # SUITE_BUDGET_S seconds: each step gets at most its own cap and what the budget has left.
@@ -40,6 +45,7 @@ SMOKE=0
 LIVE_OPS=0
 PREFIX_CACHE=0
 FP8=0
+TP2=0
 FAILED=0
 for arg in "$@"; do
   case $arg in
@@ -48,7 +54,9 @@ for arg in "$@"; do
     --prefix-cache) PREFIX_CACHE=1 ;;
     --fp8) FP8=1 ;;
     --fp8-kv) FP8=kv ;;
-    *) echo "gpu_suite.sh: unknown flag $arg (allowed: --smoke, --live-ops, --prefix-cache, --fp8, --fp8-kv)" >&2; exit 2 ;;
+    --tp2) TP2=1 ;;
+    *) echo "gpu_suite.sh: unknown flag $arg (allowed: --smoke, --live-ops, --prefix-cache, --fp8, --fp8-kv, --tp2)" >&2
+       exit 2 ;;
   esac
 done
 
@@ -122,6 +130,10 @@ EOF
   COLD=(--shape "$WORK/tiny.json" --device cpu --repeats 1 --max-seq-len 64 --max-num-tokens 64 --max-batch-size 4)
   LIVE=(--preset tiny --device cpu --cycles 2)
   PREFIX=(--preset tiny)
+  TP_COLD=(--shape "$WORK/tiny.json" --device cpu --repeats 1 --max-seq-len 64 --max-num-tokens 64 --max-batch-size 4)
+  TP_MODEL="$WORK/cold/checkpoint-tiny"
+  TP_RUN=(--device cpu --max-tokens 32 --run-args "--max-seq-len 64 --max-num-tokens 64 --max-batch-size 4")
+  TP_LOAD=(--device cpu --levels 1,4 --requests 8 --prompt-len 8 --gen-len 8 --max-batch-size 4 --max-seq-len 64)
 else
   DEVICE=(--device cuda --dtype bfloat16)
   STARTUP=(--models random:llama-3.2-1b,random:llama-3.1-8b,random:qwen2.5-14b --max-seq-len 8192
@@ -131,6 +143,11 @@ else
   COLD=(--shape llama-3.1-8b --device cuda --repeats 3)
   LIVE=(--preset 8b --device cuda --cycles 20)
   PREFIX=(--preset 8b)
+  TP_COLD=(--shape llama-3.1-8b --device cuda --repeats 1)
+  TP_MODEL="$WORK/cold/checkpoint-llama-3.1-8b"
+  TP_RUN=(--device cuda --dtype bfloat16 --max-tokens 256)
+  TP_LOAD=(--device cuda --levels 1,16,64 --requests 64 --prompt-len 128 --gen-len 128 --max-batch-size 64
+           --max-seq-len 4096 --serve-args "--free-gpu-memory-fraction 0.4")  # two servers share GPU 0
 fi
 
 say "results under $OUT"
@@ -150,6 +167,22 @@ fi
 if [ "$PREFIX_CACHE" = 1 ]; then
   run_step prefix_cache 560 python3 benchmarks/prefix_cache.py "${PREFIX[@]}" --work-dir "$WORK/prefix" \
     --out "$OUT/prefix_cache.json"
+  say "done; steps:"
+  cat "$OUT/steps.jsonl"
+  rm -rf "$WORK"
+  exit "$FAILED"
+fi
+if [ "$TP2" = 1 ]; then
+  run_step tp2_tests 150 python3 -m pytest tests/gpu/test_tensor_parallel_cuda.py -q -rA -s -p no:cacheprovider \
+    -p no:asyncio --junitxml="$OUT/tp2_tests.xml"
+  for tp in 1 2; do  # the first writes the checkpoint, the second reuses it
+    run_step "cold_start_tp$tp" 120 python3 benchmarks/cold_start.py "${TP_COLD[@]}" --tp "$tp" --workdir "$WORK/cold" \
+      --out "$OUT/cold_start_tp$tp.json"
+  done
+  run_step tp_agreement 90 python3 benchmarks/tp_agreement.py --model "$TP_MODEL" "${TP_RUN[@]}" --tp-sizes 1,2 \
+    --out "$OUT/tp_agreement.json"
+  run_step serve_load_tp 150 python3 benchmarks/serve_load.py --model "$TP_MODEL" "${TP_LOAD[@]}" --tp-sizes 1,2 \
+    --vocab 512 --out "$OUT/serve_load_tp.json"
   say "done; steps:"
   cat "$OUT/steps.jsonl"
   rm -rf "$WORK"

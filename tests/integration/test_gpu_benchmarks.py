@@ -144,6 +144,34 @@ def test_the_gpu_suite_script_runs_every_step_and_writes_every_result(tmp_path):
     assert floor["floor_s"] > floor["import_torch_s"] > 0 and floor["fastest_weights"] in floor["weights"], floor
 
 
+def test_the_gpu_suite_s_two_gpu_steps_run_on_the_cpu_and_write_every_result(tmp_path):
+    """``gpu_suite.sh --smoke --tp2``: the NCCL issue's steps over gloo with a tiny shape (its
+    GPU tests skip): fresh starts at --tp 1 and 2, their greedy agreement, the load side by side."""
+    import os
+    import subprocess
+
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        ["bash", str(BENCHMARKS / "gpu_suite.sh"), "--smoke", "--tp2"],
+        env={**os.environ, "OUT": str(out)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=BENCHMARKS.parent,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    written = {p.name for p in out.iterdir()}
+    assert written == {"suite.log", "steps.jsonl", "tp2_tests.xml", "cold_start_tp1.json", "cold_start_tp2.json",
+                       "tp_agreement.json", "serve_load_tp.json"}  # fmt: skip
+    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert all(s["rc"] == 0 for s in steps) and len(steps) == 7
+    tp2 = json.loads((out / "cold_start_tp2.json").read_text())["repeats"][0]["cold"]["serve"]
+    assert tp2["code"] == 0 and tp2["first_token_s"] > tp2["ready_s"] > 0
+    runs = json.loads((out / "tp_agreement.json").read_text())["runs"]
+    assert runs[1]["against_first"]["first_difference_at"] is None  # float32 on the CPU: the same tokens
+    assert json.loads((out / "serve_load_tp.json").read_text())["server_exit_code_after_sigterm"] == [0, 0]
+
+
 def test_an_oom_in_a_step_is_counted_even_when_the_reruns_succeed(tiny, monkeypatch):
     """One forward of the load runs out of memory (torch's own exception class, raised once); the
     executor reruns that step's requests one by one, they all finish, and the count says so."""
