@@ -16,7 +16,6 @@ length (windows as masks), so the shape reported has no windows: every layer pri
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 from collections.abc import Callable, Mapping
@@ -28,35 +27,23 @@ import torch
 from bootstrap.backends.artifacts import EstimationBuild, FinalBuild, LoadedModel, ResolvedClasses, Warmup
 from bootstrap.backends.native import capture
 from bootstrap.backends.native.builds import NativeBuild, NativeModels
-from bootstrap.backends.native.checks import (
-    check_draft_tokenizer,
-    check_fp8_kv,
-    check_probe_tokens,
-    check_quantization,
-    check_weights_fit,
-    unreadable_as_source_error,
-)
 from bootstrap.backends.native.headroom import headroom_terms
 from bootstrap.backends.native.live_weights import LiveWeights
 from bootstrap.backends.native.loading import KV_DTYPES, Loading
 from bootstrap.backends.native.placement import device_for, rank_device, rank_env
+from bootstrap.backends.native.resolving import Resolving
 from bootstrap.capacity import CapacityPlan, MemoryProfile, dummy_request_lengths
-from bootstrap.capacity.config_json import parse_config
 from bootstrap.capacity.cuda_graph_buckets import graph_batch_sizes
-from bootstrap.capacity.quantization import AT_LOAD
-from bootstrap.capacity.shape import ModelShape, check_tp_split
 from bootstrap.capacity.split import PoolBudgets
-from bootstrap.config import BootstrapConfig, ConfigError
+from bootstrap.config import BootstrapConfig
 from bootstrap.devices import Device
 from bootstrap.engine.executor.create import create_executor
 from bootstrap.engine.executor.profile_run import rehearse_speculation, run_dummy_requests
 from bootstrap.engine.executor.py_executor import PyExecutor
 from bootstrap.engine.kernels import paged_kv
 from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
-from bootstrap.engine.models import own_model_problem
 from bootstrap.engine.sampling.sampler import SamplingParams
 from bootstrap.engine.scheduler import SchedulerConfig
-from bootstrap.engine.sources.loader import check_quantizable, config_dict, resolve_source
 from bootstrap.engine.sources.progress_lines import Progress, quiet, to_stderr
 from bootstrap.engine.spec.rows import graph_sizes, max_rows
 from bootstrap.engine.step.graphs import release_workspaces
@@ -69,7 +56,7 @@ SMOKE_TIMEOUT_S = 300.0
 log = logging.getLogger(__name__)
 
 
-class NativeBackend(Loading, LiveWeights):
+class NativeBackend(Resolving, Loading, LiveWeights):
     """The backend protocol over ``bootstrap.engine`` (see the module docstring)."""
 
     name = "native"
@@ -110,57 +97,6 @@ class NativeBackend(Loading, LiveWeights):
 
             collective = init_ranks(env, torch_device.type)
         return cls(device, torch_device, cache_dir=cache_dir, collective=collective)
-
-    # ---- resolve_classes ----------------------------------------------------------------------
-
-    def model_shape(self, spec: str) -> ModelShape:
-        """The shape as the native pool stores it: every attention layer at full length."""
-        with unreadable_as_source_error(spec):
-            shape = parse_config(config_dict(spec, cache_dir=self.cache_dir, progress=self.progress))
-        return dataclasses.replace(shape, layer_windows=(None,) * shape.num_layers)
-
-    def _check_quantizable(self, source: str) -> None:
-        """``quantization: fp8`` quantizes a checkpoint on the engine's own code as it is read."""
-        check_quantizable(resolve_source(source), "fp8")
-        with unreadable_as_source_error(source):
-            problem = own_model_problem(config_dict(source, cache_dir=self.cache_dir, progress=self.progress))
-        if problem is not None:
-            raise ConfigError(f"quantization: fp8 needs a model on the engine's own code; {source!r} has {problem}")
-
-    def default_dtype(self, shape: ModelShape) -> str:
-        """float32 on the CPU (exact parity with transformers); the checkpoint's 16-bit dtype,
-        else bfloat16, on CUDA."""
-        if self.torch_device.type == "cpu":
-            return "float32"
-        return shape.torch_dtype if shape.torch_dtype in ("bfloat16", "float16") else "bfloat16"
-
-    def check_config(self, config: BootstrapConfig, shape: ModelShape) -> None:
-        """What the native engine cannot run, refused before any weight is loaded."""
-        check_fp8_kv(config.kv_cache_dtype, self.torch_device)
-        if config.tensor_parallel_size != self.tp:
-            raise ConfigError(
-                f"tensor_parallel_size: {config.tensor_parallel_size}, but this backend runs on {self.tp} rank(s); "
-                f"launch {config.tensor_parallel_size} ranks (bootstrap run --tp N, or torchrun) or use {self.tp}"
-            )
-        check_tp_split(shape, self.tp, shard_kv_heads=True)
-        check_draft_tokenizer(config)
-        if config.host_cache_bytes:
-            raise ConfigError("host_cache_bytes: the native engine has no host KV tier; allowed: 0")
-        check_quantization(shape, self.torch_device, self.tp)
-        if shape.quantization is AT_LOAD:  # the target, to be quantized as it loads
-            self._check_quantizable(config.model)
-        if shape.attention_kind == "mla" or shape.num_recurrent_layers:
-            kind = "multi-head latent attention" if shape.attention_kind == "mla" else "recurrent layers"
-            raise ConfigError(f"model: {shape.architecture} uses {kind}, which the native paged KV cache does not hold")
-        check_probe_tokens(config, shape)
-        self._preload_tokenizer(config.model)
-
-    def check_weights(
-        self, config: BootstrapConfig, shapes: list[ModelShape], dtype: str, releasable_bytes: int = 0
-    ) -> None:
-        """The weights of ``shapes`` in ``dtype`` against the device's free bytes (and what the
-        serving model releases first), before ``load_model`` allocates any (``checks``)."""
-        check_weights_fit(config, shapes, dtype, self.device, self.tp, releasable_bytes)
 
     def kv_caps(self, resolved: ResolvedClasses, config: BootstrapConfig) -> dict[str, int]:
         """Extra caps on the KV budget, in bytes, by name (``limited_by``). On the CPU: what
