@@ -61,12 +61,11 @@ def linear(
     if x.shape[0] == 1:
         return one_row(x, weight, scale, block, bias)
     n, k = weight.shape
-    if n % 16 or k % 16 or x.dtype != torch.bfloat16:  # what cuBLASLt's FP8 GEMM takes (row scales: bf16 out)
-        out = F.linear(x, dequantize(weight, scale, block, x.dtype))
-    elif block is None:
+    cublas = n % 16 == 0 and k % 16 == 0 and x.dtype == torch.bfloat16  # what its FP8 GEMM takes (bf16 out)
+    if cublas and block is None:
         q, q_scale = quantize(x, x.shape[1])
         out = torch._scaled_mm(q, weight.t(), scale_a=q_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype)
-    elif blockwise_supported(x.device) and block == (128, 128) and scale.shape[1] % SCALE_ROWS_PAD == 0:
+    elif cublas and block == (128, 128) and scale.shape[1] % SCALE_ROWS_PAD == 0 and blockwise_supported(x.device):
         q, q_scale = quantize(x, block[1], pad_rows=SCALE_ROWS_PAD)
         recipe = F.ScalingType
         out = F.scaled_mm(

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from bootstrap.engine.kernels.fp8_gemm import FP8, dequantize
+from bootstrap.engine.kernels.fp8_gemm import FP8, FP8_MAX, MIN_AMAX, dequantize
 
 SCALE_NAMES = ("weight_scale", "weight_scale_inv")  # compressed-tensors; block-wise fp8
 
@@ -38,11 +38,10 @@ def dequantized(module: torch.nn.Linear, dtype: torch.dtype) -> torch.Tensor:
 
 def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x / scale`` in e4m3, saturated at its largest finite value (no NaN for a key past it)."""
-    finite = torch.finfo(FP8).max
-    return (x.float() / scale).clamp(-finite, finite).to(FP8)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` in e4m3 with one float32 scale per row (the absolute maximum over 448)."""
-    scale = weight.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / torch.finfo(FP8).max
+    scale = weight.float().abs().amax(dim=1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX
     return (weight.float() / scale).to(FP8), scale
