@@ -21,6 +21,7 @@ import math
 import os
 import struct
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,10 +127,9 @@ class WeightReads:
         """Every planned tensor into its place, in place (same storage, same addresses)."""
         with torch.no_grad():
             read_ranges(list(self.direct), threads, piece_bytes, stop)
-            if stop is None or not stop.is_set():
-                _read_converting(list(self.converted))
-            if stop is None or not stop.is_set():
-                _read_quantizing(list(self.quantized))
+            for read, items in ((_read_converting, self.converted), (_read_quantizing, self.quantized)):
+                if stop is None or not stop.is_set():
+                    read(list(items))
 
 
 def plan_weights(model: torch.nn.Module, files: list[Path]) -> WeightReads:
@@ -290,33 +290,34 @@ def _contiguous_start(index: Index, shape: tuple[int, ...]) -> int | None:
 
 def _read_converting(items: list[tuple[Stored, torch.Tensor, Index]]) -> None:
     """Through ``safetensors``: the slices to convert to the model's dtype, or not one run of bytes."""
-    by_file: dict[Path, list] = {}
-    for item in items:
-        by_file.setdefault(item[0].file, []).append(item)
-    for file, group in by_file.items():
-        with safe_open(str(file), framework="pt", device=str(group[0][1].device)) as reader:
-            for stored, target, index in group:
-                tensor = reader.get_slice(stored.name)[index] if index else reader.get_tensor(stored.name)
-                target.copy_(tensor.to(target.dtype))  # a per-tensor scale broadcasts over its rows
+    for tensor, (_, target, _) in _stored_slices(items, lambda target: str(target.device)):
+        target.copy_(tensor.to(target.dtype))  # a per-tensor scale broadcasts over its rows
 
 
 def _read_quantizing(items: list[tuple[Stored, torch.Tensor, torch.Tensor, Index]]) -> None:
     """16-bit weights into FP8 projections: read on the host, quantized on the weights' device
     ``QUANTIZE_ROWS_BYTES`` of float32 rows at a time (a tensor's whole float32 copy would be
     the transient the plan does not hold)."""
-    by_file: dict[Path, list] = {}
+    for tensor, (_, target, scale, _) in _stored_slices(items, lambda target: "cpu"):
+        step = max(1, QUANTIZE_ROWS_BYTES // (4 * tensor.shape[1]))
+        for begin in range(0, tensor.shape[0], step):
+            rows = tensor[begin : begin + step].to(target.device, non_blocking=False)
+            weight, row_scale = quantize_rows(rows)
+            target[begin : begin + step].copy_(weight)
+            scale[begin : begin + step].copy_(row_scale)
+
+
+def _stored_slices(items: list[tuple], device: Callable[[torch.Tensor], str]) -> Iterator[tuple[torch.Tensor, tuple]]:
+    """Each item's stored slice (``(stored, target, ..., index)``), each file opened once, read
+    onto ``device(target)`` of the file's first item."""
+    by_file: dict[Path, list[tuple]] = {}
     for item in items:
         by_file.setdefault(item[0].file, []).append(item)
     for file, group in by_file.items():
-        with safe_open(str(file), framework="pt", device="cpu") as reader:
-            for stored, target, scale, index in group:
-                tensor = reader.get_slice(stored.name)[index] if index else reader.get_tensor(stored.name)
-                step = max(1, QUANTIZE_ROWS_BYTES // (4 * tensor.shape[1]))
-                for begin in range(0, tensor.shape[0], step):
-                    rows = tensor[begin : begin + step].to(target.device, non_blocking=False)
-                    weight, row_scale = quantize_rows(rows)
-                    target[begin : begin + step].copy_(weight)
-                    scale[begin : begin + step].copy_(row_scale)
+        with safe_open(str(file), framework="pt", device=device(group[0][1])) as reader:
+            for item in group:
+                stored, index = item[0], item[-1]
+                yield (reader.get_slice(stored.name)[index] if index else reader.get_tensor(stored.name)), item
 
 
 def _tied(model: torch.nn.Module) -> set[str]:
