@@ -146,8 +146,7 @@ class ModelRunner:
         self.kv_cache.on_copy = None if lockstep is None else self._send_copy
 
     def _send_copy(self, sources: Sequence[int], copies: Sequence[int]) -> None:
-        with self._sent(BlockCopy(tuple(sources), tuple(copies), self.role)):
-            pass
+        self.lockstep.send(BlockCopy(tuple(sources), tuple(copies), self.role))
 
     @contextlib.contextmanager
     def _sent(self, step: MixedStep | RowsStep | BlockCopy, *tensors: torch.Tensor) -> Iterator[None]:
