@@ -76,11 +76,7 @@ class Leader:
         self._steps_open = True
         self._broken: str | None = None
         self.on_broken = on_broken
-        self.stopped = False
-
-    @property
-    def broken(self) -> str | None:
-        return self._broken
+        self._stopped = False
 
     def send(self, step: object, tensors: Sequence[torch.Tensor] = ()) -> None:
         """A step's host inputs, before rank 0 runs it (``ModelRunner.lockstep``), then the
@@ -88,13 +84,7 @@ class Leader:
         with self._lock:
             if not self._steps_open:
                 raise StepsClosed("this executor was drained for an operation; its steps no longer run")
-            self._post(step)
-            try:
-                for tensor in tensors:
-                    dist.broadcast(tensor.contiguous(), src=0)
-            except RuntimeError as exc:
-                self._break(f"another rank stopped answering: {_first_line(exc)}")
-                raise OutOfStep(self._broken) from exc
+            self._post(step, tensors)
 
     def failed(self, exc: BaseException) -> None:
         """A sent step failed here: the other ranks ran it, or wait in its collectives."""
@@ -120,17 +110,21 @@ class Leader:
         """Tell the other ranks to stop (once; nothing when they are gone already)."""
         with self._lock:
             self._steps_open = False
-            if self.stopped or self._broken is not None:
+            if self._stopped or self._broken is not None:
                 return
-            self.stopped = True
+            self._stopped = True
             with contextlib.suppress(RuntimeError):  # gone: nothing to tell
                 dist.broadcast_object_list([Stop()], src=0, group=self._group)
 
-    def _post(self, message: object) -> None:
+    def _post(self, message: object, tensors: Sequence[torch.Tensor] = ()) -> None:
+        """``message`` on the channel, then ``tensors`` on the model's own group; a failure of
+        either breaks the lockstep."""
         if self._broken is not None:
             raise OutOfStep(self._broken)
         try:
             dist.broadcast_object_list([message], src=0, group=self._group)
+            for tensor in tensors:
+                dist.broadcast(tensor.contiguous(), src=0)
         except RuntimeError as exc:  # DistBackendError and gloo's errors are RuntimeErrors
             self._break(f"another rank stopped answering: {_first_line(exc)}")
             raise OutOfStep(self._broken) from exc
