@@ -30,6 +30,7 @@ from bootstrap.cli.exits import BAD_INPUT, BAD_INPUT_ERRORS, INTERRUPTED, exit_s
 from bootstrap.cli.plan import plan_line
 from bootstrap.cli.stops import HeldStops, Stopped, held_stops, stop_name, until_stopped
 from bootstrap.cli.tp import (
+    await_rank_0,
     check_rank_count,
     check_tp_before_launch,
     launch_ranks,
@@ -53,7 +54,6 @@ from bootstrap.pipeline.events import StageEvent
 from bootstrap.pipeline.report import stage_table
 
 DEFAULT_MAX_TOKENS = 64
-PEER_REFUSAL_S = 30.0  # how long a rank > 0 waits for rank 0's refusal to end it: torchrun's own grace for a stop
 DEFAULT_QUESTION = "What is the capital of France?"
 MARKS = {
     "done": ("done", "green"),
@@ -129,15 +129,10 @@ def _checked_config(args: argparse.Namespace) -> BootstrapConfig:
 
 
 def _refused(args: argparse.Namespace, message: str, held: HeldStops) -> int:
-    """Bad input, found by the checks on every rank alike: rank 0 says so. A rank > 0 waits for
-    the launcher to stop it once rank 0 has ended: had it ended first, torch's launcher would
-    SIGTERM rank 0 at once, possibly before rank 0 can hold the signal or say anything."""
-    if rank_of(args) > 0:
-        try:
-            if held.wait(PEER_REFUSAL_S):
-                return Stopped(held.heard[0]).status
-        except KeyboardInterrupt:  # the launcher sends a Ctrl-C on: not held
-            return INTERRUPTED
+    """Bad input, found by the checks on every rank alike: rank 0 says so; a rank > 0 ends when
+    the launcher stops it (``await_rank_0``)."""
+    if rank_of(args) > 0 and (signum := await_rank_0(held)) is not None:
+        return Stopped(signum).status
     return _ended_early(args, message, BAD_INPUT)
 
 

@@ -41,8 +41,16 @@ from bootstrap.cli.args import (
 )
 from bootstrap.cli.exits import BAD_INPUT, BAD_INPUT_ERRORS, OK, STAGE_FAILED
 from bootstrap.cli.serve_ranks import Leading, main_follower
-from bootstrap.cli.stops import STOP_SIGNALS
-from bootstrap.cli.tp import check_rank_count, check_tp_before_launch, launch_ranks, leave, needs_launch, this_rank
+from bootstrap.cli.stops import STOP_SIGNALS, held_stops
+from bootstrap.cli.tp import (
+    await_rank_0,
+    check_rank_count,
+    check_tp_before_launch,
+    launch_ranks,
+    leave,
+    needs_launch,
+    this_rank,
+)
 from bootstrap.engine.kernels import triton_start
 from bootstrap.parallel.rank_env import RankEnv
 
@@ -191,6 +199,9 @@ def main_serve(args: argparse.Namespace) -> int:
     except BAD_INPUT_ERRORS as exc:
         if this_rank() == 0:  # every rank finds it alike: rank 0 says so
             print(f"bootstrap: {exc}", file=sys.stderr)
+        else:
+            with held_stops() as held:
+                await_rank_0(held)
         return BAD_INPUT
     if needs_launch(config):
         return launch_ranks(args, config.tensor_parallel_size, main_serve, signalled=OK)

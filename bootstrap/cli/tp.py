@@ -22,12 +22,14 @@ from bootstrap.capacity.config_json import shape_from_path
 from bootstrap.capacity.presets import preset_shape
 from bootstrap.capacity.shape import ModelShape, check_tp_split
 from bootstrap.cli.exits import BAD_INPUT, HUNG_UP, INTERRUPTED, OK, STAGE_FAILED, TERMINATED
+from bootstrap.cli.stops import HeldStops
 from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.parallel.rank_env import RankEnv
 from bootstrap.pipeline.process import ProcessTimeline
 
 # Statuses a rank ends with after it reported (or, on ranks > 0, after rank 0 reports the same
 # agreed failure): done, a stage failed, bad input, stopped by SIGINT / SIGTERM / SIGHUP.
+PEER_REFUSAL_S = 30.0  # how long a rank > 0 waits for rank 0's refusal to end it: torchrun's own grace for a stop
 REPORTED = {OK, STAGE_FAILED, BAD_INPUT, INTERRUPTED, TERMINATED, HUNG_UP}
 AGREED = {STAGE_FAILED, BAD_INPUT}  # every rank has the same failure, and rank 0 prints it
 
@@ -52,6 +54,17 @@ def check_rank_count(config: BootstrapConfig) -> None:
             f"tensor_parallel_size: {config.tensor_parallel_size}, but the launcher started "
             f"{env.world_size} ranks (WORLD_SIZE {env.world_size}); pass --tp {env.world_size}"
         )
+
+
+def await_rank_0(held: HeldStops) -> int | None:
+    """Bad input, found by every rank alike, on a rank > 0: wait (up to ``PEER_REFUSAL_S``) for
+    the launcher to stop this rank once rank 0 has said it and ended; had this rank ended first,
+    torch's launcher would SIGTERM rank 0 at once, possibly before it can say anything. The
+    signal that came, if one did."""
+    try:
+        return held.heard[0] if held.wait(PEER_REFUSAL_S) else None
+    except KeyboardInterrupt:  # the launcher sends a Ctrl-C on: not held
+        return signal.SIGINT
 
 
 def check_tp_before_launch(config: BootstrapConfig) -> None:

@@ -307,3 +307,20 @@ def test_the_status_page_shows_each_rank_s_seconds_of_a_stage(servers):
         shown = wait_for(browser, lambda b: (b.execute_script(note) or "").startswith("ranks "), "the ranks' seconds")
         assert shown and len(browser.execute_script(note).split(" / ")) == 2  # "ranks 0.051 / 0.049 s"
         assert console_errors(browser) == []
+
+
+def test_torchrun_without_tp_refuses_serve_once_before_any_port(llama):
+    """Every rank finds the bad input; rank 0 says it, the other waits for the launcher to stop it."""
+    rdzv = ["--nproc-per-node", "2", "--master-port", str(_free_port())]
+    serve = ["-m", "bootstrap", "serve", "--model", str(llama), "--device", "cpu", "--port", "0"]
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", *rdzv, *serve],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**_env(), "PYTHONPATH": str(ROOT)},
+    )
+    ours = [line for line in done.stderr.splitlines() if line.startswith("bootstrap: ")]
+    assert ours == ["bootstrap: tensor_parallel_size: 1, but the launcher started 2 ranks (WORLD_SIZE 2); pass --tp 2"]
+    assert "Uvicorn" not in done.stderr and done.returncode != 0  # torchrun's own status for failed ranks
