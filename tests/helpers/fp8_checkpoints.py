@@ -1,5 +1,6 @@
 """A 16-bit checkpoint directory rewritten with FP8 projections in either layout, and the same
-weights dequantized back (what an FP8 checkpoint's tokens must equal)."""
+weights dequantized back (what an FP8 checkpoint's tokens must equal); a checkpoint with FP8 KV
+scales."""
 
 from __future__ import annotations
 
@@ -78,3 +79,17 @@ def quantized(source: Path, target: Path, layout: str, block: int = 16) -> tuple
         cfg["quantization_config"] = {**CHANNEL, "config_groups": groups}
     (target / "config.json").write_text(json.dumps(cfg))
     return target, plain
+
+
+def with_kv_scales(source: Path, target: Path, scale: float, layers: int) -> Path:
+    """``source`` with every layer's ``self_attn.k_scale`` and ``v_scale`` set to ``scale``."""
+    target.mkdir()
+    for item in source.iterdir():
+        if item.name != "model.safetensors":
+            (target / item.name).write_bytes(item.read_bytes())
+    tensors = load_file(source / "model.safetensors")
+    for i in range(layers):
+        for kind in ("k_scale", "v_scale"):
+            tensors[f"model.layers.{i}.self_attn.{kind}"] = torch.tensor(scale)
+    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    return target

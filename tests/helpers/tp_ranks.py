@@ -1,7 +1,7 @@
 """What each rank of the tensor-parallel tests runs (module level, so spawned ranks import it).
 
 ``build_and_generate`` builds the executor through the stages on this rank, greedy-generates a
-few tokens and writes ``rank<r>.json`` (plan, profile, stages, tokens, error). A ``hook`` names a
+few tokens and writes ``rank<r>.json`` (plan, profile, stages, tokens, an fp8 pool's scales, error). A ``hook`` names a
 function of ``HOOKS`` that the rank installs on itself before it builds: the faults and skews
 the tests inject, chosen in the test process and handed to the rank as an argument.
 """
@@ -102,7 +102,10 @@ async def _build(config: BootstrapConfig, env: RankEnv, out: Path, timeout_s: fl
             "class": type(model).__name__,
             "qkv_rows": model.model.layers[0].self_attn.qkv_proj.weight.shape[0] if hasattr(model, "tp_size") else None,
         }
-        return {**boot.report().to_dict(), "tokens": list(result.token_ids), "model": shape, "error": None}
+        pool = executor.runner.kv_cache
+        scales = pool.scales.tolist() if pool.quantized else None
+        report = boot.report().to_dict()
+        return {**report, "tokens": list(result.token_ids), "model": shape, "kv_scales": scales, "error": None}
     except StageFailed as exc:
         return {**boot.report().to_dict(), "tokens": [], "error": str(exc)}
     finally:

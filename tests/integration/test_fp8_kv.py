@@ -4,7 +4,10 @@ where its scales came from, a prompt's first token (its prefill attends its own 
 rounded) equals the float32 pool's, and a checkpoint's per-layer ``k_scale``/``v_scale`` of 0.5
 (a power of two: e4m3 rounds ``x / 0.5`` as it rounds ``x``) answers every token as scales of
 1.0 do, where forgetting a scale anywhere would change them. A checkpoint with scales for some
-layers only is refused; new weights bring their own. The attention's own arithmetic:
+layers only is refused; new weights bring their own. With a draft of the target's weights every
+proposal is accepted (its own fp8 pool with its scales); a cached prefix answers as the same
+prefix computed as the first chunk (both read it rounded from the pool). Across ranks:
+tests/integration/test_tensor_parallel.py. The attention's own arithmetic:
 tests/integration/test_engine_attention.py."""
 
 from __future__ import annotations
@@ -14,8 +17,8 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
+from helpers.fp8_checkpoints import with_kv_scales
 from helpers.tiny_models import save_checkpoint
-from safetensors.torch import load_file, save_file
 
 from bootstrap.api import Bootstrap
 from bootstrap.config import BootstrapConfig
@@ -26,30 +29,19 @@ FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"]
 PROMPTS = [[1, 7, 9, 4, 11, 3, 200, 13, 5, 6, 7, 8, 9, 10, 11, 12, 40, 41, 42], [5, 9, 2, 77]]
 
 
-async def answer(path: Path, **config) -> tuple[list[list[int]], dict, object]:
+async def answer(path: Path, prompts=PROMPTS, **config) -> tuple[list[list[int]], dict, object]:
+    """Greedy tokens of ``prompts``, each answered before the next is queued."""
     settings = dict(device="cpu", max_num_tokens=16, max_batch_size=4, plan_cache=None)  # prompts in chunks
-    boot = Bootstrap(BootstrapConfig(model=str(path), **settings, **config))
+    boot = Bootstrap(BootstrapConfig(model=str(path), **{**settings, **config}))
     try:
         executor = await boot.build()
-        rids = [executor.enqueue(p, SamplingParams(max_tokens=16, ignore_eos=True)) for p in PROMPTS]
-        tokens = [list(executor.await_response(rid, 60).token_ids) for rid in rids]
+        tokens = []
+        for prompt in prompts:
+            rid = executor.enqueue(prompt, SamplingParams(max_tokens=16, ignore_eos=True))
+            tokens.append(list(executor.await_response(rid, 60).token_ids))
         return tokens, boot.report().to_dict()["plan"], executor
     finally:
         await boot.aclose()
-
-
-def with_kv_scales(source: Path, target: Path, scale: float, layers: int) -> Path:
-    """``source`` with every layer's ``self_attn.k_scale`` and ``v_scale`` set to ``scale``."""
-    target.mkdir()
-    for item in source.iterdir():
-        if item.name != "model.safetensors":
-            (target / item.name).write_bytes(item.read_bytes())
-    tensors = load_file(source / "model.safetensors")
-    for i in range(layers):
-        for kind in ("k_scale", "v_scale"):
-            tensors[f"model.layers.{i}.self_attn.{kind}"] = torch.tensor(scale)
-    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
-    return target
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -95,3 +87,27 @@ def test_new_weights_bring_their_scales_to_the_pool_and_the_plan(tmp_path):
 
     ones, halved = [[1.0, 1.0], [1.0, 1.0]], [[0.5, 0.5], [0.5, 0.5]]
     assert anyio.run(updated) == [(ones, "1.0"), (halved, "checkpoint"), (ones, "1.0")]
+
+
+def test_a_draft_of_the_targets_weights_on_fp8_pools_has_every_proposal_accepted(tmp_path):
+    """The draft's pool is fp8 with its checkpoint's scales (0.5): read without them, its
+    proposals would part from the target's picks."""
+    halves = with_kv_scales(save_checkpoint("llama", tmp_path / "llama"), tmp_path / "halves", 0.5, 2)
+    alone, _, _ = anyio.run(lambda: answer(halves, kv_cache_dtype="fp8"))
+    drafted, _, executor = anyio.run(lambda: answer(halves, kv_cache_dtype="fp8", draft_model=str(halves)))
+    draft_pool = executor.speculator.draft.kv_cache
+    assert draft_pool.spec.dtype == torch.float8_e4m3fn and torch.equal(draft_pool.scales, torch.full((2, 2), 0.5))
+    assert executor.speculator.stats.acceptance_rate == 1.0 and drafted == alone
+
+
+def test_a_cached_prefix_on_an_fp8_pool_answers_as_the_prefix_computed_as_a_first_chunk(tmp_path):
+    """Chunks of 24 tokens, blocks of 8: without the cache a prompt's first chunk is the shared
+    prefix and its next chunk reads it rounded from the pool, as a hit reads the blocks an
+    earlier request left."""
+    halves = with_kv_scales(save_checkpoint("llama", tmp_path / "llama"), tmp_path / "halves", 0.5, 2)
+    prefix = [(11 * i + 5) % 240 + 3 for i in range(24)]
+    prompts = [prefix + tail for tail in ([17, 29, 31], [101, 7], [44, 45, 46, 47, 48, 49, 50])]
+    settings = dict(kv_cache_dtype="fp8", tokens_per_block=8, max_num_tokens=24)
+    cached, _, executor = anyio.run(lambda: answer(halves, prompts, **settings))
+    plain, _, _ = anyio.run(lambda: answer(halves, prompts, prefix_caching=False, **settings))
+    assert executor.engine_stats().prefix_hit_tokens == 2 * len(prefix) and cached == plain

@@ -1,6 +1,6 @@
 """``bootstrap serve --tp 2`` on the CPU (gloo): two real ranks under torch's launcher, rank 0
 serving and sending each step to rank 1. Its answers are one rank's (greedy, n > 1 with a seed,
-logprobs, streaming), live operations reach both ranks, 64 clients hanging up at random leave
+logprobs, streaming; with a draft; on fp8 KV pools), live operations reach both ranks, 64 clients hanging up at random leave
 every counter at zero, a SIGTERM drains and ends every rank with status 0, a killed rank ends the
 server with a line naming it, and two torchrun agents (``--nnodes 2``) serve as one launcher."""
 
@@ -112,6 +112,23 @@ def test_two_ranks_speculate_as_one_the_draft_s_proposals_sent_from_rank_0(serve
         assert completion(drafted, **forked)["choices"] == completion(one, **forked)["choices"]
         page = httpx.get(f"{drafted.url}/metrics").text
         assert metric(page, "bootstrap_spec_draft_tokens_accepted") > 0  # the draft is the target: kept
+
+
+def test_two_ranks_on_fp8_kv_pools_with_a_draft_answer_as_one_and_keep_every_proposal(llama, tmp_path):
+    """Every rank's target and draft pools in e4m3; forks copy e4m3 blocks on every rank."""
+    fp8 = ("--served-model-name", "m", "--kv-cache-dtype", "fp8")
+    greedy = {"max_tokens": 16, "temperature": 0, "n": 2}
+    one = serve(tmp_path, llama, 1, *fp8)
+    try:
+        expected = completion(one, **greedy)["choices"]
+    finally:
+        one.stop()
+    with serving(tmp_path, llama, *fp8, "--draft-model", str(llama)) as drafted:
+        assert completion(drafted, **greedy)["choices"] == expected
+        assert httpx.get(f"{drafted.url}/v1/engine").json()["engine"]["kv_dtype"] == "fp8"
+        page = httpx.get(f"{drafted.url}/metrics").text
+        proposed = metric(page, "bootstrap_spec_draft_tokens_proposed")
+        assert proposed > 0 and metric(page, "bootstrap_spec_draft_tokens_accepted") == proposed
 
 
 def test_sixty_four_clients_hanging_up_at_random_leave_every_counter_at_zero(servers):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.fp8_checkpoints import quantized
+from helpers.fp8_checkpoints import quantized, with_kv_scales
 from helpers.tiny_models import save_checkpoint
 from helpers.tp_ranks import PROMPT_IDS, build_and_generate
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -245,3 +245,21 @@ def scale_halves(model: torch.nn.Module, plain: torch.nn.Module) -> None:
             module.weight.data = torch.cat([q for q, _ in halves], dim=1)
             module.weight_scale.data = torch.cat([s for _, s in halves], dim=1)
             module.fp8_block = (1, module.weight.shape[1] // 2)
+
+
+def test_two_ranks_of_an_fp8_kv_cache_with_the_checkpoints_scales_generate_the_tokens_of_one(llama, tmp_path):
+    """Each rank's e4m3 pool holds its KV heads with the checkpoint's per-layer scales (1/8)."""
+    eighths = with_kv_scales(llama, tmp_path / "eighths", 0.125, 2)
+    codes, results = run_ranks(eighths, tmp_path, kv_cache_dtype="fp8")
+    assert codes == [0, 0], [r and r["error"] for r in results]
+    assert [(r["plan"]["kv_dtype"], r["plan"]["kv_scales"]) for r in results] == [("fp8", "checkpoint")] * 2
+    assert [r["kv_scales"] for r in results] == [[[0.125, 0.125], [0.125, 0.125]]] * 2
+    one = load_model(str(eighths), device=torch.device("cpu"))
+    cache = PagedKVCache.from_tokens(KVCacheSpec.from_config(one.model.config, torch.float8_e4m3fn), 256, 4, "cpu")
+    cache.take_scales(one.kv_scales.keys, one.kv_scales.values)
+    ex = create_executor(one.model, cache, SchedulerConfig(4, 128, 64), start=False)
+    try:
+        [single] = ex.generate([PROMPT_IDS], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    finally:
+        ex.shutdown()
+    assert results[0]["tokens"] == results[1]["tokens"] == list(single.token_ids)
