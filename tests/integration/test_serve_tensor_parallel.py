@@ -1,8 +1,9 @@
 """``bootstrap serve --tp 2`` on the CPU (gloo): two real ranks under torch's launcher, rank 0
 serving and sending each step to rank 1. Its answers are one rank's (greedy, n > 1 with a seed,
-logprobs, streaming; with a draft; on fp8 KV pools), live operations reach both ranks, 64 clients hanging up at random leave
-every counter at zero, a SIGTERM drains and ends every rank with status 0, a killed rank ends the
-server with a line naming it, and two torchrun agents (``--nnodes 2``) serve as one launcher."""
+logprobs, streaming; with a draft; on fp8 KV pools), live operations reach both ranks, 64
+clients hanging up at random leave every counter at zero, a SIGTERM drains and ends every rank
+with status 0, a killed rank ends the server with a line naming it, and two torchrun agents
+(``--nnodes 2``) serve as one launcher."""
 
 from __future__ import annotations
 
