@@ -8,10 +8,10 @@ memory before and after, what was captured) and rollback. Its memory was estimat
 ``profiling`` (one eager decode step of the largest bucket on the probe, plus what each graph
 adds) and reserved by ``capacity``, so the first attempt fits; the span records the measured
 bytes next to the reserve; an OOM anyway (fragmentation, another process) rolls the capture back and
-retries with the smaller half of the batch sizes. Skipped, reason ``disabled`` with
-``cuda_graphs`` off, ``cpu`` on a CPU device, ``unsupported`` on a backend that captures nothing
-in this stage (the simulated GPU; TensorRT-LLM, which captures inside its own executor creation)
-and with tensor parallelism (capturing the ranks' collectives is not done yet).
+retries with the smaller half of the batch sizes; every rank of a tensor-parallel run captures the
+same buckets (docs/tensor-parallel.md). Skipped, reason ``disabled`` with ``cuda_graphs`` off,
+``cpu`` on a CPU device, ``unsupported`` on a backend that captures nothing in this stage (the
+simulated GPU; TensorRT-LLM, which captures inside its own executor creation).
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ def skip_warmup(config: BootstrapConfig, backend: Backend, **_: Any) -> Skip | N
         return Skip(Warmup(), "disabled")
     if backend.device.kind == "cpu":
         return Skip(Warmup(), "cpu")
-    if not isinstance(backend, CapturesGraphs) or config.tensor_parallel_size > 1:
-        return Skip(Warmup(), "unsupported")  # graphs over tensor-parallel collectives: not captured yet
+    if not isinstance(backend, CapturesGraphs):
+        return Skip(Warmup(), "unsupported")
     return None
 
 

@@ -1,8 +1,8 @@
 """Tensor parallelism over NCCL on two CUDA devices (the NCCL issue's tests; skipped with fewer):
-``run --tp 2`` and ``serve --tp 2`` answer as one rank (greedy, n > 1, streaming) on a tiny
-float32 llama; a SIGTERM mid-stream drains and ends both ranks with status 0; a rank killed
-mid-stream ends the server with a line naming it; either way no process of ours holds a GPU
-afterwards (``nvidia-smi``)."""
+``run --tp 2`` (decode graphs captured on both ranks, and eager) and ``serve --tp 2`` answer as
+one rank (greedy, n > 1, streaming) on a tiny float32 llama; a SIGTERM mid-stream drains and
+ends both ranks with status 0; a rank killed mid-stream ends the server with a line naming it;
+either way no process of ours holds a GPU afterwards (``nvidia-smi``)."""
 
 from __future__ import annotations
 
@@ -70,15 +70,25 @@ def rank_pids(launcher: subprocess.Popen) -> list[int]:
     return [pid for pid in pids if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
 
 
-def test_run_tp_2_on_two_gpus_generates_the_greedy_tokens_of_one(llama):
-    def tokens(tp: int) -> list[int]:
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_run_tp_2_on_two_gpus_generates_the_greedy_tokens_of_one(llama, graphs):
+    """With graphs, every rank's decode steps replay graphs holding its NCCL all-reduces."""
+
+    def run(tp: int) -> dict:
         command = [sys.executable, "-m", "bootstrap.cli", "run", "--model", str(llama), "--tp", str(tp), *ARGS]
         command += ["--prompt", PROMPT, "--max-tokens", "24", "--temperature", "0", "--json"]
+        command += [] if graphs else ["--no-cuda-graphs"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
         assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads(done.stdout)["token_ids"]
+        return json.loads(done.stdout)
 
-    assert tokens(2) == tokens(1)
+    two = run(2)
+    warmup = next(stage for stage in two["stages"] if stage["id"] == "warmup")
+    if graphs:
+        assert warmup["outcome"] == "ok" and warmup["figures"]["bootstrap.warmup.graphs"] > 0, warmup
+    else:
+        assert warmup["outcome"] == "skipped" and warmup["skip_reason"] == "disabled"
+    assert two["token_ids"] == run(1)["token_ids"]
 
 
 def test_serve_tp_2_on_two_gpus_answers_as_one(llama, tmp_path):

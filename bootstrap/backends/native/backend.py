@@ -215,7 +215,7 @@ class NativeBackend(Resolving, Loading, LiveWeights):
         return MemoryProfile(**figures, graph_bytes=graph_bytes)
 
     def _captures(self, config: BootstrapConfig) -> bool:
-        return config.cuda_graphs and self.torch_device.type == "cuda" and self.tp == 1  # as skip_warmup
+        return config.cuda_graphs and self.torch_device.type == "cuda"  # as skip_warmup
 
     # ---- final_build and scheduler_sampler ----------------------------------------------------
 
