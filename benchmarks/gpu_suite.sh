@@ -29,9 +29,11 @@
 #     checkpoint, a third invocation:   fp8_tests.xml, fp8_kv_decode.json, fp8_kv_worst_case.json, fp8_worst_case.json
 #   --tp2 (two GPUs: nvidia-h200-x2): instead, tests/gpu/test_tensor_parallel_cuda.py (NCCL: answers of one rank, a
 #     SIGTERM and a killed rank mid-stream, no process left on a GPU), then fresh run and serve processes on an 8B
-#     checkpoint at --tp 1 and --tp 2 (cold_start.py), greedy agreement over 256 tokens (tp_agreement.py), and
-#     serve_load.py at 1, 16 and 64 clients on a --tp 1 and a --tp 2 server side by side:
-#       tp2_tests.xml, cold_start_tp1.json, cold_start_tp2.json, tp_agreement.json, serve_load_tp.json
+#     checkpoint at --tp 1 and --tp 2 (cold_start.py), greedy agreement over 256 tokens (tp_agreement.py), decode
+#     steps at batch 1, 16 and 64 with their all-reduce time from a profile (tp_profile.py), and serve_load.py at
+#     1, 16 and 64 clients on a --tp 1 and a --tp 2 server side by side:
+#       tp2_tests.xml, cold_start_tp1.json, cold_start_tp2.json, tp_agreement.json, tp_profile.json,
+#       serve_load_tp.json
 # Missing Python packages travel as wheels in .whl/ (python3 -m pip download --no-deps --only-binary=:all: -d .whl ...);
 # they are installed from there, never from an index. The whole suite keeps within
 # SUITE_BUDGET_S seconds: each step gets at most its own cap and what the budget has left.
@@ -134,6 +136,7 @@ EOF
   TP_MODEL="$WORK/cold/checkpoint-tiny"
   TP_RUN=(--device cpu --max-tokens 32 --run-args "--max-seq-len 64 --max-num-tokens 64 --max-batch-size 4")
   TP_LOAD=(--device cpu --levels 1,4 --requests 8 --prompt-len 8 --gen-len 8 --max-batch-size 4 --max-seq-len 64)
+  TP_PROFILE=(--device cpu --batch-sizes 1,4 --context 32 --steps 5)
 else
   DEVICE=(--device cuda --dtype bfloat16)
   STARTUP=(--models random:llama-3.2-1b,random:llama-3.1-8b,random:qwen2.5-14b --max-seq-len 8192
@@ -148,6 +151,7 @@ else
   TP_RUN=(--device cuda --dtype bfloat16 --max-tokens 256)
   TP_LOAD=(--device cuda --levels 1,16,64 --requests 64 --prompt-len 128 --gen-len 128 --max-batch-size 64
            --max-seq-len 4096 --serve-args "--free-gpu-memory-fraction 0.4")  # two servers share GPU 0
+  TP_PROFILE=(--device cuda --dtype bfloat16 --batch-sizes 1,16,64 --context 512 --steps 50)
 fi
 
 say "results under $OUT"
@@ -181,6 +185,8 @@ if [ "$TP2" = 1 ]; then
   done
   run_step tp_agreement 90 python3 benchmarks/tp_agreement.py --model "$TP_MODEL" "${TP_RUN[@]}" --tp-sizes 1,2 \
     --out "$OUT/tp_agreement.json"
+  run_step tp_profile 100 python3 benchmarks/tp_profile.py --model "$TP_MODEL" "${TP_PROFILE[@]}" --tp-sizes 1,2 \
+    --out "$OUT/tp_profile.json"
   run_step serve_load_tp 150 python3 benchmarks/serve_load.py --model "$TP_MODEL" "${TP_LOAD[@]}" --tp-sizes 1,2 \
     --vocab 512 --out "$OUT/serve_load_tp.json"
   say "done; steps:"

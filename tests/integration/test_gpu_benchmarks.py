@@ -146,7 +146,8 @@ def test_the_gpu_suite_script_runs_every_step_and_writes_every_result(tmp_path):
 
 def test_the_gpu_suite_s_two_gpu_steps_run_on_the_cpu_and_write_every_result(tmp_path):
     """``gpu_suite.sh --smoke --tp2``: the NCCL issue's steps over gloo with a tiny shape (its
-    GPU tests skip): fresh starts at --tp 1 and 2, their greedy agreement, the load side by side."""
+    GPU tests skip): fresh starts at --tp 1 and 2, their greedy agreement, the all-reduces of a
+    decode step, the load side by side."""
     import os
     import subprocess
 
@@ -162,14 +163,21 @@ def test_the_gpu_suite_s_two_gpu_steps_run_on_the_cpu_and_write_every_result(tmp
     assert proc.returncode == 0, proc.stdout[-3000:]
     written = {p.name for p in out.iterdir()}
     assert written == {"suite.log", "steps.jsonl", "tp2_tests.xml", "cold_start_tp1.json", "cold_start_tp2.json",
-                       "tp_agreement.json", "serve_load_tp.json"}  # fmt: skip
+                       "tp_agreement.json", "tp_profile.json", "serve_load_tp.json"}  # fmt: skip
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
-    assert all(s["rc"] == 0 for s in steps) and len(steps) == 7
+    assert all(s["rc"] == 0 for s in steps) and len(steps) == 8
     tp2 = json.loads((out / "cold_start_tp2.json").read_text())["repeats"][0]["cold"]["serve"]
     assert tp2["code"] == 0 and tp2["first_token_s"] > tp2["ready_s"] > 0
     runs = json.loads((out / "tp_agreement.json").read_text())["runs"]
     assert runs[1]["against_first"]["first_difference_at"] is None  # float32 on the CPU: the same tokens
     assert json.loads((out / "serve_load_tp.json").read_text())["server_exit_code_after_sigterm"] == [0, 0]
+    one, two = json.loads((out / "tp_profile.json").read_text())["runs"]
+    for run in (one, two):
+        assert [rank["rank"] for rank in run["ranks"]] == list(range(run["tp"]))
+        for rank in run["ranks"]:  # one all-reduce a row-parallel projection (the tiny llama: 2 a layer)
+            assert rank["row_parallel_projections"] == (4 if run["tp"] == 2 else 0)
+            assert [r["all_reduces_per_step"] for r in rank["results"]] == [rank["row_parallel_projections"]] * 2
+            assert all((r["all_reduce_ms"] > 0) == (run["tp"] == 2) for r in rank["results"])
 
 
 def test_an_oom_in_a_step_is_counted_even_when_the_reruns_succeed(tiny, monkeypatch):
