@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bootstrap.parallel.torch_dist import first_line
+
 NO_TIMEOUT = timedelta(days=365)  # a server idles as long as it likes; a dead peer fails at once
 
 
@@ -126,7 +128,7 @@ class Leader:
             for tensor in tensors:
                 dist.broadcast(tensor.contiguous(), src=0)
         except RuntimeError as exc:  # DistBackendError and gloo's errors are RuntimeErrors
-            self._break(f"another rank stopped answering: {_first_line(exc)}")
+            self._break(f"another rank stopped answering: {first_line(exc)}")
             raise OutOfStep(self._broken) from exc
 
     def _break(self, reason: str) -> None:
@@ -147,17 +149,12 @@ class Follower:
         try:
             dist.broadcast(tensor, src=0)
         except RuntimeError as exc:
-            raise OutOfStep(f"rank 0 stopped answering: {_first_line(exc)}") from exc
+            raise OutOfStep(f"rank 0 stopped answering: {first_line(exc)}") from exc
 
     def receive(self) -> object:
         box: list[object] = [None]
         try:
             dist.broadcast_object_list(box, src=0, group=self._group)
         except RuntimeError as exc:
-            raise OutOfStep(f"rank 0 stopped answering: {_first_line(exc)}") from exc
+            raise OutOfStep(f"rank 0 stopped answering: {first_line(exc)}") from exc
         return box[0]
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:300] if text else type(exc).__name__

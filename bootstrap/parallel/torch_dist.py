@@ -37,9 +37,7 @@ class TorchCollective:
             gathered: list[Any] = [None] * self.world_size
             dist.all_gather_object(gathered, value, group=self._group)
         except RuntimeError as exc:  # DistBackendError and gloo's errors are RuntimeErrors
-            raise RankUnresponsive(
-                self.silent_ranks(str(exc)), f"{what} on rank {self.rank}", _first_line(exc)
-            ) from exc
+            raise RankUnresponsive(self.silent_ranks(str(exc)), f"{what} on rank {self.rank}", first_line(exc)) from exc
         return gathered
 
     def silent_ranks(self, message: str) -> list[int]:
@@ -53,7 +51,8 @@ class TorchCollective:
         return list(range(1, self.world_size))
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """A collective's error in one line (its first, at most 300 characters) for a message."""
     text = str(exc).strip().splitlines()
     return text[0][:300] if text else type(exc).__name__
 
