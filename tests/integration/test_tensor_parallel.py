@@ -59,9 +59,13 @@ def greedy_reference(path: Path, max_tokens: int, ids: list[int] = PROMPT_IDS) -
     return out[0, len(ids) :].tolist()
 
 
-def one_rank_tokens(model: torch.nn.Module) -> list[int]:
-    """The engine's greedy tokens for ``PROMPT_IDS`` on one rank (float32, on the CPU)."""
-    cache = PagedKVCache.from_tokens(KVCacheSpec.from_config(model.config, torch.float32), 256, 4, "cpu")
+def one_rank_tokens(model: torch.nn.Module, kv_scales=None) -> list[int]:
+    """The engine's greedy tokens for ``PROMPT_IDS`` on one rank, on the CPU: a float32 pool, or
+    with ``kv_scales`` (a loaded model's ``KVScales``) an e4m3 pool with them."""
+    kv_dtype = torch.float32 if kv_scales is None else torch.float8_e4m3fn
+    cache = PagedKVCache.from_tokens(KVCacheSpec.from_config(model.config, kv_dtype), 256, 4, "cpu")
+    if kv_scales is not None:
+        cache.take_scales(kv_scales.keys, kv_scales.values)
     ex = create_executor(model, cache, SchedulerConfig(4, 128, 64), start=False)
     try:
         [single] = ex.generate([PROMPT_IDS], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
@@ -255,11 +259,4 @@ def test_two_ranks_of_an_fp8_kv_cache_with_the_checkpoints_scales_generate_the_t
     assert [(r["plan"]["kv_dtype"], r["plan"]["kv_scales"]) for r in results] == [("fp8", "checkpoint")] * 2
     assert [r["kv_scales"] for r in results] == [[[0.125, 0.125], [0.125, 0.125]]] * 2
     one = load_model(str(eighths), device=torch.device("cpu"))
-    cache = PagedKVCache.from_tokens(KVCacheSpec.from_config(one.model.config, torch.float8_e4m3fn), 256, 4, "cpu")
-    cache.take_scales(one.kv_scales.keys, one.kv_scales.values)
-    ex = create_executor(one.model, cache, SchedulerConfig(4, 128, 64), start=False)
-    try:
-        [single] = ex.generate([PROMPT_IDS], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-    finally:
-        ex.shutdown()
-    assert results[0]["tokens"] == results[1]["tokens"] == list(single.token_ids)
+    assert results[0]["tokens"] == results[1]["tokens"] == one_rank_tokens(one.model, one.kv_scales)
