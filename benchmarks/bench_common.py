@@ -112,6 +112,11 @@ def positive_int(text: str) -> int:
     return value
 
 
+def int_list(text: str) -> list[int]:
+    """``"1,16,64"`` as ``[1, 16, 64]`` (an argparse ``type``)."""
+    return [int(v) for v in text.split(",")]
+
+
 def graph_replay_us(call, replays: int) -> float:
     """Microseconds per replay of ``call`` captured as one CUDA graph (run once before the capture,
     so Triton compiles outside it; three replays to warm up; CUDA events over ``replays``)."""

@@ -16,7 +16,7 @@ import argparse
 from pathlib import Path
 
 import torch
-from bench_common import emit, graph_replay_us, ratio, report_header, save
+from bench_common import emit, graph_replay_us, int_list, ratio, report_header, save
 
 from bootstrap.engine.kernels import paged_kv
 
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--tokens-per-block", type=int, default=32)
-    parser.add_argument("--splits", type=lambda t: [int(s) for s in t.split(",")], default=[2, 4, 8, 16])
+    parser.add_argument("--splits", type=int_list, default=[2, 4, 8, 16])
     parser.add_argument("--replays", type=int, default=200)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)

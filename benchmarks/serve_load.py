@@ -51,7 +51,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_common, also when loaded by path
-from bench_common import emit  # noqa: E402
+from bench_common import emit, int_list  # noqa: E402
 
 STARTED = re.compile(r"Uvicorn running on (http://[\d.]+:\d+)")
 
@@ -91,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--tp-sizes",
         default=[1],
-        type=lambda text: [int(v) for v in text.split(",")],
+        type=int_list,
         help="comma-separated tensor-parallel sizes, one server each (default: 1)",
     )
     parser.add_argument("--rounds", type=int, default=1, help="times each level is measured on each setting")

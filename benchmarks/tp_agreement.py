@@ -16,6 +16,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when loaded by path
+from bench_common import int_list
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "w5 w7 w9 w11 w13 w17 w19 w23"
 
@@ -26,7 +29,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--model", required=True, help="a checkpoint directory (what --tp N loads)")
     add("--device", default="cpu")
     add("--dtype", default=None, help="the run's --dtype (default: the model's)")
-    add("--tp-sizes", default="1,2", type=lambda text: [int(v) for v in text.split(",")])
+    add("--tp-sizes", default="1,2", type=int_list)
     add("--max-tokens", type=int, default=256)
     add("--prompt", default=PROMPT)
     add("--run-args", default="", help="more flags for every run, one string")

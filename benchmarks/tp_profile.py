@@ -23,10 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # profile_decode_graph, also when loaded by path
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, profile_decode_graph
 
 import anyio
 import torch
+from bench_common import int_list
 from profile_decode_graph import rows_step
 from torch.profiler import ProfilerActivity, profile
 
@@ -46,8 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--model", required=True, help="a checkpoint directory, or random:<preset|config.json>")
     add("--device", default="cpu")
     add("--dtype", default=None, help="default: the model's")
-    add("--tp-sizes", default="1,2", type=lambda text: [int(v) for v in text.split(",")])
-    add("--batch-sizes", default="1,16,64", type=lambda text: [int(v) for v in text.split(",")])
+    add("--tp-sizes", default="1,2", type=int_list)
+    add("--batch-sizes", default="1,16,64", type=int_list)
     add("--context", type=int, default=512, help="cached tokens of every row")
     add("--steps", type=int, default=50, help="decode steps timed, and as many profiled")
     add("--no-cuda-graphs", action="store_true")
