@@ -25,7 +25,7 @@ pytestmark = [
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
 ]
 
-from helpers.serve_process import ROOT, ServeProcess  # noqa: E402
+from helpers.serve_process import ROOT, ServeProcess, rank_pids  # noqa: E402
 from helpers.tiny_models import save_checkpoint  # noqa: E402
 
 ARGS = ("--device", "cuda", "--dtype", "float32", "--max-kv-tokens", "65536", "--max-batch-size", "8")
@@ -62,12 +62,6 @@ def gpu_pids() -> set[int]:
         ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True, text=True
     ).stdout
     return {int(line) for line in out.split() if line.strip().isdigit()}
-
-
-def rank_pids(launcher: subprocess.Popen) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout
-    pids = sorted(int(pid) for pid in out.split())
-    return [pid for pid in pids if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])

@@ -1,5 +1,6 @@
 """``bootstrap serve`` in a subprocess on a free localhost port (``--port 0``; the port is read
-from uvicorn's start line), its log in a file, and a few waits the tests share."""
+from uvicorn's start line), its log in a file, and a few waits the tests share; under ``--tp N``
+the launcher's rank processes (``rank_pids``)."""
 
 from __future__ import annotations
 
@@ -77,6 +78,13 @@ class ServeProcess:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+
+
+def rank_pids(launcher: subprocess.Popen) -> list[int]:
+    """The launcher's rank processes (its children running torch's spawn), rank 0 first."""
+    out = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout
+    pids = sorted(int(pid) for pid in out.split())
+    return [pid for pid in pids if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
 
 
 def metric(text: str, name: str, **labels: str) -> float:

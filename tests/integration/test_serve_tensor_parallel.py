@@ -20,18 +20,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers.serve_process import ROOT, ServeProcess, metric, metric_or_0
+from helpers.serve_process import ROOT, ServeProcess, metric, metric_or_0, rank_pids
 
 ARGS = ("--max-num-tokens", "64", "--max-batch-size", "4", "--max-seq-len", "512", "--no-plan-cache")
 PROMPT = "w5 w17 w33 w9 w100 w42 w7"
 EXIT_BOUND_S = 60  # a clean stop takes seconds; the launcher's own wait before SIGKILL is 30 s
-
-
-def rank_pids(launcher: subprocess.Popen) -> list[int]:
-    """The launcher's rank processes (its children running torch's spawn), rank 0 first."""
-    out = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout
-    pids = sorted(int(pid) for pid in out.split())
-    return [pid for pid in pids if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
 
 
 def serve(tmp: Path, model: Path, tp: int, *argv: str) -> ServeProcess:
