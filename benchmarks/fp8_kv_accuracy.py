@@ -1,7 +1,7 @@
 """An e4m3 KV cache against a full-precision one, on the CPU with the default model
 (SmolLM2-135M-Instruct, float32 weights): the perplexity of a fixed text read in prefill chunks
-of ``--chunk`` tokens, so every chunk attends the cached (rounded) keys and values of the chunks
-before it (a single prefill would attend its own keys, never rounded); and greedy agreement over
+of ``--chunk`` tokens (each attends the rounded keys and values of those before it and its
+own, as every read of an e4m3 pool does); and greedy agreement over
 256 generated tokens of one chat prompt with the float32 cache's (the equal prefix, and the share
 of equal positions), beside a bfloat16 cache's agreement for scale.
 

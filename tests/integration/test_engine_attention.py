@@ -216,7 +216,7 @@ def test_an_fp8_pool_attends_over_its_keys_and_values_rounded_and_scaled_back(wi
     assert torch.equal(stored, to_fp8(full_k[0], torch.tensor(FP8_SCALES[0])).view(torch.uint8))
 
 
-def test_fresh_prompts_in_an_fp8_pool_attend_their_own_keys_unrounded():
+def test_fresh_prompts_in_an_fp8_pool_attend_their_own_keys_as_the_pool_holds_them():
     requests = [(0, 5), (7, 1), (0, 2)]
     cache, full_k, full_v = setup(requests, dtype=FP8)
     query, key, value = step_inputs(requests, full_k, full_v, seed=3)
@@ -224,5 +224,6 @@ def test_fresh_prompts_in_an_fp8_pool_attend_their_own_keys_unrounded():
         out, _ = paged_attention(Layer(), query, key, value, None, scaling=0.3)
     for i, start in ((0, 0), (2, 6)):
         q = query[0, :, start : start + requests[i][1]].transpose(0, 1)
-        want = reference(q, full_k[i], full_v[i], 0, None, None, 0.3)
+        k, v = rounded(full_k[i], FP8_SCALES[0]), rounded(full_v[i], FP8_SCALES[1])
+        want = reference(q, k, v, 0, None, None, 0.3)
         torch.testing.assert_close(out[0, start : start + requests[i][1]].double(), want, atol=1e-5, rtol=1e-5)

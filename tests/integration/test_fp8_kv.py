@@ -1,14 +1,13 @@
 """An e4m3 KV cache (``kv_cache_dtype: fp8``) on the CPU engine, for each tiny family: the pool
 holds a quarter of float32's bytes a token, the plan and ``/v1/engine``'s stats say fp8 and
-where its scales came from, a prompt's first token (its prefill attends its own keys, never
-rounded) equals the float32 pool's, and a checkpoint's per-layer ``k_scale``/``v_scale`` of 0.5
-(a power of two: e4m3 rounds ``x / 0.5`` as it rounds ``x``) answers every token as scales of
-1.0 do, where forgetting a scale anywhere would change them. A checkpoint with scales for some
-layers only is refused; new weights bring their own. With a draft of the target's weights every
-proposal is accepted (its own fp8 pool with its scales); a cached prefix answers as the same
-prefix computed as the first chunk (both read it rounded from the pool). Across ranks:
-tests/integration/test_tensor_parallel.py. The attention's own arithmetic:
-tests/integration/test_engine_attention.py."""
+where its scales came from, a prompt's first token equals the float32 pool's, and a
+checkpoint's per-layer ``k_scale``/``v_scale`` of 0.5 (a power of two: e4m3 rounds ``x / 0.5``
+as it rounds ``x``) answers every token as scales of 1.0 do, where forgetting a scale anywhere
+would change them. A checkpoint with scales for some layers only is refused; new weights bring
+their own. With a draft of the target's weights every proposal is accepted (its own fp8 pool
+with its scales); a cached prefix answers as the whole prompt in one chunk (every read, a fresh
+chunk's of its own keys too, is rounded). Across ranks: tests/integration/test_tensor_parallel.py.
+The attention's own arithmetic: tests/integration/test_engine_attention.py."""
 
 from __future__ import annotations
 
@@ -49,7 +48,7 @@ def test_an_fp8_pool_answers_and_applies_the_checkpoints_scales(family, tmp_path
     source = save_checkpoint(family, tmp_path / family)
     full, full_plan, full_executor = anyio.run(answer, source)
     fp8, plan, executor = anyio.run(lambda: answer(source, kv_cache_dtype="fp8"))
-    assert [t[0] for t in fp8] == [t[0] for t in full]  # the prefill attends its own keys
+    assert [t[0] for t in fp8] == [t[0] for t in full]
     assert (plan["kv_dtype"], plan["kv_scales"], full_plan["kv_dtype"]) == ("fp8", "1.0", "float32")
     spec, full_spec = executor.runner.kv_cache.spec, full_executor.runner.kv_cache.spec
     assert spec.dtype == torch.float8_e4m3fn and spec.bytes_per_token * 4 == full_spec.bytes_per_token
@@ -100,14 +99,14 @@ def test_a_draft_of_the_targets_weights_on_fp8_pools_has_every_proposal_accepted
     assert executor.speculator.stats.acceptance_rate == 1.0 and drafted == alone
 
 
-def test_a_cached_prefix_on_an_fp8_pool_answers_as_the_prefix_computed_as_a_first_chunk(tmp_path):
-    """Chunks of 24 tokens, blocks of 8: without the cache a prompt's first chunk is the shared
-    prefix and its next chunk reads it rounded from the pool, as a hit reads the blocks an
-    earlier request left."""
-    halves = with_kv_scales(save_checkpoint("llama", tmp_path / "llama"), tmp_path / "halves", 0.5, 2)
+def test_a_cached_prefix_on_an_fp8_pool_answers_as_the_whole_prompt_in_one_chunk(tmp_path):
+    """Blocks of 8, chunks of 40: without the cache each prompt is one chunk attending its own
+    keys; with it, the tail reads the 24 prefix tokens an earlier request left in the pool. Both
+    see the keys rounded (with a fresh chunk's keys unrounded, this Qwen3's answers differed)."""
+    halves = with_kv_scales(save_checkpoint("qwen3", tmp_path / "qwen3"), tmp_path / "halves", 0.5, 2)
     prefix = [(11 * i + 5) % 240 + 3 for i in range(24)]
     prompts = [prefix + tail for tail in ([17, 29, 31], [101, 7], [44, 45, 46, 47, 48, 49, 50])]
-    settings = dict(kv_cache_dtype="fp8", tokens_per_block=8, max_num_tokens=24)
+    settings = dict(kv_cache_dtype="fp8", tokens_per_block=8, max_num_tokens=40)
     cached, _, executor = anyio.run(lambda: answer(halves, prompts, **settings))
     plain, _, _ = anyio.run(lambda: answer(halves, prompts, prefix_caching=False, **settings))
     assert executor.engine_stats().prefix_hit_tokens == 2 * len(prefix) and cached == plain

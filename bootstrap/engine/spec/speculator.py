@@ -168,12 +168,9 @@ class Speculator:
         ``pass_rows`` (its largest graph; without graphs ``max_rows``, with ``auto`` room for
         every request's catching up at once); more (a prompt chunk) as a mixed step, which
         gathers the cached context and builds masked attention for its shapes, measured far
-        slower than row passes (benchmarks/README.md, Speculative decoding). On an fp8 pool a
-        prompt's first chunk is a mixed step whatever its length: it attends its own keys
-        unrounded, as the target's does, where rows would read them rounded from the pool."""
+        slower than row passes (benchmarks/README.md, Speculative decoding)."""
         counts = [view.num_tokens - view.num_computed for view in views]
-        starts_prompt = any(view.num_computed == 0 and count > 1 for view, count in zip(views, counts))
-        if max(counts) > ROW_TOKENS or (starts_prompt and self.pool.quantized):
+        if max(counts) > ROW_TOKENS:
             return self.draft.run(ScheduledBatch(views, counts))
         rows = [
             (v.request_id, v.num_computed + i, token)
