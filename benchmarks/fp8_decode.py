@@ -2,7 +2,8 @@
 prefill tokens/s, each decode figure as a fraction of its own bandwidth roofline, the plan's KV
 tokens, and greedy agreement with the first side's answers. In-process figures (one process,
 engines built one after another through the pipeline with the default flags but
-``--max-batch-size`` and a side's own settings: ``NAME=DIR,kv_cache_dtype=fp8``).
+``--max-batch-size``, the prefix cache off (repeats send the same prompts) and a side's own
+settings: ``NAME=DIR,kv_cache_dtype=fp8``).
 
 Per checkpoint and batch size B (prompts of P tokens, G generated, greedy, EOS ignored):
 ``prefill_s`` is the wall time of a 1-token generation and ``total_s`` of a G-token one, best
@@ -12,7 +13,8 @@ decode step reads every weight but the embedding table once, and the KV of every
 ``roofline_tok_s = B * bandwidth / (step_weight_bytes + B * kv_bytes_per_token * (P + G / 2))``,
 ``bandwidth`` a device-to-device copy measured in the same run (``bench_common``). Agreement: one prompt, 256
 greedy tokens, the share of positions equal to the 16-bit checkpoint's up to its first
-difference and overall (random weights: a sanity check, not an accuracy figure).
+difference and overall, and how many of the first token's 20 most likely tokens the two share
+(random weights: a sanity check, not an accuracy figure).
 
     python benchmarks/fp8_decode.py --checkpoint bf16=/tmp/llama-8b \
         --checkpoint channel=/tmp/llama-8b-channel --checkpoint block=/tmp/llama-8b-block --out fp8.json
@@ -96,7 +98,8 @@ async def measure(name: str, side: str, args: argparse.Namespace, bandwidth: flo
     batches = [int(b) for b in args.batch_sizes.split(",")]
     path, *fields = side.split(",")
     own = dict(field.split("=", 1) for field in fields)
-    config = BootstrapConfig(model=path, device=args.device, max_batch_size=max(batches), plan_cache=None, **own)
+    settings = dict(device=args.device, max_batch_size=max(batches), plan_cache=None, prefix_caching=False)
+    config = BootstrapConfig(model=path, **settings | own)
     boot = Bootstrap(config)
     try:
         started = time.perf_counter()
@@ -132,7 +135,9 @@ async def measure(name: str, side: str, args: argparse.Namespace, bandwidth: flo
         long_prompts = prompts(args.prefill_batch, args.prefill_len, 99, shape.vocab_size)
         prefill_s = min(timed(executor, long_prompts, 1, device)[0] for _ in range(args.repeats))
         result["prefill_tok_s"] = round(args.prefill_batch * args.prefill_len / prefill_s, 1)
-        result["greedy_tokens"] = timed(executor, prompts(1, 32, 7, shape.vocab_size), AGREEMENT_TOKENS, device)[1][0]
+        params = SamplingParams(max_tokens=AGREEMENT_TOKENS, ignore_eos=True, logprobs=20)
+        greedy = executor.generate(prompts(1, 32, 7, shape.vocab_size), params)[0]
+        result["greedy_tokens"], result["first_top"] = list(greedy.token_ids), [t for t, _ in greedy.logprobs[0].top]
         return result
     finally:
         await boot.aclose()
@@ -143,6 +148,10 @@ def agreement(tokens: list[int], reference: list[int]) -> dict:
     same = [a == b for a, b in zip(tokens, reference)]
     first = same.index(False) if False in same else len(same)
     return {"equal_prefix_tokens": first, "equal_share": round(sum(same) / len(same), 3)}
+
+
+def shared_top(top: list[int], reference: list[int]) -> int:
+    return len(set(top) & set(reference))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -158,6 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
         if name == reference_name:
             continue
         result["agreement"] = agreement(result["greedy_tokens"], reference["greedy_tokens"])
+        result["agreement"]["first_token_top20_shared"] = shared_top(result["first_top"], reference["first_top"])
         result["vs_" + reference_name] = {
             "decode_tok_s": {
                 b: ratio(f["decode_tok_s"], reference["batches"][b]["decode_tok_s"])
@@ -167,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
             "kv_tokens": ratio(result["kv_tokens"], reference["kv_tokens"]),
         }
     for result in results.values():
-        result.pop("greedy_tokens")
+        result.pop("greedy_tokens"), result.pop("first_top")
     report["results"] = results
     emit(report, args.out)
     return report

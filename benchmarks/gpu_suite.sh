@@ -22,11 +22,12 @@
 #       prefix_cache.json    benchmarks/prefix_cache.py (plus suite.log and steps.jsonl, as above)
 #   --fp8: instead, the FP8 weight and KV kernels' tests, benchmarks/fp8_products.py (per matrix and row count, with
 #     the one-row tile sweep), then an 8B checkpoint written with its two FP8 twins (benchmarks/quantize_checkpoint.py:
-#     channel and block layouts) and benchmarks/fp8_decode.py on the three, a second invocation:
-#       fp8_tests.xml, fp8_products.json, fp8_decode.json   (plus suite.log and steps.jsonl, as above)
+#     channel and block layouts), benchmarks/fp8_decode.py on the three and a worst case on the block checkpoint,
+#     a second invocation:   fp8_tests.xml, fp8_products.json, fp8_decode.json, fp8_worst_case.json
 #   --fp8-kv: instead, the same tests, the 8B and its block twin, fp8_decode.py with a bfloat16 and an fp8 KV cache
 #     (batch 64, 4,096-token prompts), and worst cases on the fp8 cache (every block filled) and on the block
 #     checkpoint, a third invocation:   fp8_tests.xml, fp8_kv_decode.json, fp8_kv_worst_case.json, fp8_worst_case.json
+#     (--fp8 --fp8-kv: both in one invocation, the tests and the checkpoints once: about 7 minutes on the H200)
 #   --tp2 (two GPUs: nvidia-h200-x2): instead, tests/gpu/test_tensor_parallel_cuda.py (NCCL: answers of one rank, a
 #     SIGTERM and a killed rank mid-stream, no process left on a GPU), then fresh run and serve processes on an 8B
 #     checkpoint at --tp 1 and --tp 2 (cold_start.py), greedy agreement over 256 tokens (tp_agreement.py), decode
@@ -47,6 +48,7 @@ SMOKE=0
 LIVE_OPS=0
 PREFIX_CACHE=0
 FP8=0
+FP8_KV=0
 TP2=0
 FAILED=0
 for arg in "$@"; do
@@ -55,7 +57,7 @@ for arg in "$@"; do
     --live-ops) LIVE_OPS=1 ;;
     --prefix-cache) PREFIX_CACHE=1 ;;
     --fp8) FP8=1 ;;
-    --fp8-kv) FP8=kv ;;
+    --fp8-kv) FP8_KV=1 ;;
     --tp2) TP2=1 ;;
     *) echo "gpu_suite.sh: unknown flag $arg (allowed: --smoke, --live-ops, --prefix-cache, --fp8, --fp8-kv, --tp2)" >&2
        exit 2 ;;
@@ -194,28 +196,29 @@ if [ "$TP2" = 1 ]; then
   rm -rf "$WORK"
   exit "$FAILED"
 fi
-if [ "$FP8" != 0 ]; then
+if [ "$FP8" = 1 ] || [ "$FP8_KV" = 1 ]; then  # both flags: one checkpoint written, the tests run once
   run_step fp8_tests 120 python3 -m pytest tests/gpu/test_fp8_gemm_cuda.py tests/gpu/test_fp8_kv_cuda.py -q -rA \
     -p no:cacheprovider -p no:asyncio --junitxml="$OUT/fp8_tests.xml"
-  [ "$FP8" = kv ] || run_step fp8_products 120 python3 benchmarks/fp8_products.py --sweep --out "$OUT/fp8_products.json"
+  [ "$FP8" = 1 ] && run_step fp8_products 120 python3 benchmarks/fp8_products.py --sweep --out "$OUT/fp8_products.json"
   run_step write_8b 120 python3 benchmarks/write_checkpoint.py --model llama-3.1-8b --out "$WORK/8b" --device cuda
-  for layout in $([ "$FP8" = kv ] && echo block || echo channel block); do
+  for layout in $([ "$FP8" = 1 ] && echo channel) block; do
     run_step "quantize_$layout" 90 python3 benchmarks/quantize_checkpoint.py --source "$WORK/8b" \
       --out "$WORK/8b-$layout" --layout "$layout" --device cuda
   done
-  if [ "$FP8" = kv ]; then
+  if [ "$FP8" = 1 ]; then
+    run_step fp8_decode 240 python3 benchmarks/fp8_decode.py --checkpoint "bf16=$WORK/8b" \
+      --checkpoint "channel=$WORK/8b-channel" --checkpoint "block=$WORK/8b-block" --out "$OUT/fp8_decode.json"
+  fi
+  if [ "$FP8_KV" = 1 ]; then
     run_step fp8_kv_decode 200 python3 benchmarks/fp8_decode.py --checkpoint "bf16=$WORK/8b" \
       --checkpoint "fp8kv=$WORK/8b,kv_cache_dtype=fp8" --batch-sizes 64 --prompt-len 4096 --repeats 1 \
       --out "$OUT/fp8_kv_decode.json"
     run_step fp8_kv_worst_case 150 python3 benchmarks/worst_case_after_capture.py --model "$WORK/8b" \
       --kv-cache-dtype fp8 --max-batch-size 256 --max-num-tokens 8192 --prompt-len 7000 --gen-len 16 \
       --out "$OUT/fp8_kv_worst_case.json"
-    run_step fp8_worst_case 90 python3 benchmarks/worst_case_after_capture.py --model "$WORK/8b-block" \
-      --out "$OUT/fp8_worst_case.json"
-  else
-    run_step fp8_decode 240 python3 benchmarks/fp8_decode.py --checkpoint "bf16=$WORK/8b" \
-      --checkpoint "channel=$WORK/8b-channel" --checkpoint "block=$WORK/8b-block" --out "$OUT/fp8_decode.json"
   fi
+  run_step fp8_worst_case 90 python3 benchmarks/worst_case_after_capture.py --model "$WORK/8b-block" \
+    --out "$OUT/fp8_worst_case.json"
   say "done; steps:"
   cat "$OUT/steps.jsonl"
   rm -rf "$WORK"

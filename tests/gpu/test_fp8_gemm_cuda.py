@@ -1,6 +1,7 @@
 """FP8 projections on CUDA (``bootstrap.engine.kernels.fp8_gemm``): the activation quantizer
 bit for bit against torch; the one-row kernel and the FP8 GEMM (row and 128 x 128 block scales)
-against a float64 product of the same quantized operands; both replayed inside a CUDA graph;
+against a float64 product of the same quantized operands (block scales of two column blocks, which
+cuBLASLt does not take, against the dequantized weight); both replayed inside a CUDA graph;
 and a 16-bit checkpoint quantized at load on the GPU answering as its FP8 checkpoint does."""
 
 from __future__ import annotations
@@ -60,7 +61,10 @@ def test_a_product_is_a_float64_product_of_its_quantized_operands(rows, n, k, bl
     x = torch.randn(rows, k, device=CUDA, dtype=torch.bfloat16)
     bias = torch.randn(n, device=CUDA, dtype=torch.bfloat16)
     weight = fp8_gemm.dequantize(w, s, block, torch.float64)
-    if rows == 1:  # weight-only: the 16-bit row as it is
+    kind = fp8_gemm.product(x, w, s, block)
+    blocks = "blocks" if k != 256 and fp8_gemm.blockwise_supported(CUDA) else "dequantize"  # 256: two column blocks
+    assert kind == ("one_row" if rows == 1 else "rows" if not block else blocks)
+    if kind in ("one_row", "dequantize"):  # weight-only: the 16-bit row as it is
         operand = x.double()
     else:  # the row quantized as the GEMM takes it
         group = block[1] if block else k

@@ -28,6 +28,7 @@ SCRIPT = textwrap.dedent("""
         (33, 520, None, True),
         (260, 1100, (128, 128), True),  # partial blocks at both ends
         (130, 300, (16, 64), False),
+        (70, 200, (2, 32), True),  # row blocks shorter than the tile's rows
         (3, 64, None, False),
     ]
     for n, k, block, bias in cases:
@@ -36,7 +37,7 @@ SCRIPT = textwrap.dedent("""
         s = torch.rand(shape) + 0.5
         x, b = torch.randn(1, k), (torch.randn(n) if bias else None)
         expected = x.double() @ dequantize(w, s, block, torch.float64).T + (b.double() if bias else 0)
-        for tile in [(4, 1024), (8, 128), (2, 64)]:
+        for tile in [(None, None), (4, 1024), (8, 128), (16, 64)]:  # (None, None): ``tile``'s
             got = one_row(x, w, s, block, b, *tile)
             assert got.shape == (1, n) and got.dtype == x.dtype
             torch.testing.assert_close(got.double(), expected, atol=1e-3, rtol=1e-4, msg=str((n, k, block, tile)))

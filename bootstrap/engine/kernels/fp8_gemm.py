@@ -2,8 +2,9 @@
 in and out.
 
 One row (a batch-1 decode step, a draft's pass) takes ``one_row``: a Triton kernel that streams
-the e4m3 weight once, as ``gemv`` streams a 16-bit one, each product scaled by its row's scale
-(or its block's) in float32; the activation stays 16-bit (weight-only). More rows take
+the e4m3 weight once, as ``gemv`` streams a 16-bit one, in a tile per shape (``tile``), the sums
+scaled by their row's scale in float32 (block scales: the row's columns by their block's first);
+the activation stays 16-bit (weight-only). More rows take
 cuBLASLt's FP8 GEMM (``torch._scaled_mm``) on activations quantized per token, or per token and
 128 columns for block scales, by ``quantize`` (one Triton kernel); the scales are applied in the
 GEMM's epilogue. Block scales need torch's ``scaled_mm`` with ``BlockWise128x128``; where it is
@@ -13,6 +14,8 @@ shape and batch: benchmarks/README.md, "FP8 projections".
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -30,8 +33,6 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_AMAX = 1e-12  # a row of zeros still gets a finite scale
 HALF_DTYPES = (torch.bfloat16, torch.float16)
-BLOCK_N = 4
-BLOCK_K = 1024
 _BLOCKWISE: dict[torch.device, bool] = {}  # ``blockwise_supported``, per device
 SCALE_ROWS_PAD = 4  # cuBLASLt's block-scaled GEMM wants the token count, and the weight's column blocks, in fours
 
@@ -56,16 +57,14 @@ def linear(
     block: tuple[int, int] | None,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x [M, K] @ (weight * scale)[N, K].T (+ bias)`` in ``x``'s dtype: ``one_row`` for one
-    row, else the FP8 GEMM (module docstring)."""
-    if x.shape[0] == 1:
+    """``x [M, K] @ (weight * scale)[N, K].T (+ bias)`` in ``x``'s dtype, by ``product``'s choice."""
+    kind = product(x, weight, scale, block)
+    if kind == "one_row":
         return one_row(x, weight, scale, block, bias)
-    n, k = weight.shape
-    cublas = n % 16 == 0 and k % 16 == 0 and x.dtype == torch.bfloat16  # what its FP8 GEMM takes (bf16 out)
-    if cublas and block is None:
+    if kind == "rows":
         q, q_scale = quantize(x, x.shape[1])
         out = torch._scaled_mm(q, weight.t(), scale_a=q_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype)
-    elif cublas and block == (128, 128) and scale.shape[1] % SCALE_ROWS_PAD == 0 and blockwise_supported(x.device):
+    elif kind == "blocks":
         q, q_scale = quantize(x, block[1], pad_rows=SCALE_ROWS_PAD)
         recipe = F.ScalingType
         out = F.scaled_mm(
@@ -80,6 +79,21 @@ def linear(
     else:
         out = F.linear(x, dequantize(weight, scale, block, x.dtype))
     return out if bias is None else out.add_(bias)
+
+
+def product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> str:
+    """Which product ``linear`` runs: ``one_row``, cuBLASLt's FP8 GEMM with per-token scales
+    (``rows``, the row-scale layouts) or 1 x 128 ones (``blocks``), else ``dequantize``."""
+    if x.shape[0] == 1:
+        return "one_row"
+    n, k = weight.shape
+    if n % 16 or k % 16 or x.dtype != torch.bfloat16:  # what cuBLASLt's FP8 GEMM takes (bf16 out)
+        return "dequantize"
+    if block is None:
+        return "rows"
+    if block == (128, 128) and scale.shape[1] % SCALE_ROWS_PAD == 0 and blockwise_supported(x.device):
+        return "blocks"
+    return "dequantize"
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, dtype: torch.dtype):
@@ -120,6 +134,16 @@ def _try_blockwise(device: torch.device) -> bool:
         return False
 
 
+def tile(n: int, k: int) -> tuple[int, int]:
+    """The one-row kernel's ``(BLOCK_N, BLOCK_K)`` for an ``[n, k]`` weight: the fastest of the
+    H200 sweep for the 8B's matrices (benchmarks/README.md, "FP8 projections"), by their shape."""
+    if n >= 16384 and k < 8192:  # wide and short (fused gate/up): more rows a program, shorter strides
+        return 16, 256
+    if n > 4096 and k <= 4096:  # fused q/k/v
+        return 4, 1024
+    return 8, 1024  # square (o) and long (down)
+
+
 def quantize(x: torch.Tensor, group: int, pad_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` in e4m3 and its float32 scales, one per row and ``group`` columns (``group``
     ``K``: per token, scales ``[M, 1]``; else ``[M', K / group]`` stored column-major as cuBLASLt
@@ -152,12 +176,15 @@ def one_row(
     scale: torch.Tensor,
     block: tuple[int, int] | None,
     bias: torch.Tensor | None = None,
-    block_n: int = BLOCK_N,
-    block_k: int = BLOCK_K,
+    block_n: int | None = None,
+    block_k: int | None = None,
 ) -> torch.Tensor:
     """``x [1, K] @ (weight * scale).T (+ bias)`` as ``[1, N]`` in ``x``'s dtype (``block_n``
-    and ``block_k``: the tile, for the benchmark's sweep)."""
+    and ``block_k``: the tile, ``tile``'s unless the benchmark's sweep names one)."""
     n, k = weight.shape
+    block_n, block_k = block_n or tile(n, k)[0], block_k or tile(n, k)[1]
+    if block is not None:  # a program's rows share one row block of scales
+        block_n = math.gcd(block_n, block[0])
     x = x if x.stride(1) == 1 else x.contiguous()
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _one_row_kernel[(triton.cdiv(n, block_n),)](
@@ -201,19 +228,17 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        first = tl.program_id(0) * BLOCK_N
+        n = first + tl.arange(0, BLOCK_N)
         kk = tl.arange(0, BLOCK_K)
         wide = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # each thread's products, summed across threads once
         for k0 in range(0, K, BLOCK_K):
             k = k0 + kk
-            mask = (n < N)[:, None] & (k < K)[None, :]
-            w = tl.load(W + n[:, None] * stride_wn + k[None, :], mask=mask, other=0.0)
-            x = tl.load(X + k, mask=k < K, other=0.0)
-            product = x.to(tl.float32)[None, :] * w.to(tl.float32)
-            if SCALE_COLS > 0:  # block scales: each product by its block's
-                blocks = (n // SCALE_ROWS)[:, None] * stride_sn + (k // SCALE_COLS)[None, :]
-                product *= tl.load(S + blocks, mask=mask, other=0.0)
-            wide += product
+            w = tl.load(W + n[:, None] * stride_wn + k[None, :], mask=(n < N)[:, None] & (k < K)[None, :], other=0.0)
+            x = tl.load(X + k, mask=k < K, other=0.0).to(tl.float32)
+            if SCALE_COLS > 0:  # block scales: the row's columns by their block's, the program's rows in one row block
+                x *= tl.load(S + (first // SCALE_ROWS) * stride_sn + k // SCALE_COLS, mask=k < K, other=0.0)
+            wide += x[None, :] * w.to(tl.float32)
         acc = tl.sum(wide, axis=1)
         if SCALE_COLS == 0:  # one scale per row
             acc *= tl.load(S + n * stride_sn, mask=n < N, other=0.0)
