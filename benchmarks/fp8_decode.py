@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
             "kv_tokens": ratio(result["kv_tokens"], reference["kv_tokens"]),
         }
     for result in results.values():
-        result.pop("greedy_tokens"), result.pop("first_top")
+        del result["greedy_tokens"], result["first_top"]
     report["results"] = results
     emit(report, args.out)
     return report

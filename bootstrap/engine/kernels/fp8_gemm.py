@@ -182,7 +182,8 @@ def one_row(
     """``x [1, K] @ (weight * scale).T (+ bias)`` as ``[1, N]`` in ``x``'s dtype (``block_n``
     and ``block_k``: the tile, ``tile``'s unless the benchmark's sweep names one)."""
     n, k = weight.shape
-    block_n, block_k = block_n or tile(n, k)[0], block_k or tile(n, k)[1]
+    chosen = tile(n, k)
+    block_n, block_k = block_n or chosen[0], block_k or chosen[1]
     if block is not None:  # a program's rows share one row block of scales
         block_n = math.gcd(block_n, block[0])
     x = x if x.stride(1) == 1 else x.contiguous()

@@ -277,7 +277,7 @@ def _attend(
     q = tokens[group.query_index].transpose(1, 2)  # [b, H, Qmax, D]
     if group.fresh and softcap is None and (sliding_window is None or sliding_window >= group.max_query_len):
         if cache.quantized:  # the chunk's own keys as the pool holds them, as every later read sees them
-            new_kv = (_as_stored(new_kv[0], cache.k_scale), _as_stored(new_kv[1], cache.v_scale))
+            new_kv = tuple(_dequantized(to_fp8(part, s), s, part.dtype) for part, s in zip(new_kv, cache.scales))
         return _attend_fresh(q, new_kv, group, scaling)
     k = _gather(cache.k, cache.k_scale, group.kv_slots, q.dtype)
     v = _gather(cache.v, cache.v_scale, group.kv_slots, q.dtype)
@@ -300,11 +300,6 @@ def _attend_fresh(
     k, v = (part[group.query_index].transpose(1, 2).to(q.dtype) for part in new_kv)  # [b, KVH, Qmax, D]
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
     return _unpad(out, group)
-
-
-def _as_stored(part: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``part`` rounded to e4m3 over ``scale`` and back, in its own dtype."""
-    return _dequantized(to_fp8(part, scale), scale, part.dtype)
 
 
 def _unpad(out: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
