@@ -21,7 +21,7 @@
 #     fresh server with the prefix cache and one without, 64 chat requests at once on each), a second invocation:
 #       prefix_cache.json    benchmarks/prefix_cache.py (plus suite.log and steps.jsonl, as above)
 #   --fp8: instead, the FP8 weight and KV kernels' tests, benchmarks/fp8_products.py (per matrix and row count, with
-#     the one-row tile sweep), then an 8B checkpoint written with its two FP8 twins (benchmarks/quantize_checkpoint.py:
+#     the few-rows tile sweep at 16 rows), then an 8B checkpoint written with its two FP8 twins (benchmarks/quantize_checkpoint.py:
 #     channel and block layouts), benchmarks/fp8_decode.py on the three and a worst case on the block checkpoint,
 #     a second invocation:   fp8_tests.xml, fp8_products.json, fp8_decode.json, fp8_worst_case.json
 #   --fp8-kv: instead, the same tests, the 8B and its block twin, fp8_decode.py with a bfloat16 and an fp8 KV cache
@@ -199,7 +199,7 @@ fi
 if [ "$FP8" = 1 ] || [ "$FP8_KV" = 1 ]; then  # both flags: one checkpoint written, the tests run once
   run_step fp8_tests 120 python3 -m pytest tests/gpu/test_fp8_gemm_cuda.py tests/gpu/test_fp8_kv_cuda.py -q -rA \
     -p no:cacheprovider -p no:asyncio --junitxml="$OUT/fp8_tests.xml"
-  [ "$FP8" = 1 ] && run_step fp8_products 120 python3 benchmarks/fp8_products.py --sweep --out "$OUT/fp8_products.json"
+  [ "$FP8" = 1 ] && run_step fp8_products 150 python3 benchmarks/fp8_products.py --sweep 16 --out "$OUT/fp8_products.json"
   run_step write_8b 120 python3 benchmarks/write_checkpoint.py --model llama-3.1-8b --out "$WORK/8b" --device cuda
   for layout in $([ "$FP8" = 1 ] && echo channel) block; do
     run_step "quantize_$layout" 90 python3 benchmarks/quantize_checkpoint.py --source "$WORK/8b" \

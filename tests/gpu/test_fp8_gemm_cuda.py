@@ -1,12 +1,16 @@
 """FP8 projections on CUDA (``bootstrap.engine.kernels.fp8_gemm``): the activation quantizer
-bit for bit against torch; the one-row kernel and the FP8 GEMM (row and 128 x 128 block scales)
-against a float64 product of the same quantized operands (block scales of two column blocks, which
-cuBLASLt does not take, against the dequantized weight); both replayed inside a CUDA graph;
-and a 16-bit checkpoint quantized at load on the GPU answering as its FP8 checkpoint does."""
+bit for bit against torch; the one-row and few-rows kernels and the FP8 GEMM (row and 128 x 128
+block scales) against a float64 product of the same quantized operands (block scales of two column
+blocks, which cuBLASLt does not take, against the dequantized weight); each replayed inside a CUDA
+graph; a load compiling every FP8 kernel the forward launches; and a 16-bit checkpoint quantized at
+load on the GPU answering as its FP8 checkpoint does."""
 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import anyio
 import pytest
@@ -63,8 +67,8 @@ def test_a_product_is_a_float64_product_of_its_quantized_operands(rows, n, k, bl
     weight = fp8_gemm.dequantize(w, s, block, torch.float64)
     kind = fp8_gemm.product(x, w, s, block)
     blocks = "blocks" if k != 256 and fp8_gemm.blockwise_supported(CUDA) else "dequantize"  # 256: two column blocks
-    assert kind == ("one_row" if rows == 1 else "rows" if not block else blocks)
-    if kind in ("one_row", "dequantize"):  # weight-only: the 16-bit row as it is
+    assert kind == ("one_row" if rows == 1 else "few_rows" if rows <= 64 else "rows" if not block else blocks)
+    if kind in ("one_row", "few_rows", "dequantize"):  # weight-only: the 16-bit rows as they are
         operand = x.double()
     else:  # the row quantized as the GEMM takes it
         group = block[1] if block else k
@@ -78,7 +82,7 @@ def test_a_product_is_a_float64_product_of_its_quantized_operands(rows, n, k, bl
 
 
 @pytest.mark.parametrize("block", [None, (128, 128)])
-@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("rows", [1, 8, 100])
 def test_a_captured_product_replays_new_inputs(rows, block):
     w, s = weight_and_scale(4096, 4096, block, 7)
     x = torch.randn(rows, 4096, device=CUDA, dtype=torch.bfloat16)
@@ -91,6 +95,39 @@ def test_a_captured_product_replays_new_inputs(rows, block):
         x.copy_(torch.randn(rows, 4096, generator=torch.Generator().manual_seed(seed)).to(x))
         graph.replay()
         assert torch.equal(out, fp8_gemm.linear(x, w, s, block))
+
+
+@pytest.mark.parametrize("layout", ["channel", "block"])
+def test_loading_an_fp8_checkpoint_compiles_every_fp8_kernel_the_forward_launches(tmp_path, layout):
+    """In a fresh process with an empty Triton cache: ``load_own_model`` of an FP8 checkpoint leaves
+    the one-row, few-rows and quantizer kernels compiled on disk, and prefills and decode steps of
+    1 to 3 rows after it (eager and through graphs of 1, 2, 4 and 64 rows) compile none again."""
+    path, _ = quantized(save_checkpoint("llama", tmp_path / "llama"), tmp_path / layout, layout)
+    script = f"""
+import pathlib, torch
+from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
+from bootstrap.engine.models import load_own_model
+def entries():
+    names = ("_one_row_kernel", "_few_rows_kernel", "_quantize_kernel")
+    return sorted(str(p) for p in pathlib.Path({str(tmp_path / "triton")!r}).rglob("*") if p.name.startswith(names))
+model = load_own_model(pathlib.Path({str(path)!r}), torch.device("cuda"), torch.bfloat16)
+after_load = entries()
+cache = PagedKVCache.from_tokens(KVCacheSpec.from_config(model.config, torch.bfloat16), 4096, 32, "cuda")
+ex = create_executor(model, cache, SchedulerConfig(64, 256, 128), start=False)
+for prompts in ([[5, 6, 7, 8, 9]], [[5, 6], [7, 8, 9]], [[4], [5, 6], [7, 8, 9]]):
+    ex.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+ex.runner.capture_decode_graphs([1, 2, 4, 64])
+ex.generate([[5, 6, 7]] * 3, SamplingParams(max_tokens=4, ignore_eos=True))
+ex.shutdown()
+print(len(after_load), after_load == entries())
+"""
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    count, unchanged = done.stdout.split()[-2:]
+    assert int(count) >= 3 and unchanged == "True", done.stdout
 
 
 async def answer(path, **config) -> list[int]:

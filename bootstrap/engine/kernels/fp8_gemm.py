@@ -34,6 +34,7 @@ FP8_MAX = 448.0
 MIN_AMAX = 1e-12  # a row of zeros still gets a finite scale
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 _BLOCKWISE: dict[torch.device, bool] = {}  # ``blockwise_supported``, per device
+FEW_ROWS = 64  # rows up to which the weight-only ``few_rows`` outruns the FP8 GEMMs (the H200's ``fp8_products``)
 SCALE_ROWS_PAD = 4  # cuBLASLt's block-scaled GEMM wants the token count, and the weight's column blocks, in fours
 
 
@@ -56,11 +57,15 @@ def linear(
     scale: torch.Tensor,
     block: tuple[int, int] | None,
     bias: torch.Tensor | None = None,
+    kind: str | None = None,
 ) -> torch.Tensor:
-    """``x [M, K] @ (weight * scale)[N, K].T (+ bias)`` in ``x``'s dtype, by ``product``'s choice."""
-    kind = product(x, weight, scale, block)
+    """``x [M, K] @ (weight * scale)[N, K].T (+ bias)`` in ``x``'s dtype, by ``product``'s choice
+    unless ``kind`` names one (the benchmark's)."""
+    kind = kind or product(x, weight, scale, block)
     if kind == "one_row":
         return one_row(x, weight, scale, block, bias)
+    if kind == "few_rows":
+        return few_rows(x, weight, scale, block, bias)
     if kind == "rows":
         q, q_scale = quantize(x, x.shape[1])
         out = torch._scaled_mm(q, weight.t(), scale_a=q_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype)
@@ -82,10 +87,13 @@ def linear(
 
 
 def product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> str:
-    """Which product ``linear`` runs: ``one_row``, cuBLASLt's FP8 GEMM with per-token scales
-    (``rows``, the row-scale layouts) or 1 x 128 ones (``blocks``), else ``dequantize``."""
+    """Which product ``linear`` runs: ``one_row``, ``few_rows`` (up to ``FEW_ROWS``), cuBLASLt's
+    FP8 GEMM with per-token scales (``rows``, the row-scale layouts) or 1 x 128 ones (``blocks``),
+    else ``dequantize``."""
     if x.shape[0] == 1:
         return "one_row"
+    if x.shape[0] <= FEW_ROWS and (block is None or (block[0] % 16 == 0 and block[1] % 16 == 0)):
+        return "few_rows"
     n, k = weight.shape
     if n % 16 or k % 16 or x.dtype != torch.bfloat16:  # what cuBLASLt's FP8 GEMM takes (bf16 out)
         return "dequantize"
@@ -208,6 +216,55 @@ def one_row(
     return out
 
 
+def few_rows(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] | None,
+    bias: torch.Tensor | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+) -> torch.Tensor:
+    """``x [M, K] @ (weight * scale).T (+ bias)`` for a few rows (``M`` up to 64), weight-only:
+    ``tl.dot`` of the 16-bit rows and the e4m3 weight widened in registers, a block's scale
+    applied to its partial sums (a tile within one scale block: ``block``'s sides multiples of
+    16), a row's after the sum. ``block_n`` and ``block_k``: the tile, ``few_tile``'s by default."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    chosen = few_tile(n, k)
+    block_n, block_k = block_n or chosen[0], block_k or chosen[1]
+    if block is not None:
+        block_n, block_k = math.gcd(block_n, block[0]), math.gcd(block_k, block[1])
+    x = x if x.stride(1) == 1 else x.contiguous()
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    _few_rows_kernel[(triton.cdiv(n, block_n),)](
+        x,
+        weight,
+        scale,
+        bias if bias is not None else out,
+        out,
+        rows,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        scale.stride(0),
+        SCALE_ROWS=block[0] if block else 1,
+        SCALE_COLS=block[1] if block else 0,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=max(16, triton.next_power_of_2(rows)),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=4,
+    )
+    return out
+
+
+def few_tile(n: int, k: int) -> tuple[int, int]:
+    """``few_rows``' ``(BLOCK_N, BLOCK_K)`` for an ``[n, k]`` weight."""
+    return (16, 256) if n <= 8192 else (32, 128)
+
+
 if triton is not None:
     _FP8_MAX = tl.constexpr(FP8_MAX)
     _MIN_AMAX = tl.constexpr(MIN_AMAX)
@@ -246,6 +303,46 @@ if triton is not None:
         if HAS_BIAS:
             acc += tl.load(Bias + n, mask=n < N, other=0.0).to(tl.float32)
         tl.store(Out + n, acc.to(Out.dtype.element_ty), mask=n < N)
+
+    @triton.jit(do_not_specialize=["M"])
+    def _few_rows_kernel(
+        X,
+        W,
+        S,
+        Bias,
+        Out,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_wn,
+        stride_sn,
+        SCALE_ROWS: tl.constexpr,
+        SCALE_COLS: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        first = tl.program_id(0) * BLOCK_N
+        n = first + tl.arange(0, BLOCK_N)
+        m = tl.arange(0, BLOCK_M)
+        kk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + kk
+            x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=(m < M)[:, None] & (k < K)[None, :], other=0.0)
+            w = tl.load(W + n[:, None] * stride_wn + k[None, :], mask=(n < N)[:, None] & (k < K)[None, :], other=0.0)
+            part = tl.dot(x, tl.trans(w.to(x.dtype)))
+            if SCALE_COLS > 0:  # the tile lies in one scale block
+                part *= tl.load(S + (first // SCALE_ROWS) * stride_sn + k0 // SCALE_COLS)
+            acc += part
+        if SCALE_COLS == 0:
+            acc *= tl.load(S + n * stride_sn, mask=n < N, other=0.0)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(Bias + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+        out = Out + m[:, None] * N + n[None, :]
+        tl.store(out, acc.to(Out.dtype.element_ty), mask=(m < M)[:, None] & (n < N)[None, :])
 
     @triton.jit
     def _quantize_kernel(X, Q, S, M, K, stride_xm, stride_sm, stride_sg, GROUP: tl.constexpr, BLOCK: tl.constexpr):

@@ -5,7 +5,8 @@ its first forward (profiling's). ``compiling_ahead(model)`` launches each kernel
 tensors of the model's own widths and dtype (so Triton specializes it as the real calls will)
 while the block runs (the weights being read): the norm, rotary and activation kernels
 (``kernels.fused``), the one-row linear kernel (``kernels.gemv``, per projection shape; for FP8
-weights ``kernels.fp8_gemm``'s, and its activation quantizer for the widths it quantizes), the
+weights ``kernels.fp8_gemm``'s, its few-rows kernel for each row tile and its activation quantizer
+for the widths it quantizes), the
 paged decode kernel (whole and split rows, with the merge) and the KV-write kernel
 (``kernels.paged_kv``, for ``BootstrapConfig``'s default block size). Each kernel function gets
 its own thread, so compiles run side by side and none twice; Triton's own start
@@ -28,6 +29,7 @@ from bootstrap.engine.kernels import fp8_gemm, fused, gemv, paged_kv, triton_sta
 from bootstrap.engine.layers.norm import RMSNorm
 
 TOKENS_PER_BLOCK = BootstrapConfig.model_fields["tokens_per_block"].default
+FEW_ROWS_TILES = (2, 32, 64)  # a row count for each of ``fp8_gemm.few_rows``' row tiles (16, 32, 64)
 log = logging.getLogger(__name__)
 
 
@@ -68,6 +70,8 @@ def _calls(model: torch.nn.Module) -> Iterator[tuple]:
         if isinstance(module, torch.nn.Linear) and module.weight.dtype == fp8_gemm.FP8:
             block = module.fp8_block
             yield ("fp8_row", *module.weight.shape, block, module.bias is not None)
+            for rows in FEW_ROWS_TILES:  # one compile per row tile (``few_rows``' BLOCK_M)
+                yield ("fp8_few", *module.weight.shape, block, module.bias is not None, rows)
             yield ("fp8_quantize", module.weight.shape[1], block[1] if block else module.weight.shape[1])
         if isinstance(module, RMSNorm):
             yield ("norm", module.weight.shape[0], module.offset)
@@ -118,12 +122,15 @@ def _launch(call: tuple, dtype: torch.dtype, device: torch.device) -> None:
         n, k, has_bias = shape
         weight = zeros(1, k).expand(n, k)  # the same specialization as the layer's [n, k] weight, for k elements
         gemv.linear(zeros(1, k), weight, zeros(n) if has_bias else None)
-    elif kind == "fp8_row":
-        n, k, block, has_bias = shape
+    elif kind in ("fp8_row", "fp8_few"):
+        n, k, block, has_bias, *rows = shape
         weight = torch.empty(1, k, dtype=fp8_gemm.FP8, device=device).expand(n, k)
         scales = (-(-n // block[0]), -(-k // block[1])) if block else (n, 1)
-        scale = torch.ones(scales, device=device)
-        fp8_gemm.one_row(zeros(1, k), weight, scale, block, zeros(n) if has_bias else None)
+        scale, bias = torch.ones(scales, device=device), zeros(n) if has_bias else None
+        if not rows:
+            fp8_gemm.one_row(zeros(1, k), weight, scale, block, bias)
+        elif fp8_gemm.product(zeros(rows[0], k), weight, scale, block) == "few_rows":
+            fp8_gemm.few_rows(zeros(rows[0], k), weight, scale, block, bias)
     elif kind == "fp8_quantize":
         k, group = shape
         fp8_gemm.quantize(zeros(2, k), group, pad_rows=fp8_gemm.SCALE_ROWS_PAD if group < k else 1)
