@@ -10,7 +10,7 @@ rows also each product it could take (the weight-only few-rows kernel, and the a
 quantizer with cuBLASLt's FP8 GEMM), which is how ``fp8_gemm.FEW_ROWS`` is picked. ``--sweep
 ROWS`` also times a grid of tiles at those row counts (the one-row kernel's at 1, the few-rows
 kernel's from 2 to 64) and reports the five fastest per layout, which is how ``fp8_gemm.tile`` and
-``few_tile`` are picked. Needs CUDA (8.9+) and Triton.
+``FEW_TILE`` are picked. Needs CUDA (8.9+) and Triton.
 
     python benchmarks/fp8_products.py --rows 1,2,16,64,2048 --sweep 1,16 --out fp8_gemm.json
 """

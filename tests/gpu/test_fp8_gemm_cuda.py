@@ -66,8 +66,13 @@ def test_a_product_is_a_float64_product_of_its_quantized_operands(rows, n, k, bl
     bias = torch.randn(n, device=CUDA, dtype=torch.bfloat16)
     weight = fp8_gemm.dequantize(w, s, block, torch.float64)
     kind = fp8_gemm.product(x, w, s, block)
-    blocks = "blocks" if k != 256 and fp8_gemm.blockwise_supported(CUDA) else "dequantize"  # 256: two column blocks
-    assert kind == ("one_row" if rows == 1 else "few_rows" if rows <= 64 else "rows" if not block else blocks)
+    blocks = k != 256 and fp8_gemm.blockwise_supported(CUDA)  # 256: two column blocks, which cuBLASLt does not take
+    if rows == 1:
+        assert kind == "one_row"
+    elif block is None:
+        assert kind == ("few_rows" if rows <= fp8_gemm.FEW_ROWS else "rows")
+    else:
+        assert kind == ("blocks" if blocks else "few_rows" if rows <= fp8_gemm.FEW_ROWS_MAX else "dequantize")
     if kind in ("one_row", "few_rows", "dequantize"):  # weight-only: the 16-bit rows as they are
         operand = x.double()
     else:  # the row quantized as the GEMM takes it
@@ -79,6 +84,10 @@ def test_a_product_is_a_float64_product_of_its_quantized_operands(rows, n, k, bl
     assert got.shape == (rows, n) and got.dtype == torch.bfloat16
     error = (got.double() - expected).abs().max().item()
     assert error <= 2 * torch.finfo(torch.bfloat16).eps * expected.abs().max().item() + 1e-3, error
+    if 1 < rows <= fp8_gemm.FEW_ROWS_MAX:  # the few-rows kernel wherever it could run, picked or not
+        expected = x.double() @ weight.T + bias.double()
+        error = (fp8_gemm.few_rows(x, w, s, block, bias).double() - expected).abs().max().item()
+        assert error <= 2 * torch.finfo(torch.bfloat16).eps * expected.abs().max().item() + 1e-3, error
 
 
 @pytest.mark.parametrize("block", [None, (128, 128)])

@@ -65,7 +65,7 @@ FEW_ROWS = textwrap.dedent("""
         s = torch.rand(shape) + 0.5
         x, b = torch.randn(rows, k).half(), (torch.randn(n).half() if bias else None)
         expected = x.double() @ dequantize(w, s, block, torch.float64).T + (b.double() if bias else 0)
-        for tile in [(None, None), (16, 256), (32, 128), (64, 64)]:  # (None, None): ``few_tile``'s
+        for tile in [(None, None), (16, 256), (32, 128), (64, 64)]:  # (None, None): ``FEW_TILE``
             got = few_rows(x, w, s, block, b, *tile)
             assert got.shape == (rows, n) and got.dtype == x.dtype
             error = (got.double() - expected).abs().max().item()

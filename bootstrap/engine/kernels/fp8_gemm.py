@@ -34,7 +34,9 @@ FP8_MAX = 448.0
 MIN_AMAX = 1e-12  # a row of zeros still gets a finite scale
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 _BLOCKWISE: dict[torch.device, bool] = {}  # ``blockwise_supported``, per device
-FEW_ROWS = 64  # rows up to which the weight-only ``few_rows`` outruns the FP8 GEMMs (the H200's ``fp8_products``)
+FEW_ROWS = 16  # rows up to which ``few_rows`` outran the row-scaled GEMM on the H200 (not the block-scaled one)
+FEW_ROWS_MAX = 64  # the most rows ``few_rows`` takes (its row tile)
+FEW_TILE = (32, 256)  # ``few_rows``' BLOCK_N x BLOCK_K: the H200 sweep's fastest at 16 rows on each 8B matrix
 SCALE_ROWS_PAD = 4  # cuBLASLt's block-scaled GEMM wants the token count, and the weight's column blocks, in fours
 
 
@@ -87,21 +89,24 @@ def linear(
 
 
 def product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> str:
-    """Which product ``linear`` runs: ``one_row``, ``few_rows`` (up to ``FEW_ROWS``), cuBLASLt's
-    FP8 GEMM with per-token scales (``rows``, the row-scale layouts) or 1 x 128 ones (``blocks``),
-    else ``dequantize``."""
-    if x.shape[0] == 1:
+    """Which product ``linear`` runs: ``one_row``; cuBLASLt's FP8 GEMM with per-token scales
+    (``rows``, the row-scale layouts) or 1 x 128 ones (``blocks``); ``few_rows`` where it measured
+    faster than ``rows`` (up to ``FEW_ROWS``) or where neither GEMM takes the product (up to
+    ``FEW_ROWS_MAX``); else ``dequantize``."""
+    rows = x.shape[0]
+    if rows == 1:
         return "one_row"
-    if x.shape[0] <= FEW_ROWS and (block is None or (block[0] % 16 == 0 and block[1] % 16 == 0)):
-        return "few_rows"
     n, k = weight.shape
-    if n % 16 or k % 16 or x.dtype != torch.bfloat16:  # what cuBLASLt's FP8 GEMM takes (bf16 out)
-        return "dequantize"
-    if block is None:
-        return "rows"
-    if block == (128, 128) and scale.shape[1] % SCALE_ROWS_PAD == 0 and blockwise_supported(x.device):
-        return "blocks"
-    return "dequantize"
+    gemm = None
+    if n % 16 == 0 and k % 16 == 0 and x.dtype == torch.bfloat16:  # what cuBLASLt's FP8 GEMM takes (bf16 out)
+        if block is None:
+            gemm = "rows"
+        elif block == (128, 128) and scale.shape[1] % SCALE_ROWS_PAD == 0 and blockwise_supported(x.device):
+            gemm = "blocks"
+    few = rows <= FEW_ROWS_MAX and (block is None or (block[0] % 16 == 0 and block[1] % 16 == 0))
+    if few and (gemm is None or (gemm == "rows" and rows <= FEW_ROWS)):
+        return "few_rows"
+    return gemm or "dequantize"
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, dtype: torch.dtype):
@@ -225,14 +230,13 @@ def few_rows(
     block_n: int | None = None,
     block_k: int | None = None,
 ) -> torch.Tensor:
-    """``x [M, K] @ (weight * scale).T (+ bias)`` for a few rows (``M`` up to 64), weight-only:
+    """``x [M, K] @ (weight * scale).T (+ bias)`` for a few rows (``M`` up to ``FEW_ROWS_MAX``), weight-only:
     ``tl.dot`` of the 16-bit rows and the e4m3 weight widened in registers, a block's scale
     applied to its partial sums (a tile within one scale block: ``block``'s sides multiples of
-    16), a row's after the sum. ``block_n`` and ``block_k``: the tile, ``few_tile``'s by default."""
+    16), a row's after the sum. ``block_n`` and ``block_k``: the tile, ``FEW_TILE`` by default."""
     rows, k = x.shape
     n = weight.shape[0]
-    chosen = few_tile(n, k)
-    block_n, block_k = block_n or chosen[0], block_k or chosen[1]
+    block_n, block_k = block_n or FEW_TILE[0], block_k or FEW_TILE[1]
     if block is not None:
         block_n, block_k = math.gcd(block_n, block[0]), math.gcd(block_k, block[1])
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -258,11 +262,6 @@ def few_rows(
         num_warps=4,
     )
     return out
-
-
-def few_tile(n: int, k: int) -> tuple[int, int]:
-    """``few_rows``' ``(BLOCK_N, BLOCK_K)`` for an ``[n, k]`` weight."""
-    return (16, 256) if n <= 8192 else (32, 128)
 
 
 if triton is not None:
