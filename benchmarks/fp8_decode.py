@@ -6,13 +6,15 @@ engines built one after another through the pipeline with the default flags but
 settings: ``NAME=DIR,kv_cache_dtype=fp8``).
 
 Per checkpoint and batch size B (prompts of P tokens, G generated, greedy, EOS ignored):
-``prefill_s`` is the wall time of a 1-token generation and ``total_s`` of a G-token one, best
-of ``--repeats``; ``decode_tok_s = B * (G - 1) / (total_s - prefill_s)``. Prefill throughput
-is ``--prefill-batch`` prompts of ``--prefill-len`` tokens with one token each. Roofline: a
-decode step reads every weight but the embedding table once, and the KV of every request:
-``roofline_tok_s = B * bandwidth / (step_weight_bytes + B * kv_bytes_per_token * (P + G / 2))``,
-``bandwidth`` a device-to-device copy measured in the same run (``bench_common``). Agreement: one prompt, 256
-greedy tokens, the share of positions equal to the 16-bit checkpoint's up to its first
+``half_s`` is the wall time of a G/2-token generation and ``total_s`` of a G-token one, best
+of ``--repeats``; ``decode_tok_s = B * (G - G/2) / (total_s - half_s)``: the steps the longer
+run adds, every request decoding (while G/2 outlasts the prompts' prefill steps, which the two
+runs share, long prompts' mixed steps included: ``all_decoding``). Prefill throughput is ``--prefill-batch``
+prompts of ``--prefill-len`` tokens with one token each. Roofline: a decode step reads every
+weight but the embedding table once, and the KV of every request: ``roofline_tok_s = B *
+bandwidth / (step_weight_bytes + B * kv_bytes_per_token * (P + 3G / 4))``,
+``bandwidth`` a device-to-device copy measured in the same run (``bench_common``). Agreement: one prompt,
+``--agreement-tokens`` greedy tokens, the share of positions equal to the 16-bit checkpoint's up to its first
 difference and overall, and how many of the first token's 20 most likely tokens the two share
 (random weights: a sanity check, not an accuracy figure).
 
@@ -31,6 +33,8 @@ from pathlib import Path
 
 import anyio
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when loaded by path
 from bench_common import emit, measure_bandwidth, positive_int, ratio, release_memory, report_header, synchronize
 
 from bootstrap.api import Bootstrap
@@ -38,9 +42,6 @@ from bootstrap.capacity import kv_dtype_bytes
 from bootstrap.config import BootstrapConfig
 from bootstrap.engine import SamplingParams
 from bootstrap.stages.summary import plan_summary
-
-AGREEMENT_TOKENS = 256
-
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -61,8 +62,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--bandwidth-bytes", type=positive_int, default=4 << 30, help="the copy that measures bandwidth"
     )
+    parser.add_argument("--agreement-tokens", type=positive_int, default=256)
     parser.add_argument("--out", type=Path)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.gen_len < 2:
+        parser.error(f"--gen-len: at least 2 (the decode figure times G/2 against G tokens), not {args.gen_len}")
+    return args
 
 
 def prompts(batch: int, length: int, seed: int, vocab: int) -> list[list[int]]:
@@ -116,16 +121,19 @@ async def measure(name: str, side: str, args: argparse.Namespace, bandwidth: flo
         per_batch = {}
         for batch in batches:
             batch_prompts = prompts(batch, args.prompt_len, batch, shape.vocab_size)
-            prefill_s = total_s = float("inf")
+            half, half_s, total_s = args.gen_len // 2, float("inf"), float("inf")
             for _ in range(args.repeats):
-                prefill_s = min(prefill_s, timed(executor, batch_prompts, 1, device)[0])
+                half_s = min(half_s, timed(executor, batch_prompts, half, device)[0])
                 total_s = min(total_s, timed(executor, batch_prompts, args.gen_len, device)[0])
-            decode = batch * (args.gen_len - 1) / (total_s - prefill_s)
-            context = args.prompt_len + args.gen_len / 2
+            decode = batch * (args.gen_len - half) / (total_s - half_s)
+            context = args.prompt_len + 3 * args.gen_len / 4
             step_bytes = weight_bytes + batch * kv_bytes_per_token(shape, kv_dtype) * context
             roofline = batch * bandwidth / step_bytes
+            prefill_steps = -(-batch * args.prompt_len // config.max_num_tokens)
             per_batch[str(batch)] = {
-                "prefill_s": round(prefill_s, 4),
+                "half_s": round(half_s, 4),
+                "prefill_steps": prefill_steps,
+                "all_decoding": half >= prefill_steps,
                 "total_s": round(total_s, 4),
                 "decode_tok_s": round(decode, 1),
                 "roofline_tok_s": round(roofline, 1),
@@ -135,8 +143,10 @@ async def measure(name: str, side: str, args: argparse.Namespace, bandwidth: flo
         long_prompts = prompts(args.prefill_batch, args.prefill_len, 99, shape.vocab_size)
         prefill_s = min(timed(executor, long_prompts, 1, device)[0] for _ in range(args.repeats))
         result["prefill_tok_s"] = round(args.prefill_batch * args.prefill_len / prefill_s, 1)
-        params = SamplingParams(max_tokens=AGREEMENT_TOKENS, ignore_eos=True, logprobs=20)
+        params = SamplingParams(max_tokens=args.agreement_tokens, ignore_eos=True, logprobs=20)
         greedy = executor.generate(prompts(1, 32, 7, shape.vocab_size), params)[0]
+        if greedy.error is not None:
+            raise RuntimeError(f"the agreement request failed: {greedy.error}")
         result["greedy_tokens"], result["first_top"] = list(greedy.token_ids), [t for t, _ in greedy.logprobs[0].top]
         return result
     finally:

@@ -27,7 +27,7 @@
 #   --fp8-kv: instead, the same tests, the 8B and its block twin, fp8_decode.py with a bfloat16 and an fp8 KV cache
 #     (batch 64, 4,096-token prompts), and worst cases on the fp8 cache (every block filled) and on the block
 #     checkpoint, a third invocation:   fp8_tests.xml, fp8_kv_decode.json, fp8_kv_worst_case.json, fp8_worst_case.json
-#     (--fp8 --fp8-kv: both in one invocation, the tests and the checkpoints once: about 7 minutes on the H200)
+#     (--fp8 --fp8-kv: both in one invocation, the tests and the checkpoints once: about 10 minutes on the H200)
 #   --tp2 (two GPUs: nvidia-h200-x2): instead, tests/gpu/test_tensor_parallel_cuda.py (NCCL: answers of one rank, a
 #     SIGTERM and a killed rank mid-stream, no process left on a GPU), then fresh run and serve processes on an 8B
 #     checkpoint at --tp 1 and --tp 2 (cold_start.py), greedy agreement over 256 tokens (tp_agreement.py), decode
@@ -210,11 +210,14 @@ if [ "$FP8" = 1 ] || [ "$FP8_KV" = 1 ]; then  # both flags: one checkpoint writt
       --checkpoint "channel=$WORK/8b-channel" --checkpoint "block=$WORK/8b-block" --out "$OUT/fp8_decode.json"
   fi
   if [ "$FP8_KV" = 1 ]; then
-    run_step fp8_kv_decode 200 python3 benchmarks/fp8_decode.py --checkpoint "bf16=$WORK/8b" \
-      --checkpoint "fp8kv=$WORK/8b,kv_cache_dtype=fp8" --batch-sizes 64 --prompt-len 4096 --repeats 1 \
-      --out "$OUT/fp8_kv_decode.json"
-    run_step fp8_kv_worst_case 150 python3 benchmarks/worst_case_after_capture.py --model "$WORK/8b" \
-      --kv-cache-dtype fp8 --max-batch-size 256 --max-num-tokens 8192 --prompt-len 7000 --gen-len 16 \
+    # G/2 = 128 decode steps outlast the 128 prefill steps of 64 x 4,096 tokens (2,048 a step): all decoding
+    run_step fp8_kv_decode 240 python3 benchmarks/fp8_decode.py --checkpoint "bf16=$WORK/8b" \
+      --checkpoint "fp8kv=$WORK/8b,kv_cache_dtype=fp8" --batch-sizes 64 --prompt-len 4096 --gen-len 256 \
+      --repeats 1 --out "$OUT/fp8_kv_decode.json"
+    # 256 x 7,200 prompt tokens prefilled in 225 steps, then 512 tokens each: more than the pool's ~1.9M tokens
+    # while every request is still running, so every block is taken and the scheduler must preempt
+    run_step fp8_kv_worst_case 300 python3 benchmarks/worst_case_after_capture.py --model "$WORK/8b" \
+      --kv-cache-dtype fp8 --max-batch-size 256 --max-num-tokens 8192 --prompt-len 7200 --gen-len 512 \
       --out "$OUT/fp8_kv_worst_case.json"
   fi
   run_step fp8_worst_case 90 python3 benchmarks/worst_case_after_capture.py --model "$WORK/8b-block" \

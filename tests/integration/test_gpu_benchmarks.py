@@ -292,3 +292,28 @@ def test_live_ops_times_every_operation_against_its_floor_and_the_stress(tmp_pat
     tokens = "bootstrap_generation_tokens_total"
     assert stress["metrics_after"][tokens] > stress["metrics_before"][tokens]
     assert report["exit"] == {**report["exit"], "code": 0, "threads_left": []}
+
+
+def test_fp8_decode_times_the_added_decode_steps_of_each_side_against_the_first(tiny, tmp_path):
+    """Two sides of the tiny model (a bfloat16 and an e4m3 KV cache): each batch's decode figure
+    comes from the steps a G-token run adds to a G/2 one, marked whether every request was
+    decoding through them, and the second side's figures are ratios of the first's."""
+    args = ["--checkpoint", f"bf16={tiny},max_seq_len=64,max_num_tokens=16", "--checkpoint"]
+    args += [f"fp8kv={tiny},max_seq_len=64,max_num_tokens=16,kv_cache_dtype=fp8", "--device", "cpu"]
+    args += ["--batch-sizes", "1,4", "--prompt-len", "8", "--gen-len", "8", "--repeats", "1"]
+    args += ["--prefill-batch", "2", "--prefill-len", "8", "--bandwidth-bytes", "4096", "--agreement-tokens", "16"]
+    report = load_script("fp8_decode").main([*args, "--out", str(tmp_path / "fp8.json")])
+    assert json.loads((tmp_path / "fp8.json").read_text()) == report
+    reference, other = report["results"]["bf16"], report["results"]["fp8kv"]
+    for side in (reference, other):
+        one, four = side["batches"]["1"], side["batches"]["4"]
+        assert (one["prefill_steps"], one["all_decoding"]) == (1, True)
+        assert (four["prefill_steps"], four["all_decoding"]) == (2, True)  # 32 prompt tokens, 16 a step
+        assert all(b["total_s"] > 0 and b["half_s"] > 0 for b in side["batches"].values())
+    assert other["vs_bf16"]["kv_tokens"] == round(other["kv_tokens"] / reference["kv_tokens"], 3)
+    assert other["vs_bf16"]["decode_tok_s"]["4"] == round(
+        other["batches"]["4"]["decode_tok_s"] / reference["batches"]["4"]["decode_tok_s"], 3
+    )
+    with pytest.raises(SystemExit) as exited:
+        load_script("fp8_decode").main([*args, "--gen-len", "1"])
+    assert exited.value.code == 2

@@ -343,7 +343,7 @@ if triton is not None:
         out = Out + m[:, None] * N + n[None, :]
         tl.store(out, acc.to(Out.dtype.element_ty), mask=(m < M)[:, None] & (n < N)[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M", "stride_sg"])  # a step's token count (and its padded rows) vary
     def _quantize_kernel(X, Q, S, M, K, stride_xm, stride_sm, stride_sg, GROUP: tl.constexpr, BLOCK: tl.constexpr):
         m = tl.program_id(0)
         g = tl.program_id(1)
