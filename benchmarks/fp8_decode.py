@@ -43,6 +43,7 @@ from bootstrap.config import BootstrapConfig
 from bootstrap.engine import SamplingParams
 from bootstrap.stages.summary import plan_summary
 
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
