@@ -7,7 +7,8 @@ settings: ``NAME=DIR,kv_cache_dtype=fp8``).
 
 Per checkpoint and batch size B (prompts of P tokens, G generated, greedy, EOS ignored):
 ``half_s`` is the wall time of a G/2-token generation and ``total_s`` of a G-token one, best
-of ``--repeats``; ``decode_tok_s = B * (G - G/2) / (total_s - half_s)``: the steps the longer
+of ``--repeats`` after a first G/2 one (``first_half_s``: its excess is what the batch's first
+requests pay once); ``decode_tok_s = B * (G - G/2) / (total_s - half_s)``: the steps the longer
 run adds, every request decoding (while G/2 outlasts the prompts' prefill steps, which the two
 runs share, long prompts' mixed steps included: ``all_decoding``). Prefill throughput is ``--prefill-batch``
 prompts of ``--prefill-len`` tokens with one token each. Roofline: a decode step reads every
@@ -123,6 +124,7 @@ async def measure(name: str, side: str, args: argparse.Namespace, bandwidth: flo
         for batch in batches:
             batch_prompts = prompts(batch, args.prompt_len, batch, shape.vocab_size)
             half, half_s, total_s = args.gen_len // 2, float("inf"), float("inf")
+            first_half_s = timed(executor, batch_prompts, half, device)[0]  # the shape's one-time costs
             for _ in range(args.repeats):
                 half_s = min(half_s, timed(executor, batch_prompts, half, device)[0])
                 total_s = min(total_s, timed(executor, batch_prompts, args.gen_len, device)[0])
@@ -132,6 +134,7 @@ async def measure(name: str, side: str, args: argparse.Namespace, bandwidth: flo
             roofline = batch * bandwidth / step_bytes
             prefill_steps = -(-batch * args.prompt_len // config.max_num_tokens)
             per_batch[str(batch)] = {
+                "first_half_s": round(first_half_s, 4),
                 "half_s": round(half_s, 4),
                 "prefill_steps": prefill_steps,
                 "all_decoding": half >= prefill_steps,

@@ -309,7 +309,7 @@ def test_fp8_decode_times_the_added_decode_steps_of_each_side_against_the_first(
         one, four = side["batches"]["1"], side["batches"]["4"]
         assert (one["prefill_steps"], one["all_decoding"]) == (1, True)
         assert (four["prefill_steps"], four["all_decoding"]) == (2, True)  # 32 prompt tokens, 16 a step
-        assert all(b["total_s"] > 0 and b["half_s"] > 0 for b in side["batches"].values())
+        assert all(b["total_s"] > 0 and b["half_s"] > 0 and b["first_half_s"] > 0 for b in side["batches"].values())
     assert other["vs_bf16"]["kv_tokens"] == round(other["kv_tokens"] / reference["kv_tokens"], 3)
     assert other["vs_bf16"]["decode_tok_s"]["4"] == round(
         other["batches"]["4"]["decode_tok_s"] / reference["batches"]["4"]["decode_tok_s"], 3
