@@ -4,10 +4,13 @@ For each row count and context length: one layer's attention of a model shape (`
 query heads on ``--kv-heads`` KV heads of ``--head-dim``) over a table as wide as
 ``--max-context`` needs, captured as a CUDA graph and replayed; microseconds per call (CUDA
 events over ``--replays`` replays) with ``splits`` forced to 1, with the count ``num_splits``
-picks, and with each of ``--splits``; then the chosen count's speedup over whole rows. Needs
-CUDA and Triton.
+picks, and with each of ``--splits``; then the chosen count's speedup over whole rows. With
+``--kv-dtypes bfloat16,fp8`` each row is measured on a cache of each dtype (e4m3: scales 1.0),
+with the bytes of K and V read per call and the GB/s of the chosen count, and the speedup of each
+dtype over the first. Needs CUDA and Triton.
 
     python benchmarks/decode_attention_splits.py --rows 1,5,8,32,64 --contexts 576,4096 --out splits.json
+    python benchmarks/decode_attention_splits.py --rows 64 --contexts 4096 --kv-dtypes bfloat16,fp8 --out kv.json
 """
 
 from __future__ import annotations
@@ -25,22 +28,29 @@ def replay_us(call, replays: int) -> float:
     return round(graph_replay_us(call, replays), 2)
 
 
-def measure(args: argparse.Namespace, rows: int, context: int) -> dict:
+KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+
+
+def measure(args: argparse.Namespace, rows: int, context: int, kv_dtype: str = "bfloat16") -> dict:
     tpb = args.tokens_per_block
     width = -(-args.max_context // tpb)
-    kc = torch.randn(rows * width, tpb, args.kv_heads, args.head_dim, device="cuda", dtype=torch.bfloat16)
-    vc = torch.randn_like(kc)
+    kc = torch.randn(rows * width, tpb, args.kv_heads, args.head_dim, device="cuda").to(KV_DTYPES[kv_dtype])
+    vc = torch.randn_like(kc, dtype=torch.float32).to(kc.dtype)
+    scales = (torch.ones(1, device="cuda"), torch.ones(1, device="cuda")) if kv_dtype == "fp8" else None
     tables = torch.randperm(rows * width, device="cuda").view(rows, width)
     lens = torch.full((rows,), context, dtype=torch.long, device="cuda")
     q = torch.randn(rows, args.heads, args.head_dim, device="cuda", dtype=torch.bfloat16)
     auto = paged_kv.num_splits(rows * args.kv_heads, width, paged_kv.programs_wanted(q.device))
 
     def run(splits: int) -> float:
-        return replay_us(lambda: paged_kv.paged_decode(q, kc, vc, tables, lens, None, splits=splits), args.replays)
+        call = lambda: paged_kv.paged_decode(q, kc, vc, tables, lens, None, splits=splits, scales=scales)  # noqa: E731
+        return replay_us(call, args.replays)
 
     row = {
         "rows": rows,
         "context": context,
+        "kv_dtype": kv_dtype,
+        "kv_bytes": 2 * rows * context * args.kv_heads * args.head_dim * kc.element_size(),
         "table_width": width,
         "auto_splits": auto,
         "whole_us": run(1),
@@ -48,7 +58,15 @@ def measure(args: argparse.Namespace, rows: int, context: int) -> dict:
         "forced_us": {str(s): run(s) for s in args.splits if s != 1},
     }
     row["speedup_auto"] = ratio(row["whole_us"], row["auto_us"])
+    row["auto_gb_per_s"] = round(row["kv_bytes"] / row["auto_us"] / 1e3, 1)
     return row
+
+
+def kv_dtypes(text: str) -> list[str]:
+    names = text.split(",")
+    if not names or any(name not in KV_DTYPES for name in names):
+        raise argparse.ArgumentTypeError(f"each of {', '.join(KV_DTYPES)}, comma-separated, not {text!r}")
+    return names
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -62,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens-per-block", type=int, default=32)
     parser.add_argument("--splits", type=int_list, default=[2, 4, 8, 16])
     parser.add_argument("--replays", type=int, default=200)
+    parser.add_argument("--kv-dtypes", type=kv_dtypes, default=["bfloat16"], help="comma-separated: bfloat16, fp8")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or not paged_kv.available(torch.device("cuda"), args.tokens_per_block):
@@ -73,8 +92,11 @@ def main(argv: list[str] | None = None) -> None:
     }
     for context in (int(c) for c in args.contexts.split(",")):
         for rows in (int(r) for r in args.rows.split(",")):
-            report["results"].append(measure(args, rows, context))
-            print(report["results"][-1], flush=True)
+            sides = [measure(args, rows, context, kv_dtype) for kv_dtype in args.kv_dtypes]
+            for side in sides[1:]:
+                side["speedup_over_" + sides[0]["kv_dtype"]] = ratio(sides[0]["auto_us"], side["auto_us"])
+            report["results"].extend(sides)
+            print(*sides, sep="\n", flush=True)
             save(report, args.out)
     emit(report, args.out)
 
