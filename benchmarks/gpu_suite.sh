@@ -24,12 +24,13 @@
 #     the few-rows tile sweep at 16 rows), then an 8B checkpoint written with its two FP8 twins (benchmarks/quantize_checkpoint.py:
 #     channel and block layouts), benchmarks/fp8_decode.py on the three and a worst case on the block checkpoint,
 #     a second invocation:   fp8_tests.xml, fp8_products.json, fp8_decode.json, fp8_worst_case.json
-#   --fp8-kv: instead, the same tests, the paged decode kernel on a bfloat16 and an e4m3 cache
-#     (decode_attention_splits.py), the 8B and its block twin, fp8_decode.py with a bfloat16 and an fp8 KV cache
-#     (batch 64, 4,096-token prompts), and worst cases on the fp8 cache (every block filled) and on the block
-#     checkpoint, a third invocation:   fp8_tests.xml, fp8_kv_kernel.json, fp8_kv_decode.json, fp8_kv_worst_case.json,
-#     fp8_worst_case.json
-#     (--fp8 --fp8-kv: both in one invocation, the tests and the checkpoints once: about 8 minutes on the H200)
+#   --fp8-kv: instead, the same tests, the paged decode kernel and a prefill chunk's attention on a bfloat16 and an
+#     e4m3 cache (decode_attention_splits.py, prefill_chunk_attention.py), the 8B and its block twin, fp8_decode.py
+#     with a bfloat16 and an fp8 KV cache (batch 64, 4,096-token prompts), and worst cases on the fp8 cache (every
+#     block filled) and on the block checkpoint, a third invocation:   fp8_tests.xml, fp8_kv_kernel.json,
+#     prefill_chunk.json, fp8_kv_decode.json, fp8_kv_worst_case.json, fp8_worst_case.json
+#     (--fp8 --fp8-kv: both in one invocation, the tests and the checkpoints once: about 8 minutes on the H200, but
+#     10 files, 2 more than the device tool brings back: run them apart there)
 #   --tp2 (two GPUs: nvidia-h200-x2): instead, tests/gpu/test_tensor_parallel_cuda.py (NCCL: answers of one rank, a
 #     SIGTERM and a killed rank mid-stream, no process left on a GPU), then fresh run and serve processes on an 8B
 #     checkpoint at --tp 1 and --tp 2 (cold_start.py), greedy agreement over 256 tokens (tp_agreement.py), decode
@@ -214,6 +215,8 @@ if [ "$FP8" = 1 ] || [ "$FP8_KV" = 1 ]; then  # both flags: one checkpoint writt
   if [ "$FP8_KV" = 1 ]; then
     run_step fp8_kv_kernel 60 python3 benchmarks/decode_attention_splits.py --rows 1,64 --contexts 4096 \
       --kv-dtypes bfloat16,fp8 --splits 2,4 --out "$OUT/fp8_kv_kernel.json"
+    run_step prefill_chunk 60 python3 benchmarks/prefill_chunk_attention.py --kv-dtypes bfloat16,fp8 \
+      --out "$OUT/prefill_chunk.json"
     # G/2 = 128 decode steps outlast the 128 prefill steps of 64 x 4,096 tokens (2,048 a step): all decoding
     run_step fp8_kv_decode 240 python3 benchmarks/fp8_decode.py --checkpoint "bf16=$WORK/8b" \
       --checkpoint "fp8kv=$WORK/8b,kv_cache_dtype=fp8" --batch-sizes 64 --prompt-len 4096 --gen-len 256 \

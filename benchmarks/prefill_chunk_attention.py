@@ -1,0 +1,127 @@
+"""One layer's attention of a prefill chunk after cached tokens, as the engine runs it, over
+shapes it has not seen and then over the same shapes again.
+
+A long prompt split in ``max_num_tokens`` chunks attends, from its second chunk on, its cached
+tokens and its own (``attention.attend``: the cache gathered, SDPA with an explicit mask). For
+each ``--kv-dtypes`` entry: a one-layer pool of the model shape, one request whose ``--chunk``
+new tokens follow ``context - chunk`` cached ones, for ``--shapes`` contexts from ``--context``
+up in steps of ``--stride`` tokens; milliseconds per call on the first pass over the shapes
+(after one call at a shape outside them) and on a second pass over the same ones (their ratio:
+what a shape's first call pays once), and the SDPA backend torch picks for the masked call. The
+8B's first batch of 64 x 4,096-token prompts ran ~13.6 s slower than the same batch after it;
+this times the step it spent them in.
+
+    python benchmarks/prefill_chunk_attention.py --kv-dtypes bfloat16,fp8 --out prefill_chunk.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when loaded by path
+from bench_common import emit, positive_int, ratio, report_header, resolve_device, synchronize
+
+from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
+from bootstrap.engine.layers.attention import AttentionMetadata, attend
+
+KV_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "fp8": torch.float8_e4m3fn}
+
+
+def kv_dtypes(text: str) -> list[str]:
+    names = text.split(",")
+    if any(name not in KV_DTYPES for name in names):
+        raise argparse.ArgumentTypeError(f"each of {', '.join(KV_DTYPES)}, comma-separated, not {text!r}")
+    return names
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="queries, keys, values")
+    parser.add_argument("--kv-dtypes", type=kv_dtypes, default=["bfloat16"])
+    parser.add_argument("--heads", type=positive_int, default=32)
+    parser.add_argument("--kv-heads", type=positive_int, default=8)
+    parser.add_argument("--head-dim", type=positive_int, default=128)
+    parser.add_argument("--tokens-per-block", type=positive_int, default=32)
+    parser.add_argument("--chunk", type=positive_int, default=2048)
+    parser.add_argument("--context", type=positive_int, default=4096, help="cached plus new tokens, first shape")
+    parser.add_argument("--stride", type=positive_int, default=37)
+    parser.add_argument("--shapes", type=positive_int, default=8)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    if args.chunk >= args.context:
+        parser.error(f"--chunk: below --context ({args.context}), so tokens are cached before it, not {args.chunk}")
+    return args
+
+
+def step(pool: PagedKVCache, context: int, chunk: int) -> AttentionMetadata:
+    """One request, blocks 0.. in order, its last ``chunk`` tokens new."""
+    tpb = pool.tokens_per_block
+    blocks = -(-context // tpb)
+    device = pool.device
+    slots = torch.arange(context - chunk, context, device=device)  # block i holds positions i * tpb ..
+    lens = lambda n: torch.tensor([n], device=device)  # noqa: E731
+    tables = torch.arange(blocks, device=device).unsqueeze(0)
+    return AttentionMetadata.single(pool, slots, tables, lens(context), lens(chunk), chunk, blocks)
+
+
+def backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> str | None:
+    """The backend SDPA picks for the masked call (torch's private chooser; None where absent)."""
+    try:
+        choice = torch._fused_sdp_choice(q, k, v, mask, 0.0, False, enable_gqa=k.shape[1] != q.shape[1])
+        return torch.nn.attention.SDPBackend(choice).name
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return None
+
+
+def measure(args: argparse.Namespace, kv_dtype: str, device: torch.device) -> dict:
+    dtype = getattr(torch, args.dtype)
+    contexts = [args.context + i * args.stride for i in range(args.shapes)]
+    tpb = args.tokens_per_block
+    spec = KVCacheSpec(1, args.kv_heads, args.head_dim, KV_DTYPES[kv_dtype])
+    pool = PagedKVCache(spec, -(-contexts[-1] // tpb), tpb, device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    new = lambda heads: torch.randn(args.chunk, heads, args.head_dim, generator=generator, device=device, dtype=dtype)  # noqa: E731
+    q, k, v = new(args.heads), new(args.kv_heads), new(args.kv_heads)
+    attend(step(pool, contexts[0] - 1, args.chunk), 0, q, k, v, args.head_dim**-0.5)  # the process's own first costs
+    passes = []
+    for _ in range(2):
+        seconds = []
+        for context in contexts:
+            meta = step(pool, context, args.chunk)
+            synchronize(device)
+            start = time.perf_counter()
+            attend(meta, 0, q, k, v, args.head_dim**-0.5)
+            synchronize(device)
+            seconds.append(time.perf_counter() - start)
+        passes.append(round(1e3 * sum(seconds) / len(seconds), 3))
+    group = step(pool, contexts[0], args.chunk).groups[0]
+    padded_q = q[group.query_index].transpose(1, 2)
+    gathered = torch.zeros(1, args.kv_heads, group.kv_slots.shape[1], args.head_dim, device=device, dtype=dtype)
+    return {
+        "kv_dtype": kv_dtype,
+        "contexts": contexts,
+        "first_pass_ms": passes[0],
+        "second_pass_ms": passes[1],
+        "first_over_second": ratio(passes[0], passes[1]),
+        "sdpa_backend": backend(padded_q, gathered, gathered, group.mask(None)),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    device = resolve_device(args.device)
+    report = report_header("prefill_chunk_attention", argv, device)
+    report["shape"] = {k: getattr(args, k) for k in ("heads", "kv_heads", "head_dim", "tokens_per_block", "chunk")}
+    report["results"] = [measure(args, kv_dtype, device) for kv_dtype in args.kv_dtypes]
+    emit(report, args.out)
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
