@@ -7,7 +7,8 @@ events over ``--replays`` replays) with ``splits`` forced to 1, with the count `
 picks, and with each of ``--splits``; then the chosen count's speedup over whole rows. With
 ``--kv-dtypes bfloat16,fp8`` each row is measured on a cache of each dtype (e4m3: scales 1.0),
 with the bytes of K and V read per call and the GB/s of the chosen count, and the speedup of each
-dtype over the first. Needs CUDA and Triton.
+dtype over the first; ``--blocks-per-step`` adds the chosen count with the kernel reading that
+many blocks an iteration. Needs CUDA and Triton.
 
     python benchmarks/decode_attention_splits.py --rows 1,5,8,32,64 --contexts 576,4096 --out splits.json
     python benchmarks/decode_attention_splits.py --rows 64 --contexts 4096 --kv-dtypes bfloat16,fp8 --out kv.json
@@ -42,8 +43,12 @@ def measure(args: argparse.Namespace, rows: int, context: int, kv_dtype: str = "
     q = torch.randn(rows, args.heads, args.head_dim, device="cuda", dtype=torch.bfloat16)
     auto = paged_kv.num_splits(rows * args.kv_heads, width, paged_kv.programs_wanted(q.device))
 
-    def run(splits: int) -> float:
-        call = lambda: paged_kv.paged_decode(q, kc, vc, tables, lens, None, splits=splits, scales=scales)  # noqa: E731
+    def run(splits: int, step: int = 1) -> float:
+        def call():
+            return paged_kv.paged_decode(
+                q, kc, vc, tables, lens, None, splits=splits, scales=scales, blocks_per_step=step
+            )
+
         return replay_us(call, args.replays)
 
     row = {
@@ -56,6 +61,7 @@ def measure(args: argparse.Namespace, rows: int, context: int, kv_dtype: str = "
         "whole_us": run(1),
         "auto_us": run(auto),
         "forced_us": {str(s): run(s) for s in args.splits if s != 1},
+        "blocks_per_step_us": {str(n): run(auto, n) for n in args.blocks_per_step if n != 1},
     }
     row["speedup_auto"] = ratio(row["whole_us"], row["auto_us"])
     row["auto_gb_per_s"] = round(row["kv_bytes"] / row["auto_us"] / 1e3, 1)
@@ -80,9 +86,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens-per-block", type=int, default=32)
     parser.add_argument("--splits", type=int_list, default=[2, 4, 8, 16])
     parser.add_argument("--replays", type=int, default=200)
+    parser.add_argument("--blocks-per-step", type=int_list, default=[], help="also the chosen splits at these")
     parser.add_argument("--kv-dtypes", type=kv_dtypes, default=["bfloat16"], help="comma-separated: bfloat16, fp8")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    if any(n < 1 or n & (n - 1) for n in args.blocks_per_step):
+        parser.error(f"--blocks-per-step: powers of two from 1, not {args.blocks_per_step}")
     if not torch.cuda.is_available() or not paged_kv.available(torch.device("cuda"), args.tokens_per_block):
         raise SystemExit("needs CUDA and Triton")
     report = {

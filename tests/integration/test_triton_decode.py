@@ -46,6 +46,19 @@ SCRIPT = textwrap.dedent("""
             for b in range(B):
                 torch.testing.assert_close(got[b], reference(b, window, softcap), atol=1e-5, rtol=1e-5)
 
+    # two and four blocks an iteration (the benchmark's to vary): the same answers; three refused
+    for step in [2, 4]:
+        for splits in [None, 3]:
+            for window, softcap in [(None, None), (7, 1.5)]:
+                got = paged_decode(q, kc, vc, tables, lens, 0.3, window, softcap, splits, blocks_per_step=step).double()
+                for b in range(B):
+                    torch.testing.assert_close(got[b], reference(b, window, softcap), atol=1e-5, rtol=1e-5)
+    try:
+        paged_decode(q, kc, vc, tables, lens, 0.3, blocks_per_step=3)
+        raise AssertionError("blocks_per_step=3 was accepted")
+    except ValueError as exc:
+        assert "blocks_per_step" in str(exc)
+
     # q as attention gets it: a view of the fused q/k/v rows (row stride past H * D), read in place
     qkv = torch.randn(B, (H + 2 * KVH) * D)
     view = qkv[:, : H * D].view(B, H, D)
@@ -73,9 +86,9 @@ SCRIPT = textwrap.dedent("""
     scales = (torch.tensor(0.7), torch.tensor(1.3))
     kc8, vc8 = to_fp8(kc, scales[0]), to_fp8(vc, scales[1])
     kd, vd = kc8.float() * scales[0], vc8.float() * scales[1]
-    for splits in [1, 3]:
+    for splits, step in [(1, 1), (3, 1), (3, 2)]:
         for window, softcap in [(None, None), (7, 1.5)]:
-            got = paged_decode(q, kc8, vc8, tables, lens, 0.3, window, softcap, splits, scales=scales).double()
+            got = paged_decode(q, kc8, vc8, tables, lens, 0.3, window, softcap, splits, scales, step).double()
             for b in range(B):
                 want = reference(b, window, softcap, kc=kd, vc=vd)
                 torch.testing.assert_close(got[b], want, atol=1e-5, rtol=1e-5)

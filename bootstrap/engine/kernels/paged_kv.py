@@ -93,6 +93,7 @@ if triton is not None:
         HEADS: tl.constexpr,
         SPLIT: tl.constexpr,
         SCALED: tl.constexpr,
+        STEP: tl.constexpr,
     ):
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -101,7 +102,7 @@ if triton is not None:
             scale = scale * tl.load(KScale)
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, D_PAD)
-        t = tl.arange(0, TPB)
+        t = tl.arange(0, TPB * STEP)  # an iteration's tokens: STEP blocks
         heads = kv_head * GROUP + g
         q_mask = (g < GROUP)[:, None] & (d < D)[None, :]
         q = tl.load(Q + row * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
@@ -120,12 +121,18 @@ if triton is not None:
         lo, hi = first, last
         if STATIC_BLOCKS > 0:  # Triton's CPU interpreter: every column, the masks do the rest
             first, last = 0, STATIC_BLOCKS
-        for i in range(first, last):
-            block = tl.load(Tables + row * stride_tb + i).to(tl.int64)
+        for i in range(first, last, STEP):
             pos = i * TPB + t
             valid = (pos < length) & (pos >= start) & (pos >= lo * TPB) & (pos < hi * TPB)
             kv_mask = valid[:, None] & (d < D)[None, :]
-            offsets = block * stride_kb + t[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
+            if STEP == 1:  # one block id for the iteration
+                block = tl.load(Tables + row * stride_tb + i).to(tl.int64)
+                offsets = block * stride_kb + t[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
+            else:  # each token's block id, columns past the run masked
+                col = i + t // TPB
+                block = tl.load(Tables + row * stride_tb + col, mask=col < last, other=0).to(tl.int64)
+                rows_at = block[:, None] * stride_kb + (t % TPB)[:, None] * stride_kt
+                offsets = rows_at + kv_head * stride_kh + d[None, :]
             k = tl.load(K + offsets, mask=kv_mask, other=0.0).to(q.dtype)
             v = tl.load(V + offsets, mask=kv_mask, other=0.0).to(q.dtype)
             if IEEE:  # noqa: SIM108 -- a constexpr branch, resolved when the kernel compiles
@@ -278,10 +285,14 @@ def paged_decode(
     softcap: float | None = None,
     splits: int | None = None,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    blocks_per_step: int = 1,
 ) -> torch.Tensor:
     """``q [B, H, D]`` (one token per row) against caches ``[blocks, tpb, KVH, D]``; ``[B, H, D]``.
     ``scale`` None: ``head_dim ** -0.5``, as SDPA's default. ``splits``: runs per row (None:
-    ``num_splits`` for this grid and table width). ``scales``: an e4m3 pool's key and value scales."""
+    ``num_splits`` for this grid and table width). ``scales``: an e4m3 pool's key and value scales.
+    ``blocks_per_step``: blocks each loop iteration reads, a power of two (the benchmark's to vary)."""
+    if blocks_per_step < 1 or blocks_per_step & (blocks_per_step - 1):
+        raise ValueError(f"blocks_per_step must be a power of two >= 1, got {blocks_per_step}")
     rows, heads, head_dim = q.shape
     scale = scale if scale is not None else head_dim**-0.5
     _, tpb, kv_heads, _ = k_cache.shape
@@ -328,6 +339,7 @@ def paged_decode(
         HEADS=heads,
         SPLIT=splits > 1,
         SCALED=scales is not None,
+        STEP=blocks_per_step,
         num_warps=4,
     )
     if splits > 1:
