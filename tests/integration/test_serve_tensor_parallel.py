@@ -279,9 +279,15 @@ def test_two_torchrun_agents_with_nnodes_2_serve_as_one_launcher(llama, servers,
         while "bootstrap serve: stopped; no thread left" not in log.read_text() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert "rank 1 heard a stop signal: shutting down" in log.read_text()
-        agents[serving_node].send_signal(signal.SIGTERM)  # its agent waits for the other at torchrun's exit barrier
-        for agent in agents:  # torchrun itself ends with status 1 on a signal, whatever its ranks did
-            agent.wait(EXIT_BOUND_S)
+        agents[1 - serving_node].wait(EXIT_BOUND_S)  # the agent signalled ends (status 1, whatever its rank did)
+        # The serving agent, its rank ended, waits for the other at torchrun's exit barrier: a C++ store
+        # wait that defers a signal up to the barrier's 300 s, so its own end is not awaited here; its
+        # rank's is.
+        agents[serving_node].send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + EXIT_BOUND_S
+        while _children(agents[serving_node]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _children(agents[serving_node]) == []
     finally:
         for agent, log in zip(agents, logs):
             if agent.poll() is None:
@@ -292,6 +298,11 @@ def test_two_torchrun_agents_with_nnodes_2_serve_as_one_launcher(llama, servers,
     assert sorted(text.count("Uvicorn running") for text in texts) == [0, 1]  # one rank opened the port
     assert sum("bootstrap serve: stopped; no thread left" in text for text in texts) == 1
     assert not any("out of step" in text or "stopped answering" in text for text in texts)
+
+
+def _children(process: subprocess.Popen) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout
+    return [int(pid) for pid in out.split()]
 
 
 def _free_port() -> int:
