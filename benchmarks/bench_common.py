@@ -8,12 +8,14 @@ load generator of ``serve_load.py``) can use the output helpers without paying f
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import gc
 import json
 import os
 import platform
 import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -115,6 +117,19 @@ def positive_int(text: str) -> int:
 def int_list(text: str) -> list[int]:
     """``"1,16,64"`` as ``[1, 16, 64]`` (an argparse ``type``)."""
     return [int(v) for v in text.split(",")]
+
+
+def name_list(choices: Iterable[str]) -> Callable[[str], list[str]]:
+    """An argparse ``type``: comma-separated names, each one of ``choices``."""
+    allowed = list(choices)
+
+    def parse(text: str) -> list[str]:
+        names = text.split(",")
+        if any(name not in allowed for name in names):
+            raise argparse.ArgumentTypeError(f"each of {', '.join(allowed)}, comma-separated, not {text!r}")
+        return names
+
+    return parse
 
 
 def graph_replay_us(call, replays: int) -> float:

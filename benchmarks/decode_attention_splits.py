@@ -20,8 +20,9 @@ import argparse
 from pathlib import Path
 
 import torch
-from bench_common import emit, graph_replay_us, int_list, ratio, report_header, save
+from bench_common import emit, graph_replay_us, int_list, name_list, ratio, report_header, save
 
+from bootstrap.backends.native.loading import KV_DTYPES as LOADING_KV_DTYPES
 from bootstrap.engine.kernels import paged_kv
 
 
@@ -29,7 +30,7 @@ def replay_us(call, replays: int) -> float:
     return round(graph_replay_us(call, replays), 2)
 
 
-KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+KV_DTYPES = {name: LOADING_KV_DTYPES[name] for name in ("bfloat16", "fp8")}
 
 
 def measure(args: argparse.Namespace, rows: int, context: int, kv_dtype: str = "bfloat16") -> dict:
@@ -68,13 +69,6 @@ def measure(args: argparse.Namespace, rows: int, context: int, kv_dtype: str = "
     return row
 
 
-def kv_dtypes(text: str) -> list[str]:
-    names = text.split(",")
-    if not names or any(name not in KV_DTYPES for name in names):
-        raise argparse.ArgumentTypeError(f"each of {', '.join(KV_DTYPES)}, comma-separated, not {text!r}")
-    return names
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="1,5,8,32,64")
@@ -87,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--splits", type=int_list, default=[2, 4, 8, 16])
     parser.add_argument("--replays", type=int, default=200)
     parser.add_argument("--blocks-per-step", type=int_list, default=[], help="also the chosen splits at these")
-    parser.add_argument("--kv-dtypes", type=kv_dtypes, default=["bfloat16"], help="comma-separated: bfloat16, fp8")
+    parser.add_argument("--kv-dtypes", type=name_list(KV_DTYPES), default=["bfloat16"], help="bfloat16, fp8")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if any(n < 1 or n & (n - 1) for n in args.blocks_per_step):

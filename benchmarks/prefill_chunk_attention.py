@@ -28,26 +28,20 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when loaded by path
-from bench_common import emit, positive_int, ratio, report_header, resolve_device, synchronize
+from bench_common import emit, name_list, positive_int, ratio, report_header, resolve_device, synchronize
 
+from bootstrap.backends.native.loading import KV_DTYPES as LOADING_KV_DTYPES
 from bootstrap.engine.kv_cache import KVCacheSpec, PagedKVCache
 from bootstrap.engine.layers.attention import AttentionMetadata, attend
 
-KV_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "fp8": torch.float8_e4m3fn}
-
-
-def kv_dtypes(text: str) -> list[str]:
-    names = text.split(",")
-    if any(name not in KV_DTYPES for name in names):
-        raise argparse.ArgumentTypeError(f"each of {', '.join(KV_DTYPES)}, comma-separated, not {text!r}")
-    return names
+KV_DTYPES = {name: LOADING_KV_DTYPES[name] for name in ("bfloat16", "float32", "fp8")}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="queries, keys, values")
-    parser.add_argument("--kv-dtypes", type=kv_dtypes, default=["bfloat16"])
+    parser.add_argument("--kv-dtypes", type=name_list(KV_DTYPES), default=["bfloat16"])
     parser.add_argument("--heads", type=positive_int, default=32)
     parser.add_argument("--kv-heads", type=positive_int, default=8)
     parser.add_argument("--head-dim", type=positive_int, default=128)

@@ -80,11 +80,15 @@ class ServeProcess:
         self._log.close()
 
 
+def children(process: subprocess.Popen) -> list[int]:
+    """The process's child processes, lowest pid first."""
+    out = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout
+    return sorted(int(pid) for pid in out.split())
+
+
 def rank_pids(launcher: subprocess.Popen) -> list[int]:
     """The launcher's rank processes (its children running torch's spawn), rank 0 first."""
-    out = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout
-    pids = sorted(int(pid) for pid in out.split())
-    return [pid for pid in pids if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    return [pid for pid in children(launcher) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
 
 
 def metric(text: str, name: str, **labels: str) -> float:

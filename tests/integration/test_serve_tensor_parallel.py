@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers.serve_process import ROOT, ServeProcess, metric, metric_or_0, rank_pids
+from helpers.serve_process import ROOT, ServeProcess, children, metric, metric_or_0, rank_pids
 
 ARGS = ("--max-num-tokens", "64", "--max-batch-size", "4", "--max-seq-len", "512", "--no-plan-cache")
 PROMPT = "w5 w17 w33 w9 w100 w42 w7"
@@ -285,9 +285,9 @@ def test_two_torchrun_agents_with_nnodes_2_serve_as_one_launcher(llama, servers,
         # rank's is.
         agents[serving_node].send_signal(signal.SIGTERM)
         deadline = time.monotonic() + EXIT_BOUND_S
-        while _children(agents[serving_node]) and time.monotonic() < deadline:
+        while children(agents[serving_node]) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _children(agents[serving_node]) == []
+        assert children(agents[serving_node]) == []
     finally:
         for agent, log in zip(agents, logs):
             if agent.poll() is None:
@@ -298,11 +298,6 @@ def test_two_torchrun_agents_with_nnodes_2_serve_as_one_launcher(llama, servers,
     assert sorted(text.count("Uvicorn running") for text in texts) == [0, 1]  # one rank opened the port
     assert sum("bootstrap serve: stopped; no thread left" in text for text in texts) == 1
     assert not any("out of step" in text or "stopped answering" in text for text in texts)
-
-
-def _children(process: subprocess.Popen) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout
-    return [int(pid) for pid in out.split()]
 
 
 def _free_port() -> int:
