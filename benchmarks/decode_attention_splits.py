@@ -8,7 +8,8 @@ picks, and with each of ``--splits``; then the chosen count's speedup over whole
 ``--kv-dtypes bfloat16,fp8`` each row is measured on a cache of each dtype (e4m3: scales 1.0),
 with the bytes of K and V read per call and the GB/s of the chosen count, and the speedup of each
 dtype over the first; ``--blocks-per-step`` adds the chosen count with the kernel reading that
-many blocks an iteration. Needs CUDA and Triton.
+many blocks an iteration, ``--float16-dots`` the chosen count with float16 dots (at one block an
+iteration and at each ``--blocks-per-step``). Needs CUDA and Triton.
 
     python benchmarks/decode_attention_splits.py --rows 1,5,8,32,64 --contexts 576,4096 --out splits.json
     python benchmarks/decode_attention_splits.py --rows 64 --contexts 4096 --kv-dtypes bfloat16,fp8 --out kv.json
@@ -44,10 +45,10 @@ def measure(args: argparse.Namespace, rows: int, context: int, kv_dtype: str = "
     q = torch.randn(rows, args.heads, args.head_dim, device="cuda", dtype=torch.bfloat16)
     auto = paged_kv.num_splits(rows * args.kv_heads, width, paged_kv.programs_wanted(q.device))
 
-    def run(splits: int, step: int = 1) -> float:
+    def run(splits: int, step: int = 1, dots: torch.dtype | None = None) -> float:
         def call():
             return paged_kv.paged_decode(
-                q, kc, vc, tables, lens, None, splits=splits, scales=scales, blocks_per_step=step
+                q, kc, vc, tables, lens, None, splits=splits, scales=scales, blocks_per_step=step, dot_dtype=dots
             )
 
         return replay_us(call, args.replays)
@@ -64,6 +65,9 @@ def measure(args: argparse.Namespace, rows: int, context: int, kv_dtype: str = "
         "forced_us": {str(s): run(s) for s in args.splits if s != 1},
         "blocks_per_step_us": {str(n): run(auto, n) for n in args.blocks_per_step if n != 1},
     }
+    if args.float16_dots:
+        steps = dict.fromkeys([1, *args.blocks_per_step])
+        row["float16_dots_us"] = {str(n): run(auto, n, torch.float16) for n in steps}
     row["speedup_auto"] = ratio(row["whole_us"], row["auto_us"])
     row["auto_gb_per_s"] = round(row["kv_bytes"] / row["auto_us"] / 1e3, 1)
     return row
@@ -81,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--splits", type=int_list, default=[2, 4, 8, 16])
     parser.add_argument("--replays", type=int, default=200)
     parser.add_argument("--blocks-per-step", type=int_list, default=[], help="also the chosen splits at these")
+    parser.add_argument("--float16-dots", action="store_true", help="also the chosen splits with float16 dots")
     parser.add_argument("--kv-dtypes", type=name_list(KV_DTYPES), default=["bfloat16"], help="bfloat16, fp8")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)

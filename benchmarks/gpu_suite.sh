@@ -214,7 +214,7 @@ if [ "$FP8" = 1 ] || [ "$FP8_KV" = 1 ]; then  # both flags: one checkpoint writt
   fi
   if [ "$FP8_KV" = 1 ]; then
     run_step fp8_kv_kernel 60 python3 benchmarks/decode_attention_splits.py --rows 1,64 --contexts 4096 \
-      --kv-dtypes bfloat16,fp8 --splits 2,4 --blocks-per-step 2,4 --out "$OUT/fp8_kv_kernel.json"
+      --kv-dtypes bfloat16,fp8 --splits 2,4 --blocks-per-step 2,4 --float16-dots --out "$OUT/fp8_kv_kernel.json"
     run_step prefill_chunk 60 python3 benchmarks/prefill_chunk_attention.py --kv-dtypes bfloat16,fp8 \
       --out "$OUT/prefill_chunk.json"
     # G/2 = 128 decode steps outlast the 128 prefill steps of 64 x 4,096 tokens (2,048 a step): all decoding

@@ -40,9 +40,10 @@ def test_the_write_kernel_stores_torchs_rounding_of_keys_over_their_scale():
     assert torch.equal(stored_v, to_fp8(value, scales[1]).view(torch.uint8))
 
 
+@pytest.mark.parametrize("dots", [None, torch.float16])
 @pytest.mark.parametrize("splits, step", [(1, 1), (4, 1), (1, 2), (4, 4)])
-def test_the_decode_kernel_reads_the_pool_scaled_back(splits, step):
-    """Also with 2 and 4 blocks an iteration (``blocks_per_step``, the benchmark's to vary)."""
+def test_the_decode_kernel_reads_the_pool_scaled_back(splits, step, dots):
+    """Also with 2 and 4 blocks an iteration and float16 dots (the benchmark's to vary)."""
     torch.manual_seed(1)
     rows, heads, kv_heads, head_dim, tpb, blocks = 3, 32, 8, 128, 16, 40
     scales = (torch.tensor(0.25, device=CUDA), torch.tensor(0.5, device=CUDA))
@@ -52,7 +53,9 @@ def test_the_decode_kernel_reads_the_pool_scaled_back(splits, step):
     tables = torch.randperm(blocks, device=CUDA)[: rows * 12].view(rows, 12)
     lens = torch.tensor([190, 17, 100], device=CUDA)
     q = torch.randn(rows, heads, head_dim, device=CUDA, dtype=torch.bfloat16)
-    got = paged_kv.paged_decode(q, k8, v8, tables, lens, None, splits=splits, scales=scales, blocks_per_step=step)
+    got = paged_kv.paged_decode(
+        q, k8, v8, tables, lens, None, splits=splits, scales=scales, blocks_per_step=step, dot_dtype=dots
+    )
     kd, vd = (k8.double() * scales[0].double()), (v8.double() * scales[1].double())
     for row in range(rows):
         n = int(lens[row])

@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent("""
     lens = torch.tensor([40, 70, 5])
     q = torch.randn(B, H, D)
 
-    def reference(b, window, softcap, scale=0.3, kc=kc, vc=vc):
+    def reference(b, window, softcap, scale=0.3, kc=kc, vc=vc, q=q):
         n = int(lens[b])
         slots = torch.tensor([int(tables[b][p // TPB]) * TPB + p % TPB for p in range(n)])
         k = kc.view(-1, KVH, D)[slots].double().repeat_interleave(H // KVH, 1)
@@ -92,6 +92,20 @@ SCRIPT = textwrap.dedent("""
             for b in range(B):
                 want = reference(b, window, softcap, kc=kd, vc=vd)
                 torch.testing.assert_close(got[b], want, atol=1e-5, rtol=1e-5)
+    # float16 dots over a bfloat16 query (the query scaled first): float16's rounding, not bfloat16's
+    qb = q.to(torch.bfloat16)
+    for splits, step in [(1, 1), (3, 2)]:
+        got = paged_decode(qb, kc8, vc8, tables, lens, 0.3, 7, 1.5, splits, scales, step, torch.float16).double()
+        for b in range(B):
+            want = reference(b, 7, 1.5, q=qb.double(), kc=kd, vc=vd)
+            torch.testing.assert_close(got[b], want, atol=2e-2, rtol=2e-2)
+        bf16_dots = paged_decode(qb, kc8, vc8, tables, lens, 0.3, 7, 1.5, splits, scales, step)
+        assert not torch.equal(got, bf16_dots.double())
+    try:
+        paged_decode(qb, kc8, vc8, tables, lens, 0.3, dot_dtype=torch.float32)
+        raise AssertionError("dot_dtype=float32 over a bfloat16 query was accepted")
+    except ValueError as exc:
+        assert "dot_dtype" in str(exc)
     print("ok")
 """)
 

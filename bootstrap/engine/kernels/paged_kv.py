@@ -94,6 +94,7 @@ if triton is not None:
         SPLIT: tl.constexpr,
         SCALED: tl.constexpr,
         STEP: tl.constexpr,
+        F16: tl.constexpr,
     ):
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -106,6 +107,9 @@ if triton is not None:
         heads = kv_head * GROUP + g
         q_mask = (g < GROUP)[:, None] & (d < D)[None, :]
         q = tl.load(Q + row * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+        if F16:  # float16 dots: the scale applied to the query first keeps it in float16's range
+            q = (q.to(tl.float32) * scale).to(tl.float16)
+            scale = 1.0
         length = tl.load(Lens + row).to(tl.int32)
         start = 0
         if HAS_WINDOW:
@@ -286,13 +290,17 @@ def paged_decode(
     splits: int | None = None,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     blocks_per_step: int = 1,
+    dot_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``q [B, H, D]`` (one token per row) against caches ``[blocks, tpb, KVH, D]``; ``[B, H, D]``.
     ``scale`` None: ``head_dim ** -0.5``, as SDPA's default. ``splits``: runs per row (None:
     ``num_splits`` for this grid and table width). ``scales``: an e4m3 pool's key and value scales.
-    ``blocks_per_step``: blocks each loop iteration reads, a power of two (the benchmark's to vary)."""
+    ``blocks_per_step``: blocks each loop iteration reads, a power of two; ``dot_dtype``: the dots'
+    operand dtype, the query's (None) or float16 (both the benchmark's to vary)."""
     if blocks_per_step < 1 or blocks_per_step & (blocks_per_step - 1):
         raise ValueError(f"blocks_per_step must be a power of two >= 1, got {blocks_per_step}")
+    if dot_dtype not in (None, q.dtype, torch.float16):
+        raise ValueError(f"dot_dtype must be the query's dtype or torch.float16, got {dot_dtype}")
     rows, heads, head_dim = q.shape
     scale = scale if scale is not None else head_dim**-0.5
     _, tpb, kv_heads, _ = k_cache.shape
@@ -340,6 +348,7 @@ def paged_decode(
         SPLIT=splits > 1,
         SCALED=scales is not None,
         STEP=blocks_per_step,
+        F16=dot_dtype == torch.float16 and q.dtype != torch.float16,
         num_warps=4,
     )
     if splits > 1:
