@@ -7,9 +7,9 @@ events over ``--replays`` replays) with ``splits`` forced to 1, with the count `
 picks, and with each of ``--splits``; then the chosen count's speedup over whole rows. With
 ``--kv-dtypes bfloat16,fp8`` each row is measured on a cache of each dtype (e4m3: scales 1.0),
 with the bytes of K and V read per call and the GB/s of the chosen count, and the speedup of each
-dtype over the first; ``--blocks-per-step`` adds the chosen count with the kernel reading that
-many blocks an iteration, ``--float16-dots`` the chosen count with float16 dots (at one block an
-iteration and at each ``--blocks-per-step``). Needs CUDA and Triton.
+dtype over the first. The kernel's defaults aside, ``variants_us`` times the chosen count at one
+block an iteration and each ``--blocks-per-step``, with the query's dtype in the dots and, with
+``--float16-dots``, an e4m3 cache's in float16. Needs CUDA and Triton.
 
     python benchmarks/decode_attention_splits.py --rows 1,5,8,32,64 --contexts 576,4096 --out splits.json
     python benchmarks/decode_attention_splits.py --rows 64 --contexts 4096 --kv-dtypes bfloat16,fp8 --out kv.json
@@ -45,7 +45,7 @@ def measure(args: argparse.Namespace, rows: int, context: int, kv_dtype: str = "
     q = torch.randn(rows, args.heads, args.head_dim, device="cuda", dtype=torch.bfloat16)
     auto = paged_kv.num_splits(rows * args.kv_heads, width, paged_kv.programs_wanted(q.device))
 
-    def run(splits: int, step: int = 1, dots: torch.dtype | None = None) -> float:
+    def run(splits: int, step: int | None = None, dots: torch.dtype | None = None) -> float:
         def call():
             return paged_kv.paged_decode(
                 q, kc, vc, tables, lens, None, splits=splits, scales=scales, blocks_per_step=step, dot_dtype=dots
@@ -53,6 +53,7 @@ def measure(args: argparse.Namespace, rows: int, context: int, kv_dtype: str = "
 
         return replay_us(call, args.replays)
 
+    dots = [q.dtype, *([torch.float16] if args.float16_dots and scales is not None else [])]
     row = {
         "rows": rows,
         "context": context,
@@ -63,11 +64,12 @@ def measure(args: argparse.Namespace, rows: int, context: int, kv_dtype: str = "
         "whole_us": run(1),
         "auto_us": run(auto),
         "forced_us": {str(s): run(s) for s in args.splits if s != 1},
-        "blocks_per_step_us": {str(n): run(auto, n) for n in args.blocks_per_step if n != 1},
+        "variants_us": {  # the chosen splits at each blocks-per-step and dots dtype
+            f"step{n}_{str(dtype).removeprefix('torch.')}": run(auto, n, dtype)
+            for n in dict.fromkeys([1, *args.blocks_per_step])
+            for dtype in dots
+        },
     }
-    if args.float16_dots:
-        steps = dict.fromkeys([1, *args.blocks_per_step])
-        row["float16_dots_us"] = {str(n): run(auto, n, torch.float16) for n in steps}
     row["speedup_auto"] = ratio(row["whole_us"], row["auto_us"])
     row["auto_gb_per_s"] = round(row["kv_bytes"] / row["auto_us"] / 1e3, 1)
     return row

@@ -278,6 +278,12 @@ def write_kv(
     )
 
 
+# The kernel's defaults, from benchmarks/decode_attention_splits.py (benchmarks/README.md, "An FP8 KV cache")
+BLOCKS_PER_STEP = 1  # 16-bit pools
+E4M3_BLOCKS_PER_STEP = 1
+E4M3_FLOAT16_DOTS = False  # an e4m3 pool's dots in float16, not the query's dtype
+
+
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -289,14 +295,18 @@ def paged_decode(
     softcap: float | None = None,
     splits: int | None = None,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-    blocks_per_step: int = 1,
+    blocks_per_step: int | None = None,
     dot_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``q [B, H, D]`` (one token per row) against caches ``[blocks, tpb, KVH, D]``; ``[B, H, D]``.
     ``scale`` None: ``head_dim ** -0.5``, as SDPA's default. ``splits``: runs per row (None:
     ``num_splits`` for this grid and table width). ``scales``: an e4m3 pool's key and value scales.
     ``blocks_per_step``: blocks each loop iteration reads, a power of two; ``dot_dtype``: the dots'
-    operand dtype, the query's (None) or float16 (both the benchmark's to vary)."""
+    operand dtype, the query's or float16 (None: the measured defaults below, by the pool's dtype)."""
+    if blocks_per_step is None:
+        blocks_per_step = E4M3_BLOCKS_PER_STEP if scales is not None else BLOCKS_PER_STEP
+    if dot_dtype is None:
+        dot_dtype = torch.float16 if scales is not None and E4M3_FLOAT16_DOTS else q.dtype
     if blocks_per_step < 1 or blocks_per_step & (blocks_per_step - 1):
         raise ValueError(f"blocks_per_step must be a power of two >= 1, got {blocks_per_step}")
     if dot_dtype not in (None, q.dtype, torch.float16):
