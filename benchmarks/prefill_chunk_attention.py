@@ -5,13 +5,12 @@ A long prompt split in ``max_num_tokens`` chunks attends, from its second chunk 
 tokens and its own (``attention.attend``: the cache gathered, SDPA with an explicit mask). For
 each ``--kv-dtypes`` entry: a one-layer pool of the model shape, one request whose ``--chunk``
 new tokens follow ``context - chunk`` cached ones, for ``--shapes`` contexts from ``--context``
-up in steps of ``--stride`` tokens; milliseconds per call on the first pass over the shapes
-(after one call at a shape outside them) and on a second pass over the same ones (their ratio:
-what a shape's first call pays once), the SDPA backend torch picks for the masked call, and the
-same passes of SDPA with a lower-right causal bias over exactly the cached tokens (no mask
-tensor; its largest difference from ``attend``'s output too). The 8B's first batch of 64 x
-4,096-token prompts ran ~13.6 s slower than the same batch after it; this times the step it
-spent them in.
+up in steps of ``--stride`` tokens; milliseconds per call on a first pass over the shapes (after
+one call outside them) and a second pass over the same ones (their ratio: what a shape's first
+call pays once), and SDPA's backend. The same passes, each with its largest difference from
+``attend``'s output: SDPA with a lower-right causal bias over exactly the cached tokens (no mask
+tensor), and the masked call with grouped heads (``attend``'s before it repeated keys and values
+per query head). The 8B's first batch of 64 x 4,096-token prompts spent ~13.6 s more here.
 
     python benchmarks/prefill_chunk_attention.py --kv-dtypes bfloat16,fp8 --out prefill_chunk.json
 """
@@ -69,7 +68,7 @@ def step(pool: PagedKVCache, context: int, chunk: int) -> AttentionMetadata:
 
 
 def backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> str | None:
-    """The backend SDPA picks for the masked call (torch's private chooser; None where absent)."""
+    """The backend SDPA picks for a masked call (torch's private chooser; None where absent)."""
     try:
         choice = torch._fused_sdp_choice(q, k, v, mask, 0.0, False, enable_gqa=k.shape[1] != q.shape[1])
         return torch.nn.attention.SDPBackend(choice).name
@@ -77,16 +76,32 @@ def backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
         return None
 
 
+def cached(pool: PagedKVCache, tokens: int | torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The layer's keys and values ``[1, KVH, K, D]`` at ``tokens`` (a count from slot 0, or slots), dequantized."""
+    kv = []
+    for cache, scales in ((pool.k_cache(0), pool.k_scale(0)), (pool.v_cache(0), pool.v_scale(0))):
+        flat = cache.view(-1, *cache.shape[2:])
+        part = (flat[:tokens] if isinstance(tokens, int) else flat[tokens.reshape(-1)]).to(dtype)
+        kv.append((part * scales.to(dtype) if cache.dtype == torch.float8_e4m3fn else part).transpose(0, 1)[None])
+    return kv
+
+
 def lower_right(pool: PagedKVCache, q: torch.Tensor, context: int, scale: float) -> torch.Tensor:
     """The same attention with SDPA's lower-right causal bias over exactly the cached tokens (its
     fused kernels, no mask tensor): the alternative to time against ``attend``'s masked call."""
-    kv = []
-    for cache, scales in ((pool.k_cache(0), pool.k_scale(0)), (pool.v_cache(0), pool.v_scale(0))):
-        part = cache.view(-1, *cache.shape[2:])[:context].to(q.dtype)
-        kv.append((part * scales.to(q.dtype) if cache.dtype == torch.float8_e4m3fn else part).transpose(0, 1)[None])
     query = q.transpose(0, 1)[None]
     bias = causal_lower_right(query.shape[2], context)
+    kv = cached(pool, context, q.dtype)
     return F.scaled_dot_product_attention(query, *kv, attn_mask=bias, scale=scale, enable_gqa=True)[0].transpose(0, 1)
+
+
+def grouped(pool: PagedKVCache, q: torch.Tensor, context: int, scale: float, chunk: int) -> torch.Tensor:
+    """``attend``'s call before its keys and values were repeated per query head: the masked SDPA
+    with grouped heads (which leaves SDPA's efficient kernel out)."""
+    group = step(pool, context, chunk).groups[0]
+    kv = cached(pool, group.kv_slots, q.dtype)
+    query = q[group.query_index].transpose(1, 2)
+    return F.scaled_dot_product_attention(query, *kv, attn_mask=group.mask(None), scale=scale, enable_gqa=True)
 
 
 def passes(call, contexts: list[int], device: torch.device) -> list[float]:
@@ -116,19 +131,29 @@ def measure(args: argparse.Namespace, kv_dtype: str, device: torch.device) -> di
     engine = lambda context: attend(step(pool, context, args.chunk), 0, q, k, v, scale)  # noqa: E731
     engine(contexts[0] - 1)  # the process's own first costs
     lower_right(pool, q, contexts[0] - 1, scale)
+    grouped(pool, q, contexts[0] - 1, scale, args.chunk)
     engine_ms = passes(engine, contexts, device)
     lower_right_ms = passes(lambda context: lower_right(pool, q, context, scale), contexts, device)
-    difference = (engine(contexts[0]).float() - lower_right(pool, q, contexts[0], scale).float()).abs().max().item()
+    grouped_ms = passes(lambda context: grouped(pool, q, context, scale, args.chunk), contexts, device)
+    out = engine(contexts[0]).float()
+    difference = (out - lower_right(pool, q, contexts[0], scale).float()).abs().max().item()
+    grouped_difference = (out - grouped(pool, q, contexts[0], scale, args.chunk)[0].transpose(0, 1)).abs().max().item()
     group = step(pool, contexts[0], args.chunk).groups[0]
     padded_q = q[group.query_index].transpose(1, 2)
-    gathered = torch.zeros(1, args.kv_heads, group.kv_slots.shape[1], args.head_dim, device=device, dtype=dtype)
+    width = group.kv_slots.shape[1]
+    gathered = torch.zeros(1, args.kv_heads, width, args.head_dim, device=device, dtype=dtype)
+    repeated = torch.zeros(1, args.heads, width, args.head_dim, device=device, dtype=dtype)
     return {
         "kv_dtype": kv_dtype,
         "contexts": contexts,
         "first_pass_ms": engine_ms[0],
         "second_pass_ms": engine_ms[1],
         "first_over_second": ratio(engine_ms[0], engine_ms[1]),
-        "sdpa_backend": backend(padded_q, gathered, gathered, group.mask(None)),
+        "sdpa_backend": backend(padded_q, repeated, repeated, group.mask(None)),
+        "grouped_sdpa_backend": backend(padded_q, gathered, gathered, group.mask(None)),
+        "grouped_first_pass_ms": grouped_ms[0],
+        "grouped_second_pass_ms": grouped_ms[1],
+        "grouped_max_abs_difference": round(grouped_difference, 6),
         "lower_right_first_pass_ms": lower_right_ms[0],
         "lower_right_second_pass_ms": lower_right_ms[1],
         "lower_right_max_abs_difference": round(difference, 6),

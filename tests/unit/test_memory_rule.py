@@ -106,9 +106,10 @@ def test_the_native_headroom_terms_for_an_8b_shape():
     terms = headroom_terms(PROFILE, resolved, cfg)
     assert terms == {
         "activation": PROFILE.activation_bytes,  # the measured peak once more
-        "continued_chunk": 8192 * 4096 + 8192 * 8192 * 5,  # one layer's context gathered; mask and bias
+        # one layer's context gathered, then repeated for 32 query heads; mask and bias
+        "continued_chunk": 8192 * 4096 + 8192 * 2 * 32 * 128 * 2 + 8192 * 8192 * 5,
         "workspace": WORKSPACE_BYTES,
-        "total": PROFILE.activation_bytes + 8192 * 4096 + 8192 * 8192 * 5 + WORKSPACE_BYTES,
+        "total": PROFILE.activation_bytes + 8192 * (4096 + 16384) + 8192 * 8192 * 5 + WORKSPACE_BYTES,
     }
     bigger = dataclasses.replace(PROFILE, torch_peak_bytes=20 * GB)  # a larger measured activation peak
     assert headroom_terms(bigger, resolved, cfg)["activation"] == terms["activation"] + GB

@@ -27,17 +27,19 @@ def headroom_terms(profile: MemoryProfile | None, resolved: ResolvedClasses, con
       ``profile`` None: the probe cap, not measured yet, it counts 0);
     - ``continued_chunk``: the one continued prompt chunk a step can hold (the scheduler splits at
       most one prompt per step) gathers its cached keys and values of one layer, up to
-      ``max_seq_len`` tokens, and masks ``max_num_tokens`` queries against them (a bool mask and
-      SDPA's additive bias in the compute dtype);
+      ``max_seq_len`` tokens, repeats them per query head where heads are grouped, and masks
+      ``max_num_tokens`` queries against them (a bool mask and SDPA's additive bias in the compute
+      dtype);
     - ``workspace``: ``WORKSPACE_BYTES`` for library workspaces created after profiling (cuBLAS on
       new streams, Triton's and the compiled norms' kernels)."""
     layer_bytes_per_token = resolved.cost.slope // max(resolved.shape.num_layers, 1)  # keys and values, one rank
     chunk = profile.max_num_tokens if profile is not None else config.max_num_tokens
-    context = resolved.max_seq_len
+    context, shape, compute_bytes = resolved.max_seq_len, resolved.shape, kv_dtype_bytes(resolved.dtype)
+    repeated = 2 * shape.num_heads * shape.head_dim * compute_bytes if shape.num_heads > shape.num_kv_heads else 0
     terms = {
         "activation": profile.activation_bytes if profile is not None else 0,
-        "continued_chunk": context * layer_bytes_per_token
-        + int(chunk * context * (1 + 2 * kv_dtype_bytes(resolved.dtype))),
+        "continued_chunk": context * (layer_bytes_per_token + repeated)
+        + int(chunk * context * (1 + 2 * compute_bytes)),
         "workspace": WORKSPACE_BYTES,
     }
     return {**terms, "total": sum(terms.values())}

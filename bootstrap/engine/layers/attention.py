@@ -10,7 +10,7 @@ per group of requests (``AttentionMetadata``) the first of three ways that appli
 - fresh prompt chunks, no soft-cap, no window shorter than the chunk: their own keys and values
   under a causal flag (SDPA's flash kernel, no mask);
 - anything else: cached keys and values gathered through the block tables, one padded, masked
-  SDPA (causal, grouped-query, sliding window, Gemma 2's soft-cap).
+  SDPA (causal, sliding window, Gemma 2's soft-cap; keys and values repeated per query head).
 Decode steps replayed as CUDA graphs use ``DecodeMetadata`` instead (``_attend_decode``).
 """
 
@@ -281,14 +281,7 @@ def _attend(
         return _attend_fresh(q, new_kv, group, scaling)
     k = _gather(cache.k, cache.k_scale, group.kv_slots, q.dtype)
     v = _gather(cache.v, cache.v_scale, group.kv_slots, q.dtype)
-    mask = group.mask(sliding_window)
-    if softcap is None:
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=scaling, enable_gqa=k.shape[1] != q.shape[1]
-        )
-    else:
-        out = _softcapped_attention(q, k, v, mask, scaling, softcap)
-    return _unpad(out, group)
+    return _unpad(_masked_attention(q, k, v, group.mask(sliding_window), scaling, softcap), group)
 
 
 def _attend_fresh(
@@ -341,12 +334,7 @@ def _attend_decode(
     q = tokens.reshape(rows, kv_heads, heads // kv_heads, head_dim)  # query heads grouped by KV head
     k = _gather_blocks(cache.k, cache.k_scale, meta.block_tables, q.dtype)
     v = _gather_blocks(cache.v, cache.v_scale, meta.block_tables, q.dtype)
-    mask = meta.mask(sliding_window)
-    if softcap is None:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
-    else:
-        out = _softcapped_attention(q, k, v, mask, scaling, softcap)
-    return out.reshape(rows, heads, head_dim)
+    return _masked_attention(q, k, v, meta.mask(sliding_window), scaling, softcap).reshape(rows, heads, head_dim)
 
 
 def _gather_blocks(cache: torch.Tensor, scale: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -377,18 +365,27 @@ def _dequantized(kv: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
     return kv.to(dtype) * scale.to(dtype) if kv.dtype == FP8 else kv.to(dtype)
 
 
-def _softcapped_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float | None, softcap: float
+def _masked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float | None,
+    softcap: float | None,
 ) -> torch.Tensor:
-    """Attention with tanh logit soft-capping (Gemma 2), which SDPA does not offer."""
+    """SDPA under a boolean mask, keys and values repeated per query head: its efficient kernel
+    takes a mask but not grouped heads, which would leave the math kernel (scores in memory) or
+    cuDNN (a plan built per new shape, and prefill chunks' shapes rarely repeat). With a soft-cap
+    (Gemma 2), which SDPA does not offer: the scores in memory, capped by tanh."""
     groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(weights, v)
+    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / softcap) * softcap
+    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
+    return torch.matmul(weights.to(q.dtype), v)
 
 
 def register() -> None:
