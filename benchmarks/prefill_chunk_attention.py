@@ -2,15 +2,15 @@
 shapes it has not seen and then over the same shapes again.
 
 A long prompt split in ``max_num_tokens`` chunks attends, from its second chunk on, its cached
-tokens and its own (``attention.attend``: the cache gathered, SDPA with an explicit mask). For
-each ``--kv-dtypes`` entry: a one-layer pool of the model shape, one request whose ``--chunk``
-new tokens follow ``context - chunk`` cached ones, for ``--shapes`` contexts from ``--context``
-up in steps of ``--stride`` tokens; milliseconds per call on a first pass over the shapes (after
-one call outside them) and a second pass over the same ones (their ratio: what a shape's first
-call pays once), and SDPA's backend. The same passes, each with its largest difference from
-``attend``'s output: SDPA with a lower-right causal bias over exactly the cached tokens (no mask
-tensor), and the masked call with grouped heads (``attend``'s before it repeated keys and values
-per query head). The 8B's first batch of 64 x 4,096-token prompts spent ~13.6 s more here.
+tokens and its own (``attention.attend``, ``layers.gathered``). For each ``--kv-dtypes`` entry:
+a one-layer pool of the model shape, one request whose ``--chunk`` new tokens follow ``context -
+chunk`` cached ones, for ``--shapes`` contexts from ``--context`` up in steps of ``--stride``
+tokens; milliseconds per call on a first pass over the shapes (after one call outside them) and
+a second pass over the same ones (their ratio: what a shape's first call pays once). Three ways:
+the engine's (SDPA under a lower-right causal bias); its masked call, which layers with a window
+or a soft-cap take (``masked``: keys and values repeated per query head); and the masked call
+with grouped heads that it replaced (``grouped``), each with SDPA's backend and its largest
+difference from the engine's output. On an H100, cuDNN took the masked calls, ~0.2 s a new shape.
 
     python benchmarks/prefill_chunk_attention.py --kv-dtypes bfloat16,fp8 --out prefill_chunk.json
 """
@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when loaded by path
 from bench_common import emit, name_list, positive_int, ratio, report_header, resolve_device, synchronize
@@ -56,15 +55,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def step(pool: PagedKVCache, context: int, chunk: int) -> AttentionMetadata:
-    """One request, blocks 0.. in order, its last ``chunk`` tokens new."""
+def step(pool: PagedKVCache, context: int, chunk: int, on_host: bool = True) -> AttentionMetadata:
+    """One request, blocks 0.. in order, its last ``chunk`` tokens new; its lengths on the host
+    as ``ModelRunner`` gives them (``on_host``), else unknown, which leaves the masked call."""
     tpb = pool.tokens_per_block
     blocks = -(-context // tpb)
     device = pool.device
     slots = torch.arange(context - chunk, context, device=device)  # block i holds positions i * tpb ..
     lens = lambda n: torch.tensor([n], device=device)  # noqa: E731
     tables = torch.arange(blocks, device=device).unsqueeze(0)
-    return AttentionMetadata.single(pool, slots, tables, lens(context), lens(chunk), chunk, blocks)
+    lengths = ((context, chunk),) if on_host else ()
+    return AttentionMetadata.single(pool, slots, tables, lens(context), lens(chunk), chunk, blocks, lengths=lengths)
 
 
 def backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> str | None:
@@ -76,23 +77,13 @@ def backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
         return None
 
 
-def cached(pool: PagedKVCache, tokens: int | torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
-    """The layer's keys and values ``[1, KVH, K, D]`` at ``tokens`` (a count from slot 0, or slots), dequantized."""
+def cached(pool: PagedKVCache, slots: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The layer's keys and values ``[1, KVH, K, D]`` at ``slots``, dequantized."""
     kv = []
     for cache, scales in ((pool.k_cache(0), pool.k_scale(0)), (pool.v_cache(0), pool.v_scale(0))):
-        flat = cache.view(-1, *cache.shape[2:])
-        part = (flat[:tokens] if isinstance(tokens, int) else flat[tokens.reshape(-1)]).to(dtype)
+        part = cache.view(-1, *cache.shape[2:])[slots.reshape(-1)].to(dtype)
         kv.append((part * scales.to(dtype) if cache.dtype == torch.float8_e4m3fn else part).transpose(0, 1)[None])
     return kv
-
-
-def lower_right(pool: PagedKVCache, q: torch.Tensor, context: int, scale: float) -> torch.Tensor:
-    """The same attention with SDPA's lower-right causal bias over exactly the cached tokens (its
-    fused kernels, no mask tensor): the alternative to time against ``attend``'s masked call."""
-    query = q.transpose(0, 1)[None]
-    bias = causal_lower_right(query.shape[2], context)
-    kv = cached(pool, context, q.dtype)
-    return F.scaled_dot_product_attention(query, *kv, attn_mask=bias, scale=scale, enable_gqa=True)[0].transpose(0, 1)
 
 
 def grouped(pool: PagedKVCache, q: torch.Tensor, context: int, scale: float, chunk: int) -> torch.Tensor:
@@ -129,35 +120,25 @@ def measure(args: argparse.Namespace, kv_dtype: str, device: torch.device) -> di
     new = lambda heads: torch.randn(args.chunk, heads, args.head_dim, generator=generator, device=device, dtype=dtype)  # noqa: E731
     q, k, v = new(args.heads), new(args.kv_heads), new(args.kv_heads)
     engine = lambda context: attend(step(pool, context, args.chunk), 0, q, k, v, scale)  # noqa: E731
-    engine(contexts[0] - 1)  # the process's own first costs
-    lower_right(pool, q, contexts[0] - 1, scale)
-    grouped(pool, q, contexts[0] - 1, scale, args.chunk)
-    engine_ms = passes(engine, contexts, device)
-    lower_right_ms = passes(lambda context: lower_right(pool, q, context, scale), contexts, device)
-    grouped_ms = passes(lambda context: grouped(pool, q, context, scale, args.chunk), contexts, device)
+    masked = lambda context: attend(step(pool, context, args.chunk, on_host=False), 0, q, k, v, scale)  # noqa: E731
+    ways = {"": engine, "masked_": masked, "grouped_": lambda context: grouped(pool, q, context, scale, args.chunk)}
+    for call in ways.values():
+        call(contexts[0] - 1)  # the process's own first costs
     out = engine(contexts[0]).float()
-    difference = (out - lower_right(pool, q, contexts[0], scale).float()).abs().max().item()
-    grouped_difference = (out - grouped(pool, q, contexts[0], scale, args.chunk)[0].transpose(0, 1)).abs().max().item()
     group = step(pool, contexts[0], args.chunk).groups[0]
-    padded_q = q[group.query_index].transpose(1, 2)
-    width = group.kv_slots.shape[1]
-    gathered = torch.zeros(1, args.kv_heads, width, args.head_dim, device=device, dtype=dtype)
-    repeated = torch.zeros(1, args.heads, width, args.head_dim, device=device, dtype=dtype)
-    return {
-        "kv_dtype": kv_dtype,
-        "contexts": contexts,
-        "first_pass_ms": engine_ms[0],
-        "second_pass_ms": engine_ms[1],
-        "first_over_second": ratio(engine_ms[0], engine_ms[1]),
-        "sdpa_backend": backend(padded_q, repeated, repeated, group.mask(None)),
-        "grouped_sdpa_backend": backend(padded_q, gathered, gathered, group.mask(None)),
-        "grouped_first_pass_ms": grouped_ms[0],
-        "grouped_second_pass_ms": grouped_ms[1],
-        "grouped_max_abs_difference": round(grouped_difference, 6),
-        "lower_right_first_pass_ms": lower_right_ms[0],
-        "lower_right_second_pass_ms": lower_right_ms[1],
-        "lower_right_max_abs_difference": round(difference, 6),
-    }
+    padded_q, width = q[group.query_index].transpose(1, 2), group.kv_slots.shape[1]
+    result = {"kv_dtype": kv_dtype, "contexts": contexts}
+    for name, call in ways.items():
+        first, second = passes(call, contexts, device)
+        result |= {f"{name}first_pass_ms": first, f"{name}second_pass_ms": second}
+        result[f"{name}first_over_second"] = ratio(first, second)
+        if name:
+            other = call(contexts[0])
+            other = other[0].transpose(0, 1) if other.dim() == 4 else other  # grouped: padded [1, H, Q, D]
+            result[f"{name}max_abs_difference"] = round((out - other.float()).abs().max().item(), 6)
+            kv = torch.zeros(1, args.heads if name == "masked_" else args.kv_heads, width, args.head_dim, device=device)
+            result[f"{name}sdpa_backend"] = backend(padded_q, kv.to(dtype), kv.to(dtype), group.mask(None))
+    return result
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -76,7 +76,12 @@ def step_inputs(requests, full_k, full_v, seed):
     return query, key, value
 
 
-def metadata(cache, requests):
+def host_lengths(requests, on_host=True):
+    """(context, query tokens) per request, as ``ModelRunner`` gives its groups; () as unknown."""
+    return tuple((c + n, n) for c, n in requests) if on_host else ()
+
+
+def metadata(cache, requests, on_host=False):
     tables = [cache.block_table(i) for i in range(len(requests))]
     width = max(map(len, tables))
     slots = torch.cat([cache.slots(i, c, c + n) for i, (c, n) in enumerate(requests)])
@@ -88,10 +93,11 @@ def metadata(cache, requests):
         query_lens=torch.tensor([n for _, n in requests]),
         max_query_len=max(n for _, n in requests),
         kv_blocks=width,
+        lengths=host_lengths(requests, on_host),
     )
 
 
-def grouped_metadata(cache, requests):
+def grouped_metadata(cache, requests, on_host=False):
     """Two groups, one-token queries apart from longer ones, their tokens interleaved in T; a
     group whose members have nothing cached is marked fresh, as ``ModelRunner`` marks it."""
     counts = [n for _, n in requests]
@@ -111,21 +117,25 @@ def grouped_metadata(cache, requests):
                 kv_blocks=width,
                 tokens_per_block=TPB,
                 fresh=all(requests[i][0] == 0 for i in members),
+                lengths=host_lengths([requests[i] for i in members], on_host),
             )
         )
     slots = torch.cat([cache.slots(i, c, c + n) for i, (c, n) in enumerate(requests)])
     return AttentionMetadata(cache, slots, groups)
 
 
+@pytest.mark.parametrize("on_host", [False, True])
 @pytest.mark.parametrize("grouped", [False, True])
-@pytest.mark.parametrize("window, softcap", [(None, None), (4, None), (None, 2.0), (3, 1.5)])
-def test_ragged_paged_attention_matches_direct_computation(window, softcap, grouped):
+@pytest.mark.parametrize("window, softcap", [(None, None), (4, None), (20, None), (None, 2.0), (3, 1.5)])
+def test_ragged_paged_attention_matches_direct_computation(window, softcap, grouped, on_host):
+    """With the lengths on the host, requests under no window (or one past every context: 20) and
+    no soft-cap go one by one under a lower-right causal bias; the rest, one masked call."""
     requests = REQUESTS
     cache, full_k, full_v = setup(requests)
     total = sum(n for _, n in requests)
     query, key, value = step_inputs(requests, full_k, full_v, seed=1)
     scale = 0.3
-    meta = grouped_metadata(cache, requests) if grouped else metadata(cache, requests)
+    meta = grouped_metadata(cache, requests, on_host) if grouped else metadata(cache, requests, on_host)
     with use_metadata(meta):
         out, _ = paged_attention(
             Layer(), query, key, value, None, scaling=scale, sliding_window=window, softcap=softcap
@@ -197,12 +207,13 @@ def rounded(x: torch.Tensor, scale: float) -> torch.Tensor:
     return to_fp8(x, torch.tensor(scale)).float() * scale
 
 
+@pytest.mark.parametrize("on_host", [False, True])
 @pytest.mark.parametrize("window, softcap", [(None, None), (4, None), (None, 2.0), (3, 1.5)])
-def test_an_fp8_pool_attends_over_its_keys_and_values_rounded_and_scaled_back(window, softcap):
+def test_an_fp8_pool_attends_over_its_keys_and_values_rounded_and_scaled_back(window, softcap, on_host):
     """Every group gathers from the pool (none is fresh), the step's own keys included."""
     cache, full_k, full_v = setup(REQUESTS, dtype=FP8)
     query, key, value = step_inputs(REQUESTS, full_k, full_v, seed=1)
-    with use_metadata(metadata(cache, REQUESTS)):
+    with use_metadata(metadata(cache, REQUESTS, on_host)):
         out, _ = paged_attention(Layer(), query, key, value, None, scaling=0.3, sliding_window=window, softcap=softcap)
     start = 0
     for i, (cached, new) in enumerate(REQUESTS):

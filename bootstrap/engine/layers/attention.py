@@ -9,8 +9,10 @@ per group of requests (``AttentionMetadata``) the first of three ways that appli
   (``kernels.paged_kv``) reads each row's blocks in place, copying no context;
 - fresh prompt chunks, no soft-cap, no window shorter than the chunk: their own keys and values
   under a causal flag (SDPA's flash kernel, no mask);
-- anything else: cached keys and values gathered through the block tables, one padded, masked
-  SDPA (causal, sliding window, Gemma 2's soft-cap; keys and values repeated per query head).
+- anything else: cached keys and values gathered through the block tables (``layers.gathered``):
+  with no soft-cap and no window inside the context, and each request's lengths on the host, one
+  SDPA per request under a lower-right causal bias; else one padded, masked SDPA (causal, sliding
+  window, Gemma 2's soft-cap).
 Decode steps replayed as CUDA graphs use ``DecodeMetadata`` instead (``_attend_decode``).
 """
 
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 
 from bootstrap.engine.kernels.paged_kv import paged_decode, write_kv
 from bootstrap.engine.kv_cache import PagedKVCache
+from bootstrap.engine.layers import gathered
 from bootstrap.engine.layers.fp8 import FP8, to_fp8
 
 ATTN_IMPLEMENTATION = "bootstrap_paged"
@@ -51,6 +54,7 @@ class AttentionGroup:
     kv_blocks: int  # block-table columns gathered per request (<= W)
     tokens_per_block: int
     fresh: bool = False  # no member has cached tokens before this step: its keys are the step's own
+    lengths: tuple[tuple[int, int], ...] = ()  # (context, query tokens) per request, on the host; () unknown
     kernel: str = "torch"  # "triton": a group of one-token queries runs the paged decode kernel
     token_ids: torch.Tensor = field(init=False)  # [n]: the group's tokens among the T
     rows: torch.Tensor = field(init=False)  # [n]: row of each of those tokens in [b * Qmax]
@@ -108,6 +112,7 @@ class AttentionMetadata:
         max_query_len: int,
         kv_blocks: int,
         kernel: str = "torch",
+        lengths: tuple[tuple[int, int], ...] = (),
     ) -> AttentionMetadata:
         """All requests in one group, their tokens back to back in request order."""
         starts = torch.cumsum(query_lens, 0) - query_lens
@@ -121,6 +126,7 @@ class AttentionMetadata:
             kv_blocks,
             kv_cache.tokens_per_block,
             kernel=kernel,
+            lengths=lengths,
         )
         return cls(kv_cache, slot_mapping, [group])
 
@@ -274,14 +280,22 @@ def _attend(
             softcap,
             scales=cache.scales,
         )
-    q = tokens[group.query_index].transpose(1, 2)  # [b, H, Qmax, D]
+    q = lambda: tokens[group.query_index].transpose(1, 2)  # noqa: E731 -- [b, H, Qmax, D], padded
     if group.fresh and softcap is None and (sliding_window is None or sliding_window >= group.max_query_len):
         if cache.quantized:  # the chunk's own keys as the pool holds them, as every later read sees them
-            new_kv = tuple(_dequantized(to_fp8(part, s), s, part.dtype) for part, s in zip(new_kv, cache.scales))
-        return _attend_fresh(q, new_kv, group, scaling)
-    k = _gather(cache.k, cache.k_scale, group.kv_slots, q.dtype)
-    v = _gather(cache.v, cache.v_scale, group.kv_slots, q.dtype)
-    return _unpad(_masked_attention(q, k, v, group.mask(sliding_window), scaling, softcap), group)
+            new_kv = tuple(
+                gathered.dequantized(to_fp8(part, s), s, part.dtype) for part, s in zip(new_kv, cache.scales)
+            )
+        return _attend_fresh(q(), new_kv, group, scaling)
+    unwindowed = sliding_window is None or all(context <= sliding_window for context, _ in group.lengths)
+    if softcap is None and group.lengths and unwindowed:  # each request under a lower-right causal bias
+        pool = (cache.k, cache.v, cache.k_scale, cache.v_scale)
+        return gathered.lower_right(
+            tokens.index_select(0, group.token_ids), pool, group.kv_slots, group.lengths, scaling
+        )
+    k = gathered.gather(cache.k, cache.k_scale, group.kv_slots, tokens.dtype)
+    v = gathered.gather(cache.v, cache.v_scale, group.kv_slots, tokens.dtype)
+    return _unpad(gathered.masked(q(), k, v, group.mask(sliding_window), scaling, softcap), group)
 
 
 def _attend_fresh(
@@ -332,16 +346,9 @@ def _attend_decode(
         )
     kv_heads = cache.k.shape[2]
     q = tokens.reshape(rows, kv_heads, heads // kv_heads, head_dim)  # query heads grouped by KV head
-    k = _gather_blocks(cache.k, cache.k_scale, meta.block_tables, q.dtype)
-    v = _gather_blocks(cache.v, cache.v_scale, meta.block_tables, q.dtype)
-    return _masked_attention(q, k, v, meta.mask(sliding_window), scaling, softcap).reshape(rows, heads, head_dim)
-
-
-def _gather_blocks(cache: torch.Tensor, scale: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``[B, KVH, W * tpb, D]``: whole blocks of every row, in position order, dequantized."""
-    rows, width = tables.shape
-    blocks = cache.index_select(0, tables.reshape(-1))  # [B * W, tpb, KVH, D]
-    return _dequantized(blocks.view(rows, width * cache.shape[1], *cache.shape[2:]).transpose(1, 2), scale, dtype)
+    k = gathered.gather_blocks(cache.k, cache.k_scale, meta.block_tables, q.dtype)
+    v = gathered.gather_blocks(cache.v, cache.v_scale, meta.block_tables, q.dtype)
+    return gathered.masked(q, k, v, meta.mask(sliding_window), scaling, softcap).reshape(rows, heads, head_dim)
 
 
 def _write(cache: _Cache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
@@ -353,39 +360,6 @@ def _write(cache: _Cache, key: torch.Tensor, value: torch.Tensor, slots: torch.T
             flat.view(torch.uint8).index_copy_(0, slots, to_fp8(new, scale).view(torch.uint8))
         else:
             flat.index_copy_(0, slots, new.to(flat.dtype))
-
-
-def _gather(cache: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``[B, KVH, K, D]``: the cached tokens of every request, in position order, dequantized."""
-    flat = cache.view(-1, *cache.shape[2:])
-    return _dequantized(flat[slots].transpose(1, 2), scale, dtype)
-
-
-def _dequantized(kv: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return kv.to(dtype) * scale.to(dtype) if kv.dtype == FP8 else kv.to(dtype)
-
-
-def _masked_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor,
-    scaling: float | None,
-    softcap: float | None,
-) -> torch.Tensor:
-    """SDPA under a boolean mask, keys and values repeated per query head: its efficient kernel
-    takes a mask but not grouped heads, which would leave the math kernel (scores in memory) or
-    cuDNN (a plan built per new shape, and prefill chunks' shapes rarely repeat). With a soft-cap
-    (Gemma 2), which SDPA does not offer: the scores in memory, capped by tanh."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / softcap) * softcap
-    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
-    return torch.matmul(weights.to(q.dtype), v)
 
 
 def register() -> None:

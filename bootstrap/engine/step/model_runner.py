@@ -339,6 +339,7 @@ class ModelRunner:
             tokens_per_block=self.kv_cache.tokens_per_block,
             fresh=rows.fresh,
             kernel=self.decode_kernel,
+            lengths=tuple(zip(rows.lengths[0].tolist(), rows.lengths[1].tolist(), strict=True)),
         )
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
