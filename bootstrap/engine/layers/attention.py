@@ -9,10 +9,8 @@ per group of requests (``AttentionMetadata``) the first of three ways that appli
   (``kernels.paged_kv``) reads each row's blocks in place, copying no context;
 - fresh prompt chunks, no soft-cap, no window shorter than the chunk: their own keys and values
   under a causal flag (SDPA's flash kernel, no mask);
-- anything else: cached keys and values gathered through the block tables (``layers.gathered``):
-  with no soft-cap and no window inside the context, and each request's lengths on the host, one
-  SDPA per request under a lower-right causal bias; else one padded, masked SDPA (causal, sliding
-  window, Gemma 2's soft-cap).
+- anything else: cached keys and values gathered through the block tables (``layers.gathered``),
+  per request under a lower-right causal bias, or in one masked call (windows, soft-caps).
 Decode steps replayed as CUDA graphs use ``DecodeMetadata`` instead (``_attend_decode``).
 """
 
