@@ -106,13 +106,16 @@ def test_the_native_headroom_terms_for_an_8b_shape():
     terms = headroom_terms(PROFILE, resolved, cfg)
     assert terms == {
         "activation": PROFILE.activation_bytes,  # the measured peak once more
-        # one layer's context gathered, then repeated for 32 query heads; mask and bias
-        "continued_chunk": 8192 * 4096 + 8192 * 2 * 32 * 128 * 2 + 8192 * 8192 * 5,
+        "continued_chunk": 8192 * 4096 + 8192 * 8192 * 5,  # one layer's context gathered; mask and bias
         "workspace": WORKSPACE_BYTES,
-        "total": PROFILE.activation_bytes + 8192 * (4096 + 16384) + 8192 * 8192 * 5 + WORKSPACE_BYTES,
+        "total": PROFILE.activation_bytes + 8192 * 4096 + 8192 * 8192 * 5 + WORKSPACE_BYTES,
     }
     bigger = dataclasses.replace(PROFILE, torch_peak_bytes=20 * GB)  # a larger measured activation peak
     assert headroom_terms(bigger, resolved, cfg)["activation"] == terms["activation"] + GB
+    # sliding windows: the masked call repeats the gathered layer for the 32 query heads
+    windowed = dataclasses.replace(resolved, shape=dataclasses.replace(resolved.shape, layer_windows=(4096,) * 32))
+    repeated = headroom_terms(PROFILE, windowed, cfg)["continued_chunk"] - terms["continued_chunk"]
+    assert repeated == 8192 * 2 * 32 * 128 * 2
 
 
 def test_the_native_engine_has_no_default_headroom_on_the_cpu():

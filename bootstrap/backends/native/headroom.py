@@ -27,15 +27,16 @@ def headroom_terms(profile: MemoryProfile | None, resolved: ResolvedClasses, con
       ``profile`` None: the probe cap, not measured yet, it counts 0);
     - ``continued_chunk``: the one continued prompt chunk a step can hold (the scheduler splits at
       most one prompt per step) gathers its cached keys and values of one layer, up to
-      ``max_seq_len`` tokens, repeats them per query head where heads are grouped, and masks
-      ``max_num_tokens`` queries against them (a bool mask and SDPA's additive bias in the compute
-      dtype);
+      ``max_seq_len`` tokens, and masks ``max_num_tokens`` queries against them (a bool mask and
+      SDPA's additive bias in the compute dtype); in a model with sliding windows (the families
+      with soft-caps have them too) the masked call also repeats them per grouped query head;
     - ``workspace``: ``WORKSPACE_BYTES`` for library workspaces created after profiling (cuBLAS on
       new streams, Triton's and the compiled norms' kernels)."""
     layer_bytes_per_token = resolved.cost.slope // max(resolved.shape.num_layers, 1)  # keys and values, one rank
     chunk = profile.max_num_tokens if profile is not None else config.max_num_tokens
     context, shape, compute_bytes = resolved.max_seq_len, resolved.shape, kv_dtype_bytes(resolved.dtype)
-    repeated = 2 * shape.num_heads * shape.head_dim * compute_bytes if shape.num_heads > shape.num_kv_heads else 0
+    masked = shape.num_heads > shape.num_kv_heads and any(w is not None for w in shape.layer_windows)
+    repeated = 2 * shape.num_heads * shape.head_dim * compute_bytes if masked else 0
     terms = {
         "activation": profile.activation_bytes if profile is not None else 0,
         "continued_chunk": context * (layer_bytes_per_token + repeated)
