@@ -279,8 +279,7 @@ def write_kv(
 
 
 # The kernel's defaults, from benchmarks/decode_attention_splits.py (benchmarks/README.md, "An FP8 KV cache")
-BLOCKS_PER_STEP = 1  # 16-bit pools
-E4M3_BLOCKS_PER_STEP = 1
+BLOCKS_PER_STEP = 1  # either pool: 2 and 4 were faster only for one split row
 E4M3_FLOAT16_DOTS = True  # an e4m3 pool's dots in float16, not the query's bfloat16: measured faster
 
 
@@ -302,9 +301,9 @@ def paged_decode(
     ``scale`` None: ``head_dim ** -0.5``, as SDPA's default. ``splits``: runs per row (None:
     ``num_splits`` for this grid and table width). ``scales``: an e4m3 pool's key and value scales.
     ``blocks_per_step``: blocks each loop iteration reads, a power of two; ``dot_dtype``: the dots'
-    operand dtype, the query's or float16 (None: the measured defaults below, by the pool's dtype)."""
+    operand dtype, the query's or float16 (None: the measured defaults above)."""
     if blocks_per_step is None:
-        blocks_per_step = E4M3_BLOCKS_PER_STEP if scales is not None else BLOCKS_PER_STEP
+        blocks_per_step = BLOCKS_PER_STEP
     if dot_dtype is None:
         dot_dtype = torch.float16 if scales is not None and E4M3_FLOAT16_DOTS else q.dtype
     if blocks_per_step < 1 or blocks_per_step & (blocks_per_step - 1):

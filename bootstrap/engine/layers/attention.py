@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from bootstrap.engine.kernels.paged_kv import paged_decode, write_kv
 from bootstrap.engine.kv_cache import PagedKVCache
 from bootstrap.engine.layers import gathered
-from bootstrap.engine.layers.fp8 import FP8, to_fp8
+from bootstrap.engine.layers.fp8 import to_fp8
 
 ATTN_IMPLEMENTATION = "bootstrap_paged"
 
@@ -217,7 +217,7 @@ def attend(
     (written to the layer's cache first), output ``[T, H, D]``. The engine's own model code
     calls this with the step's metadata as an argument."""
     pool = meta.kv_cache
-    cache = _Cache(pool.k_cache(layer), pool.v_cache(layer), pool.k_scale(layer), pool.v_scale(layer))
+    cache = gathered.LayerCache(pool.k_cache(layer), pool.v_cache(layer), pool.k_scale(layer), pool.v_scale(layer))
     if isinstance(meta, DecodeMetadata):
         if meta.kernel == "triton":
             write_kv(key, value, meta.write_rows, meta.slot_mapping, cache.k, cache.v, cache.scales)
@@ -236,28 +236,10 @@ def attend(
     return out
 
 
-@dataclass(frozen=True)
-class _Cache:
-    """One layer's keys and values ``[blocks, tpb, KVH, D]`` and, for an e4m3 pool, their scales."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    k_scale: torch.Tensor
-    v_scale: torch.Tensor
-
-    @property
-    def quantized(self) -> bool:
-        return self.k.dtype == FP8
-
-    @property
-    def scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return (self.k_scale, self.v_scale) if self.quantized else None
-
-
 def _attend(
     tokens: torch.Tensor,
     new_kv: tuple[torch.Tensor, torch.Tensor],
-    cache: _Cache,
+    cache: gathered.LayerCache,
     group: AttentionGroup,
     scaling: float | None,
     sliding_window: int | None,
@@ -278,33 +260,38 @@ def _attend(
             softcap,
             scales=cache.scales,
         )
-    q = lambda: tokens[group.query_index].transpose(1, 2)  # noqa: E731 -- [b, H, Qmax, D], padded
     if group.fresh and softcap is None and (sliding_window is None or sliding_window >= group.max_query_len):
         if cache.quantized:  # the chunk's own keys as the pool holds them, as every later read sees them
             new_kv = tuple(
                 gathered.dequantized(to_fp8(part, s), s, part.dtype) for part, s in zip(new_kv, cache.scales)
             )
-        return _attend_fresh(q(), new_kv, group, scaling)
+        return _attend_fresh(tokens, new_kv, group, scaling)
     unwindowed = sliding_window is None or all(context <= sliding_window for context, _ in group.lengths)
     if softcap is None and group.lengths and unwindowed:  # each request under a lower-right causal bias
-        pool = (cache.k, cache.v, cache.k_scale, cache.v_scale)
         return gathered.lower_right(
-            tokens.index_select(0, group.token_ids), pool, group.kv_slots, group.lengths, scaling
+            tokens.index_select(0, group.token_ids), cache, group.kv_slots, group.lengths, scaling
         )
-    k = gathered.gather(cache.k, cache.k_scale, group.kv_slots, tokens.dtype)
-    v = gathered.gather(cache.v, cache.v_scale, group.kv_slots, tokens.dtype)
-    return _unpad(gathered.masked(q(), k, v, group.mask(sliding_window), scaling, softcap), group)
+    q = _padded(tokens, group)
+    k = gathered.gather(cache.k, cache.k_scale, group.kv_slots, q.dtype)
+    v = gathered.gather(cache.v, cache.v_scale, group.kv_slots, q.dtype)
+    return _unpad(gathered.masked(q, k, v, group.mask(sliding_window), scaling, softcap), group)
 
 
 def _attend_fresh(
-    q: torch.Tensor, new_kv: tuple[torch.Tensor, torch.Tensor], group: AttentionGroup, scaling: float | None
+    tokens: torch.Tensor, new_kv: tuple[torch.Tensor, torch.Tensor], group: AttentionGroup, scaling: float | None
 ) -> torch.Tensor:
     """Prompts with nothing cached before this step: keys and values are the step's own, padded
     like the queries (a padded row repeats its request's last token), and a causal flag is the
     whole mask. A real row ``i`` sees keys ``0..i``, all real; padded rows are dropped."""
+    q = _padded(tokens, group)
     k, v = (part[group.query_index].transpose(1, 2).to(q.dtype) for part in new_kv)  # [b, KVH, Qmax, D]
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
     return _unpad(out, group)
+
+
+def _padded(tokens: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+    """``[b, H, Qmax, D]``: the group's queries, a padded row repeating its request's last token."""
+    return tokens[group.query_index].transpose(1, 2)
 
 
 def _unpad(out: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
@@ -315,7 +302,7 @@ def _unpad(out: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
 
 def _attend_decode(
     tokens: torch.Tensor,
-    cache: _Cache,
+    cache: gathered.LayerCache,
     meta: DecodeMetadata,
     scaling: float | None,
     sliding_window: int | None,
@@ -349,7 +336,7 @@ def _attend_decode(
     return gathered.masked(q, k, v, meta.mask(sliding_window), scaling, softcap).reshape(rows, heads, head_dim)
 
 
-def _write(cache: _Cache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+def _write(cache: gathered.LayerCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
     """Store the step's keys and values ``[T, KVH, D]`` at their flat slots (an e4m3 pool: divided
     by its scales and saturated, written as bytes, since torch has no e4m3 ``index_copy_`` on the CPU)."""
     for part, new, scale in ((cache.k, key, cache.k_scale), (cache.v, value, cache.v_scale)):

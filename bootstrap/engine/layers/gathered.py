@@ -1,5 +1,6 @@
 """Attention over keys and values gathered from the paged pool (``layers.attention``'s third way):
-the cached tokens of each request read through its slots, dequantized from an e4m3 pool.
+a layer's pool (``LayerCache``), the cached tokens of each request read through its slots and
+dequantized from an e4m3 pool.
 
 Continued prompt chunks with no window and no soft-cap go request by request under SDPA's
 lower-right causal bias over exactly each request's context: its flash kernel, no mask tensor,
@@ -10,6 +11,8 @@ for each new shape (~0.2 s on an H100), and a chunk's shape rarely repeats while
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
@@ -17,22 +20,39 @@ from torch.nn.attention.bias import causal_lower_right
 from bootstrap.engine.layers.fp8 import FP8
 
 
+@dataclass(frozen=True)
+class LayerCache:
+    """One layer's keys and values ``[blocks, tpb, KVH, D]`` and, for an e4m3 pool, their scales."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+
+    @property
+    def quantized(self) -> bool:
+        return self.k.dtype == FP8
+
+    @property
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return (self.k_scale, self.v_scale) if self.quantized else None
+
+
 def lower_right(
     tokens: torch.Tensor,
-    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    cache: LayerCache,
     kv_slots: torch.Tensor,
     lengths: tuple[tuple[int, int], ...],
     scaling: float | None,
 ) -> torch.Tensor:
     """``[n, H, D]``: the group's tokens ``[n, H, D]`` (request by request, ``lengths``' query
     tokens each), each request's against the first ``context`` of its ``kv_slots`` row.
-    ``cache``: keys, values and their scales; ``lengths``: (context, query tokens) per request."""
-    k_cache, v_cache, k_scale, v_scale = cache
+    ``lengths``: (context, query tokens) per request."""
     outputs, start = [], 0
     for row, (context, count) in enumerate(lengths):
         q = tokens[start : start + count].transpose(0, 1).unsqueeze(0)  # [1, H, count, D]
-        slots = kv_slots[row, :context]
-        k, v = (gather(part, scale, slots[None], q.dtype) for part, scale in ((k_cache, k_scale), (v_cache, v_scale)))
+        slots = kv_slots[row, :context][None]
+        k, v = gather(cache.k, cache.k_scale, slots, q.dtype), gather(cache.v, cache.v_scale, slots, q.dtype)
         bias = causal_lower_right(count, context)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=bias, scale=scaling, enable_gqa=k.shape[1] != q.shape[1]
