@@ -92,15 +92,18 @@ SCRIPT = textwrap.dedent("""
             for b in range(B):
                 want = reference(b, window, softcap, kc=kd, vc=vd)
                 torch.testing.assert_close(got[b], want, atol=1e-5, rtol=1e-5)
-    # float16 dots over a bfloat16 query (the query scaled first): float16's rounding, not bfloat16's
+    # float16 dots over a bfloat16 query (the query scaled first): float16's rounding, not bfloat16's;
+    # the default there (a float32 query, above, keeps float32 dots)
     qb = q.to(torch.bfloat16)
     for splits, step in [(1, 1), (3, 2)]:
         got = paged_decode(qb, kc8, vc8, tables, lens, 0.3, 7, 1.5, splits, scales, step, torch.float16).double()
         for b in range(B):
             want = reference(b, 7, 1.5, q=qb.double(), kc=kd, vc=vd)
             torch.testing.assert_close(got[b], want, atol=2e-2, rtol=2e-2)
-        bf16_dots = paged_decode(qb, kc8, vc8, tables, lens, 0.3, 7, 1.5, splits, scales, step)
+        bf16_dots = paged_decode(qb, kc8, vc8, tables, lens, 0.3, 7, 1.5, splits, scales, step, torch.bfloat16)
         assert not torch.equal(got, bf16_dots.double())
+        default = paged_decode(qb, kc8, vc8, tables, lens, 0.3, 7, 1.5, splits, scales, step)  # float16's, by default
+        assert torch.equal(got, default.double())
     try:
         paged_decode(qb, kc8, vc8, tables, lens, 0.3, dot_dtype=torch.float32)
         raise AssertionError("dot_dtype=float32 over a bfloat16 query was accepted")

@@ -280,7 +280,7 @@ def write_kv(
 
 # The kernel's defaults, from benchmarks/decode_attention_splits.py (benchmarks/README.md, "An FP8 KV cache")
 BLOCKS_PER_STEP = 1  # either pool: 2 and 4 were faster only for one split row
-E4M3_FLOAT16_DOTS = True  # an e4m3 pool's dots in float16, not the query's bfloat16: measured faster
+E4M3_FLOAT16_DOTS = True  # an e4m3 pool's dots in float16 under a bfloat16 query (measured faster)
 
 
 def paged_decode(
@@ -305,7 +305,8 @@ def paged_decode(
     if blocks_per_step is None:
         blocks_per_step = BLOCKS_PER_STEP
     if dot_dtype is None:
-        dot_dtype = torch.float16 if scales is not None and E4M3_FLOAT16_DOTS else q.dtype
+        bfloat16_over_e4m3 = scales is not None and q.dtype == torch.bfloat16
+        dot_dtype = torch.float16 if bfloat16_over_e4m3 and E4M3_FLOAT16_DOTS else q.dtype
     if blocks_per_step < 1 or blocks_per_step & (blocks_per_step - 1):
         raise ValueError(f"blocks_per_step must be a power of two >= 1, got {blocks_per_step}")
     if dot_dtype not in (None, q.dtype, torch.float16):
