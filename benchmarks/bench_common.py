@@ -9,12 +9,14 @@ load generator of ``serve_load.py``) can use the output helpers without paying f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import gc
 import json
 import os
 import platform
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -101,6 +103,61 @@ def emit(report: dict[str, Any], out: Path | None) -> None:
 def failure(exc: BaseException) -> dict[str, str]:
     """A measurement that could not be made, recorded instead of ending the run."""
     return {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+
+
+def error_line(error: Any, limit: int = 300) -> str:
+    """An error's first non-blank line, cut at ``limit``: of a JSON answer (text or parsed), its
+    ``error.message`` (or ``error``, ``detail``) when it has one."""
+    if isinstance(error, bytes):
+        error = error.decode(errors="replace")
+    if isinstance(error, str):
+        with contextlib.suppress(ValueError):
+            error = json.loads(error)
+    if isinstance(error, dict):
+        inner = error.get("error", error.get("detail", error))
+        error = inner.get("message", inner) if isinstance(inner, dict) else inner
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), "")[:limit]
+
+
+def count_failures(outcomes: Iterable[tuple[int | None, Any]]) -> dict[str, Any]:
+    """Requests' outcomes, each (HTTP status or None for no answer, error or None), counted: how
+    many ``requests``, how many ``failed``, each failure's HTTP status with its count (``statuses``:
+    ``"none"`` where no answer came) and the first failure's first line (``first_error``)."""
+    requests, statuses, first = 0, Counter[str](), None
+    for status, error in outcomes:
+        requests += 1
+        if error is None:
+            continue
+        statuses["none" if status is None else str(status)] += 1
+        first = first if first is not None else error_line(error)
+    return {"requests": requests, "failed": statuses.total(), "statuses": dict(statuses), "first_error": first}
+
+
+def merge_failures(counts: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """``count_failures`` results summed: the statuses added up, the first of their first errors."""
+    requests, statuses, first = 0, Counter[str](), None
+    for count in counts:
+        requests += count["requests"]
+        statuses.update(count["statuses"])
+        first = first if first is not None else count["first_error"]
+    return {"requests": requests, "failed": statuses.total(), "statuses": dict(statuses), "first_error": first}
+
+
+def failure_exit(name: str, failures: dict[str, Any], what: str = "requests") -> int:
+    """The exit status of a benchmark from its failure count: 0 when it measured something and
+    nothing failed; else 1, after one line on stderr: how many failed, their HTTP statuses, the
+    first error's first line."""
+    failed, total = failures["failed"], failures["requests"]
+    if total and not failed:
+        return 0
+    if not total:
+        print(f"{name}: no {what} were measured", file=sys.stderr)
+        return 1
+    statuses = ", ".join(
+        f"{'no answer' if status == 'none' else f'HTTP {status}'} x{n}" for status, n in failures["statuses"].items()
+    )
+    print(f"{name}: {failed} of {total} {what} failed ({statuses}): {failures['first_error']}", file=sys.stderr)
+    return 1
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:

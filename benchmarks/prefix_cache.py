@@ -43,7 +43,16 @@ import httpx
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))  # bench_common, cold_start and live_ops, also when loaded by path
-from bench_common import ratio, report_header, resolve_device, save, server_env  # noqa: E402
+from bench_common import (  # noqa: E402
+    count_failures,
+    failure_exit,
+    merge_failures,
+    ratio,
+    report_header,
+    resolve_device,
+    save,
+    server_env,
+)
 from cold_start import write_checkpoint  # noqa: E402
 from live_ops import call, free_port, metrics  # noqa: E402
 
@@ -248,29 +257,37 @@ async def chat(http: httpx.AsyncClient, system: str, question: str, max_tokens: 
     }
     sent = time.perf_counter()
     parts: list[str] = []  # the streamed content chunks: a token each (detokenizing may hold one back)
-    row: dict[str, Any] = {"sent": sent, "ttft_s": None, "end": None, "chunks": parts, "usage": None, "error": None}
+    row: dict[str, Any] = {"sent": sent, "ttft_s": None, "chunks": parts, "usage": None, "status": None, "error": None}
     try:
         async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            row["status"] = response.status_code
             if response.status_code != 200:
-                row["error"] = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:300]}"
-                return row
-            async for line in response.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    row["error"] = str(chunk["error"])[:300]
-                for choice in chunk.get("choices") or []:
-                    content = (choice.get("delta") or {}).get("content")
-                    if content:
-                        if row["ttft_s"] is None:
-                            row["ttft_s"] = time.perf_counter() - sent
-                        parts.append(content)
-                row["usage"] = chunk.get("usage") or row["usage"]
+                row["error"] = (await response.aread()).decode(errors="replace")[:300]
+            else:
+                await _read_stream(response, row, sent)
     except httpx.HTTPError as exc:
         row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-    row["end"], row["text"], row["chunks"] = time.perf_counter(), "".join(parts), parts
+    if row["error"] is None and row["ttft_s"] is None:
+        row["error"] = "the stream ended without content"
+    row["end"], row["text"] = time.perf_counter(), "".join(parts)
     return row
+
+
+async def _read_stream(response: httpx.Response, row: dict[str, Any], sent: float) -> None:
+    """The content chunks into ``row["chunks"]`` (TTFT at the first), the usage, an error chunk's text."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data: {"):
+            continue
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            row["error"] = json.dumps(chunk)[:300]
+        for choice in chunk.get("choices") or []:
+            content = (choice.get("delta") or {}).get("content")
+            if content:
+                if row["ttft_s"] is None:
+                    row["ttft_s"] = time.perf_counter() - sent
+                row["chunks"].append(content)
+        row["usage"] = chunk.get("usage") or row["usage"]
 
 
 async def load(url: str, system: str, questions: list[str], warmup: str, max_tokens: int) -> dict[str, Any]:
@@ -302,9 +319,10 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def summarize(measured: dict[str, Any]) -> dict[str, Any]:
-    """One server's figures from its requests (``rows``), its warm-up and its counters."""
+    """One server's figures from its requests (``rows``), its warm-up and its counters; the failed
+    requests (the warm-up's too) counted, none of the figures taken from them."""
     rows = measured["rows"]
-    ok = [r for r in rows if r["error"] is None and r["ttft_s"] is not None]
+    ok = [r for r in rows if r["error"] is None]
     ttft = [r["ttft_s"] for r in ok]
     e2e = [r["end"] - r["sent"] for r in ok]
     wall = max(r["end"] for r in rows) - min(r["sent"] for r in rows)
@@ -323,6 +341,7 @@ def summarize(measured: dict[str, Any]) -> dict[str, Any]:
         "requests": len(rows),
         "answered": len(ok),
         "errors": [r["error"] for r in rows if r["error"] is not None][:5],
+        "failures": count_failures((r["status"], r["error"]) for r in [measured["warmup"], *rows]),
         "ttft_ms_p50": _ms(percentile(ttft, 50)),
         "ttft_ms_p99": _ms(percentile(ttft, 99)),
         "ttft_ms_min": _ms(min(ttft, default=None)),
@@ -406,6 +425,7 @@ def run(args: argparse.Namespace, work: Path, report: dict[str, Any]) -> None:
     for arm in (args.first, "off" if args.first == "on" else "on"):
         arms[arm], rows[arm] = measure_arm(args, work, model, arm, (system, questions, warmup))
         report["arms"] = arms
+        report["failures"] = merge_failures(arm["failures"] for arm in arms.values())
         save(report, args.out)
     on, off = arms["on"], arms["off"]
     report["ratios"] = {
@@ -500,4 +520,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(failure_exit("prefix_cache", main()["failures"]))

@@ -7,8 +7,9 @@ back to back until ``--requests`` (per level) have been sent. Prompts are random
 
 Per level: ``requests_per_s`` (completed / wall time), ``output_tokens_per_s``, TTFT (request
 sent to first text chunk) and end-to-end (request sent to ``[DONE]``) p50 and p99 in ms, and
-the number of failed requests. The clients run in this process on the same machine as the
-server: on a small CPU they share its cores. Prints JSON and writes it to ``--out``.
+the failed requests (how many, their HTTP statuses, the first error's first line). The clients run
+in this process on the same machine as the server: on a small CPU they share its cores. Prints JSON
+and writes it to ``--out``; exit status 1, with one line on stderr, when any request failed.
 
 ``--logprobs off,5`` measures each level once per setting (``off``: none asked; K: ``logprobs``
 K on every request), on the same server, one right after the other, and adds each setting's
@@ -51,7 +52,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_common, also when loaded by path
-from bench_common import emit, int_list  # noqa: E402
+from bench_common import count_failures, emit, failure_exit, int_list, merge_failures  # noqa: E402
 
 STARTED = re.compile(r"Uvicorn running on (http://[\d.]+:\d+)")
 
@@ -61,7 +62,12 @@ class Sample:
     ttft_s: float | None
     e2e_s: float
     tokens: int
-    ok: bool
+    status: int | None  # None: no answer (the connection failed)
+    error: str | None = None  # the server's answer (or the client's exception) when the request failed
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -214,19 +220,24 @@ async def one_request(
         **({} if logprobs is None else {"logprobs": logprobs}),
     }
     started, ttft, tokens = time.perf_counter(), None, 0
-    async with http.stream("POST", "/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            await response.aread()
-            return Sample(None, time.perf_counter() - started, 0, False)
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if ttft is None and chunk["choices"] and chunk["choices"][0]["text"]:
-                ttft = time.perf_counter() - started
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-    return Sample(ttft, time.perf_counter() - started, tokens, True)
+    try:
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                answer = (await response.aread()).decode(errors="replace")
+                return Sample(None, time.perf_counter() - started, 0, response.status_code, answer)
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:  # failed after the stream began
+                    return Sample(ttft, time.perf_counter() - started, tokens, 200, json.dumps(chunk))
+                if ttft is None and chunk["choices"] and chunk["choices"][0]["text"]:
+                    ttft = time.perf_counter() - started
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+    except httpx.HTTPError as exc:
+        return Sample(None, time.perf_counter() - started, 0, None, f"{type(exc).__name__}: {exc}")
+    return Sample(ttft, time.perf_counter() - started, tokens, 200)
 
 
 async def run_level(
@@ -260,10 +271,12 @@ def summarize(clients: int, samples: list[Sample], wall_s: float) -> dict:
     ok = [s for s in samples if s.ok]
     ttft = [s.ttft_s * 1000 for s in ok if s.ttft_s is not None]
     e2e = [s.e2e_s * 1000 for s in ok]
+    failures = count_failures((s.status, s.error) for s in samples)
     return {
         "clients": clients,
         "requests": len(samples),
-        "failed": len(samples) - len(ok),
+        "failed": failures["failed"],
+        "failures": failures,
         "wall_s": round(wall_s, 3),
         "requests_per_s": round(len(ok) / wall_s, 3),
         "output_tokens_per_s": round(sum(s.tokens for s in ok) / wall_s, 1),
@@ -373,10 +386,11 @@ def main(argv: list[str] | None = None) -> int:
         "server_exit_code_after_sigterm": exit_code,
         "traced_requests": {str(s.trace_ratio): s.traced_requests() for s in servers if s.trace is not None} or None,
         "medians": medians(levels) if args.rounds > 1 or len(servers) > 1 else None,
+        "failures": merge_failures(level["failures"] for level in levels),
         "levels": levels,
     }
     emit(result, args.out)
-    return 0
+    return failure_exit("serve_load", result["failures"])
 
 
 if __name__ == "__main__":
