@@ -39,7 +39,30 @@ if TYPE_CHECKING:
 Drain = Callable[[], Awaitable[None]]
 Step = Callable[[Span], Awaitable[None]]
 AFTER_WEIGHTS = ("final_build", "warmup", "scheduler_sampler")  # what holds the KV pool, graphs and executor
-SAME_IN_A_SWAP = ("device", "backend", "tensor_parallel_size")  # the process's, not the model's
+MODEL_FIELDS = (  # what describes a model and its memory: all a swap may change
+    "model",
+    "dtype",
+    "quantization",
+    "kv_cache_dtype",
+    "max_seq_len",
+    "max_batch_size",
+    "max_num_tokens",
+    "tokens_per_block",
+    "free_gpu_memory_fraction",
+    "kv_headroom_bytes",
+    "max_kv_bytes",
+    "max_kv_tokens",
+    "host_cache_bytes",
+    "cross_kv_cache_fraction",
+    "draft_model",
+    "num_speculative_tokens",
+    "prefix_caching",
+    "cuda_graphs",
+    "cuda_graph_batch_sizes",
+    "kv_manager",
+)
+# the process's (its device, backend and ranks) and the server's own paths (the plan cache): every other field
+SAME_IN_A_SWAP = tuple(field for field in BootstrapConfig.model_fields if field not in MODEL_FIELDS)
 OPERATION_NAMES = {"swap": "swap", "update_weights": "weights", "sleep": "sleep", "wake": "wake"}  # method -> record
 
 
@@ -114,7 +137,7 @@ class Operations:
     # ---- the operations ------------------------------------------------------------------------
 
     async def swap(self, config: BootstrapConfig, *, drain: Drain = _no_drain) -> Executor:
-        """Serve ``config`` (any field may change but ``SAME_IN_A_SWAP``): its source checked by
+        """Serve ``config`` (only ``MODEL_FIELDS`` may change): its source checked by
         ``resolve_classes`` (counting the serving model's memory as free) while the old model
         serves; then ``drain``, the old pipeline released, the new one's stages run."""
         for field in SAME_IN_A_SWAP:

@@ -62,7 +62,7 @@ async def test_a_refused_swap_names_the_field_and_the_old_model_keeps_serving(ll
         cases = [
             ({"model": str(tmp_path / "missing")}, "model", "resolve_classes"),
             ({"model": str(llama), "colour": "blue"}, "colour", "colour: not a field a swap takes"),
-            ({"model": str(llama), "device": "cuda"}, "device", "device: a live server keeps its 'cpu'"),
+            ({"model": str(llama), "device": "cuda"}, "device", "device: the server's own setting, never a client's"),
             ({"served_model_name": "x"}, "model", "model: required"),
             ({"model": str(llama), "max_batch_size": 0}, "max_batch_size", "max_batch_size"),
         ]

@@ -10,14 +10,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
-from bootstrap.api.operations import SAME_IN_A_SWAP
+from bootstrap.api.operations import MODEL_FIELDS, SAME_IN_A_SWAP
 from bootstrap.config import BootstrapConfig, ConfigError, is_int
 from bootstrap.serve.errors import APIError, describe_validation
 from bootstrap.serve.live.operate import run_operation
 from bootstrap.serve.state import ServeState
 
 router = APIRouter()
-SWAP_FIELDS = frozenset(BootstrapConfig.model_fields) | {"served_model_name"}
+SWAP_FIELDS = frozenset(MODEL_FIELDS) | {"served_model_name"}  # a model and its memory; never a path the server writes
 
 
 def _state(request: Request) -> ServeState:
@@ -46,7 +46,16 @@ def _text(body: dict[str, Any], field: str) -> str:
 
 def swap_config(state: ServeState, body: dict[str, Any]) -> tuple[BootstrapConfig, str]:
     """The config a swap body asks for: the server's own flags with the body's fields over
-    them (``model`` required), and the model id clients will send."""
+    them (``model`` required), and the model id clients will send. A field of the server's own
+    (``SAME_IN_A_SWAP``: its device and ranks, its plan cache) is refused, even at its value."""
+    own = sorted(set(body) & set(SAME_IN_A_SWAP))
+    if own:
+        raise APIError(
+            400,
+            f"{own[0]}: the server's own setting, never a client's; a swap takes: {', '.join(sorted(SWAP_FIELDS))}",
+            param=own[0],
+            code="invalid_value",
+        )
     unknown = sorted(set(body) - SWAP_FIELDS)
     if unknown:
         raise APIError(
@@ -72,10 +81,9 @@ def swap_config(state: ServeState, body: dict[str, Any]) -> tuple[BootstrapConfi
 
 @router.post("/v1/bootstrap/swap")
 async def swap(request: Request) -> dict[str, Any]:
-    """Serve another model (``{"model": SOURCE, ...}``, any config field beside it)."""
+    """Serve another model (``{"model": SOURCE, ...}``, any of ``SWAP_FIELDS`` beside it)."""
     state = _state(request)
     config, name = swap_config(state, await _body(request))
-    kept = [field for field in SAME_IN_A_SWAP if getattr(config, field) != getattr(state.config, field)]
 
     async def call(drain):
         async def drain_then_rename() -> None:
@@ -84,7 +92,7 @@ async def swap(request: Request) -> dict[str, Any]:
 
         return await state.boot.swap(config, drain=drain_then_rename)
 
-    return await run_operation(state, request.app.state.tasks, "swap", call, kept[0] if kept else "model")
+    return await run_operation(state, request.app.state.tasks, "swap", call, "model")
 
 
 @router.post("/v1/bootstrap/weights")

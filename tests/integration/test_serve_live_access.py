@@ -1,0 +1,43 @@
+"""What a client of the live operations may ask for and learn (issue 54), on the real engine on
+the CPU (the app in process: ``helpers.live_serve``): a swap takes only the fields that describe
+a model and its memory, never a path the server writes; an error quotes no file and stays
+short; a conflict says which operation runs; ``/v1/models`` keeps listing the model while it
+sleeps."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.live_serve import error_of, serving
+
+from bootstrap.api import Bootstrap
+from bootstrap.api.operations import MODEL_FIELDS, SAME_IN_A_SWAP
+from bootstrap.config import BootstrapConfig
+from bootstrap.serve.live.routes import SWAP_FIELDS
+
+
+def test_every_config_field_is_either_a_models_or_the_servers_own():
+    fields = set(BootstrapConfig.model_fields)
+    assert set(MODEL_FIELDS) | set(SAME_IN_A_SWAP) == fields and not set(MODEL_FIELDS) & set(SAME_IN_A_SWAP)
+    assert "plan_cache" in SAME_IN_A_SWAP and set(MODEL_FIELDS) | {"served_model_name"} == SWAP_FIELDS
+
+
+async def test_a_swap_refuses_the_servers_own_paths_before_writing_anything(llama, tmp_path):
+    wanted = tmp_path / "x"
+    async with serving(llama) as server:
+        for field, value in [("plan_cache", str(wanted)), ("device", "cpu"), ("tensor_parallel_size", 1)]:
+            error = error_of(await server.op("/v1/bootstrap/swap", {"model": str(llama), field: value}), 400)
+            assert error["param"] == field and error["message"].startswith(f"{field}: the server's own"), error
+        assert not wanted.exists()
+        assert (await server.http.get("/ready")).json()["state"] == "ready"
+        assert (await server.http.get("/v1/bootstrap")).json()["operations"] == []  # refused before any operation
+
+
+async def test_the_python_swap_keeps_the_servers_plan_cache(llama, tmp_path):
+    config = BootstrapConfig(model=str(llama), device="cpu", max_num_tokens=64, max_batch_size=4)
+    boot = Bootstrap(config)
+    try:
+        with pytest.raises(Exception, match="plan_cache: a live server keeps its"):
+            await boot.swap(config.model_copy(update={"plan_cache": tmp_path / "x"}))
+    finally:
+        await boot.aclose()
+    assert not (tmp_path / "x").exists()
