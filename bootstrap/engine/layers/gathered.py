@@ -2,10 +2,11 @@
 a layer's pool (``LayerCache``), the cached tokens of each request read through its slots and
 dequantized from an e4m3 pool.
 
-Continued prompt chunks with no window and no soft-cap go request by request under SDPA's
-lower-right causal bias over exactly each request's context: its flash kernel, no mask tensor,
-nothing repeated per query head. Anything else goes in one padded call under a boolean mask.
-Why not one masked call for all: on Hopper SDPA gives a masked call to cuDNN, which builds a plan
+Continued prompt chunks with no window and no soft-cap go request by request, causal from the
+lower right over exactly each request's context (``causal_from_lower_right``): flash's own causal
+mode, no mask tensor, nothing repeated per query head. Written here rather than taken from
+``torch.nn.attention.bias``, whose import pulls in dynamo and sympy (seconds on every start).
+Anything else goes in one padded call under a boolean mask. Why not one masked call for all: on Hopper SDPA gives a masked call to cuDNN, which builds a plan
 for each new shape (~0.2 s on an H100), and a chunk's shape rarely repeats while prompts differ.
 """
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
+from torch.backends.cuda import SDPAParams, can_use_efficient_attention, can_use_flash_attention
 
 from bootstrap.engine.layers.fp8 import FP8
 
@@ -53,13 +54,40 @@ def lower_right(
         q = tokens[start : start + count].transpose(0, 1).unsqueeze(0)  # [1, H, count, D]
         slots = kv_slots[row, :context][None]
         k, v = gather(cache.k, cache.k_scale, slots, q.dtype), gather(cache.v, cache.v_scale, slots, q.dtype)
-        bias = causal_lower_right(count, context)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=bias, scale=scaling, enable_gqa=k.shape[1] != q.shape[1]
-        )
-        outputs.append(out[0].transpose(0, 1))
+        outputs.append(causal_from_lower_right(q, k, v, scaling)[0].transpose(0, 1))
         start += count
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+def causal_from_lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """SDPA of ``q [B, H, L, D]`` over ``k, v [B, KVH, S, D]`` (``L <= S``) where query ``i`` sees
+    keys ``0 .. S - L + i``: the causal diagonal at the lower-right corner. What torch's
+    ``CausalBias`` dispatches to: flash's causal mode (lower-right aligned), else the efficient
+    kernel's lower-right mask type (no grouped heads), else a boolean mask."""
+    count, context, gqa = q.shape[-2], k.shape[-2], k.shape[1] != q.shape[1]
+    if count == context:  # both corners coincide
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    if q.is_cuda:
+        params = SDPAParams(q, k, v, None, 0.0, False, gqa)
+        if can_use_flash_attention(params):
+            head = q.shape[-1]
+            pad = -head % 8  # flash takes head sizes in multiples of 8
+            if pad:
+                q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
+            out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)[0]
+            return out[..., :head]
+        if can_use_efficient_attention(params):
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            out = torch.ops.aten._efficient_attention_forward(
+                q, k, v, None, None, None, None, None, 0.0, _LOWER_RIGHT_MASK, False, scale=scale
+            )[0]
+            return out.transpose(1, 2)
+    mask = torch.ones(count, context, dtype=torch.bool, device=q.device).tril(context - count)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+_LOWER_RIGHT_MASK = 2  # the efficient kernel's custom_mask_type for a lower-right causal mask
 
 
 def masked(
