@@ -6,8 +6,9 @@ Continued prompt chunks with no window and no soft-cap go request by request, ca
 lower right over exactly each request's context (``causal_from_lower_right``): flash's own causal
 mode, no mask tensor, nothing repeated per query head. Written here rather than taken from
 ``torch.nn.attention.bias``, whose import pulls in dynamo and sympy (seconds on every start).
-Anything else goes in one padded call under a boolean mask. Why not one masked call for all: on Hopper SDPA gives a masked call to cuDNN, which builds a plan
-for each new shape (~0.2 s on an H100), and a chunk's shape rarely repeats while prompts differ.
+Anything else goes in one padded call under a boolean mask. Why not one masked call for all: on
+Hopper SDPA gives a masked call to cuDNN, which builds a plan for each new shape (~0.2 s on an
+H100), and a chunk's shape rarely repeats while prompts differ.
 """
 
 from __future__ import annotations
