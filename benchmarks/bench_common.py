@@ -119,10 +119,11 @@ def error_line(error: Any, limit: int = 300) -> str:
     return next((line.strip() for line in str(error).splitlines() if line.strip()), "")[:limit]
 
 
-def count_failures(outcomes: Iterable[tuple[int | None, Any]]) -> dict[str, Any]:
-    """Requests' outcomes, each (HTTP status or None for no answer, error or None), counted: how
-    many ``requests``, how many ``failed``, each failure's HTTP status with its count (``statuses``:
-    ``"none"`` where no answer came) and the first failure's first line (``first_error``)."""
+def count_failures(outcomes: Iterable[tuple[int | str | None, Any]]) -> dict[str, Any]:
+    """Requests' outcomes, each (HTTP status, None for no answer or a label such as ``"exit 2"``
+    for a process; error or None), counted: how many ``requests``, how many ``failed``, each
+    failure's status with its count (``statuses``: ``"none"`` where no answer came) and the first
+    failure's first line (``first_error``)."""
     requests, statuses, first = 0, Counter[str](), None
     for status, error in outcomes:
         requests += 1
@@ -153,11 +154,13 @@ def failure_exit(name: str, failures: dict[str, Any], what: str = "requests") ->
     if not total:
         print(f"{name}: no {what} were measured", file=sys.stderr)
         return 1
-    statuses = ", ".join(
-        f"{'no answer' if status == 'none' else f'HTTP {status}'} x{n}" for status, n in failures["statuses"].items()
-    )
+    statuses = ", ".join(f"{_status(status)} x{n}" for status, n in failures["statuses"].items())
     print(f"{name}: {failed} of {total} {what} failed ({statuses}): {failures['first_error']}", file=sys.stderr)
     return 1
+
+
+def _status(status: str) -> str:
+    return "no answer" if status == "none" else f"HTTP {status}" if status.isdigit() else status
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:

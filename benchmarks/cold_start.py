@@ -16,7 +16,10 @@ The floor is ``floor.py`` in a fresh process of its own, with the Triton cache t
 filled (so no kernel compile): import torch, the device, the weights read three ways (a plain-torch
 pinned pipeline, the engine's loader, ``safetensors.torch.load_file``), one pool, one
 ``max_num_tokens`` forward, the graph captures; ``floor_s`` sums those parts with the fastest read.
-``over_floor``: each serve's first token over ``floor_s``. Prints JSON and writes it to ``--out``:
+``over_floor``: each serve's first token over ``floor_s``. A run that exits non-zero, a serve that
+never gets ready or whose completion fails is counted in ``failures`` (its status: the exit, the
+HTTP status, or none; the first error's first line) and the script exits 1, with one line on
+stderr, the JSON written anyway. Prints JSON and writes it to ``--out``:
 
     python benchmarks/cold_start.py --shape llama-3.1-8b --device cuda --repeats 3 --out cold_start.json
     python benchmarks/cold_start.py --shape smollm2-135m --device cpu --repeats 3 --out cold_start_cpu.json
@@ -35,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -43,6 +47,9 @@ from bootstrap.cli.trace.command import read_spans
 from bootstrap.cli.trace.timeline import coverage
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # bench_common, also when loaded by path
+from bench_common import count_failures, failure_exit  # noqa: E402
+
 WORDS = 512  # the word-level tokenizer written beside the weights: w0 .. w511
 
 
@@ -72,6 +79,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     add("--out", type=Path, default=None, help="also write the JSON here")
     return parser.parse_args(argv)
+
+
+def checkpoint_dir(work: Path, shape: str) -> Path:
+    """Where the checkpoint of ``shape`` goes: ``checkpoint-<preset>`` (the whole name:
+    ``checkpoint-llama-3.1-8b``), or ``checkpoint-<stem>`` for a config file (``tiny.json``:
+    ``checkpoint-tiny``)."""
+    return work / f"checkpoint-{Path(shape).stem if shape.endswith('.json') else Path(shape).name}"
 
 
 def write_checkpoint(args: argparse.Namespace, path: Path, seed: int = 0, words: int | None = WORDS) -> dict[str, Any]:
@@ -205,6 +219,7 @@ def time_run(args: argparse.Namespace, model: Path, work: Path, mode: str, repea
     answered = timed.get("trace_answer_end_s")
     return {
         "code": code,
+        **({} if code == 0 else {"status": f"exit {code}", "error": _last(child.lines["stderr"])}),
         "first_line_s": _first(child.lines["stderr"]),
         "exit_s": exited,
         "exit_after_answer_s": round(exited - answered, 3) if answered else None,
@@ -235,16 +250,20 @@ def time_serve(args: argparse.Namespace, model: Path, work: Path, mode: str, rep
     ready = _poll(
         child, lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2), args.poll_interval
     )
-    first_token = _first_token(child, port, str(model)) if ready is not None else None
+    answer = _first_token(child, port, str(model)) if ready is not None else {"first_token_s": None}
+    early = child.proc.poll()  # not None: it exited by itself
     sigterm = child.now()
     child.proc.send_signal(signal.SIGTERM)
     code, exited = child.wait()
+    if ready is None:  # it exited before /ready answered 200, or /ready never did
+        answer |= {"status": None if early is None else f"exit {early}"}
+        answer["error"] = _last(child.lines["stderr"]) or "no /ready 200"
     return {
         "code": code,
         "first_line_s": _first(child.lines["stderr"]),
         "port_open_s": opened,
         "ready_s": ready,
-        "first_token_s": first_token,
+        **answer,
         "exit_after_sigterm_s": round(exited - sigterm, 3),
         **spans(trace),
     }
@@ -252,6 +271,11 @@ def time_serve(args: argparse.Namespace, model: Path, work: Path, mode: str, rep
 
 def _first(lines: list[tuple[float, str]]) -> float | None:
     return lines[0][0] if lines else None
+
+
+def _last(lines: list[tuple[float, str]]) -> str | None:
+    """The last non-blank line a process printed (a failed start's reason)."""
+    return next((line for _, line in reversed(lines) if line.strip()), None)
 
 
 def _free_port() -> int:
@@ -272,16 +296,26 @@ def _poll(child: Child, probe: Any, interval: float, timeout: float = 600.0) -> 
     return None
 
 
-def _first_token(child: Child, port: int, model: str) -> float | None:
+def _first_token(child: Child, port: int, model: str) -> dict[str, Any]:
+    """A streamed completion: ``first_token_s`` at its first chunk; ``status`` and ``error`` when
+    it is refused, its stream carries an error or ends without a chunk."""
     body = json.dumps({"model": model, "prompt": "w5 w7 w9", "max_tokens": 8, "stream": True})
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/completions", data=body.encode(), headers={"content-type": "application/json"}
     )
-    with urllib.request.urlopen(request, timeout=120) as stream:
-        for line in stream:
-            if line.startswith(b"data: {"):
-                return child.now()
-    return None
+    try:
+        with urllib.request.urlopen(request, timeout=120) as stream:
+            for line in stream:
+                if line.startswith(b"data: {"):
+                    at = child.now()
+                    if "error" in json.loads(line[6:]):
+                        return {"first_token_s": None, "status": 200, "error": line[6:].decode(errors="replace")}
+                    return {"first_token_s": at}
+    except urllib.error.HTTPError as exc:
+        return {"first_token_s": None, "status": exc.code, "error": exc.read().decode(errors="replace")[:300]}
+    except OSError as exc:
+        return {"first_token_s": None, "status": None, "error": f"{type(exc).__name__}: {exc}"}
+    return {"first_token_s": None, "status": 200, "error": "the stream ended without a chunk"}
 
 
 def spans(trace: Path) -> dict[str, Any]:
@@ -341,7 +375,7 @@ def measure_floor(args: argparse.Namespace, model: Path, pool_bytes: int, env: d
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="cold-start-"))
-    model = work / f"checkpoint-{Path(args.shape).stem}"
+    model = checkpoint_dir(work, args.shape)
     result: dict[str, Any] = {
         "benchmark": "cold_start",
         "command": " ".join(sys.argv),
@@ -362,6 +396,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     filled = caches(work, "warm", 0)[0]  # the first repeat's Triton cache: the floor compiles nothing
     result["floor"] = measure_floor(args, model, pool, filled) if pool else {"error": "no KV budget in the cold trace"}
     result["over_floor"] = over_floor(result)
+    starts = [row[mode][kind] for row in result["repeats"] for mode in ("cold", "warm") for kind in ("run", "serve")]
+    result["failures"] = count_failures((start.get("status"), start.get("error")) for start in starts)
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
@@ -392,4 +428,4 @@ def _pool_bytes(trace: Path) -> int | None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(failure_exit("cold_start", main()["failures"], "starts"))
