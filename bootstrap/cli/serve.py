@@ -76,8 +76,14 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     add(
         "--allowed-origins",
         metavar="ORIGINS",
-        help="comma-separated browser origins (scheme://host[:port]) a server on a loopback address takes "
-        "requests from, with CORS (default: none; other sites and foreign Host names get a 403)",
+        help="comma-separated browser origins (scheme://host[:port]) the server takes requests from, with CORS "
+        "(default: none; other sites get a 403, and on a loopback address foreign Host names too)",
+    )
+    add(
+        "--allow-open-operations",
+        action="store_true",
+        help="on an address other than loopback without --api-key, let anyone who reaches the port run the live "
+        "operations (swap, weights, sleep, wake); without it they answer 403 (logged at start either way)",
     )
     add("--served-model-name", help="the model id clients send (default: --model as given)")
     add("--shutdown-timeout", type=float, default=30.0, help="seconds requests in flight get after a signal")
@@ -150,6 +156,7 @@ def serve_options(args: argparse.Namespace, config: Any) -> Any:
         idle=getattr(args, "idle", False),
         host=host,
         allowed_origins=origins,
+        allow_open_operations=getattr(args, "allow_open_operations", False),  # a Namespace by hand may lack it
     )
 
 

@@ -2,8 +2,9 @@
 
 With an API key, every route but ``/health``, ``/ready`` and ``/metrics`` needs it, the docs and
 ``/openapi.json`` included (``bootstrap.serve.auth``); the app logs that once, never the key.
-Bound to a loopback address, it refuses other sites and foreign ``Host`` names, except the
-origins ``--allowed-origins`` names (which CORS then lets read the answers).
+It refuses other sites but ``--allowed-origins`` (on loopback, foreign ``Host`` names too) and
+bodies not declared JSON (``content_type``); bound elsewhere without a key, it says so at start
+and refuses the live operations unless ``--allow-open-operations``.
 
 The lifespan starts the bootstrap in the background and returns at once, so the server binds
 its port while the stages run. On shutdown (``state.begin_shutdown``, from a signal) the drain
@@ -24,8 +25,9 @@ import anyio
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
-from bootstrap.serve.auth import OPEN, APIKeyMiddleware, LocalOnlyMiddleware, is_loopback
+from bootstrap.serve.auth import OPEN, APIKeyMiddleware, SameSiteMiddleware, open_bind
 from bootstrap.serve.body_limit import BodyLimitMiddleware
+from bootstrap.serve.content_type import JsonBodyMiddleware
 from bootstrap.serve.errors import install_handlers
 from bootstrap.serve.live import routes as live_routes
 from bootstrap.serve.metrics import ServeMetrics
@@ -56,6 +58,7 @@ def create_app(state: ServeState, on_fatal: Callable[[], None] = lambda: None) -
     document_bodies(app)
     if state.options.traces:  # inside the key check: a refused request is not traced
         app.add_middleware(RequestTracing, tracer=state.tracer, ratio=state.options.request_trace_ratio)
+    app.add_middleware(JsonBodyMiddleware)  # inside the key check: a request without the key learns nothing
     if state.options.api_key is not None:
         app.add_middleware(APIKeyMiddleware, key=state.options.api_key)
         log.info(
@@ -64,10 +67,30 @@ def create_app(state: ServeState, on_fatal: Callable[[], None] = lambda: None) -
         )
     if state.options.allowed_origins:  # outside the key check: a preflight carries no key
         app.add_middleware(CORSMiddleware, allow_origins=list(state.options.allowed_origins), **CORS)
-    if state.options.host is not None and is_loopback(state.options.host):
-        app.add_middleware(LocalOnlyMiddleware, bound_host=state.options.host, allowed=state.options.allowed_origins)
+    if state.options.host is not None:
+        app.add_middleware(SameSiteMiddleware, bound_host=state.options.host, allowed=state.options.allowed_origins)
+    _warn_if_open(state)
     app.add_middleware(BodyLimitMiddleware)  # outermost: a body too large is refused before anything reads it
     return app
+
+
+def _warn_if_open(state: ServeState) -> None:
+    """Say once, at start, that a server bound to an address other than loopback has no key."""
+    options = state.options
+    if not open_bind(options):
+        return
+    if options.allow_open_operations:
+        log.warning(
+            "bootstrap serve: bound to %r without --api-key and with --allow-open-operations: anyone who reaches "
+            "the port runs generations and the live operations (swap, weights, sleep, wake)",
+            options.host,
+        )
+    else:
+        log.warning(
+            "bootstrap serve: bound to %r without --api-key: anyone who reaches the port runs generations; the "
+            "live operations are refused (403) until a key is set (or --allow-open-operations)",
+            options.host,
+        )
 
 
 def _lifespan(state: ServeState, on_fatal: Callable[[], None]):

@@ -1,4 +1,4 @@
-"""The optional API key, and a loopback server's refusal of other sites.
+"""The optional API key, the refusal of other sites, and who may run the live operations.
 
 The key: once set, every route but ``/health``, ``/ready`` and ``/metrics`` (``OPEN``) needs it,
 checked first and in constant time, as ``Authorization: Bearer <key>`` or as HTTP Basic's password
@@ -6,8 +6,10 @@ checked first and in constant time, as ``Authorization: Bearer <key>`` or as HTT
 challenged with ``Basic``). Everything else is a 401 without it, unknown paths included: the list
 names what is open, not what is guarded. A request that changes something (any method but GET,
 HEAD, OPTIONS) with Basic credentials from another site (``Sec-Fetch-Site``, ``Origin``) is a 403.
-With or without a key, a server on a loopback address takes nothing from other sites and no
-foreign ``Host`` (``LocalOnlyMiddleware``; ``--allowed-origins`` names exceptions).
+With or without a key, a server on any address takes nothing from other sites, and one on a
+loopback address no foreign ``Host`` (``SameSiteMiddleware``; ``--allowed-origins`` names
+exceptions). On an address other than loopback the live operations need the key, or the
+operator's explicit ``--allow-open-operations`` (``operations_allowed``).
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ import binascii
 import hmac
 import ipaddress
 
+from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from bootstrap.serve.errors import APIError
-from bootstrap.serve.state import clean_api_key
+from bootstrap.serve.state import ServeOptions, clean_api_key
 
 OPEN = frozenset({"/health", "/ready", "/metrics"})
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -58,17 +61,18 @@ class APIKeyMiddleware:
         return None
 
 
-class LocalOnlyMiddleware:
-    """For a server bound to a loopback address: a ``Host`` that is not a loopback name (DNS
-    rebinding: a page whose name now points here) and a request the browser marks as from
-    another site (``Sec-Fetch-Site``, ``Origin``) are refused with 403, unless its ``Origin`` is
-    in ``allowed`` (whose host names are then taken as ``Host`` too)."""
+class SameSiteMiddleware:
+    """For a server bound to any address: a request the browser marks as from another site
+    (``Sec-Fetch-Site``, ``Origin``) is refused with 403, unless its ``Origin`` is in ``allowed``;
+    bound to a loopback address, also a ``Host`` that is not a loopback name (DNS rebinding: a
+    page whose name now points here), the host names of ``allowed`` taken too. Elsewhere any
+    ``Host`` is taken: the names a server on ``0.0.0.0`` answers to are not known here."""
 
     def __init__(self, app: ASGIApp, bound_host: str, allowed: tuple[str, ...] = ()) -> None:
         self.app, self._origins = app, frozenset(origin.encode() for origin in allowed)
         names = {"localhost", "127.0.0.1", "[::1]", _bracketed(bound_host.lower())}
         names.update(_host_name(origin.partition("://")[2].encode()).decode() for origin in allowed)
-        self._hosts = frozenset(name.encode() for name in names)
+        self._hosts = frozenset(name.encode() for name in names) if is_loopback(bound_host) else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -80,7 +84,7 @@ class LocalOnlyMiddleware:
 
     def _check(self, headers: dict[bytes, bytes]) -> APIError | None:
         host = headers.get(b"host", b"").lower()
-        if _host_name(host) not in self._hosts:
+        if self._hosts is not None and _host_name(host) not in self._hosts:
             return APIError(
                 403,
                 f"refused: Host {host.decode('latin-1')!r} is not this server's (allowed on a loopback "
@@ -92,11 +96,31 @@ class LocalOnlyMiddleware:
         if _cross_site(headers) and (origin is None or origin.lower() not in self._origins):
             return APIError(
                 403,
-                "refused: a request from another site (Sec-Fetch-Site, Origin) to a server on a loopback "
-                "address; allowed: the origins --allowed-origins names",
+                "refused: a request from another site (Sec-Fetch-Site, Origin); allowed: the origins "
+                "--allowed-origins names",
                 code="cross_site",
             )
         return None
+
+
+def open_bind(options: ServeOptions) -> bool:
+    """Whether anyone who reaches the port reaches the server: bound to an address other than
+    loopback, without a key."""
+    return options.host is not None and not is_loopback(options.host) and options.api_key is None
+
+
+def operations_allowed(request: Request) -> None:
+    """The live operations' dependency: 403 on an address other than loopback without a key,
+    unless the operator opened them (``--allow-open-operations``); a read (GET) passes."""
+    options: ServeOptions = request.app.state.serve.options
+    if request.method in SAFE_METHODS or not open_bind(options) or options.allow_open_operations:
+        return
+    raise APIError(
+        403,
+        f"refused: live operations on a server bound to {options.host!r} need its --api-key (or "
+        "--allow-open-operations, which opens them to anyone who reaches the port)",
+        code="operations_closed",
+    )
 
 
 def is_loopback(host: str) -> bool:

@@ -20,10 +20,12 @@ from starlette.exceptions import HTTPException
 TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
+    403: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     503: "service_unavailable",
 }
 MAX_DESCRIBED = 8  # bad fields named in one message; the rest are counted

@@ -62,6 +62,7 @@ class ServeOptions:
     idle: bool = False  # start without a model (``serve --idle``)
     host: str | None = None  # the bound address; a loopback one refuses other sites (``serve.auth``)
     allowed_origins: tuple[str, ...] = ()  # browser origins taken anyway (``parse_origins``)
+    allow_open_operations: bool = False  # live operations without a key on an address other than loopback
 
     def __post_init__(self) -> None:
         if self.api_key is not None:

@@ -73,7 +73,9 @@ async def test_a_refused_swap_names_the_field_and_the_old_model_keeps_serving(ll
             assert ready.status_code == 200 and ready.json()["state"] == "ready"
             assert await server.text() == fresh["llama"]
         for raw in ("{not json", "[1, 2]"):
-            response = await server.http.post("/v1/bootstrap/swap", content=raw)
+            response = await server.http.post(
+                "/v1/bootstrap/swap", content=raw, headers={"Content-Type": "application/json"}
+            )
             assert error_of(response, 400)["code"] in ("invalid_json", "invalid_body")
         outcomes = [o["outcome"] for o in (await server.http.get("/v1/bootstrap")).json()["operations"]]
         assert outcomes == ["refused"], outcomes  # the missing source's check; the others are refused before any

@@ -1,22 +1,24 @@
 """``POST /v1/bootstrap/swap | weights | sleep | wake``, and the routes vLLM and SGLang give the
 same operations, as aliases for the tools that call them: ``POST /sleep?level=N``, ``POST
-/wake_up``, ``GET /is_sleeping``, ``POST /update_weights_from_disk``. All behind ``--api-key``."""
+/wake_up``, ``GET /is_sleeping``, ``POST /update_weights_from_disk``. All behind ``--api-key``; on an
+address other than loopback, refused without one unless ``--allow-open-operations`` (``auth``)."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from pydantic import ValidationError
 
 from bootstrap.api.operations import MODEL_FIELDS, SAME_IN_A_SWAP
 from bootstrap.config import BootstrapConfig, ConfigError, is_int
+from bootstrap.serve.auth import operations_allowed
 from bootstrap.serve.errors import APIError, describe_validation
 from bootstrap.serve.live.operate import run_operation
 from bootstrap.serve.state import ServeState
 
-router = APIRouter()
+router = APIRouter(dependencies=[Depends(operations_allowed)])  # bound elsewhere than loopback: the key, or opened
 SWAP_FIELDS = frozenset(MODEL_FIELDS) | {"served_model_name"}  # a model and its memory; never a path the server writes
 
 

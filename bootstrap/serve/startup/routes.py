@@ -7,10 +7,11 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from bootstrap.serve.auth import operations_allowed
 from bootstrap.serve.errors import APIError
 from bootstrap.serve.openai.readiness import RETRY_AFTER_S
 from bootstrap.serve.openai.render import SSE_HEADERS, sse
@@ -68,7 +69,7 @@ async def _progress(state: ServeState) -> AsyncIterator[str]:
         await change.wait()
 
 
-@router.post("/v1/bootstrap/retry", status_code=202)
+@router.post("/v1/bootstrap/retry", status_code=202, dependencies=[Depends(operations_allowed)])
 async def retry(request: Request) -> dict[str, Any]:
     """Resume a failed bootstrap from its failed stage (earlier artifacts, weights included, are
     kept); 409 when nothing failed or the failure cannot be resumed."""
