@@ -39,8 +39,11 @@ def _block(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def quantized(source: Path, target: Path, layout: str, block: int = 16) -> tuple[Path, Path]:
-    """``target`` (FP8, ``layout`` "channel", "tensor" or "block") and ``target``-dequantized."""
+def quantized(
+    source: Path, target: Path, layout: str, block: int = 16, tensor_scale: torch.dtype = torch.bfloat16
+) -> tuple[Path, Path]:
+    """``target`` (FP8, ``layout`` "channel", "tensor" or "block") and ``target``-dequantized;
+    ``tensor_scale``: the dtype a per-tensor scale is stored in."""
     plain = target.with_name(target.name + "-dequantized")
     for path in (target, plain):
         shutil.copytree(source, path)
@@ -55,11 +58,11 @@ def quantized(source: Path, target: Path, layout: str, block: int = 16) -> tuple
             q, scale = _block(w, block)
             fp8[name], fp8[f"{module}.weight_scale_inv"] = q, scale
             full = scale.repeat_interleave(block, 0)[: w.shape[0]].repeat_interleave(block, 1)[:, : w.shape[1]]
-        else:  # one scale per row, or one for the whole tensor (stored in bfloat16, as some checkpoints do)
+        else:  # one scale per row, or one for the whole tensor (bfloat16 by default, as some checkpoints store it)
             w32 = w.float()
             amax = w32.abs().amax(dim=1, keepdim=True) if layout == "channel" else w32.abs().amax().reshape(1)
             scale = amax.clamp(min=1e-12) / torch.finfo(FP8).max
-            stored = scale if layout == "channel" else scale.to(torch.bfloat16)
+            stored = scale if layout == "channel" else scale.to(tensor_scale)
             q = (w32 / stored.float()).to(FP8)
             fp8[name], fp8[f"{module}.weight_scale"] = q, stored
             full = stored.float()
@@ -81,15 +84,16 @@ def quantized(source: Path, target: Path, layout: str, block: int = 16) -> tuple
     return target, plain
 
 
-def with_kv_scales(source: Path, target: Path, scale: float, layers: int) -> Path:
-    """``source`` with every layer's ``self_attn.k_scale`` and ``v_scale`` set to ``scale``."""
+def with_kv_scales(source: Path, target: Path, scale: float, layers: int, value_scale: float | None = None) -> Path:
+    """``source`` with every layer's ``self_attn.k_scale`` set to ``scale`` and its ``v_scale`` to
+    ``value_scale`` (None: ``scale``)."""
     target.mkdir()
     for item in source.iterdir():
         if item.name != "model.safetensors":
             (target / item.name).write_bytes(item.read_bytes())
     tensors = load_file(source / "model.safetensors")
     for i in range(layers):
-        for kind in ("k_scale", "v_scale"):
-            tensors[f"model.layers.{i}.self_attn.{kind}"] = torch.tensor(scale)
+        for kind, value in (("k_scale", scale), ("v_scale", scale if value_scale is None else value_scale)):
+            tensors[f"model.layers.{i}.self_attn.{kind}"] = torch.tensor(value)
     save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
     return target

@@ -22,7 +22,7 @@ from bootstrap.capacity.shape import ModelConfigError
 from bootstrap.engine.layers.linear import Shard
 from bootstrap.engine.layers.rotary import rope_scaling_problem
 from bootstrap.engine.models.decoder import ACTIVATIONS, activation_name
-from bootstrap.engine.models.files import exists, read_json
+from bootstrap.engine.models.files import ModelSourceError, exists, read_json
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
 log = logging.getLogger(__name__)
@@ -78,6 +78,28 @@ def load_own_model(
     with compiling_ahead(model):  # Triton's first compile of the kernels, while the weights are read
         load_weights(model, files)
     return model.eval()
+
+
+def check_checkpoint(
+    path: Path,
+    cfg: dict[str, Any],
+    dtype: torch.dtype | None = None,
+    shard: Shard = Shard(),
+    quantize: str | None = None,
+) -> None:
+    """Everything the checkpoint directory ``path`` shows without its weights, against the model
+    of config.json ``cfg`` (built on the meta device: nothing allocated): every header, every
+    parameter and every part of a fused one filled (``weights.check_weights``), its FP8 weight
+    and KV scales' values (``scales``). ``ModelSourceError`` naming the tensor; a swap's check
+    before it drains, as a start's and a weights update's before they read."""
+    from bootstrap.engine.models.weights import check_weights, checkpoint_kv_scales, safetensors_files
+
+    files = safetensors_files(path)
+    if not files:
+        raise ModelSourceError(f"{path}: no safetensors files")
+    model = build_own_model(cfg, torch.device("meta"), dtype, shard, None, quantize)
+    check_weights(model, files)
+    checkpoint_kv_scales(files, model.config.num_hidden_layers)
 
 
 def build_own_model(

@@ -8,8 +8,8 @@ in place; a CUDA destination goes through each thread's two page-locked staging 
 read into while the other's copy to the device runs on the thread's own stream (ordinary host
 memory page-locked for the read, ``cudaHostRegister``, and given back after it). This replaces
 what ``safetensors`` does: a memory map, one thread, each tensor copied from pageable memory.
-Every thread is joined before ``read_ranges`` returns, an error included; the first error is
-raised, naming the file.
+Each piece's floating-point values are checked finite as it is read (``finite``). Every thread is
+joined before ``read_ranges`` returns, an error included; the first error is raised, naming the file.
 """
 
 from __future__ import annotations
@@ -26,17 +26,21 @@ from pathlib import Path
 
 import torch
 
+from bootstrap.engine.models.finite import check_finite
+
 PIECE_BYTES = 32 << 20
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class ByteRange:
-    """``nbytes`` of ``file`` from ``offset`` into ``destination`` (contiguous, that many bytes)."""
+    """``nbytes`` of ``file`` from ``offset`` into ``destination`` (contiguous, that many bytes);
+    ``name``: the checkpoint tensor's, for an error (its floating-point values checked finite)."""
 
     file: Path
     offset: int
     destination: torch.Tensor
+    name: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -91,11 +95,20 @@ class _Halt:
 
 
 def _pieces(ranges: list[ByteRange], piece_bytes: int):
-    """(file, offset, destination bytes) pieces of at most ``piece_bytes``, in file order."""
+    """(file, offset, destination bytes, range) pieces of at most ``piece_bytes`` (whole elements
+    of the destination's dtype), in file order."""
     for r in sorted(ranges, key=lambda r: (str(r.file), r.offset)):
         flat = r.destination.view(-1).view(torch.uint8) if r.nbytes else None
-        for start in range(0, r.nbytes, piece_bytes):
-            yield r.file, r.offset + start, flat[start : start + piece_bytes]
+        size = r.destination.element_size()
+        step = max(size, piece_bytes - piece_bytes % size)
+        for start in range(0, r.nbytes, step):
+            yield r.file, r.offset + start, flat[start : start + step], r
+
+
+def _check(piece: torch.Tensor, r: ByteRange) -> None:
+    """The piece's values (as the destination's dtype) finite: ``finite.check_finite``."""
+    if r.destination.dtype.is_floating_point:
+        check_finite(piece.view(r.destination.dtype), r.file, r.name or f"at byte {r.offset}")
 
 
 def _taken(pieces: collections.deque, failed: _Halt):
@@ -110,8 +123,9 @@ def _taken(pieces: collections.deque, failed: _Halt):
 def _in_place(pieces: collections.deque, fds: dict, failed: _Halt) -> None:
     """Read each piece straight into its (CPU) destination."""
     try:
-        for file, offset, target in _taken(pieces, failed):
+        for file, offset, target, r in _taken(pieces, failed):
             _pread_into(fds[file], file, offset, target)
+            _check(target, r)
     except BaseException:
         failed.set()
         raise
@@ -132,11 +146,12 @@ class _Staged:
                 buffers.append(PageLocked(self.piece_bytes))
             stream = torch.cuda.Stream(self.device)
             turn = 0
-            for file, offset, target in _taken(pieces, failed):
+            for file, offset, target, r in _taken(pieces, failed):
                 if copied[turn] is not None:
                     copied[turn].synchronize()  # the buffer's previous copy has left it
                 staging = buffers[turn].tensor[: target.numel()]
                 _pread_into(fds[file], file, offset, staging)
+                _check(staging, r)  # on the host, while the bytes are in this thread's cache
                 with torch.cuda.stream(stream):
                     target.copy_(staging, non_blocking=True)
                     copied[turn] = torch.cuda.Event()

@@ -32,7 +32,9 @@ from bootstrap.engine.layers.fp8 import FP8, SCALE_NAMES, quantize_rows
 from bootstrap.engine.layers.linear import FusedLinear, Index, RowLinear
 from bootstrap.engine.models.byte_reads import PIECE_BYTES, ByteRange, read_ranges
 from bootstrap.engine.models.files import ModelSourceError, check_regular, exists, read_json
+from bootstrap.engine.models.finite import check_finite
 from bootstrap.engine.models.headers import DTYPES, check_header
+from bootstrap.engine.models.scales import check_kv_scale, check_weight_scales, read_scale
 from bootstrap.paths import open_regular
 
 FUSED = {
@@ -135,15 +137,23 @@ class WeightReads:
 def plan_weights(model: torch.nn.Module, files: list[Path]) -> WeightReads:
     """Where each tensor of ``files`` goes in ``model``, every check done (``ModelSourceError``
     naming the tensor) and no weight read."""
-    params = dict(model.named_parameters(remove_duplicate=False))  # a tied head under both names
-    on_meta = [name for name, param in params.items() if param.is_meta]
+    on_meta = [name for name, param in model.named_parameters() if param.is_meta]
     if on_meta:
         raise ValueError(f"parameter {on_meta[0]} has no storage (meta): reallocate the model before reading into it")
+    return check_weights(model, files)
+
+
+def check_weights(model: torch.nn.Module, files: list[Path]) -> WeightReads:
+    """``plan_weights``'s checks, on a model that may be on the meta device (its reads then
+    have no destination: only the checks count)."""
+    params = dict(model.named_parameters(remove_duplicate=False))  # a tied head under both names
     modules = dict(model.named_modules())
     direct: list[ByteRange] = []
     converted: list[tuple[Stored, torch.Tensor, Index]] = []
     quantized: list[tuple[Stored, torch.Tensor, torch.Tensor, Index]] = []
     filled: set[str] = set()
+    parts: set[tuple[str, str]] = set()  # (fused parameter, part) filled
+    scales: list[tuple[Path, str]] = []  # FP8 weight scales, their values checked
     seen: dict[str, Path] = {}
     for file in files:
         for stored in stored_tensors(file):
@@ -159,27 +169,61 @@ def plan_weights(model: torch.nn.Module, files: list[Path]) -> WeightReads:
                 raise ModelSourceError(
                     f"{file}: tensor {stored.name!r} is stored as {stored.dtype}, the model's {name} is {target.dtype}"
                 )
-            filled.add(name)
+            part = _fused_part(stored.name)
+            (parts.add((name, part)) if part else filled.add(name))
+            if stored.name.rpartition(".")[2] in SCALE_NAMES:
+                scales.append((file, stored.name))
             if target.dtype == FP8 and DTYPES[stored.dtype] != FP8:  # quantized at load: its scales too
                 scale_name, scale = _scale_of(stored, modules)
-                filled.add(scale_name)
+                (parts.add((scale_name, part)) if part else filled.add(scale_name))
                 quantized.append((stored, target, scale, index))
                 continue
             start = _contiguous_start(index, stored.shape)
             whole = math.prod(_sliced_shape(index, stored.shape)) == target.numel()  # not a scale filling rows
             if start is not None and whole and DTYPES.get(stored.dtype) == target.dtype and target.is_contiguous():
-                direct.append(ByteRange(file, stored.offset + start * target.element_size(), target.detach()))
+                at = stored.offset + start * target.element_size()
+                direct.append(ByteRange(file, at, target.detach(), stored.name))
             else:
                 converted.append((stored, target, index))
     tied = _tied(model)
     if filled & tied:  # the shared tensor came under one of its two names: both are filled
         filled |= tied
-    missing = sorted(set(params) - filled)
+    missing = sorted(set(params) - filled - _fused(modules)) + _missing_parts(modules, parts)
     if missing:
         raise ModelSourceError(
             f"the checkpoint has no tensor for {len(missing)} parameter(s): {', '.join(missing[:5])}"
         )
+    check_weight_scales(scales)
     return WeightReads(tuple(direct), tuple(converted), tuple(quantized))
+
+
+def _fused_part(name: str) -> str | None:
+    """The part (``q_proj``, ...) a checkpoint tensor fills of a fused projection, or None."""
+    part = name.rpartition(".")[0].rpartition(".")[2]
+    return part if part in FUSED else None
+
+
+def _fused(modules: dict) -> set[str]:
+    """The fused projections' parameters, which only all their parts fill (``_missing_parts``)."""
+    return {f"{name}.{kind}" for name, m in modules.items() if isinstance(m, FusedLinear) for kind, _ in _kinds(m)}
+
+
+def _kinds(module: FusedLinear) -> list[tuple[str, str]]:
+    """Each parameter of a fused projection and the checkpoint's name for it (``weight_scale_inv``
+    for block-wise scales)."""
+    names = {"weight_scale": "weight_scale_inv" if getattr(module, "fp8_block", None) else "weight_scale"}
+    return [(kind, names.get(kind, kind)) for kind, param in module.named_parameters() if param is not None]
+
+
+def _missing_parts(modules: dict, parts: set[tuple[str, str]]) -> list[str]:
+    """The checkpoint's name of every part of a fused parameter that no tensor filled."""
+    missing = []
+    for name, module in modules.items():
+        if isinstance(module, FusedLinear):
+            parent = name.rpartition(".")[0]
+            for kind, stored in _kinds(module):
+                missing += [f"{parent}.{p}.{stored}" for p in module.parts if (f"{name}.{kind}", p) not in parts]
+    return sorted(missing)
 
 
 def _place(stored: Stored, params: dict, modules: dict) -> tuple[str, torch.Tensor, Index]:
@@ -247,9 +291,9 @@ def checkpoint_kv_scales(files: list[Path], num_layers: int) -> tuple[list[float
         kind, layer = missing[0]
         raise ModelSourceError(f"the checkpoint has no {'kv'[kind]}_scale for layer {layer}, but has some for others")
     scales: list[list[float]] = [[0.0] * num_layers, [0.0] * num_layers]
-    for (kind, layer), (file, name) in found.items():
+    for (kind, layer), (file, name) in sorted(found.items(), key=lambda item: item[0][::-1]):
         with safe_open(str(file), framework="pt", device="cpu") as reader:
-            scales[kind][layer] = float(reader.get_tensor(name).float().reshape(-1)[0])
+            scales[kind][layer] = check_kv_scale(file, name, layer, read_scale(reader, name))
     return scales[0], scales[1]
 
 
@@ -290,18 +334,21 @@ def _contiguous_start(index: Index, shape: tuple[int, ...]) -> int | None:
 
 def _read_converting(items: list[tuple[Stored, torch.Tensor, Index]]) -> None:
     """Through ``safetensors``: the slices to convert to the model's dtype, or not one run of bytes."""
-    for tensor, (_, target, _) in _stored_slices(items, lambda target: str(target.device)):
-        target.copy_(tensor.to(target.dtype))  # a per-tensor scale broadcasts over its rows
+    for tensor, (stored, target, _) in _stored_slices(items, lambda target: str(target.device)):
+        tensor = tensor.to(target.dtype)
+        check_finite(tensor, stored.file, stored.name)  # after the conversion: none may overflow
+        target.copy_(tensor)  # a per-tensor scale broadcasts over its rows
 
 
 def _read_quantizing(items: list[tuple[Stored, torch.Tensor, torch.Tensor, Index]]) -> None:
     """16-bit weights into FP8 projections: read on the host, quantized on the weights' device
     ``QUANTIZE_ROWS_BYTES`` of float32 rows at a time (a tensor's whole float32 copy would be
     the transient the plan does not hold)."""
-    for tensor, (_, target, scale, _) in _stored_slices(items, lambda target: "cpu"):
+    for tensor, (stored, target, scale, _) in _stored_slices(items, lambda target: "cpu"):
         step = max(1, QUANTIZE_ROWS_BYTES // (4 * tensor.shape[1]))
         for begin in range(0, tensor.shape[0], step):
             rows = tensor[begin : begin + step].to(target.device, non_blocking=False)
+            check_finite(rows, stored.file, stored.name)
             weight, row_scale = quantize_rows(rows)
             target[begin : begin + step].copy_(weight)
             scale[begin : begin + step].copy_(row_scale)

@@ -233,6 +233,7 @@ def load_model(
     cache = cache_dir or default_cache_dir()
     if quantize is not None:
         check_quantizable(resolved, quantize)
+    kv_scales = _kv_scales(resolved)  # refused before any weight is allocated
     model, tokenizer = _load(
         resolved, device, dtype, cache, attn_implementation, seed, tp_size, progress, background, tokenizer_of, quantize
     )
@@ -244,17 +245,19 @@ def load_model(
         source=resolved.text,
         weight_bytes=weight_bytes(model),
         eos_token_ids=eos_token_ids(model, tokenizer),
-        kv_scales=KVScales(*(_kv_scales(resolved, model.config) or (None, None))),
+        kv_scales=KVScales(*(kv_scales or (None, None))),
     )
 
 
-def _kv_scales(resolved: ModelSource, config: Any) -> tuple[list[float], list[float]] | None:
-    """A checkpoint directory's FP8 KV scales (``weights.checkpoint_kv_scales``); None elsewhere."""
+def _kv_scales(resolved: ModelSource) -> tuple[list[float], list[float]] | None:
+    """A checkpoint directory's FP8 KV scales, each checked (``weights.checkpoint_kv_scales``);
+    None elsewhere."""
     if resolved.kind != CHECKPOINT:
         return None
+    from bootstrap.capacity.config_json import parse_config
     from bootstrap.engine.models.weights import checkpoint_kv_scales, safetensors_files
 
-    layers = (config.get_text_config() if hasattr(config, "get_text_config") else config).num_hidden_layers
+    layers = parse_config(read_json(resolved.path / "config.json")).num_layers
     return checkpoint_kv_scales(safetensors_files(resolved.path), layers)
 
 
