@@ -1,8 +1,8 @@
 """The process a pipeline runs in, as spans, so a trace accounts for a whole start and not only
 its stages.
 
-``bootstrap.process`` runs from the interpreter's start (Linux: the process's start time in
-``/proc``) to the end of the shutdown. Under it, a span per phase the command marks:
+``bootstrap.process`` runs from the interpreter's start (``spawn_time_ns``) to the end of the
+shutdown. Under it, a span per phase the command marks:
 ``bootstrap.process.start`` (the interpreter and the command's imports, up to its ``main``),
 ``.checks`` (arguments and inputs), ``.backend`` (the engine's imports and its device), the
 pipeline's own root span, then ``.answer`` or ``.serving``, and ``.shutdown``. Phases that end
@@ -21,22 +21,27 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode, Tracer
 
+import bootstrap
+
 PROCESS_SPAN = "bootstrap.process"
 PHASE_PREFIX = "bootstrap.process."
-_IMPORTED_NS = time.time_ns()  # the fallback start where /proc does not say
 
 
 def spawn_time_ns() -> int:
-    """When this process started, in Unix nanoseconds (to Linux's 10 ms clock ticks): its start
-    in ``/proc``, counted from boot, against the time since boot now. Where there is no ``/proc``,
-    when this module was first imported."""
+    """When this process's interpreter started, in Unix nanoseconds, as it measures it: the wall
+    clock at the package's first line less the CPU time the process had spent by then (the
+    interpreter's own start), never before the process's start in Linux's ``/proc``. Not that
+    start alone: an ``exec`` keeps the start of the process it replaces, so ``bash -c "pip
+    install ...; bootstrap run"`` would count pip's minutes (the shell's own CPU, milliseconds,
+    is all an exec carries over here; time it spent waiting for commands is not CPU)."""
+    interpreter_ns = bootstrap.FIRST_MOMENT_NS - bootstrap.CPU_BEFORE_NS
     try:
         with open("/proc/self/stat", encoding="ascii") as stat:
             ticks = int(stat.read().rpartition(")")[2].split()[19])  # field 22: start time, in ticks after boot
         age_ns = time.clock_gettime_ns(time.CLOCK_BOOTTIME) - ticks * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, AttributeError):
-        return _IMPORTED_NS
-    return time.time_ns() - max(age_ns, 0)
+        return interpreter_ns
+    return max(interpreter_ns, time.time_ns() - max(age_ns, 0))
 
 
 @dataclass

@@ -179,6 +179,20 @@ def test_the_spawn_time_is_this_process_s_start():
     assert spawn_time_ns() <= time.time_ns()
 
 
+def test_an_exec_does_not_carry_the_shell_s_wait_into_the_start():
+    """``bash -c "...; exec bootstrap ..."`` (what ``bash -c`` does with its last command) keeps the
+    shell's process and its start in ``/proc``: the start is the interpreter's, after the exec."""
+    script = "read go; exec {} -c 'from bootstrap.pipeline.process import spawn_time_ns; print(spawn_time_ns())'"
+    shell = subprocess.Popen(
+        ["bash", "-c", script.format(sys.executable)], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    time.sleep(0.5)  # the shell waits (spends no CPU) as pip would run before it
+    released = time.time_ns()
+    out, _ = shell.communicate(b"go\n", timeout=60)
+    assert shell.returncode == 0
+    assert released - 50_000_000 <= int(out) <= time.time_ns()  # 50 ms: the shell's own CPU, before the exec
+
+
 def test_trace_shows_the_process_and_its_coverage(llama, tmp_path):
     trace = tmp_path / "trace.jsonl"
     subprocess.run(
