@@ -64,6 +64,8 @@ MODEL_FIELDS = (  # what describes a model and its memory: all a swap may change
 # the process's (its device, backend and ranks) and the server's own paths (the plan cache): every other field
 SAME_IN_A_SWAP = tuple(field for field in BootstrapConfig.model_fields if field not in MODEL_FIELDS)
 OPERATION_NAMES = {"swap": "swap", "update_weights": "weights", "sleep": "sleep", "wake": "wake"}  # method -> record
+NOUNS = {"weights": "weights update"}  # a record's name in a sentence, where the name alone is not a noun
+VERBS = {"weights": "update weights"}  # and as what is asked for
 
 
 class Busy(RuntimeError):
@@ -225,7 +227,7 @@ class Operations:
         weights update's files after them), the room checked (less free than planned: a smaller
         KV pool, never an OOM later), then the pool, graphs and executor built again."""
         if self.busy is not None:
-            raise Busy(f"cannot wake while the {self.busy} runs")
+            raise Busy(f"cannot wake while the {running(self.busy)} runs")
         if not self.asleep:
             raise Busy("nothing to wake: the executor is not asleep")
 
@@ -260,7 +262,7 @@ class Operations:
         """Hold the Bootstrap for ``what`` (a build, a retry, an operation), checked and taken with
         no await between; ``Busy`` while another holds it."""
         if self.busy is not None:
-            raise Busy(f"cannot {what}: the {self.busy} is still running")
+            raise Busy(f"cannot {what}: the {running(self.busy)} is still running")
         self.busy = what
         try:
             yield
@@ -363,7 +365,7 @@ class Operations:
 
     def _check_serving(self, what: str) -> None:
         if self.busy is not None:
-            raise Busy(f"cannot {what}: the {self.busy} is still running")
+            raise Busy(f"cannot {what}: the {running(self.busy)} is still running")
         if self.asleep:
             raise Busy(f"cannot {what}: the executor is asleep (level {self.asleep}); wake it first")
         if self.executor is None:
@@ -380,6 +382,11 @@ class Operations:
         held = getattr(artifacts.get("loaded"), "weight_bytes", 0)
         held += sum(getattr(artifacts.get("final"), "pool_bytes", {}).values())
         return held + getattr(artifacts.get("warmup"), "graph_bytes", 0)
+
+
+def running(busy: str) -> str:
+    """What runs, as a noun: ``the weights update is still running``, not ``the weights is``."""
+    return NOUNS.get(busy, busy)
 
 
 def _record(record: OperationRecord, span: Span, exc: BaseException) -> None:

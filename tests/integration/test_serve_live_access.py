@@ -6,10 +6,11 @@ sleeps."""
 
 from __future__ import annotations
 
+import anyio
 import pytest
-from helpers.live_serve import error_of, serving
+from helpers.live_serve import Hold, Stream, error_of, serving, settled
 
-from bootstrap.api import Bootstrap
+from bootstrap.api import Bootstrap, Busy
 from bootstrap.api.operations import MODEL_FIELDS, SAME_IN_A_SWAP
 from bootstrap.config import BootstrapConfig
 from bootstrap.serve.live.routes import SWAP_FIELDS
@@ -41,3 +42,43 @@ async def test_the_python_swap_keeps_the_servers_plan_cache(llama, tmp_path):
     finally:
         await boot.aclose()
     assert not (tmp_path / "x").exists()
+
+
+async def test_the_model_stays_listed_while_it_sleeps_with_its_state(llama):
+    async with serving(llama) as server:
+        name = server.state.model_id
+        assert (await server.op("/v1/bootstrap/sleep", {"level": 1})).status_code == 200
+        asleep = await server.http.get("/v1/models")
+        assert (await server.op("/v1/bootstrap/wake")).status_code == 200
+        awake = await server.http.get("/v1/models")
+    assert asleep.status_code == 200, asleep.text
+    assert [(m["id"], m["state"]) for m in asleep.json()["data"]] == [(name, "asleep")]
+    assert [(m["id"], m["state"]) for m in awake.json()["data"]] == [(name, "ready")]
+
+
+async def test_a_conflict_names_the_running_weights_update_in_a_sentence(llama):
+    async with serving(llama, drain_timeout_s=120) as server:
+        hold = Hold(server.state.executor)
+        stream = Stream(server.app, server.completion())
+        answers = {}
+
+        async def update() -> None:
+            answers["weights"] = await server.op("/v1/bootstrap/weights", {"path": str(llama)})
+
+        async with anyio.create_task_group() as tg:
+            try:
+                tg.start_soon(stream.run)
+                await stream.next_chunk()  # in flight: the update's drain waits for it
+                tg.start_soon(update)
+                await settled(server.state, "updating_weights")
+                conflict = error_of(await server.op("/v1/bootstrap/weights", {"path": str(llama)}), 409)
+                listed = await server.http.get("/v1/models")
+                with pytest.raises(Busy) as busy:
+                    await server.state.boot.update_weights(str(llama))
+            finally:
+                hold.release()
+            await stream.rest()
+    assert "the weights update is running" in conflict["message"], conflict
+    assert str(busy.value) == "cannot update weights: the weights update is still running"
+    assert listed.status_code == 200 and listed.json()["data"][0]["state"] == "updating_weights"
+    assert answers["weights"].status_code == 200

@@ -16,6 +16,7 @@ from typing import Any
 import anyio
 
 from bootstrap.api import Busy, Refused
+from bootstrap.api.operations import VERBS, running
 from bootstrap.backends.base import Executor
 from bootstrap.config import ConfigError
 from bootstrap.pipeline import StageFailed, failure_paragraph
@@ -37,9 +38,11 @@ def check_allowed(state: ServeState, name: str) -> None:
     """409 unless ``name`` may start now: nothing else runs and the phase allows it."""
     busy = state.boot.busy if state.boot is not None else None
     if busy is not None or state.phase not in ALLOWED_FROM[name]:
-        doing = f"the {busy} is running" if busy is not None else f"the server is {state.phase}"
-        allowed = ", ".join(ALLOWED_FROM[name])
-        raise APIError(409, f"cannot {name} now: {doing} (a {name} starts from: {allowed})", code="operation_conflict")
+        doing = f"the {running(busy)} is running" if busy is not None else f"the server is {state.phase}"
+        allowed, verb = ", ".join(ALLOWED_FROM[name]), VERBS.get(name, name)
+        raise APIError(
+            409, f"cannot {verb} now: {doing} (a {running(name)} starts from: {allowed})", code="operation_conflict"
+        )
 
 
 async def run_operation(state: ServeState, tasks: anyio.abc.TaskGroup, name: str, call: Call, param: str) -> dict:

@@ -31,6 +31,7 @@ from bootstrap.serve.state import ServeState
 
 CLIENT_CLOSED = 499  # the client went away; nobody reads this status
 AGAIN = {"Retry-After": "1"}
+LISTED = ("ready", "swapping", "updating_weights", "sleeping", "asleep", "waking")  # a model is configured
 
 router = APIRouter(prefix="/v1")
 
@@ -47,10 +48,15 @@ def check_model(state: ServeState, model: str) -> None:
 
 @router.get("/models")
 async def list_models(request: Request) -> s.ModelList:
+    """The served model with the server's phase (``state``) whenever one is configured, asleep or
+    mid-operation too (vLLM lists it then, and routers drop a server that stops listing it);
+    503 only before the first start settles and with no model (``--idle``)."""
     state: ServeState = request.app.state.serve
-    ready_executor(state)
+    if state.phase not in LISTED:
+        ready_executor(state)
     created = int(request.app.state.created)
-    return s.ModelList(data=[s.Model(id=state.model_id, created=created, max_model_len=state.max_seq_len)])
+    model = s.Model(id=state.model_id, created=created, max_model_len=state.max_seq_len, state=state.phase)
+    return s.ModelList(data=[model])
 
 
 @router.post("/completions", response_model=None, openapi_extra=body_of(s.CompletionRequest))

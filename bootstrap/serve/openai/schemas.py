@@ -336,6 +336,7 @@ class Model(BaseModel):
     created: int
     owned_by: str = "executor-bootstrap"
     max_model_len: int | None = None
+    state: str = "ready"  # the server's phase: asleep or in an operation, the model is still listed
 
 
 class ModelList(BaseModel):
