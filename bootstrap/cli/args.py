@@ -321,3 +321,33 @@ def check_kv_tokens(config: BootstrapConfig) -> None:
             f"max_kv_tokens: must be >= {need} to hold {what} (got {config.max_kv_tokens}); "
             "raise --max-kv-tokens or leave it out"
         )
+
+
+def check_model_limits(config: BootstrapConfig) -> None:
+    """What ``resolve_classes`` checks against the model's config.json (``check_config``:
+    ``max_seq_len``, the draft, ``--tp``'s split), here before torch is imported (seconds) where
+    the shape is on hand without the engine: a checkpoint directory, a ``random:`` spec, the
+    default model's preset. Other sources, and a config.json that does not parse, are the stage's."""
+    from bootstrap.stages.resolve_classes import check_config
+
+    shape = _shape_before_torch(config.model)
+    draft = _shape_before_torch(config.draft_model) if config.draft_model else None
+    if shape is not None and (draft is not None or not config.draft_model):
+        check_config(config, shape, draft)
+
+
+def _shape_before_torch(model: str) -> Any:
+    from bootstrap.capacity.config_json import shape_from_path
+    from bootstrap.capacity.presets import preset_shape, resolve_model_shape
+    from bootstrap.capacity.shape import ModelConfigError
+
+    try:
+        if model == BootstrapConfig.model_fields["model"].default:
+            return preset_shape(model)
+        if model.startswith("random:"):
+            return resolve_model_shape(model)
+        if Path(model).expanduser().is_dir():
+            return shape_from_path(model)
+    except (ModelConfigError, OSError):
+        pass
+    return None

@@ -25,7 +25,14 @@ from rich.text import Text
 
 from bootstrap.api import require_engine
 from bootstrap.backends.base import RequestExecutor, Speculates, require_requests
-from bootstrap.cli.args import add_build_args, add_config_args, check_kv_tokens, check_run_values, config_from_args
+from bootstrap.cli.args import (
+    add_build_args,
+    add_config_args,
+    check_kv_tokens,
+    check_model_limits,
+    check_run_values,
+    config_from_args,
+)
 from bootstrap.cli.exits import BAD_INPUT, BAD_INPUT_ERRORS, INTERRUPTED, exit_status
 from bootstrap.cli.plan import plan_line
 from bootstrap.cli.stops import HeldStops, Stopped, held_stops, stop_name, until_stopped
@@ -121,6 +128,7 @@ def _checked_config(args: argparse.Namespace) -> BootstrapConfig:
     if args.prompt == "":  # no tokens under any tokenizer without a BOS: the server refuses it too
         raise PromptError(EMPTY_PROMPT, field="prompt")
     check_kv_tokens(config)
+    check_model_limits(config)
     check_rank_count(config)
     require_engine()
     if needs_launch(config):

@@ -36,6 +36,7 @@ from bootstrap.cli.args import (
     add_config_args,
     check_dist_timeout,
     check_kv_tokens,
+    check_model_limits,
     check_number,
     config_from_args,
 )
@@ -138,7 +139,7 @@ def serve_options(args: argparse.Namespace, config: Any) -> Any:
     check_number("request_trace_ratio", ratio, 0.0, 1.0)
     host = getattr(args, "host", "127.0.0.1")  # a Namespace made by hand may leave it out
     if this_rank() == 0:  # the only rank that binds it (another host's address, under torchrun)
-        check_host(host)
+        check_host(host, args.port)
     check_kv_tokens(config)
     key = args.api_key if args.api_key is not None else os.environ.get(ENV_API_KEY)
     if key is not None and not key.strip():
@@ -160,11 +161,13 @@ def serve_options(args: argparse.Namespace, config: Any) -> Any:
     )
 
 
-def check_host(host: str) -> None:
-    """``--host`` resolved and bound on a test socket (port 0, closed at once) before anything
-    starts, so an address that is not this machine's fails in milliseconds with exit 2, not after
-    the engine's imports. Dotted digits that are no IPv4 address (``256.0.0.1``) are refused
-    before ``getaddrinfo``, which would send them to DNS as a name."""
+def check_host(host: str, port: int = 0) -> None:
+    """``--host`` resolved and bound on a test socket (closed at once) before anything starts, so
+    an address that is not this machine's, or a ``--port`` another process listens on, fails in
+    milliseconds with exit 2 naming the cause, not after the engine's imports and a first stage.
+    The test socket reuses addresses as uvicorn's does (a port in TIME_WAIT is free to both).
+    Dotted digits that are no IPv4 address (``256.0.0.1``) are refused before ``getaddrinfo``,
+    which would send them to DNS as a name."""
     from bootstrap.config import ConfigError
 
     if not host or (re.fullmatch(r"[0-9.]+", host) and not _is_ipv4(host)):
@@ -181,6 +184,19 @@ def check_host(host: str) -> None:
             f"host: cannot bind {host!r}: {exc} (allowed: an address of this machine, "
             "e.g. 127.0.0.1, 0.0.0.0, ::1, localhost)"
         ) from None
+    if port == 0:
+        return
+    for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+                raise ConfigError(
+                    f"port: cannot listen on {host}:{port}: {reason} (allowed: a port no other process "
+                    "listens on, 1-65535, or 0 for a free one)"
+                ) from None
 
 
 def _is_ipv4(text: str) -> bool:
@@ -198,6 +214,8 @@ def main_serve(args: argparse.Namespace) -> int:
             config = config_from_args(args)
             options = serve_options(args, config)
             if options.backend_factory is None:
+                if not options.idle:  # an idle server's model comes with its first swap
+                    check_model_limits(config)
                 require_engine()
             if needs_launch(config):
                 check_tp_before_launch(config)

@@ -21,7 +21,7 @@ def resolve_classes(config: BootstrapConfig, backend: Backend, releasable_bytes:
     loads (a live swap; 0 at a start), counted as free by the weights' check."""
     shape = quantized_at_load(backend.model_shape(config.model), config)
     draft = backend.model_shape(config.draft_model) if config.draft_model else None
-    _check_config(config, shape, draft)
+    check_config(config, shape, draft)
     models = [m for m in (shape, draft) if m is not None]
     for model in models:
         backend.check_config(config, model)
@@ -86,7 +86,8 @@ def _cost(
     return kv_cost(shape, config, kv_dtype_bytes=kv_dtype_bytes(kv_dtype), max_seq_len=max_seq_len, kv_manager=manager)
 
 
-def _check_config(config: BootstrapConfig, shape: ModelShape, draft: ModelShape | None) -> None:
+def check_config(config: BootstrapConfig, shape: ModelShape, draft: ModelShape | None) -> None:
+    """The config against the model's (and draft's) config.json; the CLI runs it before torch too."""
     limit = shape.max_position_embeddings
     if limit < 2:
         raise ConfigError(f"model: max_position_embeddings is {limit}; a served model needs at least 2 positions")

@@ -7,11 +7,13 @@ the old code let through ran the stages (a line per stage) or started the server
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
 
 import pytest
+from helpers.start_imports import imported
 
 MODEL = ["--model", "random:smollm2-135m", "--device", "cpu", "--no-plan-cache"]
 CLI = [sys.executable, "-m", "bootstrap.cli"]
@@ -38,6 +40,8 @@ CASES = [  # (command, flags, what the one line names)
     ("serve", ["--request-trace-ratio", "nan"], "request_trace_ratio"),
     ("serve", ["--max-kv-tokens", "1"], "max_kv_tokens"),
     ("serve", ["--free-gpu-memory-fraction", "inf"], "free_gpu_memory_fraction"),
+    ("run", ["--max-seq-len", "100000"], "max_seq_len"),  # past the model's max_position_embeddings
+    ("serve", ["--max-seq-len", "100000"], "max_seq_len"),
 ]
 
 
@@ -59,3 +63,40 @@ def test_a_bad_value_exits_2_at_once_with_one_line_naming_the_flag(command, flag
     assert "bootstrap serve:" not in done.stderr and "bootstrap run:" not in done.stderr  # nothing started
     assert "Uvicorn" not in done.stderr and done.stdout == ""
     assert elapsed < 10, f"took {elapsed:.1f} s"  # the imports only; no stage, no port
+
+
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_a_value_the_model_bounds_is_refused_before_torch_is_imported(command, llama, tmp_path):
+    """``--max-seq-len`` past a checkpoint's max_position_embeddings: refused from its config.json,
+    not in ``resolve_classes`` after the engine's imports (torch alone is seconds)."""
+    env = {**os.environ, "HOME": str(tmp_path)}
+    argv = [sys.executable, "-X", "importtime", "-m", "bootstrap.cli", command, "--model", str(llama)]
+    done = subprocess.run(
+        [*argv, *PORT[command], "--max-seq-len", "100000"], capture_output=True, text=True, timeout=60, env=env
+    )
+    lines = [line for line in done.stderr.splitlines() if line.strip() and not line.startswith("import time:")]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
+    assert "max_seq_len: 100000 exceeds" in lines[0] and "allowed 2..512" in lines[0]
+    modules = imported(done.stderr)
+    assert "bootstrap.cli.args" in modules and "torch" not in modules
+
+
+def test_a_port_in_use_is_refused_before_any_stage_naming_the_cause(llama, tmp_path):
+    env = {**os.environ, "HOME": str(tmp_path)}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [*CLI, "serve", "--model", str(llama), "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0] == (
+        f"bootstrap: port: cannot listen on 127.0.0.1:{port}: address already in use "
+        "(allowed: a port no other process listens on, 1-65535, or 0 for a free one)"
+    )
