@@ -12,7 +12,9 @@
 #   traces.tar.gz    every start's trace file
 #
 # Usage, from the repository root:  bash benchmarks/gpu_suite.sh [--smoke] [--live-ops | --prefix-cache | --fp8 | --fp8-kv | --tp2]
-#   --smoke: tiny shapes on the CPU, to check the script itself (tests/gpu then skip).
+#   --smoke: tiny shapes on the CPU, to check the script itself (tests/gpu then skip). The GPU steps' caps and the
+#     suite's budget are not applied: every step gets SMOKE_CAP_S (1800 s) instead, a guard against a hang only,
+#     since a loaded CPU takes as long as it takes and the smoke checks what the steps write, not their time.
 #   --live-ops: instead of the steps above, benchmarks/live_ops.py alone (three 8B checkpoints written,
 #     a server swapped, slept, woken and updated, then 20 swap cycles under traffic: about 4 to 6 minutes,
 #     which the budget above has no room for): a second invocation, with its own 10 minutes:
@@ -40,7 +42,7 @@
 #       serve_load_tp.json
 # Missing Python packages travel as wheels in .whl/ (python3 -m pip download --no-deps --only-binary=:all: -d .whl ...);
 # they are installed from there, never from an index. The whole suite keeps within
-# SUITE_BUDGET_S seconds: each step gets at most its own cap and what the budget has left.
+# SUITE_BUDGET_S seconds: each step gets at most its own cap and what the budget has left (not with --smoke).
 # Exit status 1 when a step failed, was stopped at its timeout or had no time left; every result
 # is written anyway.
 set -u -o pipefail
@@ -75,17 +77,19 @@ export OUT WORK
 : > "$OUT/suite.log"
 : > "$OUT/steps.jsonl"
 SUITE_BUDGET_S=590
+SMOKE_CAP_S=1800  # --smoke: each step's timeout, in place of its cap and the budget
 START=$(date +%s)
 export SMOKE
 exec > >(tee -a "$OUT/suite.log") 2>&1
 
 say() { echo "[suite +$(( $(date +%s) - START ))s] $*"; }
 
-# run_step NAME CAP_S COMMAND...: run with a timeout of min(CAP_S, what the budget leaves).
+# run_step NAME CAP_S COMMAND...: run with a timeout of min(CAP_S, what the budget leaves); --smoke: SMOKE_CAP_S.
 run_step() {
   local name=$1 cap=$2
   shift 2
   local left=$(( SUITE_BUDGET_S - ($(date +%s) - START) - 5 ))
+  [ "$SMOKE" = 1 ] && cap=$SMOKE_CAP_S left=$SMOKE_CAP_S
   local limit=$(( cap < left ? cap : left ))
   if [ "$limit" -lt 15 ]; then
     say "$name: skipped, ${left}s left of the budget"
@@ -140,7 +144,8 @@ EOF
   TP_COLD=(--shape "$WORK/tiny.json" --device cpu --repeats 1 --max-seq-len 64 --max-num-tokens 64 --max-batch-size 4)
   TP_MODEL="$WORK/cold/checkpoint-tiny"
   TP_RUN=(--device cpu --max-tokens 32 --run-args "--max-seq-len 64 --max-num-tokens 64 --max-batch-size 4")
-  TP_LOAD=(--device cpu --levels 1,4 --requests 8 --prompt-len 8 --gen-len 8 --max-batch-size 4 --max-seq-len 64)
+  TP_LOAD=(--device cpu --levels 1,4 --requests 8 --prompt-len 8 --gen-len 8 --max-batch-size 4 --max-seq-len 64
+           --vocab 128)  # tiny.json's: ids past it are refused
   TP_PROFILE=(--device cpu --batch-sizes 1,4 --context 32 --steps 5)
 else
   DEVICE=(--device cuda --dtype bfloat16)
@@ -155,7 +160,7 @@ else
   TP_MODEL="$WORK/cold/checkpoint-llama-3.1-8b"
   TP_RUN=(--device cuda --dtype bfloat16 --max-tokens 256)
   TP_LOAD=(--device cuda --levels 1,16,64 --requests 64 --prompt-len 128 --gen-len 128 --max-batch-size 64
-           --max-seq-len 4096 --serve-args "--free-gpu-memory-fraction 0.4")  # two servers share GPU 0
+           --max-seq-len 4096 --vocab 512 --serve-args "--free-gpu-memory-fraction 0.4")  # two servers share GPU 0
   TP_PROFILE=(--device cuda --dtype bfloat16 --batch-sizes 1,16,64 --context 512 --steps 50)
 fi
 
@@ -193,7 +198,7 @@ if [ "$TP2" = 1 ]; then
   run_step tp_profile 100 python3 benchmarks/tp_profile.py --model "$TP_MODEL" "${TP_PROFILE[@]}" --tp-sizes 1,2 \
     --out "$OUT/tp_profile.json"
   run_step serve_load_tp 150 python3 benchmarks/serve_load.py --model "$TP_MODEL" "${TP_LOAD[@]}" --tp-sizes 1,2 \
-    --vocab 512 --out "$OUT/serve_load_tp.json"
+    --out "$OUT/serve_load_tp.json"
   say "done; steps:"
   cat "$OUT/steps.jsonl"
   rm -rf "$WORK"

@@ -9,7 +9,9 @@ is then swapped to A and to B: that fills the plan and kernel caches this run ow
 measured server's start and swaps find their plans cached. Floors: swaps, weights and level-2 wake at
 the loader's GB/s (the start's read, from the server's trace file: the read runs in the background,
 beside ``warmup``'s capture), level-1 wake at a pinned host->device copy's plus the capture.
-JSON to ``--out``, a short table on stdout:
+Every request but a 503 during an operation (a client waits those out) that fails is counted in
+``failures`` (HTTP status, the first error's first line); then the exit status is 1, with one line
+on stderr, the JSON written anyway. JSON to ``--out``, a short table on stdout:
 
     python benchmarks/live_ops.py --out benchmarks/results/live_ops_h200.json
     python benchmarks/live_ops.py --preset tiny --device cpu --cycles 2 --out /tmp/live_ops_cpu.json
@@ -41,7 +43,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))  # bench_common and cold_start, also when loaded by path
-from bench_common import ratio, save, server_env  # noqa: E402
+from bench_common import count_failures, failure_exit, ratio, save, server_env  # noqa: E402
 from cold_start import write_checkpoint  # noqa: E402
 
 MODEL_ID = "live"  # the served model name of every model the servers hold: clients never change it
@@ -279,6 +281,7 @@ def operate(server: Server, route: str, body: dict[str, Any], answer_after: bool
     if answer_after:
         done = complete(server.url, since=start)
         row |= {"first_token_s": done.get("first_token_s"), "text": done.get("text"), "answer_status": done["status"]}
+        row |= {"answer_error": done["error"]} if "error" in done else {}
     row |= {"state": answer["state"], "server_duration_s": answer["duration_s"]}
     row["answer"] = {k: v for k, v in answer.items() if k not in ("stages", "plan", "state", "duration_s")}
     row["stages"] = with_figures(answer["stages"], stage_events(server.url, since))
@@ -496,6 +499,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if server.proc.poll() is None:
                 server.stop()
         report["seconds"] = round(time.monotonic() - began, 1)
+        report["failures"] = count_failures(outcomes(report))
         save(report, args.out)
         if args.keep:
             pass
@@ -505,6 +509,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             _remove_ours(work)
     print(table(report))
     return report
+
+
+def outcomes(report: dict[str, Any]) -> list[tuple[int | None, Any]]:
+    """Every request the run made, as (HTTP status, error or None): the warm-up's swaps, the first
+    completion, each operation and the completion after it, the stress's swaps, its traffic (a 503
+    not counted: expected while a swap runs) and the completion after it."""
+    rows: list[tuple[int | None, Any]] = []
+
+    def post(row: dict[str, Any]) -> None:
+        rows.append((row["status"], row.get("error") if row["status"] != 200 else None))
+        if "answer_status" in row:
+            rows.append((row["answer_status"], row.get("answer_error")))
+
+    warm = report.get("warmup_process", {})
+    for name in ("swap_idle_to_a", "swap_a_to_b"):
+        if name in warm:
+            post(warm[name])
+    if "first_status" in report.get("start", {}):
+        rows.append((report["start"]["first_status"], report["start"].get("first_error")))
+    for row in report.get("operations", {}).values():
+        post(row)
+    stress_ = report.get("stress") or {}
+    for cycle in stress_.get("cycles", []):
+        rows += [(cycle[k]["status"], cycle[k].get("error")) for k in ("to_b", "to_a")]
+    sample = next(iter(stress_.get("traffic_error_samples") or []), "see traffic")
+    for outcome, n in (stress_.get("traffic") or {}).items():
+        status = int(outcome[5:]) if outcome.startswith("http_") else None if outcome == "client_error" else 200
+        rows += [(status, None if outcome in ("ok", "http_503") else sample)] * n
+    if "answer_after" in stress_:
+        rows.append((stress_["answer_after"]["status"], stress_["answer_after"].get("error")))
+    return rows
 
 
 def _remove_ours(work: Path) -> None:
@@ -537,7 +572,8 @@ def run(args: argparse.Namespace, work: Path, report: dict[str, Any], servers: l
     servers.append(server)
     start: dict[str, Any] = {"command": server.command, **server.wait_ready()}
     first = complete(server.url, since=server.t0)
-    start |= {"first_token_s": first.get("first_token_s"), "text": first.get("text")}
+    start |= {"first_token_s": first.get("first_token_s"), "text": first.get("text"), "first_status": first["status"]}
+    start |= {"first_error": first["error"]} if "error" in first else {}
     _, view = call(f"{server.url}/v1/bootstrap")
     start |= {"time_to_ready_s": view["time_to_ready_s"], "plan": view["plan"], "stages": view["stages"]}
     start["process"] = memory.snapshot(server.proc.pid)
@@ -733,6 +769,7 @@ def stress(
                 "post_s": round(time.perf_counter() - since, 4),
                 "server_duration_s": answer.get("duration_s") if isinstance(answer, dict) else None,
                 "served_s": traffic.served(since) if status == 200 else None,
+                **({} if status == 200 else {"error": answer}),
             }
         row["process"] = memory.snapshot(server.proc.pid)
         longest = max(longest, time.monotonic() - start)
@@ -791,4 +828,4 @@ def _num(value: Any) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(failure_exit("live_ops", main()["failures"]))

@@ -279,6 +279,7 @@ def summarize(clients: int, samples: list[Sample], wall_s: float) -> dict:
         "failures": failures,
         "wall_s": round(wall_s, 3),
         "requests_per_s": round(len(ok) / wall_s, 3),
+        "output_tokens": sum(s.tokens for s in ok),
         "output_tokens_per_s": round(sum(s.tokens for s in ok) / wall_s, 1),
         "ttft_ms_p50": _round(percentile(ttft, 50)),
         "ttft_ms_p99": _round(percentile(ttft, 99)),

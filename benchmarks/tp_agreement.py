@@ -2,7 +2,8 @@
 process: per size, the token ids, how many agree with the first size's (and where they first
 differ), the plan each rank agreed on (KV tokens), and spawn to ready. On two GPUs in bfloat16
 the sums of the all-reduce run in another order than one device's, so long greedy runs may part;
-the figure is reported, not asserted.
+the figure is reported, not asserted. A run that exits non-zero is counted in ``failures`` (its exit
+status, its last line on stderr); then the exit status is 1, with one line on stderr.
 
     python benchmarks/tp_agreement.py --model /tmp/llama-8b --device cuda --dtype bfloat16 \\
         --tp-sizes 1,2 --max-tokens 256 --out tp_agreement.json
@@ -17,7 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when loaded by path
-from bench_common import int_list
+from bench_common import count_failures, failure_exit, int_list
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "w5 w7 w9 w11 w13 w17 w19 w23"
@@ -44,7 +45,7 @@ def greedy(args: argparse.Namespace, tp: int) -> dict:
     command += ["--dtype", args.dtype] if args.dtype else []
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     if done.returncode:
-        return {"tp": tp, "exit": done.returncode, "error": done.stderr.strip().splitlines()[-1:]}
+        return {"tp": tp, "exit": done.returncode, "error": (done.stderr.strip().splitlines() or [""])[-1]}
     result = json.loads(done.stdout)
     return {
         "tp": tp,
@@ -70,11 +71,12 @@ def main(argv: list[str] | None = None) -> int:
             run["against_first"] = agreement(first, run["token_ids"])
     result = {"model": args.model, "device": args.device, "dtype": args.dtype, "max_tokens": args.max_tokens}
     result["runs"] = runs
+    result["failures"] = count_failures((f"exit {run['exit']}", run.get("error")) for run in runs)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
         args.out.write_text(text + "\n")
-    return 0 if all(run["exit"] == 0 for run in runs) else 1
+    return failure_exit("tp_agreement", result["failures"], "runs")
 
 
 if __name__ == "__main__":

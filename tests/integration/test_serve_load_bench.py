@@ -38,5 +38,5 @@ def test_refused_requests_are_counted_written_and_exit_1(tmp_path):
     assert [(level["clients"], level["failed"]) for level in report["levels"]] == [(1, 2), (2, 2)]
     assert report["failures"]["failed"] == 4 and report["failures"]["statuses"] == {"400": 4}
     assert reason.endswith(report["failures"]["first_error"])
-    assert all(level["output_tokens_per_s"] == 0 for level in report["levels"])
+    assert all(level["output_tokens"] == 0 for level in report["levels"])
     assert report["server_exit_code_after_sigterm"] == 0
