@@ -13,7 +13,9 @@ usage chunk. Per server: TTFT p50/p99, wall time, requests/s and output tokens/s
 ``/metrics`` prefix-cache counters before and after. Then the ratios (off over on for TTFT, on
 over off for throughput) and whether the greedy answers are equal. Words are ones the tokenizer
 keeps as single tokens (common English words; ``wN`` for the word-level tokenizer of a written
-checkpoint), so L and Q are about tokens; ``usage.prompt_tokens`` gives the exact counts.
+checkpoint), so L and Q are about tokens; ``usage.prompt_tokens`` gives the exact counts. A request
+that fails (refused, an error in its stream, no content) counts in ``failures`` and in none of the
+figures; then the exit status is 1, with one line on stderr naming the HTTP status, the JSON written.
 
     python benchmarks/prefix_cache.py --preset cpu --out benchmarks/results/prefix_cache_cpu_smollm2.json
     python benchmarks/prefix_cache.py --preset 8b --out prefix_cache_h200.json
