@@ -275,3 +275,16 @@ async def test_two_checkpoints_of_one_shape_with_different_weight_dtypes_never_s
     assert await start(plans, model=models["float16"]) == "ok"  # measured, not the bfloat16 checkpoint's plan
     assert len(list(plans.glob("*.json"))) == 2
     assert await start(plans, model=models["bfloat16"]) == await start(plans, model=models["float16"]) == "skipped"
+
+
+def test_the_key_holds_the_dtype_the_weights_load_in():
+    """One config, one shape: weights loaded in another dtype (``dtype`` auto follows each
+    checkpoint's on a GPU) hold other bytes and activations, so never share a plan."""
+    backend = SimBackend(sim_device("h100-80gb"))
+    config = BootstrapConfig.parse(**BASE)
+    resolved = resolve_classes(config, backend)
+    keys = {
+        dtype: fingerprint(config, dataclasses.replace(resolved, dtype=dtype), backend.device, backend.name)
+        for dtype in ("bfloat16", "float16", "float32")
+    }
+    assert len(set(keys.values())) == 3
