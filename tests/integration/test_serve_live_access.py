@@ -6,6 +6,8 @@ sleeps."""
 
 from __future__ import annotations
 
+import json
+
 import anyio
 import pytest
 from helpers.live_serve import Hold, Stream, error_of, serving, settled
@@ -13,6 +15,7 @@ from helpers.live_serve import Hold, Stream, error_of, serving, settled
 from bootstrap.api import Bootstrap, Busy
 from bootstrap.api.operations import MODEL_FIELDS, SAME_IN_A_SWAP
 from bootstrap.config import BootstrapConfig
+from bootstrap.serve.live.operate import MAX_MESSAGE
 from bootstrap.serve.live.routes import SWAP_FIELDS
 
 
@@ -82,3 +85,15 @@ async def test_a_conflict_names_the_running_weights_update_in_a_sentence(llama):
     assert str(busy.value) == "cannot update weights: the weights update is still running"
     assert listed.status_code == 200 and listed.json()["data"][0]["state"] == "updating_weights"
     assert answers["weights"].status_code == 200
+
+
+async def test_a_refusal_quotes_no_file_and_stays_short(llama, tmp_path):
+    secret = tmp_path / "secret.json"
+    secret.write_text(json.dumps({"model_type": "SECRET" * 2000}))
+    async with serving(llama) as server:
+        error = error_of(await server.op("/v1/bootstrap/swap", {"model": f"random:{secret}"}), 400)
+        long = error_of(await server.op("/v1/bootstrap/weights", {"path": str(tmp_path) + "/a" * 1500}), 400)
+        assert (await server.http.get("/ready")).json()["state"] == "ready"
+    assert long["param"] == "path" and len(long["message"]) <= MAX_MESSAGE and "server's log" in long["message"]
+    assert error["param"] == "model" and "resolve_classes" in error["message"], error
+    assert "SECRET" not in error["message"] and len(error["message"]) <= MAX_MESSAGE, error

@@ -26,6 +26,7 @@ from bootstrap.serve.state import OPERATING, ServeState
 
 log = logging.getLogger("bootstrap.serve")
 Call = Callable[[Callable[[], Awaitable[None]]], Awaitable[Executor | None]]
+MAX_MESSAGE = 300  # characters of an error a client gets; the server's log has all of it
 ALLOWED_FROM = {  # the phases each operation starts from
     "swap": ("ready", "failed", "idle", "asleep"),
     "weights": ("ready",),
@@ -75,7 +76,8 @@ async def _run(state: ServeState, name: str, call: Call, param: str, outcome: di
             )
     except (Refused, ConfigError) as exc:
         state.set_phase(before, state.error)  # a refusal comes before the drain: nothing changed
-        outcome["error"] = APIError(400, str(exc), param=param, code="operation_refused")
+        log.warning("%s refused: %s", name, exc)
+        outcome["error"] = APIError(400, client_text(exc), param=param, code="operation_refused")
     except Busy as exc:
         outcome["error"] = APIError(409, str(exc), code="operation_conflict")
     except StageFailed as exc:
@@ -83,14 +85,39 @@ async def _run(state: ServeState, name: str, call: Call, param: str, outcome: di
         paragraph = failure_paragraph(exc)
         state.set_phase("failed", paragraph)
         log.error("%s: %s (POST /v1/bootstrap/retry resumes from %s)", name, paragraph, exc.stage)
-        outcome["error"] = APIError(500, f"{paragraph}; POST /v1/bootstrap/retry resumes it", code="operation_failed")
+        said = f"{client_text(exc, paragraph)}; POST /v1/bootstrap/retry resumes it"
+        outcome["error"] = APIError(500, said, code="operation_failed")
     except Exception as exc:  # not a stage's failure: the state is what the operation left
         log.exception("%s failed", name)
         state.executor = state.boot.executor if state.boot is not None else None
         state.set_phase("failed" if state.executor is None else "ready", f"{type(exc).__name__}: {exc}")
-        outcome["error"] = APIError(500, f"the {name} failed: {type(exc).__name__}: {exc}", code="operation_failed")
+        said = client_text(exc, f"the {name} failed: {type(exc).__name__}: {exc}")
+        outcome["error"] = APIError(500, said, code="operation_failed")
     finally:
         done.set()
+
+
+def client_text(exc: BaseException, text: str | None = None) -> str:
+    """``text`` (default: what ``exc`` says) as a client gets it: what an exception from outside
+    this package says while reading a file the client named (a library quoting the file's
+    content) left out, on one line of at most ``MAX_MESSAGE`` characters. The log has it all."""
+    text = str(exc) if text is None else text
+    for inner in _causes(exc):
+        said = str(inner).strip()
+        if said and not type(inner).__module__.startswith("bootstrap."):
+            text = text.replace(said, "(what it said: in the server's log)")
+    text = " ".join(text.split())
+    return text if len(text) <= MAX_MESSAGE else text[: MAX_MESSAGE - 36] + "... (the rest in the server's log)"
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """``exc``'s causes, nearest first (``raise ... from``, a stage's failure's ``cause``)."""
+    found: list[BaseException] = []
+    inner = getattr(exc, "cause", None) or exc.__cause__ or exc.__context__
+    while inner is not None and inner not in found and len(found) < 16:
+        found.append(inner)
+        inner = getattr(inner, "cause", None) or inner.__cause__ or inner.__context__
+    return found
 
 
 async def drain(state: ServeState, phase: str, cut: list[int]) -> None:
