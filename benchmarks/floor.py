@@ -36,11 +36,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-SCRIPT_START_NS = time.time_ns()  # before any import of this project's own
+SCRIPT_START_NS, SCRIPT_CPU_NS = time.time_ns(), time.process_time_ns()  # before any import of this project's own
 
 from bootstrap.pipeline.process import spawn_time_ns  # noqa: E402
 
-SCRIPT_START_S = (SCRIPT_START_NS - spawn_time_ns()) / 1e9
+SCRIPT_START_S = (SCRIPT_START_NS - spawn_time_ns((SCRIPT_START_NS, SCRIPT_CPU_NS))) / 1e9
 
 
 def parse_args() -> argparse.Namespace:

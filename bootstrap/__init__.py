@@ -7,12 +7,7 @@
 from __future__ import annotations
 
 import importlib
-import time
 from typing import Any
-
-# the interpreter's first moment in this package, and the CPU it had spent by then: its start as it
-# measures it (``pipeline.process.spawn_time_ns``), taken before any other import of the project's
-FIRST_MOMENT_NS, CPU_BEFORE_NS = time.time_ns(), time.process_time_ns()
 
 __version__ = "0.1.0"
 

@@ -14,11 +14,12 @@ from typing import NoReturn
 from bootstrap.cli.args import HelpFormatter
 from bootstrap.cli.cache import add_cache_args, main_cache
 from bootstrap.cli.exits import BAD_INPUT, BAD_INPUT_ERRORS, INTERRUPTED, epilog
+from bootstrap.cli.first_moment import FIRST_MOMENT
 from bootstrap.cli.plan import add_plan_args, main_plan
 from bootstrap.cli.run import add_run_args, main_run
 from bootstrap.cli.serve import add_serve_args, main_serve
 from bootstrap.cli.trace.command import add_trace_args, main_trace
-from bootstrap.pipeline.process import ProcessTimeline
+from bootstrap.pipeline.process import ProcessTimeline, spawn_time_ns
 
 Command = Callable[[argparse.Namespace], int]
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Command]] = {
@@ -72,7 +73,7 @@ def entry() -> NoReturn:
     (``os._exit``): Python's own finalization, with torch imported, takes about a second and does
     nothing a finished command needs (the trace is flushed, the executor shut down, no thread
     outlives it)."""
-    code = main(sys.argv[1:], process=ProcessTimeline())
+    code = main(sys.argv[1:], process=ProcessTimeline(spawn_time_ns(FIRST_MOMENT)))
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):  # a closed or broken pipe must not change the status
             stream.flush()

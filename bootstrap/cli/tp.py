@@ -22,10 +22,11 @@ from bootstrap.capacity.config_json import shape_from_path
 from bootstrap.capacity.presets import preset_shape
 from bootstrap.capacity.shape import ModelShape, check_tp_split
 from bootstrap.cli.exits import BAD_INPUT, HUNG_UP, INTERRUPTED, OK, STAGE_FAILED, TERMINATED
+from bootstrap.cli.first_moment import FIRST_MOMENT
 from bootstrap.cli.stops import HeldStops
 from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.parallel.rank_env import RankEnv
-from bootstrap.pipeline.process import ProcessTimeline
+from bootstrap.pipeline.process import ProcessTimeline, spawn_time_ns
 
 # Statuses a rank ends with after it reported (or, on ranks > 0, after rank 0 reports the same
 # agreed failure): done, a stage failed, bad input, stopped by SIGINT / SIGTERM / SIGHUP.
@@ -147,7 +148,7 @@ def rank_backend(config: Any, args: argparse.Namespace) -> Any:
     from bootstrap.parallel.torch_dist import init_ranks
 
     env = rank_env(config)
-    args.process = ProcessTimeline()  # this rank's own process, from its spawn
+    args.process = ProcessTimeline(spawn_time_ns(FIRST_MOMENT))  # this rank's own process, from its start
     kind = "cuda" if rank_device(config.device, env.local_rank).startswith("cuda") else "cpu"
     with args.process.phase("backend", **{"bootstrap.rank": env.rank}):
         return NativeBackend.for_config(config, collective=init_ranks(env, kind, args.dist_timeout))

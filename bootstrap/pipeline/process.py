@@ -21,20 +21,22 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode, Tracer
 
-import bootstrap
-
 PROCESS_SPAN = "bootstrap.process"
 PHASE_PREFIX = "bootstrap.process."
 
 
-def spawn_time_ns() -> int:
-    """When this process's interpreter started, in Unix nanoseconds, as it measures it: the wall
-    clock at the package's first line less the CPU time the process had spent by then (the
-    interpreter's own start), never before the process's start in Linux's ``/proc``. Not that
-    start alone: an ``exec`` keeps the start of the process it replaces, so ``bash -c "pip
-    install ...; bootstrap run"`` would count pip's minutes (the shell's own CPU, milliseconds,
-    is all an exec carries over here; time it spent waiting for commands is not CPU)."""
-    interpreter_ns = bootstrap.FIRST_MOMENT_NS - bootstrap.CPU_BEFORE_NS
+_IMPORTED = (time.time_ns(), time.process_time_ns())  # the fallback first moment: this module's import
+
+
+def spawn_time_ns(first_moment: tuple[int, int] | None = None) -> int:
+    """When this process's interpreter started, in Unix nanoseconds, as it measures it: at
+    ``first_moment`` (Unix ns, the process's CPU ns then; the command's first line, default this
+    module's import) less the CPU spent by then (the interpreter's own start), never before the
+    process's start in Linux's ``/proc``. Not that start alone: an ``exec`` keeps the start of the
+    process it replaces, so ``bash -c "pip install ...; bootstrap run"`` would count pip's minutes
+    (the shell's own CPU, milliseconds, is all an exec carries over; waiting is not CPU)."""
+    wall_ns, cpu_ns = first_moment or _IMPORTED
+    interpreter_ns = wall_ns - cpu_ns
     try:
         with open("/proc/self/stat", encoding="ascii") as stat:
             ticks = int(stat.read().rpartition(")")[2].split()[19])  # field 22: start time, in ticks after boot
