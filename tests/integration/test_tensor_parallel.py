@@ -8,6 +8,7 @@ got. Faults are injected per rank by a hook the rank installs on itself (``tp_ra
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -217,7 +218,7 @@ def test_tensor_parallel_without_ranks_is_a_clear_config_error():
         NativeBackend.for_config(BootstrapConfig(device="cpu", tensor_parallel_size=2))
 
 
-@pytest.mark.parametrize("layout", ["channel", "block", "at_load"])
+@pytest.mark.parametrize("layout", ["channel", "tensor", "block", "at_load"])
 def test_two_ranks_of_fp8_weights_generate_the_tokens_of_one(layout, llama, tmp_path):
     """FP8 projections split over the ranks with their scales: row scales with the rows, and 16 x
     16 block scales by row blocks (fused parts) and by column blocks (row-parallel projections).
@@ -260,3 +261,17 @@ def test_two_ranks_of_an_fp8_kv_cache_with_the_checkpoints_scales_generate_the_t
     assert [r["kv_scales"] for r in results] == [[[0.125, 0.125], [0.125, 0.125]]] * 2
     one = load_model(str(eighths), device=torch.device("cpu"))
     assert results[0]["tokens"] == results[1]["tokens"] == one_rank_tokens(one.model, one.kv_scales)
+
+
+@pytest.mark.parametrize("missing", ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.gate_proj.weight"])
+def test_a_fused_part_missing_is_refused_on_every_rank_naming_it(missing, llama, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "broken"
+    shutil.copytree(llama, path)
+    tensors = load_file(path / "model.safetensors")
+    save_file({n: t for n, t in tensors.items() if n != missing}, path / "model.safetensors", metadata={"format": "pt"})
+    codes, results = run_ranks(path, tmp_path)
+    assert 0 not in codes and 1 in codes, codes  # a rank that did not fail first was stopped by the launcher
+    errors = [r["error"] for r in results if r is not None]
+    assert errors and all("load_model" in e and missing in e for e in errors), errors
