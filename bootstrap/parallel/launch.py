@@ -1,10 +1,10 @@
 """Start N ranks on this machine with torch's own launcher, and wait for them.
 
-``launch`` is ``torchrun --standalone --nproc-per-node N`` called as a function: the elastic
-agent behind ``torchrun`` (``torch.distributed.launcher.api.elastic_launch``) with torchrun's
-single-machine settings, so the ranks get torchrun's environment (``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_*``, ``OMP_NUM_THREADS=1`` where
-unset) and the agent's handling of signals and failures:
+``launch`` is ``torchrun --nproc-per-node N`` called as a function: the elastic agent behind
+``torchrun`` (``torch.distributed.launcher.api.elastic_launch``) with torchrun's single-machine
+settings, so the ranks get torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_*``, ``OMP_NUM_THREADS=1`` where unset) and the
+agent's handling of signals and failures:
 
 - SIGINT, SIGTERM, SIGHUP or SIGQUIT to the launcher: the agent sends it to every rank, waits up
   to ``SHUTDOWN_S``, kills what is left, and ``launch`` reports the signal;
@@ -12,7 +12,11 @@ unset) and the agent's handling of signals and failures:
   ``SHUTDOWN_S``); nothing is restarted;
 - the launcher killed outright: each rank gets SIGINT (torch's spawn sets the parent-death signal).
 Each rank has a session of its own, as torchrun's do, so a terminal's Ctrl-C reaches the launcher
-alone and each rank hears it once, from the agent. No rank outlives ``launch``."""
+alone and each rank hears it once, from the agent. No rank outlives ``launch``.
+
+The rendezvous is static, on a store this process holds on 127.0.0.1 alone (``loopback_store``:
+torch's ``TCPStore`` server listens on every interface whatever host it is given, and asks
+nobody who connects); the agent and the ranks (``MASTER_ADDR`` 127.0.0.1) share it."""
 
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import sys
 import tempfile
 import uuid
@@ -29,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SHUTDOWN_S = 30  # torchrun's default: how long stopped ranks get before SIGKILL
+LOOPBACK = "127.0.0.1"
 AGENT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 TORCH_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
 
@@ -54,14 +60,15 @@ def launch(target: Callable[..., int | None], args: tuple[Any, ...], world_size:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    with tempfile.TemporaryDirectory(prefix="bootstrap-ranks-") as logs, _agent_scope():
+    with tempfile.TemporaryDirectory(prefix="bootstrap-ranks-") as logs, _agent_scope(), loopback_store() as port:
         config = LaunchConfig(
             min_nodes=1,
             max_nodes=1,
             nproc_per_node=world_size,
             run_id=uuid.uuid4().hex,
-            rdzv_backend="c10d",
-            rdzv_endpoint="127.0.0.1:0",
+            rdzv_backend="static",
+            rdzv_endpoint=f"{LOOPBACK}:{port}",
+            rdzv_configs={"rank": 0},
             max_restarts=0,
             start_method="spawn",
             logs_specs=DefaultLogsSpecs(log_dir=logs),
@@ -87,6 +94,32 @@ def _rank_main(target: Callable[..., int | None], args: tuple[Any, ...]) -> int:
     if code:
         sys.exit(code)
     return 0
+
+
+@contextlib.contextmanager
+def loopback_store() -> Iterator[int]:
+    """A store server on a free port of 127.0.0.1 alone, for as long as the block runs; its port.
+    It serves the rendezvous: torch's static rendezvous asks for a multi-tenant store on that port
+    and gets this one (one server per port and process) instead of a new one on every interface."""
+    from torch.distributed import TCPStore
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind((LOOPBACK, 0))
+        listener.listen(socket.SOMAXCONN)
+        port = listener.getsockname()[1]
+        store = TCPStore(
+            LOOPBACK,
+            port,
+            is_master=True,
+            wait_for_workers=False,
+            multi_tenant=True,
+            master_listen_fd=listener.fileno(),
+        )
+        listener.detach()  # the store's server owns the socket (and closes it) from here on
+    try:
+        yield port
+    finally:
+        del store
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from helpers.serve_process import ROOT, ServeProcess, children, metric, metric_or_0, rank_pids
 
@@ -125,6 +126,22 @@ def test_two_ranks_on_fp8_kv_pools_with_a_draft_answer_as_one_and_keep_every_pro
         assert proposed > 0 and metric(page, "bootstrap_spec_draft_tokens_accepted") == proposed
 
 
+def test_the_launcher_and_its_ranks_listen_on_loopback_only(servers):
+    """On one host the rendezvous store (the launcher's), the ranks' gloo pairs and the HTTP port
+    are bound to loopback: nothing of ``serve --tp 2`` listens on 0.0.0.0 or ::."""
+    _, two = servers
+    ranks = rank_pids(two.proc)
+    assert len(ranks) == 2
+    listening = {
+        (pid, sock.laddr.ip, sock.laddr.port)
+        for pid in [two.proc.pid, *children(two.proc)]
+        for sock in psutil.Process(pid).net_connections(kind="inet")
+        if sock.status == psutil.CONN_LISTEN
+    }
+    assert {pid for pid, _, _ in listening} >= {two.proc.pid, *ranks}  # the store, the pairs, the HTTP port
+    assert [s for s in listening if s[1] not in ("127.0.0.1", "::1")] == []
+
+
 def test_sixty_four_clients_hanging_up_at_random_leave_every_counter_at_zero(servers):
     _, two = servers
     before = httpx.get(f"{two.url}/metrics").text
@@ -181,6 +198,40 @@ def test_live_operations_reach_both_ranks(servers, llama):
         assert answer.status_code == 200, (route, answer.text)
         if answer.json()["state"] == "ready":
             assert completion(two, max_tokens=12, temperature=0)["choices"][0]["text"] == expected, route
+
+
+def test_a_sleep_while_a_stream_is_in_flight_drains_it_on_both_ranks_and_the_wake_answers_the_same(servers):
+    """The sleep drains the stream (60 tiny tokens, far inside the 30 s drain timeout: it
+    completes, none cut short), then releases both ranks' weights (level 2); the wake reads them
+    again on both, and the same greedy text comes back."""
+    one, two = servers
+    greedy = {"max_tokens": 60, "temperature": 0, "ignore_eos": True}
+    expected = completion(one, **greedy)["choices"][0]["text"]
+    body = {"model": "m", "prompt": PROMPT, "stream": True, **greedy}
+    slept: list[httpx.Response] = []
+    with httpx.stream("POST", f"{two.url}/v1/completions", json=body, timeout=120) as response:
+        lines = (line for line in response.iter_lines() if line)
+        first = next(lines)  # mid-stream: its first token sent
+        sleeper = threading.Thread(
+            target=lambda: slept.append(httpx.post(f"{two.url}/v1/bootstrap/sleep", json={"level": 2}, timeout=120))
+        )
+        sleeper.start()
+        rest = list(lines)
+    sleeper.join(120)
+    chunks = [json.loads(line[6:]) for line in [first, *rest] if line.startswith("data: {")]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
+    reasons = [
+        c["choices"][0]["finish_reason"] for c in chunks if c.get("choices") and c["choices"][0]["finish_reason"]
+    ]
+    assert rest[-1] == "data: [DONE]" and (text, reasons) == (expected, ["length"]), rest[-3:]
+    assert len(slept) == 1 and slept[0].status_code == 200, slept
+    assert (slept[0].json()["state"], slept[0].json()["cut_short"]) == ("asleep", 0)
+    assert httpx.get(f"{two.url}/is_sleeping").json() == {"is_sleeping": True}
+    woken = httpx.post(f"{two.url}/v1/bootstrap/wake", json={}, timeout=120)
+    assert woken.status_code == 200 and woken.json()["state"] == "ready", woken.text
+    assert completion(two, **greedy)["choices"][0]["text"] == expected
+    engine = httpx.get(f"{two.url}/v1/engine").json()["engine"]
+    assert engine["running"] == engine["waiting"] == engine["kv_used_blocks"] == 0
 
 
 def _config() -> dict:
