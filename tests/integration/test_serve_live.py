@@ -7,11 +7,12 @@ Requests in flight during an operation: ``test_serve_live_drain.py``; a real pro
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import anyio
 import pytest
-from helpers.live_serve import error_of, fresh_answers, perturbed, serving
+from helpers.live_serve import BOUND_S, Hold, Stream, error_of, fresh_answers, perturbed, serving, settled
 
 KEY = "live-key-0123"
 
@@ -144,6 +145,69 @@ async def test_sleep_at_both_levels_and_wake_give_the_same_answers(llama, fresh)
             ("sleep", "level=2", "ok"),
             ("wake", "level=2", "ok"),
         ]
+
+
+async def test_is_sleeping_says_whether_the_weights_are_away_while_idle_mid_operation_and_failed(
+    llama, fresh, monkeypatch
+):
+    """As vLLM's: true from the end of a sleep to the end of the wake that brings the model back.
+    So false while idle (no model, nothing asleep) and while a sleep drains (the model still
+    answers what is in flight); true while a wake runs, and after a wake that failed before the
+    weights came back (the model is still asleep: a retry wakes it)."""
+    from bootstrap.backends.native.backend import NativeBackend
+
+    async def is_sleeping(server) -> bool:
+        return (await server.http.get("/is_sleeping")).json()["is_sleeping"]
+
+    async with serving(llama, idle=True) as server:
+        assert server.state.phase == "idle" and await is_sleeping(server) is False
+
+    restoring, restore, load, failures = threading.Event(), NativeBackend.restore_weights, NativeBackend.load_model, [1]
+
+    def held_restore(self, host):
+        restoring.wait(BOUND_S)
+        return restore(self, host)
+
+    def failing_load(self, *args, **kwargs):
+        if failures[0]:
+            failures[0] -= 1
+            raise RuntimeError("the weights could not be read")
+        return load(self, *args, **kwargs)
+
+    async with serving(llama, drain_timeout_s=BOUND_S) as server:
+        hold, stream, done = Hold(server.state.executor), Stream(server.app, server.completion()), {}
+
+        async def call(route: str, body: dict | None = None) -> None:
+            done[route] = await server.op(route, body)
+
+        async with anyio.create_task_group() as tg:
+            try:
+                tg.start_soon(stream.run)
+                await stream.next_chunk()
+                tg.start_soon(call, "/v1/bootstrap/sleep", {"level": 1})
+                await settled(server.state, "sleeping")  # draining the stream
+                assert await is_sleeping(server) is False
+            finally:
+                hold.release()
+        assert done["/v1/bootstrap/sleep"].status_code == 200 and await is_sleeping(server) is True
+
+        monkeypatch.setattr(NativeBackend, "restore_weights", held_restore)
+        async with anyio.create_task_group() as tg:
+            try:
+                tg.start_soon(call, "/v1/bootstrap/wake")
+                await settled(server.state, "waking")
+                assert await is_sleeping(server) is True  # the weights are not back yet
+            finally:
+                restoring.set()
+        assert done["/v1/bootstrap/wake"].status_code == 200 and await is_sleeping(server) is False
+
+        assert (await server.op("/v1/bootstrap/sleep", {"level": 2})).status_code == 200
+        monkeypatch.setattr(NativeBackend, "load_model", failing_load)
+        assert error_of(await server.op("/v1/bootstrap/wake"), 500)["code"] == "operation_failed"
+        assert server.state.phase == "failed" and await is_sleeping(server) is True
+        assert (await server.op("/v1/bootstrap/retry")).status_code == 202
+        await settled(server.state, "ready")
+        assert await is_sleeping(server) is False and await server.text() == fresh["llama"]
 
 
 # ---- the API key --------------------------------------------------------------------------------

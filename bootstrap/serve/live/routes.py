@@ -158,8 +158,11 @@ async def vllm_wake_up(request: Request) -> dict[str, Any]:
 
 @router.get("/is_sleeping")
 async def vllm_is_sleeping(request: Request) -> dict[str, bool]:
-    """vLLM's ``GET /is_sleeping``."""
-    return {"is_sleeping": _state(request).phase == "asleep"}
+    """vLLM's ``GET /is_sleeping``: true from the end of a sleep to the end of the wake (as vLLM's
+    flag), and after a wake that failed before the weights came back (still asleep)."""
+    state = _state(request)
+    asleep = state.boot is not None and bool(state.boot.asleep)
+    return {"is_sleeping": state.phase in ("asleep", "waking") or (state.phase == "failed" and asleep)}
 
 
 @router.post("/update_weights_from_disk")
