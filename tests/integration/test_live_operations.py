@@ -379,3 +379,38 @@ def test_a_swap_frees_the_old_executor_without_a_garbage_collection(llama, qwen)
             await boot.aclose()
 
     anyio.run(main)
+
+
+def test_a_level_2_sleep_releases_the_weights_and_the_wake_loads_them_again(llama):
+    """Level 1 keeps the model (its weights in host memory) and its wake restores them; level 2
+    releases the weights (every parameter's storage gone, the loaded artifact dropped) and its
+    wake runs ``load_model`` again: a new model, read from the source."""
+
+    def parameters_on(model: torch.nn.Module) -> set[str]:
+        return {p.device.type for p in model.parameters()}
+
+    async def main():
+        expected = await fresh_tokens(config(llama))
+        boot = Bootstrap(config(llama))
+        try:
+            await boot.build()
+            first = boot.pipeline.artifacts["loaded"].handle.target.model
+            await boot.sleep(1)
+            assert boot.pipeline.artifacts["loaded"].handle.target.model is first
+            assert greedy(await boot.wake()) == expected
+            rows = {row["id"]: row["outcome"] for row in boot.report().stages}
+            assert rows["restore_weights"] == "ok" and "load_model" not in rows
+            assert boot.pipeline.artifacts["loaded"].handle.target.model is first
+
+            await boot.sleep(2)
+            assert "loaded" not in boot.pipeline.artifacts
+            assert parameters_on(first) == {"meta"}  # the storage released, whoever still holds the model
+            assert greedy(await boot.wake()) == expected
+            rows = {row["id"]: row["outcome"] for row in boot.report().stages}
+            assert rows["load_model"] == "ok" and "restore_weights" not in rows
+            again = boot.pipeline.artifacts["loaded"].handle.target.model
+            assert again is not first and parameters_on(again) == {"cpu"}
+        finally:
+            await boot.aclose()
+
+    anyio.run(main)
