@@ -16,6 +16,7 @@ import torch
 from helpers.tiny_models import BUILDERS, build
 
 from bootstrap.engine import KVCacheSpec, PagedKVCache, SamplingParams, SchedulerConfig, create_executor
+from bootstrap.engine.request.prefix_hash import extend_hashes
 
 TPB = 4
 PREFIX = [(11 * i + 5) % 240 + 3 for i in range(26)]  # 6 full blocks and 2 tokens
@@ -135,6 +136,37 @@ def test_a_draft_model_keeps_its_pool_cached_too_and_answers_as_without_the_cach
         assert [r.cached_tokens for r in got] == [0, 24, 24]
         draft_pool = ex.speculator.pool.stats()
         assert draft_pool.cached_blocks > 0 and draft_pool.used_blocks == 0
+        assert_all_free(ex)
+    finally:
+        ex.shutdown()
+        plain.shutdown()
+
+
+def test_a_draft_pool_holding_a_shorter_cached_run_than_the_target_s_starts_both_after_the_shorter():
+    """The draft is the target itself (every proposal kept when its keys and values are right),
+    in a pool of 12 blocks: a second prompt evicts the first's prefix from it (the target's pool
+    keeps it), a third caches the prefix's first 2 blocks again. A prompt on the prefix then
+    finds 6 blocks in the target's pool and 2 in the draft's: it starts after 2 in both, and the
+    draft, having computed the rest itself, still proposes what the target answers."""
+    model = build("llama")
+
+    def pool(tokens: int) -> PagedKVCache:
+        return PagedKVCache.from_tokens(KVCacheSpec.from_config(model.config, torch.float32), tokens, TPB, "cpu")
+
+    config = SchedulerConfig(8, 64, 128, prefix_caching=True)
+    ex = create_executor(copy.deepcopy(model), pool(2048), config, start=False, draft=(copy.deepcopy(model), pool(48)))
+    plain = engine(model, caching=False)
+    other = [(3 * i + 7) % 240 + 3 for i in range(26)]
+    try:
+        one_by_one(ex, [[*PREFIX, 1], [*other, 1], [*PREFIX[:9], 5, 5, 5]])
+        prompt, params = [*PREFIX, 2], SamplingParams(max_tokens=12)
+        usable = extend_hashes([], prompt, TPB, None)[:6]
+        assert (len(ex.scheduler.kv_cache.match(usable)), len(ex.speculator.pool.match(usable))) == (6, 2)
+        proposed, accepted = ex.speculator.stats.proposed, ex.speculator.stats.accepted
+        [got], [want] = one_by_one(ex, [prompt], params), one_by_one(plain, [prompt], params)
+        kept = (ex.speculator.stats.proposed - proposed, ex.speculator.stats.accepted - accepted)
+        assert kept[0] > 0 and kept[1] == kept[0]  # the draft's keys and values of the prefix are its own
+        assert got.cached_tokens == 2 * TPB and got.token_ids == want.token_ids
         assert_all_free(ex)
     finally:
         ex.shutdown()
