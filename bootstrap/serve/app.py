@@ -28,7 +28,7 @@ from starlette.middleware.cors import CORSMiddleware
 from bootstrap.serve.auth import OPEN, APIKeyMiddleware, SameSiteMiddleware, open_bind
 from bootstrap.serve.body_limit import BodyLimitMiddleware
 from bootstrap.serve.content_type import JsonBodyMiddleware
-from bootstrap.serve.errors import install_handlers
+from bootstrap.serve.errors import ServerErrors, install_handlers
 from bootstrap.serve.live import routes as live_routes
 from bootstrap.serve.metrics import ServeMetrics
 from bootstrap.serve.openai import routes as openai_routes
@@ -70,7 +70,8 @@ def create_app(state: ServeState, on_fatal: Callable[[], None] = lambda: None) -
     if state.options.host is not None:
         app.add_middleware(SameSiteMiddleware, bound_host=state.options.host, allowed=state.options.allowed_origins)
     _warn_if_open(state)
-    app.add_middleware(BodyLimitMiddleware)  # outermost: a body too large is refused before anything reads it
+    app.add_middleware(BodyLimitMiddleware)  # a body too large is refused before anything reads it
+    app.add_middleware(ServerErrors)  # outermost: whatever fails inside is answered in OpenAI's shape
     return app
 
 

@@ -3,11 +3,15 @@
 Every error the server answers goes through ``APIError`` or one of the handlers here, so a
 client sees one shape for a bad body (400), an unknown model (404), a missing or wrong key
 (401), a body over the size limit (413, ``body_limit``), a request before the executor is ready
-(503 with ``Retry-After``) and anything else.
+(503 with ``Retry-After``) and anything else: an exception no route answered is a 500
+``server_error`` naming nothing of the server's insides, its traceback in the server's log
+(``ServerErrors``); a stream it cut short ends with that error as an event, then ``[DONE]``.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import reprlib
 from itertools import islice
 
@@ -16,6 +20,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from bootstrap.serve.openai.render import DONE
 
 TYPES = {
     400: "invalid_request_error",
@@ -29,6 +36,8 @@ TYPES = {
     503: "service_unavailable",
 }
 MAX_DESCRIBED = 8  # bad fields named in one message; the rest are counted
+INTERNAL = "the server failed to answer this request (an internal error: the server's log has its details)"
+log = logging.getLogger("bootstrap.serve")
 
 
 class APIError(Exception):
@@ -122,3 +131,43 @@ def install_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         message = f"{request.method} {request.url.path}: {exc.detail}"
         return APIError(exc.status_code, message, headers=dict(exc.headers or {})).response()
+
+
+class ServerErrors:
+    """ASGI middleware, outermost: an exception that escapes every route and handler is logged
+    with its traceback and answered as OpenAI's 500 (``INTERNAL``), never starlette's plain
+    text; after a stream began (``text/event-stream``), its body ends with the error as an
+    event, then ``[DONE]``. A response already sent whole stays as it was."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started: Message | None = None
+        ended = False
+
+        async def sending(message: Message) -> None:
+            nonlocal started, ended
+            if message["type"] == "http.response.start":
+                started = message
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                ended = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception:
+            log.exception("%s %s failed", scope.get("method"), scope.get("path"))
+            error = APIError(500, INTERNAL, code="internal_error")
+            if started is None:
+                await error.response()(scope, receive, send)
+            elif not ended and _is_stream(started):
+                event = f"data: {json.dumps(error.body())}\n\n{DONE}"
+                await send({"type": "http.response.body", "body": event.encode(), "more_body": False})
+
+
+def _is_stream(start: Message) -> bool:
+    return any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in start["headers"])

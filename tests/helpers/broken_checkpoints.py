@@ -1,5 +1,6 @@
 """Checkpoint directories broken in one way each, edited from a tiny one (``tiny_models``): a
-safetensors header rewritten in place, tensors replaced, the weights split over two shards."""
+safetensors header rewritten in place, tensors replaced, the weights split over two shards, a
+model that rules out every token but a few (``ruling_out``)."""
 
 from __future__ import annotations
 
@@ -64,3 +65,26 @@ def split_in_two(path: Path) -> tuple[Path, Path]:
 def edit_config(path: Path, **changes: Any) -> None:
     file = path / "config.json"
     file.write_text(json.dumps({**json.loads(file.read_text()), **changes}))
+
+
+RULED_OUT = -1e37  # a finite weight whose logits (64 of them summed) overflow a float32 to -inf
+
+
+def ruling_out(path: Path, kept: tuple[int, ...]) -> None:
+    """Every token but ``kept`` gets a logit of -inf, so its logprob is -inf; the kept ones share
+    the rest evenly. Every layer adds nothing (``o_proj`` and ``down_proj`` zero) and every
+    embedding is ones, so the final hidden state is ones whatever the prompt; ``lm_head``'s
+    rows are zero for ``kept`` (logit 0) and ``RULED_OUT`` for the others. All weights are finite."""
+
+    def change(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        for name, tensor in tensors.items():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                tensors[name] = torch.zeros_like(tensor)
+        tensors["model.embed_tokens.weight"] = torch.ones_like(tensors["model.embed_tokens.weight"])
+        tensors["model.norm.weight"] = torch.ones_like(tensors["model.norm.weight"])
+        head = torch.full_like(tensors["lm_head.weight"], RULED_OUT)
+        head[list(kept)] = 0.0
+        tensors["lm_head.weight"] = head
+        return tensors
+
+    replace_tensors(path, change)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bootstrap.engine.request.sequence import StreamEvent
-from bootstrap.serve.openai.logprobs import LogprobsOut
+from bootstrap.serve.openai.logprobs import FLOOR, LogprobsOut
 
 
 class Words:
@@ -66,3 +66,16 @@ def test_tokens_that_decode_alike_keep_the_most_likely_value():
 def test_without_a_tokenizer_tokens_are_named_by_id():
     out = LogprobsOut("completion", None)
     assert out.of(EVENTS[:1]).tokens == ["token_id:5"]
+
+
+def test_logprobs_that_are_no_finite_number_are_written_as_vllms_floor():
+    """-inf (a token ruled out) and NaN (logits that overflowed) are -9999.0 in both shapes, so
+    the body stays JSON; a finite logprob is kept as it is."""
+    inf, nan = float("-inf"), float("nan")
+    events = [StreamEvent(5, "w5", logprob=nan, top_logprobs=((5, nan), (9, inf))), StreamEvent(9, "", logprob=-2.5)]
+    completion = LogprobsOut("completion", Words()).of(events)
+    assert completion.token_logprobs == [FLOOR, -2.5]
+    assert completion.top_logprobs == [{"w5": FLOOR, "w9": FLOOR}, {"w9": -2.5}]
+    chat = LogprobsOut("chat", Words()).of(events).content
+    assert [(e.logprob, [t.logprob for t in e.top_logprobs]) for e in chat] == [(FLOOR, [FLOOR, FLOOR]), (-2.5, [])]
+    assert FLOOR == -9999.0

@@ -3,7 +3,7 @@
 The engine gives each generated token's logprob and its most likely alternatives as token ids,
 under the model's raw distribution (``engine.sampling.processing``). Here they become text, as
 vLLM does: each token decoded on its own, ``bytes`` its UTF-8 encoding (``token_id:<id>`` from an
-executor without a tokenizer).
+executor without a tokenizer); a logprob that is no finite number (-inf, NaN) as -9999.0 (``shown``).
 
 - chat (``logprobs: true``, ``top_logprobs: k``): ``choices[].logprobs.content[]``, one entry per
   token with ``token``, ``logprob``, ``bytes`` and ``top_logprobs`` (k entries of that shape).
@@ -16,6 +16,7 @@ Streamed, each chunk carries the entries of the tokens it delivers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol
 
@@ -23,6 +24,15 @@ from bootstrap.serve.openai import schemas as s
 
 if TYPE_CHECKING:
     from bootstrap.engine.request.sequence import StreamEvent
+
+FLOOR = -9999.0  # vLLM's value for -inf ("the JSON-serializable float that OpenAI uses")
+
+
+def shown(logprob: float) -> float:
+    """``logprob`` as a client gets it, valid JSON: ``FLOOR`` for -inf (a token the model rules
+    out, its logit too far below the others' for a float), NaN (logits that overflowed), +inf,
+    or anything below ``FLOOR``."""
+    return logprob if FLOOR < logprob < math.inf else FLOOR
 
 
 class TokenDecoder(Protocol):
@@ -49,9 +59,9 @@ class LogprobsOut:
                 top: dict[str, float] = {}
                 for i, lp in (*event.top_logprobs, (event.token_id, event.logprob)):
                     key = self.text(i)  # two tokens may share one (byte-level BPE pieces are each U+FFFD)
-                    top[key] = max(lp, top.get(key, lp))
+                    top[key] = max(shown(lp), top.get(key, FLOOR))
                 out.tokens.append(self.text(event.token_id))
-                out.token_logprobs.append(event.logprob)
+                out.token_logprobs.append(shown(event.logprob))
                 out.top_logprobs.append(top)
                 out.text_offset.append(self._offset if event.text_offset is None else event.text_offset)
             self._offset += len(event.text)
@@ -63,10 +73,11 @@ class LogprobsOut:
     def _chat_entry(self, event: StreamEvent) -> s.ChatTokenLogprob:
         token = self.text(event.token_id)
         top = [
-            s.TopLogprob(token=t, logprob=lp, bytes=list(t.encode()))
+            s.TopLogprob(token=t, logprob=shown(lp), bytes=list(t.encode()))
             for t, lp in ((self.text(i), lp) for i, lp in event.top_logprobs)
         ]
-        return s.ChatTokenLogprob(token=token, logprob=event.logprob, bytes=list(token.encode()), top_logprobs=top)
+        logprob = shown(event.logprob)
+        return s.ChatTokenLogprob(token=token, logprob=logprob, bytes=list(token.encode()), top_logprobs=top)
 
     def text(self, token_id: int) -> str:
         """The token decoded on its own (cached: the same alternatives come back step after step);
