@@ -132,7 +132,6 @@ def test_the_gpu_suite_script_runs_every_step_and_writes_every_result(tmp_path):
     expected = {
         "suite.log",
         "steps.jsonl",
-        "gpu_tests.xml",
         "startup.json",
         "capacity.json",
         "startup_8b_cold_warm.png",
@@ -144,7 +143,6 @@ def test_the_gpu_suite_script_runs_every_step_and_writes_every_result(tmp_path):
     assert [s["step"] for s in steps] == [
         "install_wheels",
         "environment",
-        "gpu_tests",
         "startup",
         "capacity",
         "timeline_png",
@@ -157,6 +155,18 @@ def test_the_gpu_suite_script_runs_every_step_and_writes_every_result(tmp_path):
     assert cold_start["checkpoint"]["checkpoint"].endswith("/checkpoint-tiny")
     floor = cold_start["floor"]
     assert floor["floor_s"] > floor["import_torch_s"] > 0 and floor["fastest_weights"] in floor["weights"], floor
+
+
+def test_the_gpu_suite_s_tests_run_in_an_invocation_of_their_own(tmp_path):
+    """``gpu_suite.sh --smoke --tests``: tests/gpu alone (each skips without CUDA), its JUnit report."""
+    out = tmp_path / "out"
+    proc = run_smoke(out, "--tests")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert {p.name for p in out.iterdir()} == {"suite.log", "steps.jsonl", "gpu_tests.xml"}
+    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert [(s["step"], s["rc"]) for s in steps] == [("install_wheels", 0), ("environment", 0), ("gpu_tests", 0)]
+    report = (out / "gpu_tests.xml").read_text()
+    assert 'tests="0"' not in report and "test_start_imports_cuda" in report
 
 
 def test_the_gpu_suite_s_two_gpu_steps_run_on_the_cpu_and_write_every_result(tmp_path):
