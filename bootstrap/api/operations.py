@@ -24,6 +24,7 @@ from opentelemetry.trace import Span, Status, StatusCode
 from bootstrap.backends.base import Executor, Sleeps
 from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.pipeline import PipelineClosed, StageFailed
+from bootstrap.pipeline.collective import failure_of
 from bootstrap.pipeline.runner import cause_text
 from bootstrap.pipeline.telemetry import operation_span
 from bootstrap.stages import operation as live
@@ -74,6 +75,11 @@ class Busy(RuntimeError):
 
 class Refused(ValueError):
     """The operation's check refused what it was given; nothing changed (HTTP 400)."""
+
+
+class Reverted(ValueError):
+    """A swap's new model could not be read after the drain (a ``ConfigError``: a NaN weight, a
+    file that changed); the old one was loaded again and serves (HTTP 400)."""
 
 
 @dataclass
@@ -140,8 +146,10 @@ class Operations:
 
     async def swap(self, config: BootstrapConfig, *, drain: Drain = _no_drain) -> Executor:
         """Serve ``config`` (only ``MODEL_FIELDS`` may change): its source checked by
-        ``resolve_classes`` (counting the serving model's memory as free) while the old model
-        serves; then ``drain``, the old pipeline released, the new one's stages run."""
+        ``resolve_classes`` (counting the serving model's memory as free) and its files' headers
+        (``check_checkpoint``) while the old model serves; then ``drain``, the old pipeline
+        released, the new one's stages run. A new model that cannot be read even so (a
+        ``ConfigError`` from its stages: a NaN weight) brings the old one back (``Reverted``)."""
         for field in SAME_IN_A_SWAP:
             if getattr(config, field) != getattr(self.config, field):
                 raise Refused(
@@ -155,9 +163,14 @@ class Operations:
             new = self._next = self.new_pipeline(config, releasable_bytes=self._held_bytes())
             try:
                 await new.run(upto="resolve_classes", span=span)
+                known = new.artifacts
+                await new.run_stage(live.CHECK_CHECKPOINT, {n: known[n] for n in live.CHECK_CHECKPOINT.requires}, span)
             except BaseException:
                 await self._close_next()
                 raise
+
+        serving = self.executor is not None or bool(self.asleep)  # an old model to bring back
+        before, weights_path = self.config, self._weights_path
 
         async def release(span: Span) -> None:
             with self._timed("drain"):
@@ -165,10 +178,20 @@ class Operations:
             old, self.pipeline, self._next = self.pipeline, new, None
             self.config, self.asleep, self._host, self._weights_path = config, 0, None, None
             with self._timed("release"):
-                await old.rewind([s.id for s in old.stages])  # each artifact dropped as it is released
-                await old.aclose()
+                await self._close(old)
 
-        return await self._operate(("swap", (config,)), f"model={config.model}", check, [release, self._build_rest])
+        async def build(span: Span) -> None:
+            try:
+                await self.pipeline.run(span=span)
+            except StageFailed as exc:
+                if not serving or not isinstance(failure_of(exc.cause), ConfigError):
+                    raise  # the server fails; a retry resumes the new model's stages
+                await self._bring_back(before, weights_path, span)
+                raise Reverted(
+                    f"swap failed at {exc.stage}: {cause_text(exc.cause)}; {before.model} serves again"
+                ) from exc
+
+        return await self._operate(("swap", (config,)), f"model={config.model}", check, [release, build])
 
     async def update_weights(self, path: str | Any, *, drain: Drain = _no_drain) -> Executor:
         """Read the checkpoint at ``path`` (same architecture and shapes, checked from its
@@ -235,10 +258,7 @@ class Operations:
             if self.asleep == 1:
                 await self._one(live.RESTORE_WEIGHTS, span, host_weights=self._host)
             else:
-                await self.pipeline.run(upto="load_model", span=span)
-                if self._weights_path is not None:
-                    plan = await self._one(live.CHECK_WEIGHTS, span, path=self._weights_path)
-                    await self._one(live.READ_WEIGHTS, span, weights_plan=plan)
+                await self._reload(self._weights_path, span)
             self.asleep = 0
 
         async def room(span: Span) -> None:
@@ -341,6 +361,8 @@ class Operations:
         for index, step in enumerate(steps):
             try:
                 await step(span)
+            except Reverted:
+                raise  # the old state is back: nothing to resume
             except BaseException:
                 self.resumable = (record.name, steps[index:])
                 raise
@@ -356,6 +378,28 @@ class Operations:
 
     async def _build_rest(self, span: Span) -> None:
         await self.pipeline.run(span=span)
+
+    async def _reload(self, weights_path: str | None, span: Span) -> None:
+        """The model read from its source again (``load_model``), and a weights update's files after it."""
+        await self.pipeline.run(upto="load_model", span=span)
+        if weights_path is not None:
+            plan = await self._one(live.CHECK_WEIGHTS, span, path=weights_path)
+            await self._one(live.READ_WEIGHTS, span, weights_plan=plan)
+        self._weights_path = weights_path
+
+    async def _bring_back(self, config: BootstrapConfig, weights_path: str | None, span: Span) -> None:
+        """After a swap's new model failed to load: it is released and the model of ``config``
+        served again, its weights read from its files again (from the page cache where it holds
+        them) and its plan from the plan cache (its stages skipped where the plan is cached)."""
+        failed, self.pipeline, self.config = self.pipeline, self.new_pipeline(config), config
+        await self._close(failed)
+        await self._reload(weights_path, span)
+        await self.pipeline.run(span=span)
+
+    @staticmethod
+    async def _close(pipeline: Pipeline) -> None:
+        await pipeline.rewind([s.id for s in pipeline.stages])  # each artifact dropped as it is released
+        await pipeline.aclose()
 
     async def _one(self, stage: Any, span: Span, **given: Any) -> Any:
         """A one-off stage of ``bootstrap.stages.operation``: its inputs from the pipeline's artifacts,

@@ -135,6 +135,15 @@ class ChecksWeights(Protocol):
 
 
 @runtime_checkable
+class ChecksCheckpoints(Protocol):
+    """A backend that checks a model's files without reading its weights (a swap, before its drain)."""
+
+    def check_checkpoints(self, config: BootstrapConfig, resolved: ResolvedClasses) -> None:
+        """Raise ``ConfigError`` naming the tensor or field that ``load_model`` would refuse in
+        ``config``'s model (and draft) from their headers and config.json alone."""
+
+
+@runtime_checkable
 class TakesWeights(Protocol):
     """A backend that reads new weights into a serving model's parameters (``update_weights``)."""
 

@@ -1,6 +1,7 @@
 """The one-off stages of a live server's operations (``bootstrap.api.operations``): run by
 ``Pipeline.run_stage`` beside the graph, with the same spans, retries, rollback and events.
 
+``check_checkpoint``: a swap's new model checked from its files' headers before the drain;
 ``check_weights`` and ``read_weights`` take new weights into the serving model in place;
 ``offload_weights`` and ``restore_weights`` move them to host memory and back (sleep level 1);
 ``check_room``, on wake, plans a smaller KV pool when less device memory is free than the plan
@@ -14,7 +15,7 @@ import logging
 import math
 
 from bootstrap.backends.artifacts import HostWeights, LoadedModel, ResolvedClasses, RoomCheck, WeightsPlan
-from bootstrap.backends.base import Backend, Sleeps, TakesWeights
+from bootstrap.backends.base import Backend, ChecksCheckpoints, Sleeps, TakesWeights
 from bootstrap.capacity import CapacityPlan, MemoryProfile, fmt_bytes
 from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.pipeline.stage import RetryPolicy, Stage, is_transient_io
@@ -22,6 +23,14 @@ from bootstrap.pipeline.undo import Undo
 from bootstrap.stages.capacity import capacity
 
 log = logging.getLogger(__name__)
+
+
+def check_checkpoint(config: BootstrapConfig, resolved: ResolvedClasses, backend: Backend) -> bool:
+    """Whether the backend checked the model's files (their headers, no weight read)."""
+    if not isinstance(backend, ChecksCheckpoints):
+        return False
+    backend.check_checkpoints(config, resolved)
+    return True
 
 
 def check_weights(loaded: LoadedModel, path: str, backend: Backend) -> WeightsPlan:
@@ -84,6 +93,12 @@ def _room_figures(room: RoomCheck) -> dict[str, int | str]:
     return figures
 
 
+CHECK_CHECKPOINT = Stage(
+    "check_checkpoint",
+    check_checkpoint,
+    provides="checkpoint_checked",
+    figures=lambda c: {"bootstrap.checkpoint.checked": str(c).lower()},
+)
 CHECK_WEIGHTS = Stage(
     "check_weights",
     check_weights,

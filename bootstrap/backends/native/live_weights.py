@@ -25,7 +25,8 @@ class LiveWeights:
 
     def plan_weights(self, loaded: LoadedModel, path: str) -> WeightsPlan:
         """``path``'s headers against the target's parameters (``weights.plan_weights``): a
-        checkpoint directory of the same architecture, every tensor present and of its shape."""
+        checkpoint directory of the same architecture, every tensor present and of its shape;
+        then every value finite (``WeightReads.check_finite``), all while the old weights serve."""
         target = loaded.handle.target
         self._await_weights(loaded)  # a read still running would write over the new weights
         directory = check_weights_dir(path, target.hf_config)
@@ -33,6 +34,12 @@ class LiveWeights:
             files = safetensors_files(directory)
             reads = plan_weights(target.model, files)
             scales = checkpoint_kv_scales(files, target.hf_config.num_hidden_layers)
+            # The values are read once here, before the drain, and again in place after it (from the
+            # page cache where it holds them): a NaN found by the in-place read would leave the
+            # parameters half overwritten. A staging copy would need the weights' size again on the
+            # device; reading the old weights back after a failure would cut the streams in flight.
+            # This read adds no time to the downtime: it runs before the drain.
+            reads.check_finite()
         return WeightsPlan((reads, target.kv_scales, scales), path, reads.nbytes)
 
     def read_weights(self, plan: WeightsPlan) -> int:

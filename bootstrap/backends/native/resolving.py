@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from bootstrap.backends.artifacts import ResolvedClasses
 from bootstrap.backends.native.checks import (
     check_draft_tokenizer,
     check_fp8_kv,
@@ -17,18 +18,20 @@ from bootstrap.backends.native.checks import (
     check_weights_fit,
     unreadable_as_source_error,
 )
+from bootstrap.backends.native.loading import DTYPES
 from bootstrap.capacity.config_json import parse_config
 from bootstrap.capacity.quantization import AT_LOAD
 from bootstrap.capacity.shape import ModelShape, check_tp_split
 from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.devices import Device
 from bootstrap.engine.models import own_model_problem
-from bootstrap.engine.sources.loader import check_quantizable, config_dict, resolve_source
+from bootstrap.engine.sources.loader import check_quantizable, check_source, config_dict, resolve_source
 from bootstrap.engine.sources.progress_lines import Progress
 
 
 class Resolving:
-    """``model_shape``, ``default_dtype``, ``check_config`` and ``check_weights`` for ``NativeBackend``."""
+    """``model_shape``, ``default_dtype``, ``check_config``, ``check_weights`` and
+    ``check_checkpoints`` for ``NativeBackend``."""
 
     device: Device
     torch_device: torch.device
@@ -86,3 +89,12 @@ class Resolving:
         """The weights of ``shapes`` in ``dtype`` against the device's free bytes (and what the
         serving model releases first), before ``load_model`` allocates any (``checks``)."""
         check_weights_fit(config, shapes, dtype, self.device, self.tp, releasable_bytes)
+
+    def check_checkpoints(self, config: BootstrapConfig, resolved: ResolvedClasses) -> None:
+        """What ``load_model`` would refuse from the target's and the draft's headers and
+        config.json (``loader.check_source``), reading no weight: a swap's check before its drain."""
+        dtype = DTYPES[resolved.dtype]
+        for source, quantize in ((config.model, config.quantization), (config.draft_model, None)):
+            if source is not None:
+                with unreadable_as_source_error(source):
+                    check_source(source, dtype=dtype, cache_dir=self.cache_dir, tp_size=self.tp, quantize=quantize)

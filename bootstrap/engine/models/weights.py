@@ -52,6 +52,7 @@ KV_SCALES = {  # an FP8 KV cache's per-layer scales (compressed-tensors' names, 
     "self_attn.v_proj.output_scale": 1,
 }
 QUANTIZE_ROWS_BYTES = 64 << 20  # float32 rows quantized at once (``_read_quantizing``)
+SCAN_BYTES = 256 << 20  # the host buffer ``WeightReads.check_finite`` reads through
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,42 @@ class WeightReads:
             for read, items in ((_read_converting, self.converted), (_read_quantizing, self.quantized)):
                 if stop is None or not stop.is_set():
                     read(list(items))
+
+    def check_finite(self, threads: int | None = None, piece_bytes: int = PIECE_BYTES) -> int:
+        """Every value ``read`` would write checked finite as it would land (converted to its
+        parameter's dtype; a weight quantized at load, as stored), read through a host buffer of at
+        most ``SCAN_BYTES`` with no parameter written: ``ModelSourceError`` naming the tensor. The
+        bytes read."""
+        with torch.no_grad():
+            buffer = torch.empty(min(SCAN_BYTES, sum(r.nbytes for r in self.direct)) + 64, dtype=torch.uint8)
+            for batch in _on_host(self.direct, buffer):
+                read_ranges(batch, threads, piece_bytes)  # checks each piece as it reads it
+            for tensor, (stored, target, _) in _stored_slices(list(self.converted), lambda target: "cpu"):
+                check_finite(tensor.to(target.dtype), stored.file, stored.name)
+            for tensor, (stored, *_) in _stored_slices(list(self.quantized), lambda target: "cpu"):
+                check_finite(tensor, stored.file, stored.name)
+        return self.nbytes
+
+
+def _on_host(ranges: tuple[ByteRange, ...], buffer: torch.Tensor) -> Iterator[list[ByteRange]]:
+    """``ranges`` (cut into parts of at most the buffer's size) as batches of ranges of the same
+    bytes whose destinations are views of ``buffer``, each batch filling it at most once."""
+    batch: list[ByteRange] = []
+    at, limit = 0, buffer.numel() - 64
+    for r in ranges:
+        size = r.destination.element_size()
+        step = max(size, limit - limit % size)
+        for start in range(0, r.nbytes, step):
+            nbytes = min(step, r.nbytes - start)
+            at = -(-at // 16) * 16  # aligned for any dtype's view
+            if batch and at + nbytes > buffer.numel():
+                yield batch
+                batch, at = [], 0
+            place = buffer[at : at + nbytes].view(r.destination.dtype)
+            batch.append(ByteRange(r.file, r.offset + start, place, r.name))
+            at += nbytes
+    if batch:
+        yield batch
 
 
 def plan_weights(model: torch.nn.Module, files: list[Path]) -> WeightReads:

@@ -24,9 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bootstrap.engine.models import own_model_problem
+from bootstrap.capacity.shape import ModelConfigError
+from bootstrap.engine.layers.linear import Shard
+from bootstrap.engine.models import check_checkpoint, own_model_problem
 from bootstrap.engine.models.files import ModelSourceError, check_checkpoint_files, read_json
-from bootstrap.engine.models.weights import KVScales
+from bootstrap.engine.models.weights import KVScales, safetensors_files
 from bootstrap.engine.sources import checkpoint, conversions, random_init, smollm2
 from bootstrap.engine.sources.model_cache import default_cache_dir, has_weights
 from bootstrap.engine.sources.progress_lines import Progress, quiet
@@ -247,6 +249,32 @@ def load_model(
         eos_token_ids=eos_token_ids(model, tokenizer),
         kv_scales=KVScales(*(kv_scales or (None, None))),
     )
+
+
+def check_source(
+    source: str,
+    *,
+    dtype: torch.dtype | None = None,
+    cache_dir: Path | None = None,
+    tp_size: int = 1,
+    quantize: str | None = None,
+) -> None:
+    """What ``load_model(source, ...)`` would refuse from the checkpoint's headers and config.json
+    alone (``models.check_checkpoint``: every tensor present, placed and of its shape, the files'
+    spans whole, every FP8 and KV scale in range), reading no weight and allocating nothing: a
+    swap's check before its drain. A checkpoint directory (the default model's or a GGUF file's
+    conversion included) on the engine's own code; nothing else is checked here."""
+    directory = _converted(resolve_source(source), cache_dir or default_cache_dir())
+    if directory is None:
+        return
+    cfg = read_json(directory / "config.json")
+    if own_model_problem(cfg) is not None or not safetensors_files(directory):
+        return  # loaded through transformers (``models.load_own_model``)
+    shard = Shard(torch.distributed.get_rank(), tp_size) if tp_size > 1 else Shard()
+    try:
+        check_checkpoint(directory, cfg, dtype, shard, quantize)
+    except ModelConfigError:
+        return  # a config the own code cannot build: transformers loads it
 
 
 def _kv_scales(resolved: ModelSource) -> tuple[list[float], list[float]] | None:

@@ -4,6 +4,7 @@ hangs up does not cancel it), the phase moved as it goes, its outcome the route'
 While the operation checks what it was given the old model serves; the drain then moves the
 phase (new requests get 503 naming the operation), lets requests in flight finish for
 ``--drain-timeout`` and cancels the rest (they end with ``abort`` and their partial output).
+A swap whose new model cannot be read after that serves the old one again (400, ``Reverted``).
 A shutdown cancels the operation (``state.build_scope``); its stages roll back.
 """
 
@@ -15,7 +16,7 @@ from typing import Any
 
 import anyio
 
-from bootstrap.api import Busy, Refused
+from bootstrap.api import Busy, Refused, Reverted
 from bootstrap.api.operations import VERBS, running
 from bootstrap.backends.base import Executor
 from bootstrap.config import ConfigError
@@ -60,7 +61,7 @@ async def run_operation(state: ServeState, tasks: anyio.abc.TaskGroup, name: str
 
 
 async def _run(state: ServeState, name: str, call: Call, param: str, outcome: dict, done: anyio.Event) -> None:
-    before = state.phase
+    before, model_id = state.phase, state.model_id
     try:
         with anyio.CancelScope() as scope:
             state.build_scope = scope
@@ -74,6 +75,11 @@ async def _run(state: ServeState, name: str, call: Call, param: str, outcome: di
             outcome["error"] = APIError(
                 503, f"the {name} was cancelled: the server is shutting down", code="shutting_down"
             )
+    except Reverted as exc:  # after the drain: the old model was loaded again and serves
+        state.model_id = model_id
+        settle(state, state.boot.executor if state.boot is not None else None)
+        log.warning("%s: %s", name, exc)
+        outcome["error"] = APIError(400, client_text(exc), param=param, code="operation_reverted")
     except (Refused, ConfigError) as exc:
         state.set_phase(before, state.error)  # a refusal comes before the drain: nothing changed
         log.warning("%s refused: %s", name, exc)
