@@ -2,11 +2,13 @@
 the CPU (the app in process: ``helpers.live_serve``): a swap takes only the fields that describe
 a model and its memory, never a path the server writes; an error quotes no file and stays
 short; a conflict says which operation runs; ``/v1/models`` keeps listing the model while it
-sleeps."""
+sleeps; a path the server cannot use reads the same whatever it is (nothing to probe)."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 
 import anyio
 import pytest
@@ -15,6 +17,7 @@ from helpers.live_serve import Hold, Stream, error_of, serving, settled
 from bootstrap.api import Bootstrap, Busy
 from bootstrap.api.operations import MODEL_FIELDS, SAME_IN_A_SWAP
 from bootstrap.config import BootstrapConfig
+from bootstrap.serve.live.named import NOT_A_MODEL, NOT_WEIGHTS
 from bootstrap.serve.live.operate import MAX_MESSAGE
 from bootstrap.serve.live.routes import SWAP_FIELDS
 
@@ -94,6 +97,46 @@ async def test_a_refusal_quotes_no_file_and_stays_short(llama, tmp_path):
         error = error_of(await server.op("/v1/bootstrap/swap", {"model": f"random:{secret}"}), 400)
         long = error_of(await server.op("/v1/bootstrap/weights", {"path": str(tmp_path) + "/a" * 1500}), 400)
         assert (await server.http.get("/ready")).json()["state"] == "ready"
-    assert long["param"] == "path" and len(long["message"]) <= MAX_MESSAGE and "server's log" in long["message"]
+    assert long["param"] == "path" and long["message"] == NOT_WEIGHTS.format(field="path")
     assert error["param"] == "model" and "resolve_classes" in error["message"], error
     assert "SECRET" not in error["message"] and len(error["message"]) <= MAX_MESSAGE, error
+
+
+def _not_models(tmp_path, llama) -> list[str]:
+    """Paths a client might probe with, none a checkpoint the server can load: each exists in
+    another way, or not at all."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "config_only").mkdir()
+    shutil.copy(llama / "config.json", tmp_path / "config_only" / "config.json")
+    (tmp_path / "notes.txt").write_text("not a model")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    os.mkfifo(tmp_path / "fifo")
+    missing = tmp_path / "missing"
+    return [
+        str(missing),
+        str(missing / "model.gguf"),
+        str(tmp_path / "empty"),
+        str(tmp_path / "config_only"),
+        str(tmp_path / "notes.txt"),
+        str(tmp_path / "notes.txt" / "below"),
+        str(tmp_path / "fifo"),
+        f"random:{missing}",
+        f"random:{tmp_path / 'notes.txt'}",
+        f"random:{tmp_path / 'list.json'}",
+        f"random:{tmp_path / 'fifo'}",
+        "/etc",
+    ]
+
+
+async def test_a_path_the_server_cannot_use_reads_the_same_whatever_it_is(llama, tmp_path):
+    paths = _not_models(tmp_path, llama)
+    async with serving(llama) as server:
+        swaps = [error_of(await server.op("/v1/bootstrap/swap", {"model": p}), 400) for p in paths]
+        updates = [error_of(await server.op("/v1/bootstrap/weights", {"path": p}), 400) for p in paths]
+        sglang = [error_of(await server.op("/update_weights_from_disk", {"model_path": p}), 400) for p in paths]
+        state = (await server.http.get("/ready")).json()["state"]
+        text = await server.text()
+    assert {(e["message"], e["param"], e["code"]) for e in swaps} == {(NOT_A_MODEL, "model", "operation_refused")}
+    assert {(e["message"], e["param"]) for e in updates} == {(NOT_WEIGHTS.format(field="path"), "path")}
+    assert {(e["message"], e["param"]) for e in sglang} == {(NOT_WEIGHTS.format(field="model_path"), "model_path")}
+    assert state == "ready" and text

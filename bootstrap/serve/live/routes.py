@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import anyio
 from fastapi import APIRouter, Depends, Request
 from pydantic import ValidationError
 
@@ -15,6 +16,7 @@ from bootstrap.api.operations import MODEL_FIELDS, SAME_IN_A_SWAP
 from bootstrap.config import BootstrapConfig, ConfigError, is_int
 from bootstrap.serve.auth import operations_allowed
 from bootstrap.serve.errors import APIError, describe_validation
+from bootstrap.serve.live.named import check_model, check_weights_path
 from bootstrap.serve.live.operate import run_operation
 from bootstrap.serve.state import ServeState
 
@@ -86,6 +88,7 @@ async def swap(request: Request) -> dict[str, Any]:
     """Serve another model (``{"model": SOURCE, ...}``, any of ``SWAP_FIELDS`` beside it)."""
     state = _state(request)
     config, name = swap_config(state, await _body(request))
+    await anyio.to_thread.run_sync(check_model, config.model, config.backend)
 
     async def call(drain):
         async def drain_then_rename() -> None:
@@ -105,7 +108,8 @@ async def weights(request: Request) -> dict[str, Any]:
     return await _weights(request, state, path)
 
 
-async def _weights(request: Request, state: ServeState, path: str) -> dict[str, Any]:
+async def _weights(request: Request, state: ServeState, path: str, field: str = "path") -> dict[str, Any]:
+    await anyio.to_thread.run_sync(check_weights_path, path, field)
     call = lambda drain: state.boot.update_weights(path, drain=drain)  # noqa: E731
     return await run_operation(state, request.app.state.tasks, "weights", call, "path")
 
@@ -170,5 +174,5 @@ async def sglang_update_weights(request: Request) -> dict[str, Any]:
     """SGLang's ``POST /update_weights_from_disk`` (``{"model_path": DIR}``): its answer's shape."""
     state = _state(request)
     path = _text(await _body(request), "model_path")
-    done = await _weights(request, state, path)
+    done = await _weights(request, state, path, "model_path")
     return {"success": True, "message": f"weights updated from {path} in {done['duration_s']} s"}
