@@ -47,6 +47,16 @@ def _link_loop(path: Path) -> None:
     os.symlink(WEIGHTS, path / WEIGHTS)
 
 
+SECRET = "the first 8 bytes of this file are not a header size\n"
+
+
+def _linked_elsewhere(path: Path) -> None:
+    """The weights' name a link to another file, whose first 8 bytes would read as a length."""
+    (path / WEIGHTS).unlink()
+    (path / "notes.txt").write_text(SECRET)
+    os.symlink("notes.txt", path / WEIGHTS)
+
+
 def _stored_twice(path: Path) -> None:
     second = split_in_two(path)[1]
     tensors = load_file(second) | {"model.embed_tokens.weight": torch.zeros(256, 64)}  # the zeros copy
@@ -101,6 +111,10 @@ def _tokenizer_cut_short(path: Path) -> None:
 # case: (how the checkpoint is broken, what the one line names)
 BROKEN = {
     "a link loop for the weights": (_link_loop, f"{WEIGHTS}: a symbolic link loop, not a regular file"),
+    "weights linked to another file": (
+        _linked_elsewhere,
+        f"{WEIGHTS} cannot be read: not a safetensors file (a file of {len(SECRET)} bytes)",
+    ),
     "a tensor in two shards": (_stored_twice, "'model.embed_tokens.weight' is stored twice"),
     "two tensors sharing bytes": (_shared_bytes, f"tensors '{K}' and '{V}' share bytes"),
     "offsets into the header": (_offsets(NORM, lambda o: [-256, 0]), f"'{NORM}' of shape [64] F32 (256 bytes)"),

@@ -140,3 +140,18 @@ async def test_a_path_the_server_cannot_use_reads_the_same_whatever_it_is(llama,
     assert {(e["message"], e["param"]) for e in updates} == {(NOT_WEIGHTS.format(field="path"), "path")}
     assert {(e["message"], e["param"]) for e in sglang} == {(NOT_WEIGHTS.format(field="model_path"), "model_path")}
     assert state == "ready" and text
+
+
+async def test_weights_linked_to_another_file_quote_none_of_its_bytes(llama, tmp_path):
+    linked = tmp_path / "linked"
+    shutil.copytree(llama, linked)
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(b"password=hunter2\n")
+    (linked / "model.safetensors").unlink()
+    os.symlink(secret, linked / "model.safetensors")
+    async with serving(llama) as server:
+        error = error_of(await server.op("/v1/bootstrap/weights", {"path": str(linked)}), 400)
+        assert (await server.http.get("/ready")).json()["state"] == "ready"
+    length = str(int.from_bytes(b"password", "little"))  # what the file's first 8 bytes read as a length
+    assert "not a safetensors file (a file of 17 bytes)" in error["message"], error
+    assert length not in error["message"] and "hunter2" not in error["message"]

@@ -87,14 +87,12 @@ def stored_tensors(file: Path) -> list[Stored]:
         length = struct.unpack("<Q", os.pread(fd, 8, 0))[0] if size >= 8 else size
         if length > size - 8:
             raise ModelSourceError(
-                f"{file} cannot be read: not a safetensors file (header of {length} bytes in {size})"
+                f"{file} cannot be read: not a safetensors file (a file of {size} bytes)"  # no byte of it quoted
             )
         try:
             header = json.loads(os.pread(fd, length, 8))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ModelSourceError(
-                f"{file} cannot be read: not a safetensors file (its header is not JSON: {exc})"
-            ) from None
+        except (UnicodeDecodeError, json.JSONDecodeError):  # their messages quote the bytes
+            raise ModelSourceError(f"{file} cannot be read: not a safetensors file (its header is not JSON)") from None
     spans = check_header(file, header, size - 8 - length)
     return [Stored(file, name, dtype, shape, 8 + length + begin) for name, dtype, shape, begin in spans]
 
