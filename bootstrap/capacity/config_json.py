@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,24 @@ ROPE_NEEDS = {
 }
 
 
+TOKEN = re.compile(r"[A-Za-z0-9_.-]{1,40}")  # a value quoted back as it is; anything else by its kind
+
+
+def shown(value: Any) -> str:
+    """A value read from a config file as an error may quote it: a short number or a token-like
+    string as it is, anything else by its kind and size only (a file's content is not echoed)."""
+    if value is None or isinstance(value, bool | int | float):
+        try:
+            text = json.dumps(value)
+        except ValueError:  # an int of more digits than Python prints
+            text = ""
+        return text if 0 < len(text) <= 40 else f"a number of {len(text) or 'many'} characters"
+    if isinstance(value, str):
+        return repr(value) if TOKEN.fullmatch(value) else f"a string of {len(value)} characters"
+    kind = {dict: "an object", list: "an array"}.get(type(value), type(value).__name__)
+    return f"{kind} of {len(value)} items" if isinstance(value, dict | list) else kind
+
+
 def shape_from_path(path: str | Path) -> ModelShape:
     """The shape of a config.json file, or of the config.json inside a checkpoint directory."""
     file = Path(path).expanduser()
@@ -71,9 +90,10 @@ def parse_config(cfg: dict[str, Any]) -> ModelShape:
     if not isinstance(cfg, dict):
         raise ModelConfigError(f"config must be a JSON object, got {type(cfg).__name__}")
     model_type = cfg.get("model_type")
-    if model_type not in _FAMILIES:
+    if not isinstance(model_type, str) or model_type not in _FAMILIES:
         raise ModelConfigError(
-            f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"config.json: field 'model_type' must be one of {', '.join(SUPPORTED_MODEL_TYPES)}, "
+            f"got {shown(model_type)}"
         )
     return _Parser(cfg, model_type).shape()
 
@@ -91,7 +111,7 @@ class _Parser:
         if not is_int(value) or not minimum <= value <= maximum:
             raise ModelConfigError(
                 f"{self.model_type} config.json: field {key!r} must be an integer in [{minimum}, {maximum}], "
-                f"got {value!r}"
+                f"got {shown(value)}"
             )
         return value
 
@@ -101,7 +121,9 @@ class _Parser:
     def get_flag(self, key: str, default: bool) -> bool:
         value = self.cfg.get(key, default)
         if not isinstance(value, bool):
-            raise ModelConfigError(f"{self.model_type} config.json: field {key!r} must be true/false, got {value!r}")
+            raise ModelConfigError(
+                f"{self.model_type} config.json: field {key!r} must be true/false, got {shown(value)}"
+            )
         return value
 
     def check_positive(self, key: str, value: Any) -> None:
@@ -109,7 +131,7 @@ class _Parser:
             isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < math.inf
         ):
             raise ModelConfigError(
-                f"{self.model_type} config.json: field {key!r} must be a finite number > 0, got {value!r}"
+                f"{self.model_type} config.json: field {key!r} must be a finite number > 0, got {shown(value)}"
             )
 
     def check_numbers(self) -> None:
@@ -183,7 +205,8 @@ class _Parser:
         value = self.cfg.get(key)
         if value is not None and value not in TORCH_DTYPES:
             raise ModelConfigError(
-                f"{self.model_type} config.json: field {key!r} must be one of {', '.join(TORCH_DTYPES)}, got {value!r}"
+                f"{self.model_type} config.json: field {key!r} must be one of {', '.join(TORCH_DTYPES)}, "
+                f"got {shown(value)}"
             )
         return value
 

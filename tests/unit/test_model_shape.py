@@ -229,3 +229,24 @@ def test_absurd_layer_counts_are_rejected_before_building_per_layer_tuples():
     cfg = {**preset_config("llama-3.1-8b"), "num_hidden_layers": 10**12}
     with pytest.raises(ModelConfigError, match=r"num_hidden_layers.*must be an integer in"):
         parse_config(cfg)
+
+
+@pytest.mark.parametrize(
+    ("config", "named", "quoted"),
+    [
+        (
+            {"model_type": "password: hunter2 " * 100},
+            "field 'model_type' must be one of",
+            "a string of 1800 characters",
+        ),
+        ({"model_type": "gpt2"}, "field 'model_type' must be one of", "got 'gpt2'"),
+        ({"model_type": "llama", "rms_norm_eps": "hunter2 secret"}, "'rms_norm_eps'", "a string of 14 characters"),
+        ({"model_type": ["x"] * 9}, "field 'model_type' must be one of", "an array of 9 items"),
+    ],
+)
+def test_a_config_value_is_quoted_only_when_short_and_token_like(config, named, quoted):
+    """A value read from a file is the file's content: a short token as it is, else its kind and size."""
+    with pytest.raises(ModelConfigError) as info:
+        parse_config({**config})
+    message = str(info.value)
+    assert named in message and quoted in message and "hunter2" not in message, message
