@@ -1,18 +1,12 @@
 """Start N ranks on this machine with torch's own launcher, and wait for them.
 
-``launch`` is ``torchrun --nproc-per-node N`` called as a function: the elastic agent behind
-``torchrun`` (``torch.distributed.launcher.api.elastic_launch``) with torchrun's single-machine
-settings, so the ranks get torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_*``, ``OMP_NUM_THREADS=1`` where unset) and the
-agent's handling of signals and failures:
-
-- SIGINT, SIGTERM, SIGHUP or SIGQUIT to the launcher: the agent sends it to every rank, waits up
-  to ``SHUTDOWN_S``, kills what is left, and ``launch`` reports the signal;
-- a rank that ends with an error: the agent stops the others at once (SIGTERM, SIGKILL after
-  ``SHUTDOWN_S``); nothing is restarted;
-- the launcher killed outright: each rank gets SIGINT (torch's spawn sets the parent-death signal).
-Each rank has a session of its own, as torchrun's do, so a terminal's Ctrl-C reaches the launcher
-alone and each rank hears it once, from the agent. No rank outlives ``launch``.
+``launch`` is ``torchrun --nproc-per-node N`` as a function: torchrun's elastic agent
+(``elastic_launch``) with its single-machine settings, so the ranks get torchrun's environment
+(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``TORCHELASTIC_*``, ...) and the agent's handling of
+signals and failures: a stop signal to the launcher reaches every rank (killed after
+``SHUTDOWN_S``); a rank that fails stops the others, nothing restarts; the launcher killed outright
+gives each rank SIGINT (the parent-death signal). Each rank has a session of its own, so a
+terminal's Ctrl-C reaches the launcher alone. No rank outlives ``launch``.
 
 The rendezvous is static, on a store this process holds on 127.0.0.1 alone (``loopback_store``:
 torch's ``TCPStore`` server listens on every interface whatever host it is given, and asks
