@@ -11,7 +11,7 @@ time, its spans and its report, and the live operations (``operations``): ``swap
 from bootstrap.api.boot import Bootstrap, BootstrapReport
 from bootstrap.api.build import build_executor, executor, shut_down_at_exit
 from bootstrap.api.factory import default_backend, make_pipeline, require_engine
-from bootstrap.api.operations import Busy, OperationRecord, Refused, Reverted
+from bootstrap.api.operation_terms import Busy, OperationRecord, Refused, Reverted
 
 __all__ = [
     "Bootstrap",

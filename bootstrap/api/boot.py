@@ -20,7 +20,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import Tracer
 
 from bootstrap.api.factory import default_backend, make_pipeline
-from bootstrap.api.operations import Busy, Operations, OtherRanks
+from bootstrap.api.operation_terms import Busy, OtherRanks
+from bootstrap.api.operations import Operations
 from bootstrap.backends.base import Backend, Executor
 from bootstrap.config import BootstrapConfig
 from bootstrap.pipeline import Pipeline

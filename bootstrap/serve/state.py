@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
 
     from bootstrap.api import Bootstrap
-    from bootstrap.api.operations import OtherRanks
+    from bootstrap.api.operation_terms import OtherRanks
     from bootstrap.backends.base import Backend
     from bootstrap.pipeline.events import StageEvent
     from bootstrap.pipeline.process import Phase as ProcessPhase

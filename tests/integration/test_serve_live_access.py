@@ -15,7 +15,7 @@ import pytest
 from helpers.live_serve import Hold, Stream, error_of, serving, settled
 
 from bootstrap.api import Bootstrap, Busy
-from bootstrap.api.operations import MODEL_FIELDS, SAME_IN_A_SWAP
+from bootstrap.api.operation_terms import MODEL_FIELDS, SAME_IN_A_SWAP
 from bootstrap.config import BootstrapConfig
 from bootstrap.serve.live.named import NOT_A_MODEL, NOT_WEIGHTS
 from bootstrap.serve.live.operate import MAX_MESSAGE

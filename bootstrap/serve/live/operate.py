@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 
 from bootstrap.api import Busy, Refused, Reverted
-from bootstrap.api.operations import VERBS, running
+from bootstrap.api.operation_terms import VERBS, running
 from bootstrap.backends.base import Executor
 from bootstrap.config import ConfigError
 from bootstrap.pipeline import StageFailed, failure_paragraph

@@ -12,7 +12,7 @@ import anyio
 from fastapi import APIRouter, Depends, Request
 from pydantic import ValidationError
 
-from bootstrap.api.operations import MODEL_FIELDS, SAME_IN_A_SWAP
+from bootstrap.api.operation_terms import MODEL_FIELDS, SAME_IN_A_SWAP
 from bootstrap.config import BootstrapConfig, ConfigError, is_int
 from bootstrap.serve.auth import operations_allowed
 from bootstrap.serve.errors import APIError, describe_validation
