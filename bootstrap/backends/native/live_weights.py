@@ -10,8 +10,9 @@ import torch
 from bootstrap.backends.artifacts import HostWeights, LoadedModel, WeightsPlan
 from bootstrap.backends.native.checks import check_weights_dir, unreadable_as_source_error
 from bootstrap.devices import Device
+from bootstrap.engine.models.kv_scales import checkpoint_kv_scales
 from bootstrap.engine.models.residency import HostCopy, offload
-from bootstrap.engine.models.weights import checkpoint_kv_scales, plan_weights, safetensors_files
+from bootstrap.engine.models.weights import plan_weights, safetensors_files
 from bootstrap.pipeline.undo import Undo
 
 

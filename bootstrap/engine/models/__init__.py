@@ -92,7 +92,8 @@ def check_checkpoint(
     parameter and every part of a fused one filled (``weights.check_weights``), its FP8 weight
     and KV scales' values (``scales``). ``ModelSourceError`` naming the tensor; a swap's check
     before it drains, as a start's and a weights update's before they read."""
-    from bootstrap.engine.models.weights import check_weights, checkpoint_kv_scales, safetensors_files
+    from bootstrap.engine.models.kv_scales import checkpoint_kv_scales
+    from bootstrap.engine.models.weights import check_weights, safetensors_files
 
     files = safetensors_files(path)
     if not files:

@@ -28,7 +28,8 @@ from bootstrap.capacity.shape import ModelConfigError
 from bootstrap.engine.layers.linear import Shard
 from bootstrap.engine.models import check_checkpoint, own_model_problem
 from bootstrap.engine.models.files import ModelSourceError, check_checkpoint_files, read_json
-from bootstrap.engine.models.weights import KVScales, safetensors_files
+from bootstrap.engine.models.kv_scales import KVScales
+from bootstrap.engine.models.weights import safetensors_files
 from bootstrap.engine.sources import checkpoint, conversions, random_init, smollm2
 from bootstrap.engine.sources.model_cache import default_cache_dir, has_weights
 from bootstrap.engine.sources.progress_lines import Progress, quiet
@@ -278,12 +279,13 @@ def check_source(
 
 
 def _kv_scales(resolved: ModelSource) -> tuple[list[float], list[float]] | None:
-    """A checkpoint directory's FP8 KV scales, each checked (``weights.checkpoint_kv_scales``);
+    """A checkpoint directory's FP8 KV scales, each checked (``kv_scales.checkpoint_kv_scales``);
     None elsewhere."""
     if resolved.kind != CHECKPOINT:
         return None
     from bootstrap.capacity.config_json import parse_config
-    from bootstrap.engine.models.weights import checkpoint_kv_scales, safetensors_files
+    from bootstrap.engine.models.kv_scales import checkpoint_kv_scales
+    from bootstrap.engine.models.weights import safetensors_files
 
     layers = parse_config(read_json(resolved.path / "config.json")).num_layers
     return checkpoint_kv_scales(safetensors_files(resolved.path), layers)
