@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from helpers.bench_runs import failed_run
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 TINY = {
@@ -39,19 +39,10 @@ def test_starts_that_fail_are_counted_written_and_exit_1(tmp_path):
     config, out, work = tmp_path / "tiny.json", tmp_path / "cold_start.json", tmp_path / "work"
     config.write_text(json.dumps(TINY))
     argv = ["--shape", str(config), "--device", "cpu", "--repeats", "1", "--max-seq-len", "64"]
-    argv += ["--max-num-tokens", "64", "--max-batch-size", "0", "--workdir", str(work), "--out", str(out)]
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "cold_start.py"), *argv],
-        capture_output=True,
-        text=True,
-        cwd=BENCHMARKS.parent,
-    )
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
-    [reason] = [line for line in proc.stderr.splitlines() if line.startswith("cold_start:")]
+    argv += ["--max-num-tokens", "64", "--max-batch-size", "0", "--workdir", str(work)]
+    reason, report = failed_run("cold_start", argv, out)
     assert reason.startswith("cold_start: 4 of 4 starts failed (exit 2 x4): "), reason
     assert "max-batch-size" in reason or "max_batch_size" in reason, reason
-    report = json.loads(out.read_text())
     assert report["failures"]["statuses"] == {"exit 2": 4} and report["failures"]["first_error"] in reason
     cold = report["repeats"][0]["cold"]
     assert cold["run"]["code"] == cold["serve"]["code"] == 2 and cold["serve"]["ready_s"] is None

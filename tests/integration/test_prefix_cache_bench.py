@@ -8,6 +8,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+from helpers.bench_runs import failed_run
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
@@ -58,8 +60,6 @@ def test_every_request_refused_is_counted_written_and_exits_1(tmp_path):
     """A checkpoint whose tokenizer has no chat template: the servers refuse every chat request
     (HTTP 400). The script still writes its JSON with the failures counted (the warm-ups too),
     names the status and the first error in one line on stderr, and exits 1, without a traceback."""
-    import subprocess
-    import sys
     from types import SimpleNamespace
 
     shape, model = tmp_path / "tiny.json", tmp_path / "no-template"
@@ -68,25 +68,8 @@ def test_every_request_refused_is_counted_written_and_exits_1(tmp_path):
     out = tmp_path / "prefix_cache.json"
     sizes = ["--requests", "2", "--system-tokens", "8", "--question-tokens", "2", "--max-tokens", "2"]
     argv = ["--preset", "tiny", "--model", str(model), "--words", "ids", *sizes]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(BENCHMARKS / "prefix_cache.py"),
-            *argv,
-            "--work-dir",
-            str(tmp_path / "w"),
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=BENCHMARKS.parent,
-    )
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
-    [reason] = [line for line in proc.stderr.splitlines() if line.startswith("prefix_cache:")]
+    reason, report = failed_run("prefix_cache", [*argv, "--work-dir", str(tmp_path / "w")], out)
     assert "6 of 6 requests failed (HTTP 400 x6)" in reason and "no chat template" in reason, reason
-    report = json.loads(out.read_text())
     assert report["failures"]["requests"] == report["failures"]["failed"] == 6
     assert report["failures"]["statuses"] == {"400": 6} and "no chat template" in report["failures"]["first_error"]
     for arm in report["arms"].values():

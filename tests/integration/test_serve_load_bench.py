@@ -4,11 +4,9 @@ requests the server refuses are counted, named and make the script exit 1 (no ti
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from helpers.bench_runs import failed_run
+
 TINY = {
     **{"model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64},
     **{"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2},
@@ -24,17 +22,8 @@ def test_refused_requests_are_counted_written_and_exit_1(tmp_path):
     config.write_text(json.dumps(TINY))
     argv = ["--model", f"random:{config}", "--device", "cpu", "--levels", "1,2", "--requests", "2"]
     argv += ["--prompt-len", "8", "--gen-len", "2", "--max-batch-size", "4", "--max-seq-len", "64", "--vocab", "4096"]
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "serve_load.py"), *argv, "--out", str(out)],
-        capture_output=True,
-        text=True,
-        cwd=BENCHMARKS.parent,
-    )
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
-    [reason] = [line for line in proc.stderr.splitlines() if line.startswith("serve_load:")]
+    reason, report = failed_run("serve_load", argv, out)
     assert reason.startswith("serve_load: 4 of 4 requests failed (HTTP 400 x4): prompt"), reason
-    report = json.loads(out.read_text())
     assert [(level["clients"], level["failed"]) for level in report["levels"]] == [(1, 2), (2, 2)]
     assert report["failures"]["failed"] == 4 and report["failures"]["statuses"] == {"400": 4}
     assert reason.endswith(report["failures"]["first_error"])
