@@ -12,12 +12,15 @@ import math
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bootstrap.capacity.presets import preset_names
 from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.engine.request.prompts import check_text
 from bootstrap.paths import file_kind
+
+if TYPE_CHECKING:
+    from bootstrap.capacity.shape import ModelShape
 
 DEFAULT_PLAN_CACHE = Path.home() / ".cache" / "executor-bootstrap" / "plans"
 DEFAULT_MODEL = BootstrapConfig.model_fields["model"].default
@@ -326,28 +329,31 @@ def check_kv_tokens(config: BootstrapConfig) -> None:
 def check_model_limits(config: BootstrapConfig) -> None:
     """What ``resolve_classes`` checks against the model's config.json (``check_config``:
     ``max_seq_len``, the draft, ``--tp``'s split), here before torch is imported (seconds) where
-    the shape is on hand without the engine: a checkpoint directory, a ``random:`` spec, the
-    default model's preset. Other sources, and a config.json that does not parse, are the stage's."""
+    the shape is on hand without the engine (``shape_on_hand``). Other sources, and a config.json
+    that does not parse, are the stage's."""
+    from bootstrap.capacity.shape import ModelConfigError
     from bootstrap.stages.resolve_classes import check_config
 
-    shape = _shape_before_torch(config.model)
-    draft = _shape_before_torch(config.draft_model) if config.draft_model else None
+    try:
+        shape = shape_on_hand(config.model, random=True)
+        draft = shape_on_hand(config.draft_model, random=True) if config.draft_model else None
+    except (ModelConfigError, OSError):
+        return
     if shape is not None and (draft is not None or not config.draft_model):
         check_config(config, shape, draft)
 
 
-def _shape_before_torch(model: str) -> Any:
+def shape_on_hand(model: str, *, random: bool) -> ModelShape | None:
+    """The shape of ``model`` read without the engine: the default model's preset, a checkpoint
+    directory's config.json, with ``random`` a ``random:`` spec; None for other sources.
+    ``ModelConfigError`` when a config.json that is there does not parse."""
     from bootstrap.capacity.config_json import shape_from_path
     from bootstrap.capacity.presets import preset_shape, resolve_model_shape
-    from bootstrap.capacity.shape import ModelConfigError
 
-    try:
-        if model == BootstrapConfig.model_fields["model"].default:
-            return preset_shape(model)
-        if model.startswith("random:"):
-            return resolve_model_shape(model)
-        if Path(model).expanduser().is_dir():
-            return shape_from_path(model)
-    except (ModelConfigError, OSError):
-        pass
+    if model == BootstrapConfig.model_fields["model"].default:
+        return preset_shape(model)
+    if random and model.startswith("random:"):
+        return resolve_model_shape(model)
+    if Path(model).expanduser().is_dir():
+        return shape_from_path(model)
     return None

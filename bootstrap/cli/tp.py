@@ -15,12 +15,10 @@ from __future__ import annotations
 import argparse
 import signal
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from bootstrap.capacity.config_json import shape_from_path
-from bootstrap.capacity.presets import preset_shape
 from bootstrap.capacity.shape import ModelShape, check_tp_split
+from bootstrap.cli.args import shape_on_hand
 from bootstrap.cli.exits import BAD_INPUT, HUNG_UP, INTERRUPTED, OK, STAGE_FAILED, TERMINATED
 from bootstrap.cli.first_moment import FIRST_MOMENT
 from bootstrap.cli.stops import HeldStops
@@ -80,11 +78,10 @@ def check_tp_before_launch(config: BootstrapConfig) -> None:
 
 
 def _tp_shape(model: str, tp: int) -> ModelShape:
+    shape = shape_on_hand(model, random=False)
+    if shape is not None:
+        return shape
     default = BootstrapConfig.model_fields["model"].default
-    if model == default:
-        return preset_shape(default)
-    if Path(model).expanduser().is_dir():
-        return shape_from_path(model)
     raise ConfigError(
         f"model: tensor_parallel_size {tp} needs a checkpoint directory or {default!r} (got "
         f"{model!r}: other sources load on one rank only); allowed at tensor_parallel_size 1"
