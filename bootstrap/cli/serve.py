@@ -114,6 +114,11 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         "(e.g. one wrapping the native engine; default: none)",
     )
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log level")
+    add(
+        "--access-log",
+        action="store_true",
+        help="log every HTTP request, one line each (default: off, so readiness probes do not bury the stage lines)",
+    )
 
 
 def serve_options(args: argparse.Namespace, config: Any) -> Any:
@@ -249,6 +254,7 @@ async def _serve(config: Any, options: Any, args: argparse.Namespace) -> tuple[B
                 host=args.host,
                 port=args.port,
                 log_level=args.log_level,
+                access_log=getattr(args, "access_log", False),  # a Namespace made by hand may leave it out
                 lifespan="on",
                 timeout_graceful_shutdown=options.shutdown_timeout_s + FORCE_AFTER_S,
             )
