@@ -313,9 +313,15 @@ async def show_progress(events: Any, console: Console, shown: anyio.Event) -> No
     ``shown`` is set once the last stage ended or any stage failed."""
     from bootstrap.stages import STAGE_IDS
 
+    failed_attempts: dict[str, StageEvent] = {}
     async for event in events:
-        if event.kind in MARKS:
-            console.print(progress_line(event), highlight=False)
+        if event.kind == "attempt_failed":  # shown with its retry; a failed stage's error is the final paragraph
+            failed_attempts[event.stage] = event
+        elif event.kind in MARKS:
+            if event.kind == "retrying" and event.stage in failed_attempts:
+                console.print(progress_line(failed_attempts.pop(event.stage)), highlight=False, soft_wrap=True)
+            failed_attempts.pop(event.stage, None)
+            console.print(progress_line(event), highlight=False, soft_wrap=True)
         elif event.kind == "started":
             console.print(Text(f"  {event.stage:<18} started", style="dim"), highlight=False)
         if event.kind == "failed" or (event.stage == STAGE_IDS[-1] and event.kind in ("done", "skipped")):
@@ -325,7 +331,8 @@ async def show_progress(events: Any, console: Console, shown: anyio.Event) -> No
 def progress_line(event: StageEvent) -> Text:
     """The stage, its coloured mark, and the message as plain text (never read as markup)."""
     text, style = MARKS[event.kind]
-    return Text.assemble(f"  {event.stage:<18} ", (text, style), " ", describe(event))
+    message = describe(event)
+    return Text.assemble(f"  {event.stage:<18} ", (text, style), f" {message}" if message else "")
 
 
 def plain_console(stderr: bool = False) -> Console:
@@ -334,7 +341,9 @@ def plain_console(stderr: bool = False) -> Console:
 
 
 def describe(event: StageEvent) -> str:
-    return event.message[:160] if event.kind != "done" else ""
+    """The event's message, whole; none for ``done``, and none for ``failed``, whose error is the
+    paragraph printed once at the end (``emit``)."""
+    return event.message if event.kind not in ("done", "failed") else ""
 
 
 def print_ready(report: Any, console: Console, after_spawn_s: float) -> None:

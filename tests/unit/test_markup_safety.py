@@ -46,8 +46,7 @@ def test_a_model_path_with_brackets_fails_with_its_paragraph_and_the_path_verbat
     assert "Traceback" not in proc.stderr and "MarkupError" not in proc.stderr
     paragraph = [line for line in proc.stderr.splitlines() if line.startswith("bootstrap: ")]
     assert len(paragraph) == 1 and str(model) in paragraph[0]
-    failed = [line for line in proc.stderr.splitlines() if line.startswith("  resolve_classes    failed ")]
-    assert len(failed) == 1 and f"'{model}'" in failed[0]  # the progress line, as written
+    assert "  resolve_classes    failed" in proc.stderr.splitlines()  # its error: the paragraph alone
 
 
 class FailingLoad(SimBackend):
@@ -68,8 +67,9 @@ def test_a_stage_failure_message_is_shown_verbatim_in_the_progress_and_the_parag
     code = main(["run", "--model", "llama-3.1-8b", "--no-plan-cache"])
     err = capsys.readouterr().err
     assert code == STAGE_FAILED, err
-    assert f"load_model         failed RuntimeError: {message}" in err
+    assert "  load_model         failed" in err.splitlines()
     assert f"bootstrap: failed at stage 'load_model' after 1 attempt: {message}" in err
+    assert err.count(message) == 1  # once, in the paragraph
     assert "bootstrap: bootstrap" not in err
     assert "Traceback" not in err
 
@@ -77,9 +77,9 @@ def test_a_stage_failure_message_is_shown_verbatim_in_the_progress_and_the_parag
 def test_progress_marks_keep_their_colours():
     from bootstrap.pipeline.events import StageEvent
 
-    line = run_command.progress_line(StageEvent("profiling", "failed", 1, "[red]x[/red]"))
-    assert line.plain == "  profiling          failed [red]x[/red]"
-    assert [(line.plain[s.start : s.end], str(s.style)) for s in line.spans] == [("failed", "red")]
+    line = run_command.progress_line(StageEvent("profiling", "attempt_failed", 1, "[red]x[/red]"))
+    assert line.plain == "  profiling          attempt failed [red]x[/red]"
+    assert [(line.plain[s.start : s.end], str(s.style)) for s in line.spans] == [("attempt failed", "yellow")]
 
 
 def span(name: str, span_id: str, parent: str | None, start: int, end: int, **attributes: object) -> dict:
