@@ -48,14 +48,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
     for name, (text, add_args, _) in COMMANDS.items():
-        add_args(sub.add_parser(name, help=text, description=text, epilog=epilog(), formatter_class=HelpFormatter))
+        add_args(sub.add_parser(name, help=text, description=text, epilog=epilog(name), formatter_class=HelpFormatter))
     return parser
 
 
 def main(argv: list[str] | None = None, process: ProcessTimeline | None = None) -> int:
     """Run the command ``argv`` names; its exit status. ``process``: the timeline its trace
     starts from (the console script's starts at the spawn; default: now)."""
-    args = build_parser().parse_args(argv)  # a bad flag: one line, exit status 2
+    parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):  # no command: what there is to run
+        parser.print_help(sys.stderr)
+        return BAD_INPUT
+    args = parser.parse_args(argv)  # a bad flag: one line, exit status 2
     args.process = process or ProcessTimeline.from_now()
     try:
         return COMMANDS[args.command][2](args)
@@ -63,7 +67,7 @@ def main(argv: list[str] | None = None, process: ProcessTimeline | None = None) 
         print(f"bootstrap: {exc}", file=sys.stderr)
         return BAD_INPUT
     except KeyboardInterrupt:
-        print("bootstrap: interrupted; completed stages were rolled back", file=sys.stderr)
+        print("bootstrap: interrupted", file=sys.stderr)  # plan and run, with stages, say so themselves
         return INTERRUPTED
 
 
