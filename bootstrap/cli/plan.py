@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from bootstrap.cli.exits import BAD_INPUT, BAD_INPUT_ERRORS, INTERRUPTED, exit_s
 from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.devices import GiB
 from bootstrap.pipeline import StageFailed, failure_paragraph
-from bootstrap.pipeline.report import stage_rows, stage_table
+from bootstrap.pipeline.report import retry_lines, stage_rows, stage_table
 from bootstrap.pipeline.telemetry import make_tracer_provider
 from bootstrap.stages import STAGE_IDS
 from bootstrap.stages.summary import plan_summary
@@ -142,6 +143,21 @@ def plan_line(plan: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def print_retries(rows: list[dict[str, Any]], console: Console) -> None:
+    """Under the stage table: each retried attempt's error and what its retry changed, verbatim."""
+    for line in retry_lines(rows, console.width):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def print_wrapped(text: str, console: Console) -> None:
+    """Each line of ``text`` wrapped between words at the console's width (no trailing space; a
+    word longer than a line stays whole), its continuation indented four more."""
+    for line in text.splitlines():
+        lead = " " * (len(line) - len(line.lstrip()) + 4)
+        for part in textwrap.wrap(line, max(console.width, 20), subsequent_indent=lead, break_long_words=False):
+            console.print(part, markup=False, highlight=False, soft_wrap=True)
+
+
 PREFIX_CACHING = {  # the cache changes no figure above: cached blocks nobody holds are free capacity
     True: "prefix caching: on (a prompt prefix computed before reuses its KV blocks)",
     False: "prefix caching: off (--no-prefix-cache)",
@@ -150,8 +166,9 @@ PREFIX_CACHING = {  # the cache changes no figure above: cached blocks nobody ho
 
 def print_plan(result: dict[str, Any], console: Console) -> None:
     console.print(stage_table(result["stages"]))
+    print_retries(result["stages"], console)
     if result["plan"]:
-        console.print(plan_line(result["plan"]), highlight=False)
+        print_wrapped(plan_line(result["plan"]), console)
     backend = result.get("backend") or {}
     if backend.get("name") == "trtllm" and backend.get("kv_manager"):
         console.print(f"KV priced as TensorRT-LLM's {backend['kv_manager']} allocates it (simulated GPU)")

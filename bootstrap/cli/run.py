@@ -34,7 +34,7 @@ from bootstrap.cli.args import (
     config_from_args,
 )
 from bootstrap.cli.exits import BAD_INPUT, BAD_INPUT_ERRORS, INTERRUPTED, exit_status
-from bootstrap.cli.plan import plan_line
+from bootstrap.cli.plan import plan_line, print_retries, print_wrapped
 from bootstrap.cli.stops import HeldStops, Stopped, held_stops, stop_name, until_stopped
 from bootstrap.cli.tp import (
     await_rank_0,
@@ -350,7 +350,8 @@ def print_ready(report: Any, console: Console, after_spawn_s: float) -> None:
     """The stage table under the time a user waited (from the process's spawn) and the stages' share."""
     title = f"ready {after_spawn_s:.2f} s after the start (stages {report.time_to_ready_s:.2f} s)"
     console.print(stage_table(report.stages, title=title))
-    console.print(plan_line(report.plan), highlight=False)
+    print_retries(report.stages, console)
+    print_wrapped(plan_line(report.plan), console)
 
 
 def rank_of(args: argparse.Namespace) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import textwrap
 from collections.abc import Iterable
 from typing import Any
 
@@ -11,6 +13,7 @@ from rich.table import Table
 from bootstrap.devices import GiB
 
 PREFIX = "bootstrap.stage."
+ADAPT = "bootstrap.adapt."
 ROW_ATTRIBUTES = frozenset(  # a row's own columns; every other attribute is one of the stage's figures
     {
         "bootstrap.stage",
@@ -24,8 +27,10 @@ ROW_ATTRIBUTES = frozenset(  # a row's own columns; every other attribute is one
 
 
 def stage_rows(spans: Iterable[ReadableSpan]) -> list[dict[str, Any]]:
-    """One row per stage span, in start order: id, outcome, attempts, duration, free memory."""
+    """One row per stage span, in start order: id, outcome, attempts, duration, free memory, and
+    ``retries``: each attempt that failed and was retried, with its error and what the retry changed."""
     rows = []
+    spans = list(spans)
     stage_spans = [s for s in spans if s.name.startswith(PREFIX) and not s.name.endswith(".attempt")]
     for span in sorted(stage_spans, key=lambda s: s.start_time or 0):
         attrs = span.attributes or {}
@@ -40,9 +45,59 @@ def stage_rows(spans: Iterable[ReadableSpan]) -> list[dict[str, Any]]:
                 "skip_reason": attrs.get("bootstrap.skip_reason"),
                 "error": span.status.description if span.status.description else None,
                 "figures": {k: v for k, v in attrs.items() if k not in ROW_ATTRIBUTES},
+                "retries": _retries(span, spans),
             }
         )
     return rows
+
+
+def _retries(stage: ReadableSpan, spans: list[ReadableSpan]) -> list[dict[str, Any]]:
+    """The stage's failed attempts that another attempt followed: attempt number, error, and the
+    next attempt's adaptation (``bootstrap.adapt.*``) in words, or None for a retry unchanged."""
+    stage_id = stage.context.span_id if stage.context is not None else None
+    mine = [s for s in spans if s.name == f"{stage.name}.attempt" and s.parent and s.parent.span_id == stage_id]
+    attempts = sorted(mine, key=lambda s: (s.attributes or {}).get("bootstrap.attempt", 0))
+    retries = []
+    for failed, following in itertools.pairwise(attempts):
+        attrs = following.attributes or {}
+        changes = [f"{k.removeprefix(ADAPT)}: {v}" for k, v in attrs.items() if k.startswith(ADAPT)]
+        retries.append(
+            {
+                "attempt": (failed.attributes or {}).get("bootstrap.attempt"),
+                "error": _error_of(failed),
+                "change": ", ".join(changes) or None,
+            }
+        )
+    return retries
+
+
+def _error_of(span: ReadableSpan) -> str:
+    """``Type: message`` from the span's exception event (its status description as a fallback)."""
+    for event in span.events:
+        if event.name == "exception" and event.attributes:
+            kind = str(event.attributes.get("exception.type", "")).rsplit(".", 1)[-1]
+            message = str(event.attributes.get("exception.message", ""))
+            return f"{kind}: {message}" if kind else message
+    return span.status.description or "failed"
+
+
+def retry_lines(rows: list[dict[str, Any]], width: int) -> list[str]:
+    """Each retry in words under the stage table, wrapped at ``width`` between words only (a
+    word longer than a line stays whole): the attempt's error, then what the retry changed."""
+    lines = []
+    for row in rows:
+        for retry in row.get("retries") or ():
+            change = f"retried with {retry['change']}" if retry["change"] else "retried unchanged"
+            for text, indent in ((f"{row['id']} attempt {retry['attempt']} failed: {retry['error']}", 2), (change, 4)):
+                lines += textwrap.wrap(
+                    text,
+                    max(width, 20),
+                    initial_indent=" " * indent,
+                    subsequent_indent=" " * (indent + 2),
+                    break_long_words=False,
+                    break_on_hyphens=False,
+                )
+    return lines
 
 
 def _gib(value: int | None) -> str:
