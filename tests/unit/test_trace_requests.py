@@ -79,7 +79,7 @@ def test_rows_come_slowest_first_with_the_slowest_choices_phases():
     first, second, third = rows
     assert first.duration_s == pytest.approx(0.35) and first.phases["queue"] == pytest.approx((0.055, 0.065))
     assert first.phases["decode"] == pytest.approx((0.085, 0.115)) and first.kv_blocks == "3+3"  # choice 1: the slower
-    assert first.finish == "length,length" and second.duration_s == pytest.approx(0.1) and second.tokens == "7→9"
+    assert first.finish == "length, length" and second.duration_s == pytest.approx(0.1) and second.tokens == "7→9"
     assert third.status == "400" and third.endpoint == "/v1/completions" and third.phases == {}
 
 

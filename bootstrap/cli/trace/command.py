@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
+from collections.abc import Sequence
 from pathlib import Path
 
 from rich.console import Console
@@ -46,51 +48,80 @@ BAR_MIN, BAR_MAX = 12, 60  # the timeline bar's characters
 # ---- terminal -------------------------------------------------------------------------------
 
 
+TIMELINE_COLUMNS = ("span", "outcome", "start", "duration", "timeline")
+NARROW_DROPPED = ("start", "timeline")  # in this order, where the console is too narrow for them
+
+
 def timeline_view(line: Timeline, scale_s: float, console_width: int) -> list[Table | Text]:
     """The timeline within ``console_width``, no word cut: the notes in their column when it gets
-    their longest word beside a bar of ``BAR_MIN``; else numbered there, and written out under
-    the table, where the console wraps them at their spaces."""
-    cells = [("  " * b.level + b.label, b.outcome, _ms(b.start_s), _ms(b.duration_s)) for b in line.bars]
-    headers = ("span", "outcome", "start", "duration")
-    fixed = sum(max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)) + 3 * 6 + 1
+    their longest word beside a bar of ``BAR_MIN``; else numbered there and written out whole
+    under the table, wrapped at their spaces; where even the numbers leave no ``BAR_MIN``, the
+    start column goes (the bar places the span), then the bar."""
+    cells = {
+        "span": ["  " * b.level + b.label for b in line.bars],
+        "outcome": [b.outcome for b in line.bars],
+        "start": [_ms(b.start_s) for b in line.bars],
+        "duration": [_ms(b.duration_s) for b in line.bars],
+    }
     noted = [b for b in line.bars if b.note]
     word = max((len(w) for b in noted for w in b.note.split()), default=0)
-    if console_width - fixed - max(word, len("note")) >= BAR_MIN:
-        bar = min(console_width - fixed - max(word, len("note")), BAR_MAX)
-        return [timeline_table(line, scale_s, bar, note_width=word)]
-    bar = max(BAR_MIN, min(console_width - fixed - len("note"), BAR_MAX))
-    notes = [Text(f"[{i}] {b.label}: {b.note}") for i, b in enumerate(noted, 1)]
-    return [timeline_table(line, scale_s, bar, numbered=True), *notes]
+    columns = list(TIMELINE_COLUMNS)
+
+    def bar_room(note_width: int) -> int:  # what the bar's column gets: the rest less every border
+        fixed = sum(max(len(c), *(len(v) for v in cells[c]), 0) for c in columns if c != "timeline")
+        return console_width - fixed - max(note_width, len("note")) - 3 * (len(columns) + 1) - 1
+
+    if bar_room(word) >= BAR_MIN:
+        return [timeline_table(line, scale_s, min(bar_room(word), BAR_MAX), note_width=word)]
+    number_width = len(f"[{len(noted)}]")
+    for drop in (None, *NARROW_DROPPED):
+        if drop is not None:
+            columns.remove(drop)
+        if bar_room(number_width) >= BAR_MIN or "timeline" not in columns:
+            break
+    bar = max(BAR_MIN, min(bar_room(number_width), BAR_MAX))
+    notes = [
+        Text(part)
+        for i, b in enumerate(noted, 1)
+        for part in textwrap.wrap(
+            f"[{i}] {b.label}: {b.note}",
+            max(console_width, 20),
+            subsequent_indent=" " * (len(f"[{i}] ") + 2),
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
+    ]
+    return [timeline_table(line, scale_s, bar, number_width, numbered=True, columns=columns), *notes]
 
 
 def timeline_table(
-    line: Timeline, scale_s: float | None = None, width: int = 40, note_width: int = 0, numbered: bool = False
+    line: Timeline,
+    scale_s: float | None = None,
+    width: int = 40,
+    note_width: int = 0,
+    numbered: bool = False,
+    columns: Sequence[str] = TIMELINE_COLUMNS,
 ) -> Table:
     """A rich table: label, outcome, start and duration in ms, a bar on a shared scale, notes
-    (``note_width`` at least; ``numbered``: "[1]", ... for ``timeline_view`` to write out).
-    Labels, notes and the title come from the file: ``Text``, never read as rich markup."""
+    (``note_width`` at least; ``numbered``: "[1]", ... for ``timeline_view`` to write out);
+    ``columns``: those shown of the first five. Labels, notes and the title come from the file:
+    ``Text``, never read as rich markup."""
     scale = scale_s or line.end_s or 1.0
     table = Table(title=Text(f"{line.source} ({line.end_s * 1000:.1f} ms)") if line.source else None)
-    for column, justify in (
-        ("span", "left"),
-        ("outcome", "left"),
-        ("start", "right"),
-        ("duration", "right"),
-        ("timeline", "left"),
-    ):
-        table.add_column(column, justify=justify, no_wrap=True)
+    for column in columns:
+        table.add_column(column, justify="right" if column in ("start", "duration") else "left", no_wrap=True)
     table.add_column("note", min_width=note_width, overflow="fold")
     number = iter(range(1, len(line.bars) + 1))
     for bar in line.bars:
         note = f"[{next(number)}]" if numbered and bar.note else bar.note
-        table.add_row(
-            Text("  " * bar.level + bar.label),
-            Text(bar.outcome, style=COLORS.get(bar.outcome, "")),
-            _ms(bar.start_s),
-            _ms(bar.duration_s),
-            _text_bar(bar, scale, width),
-            Text(note),
-        )
+        cells = {
+            "span": Text("  " * bar.level + bar.label),
+            "outcome": Text(bar.outcome, style=COLORS.get(bar.outcome, "")),
+            "start": _ms(bar.start_s),
+            "duration": _ms(bar.duration_s),
+            "timeline": _text_bar(bar, scale, width),
+        }
+        table.add_row(*(cells[c] for c in columns), Text(note))
     return table
 
 

@@ -20,7 +20,7 @@ DEFAULT_SHOWN = 20
 MS_COLUMNS = ("start", "total", "queue", "prefill", "decode")
 COLUMNS = ("trace", "request", "start", "total", "queue", "prefill", "decode", "tokens", "finish", "KV", "timeline")
 WRAPPED = ("request", "finish")  # wrap at their spaces; every other cell stays on one line
-DROPPED = ("timeline", "trace", "KV")  # in this order, where the console is too narrow for them
+DROPPED = ("timeline", "trace", "KV", "start")  # in this order, where the console is too narrow for them
 BAR_MIN, BAR_MAX = 10, 40
 
 
@@ -66,7 +66,7 @@ def _row(span: dict[str, Any], t0: int, children: dict[str | None, list[dict[str
         if name is not None:
             phases[name] = ((phase["start_time_unix_nano"] - t0) / 1e9, (phase["end_time_unix_nano"] - t0) / 1e9)
     reasons = attrs.get("gen_ai.response.finish_reasons")
-    finish = ",".join(map(str, reasons)) if isinstance(reasons, list) else ("" if reasons is None else "?")
+    finish = ", ".join(map(str, reasons)) if isinstance(reasons, list) else ("" if reasons is None else "?")
     blocks = [c["attributes"].get("bootstrap.kv_blocks") for c in choices]
     return RequestRow(
         str(span.get("trace_id", "?"))[:8],
@@ -76,7 +76,7 @@ def _row(span: dict[str, Any], t0: int, children: dict[str | None, list[dict[str
         (span["end_time_unix_nano"] - t0) / 1e9,
         phases,
         f"{_text(attrs.get('gen_ai.usage.input_tokens'))}→{_text(attrs.get('gen_ai.usage.output_tokens'))}",
-        finish[:24],
+        finish,
         "+".join(_text(b) for b in blocks),
     )
 
@@ -93,10 +93,9 @@ def requests_table(
     """The ``shown`` slowest requests: times in ms, and a bar of ``width`` on the requests' shared
     time axis; ``columns``: those shown (``fitted_requests_table`` leaves some out)."""
     scale = max((r.end_s for r in rows), default=0.0) or 1.0
-    title = (
-        f"requests, slowest first ({min(shown, len(rows))} of {len(rows)}; ms; "
-        "bar: queue yellow, prefill blue, decode green, the server's own time grey)"
-    )
+    legend = "; bar: queue yellow, prefill blue, decode green, the server's own time grey"
+    legend = legend if "timeline" in columns else ""
+    title = f"requests, slowest first ({min(shown, len(rows))} of {len(rows)}; ms{legend})"
     table = Table(title=Text(title))
     for column in columns:
         table.add_column(column, justify="right" if column in MS_COLUMNS else "left", no_wrap=column not in WRAPPED)
@@ -109,23 +108,25 @@ def requests_table(
 def fitted_requests_table(rows: Sequence[RequestRow], shown: int, console_width: int) -> Table:
     """``requests_table`` within ``console_width``, no header or value cut short: the bar takes
     what the other columns leave (``BAR_MIN`` to ``BAR_MAX``); where even ``BAR_MIN`` does not
-    fit, columns go in ``DROPPED``'s order until the rest fits."""
+    fit, columns go in ``DROPPED``'s order until the rest fits on one line a request, else
+    until it fits with ``WRAPPED`` cells wrapped at their spaces."""
     cells = [_cells(row) for row in rows[:shown]]
 
-    def natural(column: str) -> int:
+    def natural(column: str, wrapped: bool) -> int:
         texts = [str(c[column]) for c in cells]
-        words = [w for t in texts for w in t.split()] if column in WRAPPED else texts
+        words = [w for t in texts for w in t.split()] if wrapped and column in WRAPPED else texts
         return max(len(column), *(len(w) for w in words))
 
-    columns = list(COLUMNS)
-    for drop in (None, *DROPPED):
-        if drop is not None:
-            columns.remove(drop)
-        # what the bar's column can have: the console less the other cells and every column's borders
-        rest = console_width - sum(natural(c) for c in columns if c != "timeline") - 3 * len(columns) - 1
-        if rest >= (BAR_MIN if "timeline" in columns else 0):
-            break
-    return requests_table(rows, shown, max(BAR_MIN, min(rest, BAR_MAX)), columns)
+    for wrapped in (False, True):
+        columns = list(COLUMNS)
+        for drop in (None, *DROPPED):
+            if drop is not None:
+                columns.remove(drop)
+            # what the bar's column can have: the console less the other cells and every column's borders
+            rest = console_width - sum(natural(c, wrapped) for c in columns if c != "timeline") - 3 * len(columns) - 1
+            if rest >= (BAR_MIN if "timeline" in columns else 0):
+                return requests_table(rows, shown, max(BAR_MIN, min(rest, BAR_MAX)), columns)
+    return requests_table(rows, shown, BAR_MIN, columns)
 
 
 def _cells(row: RequestRow) -> dict[str, Text | str]:

@@ -259,4 +259,4 @@ def _error(span: dict[str, Any]) -> str:
         return ""
     messages = [(e.get("attributes") or {}).get("exception.message") for e in span.get("events", [])]
     message = next((m for m in messages if m), "")
-    return f"{kind}: {message}"[:100] if message else str(kind)
+    return f"{kind}: {message}" if message else str(kind)
