@@ -135,6 +135,8 @@ def plan_line(plan: dict[str, Any]) -> str:
     for name, pool in plan.get("pools", {}).items():
         share = plan.get(f"{name}_share", 0.0)
         lines.append(f"  {name}: {pool['gpu_bytes'] / GiB:.2f} GiB, {pool['tokens']} tokens ({share:.1%})")
+    if "weights" in plan:
+        lines.append(weights_line(plan["weights"]))
     if "kv_dtype" in plan:
         scales = f", scales {plan['kv_scales']}" if "kv_scales" in plan else ""
         lines.append(f"KV cache dtype: {plan['kv_dtype']}{scales}")
@@ -156,6 +158,20 @@ def print_wrapped(text: str, console: Console) -> None:
         lead = " " * (len(line) - len(line.lstrip()) + 4)
         for part in textwrap.wrap(line, max(console.width, 20), subsequent_indent=lead, break_long_words=False):
             console.print(part, markup=False, highlight=False, soft_wrap=True)
+
+
+SCALES = {"channel": "a scale per output row", "tensor": "a scale per matrix", "block": "a scale per block"}
+
+
+def weights_line(weights: dict[str, Any]) -> str:
+    """The weights' dtype and quantization in words (``stages.summary.weights_summary``)."""
+    method, strategy = weights.get("quantization"), weights.get("strategy")
+    if method is None:
+        return f"weights: {weights['dtype']}, not quantized"
+    if strategy is None:  # a method the engine does not run as FP8: priced at 16 bits
+        return f"weights: {weights['dtype']}, checkpoint quantization {method} (priced at 16 bits)"
+    source = "quantized at load by --quantization fp8" if method == "fp8-at-load" else f"the checkpoint's, {method}"
+    return f"weights: {weights['dtype']}, projections FP8 ({source}; {SCALES.get(strategy, strategy)})"
 
 
 PREFIX_CACHING = {  # the cache changes no figure above: cached blocks nobody holds are free capacity

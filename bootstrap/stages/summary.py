@@ -7,6 +7,7 @@ from typing import Any
 
 from bootstrap.backends.artifacts import FinalBuild
 from bootstrap.capacity import CapacityPlan
+from bootstrap.capacity.quantization import WeightQuantization
 from bootstrap.capacity.split import PoolBudgets
 
 
@@ -25,6 +26,7 @@ def plan_summary(artifacts: dict[str, Any]) -> dict[str, Any]:
         out["prefix_caching"] = config.prefix_caching
     resolved = artifacts.get("resolved")
     if resolved is not None:
+        out["weights"] = weights_summary(resolved.dtype, resolved.shape.quantization)
         out["kv_dtype"] = resolved.kv_dtype
     profile = artifacts.get("profile")
     if profile is not None:
@@ -50,6 +52,14 @@ def plan_summary(artifacts: dict[str, Any]) -> dict[str, Any]:
     for name, pool in out.get("pools", {}).items():
         out[f"{name}_share"] = round(pool["gpu_bytes"] / out["kv_budget_bytes"], 6) if out["kv_budget_bytes"] else 0.0
     return out
+
+
+def weights_summary(dtype: str, quantization: WeightQuantization | None) -> dict[str, Any]:
+    """The weights' dtype and quantization: ``method`` (``fp8-at-load`` for ``--quantization
+    fp8``, else the checkpoint's ``quant_method``) and ``strategy`` (its scales), or None."""
+    method = quantization.method if quantization is not None else None
+    strategy = quantization.strategy if quantization is not None else None
+    return {"dtype": dtype, "quantization": method, "strategy": strategy}
 
 
 def _allocated(out: dict[str, Any], plan: CapacityPlan, final: FinalBuild) -> dict[str, Any]:
