@@ -238,10 +238,24 @@ def announce(config: BootstrapConfig, args: argparse.Namespace) -> None:
     )
 
 
+IN_FLIGHT = {  # what a stage's attempt waits for once cancelled: work on the device thread runs to its end
+    "load_model": "the weights being read",
+    "estimation_build": "the probe KV cache being allocated",
+    "profiling": "the forward pass in flight",
+    "final_build": "the KV cache being allocated",
+    "warmup": "the CUDA graph capture in flight",
+    "scheduler_sampler": "the executor's start",
+}
+
+
 def rolling_back(boot: Any) -> str:
-    """What an interrupt during the build does: the running stages stop, then every stage rolls back."""
+    """What an interrupt during the build does: the running stages finish what is in flight (it
+    cannot be cut short), then every stage rolls back."""
     running = [s.stage for s in boot.pipeline.status.values() if s.state == "running"]
-    return f"rolling back {', '.join(running) or 'the completed stages'}"
+    if not running:
+        return "rolling back the completed stages"
+    waits = " and ".join(dict.fromkeys(IN_FLIGHT.get(stage, "the work in flight") for stage in running))
+    return f"rolling back {', '.join(running)} once {waits} is done (it cannot be cut short)"
 
 
 async def _build(boot: Any, progress: Console | None, stops: tuple[Any, ...] = ()) -> tuple[Any, StageFailed | None]:

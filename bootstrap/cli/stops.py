@@ -2,16 +2,16 @@
 
 - During the build or the answer (``until_stopped``): the stop is acknowledged on stderr at once,
   the work is cancelled, its stages roll back, and ``Stopped`` is raised once it has unwound; the
-  command exits with 128 + the signal's number (130, 143, 129: the exit table).
-- Before them (the checks, the imports), SIGTERM and SIGHUP are held, and the build does not
-  start; SIGINT there is Python's ``KeyboardInterrupt``, as it always was.
+  command exits with 128 + the signal's number (130, 143, 129: the exit table); a second stop
+  (Ctrl-C again) is acknowledged too, and waits.
+- Before them (checks, imports), SIGTERM and SIGHUP are held (no build starts); SIGINT: ``KeyboardInterrupt``.
 - After them, while the run releases the executor and prints its report, SIGTERM and SIGHUP are
   held: torch's launcher stops the other ranks the moment one ends with an error, and that must
   not cut rank 0's report short.
 
-``held_stops`` installs the one handler SIGTERM and SIGHUP have for the main thread: it notes the
-signal, and while a window is open wakes the event loop (``call_soon_threadsafe``, as asyncio's
-Ctrl-C handler does) to cancel the work; the loop's own receiver takes only SIGINT.
+``held_stops`` installs SIGTERM's and SIGHUP's one handler on the main thread: it notes the signal,
+and in a window wakes the event loop (``call_soon_threadsafe``) to cancel the work; the loop's own
+receiver takes only SIGINT.
 """
 
 from __future__ import annotations
@@ -101,8 +101,8 @@ async def until_stopped(
     """``work()``, cancelled by SIGINT, SIGTERM or SIGHUP: the stop is acknowledged on stderr at
     once (with ``doing()``: what happens now; unless not ``speak``, as on the quiet ranks), and
     raised as ``Stopped`` once ``work`` has unwound, its stages rolled back. A stop held before
-    the window means ``work`` never starts. A second Ctrl-C is Python's own; a second SIGTERM or
-    SIGHUP is held."""
+    the window means ``work`` never starts. A later stop while ``work`` unwinds (a second Ctrl-C
+    included) is only acknowledged again: what is in flight cannot be cut short."""
     held.raise_if_heard()
     if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
         return await work()
@@ -112,15 +112,19 @@ async def until_stopped(
     heard: list[int] = []
     finished: list[T] = []
     raised: list[Exception] = []
+    work_scope, unwound = anyio.CancelScope(), list[bool]()
 
     async with anyio.create_task_group() as tg:
 
         def stop(signum: int) -> None:
-            if not (heard or finished or raised):  # the first stop, while the work still runs
+            if finished or raised or unwound:
+                return
+            if speak:
+                again = " again: still" if heard else ":"
+                print(f"bootstrap: {stop_name(signum)}{again} {doing()} ...", file=sys.stderr, flush=True)
+            if not heard:  # the first stop, while the work still runs; a later one cannot hurry its unwinding
                 heard.append(signum)
-                if speak:
-                    print(f"bootstrap: {stop_name(signum)}: {doing()} ...", file=sys.stderr, flush=True)
-                tg.cancel_scope.cancel()
+                work_scope.cancel()
 
         async def watch(*, task_status: TaskStatus[None]) -> None:
             with anyio.open_signal_receiver(signal.SIGINT) as signals:  # SIGINT through the loop's own receiver
@@ -135,11 +139,13 @@ async def until_stopped(
             if held.heard:  # noted while the receiver opened
                 stop(held.heard[0])
             else:
-                finished.append(await work())
+                with work_scope:
+                    finished.append(await work())
         except Exception as exc:
             raised.append(exc)
         finally:
             held.wake = None
+            unwound.append(True)
         tg.cancel_scope.cancel()
     if heard:
         raise Stopped(heard[0])
