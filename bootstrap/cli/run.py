@@ -35,6 +35,7 @@ from bootstrap.cli.args import (
 )
 from bootstrap.cli.exits import BAD_INPUT, BAD_INPUT_ERRORS, INTERRUPTED, exit_status
 from bootstrap.cli.plan import plan_line, print_retries, print_wrapped
+from bootstrap.cli.stage_waits import StageWaits, in_flight
 from bootstrap.cli.stops import HeldStops, Stopped, held_stops, stop_name, until_stopped
 from bootstrap.cli.tp import (
     await_rank_0,
@@ -238,23 +239,13 @@ def announce(config: BootstrapConfig, args: argparse.Namespace) -> None:
     )
 
 
-IN_FLIGHT = {  # what a stage's attempt waits for once cancelled: work on the device thread runs to its end
-    "load_model": "the weights being read",
-    "estimation_build": "the probe KV cache being allocated",
-    "profiling": "the forward pass in flight",
-    "final_build": "the KV cache being allocated",
-    "warmup": "the CUDA graph capture in flight",
-    "scheduler_sampler": "the executor's start",
-}
-
-
 def rolling_back(boot: Any) -> str:
     """What an interrupt during the build does: the running stages finish what is in flight (it
     cannot be cut short), then every stage rolls back."""
     running = [s.stage for s in boot.pipeline.status.values() if s.state == "running"]
     if not running:
         return "rolling back the completed stages"
-    waits = " and ".join(dict.fromkeys(IN_FLIGHT.get(stage, "the work in flight") for stage in running))
+    waits = " and ".join(dict.fromkeys(in_flight(stage) for stage in running))
     return f"rolling back {', '.join(running)} once {waits} is done (it cannot be cut short)"
 
 
@@ -323,23 +314,32 @@ async def generate(args: argparse.Namespace, executor: RequestExecutor, max_seq_
 
 
 async def show_progress(events: Any, console: Console, shown: anyio.Event) -> None:
-    """One line per stage event while the stages run (the server shows the same stream);
-    ``shown`` is set once the last stage ended or any stage failed."""
+    """One line per stage event while the stages run (the server shows the same stream), and
+    progress while one runs long (``StageWaits``); ``shown`` is set once the last stage ended or
+    any stage failed."""
     from bootstrap.stages import STAGE_IDS
 
     failed_attempts: dict[str, StageEvent] = {}
-    async for event in events:
-        if event.kind == "attempt_failed":  # shown with its retry; a failed stage's error is the final paragraph
-            failed_attempts[event.stage] = event
-        elif event.kind in MARKS:
-            if event.kind == "retrying" and event.stage in failed_attempts:
-                console.print(progress_line(failed_attempts.pop(event.stage)), highlight=False, soft_wrap=True)
-            failed_attempts.pop(event.stage, None)
-            console.print(progress_line(event), highlight=False, soft_wrap=True)
-        elif event.kind == "started":
-            console.print(Text(f"  {event.stage:<18} started", style="dim"), highlight=False)
-        if event.kind == "failed" or (event.stage == STAGE_IDS[-1] and event.kind in ("done", "skipped")):
-            shown.set()
+    waits = StageWaits(console)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(waits.run)
+        async for event in events:
+            if event.kind in ("done", "skipped", "failed", "cancelled"):
+                waits.ended(event.stage)
+            if event.kind == "attempt_failed":  # shown with its retry; a failed stage's error is the final paragraph
+                failed_attempts[event.stage] = event
+            elif event.kind in MARKS:
+                if event.kind == "retrying" and event.stage in failed_attempts:
+                    console.print(progress_line(failed_attempts.pop(event.stage)), highlight=False, soft_wrap=True)
+                failed_attempts.pop(event.stage, None)
+                console.print(progress_line(event), highlight=False, soft_wrap=True)
+            elif event.kind == "started":
+                waits.started(event.stage)
+                console.print(Text(f"  {event.stage:<18} started", style="dim"), highlight=False)
+            if event.kind == "failed" or (event.stage == STAGE_IDS[-1] and event.kind in ("done", "skipped")):
+                waits.stop()
+                shown.set()
+        tg.cancel_scope.cancel()
 
 
 def progress_line(event: StageEvent) -> Text:
