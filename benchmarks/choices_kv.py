@@ -61,9 +61,9 @@ class Counted:
         self._run = executor.runner.run
         executor.runner.run = self.run
 
-    def run(self, batch):
+    def run(self, batch, *args, **kwargs):
         self.tokens += batch.total_tokens
-        out = self._run(batch)
+        out = self._run(batch, *args, **kwargs)
         self.blocks.append(self.executor.runner.kv_cache.stats().used_blocks)
         return out
 

@@ -104,7 +104,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="engine_graphs sides, comma-separated: auto (the runner's choice: the Triton kernel and compiled "
         "RMSNorms where Triton runs), triton, torch (gathering attention), each with +compile or +eager "
         "(RMSNorms compiled or not) or +layers (whole decoder layers compiled), and +unfused (the own model "
-        "code's small ops as eager PyTorch instead of its fused Triton kernels), e.g. auto,triton+compile+unfused",
+        "code's small ops as eager PyTorch instead of its fused Triton kernels), and +overlap (overlap scheduling: "
+        "each step launched before the last one's tokens are read), e.g. auto,auto+overlap,triton+compile+unfused",
     )
     parser.add_argument(
         "--bandwidth-bytes",
@@ -150,7 +151,8 @@ def build_engine(
     seq_len = args.prompt_len + args.gen_len
     spec = KVCacheSpec.from_config(loaded.hf_config, loaded.model.dtype)
     cache = PagedKVCache.from_tokens(spec, batch * (seq_len + TOKENS_PER_BLOCK), TOKENS_PER_BLOCK, device)
-    config = SchedulerConfig(batch, max(batch * args.prompt_len, batch), seq_len)
+    overlap = graphs is not None and "overlap" in graphs.split("+")[1:]
+    config = SchedulerConfig(batch, max(batch * args.prompt_len, batch), seq_len, overlap=overlap)
     executor = create_executor(loaded.model, cache, config, loaded.tokenizer, set(loaded.eos_token_ids), start=False)
     if graphs:
         kernel, *options = graphs.split("+")

@@ -85,6 +85,11 @@ class BootstrapConfig(BaseModel):
     prefix_caching: bool = Field(
         True, description="reuse the KV blocks of a prompt prefix computed before (TensorRT-LLM: enable_block_reuse)"
     )
+    overlap: bool = Field(
+        True,
+        description="launch each step before the tokens of the one before are read (CUDA; a CPU step is done "
+        "when launched, so there it is off). TensorRT-LLM: not disable_overlap_scheduler",
+    )
     quantization: Literal["fp8"] | None = Field(
         None,
         description="fp8: the model's projections quantized to FP8 as a 16-bit checkpoint loads (one scale per "

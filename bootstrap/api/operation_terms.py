@@ -27,6 +27,7 @@ MODEL_FIELDS = (  # what describes a model and its memory: all a swap may change
     "draft_model",
     "num_speculative_tokens",
     "prefix_caching",
+    "overlap",
     "cuda_graphs",
     "cuda_graph_batch_sizes",
     "kv_manager",

@@ -174,6 +174,13 @@ def add_config_args(parser: argparse.ArgumentParser, command: str) -> None:
         help="do not reuse the KV blocks of a prompt prefix computed before (default: reused, per cache_salt)",
     )
     add(
+        "--no-overlap",
+        dest="overlap",
+        action="store_false",
+        help="read each step's tokens before the next step is launched (default: the next step is launched "
+        "first, its host work overlapping the device's; CUDA only)",
+    )
+    add(
         "--quantization",
         choices=("fp8",),
         help="fp8: quantize a 16-bit checkpoint's attention and MLP projections to FP8 at load, one scale per "

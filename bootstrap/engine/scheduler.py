@@ -31,14 +31,16 @@ class SchedulerConfig:
     max_num_tokens: int = 2048
     max_seq_len: int = 2048
     prefix_caching: bool = False
+    overlap: bool = False  # launch each step before the last one's tokens are read (``executor.overlap``)
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_num_tokens", "max_seq_len"):
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be an integer >= 1, got {value!r}")
-        if not isinstance(self.prefix_caching, bool):
-            raise ValueError(f"SchedulerConfig.prefix_caching must be a bool, got {self.prefix_caching!r}")
+        for name in ("prefix_caching", "overlap"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SchedulerConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.max_batch_size > self.max_num_tokens:
             raise ValueError(
                 f"SchedulerConfig.max_batch_size ({self.max_batch_size}) must be <= max_num_tokens "
@@ -120,7 +122,7 @@ class MicroBatchScheduler:
 
     def plan(self, running: list[Sequence]) -> ScheduledBatch:
         """Decode tokens first, then prefill chunks, within the batch and token limits."""
-        decodes = [s for s in running if not s.in_prefill][: self.max_batch_size]
+        decodes = [s for s in running if not s.in_prefill and not s.ends_in_flight][: self.max_batch_size]
         seqs, counts = list(decodes), [s.num_pending for s in decodes]
         budget = self.max_num_tokens - sum(counts)
         for seq in running:
@@ -213,7 +215,7 @@ class Scheduler:
         if not self.config.prefix_caching or seq.is_warmup or not self.kv_cache.holds(seq.request_id):
             return
         tpb = self.kv_cache.tokens_per_block
-        full = seq.num_computed // tpb
+        full = min(seq.num_computed, seq.num_tokens) // tpb  # an in-flight token's id is not known yet
         if full > seq.published:
             digests = extend_hashes(seq.block_digests, seq.token_ids[: full * tpb], tpb, seq.cache_salt)
             self.kv_cache.publish(seq.request_id, digests[:full])

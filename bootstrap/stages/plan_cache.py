@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 # enter through their normalized shapes (a preset and its config.json are one model), the device
 # through its name and total memory; where plans are cached and whether prefixes are reused
 # (cached blocks are free capacity) change nothing.
-NOT_FINGERPRINTED = frozenset({"model", "draft_model", "device", "plan_cache", "prefix_caching"})
+NOT_FINGERPRINTED = frozenset({"model", "draft_model", "device", "plan_cache", "prefix_caching", "overlap"})
 LIBRARIES = ("executor-bootstrap", "torch", "transformers", "tensorrt-llm")
 
 MORE_ROOM = 1.25  # free beside the weights above this times the measured: profile again

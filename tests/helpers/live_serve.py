@@ -116,12 +116,12 @@ class Hold:
         self.free = threading.Event()
         run, cancel, left = executor.runner.run, executor.cancel, [passing]
 
-        def held(batch):
+        def held(batch, *args):
             if left[0]:
                 left[0] -= 1
             else:
                 self.free.wait(BOUND_S)
-            return run(batch)
+            return run(batch, *args)
 
         def cancel_then_release(*args, **kwargs):
             cancel(*args, **kwargs)

@@ -61,9 +61,9 @@ class GatedBackend(NativeBackend):
         if self.step_delay_s:
             run = executor.runner.run
 
-            def slow_run(batch: Any) -> Any:
+            def slow_run(batch: Any, *args: Any) -> Any:
                 time.sleep(self.step_delay_s)
-                return run(batch)
+                return run(batch, *args)
 
             executor.runner.run = slow_run
         return executor

@@ -35,11 +35,22 @@ def build_model(seed: int = 99) -> LlamaForCausalLM:
     return llama
 
 
-def make_executor(model, *, kv_tokens=1024, tokens_per_block=4, batch=8, num_tokens=64, seq_len=128, **kwargs):
+def make_executor(
+    model,
+    *,
+    kv_tokens=1024,
+    tokens_per_block=4,
+    batch=8,
+    num_tokens=64,
+    seq_len=128,
+    overlap=False,
+    prefix_caching=False,
+    **kwargs,
+):
     """An executor over a copy of ``model``, its worker not started."""
     spec = KVCacheSpec.from_config(model.config, torch.float32)
     cache = PagedKVCache.from_tokens(spec, kv_tokens, tokens_per_block, "cpu")
-    config = SchedulerConfig(batch, num_tokens, seq_len)
+    config = SchedulerConfig(batch, num_tokens, seq_len, prefix_caching, overlap)
     return create_executor(copy.deepcopy(model), cache, config, start=False, **kwargs)
 
 

@@ -59,6 +59,7 @@ VALID = {
     "kv_headroom_bytes": 1 << 30,
     "cuda_graphs": False,
     "prefix_caching": False,
+    "overlap": False,
     "quantization": "fp8",
     "cuda_graph_batch_sizes": (1, 2),
     "num_speculative_tokens": 3,

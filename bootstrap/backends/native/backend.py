@@ -279,8 +279,9 @@ class NativeBackend(Resolving, Loading, LiveWeights):
         for name, weights in loaded.handle.by_name().items():  # new weights may have brought new scales
             if final.handle.pools[name].quantized:
                 final.handle.pools[name].take_scales(weights.kv_scales.keys, weights.kv_scales.values)
+        overlap = config.overlap and self.torch_device.type == "cuda"  # a CPU step is done when launched
         scheduler = SchedulerConfig(
-            config.max_batch_size, plan.max_num_tokens, resolved.max_seq_len, config.prefix_caching
+            config.max_batch_size, plan.max_num_tokens, resolved.max_seq_len, config.prefix_caching, overlap
         )
         runners = warmup.handle if warmup is not None and warmup.handle is not None else {}
         runner, draft = runners.get("target"), loaded.handle.draft

@@ -36,7 +36,7 @@ def user_llm_args(api: TrtllmApi, config: BootstrapConfig, resolved: ResolvedCla
         max_beam_width=1,
         kv_cache_config=api.call("KvCacheConfig", **kv_cache_fields(api, config, resolved, draft=spec is not None)),
         speculative_config=spec,
-        disable_overlap_scheduler=spec is not None,  # TRT's own fallback for a non-chain two-model drafter
+        disable_overlap_scheduler=spec is not None or not config.overlap,  # a draft: TRT's own fallback
     )
 
 

@@ -25,13 +25,15 @@ from collections.abc import Callable
 import torch
 
 from bootstrap.engine.executor.inbox import Inbox
+from bootstrap.engine.executor.overlap import InFlight
 from bootstrap.engine.executor.request_table import RequestTable
 from bootstrap.engine.executor.responses import ResponseWriter
-from bootstrap.engine.sampling.processing import History, TokenLogprob
+from bootstrap.engine.sampling.processing import History, logprob_tensors, uses_penalties
 from bootstrap.engine.sampling.sampler import Sampler, generator_at
 from bootstrap.engine.scheduler import Scheduler
 from bootstrap.engine.spec.speculator import Speculator
 from bootstrap.engine.step.batch import ScheduledBatch
+from bootstrap.engine.step.decode_step import queued_tensor
 from bootstrap.engine.step.model_runner import ModelRunner
 
 log = logging.getLogger("bootstrap.engine.executor.py_executor")  # the executor's log: these are its steps
@@ -63,6 +65,7 @@ class EngineLoop:
         self.inbox = Inbox()
         self.step_lock = threading.Lock()
         self.load = (0, 0)  # (running, waiting) after the last round; replaced whole, read without a lock
+        self.in_flight: InFlight | None = None  # the step launched and not read yet (overlap)
         self.thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._shutdown: Callable[[float | None], None] | None = None
@@ -78,6 +81,7 @@ class EngineLoop:
             took = self.inbox.drain_into(self.scheduler)
             self._cancel_given_up()
             if not self.scheduler.has_work:
+                self.land()  # only finished requests can be left in it: their tokens are dropped
                 self._publish_load()
                 return took
             self.step()
@@ -149,6 +153,8 @@ class EngineLoop:
         the loop."""
         with self.step_lock:
             idle = not self.scheduler.has_work
+            if idle:
+                self.land()
         first = self.inbox.wait() if idle else None
         with self.step_lock:
             try:
@@ -178,10 +184,17 @@ class EngineLoop:
     def step(self) -> None:
         """Schedule, run, sample and update once.
 
-        If the step raises, each of its requests is run again alone, so only the requests that
-        fail by themselves get an error; the loop goes on either way.
+        With overlap (``SchedulerConfig.overlap``, on a runner of its own rank and no draft) the
+        step is launched before the tokens of the step before are read (``overlap.InFlight``);
+        a step whose requests need those tokens on the host (penalties) reads them first. If the
+        step raises, each of its requests is run again alone, so only the requests that fail by
+        themselves get an error; the loop goes on either way.
         """
         batch = self.scheduler.schedule()
+        if batch.seqs and self._overlaps(batch):
+            return self._launch(batch)
+        self.land()
+        batch = batch.without_finished()
         if not batch.seqs:
             return
         limits = self.speculator.plan(batch) if self.speculator is not None else None
@@ -193,19 +206,67 @@ class EngineLoop:
             if self.speculator is not None:
                 self.speculator.ordinary(batch, time.perf_counter() - started)
             return
+        self._one_by_one(batch)
+
+    def _one_by_one(self, batch: ScheduledBatch) -> None:
         log.warning("a step of %d requests failed; running them one by one", len(batch.seqs))
         for part in batch.split():
             self._run(part, fail=True)
 
+    def _overlaps(self, batch: ScheduledBatch) -> bool:
+        """Whether ``batch`` launches before the step in flight is read: overlap is on, the
+        runner leads no other rank, no draft, and no request samples from a history in flight."""
+        if not self.scheduler.config.overlap or self.speculator is not None or self.runner.lockstep is not None:
+            return False
+        return not any(s.in_flight and uses_penalties(s.params) for s in batch.seqs)
+
+    def _launch(self, batch: ScheduledBatch) -> None:
+        """Run ``batch`` fed from the step in flight, queue its sampling, then read that step."""
+        before = self.in_flight
+        try:
+            logits = self.runner.run(batch, before.feed(batch) if before is not None else None)
+            forked = self.scheduler.fork(batch)  # after the forward: the prompts' KV is complete
+            launched = self._sample(forked, logits)
+        except Exception as exc:
+            self.land()
+            batch = batch.without_finished()
+            if len(batch.seqs) > 1:
+                return self._one_by_one(batch)
+            log.exception("step of %d requests failed", len(batch.seqs))
+            return self.responses.fail(batch.seqs, exc)
+        for seq, count in zip(forked.seqs, forked.num_new_tokens):
+            seq.num_computed += count
+        for seq in launched.seqs:
+            seq.in_flight += 1
+        self.in_flight = launched
+        if before is not None:
+            self._read(before)
+
+    def land(self) -> None:
+        """Read the step in flight, if any: its requests get their tokens."""
+        if self.in_flight is not None:
+            flight, self.in_flight = self.in_flight, None
+            self._read(flight)
+
+    def _read(self, flight: InFlight) -> None:
+        try:
+            tokens, logprobs = flight.read()
+        except Exception as exc:
+            log.exception("reading a step's tokens failed")
+            for seq in flight.seqs:
+                seq.in_flight = 0
+            return self.responses.fail([s for s in flight.seqs if not s.finished], exc)
+        self.responses.land(flight.seqs, tokens, logprobs)
+
     def _run(self, batch: ScheduledBatch, fail: bool) -> bool:
-        """Run one batch; on an exception fail its requests (and forks joined to it) if ``fail``,
-        and return False."""
+        """Run one batch and read its tokens; on an exception fail its requests (and forks
+        joined to it) if ``fail``, and return False."""
         try:
             logits = self.runner.run(batch)
             if self.speculator is not None:
                 self.speculator.mirror(batch)  # the draft computes the same tokens, before any fork
             batch = self.scheduler.fork(batch)  # after the forward: the prompts' KV is complete
-            tokens, logprobs = self._sample(batch, logits)
+            tokens, logprobs = self._sample(batch, logits).read()
         except Exception as exc:
             if fail:
                 log.exception("step of %d requests failed", len(batch.seqs))
@@ -225,18 +286,19 @@ class EngineLoop:
         self.responses.record_runs(batch, runs)
         return True
 
-    def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> tuple[list[int], list[TokenLogprob | None]]:
-        """Sample the requests that sample now (a fork from its parent's logits row): their tokens and logprobs."""
+    def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> InFlight:
+        """Queue the sampling of the requests that sample now (a fork from its parent's logits
+        row), and the copies of their tokens and logprobs to the host."""
         sampling = [s for s, samples in zip(batch.seqs, batch.samples()) if samples]
         if not sampling:
-            return [], []
+            return InFlight.launch([], torch.empty(0, dtype=torch.long, device=logits.device), ())
         if batch.rows is not None:
-            logits = logits.index_select(0, torch.tensor(batch.rows, device=logits.device))
+            logits = logits.index_select(0, queued_tensor(logits.device, batch.rows))
         params = [s.params for s in sampling]
-        histories = [History(s.token_ids, s.num_prompt_tokens) for s in sampling]
-        generators = [generator_at(s.generator, s.params.seed, s.num_tokens - s.num_prompt_tokens) for s in sampling]
-        sampled = self.sampler.sample_with_logprobs(logits, params, generators, histories, self.responses.eos_token_ids)
-        return sampled.tokens.tolist(), sampled.logprobs
+        histories = [History(s.token_ids + [-1] * s.in_flight, s.num_prompt_tokens) for s in sampling]
+        generators = [generator_at(s.generator, s.params.seed, s.num_generated) for s in sampling]
+        tokens = self.sampler.sample(logits, params, generators, histories, self.responses.eos_token_ids)
+        return InFlight.launch(sampling, tokens, logprob_tensors(logits, tokens, params))
 
     # ---- teardown -----------------------------------------------------------------------------
 
@@ -245,6 +307,7 @@ class EngineLoop:
         when ``keep_pool`` is set); if the worker ``died``, fail its requests with that error
         instead and keep the pool for callers."""
         with self.step_lock:
+            self.in_flight = None  # its requests end below; the device finishes it before the pool is reused
             self.inbox.drain_into(self.scheduler)
             if died is not None:
                 return self.responses.fail(self.scheduler.drain(), died)

@@ -50,6 +50,20 @@ class ResponseWriter:
                     log.exception("request %d failed after its step", seq.request_id)
                     self.fail([seq], exc)
 
+    def land(self, seqs: Seq[Sequence], tokens: list[int], logprobs: Seq[TokenLogprob | None]) -> None:
+        """After an overlapped step is read (``num_computed`` advanced at its launch): append each
+        request's token, unless it finished meanwhile (a stop read one step before, a cancel)."""
+        for seq, token, logprob in zip(seqs, tokens, logprobs):
+            seq.in_flight = max(seq.in_flight - 1, 0)
+            if seq.finished:
+                seq.in_flight = 0
+                continue
+            try:
+                self.append(self.handle_of(seq), token, logprob)
+            except Exception as exc:
+                log.exception("request %d failed after its step", seq.request_id)
+                self.fail([seq], exc)
+
     def record_runs(self, batch: ScheduledBatch, runs: Seq[list[int]]) -> None:
         """After a speculative step (``num_computed`` already advanced): append each request's new
         tokens in order until one finishes it (a stop, EOS or ``max_tokens`` inside the run: the

@@ -4,7 +4,8 @@
 leading tokens whose keys and values are in the KV cache; the tokens after them are what the
 next step must run (a prefill chunk, or the one token sampled last step). A step that brings
 ``num_computed`` up to ``len(token_ids)`` yields logits for a new token; a partial prefill chunk
-does not.
+does not. With overlap scheduling a step's tokens reach the host one step late: ``in_flight``
+counts the tokens sampled on the device and not yet appended, which the next step already runs.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class Sequence:
     block_digests: list[bytes] = field(default_factory=list)  # of its full blocks so far (``prefix_hash``)
     published: int = 0  # leading blocks registered in the prefix cache
     draft_published: int = 0  # and in the draft's pool
+    in_flight: int = 0  # tokens sampled on the device, not yet appended (overlap scheduling)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -80,8 +82,18 @@ class Sequence:
 
     @property
     def num_pending(self) -> int:
-        """Tokens the next steps must run before a new token can be sampled."""
-        return self.num_tokens - self.num_computed
+        """Tokens the next steps must run before a new token can be sampled (an in-flight one included)."""
+        return self.num_tokens + self.in_flight - self.num_computed
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens generated so far, those still in flight included."""
+        return self.num_tokens + self.in_flight - self.num_prompt_tokens
+
+    @property
+    def ends_in_flight(self) -> bool:
+        """True when the tokens in flight reach ``max_tokens``: a next step would be wasted."""
+        return self.in_flight > 0 and self.num_generated >= self.params.max_tokens
 
     @property
     def in_prefill(self) -> bool:

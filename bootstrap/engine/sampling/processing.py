@@ -144,19 +144,33 @@ def token_logprobs(
 ) -> list[TokenLogprob | None]:
     """Per row: the chosen token's logprob and its top-``logprobs`` under the raw logits, or
     None for rows that did not ask. One ``log_softmax`` and one ``topk`` for the asking rows."""
-    out: list[TokenLogprob | None] = [None] * len(params)
+    return logprob_entries(logprob_tensors(raw_logits, tokens, params), params)
+
+
+def logprob_tensors(
+    raw_logits: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams]
+) -> tuple[torch.Tensor, ...]:
+    """``token_logprobs``' device work, no host sync: the chosen ids, their logprobs, the top
+    values and ids of the asking rows (empty when no row asks)."""
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not rows:
-        return out
+        return ()
     index = torch.tensor(rows, device=raw_logits.device)
     logp = torch.log_softmax(raw_logits.index_select(0, index).float(), dim=-1)
     chosen = tokens.index_select(0, index).long()
     picked = logp.gather(1, chosen.unsqueeze(1)).squeeze(1)
     k = min(max(params[i].logprobs for i in rows), logp.shape[-1])  # type: ignore[type-var]
     top_values, top_ids = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
-    picked_l, chosen_l = picked.tolist(), chosen.tolist()
-    values_l, ids_l = top_values.tolist(), top_ids.tolist()
-    for j, i in enumerate(rows):
+    return chosen, picked, top_values, top_ids
+
+
+def logprob_entries(tensors: Sequence[torch.Tensor], params: Sequence[SamplingParams]) -> list[TokenLogprob | None]:
+    """``logprob_tensors``' results (on the host, or read there now) as one entry per row."""
+    out: list[TokenLogprob | None] = [None] * len(params)
+    if not tensors:
+        return out
+    chosen_l, picked_l, values_l, ids_l = (t.tolist() for t in tensors)
+    for j, i in enumerate(i for i, p in enumerate(params) if p.logprobs is not None):
         n = params[i].logprobs or 0
         top = tuple(zip(ids_l[j][:n], values_l[j][:n]))
         out[i] = TokenLogprob(chosen_l[j], picked_l[j], top)

@@ -43,6 +43,7 @@ class _View:
     request_id: int
     token_ids: list[int]
     num_computed: int
+    in_flight: int = 0  # a speculative step reads its tokens before the next one (no overlap)
 
     @property
     def num_tokens(self) -> int:

@@ -31,4 +31,10 @@ class ScheduledBatch:
 
     def samples(self) -> list[bool]:
         """Per request: does this step complete its pending tokens, so a token gets sampled?"""
-        return [s.num_computed + n == s.num_tokens for s, n in zip(self.seqs, self.num_new_tokens)]
+        return [s.num_computed + n == s.num_tokens + s.in_flight for s, n in zip(self.seqs, self.num_new_tokens)]
+
+    def without_finished(self) -> ScheduledBatch:
+        """The batch less the requests that finished since it was planned (an overlapped step's
+        tokens, read late, ended them)."""
+        kept = [i for i, s in enumerate(self.seqs) if not s.finished]
+        return ScheduledBatch([self.seqs[i] for i in kept], [self.num_new_tokens[i] for i in kept])

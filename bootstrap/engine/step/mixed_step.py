@@ -79,7 +79,8 @@ def describe(batch: ScheduledBatch, kv_cache: PagedKVCache, model: str = "target
     slots: list[torch.Tensor] = []
     for seq, count in zip(batch.seqs, batch.num_new_tokens):
         start = seq.num_computed
-        ids += seq.token_ids[start : start + count]
+        known = seq.token_ids[start : start + count]
+        ids += known + [0] * (count - len(known))  # tokens in flight: the runner's feed puts them in
         positions += range(start, start + count)
         slots.append(kv_cache.slots(seq.request_id, start, start + count))
     counts = torch.tensor(batch.num_new_tokens, dtype=torch.long)

@@ -42,6 +42,19 @@ class Lockstep(Protocol):
     def failed(self, exc: BaseException) -> None: ...
 
 
+@dataclass(frozen=True)
+class Feed:
+    """Ids sampled on the device by the step before (overlap scheduling): the step's flat
+    token ``index[i]`` runs ``tokens[i]``."""
+
+    index: list[int]
+    tokens: torch.Tensor  # [len(index)] long, on the runner's device
+
+    def into(self, ids: Sequence[int], device: torch.device) -> torch.Tensor:
+        """``ids`` on ``device`` with this feed's tokens in place."""
+        return queued_tensor(device, list(ids)).index_copy_(0, queued_tensor(device, self.index), self.tokens)
+
+
 @dataclass
 class StepInputs:
     input_ids: torch.Tensor  # [1, T]
@@ -84,17 +97,23 @@ class ModelRunner:
         self.role = "target"  # the name other ranks know this runner by (lead)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+    def run(self, batch: ScheduledBatch, feed: Feed | None = None) -> torch.Tensor:
         """Logits ``[S, vocab]`` at the last token of each request of ``batch`` that samples now.
 
         A decode step runs as ``run_rows`` (a captured CUDA graph when one covers it); any other
-        step runs eagerly.
+        step runs eagerly. ``feed``: ids still on the device (overlap scheduling), put in place
+        of the host's at their flat indices; not with a lockstep (other ranks get host ids).
         """
+        if feed is not None and self.lockstep is not None:
+            raise ValueError("a step fed ids on the device cannot be sent to other ranks")
         if batch.is_decode:
-            return self.run_rows(self.decode_step(batch))
+            step = self.decode_step(batch)
+            return self.run_rows(step, tokens=None if feed is None else feed.into(step.ids, self.device))
         step = describe(batch, self.kv_cache, self.role)
         with self._sent(step):
             inputs = self.prepare_mixed(step)
+            if feed is not None:
+                inputs.input_ids[0].index_copy_(0, queued_tensor(self.device, feed.index), feed.tokens)
             return self._forward(inputs.input_ids, inputs.positions, inputs.logits_index, inputs.metadata)
 
     @torch.inference_mode()
