@@ -135,7 +135,7 @@ def _mask_early_stops(
             cols += ids
     if not rows:
         return logits
-    index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+    index = (on_device(rows, logits.device), on_device(cols, logits.device))
     return logits.index_put(index, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
 
 
@@ -155,7 +155,7 @@ def logprob_tensors(
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not rows:
         return ()
-    index = torch.tensor(rows, device=raw_logits.device)
+    index = on_device(rows, raw_logits.device)
     logp = torch.log_softmax(raw_logits.index_select(0, index).float(), dim=-1)
     chosen = tokens.index_select(0, index).long()
     picked = logp.gather(1, chosen.unsqueeze(1)).squeeze(1)
@@ -178,4 +178,11 @@ def logprob_entries(tensors: Sequence[torch.Tensor], params: Sequence[SamplingPa
 
 
 def _column(values: list, like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+    return on_device(values, like.device, like.dtype).unsqueeze(1)
+
+
+def on_device(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """``values`` on ``device`` without waiting: from pinned memory the copy is queued behind the
+    device's work (a plain copy would wait for it, and a step launched early with it)."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=torch.device(device).type == "cuda")
+    return host.to(device, non_blocking=True)

@@ -25,7 +25,14 @@ import torch
 
 from bootstrap.config import is_int
 from bootstrap.engine.sampling.argmax import argmax
-from bootstrap.engine.sampling.processing import History, TokenLogprob, needs_processing, process, token_logprobs
+from bootstrap.engine.sampling.processing import (
+    History,
+    TokenLogprob,
+    needs_processing,
+    on_device,
+    process,
+    token_logprobs,
+)
 
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20
@@ -186,7 +193,7 @@ class Sampler:
         tokens = argmax(logits)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
-            index = torch.tensor(rows, device=logits.device)
+            index = on_device(rows, logits.device)
             drawn = self._draw(
                 logits.index_select(0, index).float(),
                 [params[i] for i in rows],
@@ -224,7 +231,7 @@ class Sampler:
             return logits
         if histories is None:
             raise ValueError("penalties and min_tokens need one History per logits row")
-        index = torch.tensor(rows, device=logits.device)
+        index = on_device(rows, logits.device)
         part = process(
             logits.index_select(0, index).float(),
             [params[i] for i in rows],
@@ -271,7 +278,7 @@ class Sampler:
 
     @staticmethod
     def _column(values: list, like: torch.Tensor) -> torch.Tensor:
-        return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+        return on_device(values, like.device, like.dtype).unsqueeze(1)
 
     def _min_p(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
         """Mask (to -inf) what is less likely than ``min_p`` times the row's top probability.
