@@ -12,11 +12,15 @@
 #   cold_start.json  benchmarks/cold_start.py (fresh run and serve processes on an 8B checkpoint directory)
 #   traces.tar.gz    every start's trace file
 #
-# Usage, from the repository root:  bash benchmarks/gpu_suite.sh [--smoke] [--tests | --live-ops | --prefix-cache | --fp8 | --fp8-kv | --tp2]
+# Usage, from the repository root:  bash benchmarks/gpu_suite.sh [--smoke] [--tests | --served | --live-ops | --prefix-cache | --fp8 | --fp8-kv | --tp2]
 #   --tests: tests/gpu alone (gpu_tests.xml; plus suite.log and steps.jsonl).
 #   --smoke: tiny shapes on the CPU, to check the script itself (tests/gpu then skip). The GPU steps' caps and the
 #     suite's budget are not applied: every step gets SMOKE_CAP_S (1800 s) instead, a guard against a hang only,
 #     since a loaded CPU takes as long as it takes and the smoke checks what the steps write, not their time.
+#   --served: instead, an 8B checkpoint written, then benchmarks/served_vs_engine.py (served and in process side by
+#     side at 1, 16, 64 and 256 streams, 128/128) and benchmarks/serve_profile.py (py-spy of the server at 64
+#     streams; py-spy comes as a wheel in .whl/), a second invocation:
+#       served_vs_engine.json, serve_profile.json, py-spy-idle.txt, py-spy-gil.txt
 #   --live-ops: instead of the steps above, benchmarks/live_ops.py alone (three 8B checkpoints written,
 #     a server swapped, slept, woken and updated, then 20 swap cycles under traffic: about 4 to 6 minutes,
 #     which the budget above has no room for): a second invocation, with its own 10 minutes:
@@ -53,6 +57,7 @@ export PYTHONUNBUFFERED=1
 
 SMOKE=0
 TESTS=0
+SERVED=0
 LIVE_OPS=0
 PREFIX_CACHE=0
 FP8=0
@@ -63,12 +68,13 @@ for arg in "$@"; do
   case $arg in
     --smoke) SMOKE=1 ;;
     --tests) TESTS=1 ;;
+    --served) SERVED=1 ;;
     --live-ops) LIVE_OPS=1 ;;
     --prefix-cache) PREFIX_CACHE=1 ;;
     --fp8) FP8=1 ;;
     --fp8-kv) FP8_KV=1 ;;
     --tp2) TP2=1 ;;
-    *) echo "gpu_suite.sh: unknown flag $arg (allowed: --smoke, --tests, --live-ops, --prefix-cache, --fp8, --fp8-kv, --tp2)" >&2
+    *) echo "gpu_suite.sh: unknown flag $arg (allowed: --smoke, --tests, --served, --live-ops, --prefix-cache, --fp8, --fp8-kv, --tp2)" >&2
        exit 2 ;;
   esac
 done
@@ -172,13 +178,30 @@ fi
 
 say "results under $OUT"
 run_step install_wheels 90 bash -c install_wheels
-export PYTHONPATH="$WORK/site:$PWD"
+export PYTHONPATH="$WORK/site:$PWD" PATH="$WORK/site/bin:$PATH"  # py-spy (--served) comes as a wheel
 run_step environment 60 python3 -c "import torch, transformers, pydantic, opentelemetry.sdk, tenacity, pytest; \
 print('torch', torch.__version__, 'transformers', transformers.__version__, 'pytest', pytest.__version__, \
 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')"
 if [ "$TESTS" = 1 ]; then
   run_step gpu_tests 400 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider -p no:asyncio \
     --junitxml="$OUT/gpu_tests.xml"
+  say "done; steps:"
+  cat "$OUT/steps.jsonl"
+  rm -rf "$WORK"
+  exit "$FAILED"
+fi
+if [ "$SERVED" = 1 ]; then
+  if [ "$SMOKE" = 1 ]; then
+    run_step served_vs_engine 600 python3 benchmarks/served_vs_engine.py --smoke --out "$OUT/served_vs_engine.json"
+  else
+    run_step write_8b 120 python3 benchmarks/write_checkpoint.py --model llama-3.1-8b --out "$WORK/8b" --device cuda
+    run_step served_vs_engine 330 python3 benchmarks/served_vs_engine.py --model "$WORK/8b" --device cuda \
+      --levels 1,16,64,256 --prompt-len 128 --gen-len 128 --max-seq-len 1024 --vocab 120000 \
+      --out "$OUT/served_vs_engine.json"
+    run_step serve_profile 120 python3 benchmarks/serve_profile.py --model "$WORK/8b" --device cuda --streams 64 \
+      --prompt-len 128 --gen-len 128 --max-batch-size 64 --max-seq-len 1024 --vocab 120000 --warmup-s 8 \
+      --duration-s 8 --out "$OUT/serve_profile.json"
+  fi
   say "done; steps:"
   cat "$OUT/steps.jsonl"
   rm -rf "$WORK"
