@@ -109,10 +109,10 @@ def test_ctrl_c_is_acknowledged_at_once_naming_the_stage_that_rolls_back(tmp_pat
             "cpu",
             "--model",
             "random:smollm2-135m",
-            "--max-num-tokens",
-            "8192",
+            "--max-num-tokens",  # a 2,048-token profiling forward: seconds on a CPU, the signal lands inside it
+            "2048",
             "--max-seq-len",
-            "8192",
+            "2048",
             "--no-plan-cache",
             "--trace-file",
             str(tmp_path / "t.jsonl"),
