@@ -47,7 +47,8 @@ CHANGED = {
 }
 ON_TRTLLM_ONLY = {"kv_manager": "v2"}  # refused with the native backend of BASE
 REJECTED_FOR_EVERY_PRESET = {"cross_kv_cache_fraction": 0.25}  # decoder-only models refuse it
-# the device enters by name and size; the cache's location, prefix reuse (it reserves nothing) and overlap change nothing
+# the device enters by name and size; the cache's location, prefix reuse (it reserves nothing) and overlap
+# change nothing
 IRRELEVANT = {"device", "plan_cache", "prefix_caching", "overlap"}
 WITH_A_DRAFT_ONLY = {
     "num_speculative_tokens"
