@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -133,11 +134,18 @@ def test_gguf_file_matches_the_model_it_was_written_from(tmp_path, tiny_model):
     assert load_hf_config(str(path), cache_dir=tmp_path / "models").num_hidden_layers == 2
 
 
-def test_gguf_conversion_writes_a_fast_checkpoint_atomically(tmp_path, tiny_model):
+def test_gguf_conversion_writes_a_fast_checkpoint_atomically(tmp_path, tiny_model, capfd):
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
     from bootstrap.engine.sources.checkpoint import convert_gguf
 
     write_tiny_gguf(tmp_path / "tiny.gguf", tiny_model)
-    target = convert_gguf(tmp_path / "tiny.gguf", tmp_path / "cache" / "tiny")
+    lines: list[str] = []
+    target = convert_gguf(tmp_path / "tiny.gguf", tmp_path / "cache" / "tiny", lines.append)
+    assert [line.split(":")[0] for line in lines] == ["converting tiny.gguf to a checkpoint (once)"] * 2
+    assert "%|" not in capfd.readouterr().err  # transformers' bars would draw over those lines
+    assert not isinstance(gguf_utils.tqdm, functools.partial) and hf_logging.is_progress_bar_enabled()  # again after
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["tiny"]  # no staging left
     config = json.loads((target / "config.json").read_text())
     assert "quantization_config" not in config

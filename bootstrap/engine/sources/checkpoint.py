@@ -11,13 +11,15 @@ behind; the conversion reports its start and, at the end, the time it took (``pr
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import json
 import logging
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -148,6 +150,26 @@ def gguf_config(path: Path, progress: Progress = quiet) -> PretrainedConfig:
     return config
 
 
+@contextlib.contextmanager
+def no_bars() -> Iterator[None]:
+    """transformers' tqdm bars off while it converts a GGUF file: they drew over the lines this
+    package prints on the same stream (``progress``), which say the same. Its loading bar obeys
+    its own switch; its GGUF module calls ``tqdm.auto.tqdm`` by name, so that name is bound to a
+    disabled bar for the conversion only (one at a time: the device thread); both restored."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    bar, was_on = gguf_utils.tqdm, hf_logging.is_progress_bar_enabled()
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
 def clean_config_dict(config: PretrainedConfig) -> dict[str, Any]:
     """A copy of ``config`` as a dict, without the GGUF container's quantization marks."""
     values = config.to_dict()
@@ -171,7 +193,8 @@ def convert_gguf(
     ``source``: what it was converted from, kept as ``source.json`` (``bootstrap cache list``)."""
     started, doing = time.monotonic(), f"converting {gguf_path.name} to a checkpoint (once)"
     progress(f"{doing}: {size_text(gguf_path.stat().st_size)} of GGUF, dequantized into {target} ...")
-    model, tokenizer = load_gguf_file(gguf_path, torch.device("cpu"), None, None)
+    with no_bars():
+        model, tokenizer = load_gguf_file(gguf_path, torch.device("cpu"), None, None)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
