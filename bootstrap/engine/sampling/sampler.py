@@ -354,5 +354,7 @@ def trim_stop_text(text: str, params: SamplingParams, stop_from: int = 0) -> str
 
 def _stop_cuts(text: str, params: SamplingParams, stop_from: int) -> list[int]:
     """Where each stop string first occurs in ``text`` ending after ``stop_from``."""
+    if not params.stop:  # most requests: every token comes here
+        return []
     found = (text.find(s, max(stop_from - len(s) + 1, 0)) for s in params.stop)
     return [i for i in found if i >= 0]
