@@ -14,6 +14,7 @@ from bootstrap.config import ConfigError
 from bootstrap.paths import file_kind
 from bootstrap.pipeline.telemetry import MissingExtra
 
+INSIDE_FROM = 0.6  # a bar ending past this share of its panel's width has its label end at the bar's end
 PNG_COLORS = {"ok": "#2e7d32", "failed": "#c62828", "cancelled": "#ef6c00", "refused": "#8e24aa", "skipped": "#9e9e9e"}
 
 
@@ -71,14 +72,7 @@ def write_png(lines: Sequence[Any], out: Path) -> Path:
     """One panel per timeline, stacked, on one time axis (seconds); bars coloured by outcome.
     Always PNG, whatever ``out`` ends with; labels are drawn as written (no mathtext)."""
     plt = _pyplot()
-    heights = [max(len(line.bars), 1) * 0.32 + 0.8 for line in lines]
-    fig, axes = plt.subplots(
-        len(lines), 1, figsize=(11, sum(heights)), sharex=True, squeeze=False, gridspec_kw={"height_ratios": heights}
-    )
-    for ax, line in zip(axes[:, 0], lines):
-        _draw(ax, line)
-    axes[-1, 0].set_xlabel("seconds since the first span")
-    fig.tight_layout()
+    fig, _ = figure(lines)
     try:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out, dpi=120, format="png")
@@ -89,7 +83,24 @@ def write_png(lines: Sequence[Any], out: Path) -> Path:
     return Path(out)
 
 
-def _draw(ax: Any, line: Any) -> None:
+def figure(lines: Sequence[Any]) -> tuple[Any, list[Any]]:
+    """The laid-out figure of ``write_png`` and every bar's label in it."""
+    plt = _pyplot()
+    heights = [max(len(line.bars), 1) * 0.32 + 0.8 for line in lines]
+    fig, axes = plt.subplots(
+        len(lines), 1, figsize=(11, sum(heights)), sharex=True, squeeze=False, gridspec_kw={"height_ratios": heights}
+    )
+    labels = [label for ax, line in zip(axes[:, 0], lines) for label in _draw(ax, line)]
+    axes[-1, 0].set_xlabel("seconds since the first span")
+    fig.tight_layout()
+    return fig, labels
+
+
+def _draw(ax: Any, line: Any) -> list[Any]:
+    """The bars and their labels (returned): a label starts after its bar's end, or, past
+    ``INSIDE_FROM`` of the panel's width (the process bar, the last stages), ends at it, so no
+    label runs off the figure's right edge."""
+    labels = []
     for row, bar in enumerate(line.bars):
         ax.barh(
             row,
@@ -98,13 +109,18 @@ def _draw(ax: Any, line: Any) -> None:
             color=PNG_COLORS.get(bar.outcome, "#1565c0"),
             height=0.6 if bar.level else 0.8,
         )
-        ax.text(
-            bar.end_s,
-            row,
-            f"  {bar.duration_s * 1000:.0f} ms {bar.note[:60]}",
-            va="center",
-            fontsize=7,
-            parse_math=False,
+        text = f"{bar.duration_s * 1000:.0f} ms {bar.note[:60]}".strip()
+        inside = bar.end_s > INSIDE_FROM * line.end_s
+        labels.append(
+            ax.text(
+                bar.end_s,
+                row,
+                f"{text}  " if inside else f"  {text}",
+                ha="right" if inside else "left",
+                va="center",
+                fontsize=7,
+                parse_math=False,
+            )
         )
     ax.set_yticks(
         range(len(line.bars)),
@@ -115,3 +131,4 @@ def _draw(ax: Any, line: Any) -> None:
     ax.invert_yaxis()
     ax.set_title(f"{line.source}: {line.end_s:.3f} s", fontsize=9, loc="left", parse_math=False)
     ax.grid(axis="x", alpha=0.3)
+    return labels
