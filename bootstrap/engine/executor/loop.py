@@ -75,7 +75,7 @@ class EngineLoop:
     def step_here(self) -> bool:
         """One round in the calling thread, unless a worker runs the loop. False when there was
         nothing to do."""
-        with self.step_lock:
+        with self.step_lock, self.requests.wakes_batched():
             if self.requests.worker_live:
                 return True
             took = self.inbox.drain_into(self.scheduler)
@@ -156,7 +156,7 @@ class EngineLoop:
             if idle:
                 self.land()
         first = self.inbox.wait() if idle else None
-        with self.step_lock:
+        with self.step_lock, self.requests.wakes_batched():  # a round's async wakeups go out once, at its end
             try:
                 self.inbox.drain_into(self.scheduler, first)
                 self._cancel_given_up()

@@ -11,16 +11,20 @@ callers (threads or async tasks) pick them up. The rules ``PyExecutor``'s caller
   released once finished with no consumer attached. Of the finished responses nobody is
   attached to, the ``max_unclaimed`` most recent are kept. A released id is a ``KeyError``.
 - **Wakeups, not polling.** The engine notifies a per-handle condition (threads) and an async
-  consumer's ``Waker`` (``Event.set`` scheduled on its event loop, never blocking the engine).
+  consumer's ``Waker`` (``Event.set`` scheduled on its event loop, never blocking the engine);
+  within a round (``wakes_batched``) the async ones go out once at its end, one callback per
+  event loop for every request the round advanced, not one each.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import anyio
@@ -40,14 +44,23 @@ class Waker:
 
     def __init__(self) -> None:
         self.event = anyio.Event()
-        self._call_soon = _call_soon_threadsafe()
+        self.call_soon = _call_soon_threadsafe()
 
     def wake(self) -> None:
-        # not contextlib.suppress: this runs for every event of every request, where try costs nothing
-        try:  # noqa: SIM105
-            self._call_soon(self.event.set)
-        except RuntimeError:  # its event loop has ended: nobody waits on it any more
-            pass
+        _schedule(self.call_soon, self.event.set)
+
+
+def _schedule(call_soon: Callable[[Callable[[], object]], object], callback: Callable[[], object]) -> None:
+    # not contextlib.suppress: this runs for every round, where try costs nothing
+    try:  # noqa: SIM105
+        call_soon(callback)
+    except RuntimeError:  # its event loop has ended: nobody waits on it any more
+        pass
+
+
+def _set_all(sets: Iterable[Callable[[], None]]) -> None:
+    for set_event in sets:
+        set_event()
 
 
 def _call_soon_threadsafe() -> Callable[[Callable[[], object]], object]:
@@ -121,6 +134,7 @@ class RequestTable:
         self._unclaimed: OrderedDict[int, None] = OrderedDict()
         self._cancelled: set[int] = set()  # given up unfinished: the engine must still cancel them
         self._departures: deque[tuple[Handle, Claim, bool]] = deque()
+        self._batch: dict[Callable, dict[int, Callable[[], None]]] | None = None  # wakes held (wakes_batched)
 
     def new_handle(self, seq: Sequence, detokenizer: Detokenizer | None) -> Handle:
         return Handle(seq, detokenizer, threading.Condition(self.lock))
@@ -215,6 +229,21 @@ class RequestTable:
                     self._settle(handle)
             self._wake(handle)
 
+    @contextlib.contextmanager
+    def wakes_batched(self) -> Iterator[None]:
+        """Hold the async consumers' wakeups until the block ends (the engine's round), then
+        schedule one callback per event loop setting every waker held; thread consumers are
+        notified at once, as ever."""
+        with self.lock:
+            self._batch = {}
+        try:
+            yield
+        finally:
+            with self.lock:
+                batch, self._batch = self._batch, None
+            for call_soon, sets in (batch or {}).items():
+                _schedule(call_soon, functools.partial(_set_all, list(sets.values())))
+
     def pop_cancelled(self) -> list[Handle]:
         """Unfinished requests given up since the last call, for the engine to cancel."""
         with self.lock:
@@ -262,11 +291,15 @@ class RequestTable:
         elif handle.consumer is None:
             self._drop(handle)
 
-    @staticmethod
-    def _wake(handle: Handle) -> None:
+    def _wake(self, handle: Handle) -> None:
         handle.changed.notify_all()
-        if handle.waker is not None:
-            handle.waker.wake()
+        waker = handle.waker
+        if waker is None:
+            return
+        if self._batch is None:
+            waker.wake()
+        else:
+            self._batch.setdefault(waker.call_soon, {})[id(waker.event)] = waker.event.set  # held: ids stay unique
 
     def _settle(self, handle: Handle) -> None:
         """A finished request nobody is attached to: release it if given up, else retain it."""
