@@ -10,7 +10,7 @@ import random
 
 import pytest
 from helpers.overlap_workload import assert_same_outcome, frequent_tokens, run_workload
-from helpers.tiny_llama import build_model, make_executor
+from helpers.tiny_llama import build_model, make_executor, reference
 
 from bootstrap.engine import SamplingParams
 
@@ -74,3 +74,16 @@ def test_cancels_of_requests_in_flight_leave_no_token_block_or_handle(model):
     assert ex.stats().handles == 0 and ex.runner.kv_cache.stats().used_blocks == 0
     assert ex._loop.in_flight is None
     ex.shutdown()
+
+
+def test_min_tokens_counts_the_token_in_flight(model):
+    """``min_tokens=2`` with the stop id the model gives third: the third token stops the request,
+    though the second is still in flight when the third is sampled."""
+    prompt = next(p for p in ([3 + i, 50 + i, 90 + i] for i in range(50)) if len(set(reference(model, p, 3))) == 3)
+    third = reference(model, prompt, 3)[2]
+    for overlap in (False, True):
+        ex = make_executor(model, overlap=overlap)
+        [rid] = ex.enqueue_choices(prompt, SamplingParams(max_tokens=8, stop_token_ids=(third,), min_tokens=2))
+        answer = ex.await_response(rid, timeout=60)
+        ex.shutdown()
+        assert (answer.token_ids, answer.finish_reason) == (reference(model, prompt, 3), "stop"), overlap

@@ -295,7 +295,7 @@ class EngineLoop:
         if batch.rows is not None:
             logits = logits.index_select(0, queued_tensor(logits.device, batch.rows))
         params = [s.params for s in sampling]
-        histories = [History(s.token_ids + [-1] * s.in_flight, s.num_prompt_tokens) for s in sampling]
+        histories = [History(s.token_ids, s.num_prompt_tokens, s.in_flight) for s in sampling]
         generators = [generator_at(s.generator, s.params.seed, s.num_generated) for s in sampling]
         tokens = self.sampler.sample(logits, params, generators, histories, self.responses.eos_token_ids)
         return InFlight.launch(sampling, tokens, logprob_tensors(logits, tokens, params))

@@ -44,14 +44,16 @@ class SamplingParams(Protocol):
 
 
 class History(NamedTuple):
-    """One row's tokens so far: the prompt followed by the generated tokens."""
+    """One row's tokens so far: the prompt followed by the generated tokens, and how many more
+    were sampled that are not in ``token_ids`` yet (in flight: counted, their ids unknown)."""
 
     token_ids: Sequence[int]
     num_prompt: int
+    in_flight: int = 0
 
     @property
     def num_generated(self) -> int:
-        return len(self.token_ids) - self.num_prompt
+        return len(self.token_ids) + self.in_flight - self.num_prompt
 
 
 @dataclass(frozen=True)
