@@ -125,14 +125,21 @@ def model_folders(directory: Path, entries: list[Entry]) -> tuple[Path, ...]:
     return layout + ((directory,) if directory == default_cache_dir() else ())
 
 
-def print_section(title: str, section: Section, entries: list[Entry] | None = None) -> None:
+def print_section(
+    title: str, section: Section, entries: list[Entry] | None = None, whats: dict[Path, str] | None = None
+) -> None:
     """``title: <total size>``, then one line per entry: its size, its name, and what it is (a
-    plan: the setup it was measured for)."""
+    plan: the setup it was measured for; ``whats``: as read before the entries were removed)."""
     entries = section.entries if entries is None else entries
+    whats = whats or describe(entries)
     print(f"{title}: {size_text(sum(e.size_bytes for e in entries))}")
     for e in entries:
-        what = plan_text(e.path) if e.what == PLAN else e.what
-        print(f"  {size_text(e.size_bytes):>10}  {shown(e.path.relative_to(section.directory))}  {what}")
+        print(f"  {size_text(e.size_bytes):>10}  {shown(e.path.relative_to(section.directory))}  {whats[e.path]}")
+
+
+def describe(entries: list[Entry]) -> dict[Path, str]:
+    """What each entry is, in words (a plan's read from its file)."""
+    return {e.path: plan_text(e.path) if e.what == PLAN else e.what for e in entries}
 
 
 def plan_text(path: Path) -> str:
@@ -163,7 +170,7 @@ def shown(path: Path) -> str:
 def clear(section: Section) -> bool:
     """Delete the section's entries, then its folders and directory where that left them empty,
     and say what went; True if an entry could not be deleted (each is named on stderr)."""
-    removed, failed = [], False
+    removed, failed, whats = [], False, describe(section.entries)  # a plan's setup is read from its file
     for e in section.entries:
         try:
             remove(e.path)
@@ -173,7 +180,7 @@ def clear(section: Section) -> bool:
             failed = True
     for folder in section.folders:
         _remove_if_empty(folder)
-    print_section(f"removed {len(removed)} {section.label} from {shown(section.directory)}", section, removed)
+    print_section(f"removed {len(removed)} {section.label} from {shown(section.directory)}", section, removed, whats)
     return failed
 
 

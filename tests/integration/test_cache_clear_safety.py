@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from bootstrap.cli.cache import plan_text
 from bootstrap.engine.sources.model_cache import SOURCE_FILE, size_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,12 +105,15 @@ def test_clear_removes_only_its_own_entries_from_a_directory_full_of_other_files
     given = {"as .": ".", "as ~/.cache": "~/.cache", "through a link": str(tmp_path / "link")}[named]
     kept = snapshot(tmp_path)
     plan, converted = store_a_plan(target), own_conversion(target)
-    removed = f"removed 1 cached plan(s) from {{}}: {size_text(plan.stat().st_size)}"
+    size = size_text(plan.stat().st_size)
+    setup = plan_text(plan)  # read before the clear, which names each plan it removed with it
+    assert setup.startswith("llama-3.1-8b: max_seq_len ")
     done = cli("cache", "clear", "--plan-cache", given, "--model-cache", given, cwd=target, home=home)
     assert done.returncode == 0, done.stderr
     shown = target if named == "as ~/.cache" else given
     assert done.stdout.splitlines() == [
-        removed.format(shown),
+        f"removed 1 cached plan(s) from {shown}: {size}",
+        f"  {size:>10}  {plan.name}  {setup}",
         f"removed 1 model cache entries from {shown}: 5.0 kB",
         f"      5.0 kB  {CONVERTED}  converted from /models/tiny.gguf (that file is gone)",
     ]

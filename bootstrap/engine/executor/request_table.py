@@ -10,10 +10,8 @@ callers (threads or async tasks) pick them up. The rules ``PyExecutor``'s caller
   response taken. A request given up (``give_up``: ``cancel``, or ``cancel_on_abandon``) is
   released once finished with no consumer attached. Of the finished responses nobody is
   attached to, the ``max_unclaimed`` most recent are kept. A released id is a ``KeyError``.
-- **Wakeups, not polling.** The engine notifies a per-handle condition (threads) and an async
-  consumer's ``Waker`` (``Event.set`` scheduled on its event loop, never blocking the engine);
-  within a round (``wakes_batched``) the async ones go out once at its end, one callback per
-  event loop for every request the round advanced, not one each.
+- **Wakeups, not polling.** Threads wait on a per-handle condition; an async consumer's ``Waker``
+  is set from its event loop, one callback per loop and round (``wakes_batched``), never blocking.
 """
 
 from __future__ import annotations
