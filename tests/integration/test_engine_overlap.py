@@ -87,3 +87,10 @@ def test_min_tokens_counts_the_token_in_flight(model):
         answer = ex.await_response(rid, timeout=60)
         ex.shutdown()
         assert (answer.token_ids, answer.finish_reason) == (reference(model, prompt, 3), "stop"), overlap
+
+
+def test_engine_stats_say_whether_steps_overlap(model):
+    for overlap in (False, True):
+        ex = make_executor(model, overlap=overlap)
+        assert ex.engine_stats().overlap is overlap
+        ex.shutdown()

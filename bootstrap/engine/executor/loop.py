@@ -213,12 +213,15 @@ class EngineLoop:
         for part in batch.split():
             self._run(part, fail=True)
 
+    @property
+    def overlap_on(self) -> bool:
+        """Overlap is asked for, the runner leads no other rank and no draft speculates."""
+        return self.scheduler.config.overlap and self.speculator is None and self.runner.lockstep is None
+
     def _overlaps(self, batch: ScheduledBatch) -> bool:
-        """Whether ``batch`` launches before the step in flight is read: overlap is on, the
-        runner leads no other rank, no draft, and no request samples from a history in flight."""
-        if not self.scheduler.config.overlap or self.speculator is not None or self.runner.lockstep is not None:
-            return False
-        return not any(s.in_flight and uses_penalties(s.params) for s in batch.seqs)
+        """Whether ``batch`` launches before the step in flight is read: overlap is on and no
+        request samples from a history in flight."""
+        return self.overlap_on and not any(s.in_flight and uses_penalties(s.params) for s in batch.seqs)
 
     def _launch(self, batch: ScheduledBatch) -> None:
         """Run ``batch`` fed from the step in flight, queue its sampling, then read that step."""

@@ -153,6 +153,7 @@ class PyExecutor:
             self.scheduler.prefix_query_tokens,
             self.scheduler.prefix_hit_tokens,
             "fp8" if self.runner.kv_cache.quantized else str(self.runner.kv_cache.spec.dtype).removeprefix("torch."),
+            self._loop.overlap_on,
         )
 
     @property

@@ -24,6 +24,7 @@ class EngineStats:
     prefix_query_tokens: int = 0  # prompt tokens looked up, since the engine started
     prefix_hit_tokens: int = 0  # of them, found cached
     kv_dtype: str = ""  # the pool's: float32, bfloat16, float16 or fp8
+    overlap: bool = False  # whether steps launch before the last one's tokens are read (``executor.overlap``)
 
     @property
     def prefix_hit_rate(self) -> float | None:

@@ -76,6 +76,7 @@ def _engine(executor: RequestExecutor) -> dict[str, Any]:
         "running": stats.running,
         "waiting": stats.waiting,
         "prefix_caching": stats.prefix_caching,
+        "overlap": stats.overlap,
         "kv_cached_blocks": stats.kv_cached_blocks,
         "kv_cached_free_blocks": stats.kv_cached_free_blocks,
         "prefix_query_tokens": stats.prefix_query_tokens,
