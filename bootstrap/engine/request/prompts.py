@@ -5,7 +5,7 @@ One set of rules for every way in: ``bootstrap run`` (``--prompt``, ``--chat``),
 completions and chat routes, and the executor's own admission check (``length_problem``), so
 all three refuse the same requests with the same words. Every refusal is a ``PromptError``
 naming the field at fault (the CLI exits 2 with it; the server answers 400 with it as
-``param``). No torch import until ``sampling_params`` is called.
+``param``). No torch import.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bootstrap.config import ConfigError
+from bootstrap.engine.sampling.params import SamplingParams
 
 MAX_CHOICES = 16  # choices of one prompt (n), prefilled once: PyExecutor.enqueue_choices
 EMPTY_PROMPT = "prompt: empty; at least one prompt token is needed"
@@ -96,11 +97,9 @@ def checked_max_tokens(prompt_len: int, max_tokens: int | None, max_seq_len: int
     return max_tokens
 
 
-def sampling_params(max_tokens: int, **options: Any) -> Any:
+def sampling_params(max_tokens: int, **options: Any) -> SamplingParams:
     """``SamplingParams(max_tokens=..., **options)``; its refusal as a ``PromptError`` naming the
     field (``SamplingParams.<field> must be ..., got ...``)."""
-    from bootstrap.engine.sampling.sampler import SamplingParams  # imports torch: only once asked
-
     try:
         return SamplingParams(max_tokens=max_tokens, **options)
     except ValueError as exc:

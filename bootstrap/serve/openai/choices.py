@@ -32,8 +32,8 @@ from bootstrap.serve.state import ServeState
 from bootstrap.serve.status.recent import RequestSummary
 
 if TYPE_CHECKING:
-    from bootstrap.engine.request.sequence import StreamEvent
-    from bootstrap.engine.sampling.sampler import SamplingParams
+    from bootstrap.engine.request.events import StreamEvent
+    from bootstrap.engine.sampling.params import SamplingParams
 
 
 class Choices:

@@ -21,7 +21,7 @@ from bootstrap.serve.errors import APIError
 from bootstrap.serve.openai.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, _Sampling
 
 if TYPE_CHECKING:
-    from bootstrap.engine.sampling.sampler import SamplingParams
+    from bootstrap.engine.sampling.params import SamplingParams
 
 ROLE_FOR_TEMPLATE = {"developer": "system"}  # templates rarely know OpenAI's newer role name
 # The most characters one token can stand for, in any tokenizer served. The longest entries of

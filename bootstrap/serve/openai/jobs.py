@@ -22,9 +22,9 @@ from bootstrap.serve.openai.schemas import finish_reason
 from bootstrap.serve.state import ServeState
 
 if TYPE_CHECKING:
-    from bootstrap.engine.request.sequence import StreamEvent
+    from bootstrap.engine.request.events import StreamEvent
     from bootstrap.engine.request.timing import RequestTiming
-    from bootstrap.engine.sampling.sampler import SamplingParams
+    from bootstrap.engine.sampling.params import SamplingParams
 
 CANCEL_WAIT_S = 10.0  # a cancel is taken at the executor's next step; this only bounds a stuck one
 REJECTED = "request rejected: "
