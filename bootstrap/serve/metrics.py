@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from bootstrap.backends.base import RequestExecutor, Speculates
+from bootstrap.engine.executor.channel.client import EngineClient
 from bootstrap.serve.state import Phase, ServeState
 
 if TYPE_CHECKING:
@@ -92,8 +92,8 @@ class StateCollector(Collector):
         )
         yield from _operations(state)
 
-    def _engine(self, executor: RequestExecutor) -> Iterator[Metric]:
-        stats = executor.engine_stats()  # the executor's own snapshot: safe here, on the event loop
+    def _engine(self, executor: EngineClient) -> Iterator[Metric]:
+        stats = executor.engine_stats()  # the latest round's snapshot
         yield GaugeMetricFamily(
             "bootstrap_kv_capacity_blocks", "KV cache blocks in the pool", value=stats.kv_total_blocks
         )
@@ -106,9 +106,8 @@ class StateCollector(Collector):
             "bootstrap_requests_waiting", "Requests queued in the engine, not yet admitted", value=stats.waiting
         )
         yield from _prefix_cache(stats)
-        speculator = executor.speculator if isinstance(executor, Speculates) else None
-        if speculator is not None:
-            yield from _speculation(speculator.stats)
+        if executor.speculation is not None:
+            yield from _speculation(executor.speculation)
 
 
 def _prefix_cache(stats: EngineStats) -> Iterator[Metric]:

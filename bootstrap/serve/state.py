@@ -1,8 +1,8 @@
 """What the server knows: the bootstrap's phase, the executor once ready, requests in flight.
 
 One ``ServeState`` per app. Everything here runs on the event loop; the executor is only
-reached through its thread-safe request API (``bootstrap.backends.base.RequestExecutor``:
-``enqueue``, ``cancel``, ``stream_async``, ``await_response_async``, ``engine_stats``).
+reached through the engine channel (``bootstrap.engine.executor.channel``): ``executor`` is its client, whose
+core sits beside the started executor (``serve_executor``).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Literal
 
 import anyio
 
-from bootstrap.backends.base import RequestExecutor
 from bootstrap.config import BootstrapConfig, ConfigError
+from bootstrap.engine.executor.channel.client import EngineClient
 from bootstrap.pipeline.process import ProcessTimeline
 from bootstrap.serve.status.recent import RecentRequests
 
@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
     from bootstrap.api import Bootstrap
     from bootstrap.api.operation_terms import OtherRanks
-    from bootstrap.backends.base import Backend
+    from bootstrap.backends.base import Backend, Executor
+    from bootstrap.engine.executor.channel.local import LocalEngine
     from bootstrap.pipeline.events import StageEvent
     from bootstrap.pipeline.process import Phase as ProcessPhase
 
@@ -177,7 +178,7 @@ class ServeState:
     options: ServeOptions
     phase: Phase = "starting"
     boot: Bootstrap | None = None  # made off the event loop (it imports torch)
-    executor: RequestExecutor | None = None  # the started executor once ready
+    executor: EngineClient | None = None  # the channel to the started executor once ready (``serve_executor``)
     max_seq_len: int | None = None
     model_id: str = ""  # the id clients send: options.model_id, then a swap's
     time_to_ready_s: float | None = None
@@ -195,6 +196,7 @@ class ServeState:
     make_backend: Callable[[BootstrapConfig], Backend] | None = None  # rank 0 of --tp N: joins the ranks
     ranks: OtherRanks | None = None  # rank 0 of --tp N: the lockstep, told of operations and the stop
     _process_phase: ProcessPhase | None = field(default=None, init=False, repr=False)  # the phase track_process began
+    _engine: LocalEngine | None = field(default=None, init=False, repr=False)  # both ends of ``executor``'s channel
 
     def __post_init__(self) -> None:
         self.model_id = self.model_id or self.options.model_id
@@ -206,6 +208,18 @@ class ServeState:
         if phase in ("ready", "failed", "shutting_down", "idle", "asleep"):  # the server answers from here on
             self.track_process("draining" if phase == "shutting_down" else "serving")
         self.changes.notify()
+
+    def serve_executor(self, executor: Executor | None) -> None:
+        """Serve ``executor`` (a started ``PyExecutor``: ``serve`` runs the native backend) through a
+        channel of its own, or none; the previous channel is closed first (its requests ended)."""
+        if self._engine is not None:
+            engine, self._engine, self.executor = self._engine, None, None
+            engine.close()
+        if executor is not None:
+            from bootstrap.engine.executor.channel.local import LocalEngine  # imports torch, as the executor did
+
+            self._engine = LocalEngine(executor)  # type: ignore[arg-type]
+            self.executor = self._engine.start()
 
     def track_process(self, name: str | None) -> None:
         """End the process phase in progress and (``name``) begin the next one."""

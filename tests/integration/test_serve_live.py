@@ -175,7 +175,7 @@ async def test_is_sleeping_says_whether_the_weights_are_away_while_idle_mid_oper
         return load(self, *args, **kwargs)
 
     async with serving(llama, drain_timeout_s=BOUND_S) as server:
-        hold, stream, done = Hold(server.state.executor), Stream(server.app, server.completion()), {}
+        hold, stream, done = Hold(server.state.boot.executor), Stream(server.app, server.completion()), {}
 
         async def call(route: str, body: dict | None = None) -> None:
             done[route] = await server.op(route, body)

@@ -64,7 +64,7 @@ async def test_the_model_stays_listed_while_it_sleeps_with_its_state(llama):
 
 async def test_a_conflict_names_the_running_weights_update_in_a_sentence(llama):
     async with serving(llama, drain_timeout_s=120) as server:
-        hold = Hold(server.state.executor)
+        hold = Hold(server.state.boot.executor)
         stream = Stream(server.app, server.completion())
         answers = {}
 

@@ -103,7 +103,7 @@ async def test_a_swap_to_a_checkpoint_whose_headers_show_it_broken_is_400_before
     broken = copy_checkpoint(llama, tmp_path / kind)
     breaks(broken)
     async with serving(llama, drain_timeout_s=BOUND_S) as server:
-        hold, stream = Hold(server.state.executor), Stream(server.app, server.completion())
+        hold, stream = Hold(server.state.boot.executor), Stream(server.app, server.completion())
         async with anyio.create_task_group() as tg:
             try:
                 tg.start_soon(stream.run)
@@ -126,7 +126,7 @@ async def test_a_swap_whose_nan_weight_shows_only_while_reading_brings_the_old_m
     name = f"{LAYER}.mlp.down_proj.weight"
     broken = with_nan(llama, tmp_path / "nan", name)
     async with serving(llama, drain_timeout_s=BOUND_S) as server:
-        hold, stream, swap = Hold(server.state.executor), Stream(server.app, server.completion()), {}
+        hold, stream, swap = Hold(server.state.boot.executor), Stream(server.app, server.completion()), {}
 
         async def swap_to_broken() -> None:
             swap["answer"] = await server.op("/v1/bootstrap/swap", {"model": str(broken), "served_model_name": "b"})
@@ -157,7 +157,7 @@ async def test_a_weights_update_with_a_nan_tensor_is_400_naming_it_and_the_old_w
     name = f"{LAYER}.self_attn.o_proj.weight"
     broken = with_nan(llama, tmp_path / "nan", name)
     async with serving(llama, drain_timeout_s=BOUND_S) as server:
-        hold, stream = Hold(server.state.executor), Stream(server.app, server.completion())
+        hold, stream = Hold(server.state.boot.executor), Stream(server.app, server.completion())
         async with anyio.create_task_group() as tg:
             try:
                 tg.start_soon(stream.run)

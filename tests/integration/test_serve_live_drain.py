@@ -36,7 +36,7 @@ def fresh(llama, qwen) -> dict[str, str]:
 
 async def test_a_stream_in_flight_finishes_on_the_old_model_while_the_swap_waits_and_refuses_others(llama, qwen, fresh):
     async with serving(llama, drain_timeout_s=BOUND_S) as server:
-        old = server.state.executor
+        old = server.state.boot.executor
         hold = Hold(old)
         stream, swap = Stream(server.app, server.completion()), {}
 
@@ -82,7 +82,7 @@ async def test_a_stream_in_flight_finishes_on_the_old_model_while_the_swap_waits
 
 async def test_past_the_drain_timeout_a_stream_ends_with_abort_and_its_partial_output(llama, qwen, fresh):
     async with serving(llama, drain_timeout_s=0) as server:
-        old = server.state.executor
+        old = server.state.boot.executor
         hold = Hold(old, until_cancel=True)  # the forward after the first waits for the cut
         stream = Stream(server.app, server.completion())
         async with anyio.create_task_group() as tg:

@@ -57,7 +57,7 @@ async def test_twenty_swaps_under_streaming_traffic_account_for_every_request(ll
             for seed in range(CLIENTS):
                 traffic.start_soon(client, seed)
             for cycle in range(SWAPS):
-                executors.append(server.state.executor)
+                executors.append(server.state.boot.executor)
                 body = {"model": str(qwen if cycle % 2 == 0 else llama), "served_model_name": "live"}
                 swapped = await server.op("/v1/bootstrap/swap", body)
                 assert swapped.status_code == 200, swapped.text

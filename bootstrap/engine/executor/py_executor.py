@@ -26,11 +26,11 @@ import anyio
 
 from bootstrap.config import is_int
 from bootstrap.engine.executor.loop import EngineLoop
-from bootstrap.engine.executor.request_table import Claim, Handle, RequestStats, RequestTable
+from bootstrap.engine.executor.request_table import Claim, Handle, Outbox, RequestStats, RequestTable, Route
 from bootstrap.engine.executor.responses import ResponseWriter
 from bootstrap.engine.executor.stats import EngineStats
 from bootstrap.engine.executor.waiting import EventStream, Waiter
-from bootstrap.engine.request.prompts import MAX_CHOICES
+from bootstrap.engine.request.prompts import MAX_CHOICES, token_id_problem
 from bootstrap.engine.request.sequence import (
     Detokenizer,
     Response,
@@ -101,20 +101,27 @@ class PyExecutor:
         n: int = 1,
         *,
         cache_salt: str | None = None,
+        outbox: Outbox | None = None,
+        keys: Seq[int] = (),
     ) -> list[int]:
         """Queue ``n`` choices (1 to ``MAX_CHOICES``) of one prompt; their ids, one request each.
         The prompt is prefilled once and its KV blocks shared (``bootstrap.engine.scheduler``).
         With a seed, choice ``i`` samples with ``seed + i`` (wrapping past ``MAX_SEED``), so
-        choice 0 is what ``enqueue`` gives. All are answered the same way when impossible."""
+        choice 0 is what ``enqueue`` gives. All are answered the same way when impossible.
+        ``outbox``: the choices are routed (``request_table.Route``): their events go to it as
+        (``keys[i]``, event) pairs, a round's in one call, and none waits here to be taken."""
         self._check_open()
         if not is_int(n) or not 1 <= n <= MAX_CHOICES:
             raise ValueError(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}")
+        if outbox is not None and len(keys) != n:
+            raise ValueError(f"keys must name each of the n={n} choices, got {len(keys)}")
         first = self._sequence(prompt_token_ids, params, cache_salt=cache_salt)
         first.forks = [
             self._sequence(first.prompt_token_ids, _choice_params(first.params, i), cache_salt=cache_salt)
             for i in range(1, n)
         ]
-        return [h.request_id for h in self._submit([first, *first.forks])]
+        routes = [Route(outbox, key) for key in keys] if outbox is not None else None
+        return [h.request_id for h in self._submit([first, *first.forks], routes=routes)]
 
     def cancel(self, request_id: int, *, keep_response: bool = False) -> None:
         """Give the request up: an unfinished one finishes with ``finish_reason="cancelled"``. It
@@ -258,11 +265,15 @@ class PyExecutor:
         tokens = token_id_list(prompt_token_ids)
         return Sequence(next_request_id(), tokens, params, is_warmup=is_warmup, cache_salt=cache_salt)
 
-    def _submit(self, seqs: list[Sequence], claim: Claim | None = None) -> list[Handle]:
-        """Register and queue ``seqs`` all at once (held by ``claim`` if given); answer
-        those that can never run with an error."""
+    def _submit(
+        self, seqs: list[Sequence], claim: Claim | None = None, routes: list[Route] | None = None
+    ) -> list[Handle]:
+        """Register and queue ``seqs`` all at once (held by ``claim``, or routed, if given);
+        answer those that can never run with an error."""
         detok = lambda s: None if s.is_warmup or self.tokenizer is None else Detokenizer(self.tokenizer)  # noqa: E731
         handles = [self._requests.new_handle(s, detok(s)) for s in seqs]
+        for handle, route in zip(handles, routes or ()):
+            handle.route, claim = route, claim or Claim("outbox")
         carrier = {c.request_id: s for s in seqs for c in s.forks}  # forks are queued with the request carrying them
         roots = {s.request_id: self._rejection(s) for s in seqs if s.request_id not in carrier}
         reasons = [roots[carrier.get(s.request_id, s).request_id] for s in seqs]
@@ -281,10 +292,9 @@ class PyExecutor:
         return handles
 
     def _rejection(self, seq: Sequence) -> str | None:
-        vocab = self.runner.vocab_size
-        bad = [t for t in seq.prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            return f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}"
+        problem = token_id_problem(seq.prompt_token_ids, self.runner.vocab_size)
+        if problem is not None:
+            return problem
         if seq.params.stop and self.tokenizer is None and not seq.is_warmup:
             return "stop strings need a tokenizer, and this executor has none"
         return self.scheduler.rejection(seq)

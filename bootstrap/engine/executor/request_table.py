@@ -12,6 +12,8 @@ callers (threads or async tasks) pick them up. The rules ``PyExecutor``'s caller
   attached to, the ``max_unclaimed`` most recent are kept. A released id is a ``KeyError``.
 - **Wakeups, not polling.** Threads wait on a per-handle condition; an async consumer's ``Waker``
   is set from its event loop, one callback per loop and round (``wakes_batched``), never blocking.
+- **Routed requests** (``Route``) have no consumer here: their events go to an outbox, a round's
+  in one call, and nothing is retained after the final one (the engine channel's requests).
 """
 
 from __future__ import annotations
@@ -31,6 +33,17 @@ from bootstrap.config import is_int
 from bootstrap.engine.request.sequence import Detokenizer, Response, Sequence, StreamEvent
 
 log = logging.getLogger(__name__)
+
+
+Outbox = Callable[[list[tuple[int, StreamEvent]]], None]
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a routed request's events go: ``outbox`` gets (``key``, event) pairs."""
+
+    outbox: Outbox
+    key: int
 
 
 class RequestInUse(RuntimeError):
@@ -85,6 +98,7 @@ class Handle:
     consumer: Claim | None = None
     waker: Waker | None = None
     given_up: bool = False
+    route: Route | None = None  # its events go to an outbox, not to a consumer here
 
     @property
     def request_id(self) -> int:
@@ -133,6 +147,7 @@ class RequestTable:
         self._cancelled: set[int] = set()  # given up unfinished: the engine must still cancel them
         self._departures: deque[tuple[Handle, Claim, bool]] = deque()
         self._batch: dict[Callable, dict[int, Callable[[], None]]] | None = None  # wakes held (wakes_batched)
+        self._routed: dict[Outbox, list[tuple[int, StreamEvent]]] = {}  # routed events held (wakes_batched)
 
     def new_handle(self, seq: Sequence, detokenizer: Detokenizer | None) -> Handle:
         return Handle(seq, detokenizer, threading.Condition(self.lock))
@@ -216,22 +231,34 @@ class RequestTable:
     # ---- the engine ---------------------------------------------------------------------------
 
     def publish(self, handle: Handle, event: StreamEvent, response: Response | None = None) -> None:
-        """Leave ``event`` (and, at the end, ``response``) for the consumer and wake it."""
+        """Leave ``event`` (and, at the end, ``response``) for the consumer and wake it; a routed
+        request's event goes to its outbox (held until the round ends, in a round)."""
+        route = handle.route
         with self.lock:
             self._reap()
-            handle.events.append(event)
-            if response is not None:
-                handle.response = response
-                self._cancelled.discard(handle.request_id)
-                if handle.consumer is None:
-                    self._settle(handle)
-            self._wake(handle)
+            if route is not None:
+                if response is not None:
+                    self._cancelled.discard(handle.request_id)
+                    self._drop(handle)
+                if self._batch is not None:
+                    self._routed.setdefault(route.outbox, []).append((route.key, event))
+                    return
+            else:
+                handle.events.append(event)
+                if response is not None:
+                    handle.response = response
+                    self._cancelled.discard(handle.request_id)
+                    if handle.consumer is None:
+                        self._settle(handle)
+                self._wake(handle)
+        if route is not None:
+            route.outbox([(route.key, event)])
 
     @contextlib.contextmanager
     def wakes_batched(self) -> Iterator[None]:
-        """Hold the async consumers' wakeups until the block ends (the engine's round), then
-        schedule one callback per event loop setting every waker held; thread consumers are
-        notified at once, as ever."""
+        """Hold the async consumers' wakeups and the routed events until the block ends (the
+        engine's round), then call each outbox once and schedule one callback per event loop
+        setting every waker held; thread consumers are notified at once, as ever."""
         with self.lock:
             self._batch = {}
         try:
@@ -239,6 +266,9 @@ class RequestTable:
         finally:
             with self.lock:
                 batch, self._batch = self._batch, None
+                routed, self._routed = self._routed, {}
+            for outbox, events in routed.items():
+                outbox(events)
             for call_soon, sets in (batch or {}).items():
                 _schedule(call_soon, functools.partial(_set_all, list(sets.values())))
 

@@ -66,6 +66,12 @@ def text_ids(tokenizer: Any, text: str, field: str = "prompt") -> list[int]:
     return list(tokenizer(text)["input_ids"])
 
 
+def token_id_problem(ids: Sequence[object], vocab_size: int) -> str | None:
+    """What is wrong with prompt token ``ids`` for a vocabulary of ``vocab_size``, or None."""
+    bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+    return f"prompt token ids must be integers in [0, {vocab_size}), got {bad[:5]}" if bad else None
+
+
 def length_problem(prompt_len: int, max_tokens: int, max_seq_len: int, field: str = "max_tokens") -> str | None:
     """Why a prompt of ``prompt_len`` tokens plus ``max_tokens`` to generate cannot run within
     ``max_seq_len``, or None when it can."""

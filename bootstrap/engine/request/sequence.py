@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bootstrap.engine.request.acceptance import Acceptance
-from bootstrap.engine.request.events import StreamEvent as StreamEvent  # re-exported: callers import it here
+from bootstrap.engine.request.stream_event import StreamEvent as StreamEvent  # re-exported: callers import it here
 from bootstrap.engine.request.timing import RequestClock, RequestTiming
 from bootstrap.engine.sampling.processing import TokenLogprob
 from bootstrap.engine.sampling.sampler import SamplingParams

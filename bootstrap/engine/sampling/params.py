@@ -1,7 +1,7 @@
 """``SamplingParams``: how one request picks its tokens and when it stops, checked as it is made.
 
 Apart from the sampler (``bootstrap.engine.sampling.sampler``, which imports torch), so the
-server's side of the channel (``bootstrap.channel``) builds and sends them without torch.
+server's side of the channel (``bootstrap.engine.executor.channel``) builds and sends them without torch.
 """
 
 from __future__ import annotations

@@ -87,7 +87,8 @@ async def _run(state: ServeState, name: str, call: Call, param: str, outcome: di
     except Busy as exc:
         outcome["error"] = APIError(409, str(exc), code="operation_conflict")
     except StageFailed as exc:
-        state.failure, state.executor = exc, None
+        state.failure = exc
+        state.serve_executor(None)
         paragraph = failure_paragraph(exc)
         state.set_phase("failed", paragraph)
         log.error("%s: %s (POST /v1/bootstrap/retry resumes from %s)", name, paragraph, exc.stage)
@@ -95,7 +96,7 @@ async def _run(state: ServeState, name: str, call: Call, param: str, outcome: di
         outcome["error"] = APIError(500, said, code="operation_failed")
     except Exception as exc:  # not a stage's failure: the state is what the operation left
         log.exception("%s failed", name)
-        state.executor = state.boot.executor if state.boot is not None else None
+        state.serve_executor(state.boot.executor if state.boot is not None else None)
         state.set_phase("failed" if state.executor is None else "ready", f"{type(exc).__name__}: {exc}")
         said = client_text(exc, f"the {name} failed: {type(exc).__name__}: {exc}")
         outcome["error"] = APIError(500, said, code="operation_failed")
@@ -142,7 +143,7 @@ async def drain(state: ServeState, phase: str, cut: list[int]) -> None:
         cut.append(state.cut_short())
         with anyio.move_on_after(CANCEL_WAIT_S):
             await state.inflight.wait_idle()
-    state.executor = None
+    state.serve_executor(None)
 
 
 def settle(state: ServeState, executor: Executor | None) -> None:
@@ -150,10 +151,10 @@ def settle(state: ServeState, executor: Executor | None) -> None:
     boot = state.boot
     state.failure = None
     if executor is None and boot is not None and boot.asleep:
-        state.executor = None
+        state.serve_executor(None)
         state.set_phase("asleep")
         return
-    state.executor = executor  # type: ignore[assignment]  # a RequestExecutor: serve runs the native backend
+    state.serve_executor(executor)
     state.max_seq_len = boot.report().plan.get("max_seq_len") if boot is not None else None
     state.set_phase("ready")
 

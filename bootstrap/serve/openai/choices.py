@@ -32,7 +32,7 @@ from bootstrap.serve.state import ServeState
 from bootstrap.serve.status.recent import RequestSummary
 
 if TYPE_CHECKING:
-    from bootstrap.engine.request.events import StreamEvent
+    from bootstrap.engine.request.stream_event import StreamEvent
     from bootstrap.engine.sampling.params import SamplingParams
 
 

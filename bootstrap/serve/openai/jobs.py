@@ -1,13 +1,13 @@
-"""One request in the executor, from ``enqueue`` to its final event, cancelled however it ends.
+"""One request in the engine, from ``enqueue`` to its final event, cancelled however it ends.
 
 ``Job.close`` runs whatever way the request's handler ends (done, client gone, handler
-cancelled, server shutting down): a request that has not finished is cancelled in the executor
-explicitly, and its response is collected so the executor forgets it.
+cancelled, server shutting down): a request that has not finished is cancelled in the engine
+explicitly and read to its final event (how it ended, its timing), or, if that does not come
+in time, forgotten by the channel's client.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
@@ -22,7 +22,7 @@ from bootstrap.serve.openai.schemas import finish_reason
 from bootstrap.serve.state import ServeState
 
 if TYPE_CHECKING:
-    from bootstrap.engine.request.events import StreamEvent
+    from bootstrap.engine.request.stream_event import StreamEvent
     from bootstrap.engine.request.timing import RequestTiming
     from bootstrap.engine.sampling.params import SamplingParams
 
@@ -66,7 +66,6 @@ class Job:
         self.started = time.monotonic()
         self.request_id = request_id
         state.inflight.add(self.request_id)
-        self._stream = self.executor.stream_async(self.request_id)
         self._first: StreamEvent | None = None
         self.tokens = 0
         self.finish_reason: str | None = None
@@ -92,7 +91,7 @@ class Job:
             yield await self._next()
 
     async def _next(self) -> StreamEvent:
-        event = await self._stream.__anext__()
+        event = await self.executor.next_event(self.request_id)
         if event.token_id is not None:
             if self.tokens == 0:
                 self.metrics.ttft.labels(self.endpoint).observe(time.monotonic() - self.started)
@@ -113,32 +112,21 @@ class Job:
         if self._closed:
             return
         self._closed = True
-        with anyio.CancelScope(shield=True):
-            if self.finish_reason is None:
+        if self.finish_reason is None:
+            with anyio.CancelScope(shield=True):
                 await self._cancel()
-            else:  # one more step lets stream_async forget the request (it does after its last event)
-                await _drain(self._stream)
         self.state.inflight.discard(self.request_id)
         self._record()
 
     async def _cancel(self) -> None:
-        """Cancel the request and collect its response (how it ended, its timing); a request
-        not collected within ``CANCEL_WAIT_S`` is given up, so the executor forgets it."""
-        self.executor.cancel(self.request_id, keep_response=True)
-        with contextlib.suppress(RuntimeError):  # still running in another task: the await below does not need it
-            await self._stream.aclose()
-        collected = False
-        try:
-            with anyio.move_on_after(CANCEL_WAIT_S):
-                response = await self.executor.await_response_async(self.request_id)
-                self.finish_reason, self.error, self.timing = response.finish_reason, response.error, response.timing
-                self.cached_tokens = response.cached_tokens
-                collected = True
-        except (KeyError, TimeoutError, RuntimeError):  # released (past max_unclaimed), in use, or shut down
-            pass
-        finally:
-            if not collected:
-                self.executor.cancel(self.request_id)
+        """Cancel the request and read it to its final event (how it ended, its timing); one not
+        ended within ``CANCEL_WAIT_S`` is forgotten, so the client drops it whenever it ends."""
+        self.executor.cancel(self.request_id)
+        with anyio.move_on_after(CANCEL_WAIT_S):
+            while self.finish_reason is None:
+                await self._next()
+        if self.finish_reason is None:
+            self.executor.forget(self.request_id)
 
     def _record(self) -> None:
         reason = self.reason
@@ -147,11 +135,6 @@ class Job:
         self.metrics.generated_tokens.inc(self.tokens)
         if reason in ("stop", "length"):
             self.metrics.e2e.labels(self.endpoint).observe(time.monotonic() - self.started)
-
-
-async def _drain(stream: AsyncIterator[StreamEvent]) -> None:
-    async for _ in stream:
-        pass
 
 
 async def unless_disconnected(request: Request, fn: Callable[[], Awaitable[T]]) -> T | None:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 from bootstrap.serve.openai import schemas as s
 
 if TYPE_CHECKING:
-    from bootstrap.engine.request.events import StreamEvent
+    from bootstrap.engine.request.stream_event import StreamEvent
 
 FLOOR = -9999.0  # vLLM's value for -inf ("the JSON-serializable float that OpenAI uses")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bootstrap.backends.base import RequestExecutor
+from bootstrap.engine.executor.channel.client import EngineClient
 from bootstrap.serve.errors import APIError
 from bootstrap.serve.state import ServeState
 
@@ -20,7 +20,7 @@ NOT_SERVING = {  # phase -> (code, message) of the 503 a request gets then
 }
 
 
-def ready_executor(state: ServeState) -> RequestExecutor:
+def ready_executor(state: ServeState) -> EngineClient:
     """The executor, or 503 with ``Retry-After`` and what the bootstrap is doing."""
     if state.phase == "ready" and state.executor is not None:
         return state.executor

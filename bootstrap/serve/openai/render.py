@@ -23,7 +23,7 @@ from bootstrap.serve.openai import schemas as s
 from bootstrap.serve.openai.logprobs import LogprobsOut, TokenDecoder
 
 if TYPE_CHECKING:
-    from bootstrap.engine.request.events import StreamEvent
+    from bootstrap.engine.request.stream_event import StreamEvent
 
 DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

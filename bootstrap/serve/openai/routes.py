@@ -11,7 +11,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from bootstrap.backends.base import RequestExecutor
+from bootstrap.engine.executor.channel.client import EngineClient
 from bootstrap.serve.errors import APIError
 from bootstrap.serve.openai import schemas as s
 from bootstrap.serve.openai.bodies import body_of, parsed
@@ -79,7 +79,7 @@ async def chat_completions(request: Request) -> Response:
     )
 
 
-def serving_executor(request: Request, model: str) -> RequestExecutor:
+def serving_executor(request: Request, model: str) -> EngineClient:
     """The ready executor, for a request that names this server's model (else 503 or 404)."""
     state: ServeState = request.app.state.serve
     executor = ready_executor(state)

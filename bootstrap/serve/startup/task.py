@@ -13,11 +13,11 @@ import importlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVarTuple, cast
+from typing import TypeVarTuple
 
 import anyio
 
-from bootstrap.backends.base import Backend, Executor, RequestExecutor
+from bootstrap.backends.base import Backend, Executor
 from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.pipeline import StageFailed, failure_paragraph
 from bootstrap.serve.state import ServeState, factory_parts
@@ -123,8 +123,9 @@ async def _settle(state: ServeState, build: Callable[[], Awaitable[Executor | No
         return
     report = state.boot.report()
     # not checked here: ``bootstrap serve`` takes the native backend only (``bootstrap.cli.serve``), and a
-    # ``--backend-factory`` backend is trusted to start a ``RequestExecutor``
-    state.executor, state.max_seq_len = cast(RequestExecutor, executor), report.plan["max_seq_len"]
+    # ``--backend-factory`` backend is trusted to start a ``PyExecutor``
+    state.serve_executor(executor)
+    state.max_seq_len = report.plan["max_seq_len"]
     state.time_to_ready_s = round(state.elapsed_s(), 6)
     state.set_phase("ready")
     since = (

@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 
-from bootstrap.backends.base import RequestExecutor
+from bootstrap.engine.executor.channel.client import EngineClient
 from bootstrap.serve.state import ServeState
 
 router = APIRouter()
@@ -65,7 +65,7 @@ async def engine(request: Request) -> dict[str, Any]:
     }
 
 
-def _engine(executor: RequestExecutor) -> dict[str, Any]:
+def _engine(executor: EngineClient) -> dict[str, Any]:
     """The load, and the prefix cache's figures (its tokens counted since this engine started)."""
     stats = executor.engine_stats()
     return {

@@ -1,5 +1,5 @@
 """``StreamEvent``: one streamed step of a request, as the engine publishes it and the server
-reads it; torch-free, so the server's side of the channel (``bootstrap.channel``) decodes it.
+reads it; torch-free, so the server's side of the channel (``bootstrap.engine.executor.channel``) decodes it.
 """
 
 from __future__ import annotations
