@@ -94,6 +94,13 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         "sleep releases it (then they end with finish_reason abort and their partial output)",
     )
     add(
+        "--engine-timeout",
+        type=float,
+        default=60.0,
+        help="seconds requests may wait on an engine from which no step has answered before /health answers 503 "
+        "naming the engine (a step that never ends)",
+    )
+    add(
         "--idle",
         action="store_true",
         help="start without a model: torch imported and the device initialized, /ready 503 (state idle) "
@@ -138,6 +145,8 @@ def serve_options(args: argparse.Namespace, config: Any) -> Any:
     check_dist_timeout(getattr(args, "dist_timeout", 600.0))  # a Namespace made by hand may leave it out
     drain = getattr(args, "drain_timeout", 30.0)  # a Namespace made by hand may leave it out
     check_number("drain_timeout", drain, 0.0, MAX_SECONDS, unit=" seconds")
+    engine_timeout = getattr(args, "engine_timeout", 60.0)  # a Namespace made by hand may leave it out
+    check_number("engine_timeout", engine_timeout, 0.0, MAX_SECONDS, low_open=True, unit=" seconds")
     ratio = getattr(args, "request_trace_ratio", 1.0)  # a Namespace made by hand may leave it out
     check_number("request_trace_ratio", ratio, 0.0, 1.0)
     host = getattr(args, "host", "127.0.0.1")  # a Namespace made by hand may leave it out
@@ -157,6 +166,7 @@ def serve_options(args: argparse.Namespace, config: Any) -> Any:
         backend_factory=args.backend_factory,
         shutdown_timeout_s=args.shutdown_timeout,
         drain_timeout_s=drain,
+        engine_timeout_s=engine_timeout,
         idle=getattr(args, "idle", False),
         host=host,
         allowed_origins=origins,

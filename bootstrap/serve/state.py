@@ -60,6 +60,7 @@ class ServeOptions:
     backend_factory: str | None = None  # "module:callable"; None: the backend config.backend names
     shutdown_timeout_s: float = 30.0
     drain_timeout_s: float = 30.0  # requests in flight before an operation releases the model
+    engine_timeout_s: float = 60.0  # requests waiting on an engine that sends nothing this long: /health 503
     idle: bool = False  # start without a model (``serve --idle``)
     host: str | None = None  # the bound address; a loopback one refuses other sites (``serve.auth``)
     allowed_origins: tuple[str, ...] = ()  # browser origins taken anyway (``parse_origins``)
@@ -196,6 +197,7 @@ class ServeState:
     make_backend: Callable[[BootstrapConfig], Backend] | None = None  # rank 0 of --tp N: joins the ranks
     ranks: OtherRanks | None = None  # rank 0 of --tp N: the lockstep, told of operations and the stop
     _process_phase: ProcessPhase | None = field(default=None, init=False, repr=False)  # the phase track_process began
+    stall_logged: bool = False  # the engine's current stall is in the log (``/health``)
     _engine: LocalEngine | None = field(default=None, init=False, repr=False)  # both ends of ``executor``'s channel
 
     def __post_init__(self) -> None:
@@ -208,6 +210,17 @@ class ServeState:
         if phase in ("ready", "failed", "shutting_down", "idle", "asleep"):  # the server answers from here on
             self.track_process("draining" if phase == "shutting_down" else "serving")
         self.changes.notify()
+
+    def engine_stall(self) -> str | None:
+        """What ``/health`` says when requests have waited ``engine_timeout_s`` on an engine that
+        sent nothing since (a step that never ends); None while it answers."""
+        silent_s, waiting = self.executor.silent_s() if self.executor is not None else (0.0, 0)
+        if silent_s < self.options.engine_timeout_s:
+            return None
+        return (
+            f"engine: no step has answered for {silent_s:.0f} s while {waiting} request(s) wait on it "
+            f"(--engine-timeout {self.options.engine_timeout_s:g})"
+        )
 
     def serve_executor(self, executor: Executor | None) -> None:
         """Serve ``executor`` (a started ``PyExecutor``: ``serve`` runs the native backend) through a

@@ -245,3 +245,32 @@ def test_the_client_reads_rounds_on_trio_too(model):
     tokens = anyio.run(run, backend="trio")
     ex.shutdown()
     assert tokens == reference(model, [3, 4, 5], 5)
+
+
+def test_silence_counts_only_while_requests_wait_on_the_engine(model):
+    """``silent_s``: nothing while no request waits, however long; the seconds since the engine's
+    last round while one does (its step held here); nothing again once its final event came."""
+    now = [100.0]
+    ex = executor(model)
+    engine = LocalEngine(ex, clock=lambda: now[0])
+    gate, run = threading.Event(), ex.runner.run
+    ex.runner.run = lambda batch, *feed: (gate.wait(), run(batch, *feed))[1]
+
+    async def run_it() -> list:
+        client = engine.start()
+        seen = [client.silent_s()]
+        now[0] += 500.0  # idle: no request waits
+        seen.append(client.silent_s())
+        request_id = client.enqueue([3, 4], SamplingParams(max_tokens=2))
+        seen.append(client.silent_s())
+        now[0] += 7.0  # its first step is held
+        seen.append(client.silent_s())
+        gate.set()
+        await read_all(client, request_id)
+        seen.append(client.silent_s())
+        engine.close()
+        return seen
+
+    seen = asyncio.run(run_it())
+    ex.shutdown()
+    assert seen == [(0.0, 0), (0.0, 0), (0.0, 1), (7.0, 1), (0.0, 0)]

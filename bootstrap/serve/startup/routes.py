@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,6 +20,8 @@ from bootstrap.serve.startup import task as build_task
 from bootstrap.serve.startup.progress import bootstrap_view, ready_view
 from bootstrap.serve.state import ServeState
 
+log = logging.getLogger("bootstrap.serve")
+
 SETTLED = ("ready", "failed", "shutting_down", "idle", "asleep")
 
 router = APIRouter()
@@ -29,9 +32,19 @@ def _state(request: Request) -> ServeState:
 
 
 @router.get("/health")
-async def health() -> dict[str, str]:
-    """200 while the process lives (whatever the bootstrap does)."""
-    return {"status": "ok"}
+async def health(request: Request) -> JSONResponse:
+    """200 while the process lives (whatever the bootstrap does) and its engine answers; 503
+    naming the engine once requests have waited on it ``--engine-timeout`` seconds with no step
+    answering (logged the first time it is seen)."""
+    state = _state(request)
+    stall = state.engine_stall()
+    if stall is None:
+        state.stall_logged = False
+        return JSONResponse({"status": "ok"})
+    if not state.stall_logged:
+        state.stall_logged = True
+        log.error("/health: %s", stall)
+    return JSONResponse({"status": "engine_stalled", "message": stall}, status_code=503)
 
 
 @router.get("/ready")

@@ -6,7 +6,8 @@ hands each round to the event loop in one callback, which queues every event and
 request's reader once. ``next_event`` is cancel-safe (a cancelled wait takes nothing);
 ``forget`` gives a request up, cancelled if unfinished, its later events dropped. ``close``
 stops the thread and ends every request still open with a ``cancelled`` final event, so no
-reader is left waiting. ``engine_stats`` is the load the latest round carried.
+reader is left waiting. ``engine_stats`` is the load the latest round carried; ``silent_s``
+how long requests have waited on an engine that sent nothing (the server's hang watch).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -46,8 +48,17 @@ class EngineClient:
     text; ``vocab_size``: prompt ids outside it are refused here, as the engine words it (no
     frame carries an id past 64 bits); ``stats``: the engine's load until its first round."""
 
-    def __init__(self, context: zmq.Context, tokenizer: object | None, vocab_size: int, stats: EngineStats) -> None:
-        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+    def __init__(
+        self,
+        context: zmq.Context,
+        tokenizer: object | None,
+        vocab_size: int,
+        stats: EngineStats,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.tokenizer, self.vocab_size, self._clock = tokenizer, vocab_size, clock
+        self._unanswered: set[int] = set()  # submitted, their final event not come yet
+        self._heard = clock()  # when the engine last sent a round, or work began after none was waiting
         name = uuid.uuid4().hex
         self.addresses = (f"inproc://bootstrap-commands-{name}", f"inproc://bootstrap-rounds-{name}")
         self._commands = context.socket(zmq.PUSH)
@@ -95,6 +106,9 @@ class EngineClient:
                 self._requests[request_id].events.append(StreamEvent(None, "", "error", f"request rejected: {problem}"))
             return ids
         self._commands.send(m.encode(m.Submit(ids, list(prompt), params, cache_salt)), copy=False)
+        if not self._unanswered:
+            self._heard = self._clock()
+        self._unanswered.update(ids)
         return ids
 
     def cancel(self, request_id: int) -> None:
@@ -130,6 +144,13 @@ class EngineClient:
         """The engine's load as its latest round left it."""
         return self._stats
 
+    def silent_s(self) -> tuple[float, int]:
+        """Seconds the engine has sent nothing while requests wait on it, and how many wait;
+        (0, 0) when none does."""
+        if not self._unanswered:
+            return 0.0, 0
+        return self._clock() - self._heard, len(self._unanswered)
+
     def pending(self) -> int:
         """Requests not ended yet (read or not)."""
         return len(self._requests)
@@ -144,9 +165,11 @@ class EngineClient:
                 call_soon(self._dispatch, m.decode_round(frame))
 
     def _dispatch(self, round_: m.Round) -> None:
-        self._stats, self.speculation = round_.stats, round_.speculation
+        self._stats, self.speculation, self._heard = round_.stats, round_.speculation, self._clock()
         requests = self._requests
         for request_id, event in round_.events:
+            if event.finished:
+                self._unanswered.discard(request_id)
             request = requests.get(request_id)
             if request is None:
                 continue
@@ -166,6 +189,7 @@ class EngineClient:
         self._open = False
         self._receiver.stop()
         self._commands.close()
+        self._unanswered.clear()
         for request_id, request in list(self._requests.items()):
             if request.forgotten:
                 del self._requests[request_id]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import zmq
 
 from bootstrap.engine.executor.channel.client import EngineClient
@@ -13,12 +16,11 @@ class LocalEngine:
     """The ``client`` the server reads and the ``core`` beside ``executor``, on one ZeroMQ context
     of their own (``inproc`` sockets). ``start`` on the event loop that reads the client."""
 
-    def __init__(self, executor: PyExecutor) -> None:
+    def __init__(self, executor: PyExecutor, clock: Callable[[], float] = time.monotonic) -> None:
         self.executor = executor
         self._context = zmq.Context()
-        self.client = EngineClient(
-            self._context, executor.tokenizer, executor.runner.vocab_size, executor.engine_stats()
-        )
+        stats = executor.engine_stats()
+        self.client = EngineClient(self._context, executor.tokenizer, executor.runner.vocab_size, stats, clock)
         self.core = EngineCore(executor, self._context, *self.client.addresses)
 
     def start(self) -> EngineClient:
