@@ -58,7 +58,19 @@ def test_the_server_s_own_imports_leave_torch_to_the_engine():
     """The HTTP stack (``bootstrap.serve.app``) imports no torch: the port opens, and the status page
     answers, while the engine imports it (a route's module importing the engine at import time
     delayed the port of an 8B serve on an H100 from 1.5 s to 4.2 s)."""
-    code = "import sys, bootstrap.serve.app; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    assert torch_after_importing("bootstrap.serve.app") == "[]"
+
+
+@pytest.mark.parametrize("module", ["client", "messages"])
+def test_the_server_s_end_of_the_engine_channel_imports_no_torch(module):
+    """What the server's side of the channel imports (its client and the messages both ends
+    share) holds no torch: the engine's process, not the server's, will import it."""
+    assert torch_after_importing(f"bootstrap.engine.executor.channel.{module}") == "[]"
+
+
+def torch_after_importing(module: str) -> str:
+    """The torch modules a fresh interpreter holds after importing ``module``, as a printed list."""
+    code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
+    return done.stdout.strip()
