@@ -3,15 +3,15 @@ executor contract (what ``start_executor`` returns, and what the CLI and the ser
 
 Stages stay thin: they decide *what* to build (sizes, retries, adaptations), a backend builds.
 Every method that allocates receives an ``Undo`` and registers, right after each allocation, the
-action that releases it; the pipeline runs those actions when an attempt fails (rollback), when
-a later stage consumes the artifact, or when the run is cancelled.
+action that releases it, run when an attempt fails, a later stage consumes it, or the run ends.
 
 Every backend's executor is an ``Executor``: whether it runs, and a shutdown safe to call again.
 One that takes requests through this project's API (``PyExecutor``) is a ``RequestExecutor``:
-``bootstrap run`` and ``serve`` use these methods alone, never its scheduler or pool, and its
-``engine_stats`` from any thread; TensorRT-LLM's is an ``Executor`` only. What only some backends
-or executors offer is a ``Protocol`` of its own (``ChecksWeights``, ``CapturesGraphs``,
-``HasCollective``; ``ShutsDownAtExit``, ``Speculates``), checked with ``isinstance`` where decided.
+``bootstrap run`` uses these methods alone, never its scheduler or pool, and its ``engine_stats``
+from any thread (``serve`` reaches a ``PyExecutor`` through the engine channel instead);
+TensorRT-LLM's is an ``Executor`` only. What only some backends or executors offer is a
+``Protocol`` of its own (``ChecksWeights``, ``CapturesGraphs``, ``HasCollective``;
+``ShutsDownAtExit``, ``Speculates``), checked with ``isinstance`` where decided.
 """
 
 from __future__ import annotations

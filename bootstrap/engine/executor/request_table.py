@@ -7,13 +7,11 @@ callers (threads or async tasks) pick them up. The rules ``PyExecutor``'s caller
   consumer's own thread or task, under the lock, as it is handed over (``take_event``,
   ``take_response``). A wait that is cancelled or times out has taken nothing.
 - **Bounded retention.** A handle lives from enqueue until its final event is streamed or its
-  response taken. A request given up (``give_up``: ``cancel``, or ``cancel_on_abandon``) is
-  released once finished with no consumer attached. Of the finished responses nobody is
-  attached to, the ``max_unclaimed`` most recent are kept. A released id is a ``KeyError``.
+  response taken; one given up (``cancel``, ``cancel_on_abandon``) is released once finished and
+  unattached; of the unattached finished ones, the ``max_unclaimed`` latest are kept.
 - **Wakeups, not polling.** Threads wait on a per-handle condition; an async consumer's ``Waker``
-  is set from its event loop, one callback per loop and round (``wakes_batched``), never blocking.
-- **Routed requests** (``Route``) have no consumer here: their events go to an outbox, a round's
-  in one call, and nothing is retained after the final one (the engine channel's requests).
+  is set from its event loop, one callback per loop and round (``wakes_batched``). A routed
+  request (``Route``: the engine channel's) has no consumer: its events go to an outbox, a round's at once.
 """
 
 from __future__ import annotations
