@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from dataclasses import dataclass
 
 import anyio
+from typing_extensions import TypedDict  # pydantic reads it on Python < 3.12 (the route's response model)
 
 from bootstrap.api import Busy, Refused, Reverted
 from bootstrap.api.operation_terms import VERBS, running
@@ -36,6 +37,28 @@ ALLOWED_FROM = {  # the phases each operation starts from
 }
 
 
+class OperationAnswer(TypedDict):
+    """A live operation's 200: what it did, the server's state after it, its stages and plan."""
+
+    operation: str
+    state: str
+    model: str
+    duration_s: float | None
+    drain_s: float | None
+    release_s: float | None
+    stages: list[dict[str, object]]
+    plan: dict[str, object]
+    cut_short: int  # requests the drain cut short
+
+
+@dataclass
+class Outcome:
+    """How ``_run`` ended: its answer, or the error the route raises."""
+
+    answer: OperationAnswer | None = None
+    error: APIError | None = None
+
+
 def check_allowed(state: ServeState, name: str) -> None:
     """409 unless ``name`` may start now: nothing else runs and the phase allows it."""
     busy = state.boot.busy if state.boot is not None else None
@@ -47,20 +70,23 @@ def check_allowed(state: ServeState, name: str) -> None:
         )
 
 
-async def run_operation(state: ServeState, tasks: anyio.abc.TaskGroup, name: str, call: Call, param: str) -> dict:
+async def run_operation(
+    state: ServeState, tasks: anyio.abc.TaskGroup, name: str, call: Call, param: str
+) -> OperationAnswer:
     """Run ``call(drain)`` as operation ``name``; its answer (200), or the ``APIError`` of a
     refusal (400, naming ``param``), a conflict (409), a failure (500, retryable)."""
     check_allowed(state, name)
-    outcome: dict[str, Any] = {}
+    outcome = Outcome()
     done = anyio.Event()
     tasks.start_soon(_run, state, name, call, param, outcome, done)
     await done.wait()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["answer"]
+    if outcome.error is not None:
+        raise outcome.error
+    assert outcome.answer is not None  # _run sets one of the two
+    return outcome.answer
 
 
-async def _run(state: ServeState, name: str, call: Call, param: str, outcome: dict, done: anyio.Event) -> None:
+async def _run(state: ServeState, name: str, call: Call, param: str, outcome: Outcome, done: anyio.Event) -> None:
     before, model_id = state.phase, state.model_id
     try:
         with anyio.CancelScope() as scope:
@@ -70,22 +96,22 @@ async def _run(state: ServeState, name: str, call: Call, param: str, outcome: di
             cut: list[int] = []  # the requests the drain cut short
             executor = await call(lambda: drain(state, OPERATING[name], cut))
             settle(state, executor)
-            outcome["answer"] = answer(state, name) | {"cut_short": sum(cut)}
+            outcome.answer = answer(state, name, sum(cut))
         if scope.cancelled_caught:
-            outcome["error"] = APIError(
+            outcome.error = APIError(
                 503, f"the {name} was cancelled: the server is shutting down", code="shutting_down"
             )
     except Reverted as exc:  # after the drain: the old model was loaded again and serves
         state.model_id = model_id
         settle(state, state.boot.executor if state.boot is not None else None)
         log.warning("%s: %s", name, exc)
-        outcome["error"] = APIError(400, client_text(exc), param=param, code="operation_reverted")
+        outcome.error = APIError(400, client_text(exc), param=param, code="operation_reverted")
     except (Refused, ConfigError) as exc:
         state.set_phase(before, state.error)  # a refusal comes before the drain: nothing changed
         log.warning("%s refused: %s", name, exc)
-        outcome["error"] = APIError(400, client_text(exc), param=param, code="operation_refused")
+        outcome.error = APIError(400, client_text(exc), param=param, code="operation_refused")
     except Busy as exc:
-        outcome["error"] = APIError(409, str(exc), code="operation_conflict")
+        outcome.error = APIError(409, str(exc), code="operation_conflict")
     except StageFailed as exc:
         state.failure = exc
         state.serve_executor(None)
@@ -93,13 +119,13 @@ async def _run(state: ServeState, name: str, call: Call, param: str, outcome: di
         state.set_phase("failed", paragraph)
         log.error("%s: %s (POST /v1/bootstrap/retry resumes from %s)", name, paragraph, exc.stage)
         said = f"{client_text(exc, paragraph)}; POST /v1/bootstrap/retry resumes it"
-        outcome["error"] = APIError(500, said, code="operation_failed")
+        outcome.error = APIError(500, said, code="operation_failed")
     except Exception as exc:  # not a stage's failure: the state is what the operation left
         log.exception("%s failed", name)
         state.serve_executor(state.boot.executor if state.boot is not None else None)
         state.set_phase("failed" if state.executor is None else "ready", f"{type(exc).__name__}: {exc}")
         said = client_text(exc, f"the {name} failed: {type(exc).__name__}: {exc}")
-        outcome["error"] = APIError(500, said, code="operation_failed")
+        outcome.error = APIError(500, said, code="operation_failed")
     finally:
         done.set()
 
@@ -159,7 +185,7 @@ def settle(state: ServeState, executor: Executor | None) -> None:
     state.set_phase("ready")
 
 
-def answer(state: ServeState, name: str) -> dict[str, Any]:
+def answer(state: ServeState, name: str, cut_short: int = 0) -> OperationAnswer:
     record = state.boot.operations[-1]
     report = state.boot.report()
     return {
@@ -171,4 +197,5 @@ def answer(state: ServeState, name: str) -> dict[str, Any]:
         "release_s": record.release_s,
         "stages": report.stages,
         "plan": report.plan,
+        "cut_short": cut_short,
     }

@@ -6,7 +6,6 @@ address other than loopback, refused without one unless ``--allow-open-operation
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import anyio
 from fastapi import APIRouter, Depends, Request
@@ -17,7 +16,7 @@ from bootstrap.config import BootstrapConfig, ConfigError, is_int
 from bootstrap.serve.auth import operations_allowed
 from bootstrap.serve.errors import APIError, describe_validation
 from bootstrap.serve.live.named import check_model, check_weights_path
-from bootstrap.serve.live.operate import run_operation
+from bootstrap.serve.live.operate import OperationAnswer, run_operation
 from bootstrap.serve.state import ServeState
 
 router = APIRouter(dependencies=[Depends(operations_allowed)])  # bound elsewhere than loopback: the key, or opened
@@ -28,7 +27,7 @@ def _state(request: Request) -> ServeState:
     return request.app.state.serve
 
 
-async def _body(request: Request) -> dict[str, Any]:
+async def _body(request: Request) -> dict[str, object]:
     raw = await request.body()
     if not raw.strip():
         return {}
@@ -41,14 +40,14 @@ async def _body(request: Request) -> dict[str, Any]:
     return body
 
 
-def _text(body: dict[str, Any], field: str) -> str:
+def _text(body: dict[str, object], field: str) -> str:
     value = body.get(field)
     if not isinstance(value, str) or not value.strip():
         raise APIError(400, f"{field}: required, a non-empty string", param=field, code="invalid_value")
     return value
 
 
-def swap_config(state: ServeState, body: dict[str, Any]) -> tuple[BootstrapConfig, str]:
+def swap_config(state: ServeState, body: dict[str, object]) -> tuple[BootstrapConfig, str]:
     """The config a swap body asks for: the server's own flags with the body's fields over
     them (``model`` required), and the model id clients will send. A field of the server's own
     (``SAME_IN_A_SWAP``: its device and ranks, its plan cache) is refused, even at its value."""
@@ -84,7 +83,7 @@ def swap_config(state: ServeState, body: dict[str, Any]) -> tuple[BootstrapConfi
 
 
 @router.post("/v1/bootstrap/swap")
-async def swap(request: Request) -> dict[str, Any]:
+async def swap(request: Request) -> OperationAnswer:
     """Serve another model (``{"model": SOURCE, ...}``, any of ``SWAP_FIELDS`` beside it)."""
     state = _state(request)
     config, name = swap_config(state, await _body(request))
@@ -101,27 +100,27 @@ async def swap(request: Request) -> dict[str, Any]:
 
 
 @router.post("/v1/bootstrap/weights")
-async def weights(request: Request) -> dict[str, Any]:
+async def weights(request: Request) -> OperationAnswer:
     """New weights of the same model in place (``{"path": DIR}``)."""
     state = _state(request)
     path = _text(await _body(request), "path")
     return await _weights(request, state, path)
 
 
-async def _weights(request: Request, state: ServeState, path: str, field: str = "path") -> dict[str, Any]:
+async def _weights(request: Request, state: ServeState, path: str, field: str = "path") -> OperationAnswer:
     await anyio.to_thread.run_sync(check_weights_path, path, field)
     call = lambda drain: state.boot.update_weights(path, drain=drain)  # noqa: E731
     return await run_operation(state, request.app.state.tasks, "weights", call, "path")
 
 
 @router.post("/v1/bootstrap/sleep")
-async def sleep(request: Request) -> dict[str, Any]:
+async def sleep(request: Request) -> OperationAnswer:
     """Give the device back (``{"level": 1 | 2}``, default 1)."""
     body = await _body(request)
     return await _sleep(request, _level(body.get("level", 1)))
 
 
-def _level(value: Any) -> int:
+def _level(value: object) -> int:
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
     if not is_int(value) or value not in (1, 2):
@@ -131,14 +130,14 @@ def _level(value: Any) -> int:
     return value
 
 
-async def _sleep(request: Request, level: int) -> dict[str, Any]:
+async def _sleep(request: Request, level: int) -> OperationAnswer:
     state = _state(request)
     call = lambda drain: state.boot.sleep(level, drain=drain)  # noqa: E731
     return await run_operation(state, request.app.state.tasks, "sleep", call, "level")
 
 
 @router.post("/v1/bootstrap/wake")
-async def wake(request: Request) -> dict[str, Any]:
+async def wake(request: Request) -> OperationAnswer:
     """The model back after a sleep."""
     state = _state(request)
     call = lambda drain: state.boot.wake()  # noqa: E731
@@ -149,13 +148,13 @@ async def wake(request: Request) -> dict[str, Any]:
 
 
 @router.post("/sleep")
-async def vllm_sleep(request: Request, level: str = "1") -> dict[str, Any]:
+async def vllm_sleep(request: Request, level: str = "1") -> OperationAnswer:
     """vLLM's ``POST /sleep?level=N``."""
     return await _sleep(request, _level(level))
 
 
 @router.post("/wake_up")
-async def vllm_wake_up(request: Request) -> dict[str, Any]:
+async def vllm_wake_up(request: Request) -> OperationAnswer:
     """vLLM's ``POST /wake_up``."""
     return await wake(request)
 
@@ -170,7 +169,7 @@ async def vllm_is_sleeping(request: Request) -> dict[str, bool]:
 
 
 @router.post("/update_weights_from_disk")
-async def sglang_update_weights(request: Request) -> dict[str, Any]:
+async def sglang_update_weights(request: Request) -> dict[str, bool | str]:
     """SGLang's ``POST /update_weights_from_disk`` (``{"model_path": DIR}``): its answer's shape."""
     state = _state(request)
     path = _text(await _body(request), "model_path")
