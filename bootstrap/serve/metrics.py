@@ -15,10 +15,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from bootstrap.engine.executor.channel.client import EngineClient
 from bootstrap.serve.state import Phase, ServeState
 
 if TYPE_CHECKING:
+    from bootstrap.engine.executor.channel.client import EngineClient  # zmq: with the first executor
     from bootstrap.engine.executor.stats import EngineStats
     from bootstrap.engine.spec.metrics import SpeculationStats
     from bootstrap.pipeline.events import StageStatus

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Literal
 import anyio
 
 from bootstrap.config import BootstrapConfig, ConfigError
-from bootstrap.engine.executor.channel.client import EngineClient
 from bootstrap.pipeline.process import ProcessTimeline
 from bootstrap.serve.status.recent import RecentRequests
 
@@ -27,6 +26,7 @@ if TYPE_CHECKING:
     from bootstrap.api import Bootstrap
     from bootstrap.api.operation_terms import OtherRanks
     from bootstrap.backends.base import Backend, Executor
+    from bootstrap.engine.executor.channel.client import EngineClient  # zmq: with the first executor
     from bootstrap.engine.executor.channel.local import LocalEngine
     from bootstrap.pipeline.events import StageEvent
     from bootstrap.pipeline.process import Phase as ProcessPhase

@@ -52,7 +52,8 @@ def _not_taking(ids: list[int], params: object) -> int:
 
 def client(tokenizer: SlowTokenizer | None = None, phase: str = "ready") -> httpx.AsyncClient:
     state = ServeState(BootstrapConfig(model="m"), ServeOptions(model_id="m"), phase=phase, max_seq_len=MAX_SEQ_LEN)
-    state.executor = SimpleNamespace(tokenizer=tokenizer, enqueue=_not_taking)  # 503 once past tokenizing
+    # 503 once past tokenizing; an engine that never went silent, for /health
+    state.executor = SimpleNamespace(tokenizer=tokenizer, enqueue=_not_taking, silent_s=lambda: (0.0, 0))
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(state)), base_url="http://serve")
 
 
@@ -127,7 +128,7 @@ async def test_a_chunked_body_over_the_limit_is_a_413_too(route):
 async def test_text_too_long_for_any_tokenizer_is_refused_before_tokenizing(route, param):
     tokenizer = SlowTokenizer()
     state = ServeState(BootstrapConfig(model="m"), ServeOptions(model_id="m"), phase="ready", max_seq_len=64)
-    state.executor = SimpleNamespace(tokenizer=tokenizer, enqueue=_not_taking)
+    state.executor = SimpleNamespace(tokenizer=tokenizer, enqueue=_not_taking, silent_s=lambda: (0.0, 0))
     transport = httpx.ASGITransport(app=create_app(state))
     async with httpx.AsyncClient(transport=transport, base_url="http://serve") as http:
         response = await http.post(route, json=body(route, "x" * (64 * MAX_CHARS_PER_TOKEN + 1)))

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from bootstrap.engine.executor.channel.client import EngineClient
+from typing import TYPE_CHECKING
+
 from bootstrap.serve.errors import APIError
 from bootstrap.serve.state import ServeState
+
+if TYPE_CHECKING:
+    from bootstrap.engine.executor.channel.client import EngineClient  # zmq: with the first executor
 
 RETRY_AFTER_S = {"starting": 1, "bootstrapping": 1, "failed": 5, "shutting_down": 5, "idle": 5, "asleep": 5}
 OPERATION_OF = {"swapping": "swap", "updating_weights": "weights update", "sleeping": "sleep", "waking": "wake"}

@@ -8,10 +8,11 @@ thread: the event loop only awaits.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from bootstrap.engine.executor.channel.client import EngineClient
 from bootstrap.serve.errors import APIError
 from bootstrap.serve.openai import schemas as s
 from bootstrap.serve.openai.bodies import body_of, parsed
@@ -28,6 +29,9 @@ from bootstrap.serve.openai.readiness import ready_executor
 from bootstrap.serve.openai.render import Render
 from bootstrap.serve.request_trace import SCOPE_KEY
 from bootstrap.serve.state import ServeState
+
+if TYPE_CHECKING:
+    from bootstrap.engine.executor.channel.client import EngineClient  # zmq: with the first executor
 
 CLIENT_CLOSED = 499  # the client went away; nobody reads this status
 AGAIN = {"Retry-After": "1"}

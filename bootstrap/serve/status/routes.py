@@ -9,13 +9,15 @@ import hashlib
 import time
 from functools import cache
 from importlib.resources import files
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 
-from bootstrap.engine.executor.channel.client import EngineClient
 from bootstrap.serve.state import ServeState
+
+if TYPE_CHECKING:
+    from bootstrap.engine.executor.channel.client import EngineClient  # zmq: with the first executor
 
 router = APIRouter()
 
