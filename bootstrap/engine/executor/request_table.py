@@ -16,7 +16,6 @@ callers (threads or async tasks) pick them up. The rules ``PyExecutor``'s caller
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import logging
@@ -28,6 +27,7 @@ from dataclasses import dataclass, field
 import anyio
 
 from bootstrap.config import is_int
+from bootstrap.engine.executor.event_loops import call_soon_threadsafe
 from bootstrap.engine.request.sequence import Detokenizer, Response, Sequence, StreamEvent
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class Waker:
 
     def __init__(self) -> None:
         self.event = anyio.Event()
-        self.call_soon = _call_soon_threadsafe()
+        self.call_soon = call_soon_threadsafe()
 
     def wake(self) -> None:
         _schedule(self.call_soon, self.event.set)
@@ -70,16 +70,6 @@ def _schedule(call_soon: Callable[[Callable[[], object]], object], callback: Cal
 def _set_all(sets: Iterable[Callable[[], None]]) -> None:
     for set_event in sets:
         set_event()
-
-
-def _call_soon_threadsafe() -> Callable[[Callable[[], object]], object]:
-    """How another thread schedules a callback on the running event loop (asyncio or trio)."""
-    try:
-        return asyncio.get_running_loop().call_soon_threadsafe
-    except RuntimeError:  # not asyncio: trio, anyio's other backend
-        import trio
-
-        return trio.lowlevel.current_trio_token().run_sync_soon
 
 
 @dataclass(eq=False)

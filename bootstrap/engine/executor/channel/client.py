@@ -12,7 +12,6 @@ how long requests have waited on an engine that sent nothing (the server's hang 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import time
@@ -26,6 +25,7 @@ import zmq
 
 from bootstrap.engine.executor.channel import messages as m
 from bootstrap.engine.executor.channel.threads import Receiver
+from bootstrap.engine.executor.event_loops import call_soon_threadsafe
 from bootstrap.engine.executor.stats import EngineStats
 from bootstrap.engine.request.prompts import token_id_problem
 from bootstrap.engine.request.stream_event import StreamEvent
@@ -78,7 +78,7 @@ class EngineClient:
 
     def start(self) -> None:
         """Begin reading rounds; call it on the event loop that reads the requests."""
-        self._call_soon = _call_soon_threadsafe()
+        self._call_soon = call_soon_threadsafe()
         self._receiver.start()
 
     @property
@@ -197,13 +197,3 @@ class EngineClient:
             request.events.append(StreamEvent(None, "", "cancelled", CLOSED))
             if request.wake is not None:
                 request.wake.set()
-
-
-def _call_soon_threadsafe() -> Callable[..., object]:
-    """How another thread schedules a callback on the running event loop (asyncio or trio)."""
-    try:
-        return asyncio.get_running_loop().call_soon_threadsafe
-    except RuntimeError:  # not asyncio: trio, anyio's other backend
-        import trio
-
-        return trio.lowlevel.current_trio_token().run_sync_soon
