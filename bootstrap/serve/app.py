@@ -133,8 +133,8 @@ async def drain_on_shutdown(state: ServeState) -> None:
 async def release(state: ServeState) -> None:
     """Shut the executor down and release every stage's artifact; shielded, idempotent."""
     with anyio.CancelScope(shield=True):
+        state.serve_executor(None)  # the channel first, within draining: the executor's shutdown answers nobody
         state.track_process(None)  # draining ends: the shutdown phase is the Bootstrap's own
-        state.serve_executor(None)  # the channel first: the executor's shutdown then answers nobody
         if state.boot is not None:
             await state.boot.aclose()
         if state.ranks is not None:  # serve --tp N: the other ranks release theirs and exit

@@ -48,6 +48,7 @@ def make_bootstrap(state: ServeState) -> None:
 
     with state.process.phase("backend") if state.process is not None else contextlib.nullcontext():
         backend = (state.make_backend or load_backend_factory(state.options.backend_factory))(state.config)
+        importlib.import_module("bootstrap.engine.executor.channel.local")  # the channel's zmq, with the engine
     state.boot = Bootstrap(
         state.config,
         backend=backend,
