@@ -39,6 +39,7 @@ from bootstrap.engine.request.sequence import (
     next_request_id,
     token_id_list,
 )
+from bootstrap.engine.request.stream_event import REJECTED
 from bootstrap.engine.sampling.sampler import MAX_SEED, Sampler, SamplingParams, make_generator, model_eos_ids
 from bootstrap.engine.scheduler import Scheduler
 from bootstrap.engine.spec.speculator import Speculator
@@ -288,7 +289,7 @@ class PyExecutor:
                     self._loop.inbox.post(handle.seq)
         for handle, reason in zip(handles, reasons):
             if reason is not None:
-                self._responses.complete(handle, "error", f"request rejected: {reason}")
+                self._responses.complete(handle, "error", f"{REJECTED}{reason}")
         return handles
 
     def _rejection(self, seq: Sequence) -> str | None:

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from bootstrap.engine.request.timing import RequestTiming
 
+REJECTED = "request rejected: "  # how the error of a request that can never run begins (the server's 400)
+
 
 @dataclass(frozen=True)
 class StreamEvent:
@@ -31,3 +33,8 @@ class StreamEvent:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def rejected(reason: object) -> StreamEvent:
+    """The one event of a request refused before it ran: an error naming ``reason``."""
+    return StreamEvent(None, "", "error", f"{REJECTED}{reason}")

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, TypeVar
 import anyio
 from starlette.requests import Request
 
+from bootstrap.engine.request.stream_event import REJECTED
 from bootstrap.serve.errors import APIError
 from bootstrap.serve.metrics import ServeMetrics
 from bootstrap.serve.openai.readiness import ready_executor
@@ -27,7 +28,6 @@ if TYPE_CHECKING:
     from bootstrap.engine.sampling.params import SamplingParams
 
 CANCEL_WAIT_S = 10.0  # a cancel is taken at the executor's next step; this only bounds a stuck one
-REJECTED = "request rejected: "
 T = TypeVar("T")
 
 

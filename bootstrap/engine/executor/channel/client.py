@@ -28,7 +28,7 @@ from bootstrap.engine.executor.channel.threads import Receiver
 from bootstrap.engine.executor.event_loops import call_soon_threadsafe
 from bootstrap.engine.executor.stats import EngineStats
 from bootstrap.engine.request.prompts import token_id_problem
-from bootstrap.engine.request.stream_event import StreamEvent
+from bootstrap.engine.request.stream_event import StreamEvent, rejected
 from bootstrap.engine.sampling.params import SamplingParams
 from bootstrap.engine.spec.counts import SpeculationStats
 
@@ -103,7 +103,7 @@ class EngineClient:
         problem = token_id_problem(prompt, self.vocab_size)
         if problem is not None:  # the engine's own answer to such a request
             for request_id in ids:
-                self._requests[request_id].events.append(StreamEvent(None, "", "error", f"request rejected: {problem}"))
+                self._requests[request_id].events.append(rejected(problem))
             return ids
         self._commands.send(m.encode(m.Submit(ids, list(prompt), params, cache_salt)), copy=False)
         if not self._unanswered:

@@ -16,7 +16,7 @@ import zmq
 from bootstrap.engine.executor.channel import messages as m
 from bootstrap.engine.executor.channel.threads import Receiver
 from bootstrap.engine.executor.py_executor import PyExecutor
-from bootstrap.engine.request.stream_event import StreamEvent
+from bootstrap.engine.request.stream_event import StreamEvent, rejected
 
 
 class EngineCore:
@@ -77,7 +77,7 @@ class EngineCore:
                 keys=keys,
             )
         except (TypeError, ValueError, RuntimeError) as exc:  # the server checked it: a bug, or shut down
-            self._deliver([(key, StreamEvent(None, "", "error", f"request rejected: {exc}")) for key in keys])
+            self._deliver([(key, rejected(exc)) for key in keys])
             with self._lock:
                 self._ended_early.difference_update(keys)
             return
