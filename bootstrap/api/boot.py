@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Tracer
 
@@ -25,7 +26,7 @@ from bootstrap.api.operations import Operations
 from bootstrap.backends.base import Backend, Executor
 from bootstrap.config import BootstrapConfig
 from bootstrap.pipeline import Pipeline
-from bootstrap.pipeline.events import EventHub, StageEvent
+from bootstrap.pipeline.events import EventHub, StageEvent, StageStatus
 from bootstrap.pipeline.process import ProcessTimeline
 from bootstrap.pipeline.report import stage_rows
 from bootstrap.pipeline.telemetry import TRACER_NAME, is_root_span, make_tracer_provider
@@ -63,16 +64,18 @@ class Bootstrap(Operations):
         process: ProcessTimeline | None = None,
         traces_requests: bool = False,
         ranks: OtherRanks | None = None,
+        forward_spans: SpanExporter | None = None,
     ) -> None:
         """``process``: the command's timeline (``bootstrap.pipeline.process``); its spans, the
         backend's creation among them, go to the same trace as the stages'. ``traces_requests``:
         a server will trace its requests with ``tracer`` (their spans reach the file in batches).
-        ``ranks``: the other ranks, which run each operation and retry with this one."""
+        ``ranks``: the other ranks, which run each operation and retry with this one.
+        ``forward_spans``: gets every span but the requests' (the engine's process: the server's file)."""
         self.config = config
         self.process = process
         self._spans = InMemorySpanExporter()
         self._provider = make_tracer_provider(
-            trace_file=trace_file, otlp=otlp, memory=self._spans, requests=traces_requests
+            trace_file=trace_file, otlp=otlp, memory=self._spans, requests=traces_requests, forward=forward_spans
         )
         if process is not None:
             process.attach(self._provider.get_tracer(TRACER_NAME))
@@ -105,6 +108,14 @@ class Bootstrap(Operations):
         """The started executor, None while none is (idle, asleep, failed, or not built yet)."""
         done = all(self.pipeline.status[s.id].state in ("done", "skipped") for s in self.pipeline.stages)
         return self.pipeline.artifacts.get("executor") if done else None
+
+    def stage_status(self) -> list[StageStatus]:
+        """The current pipeline's stages as they stand (``GET /v1/bootstrap``, ``/metrics``)."""
+        return list(self.pipeline.status.values())
+
+    def plan(self) -> dict[str, Any]:
+        """The plan the current pipeline's artifacts make (``stages.summary``)."""
+        return plan_summary(self.pipeline.artifacts)
 
     def events(self) -> AsyncIterator[StageEvent]:
         return self.hub.subscribe()

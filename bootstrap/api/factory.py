@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import importlib
+from collections.abc import Callable, Sequence
 from importlib.util import find_spec
 
 from opentelemetry.trace import TracerProvider
 
 from bootstrap.backends.base import Backend, HasCollective
-from bootstrap.config import BootstrapConfig
+from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.pipeline import Pipeline, Stage
 from bootstrap.pipeline.events import EventHub
 from bootstrap.pipeline.telemetry import MissingExtra
@@ -69,3 +70,24 @@ def default_backend(config: BootstrapConfig) -> Backend:
 
         return create_backend(device_for(config.device)[0])
     return NativeBackend.for_config(config)
+
+
+def factory_parts(spec: str) -> tuple[str, str]:
+    """``module:callable`` split in two; ``ConfigError`` for any other shape (checked before the
+    port opens, so a typo is exit 2 at once, not a failed bootstrap)."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name.strip() or not attr.strip():
+        raise ConfigError(f"backend_factory: expected 'module:callable', got {spec!r}")
+    return module_name, attr
+
+
+def load_backend_factory(spec: str | None) -> Callable[[BootstrapConfig], Backend]:
+    """None: the backend ``config.backend`` names (native or trtllm); else ``module:callable``,
+    a callable ``(config) -> Backend`` (a custom backend, e.g. one wrapping the native engine)."""
+    if spec is None:
+        return default_backend
+    module_name, attr = factory_parts(spec)
+    factory = getattr(importlib.import_module(module_name), attr, None)
+    if not callable(factory):
+        raise ConfigError(f"backend_factory: {module_name} has no callable {attr!r} (got {spec!r})")
+    return factory

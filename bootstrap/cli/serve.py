@@ -120,6 +120,12 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         help="build the backend with CALLABLE(config) from MODULE instead of --backend "
         "(e.g. one wrapping the native engine; default: none)",
     )
+    add(
+        "--engine-in-process",
+        action="store_true",
+        help="run the engine in the server's process (default: a process of its own, so HTTP, tokens and SSE "
+        "never share its GIL; --tp N runs it in each rank's process either way)",
+    )
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log level")
     add(
         "--access-log",
@@ -171,6 +177,8 @@ def serve_options(args: argparse.Namespace, config: Any) -> Any:
         host=host,
         allowed_origins=origins,
         allow_open_operations=getattr(args, "allow_open_operations", False),  # a Namespace by hand may lack it
+        engine_process=config.tensor_parallel_size == 1 and not getattr(args, "engine_in_process", True),
+        log_level=getattr(args, "log_level", "info"),
     )
 
 
@@ -198,7 +206,7 @@ def main_serve(args: argparse.Namespace) -> int:
     if needs_launch(config):
         return launch_ranks(args, config.tensor_parallel_size, main_serve, signalled=OK)
     try:
-        if options.backend_factory is None:
+        if options.backend_factory is None and not options.engine_process:  # else the engine's process does
             triton_start.begin_for(config.device, config.backend, config.tensor_parallel_size)
         status, signalled = main_follower(config, args) if this_rank() > 0 else _main_rank_0(config, options, args)
     finally:
@@ -243,7 +251,9 @@ def _main_rank_0(config: Any, options: Any, args: argparse.Namespace) -> tuple[i
     if lost is not None:
         print(f"bootstrap: the ranks fell out of step: {lost}", file=sys.stderr)
         return STAGE_FAILED, signalled
-    return (BAD_INPUT if fatal else OK), signalled
+    if fatal is not None:  # a start that could not begin (2), or an engine's process that died (1)
+        return getattr(fatal, "exit_status", BAD_INPUT), signalled
+    return OK, signalled
 
 
 async def _serve(config: Any, options: Any, args: argparse.Namespace) -> tuple[BaseException | None, str | None, bool]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
@@ -36,7 +36,7 @@ class StageEvent:
     kind: EventKind
     attempt: int = 0
     message: str = ""
-    figures: dict[str, int | float | str] = field(default_factory=dict)
+    figures: dict[str, Any] = field(default_factory=dict)  # numbers and words; a few are lists
     at: float = field(default_factory=time.time)
 
 
@@ -50,7 +50,7 @@ class StageStatus:
     started_at: float | None = None
     duration_s: float | None = None
     error: str | None = None
-    figures: dict[str, int | float | str] = field(default_factory=dict)
+    figures: dict[str, Any] = field(default_factory=dict)  # numbers and words; a few are lists
 
     def after(self, event: StageEvent) -> StageStatus:
         state = _STATE_AFTER[event.kind]

@@ -113,6 +113,13 @@ class ProcessTimeline:
         with trace.use_span(self._span, end_on_exit=False):
             yield
 
+    def span_ids(self) -> tuple[int, int] | None:
+        """The process span's trace id and span id once attached (another process's spans join it)."""
+        if self._span is None:
+            return None
+        context = self._span.get_span_context()
+        return context.trace_id, context.span_id
+
     def end(self) -> None:
         """End the process span (idempotent)."""
         if self._span is not None and self._span.is_recording():

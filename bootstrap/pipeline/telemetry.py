@@ -124,9 +124,15 @@ class JsonLinesSpanExporter(SpanExporter):
         self._lock = threading.Lock()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        return self.write([span_record(span) for span in spans])
+
+    def write(self, records: Sequence[dict]) -> SpanExportResult:
+        """``span_record``s, another process's included; nothing once the file is closed."""
         with self._lock:
-            for span in spans:
-                self._file.write(json.dumps(span_record(span), default=str) + "\n")
+            if self._file.closed:
+                return SpanExportResult.FAILURE
+            for record in records:
+                self._file.write(json.dumps(record, default=str) + "\n")
             self._file.flush()
         return SpanExportResult.SUCCESS
 
@@ -219,15 +225,20 @@ def make_tracer_provider(
     otlp: bool = False,
     memory: InMemorySpanExporter | None = None,
     requests: bool = False,
+    file: JsonLinesSpanExporter | None = None,
+    forward: SpanExporter | None = None,
 ) -> TracerProvider:
     """A provider with the asked-for destinations. The trace file and the in-memory exporter (which
     skips request spans) get each span as it ends; OTLP gets batches from a background thread
     (flushed by ``shutdown()``). With ``requests`` (a server that traces its requests), request
     spans reach the trace file in batches from a background thread too, so a request never
-    waits on the disk; that thread is flushed and joined by ``shutdown()``, before the file closes."""
+    waits on the disk; that thread is flushed and joined by ``shutdown()``, before the file closes.
+    ``file``: the trace file's exporter, made by the caller (which writes another process's spans
+    into it too); ``forward``: gets each span but the requests' as it ends (the engine's process
+    sends them to the server's file)."""
     provider = TracerProvider(resource=Resource.create({"service.name": "executor-bootstrap"}))
-    if trace_file is not None:
-        exporter = JsonLinesSpanExporter(trace_file)
+    if trace_file is not None or file is not None:
+        exporter = file or JsonLinesSpanExporter(trace_file)
         to_file = WarnOnce(exporter, str(exporter))
         if requests:  # added first: shut down (flushed into the still open file) first
             batches = BatchSpanProcessor(to_file, max_queue_size=REQUEST_QUEUE, schedule_delay_millis=1000)
@@ -239,4 +250,6 @@ def make_tracer_provider(
         provider.add_span_processor(BatchSpanProcessor(otlp_exporter()))
     if memory is not None:
         provider.add_span_processor(SpansWhere(SimpleSpanProcessor(memory), not_request_span))
+    if forward is not None:
+        provider.add_span_processor(SpansWhere(SimpleSpanProcessor(forward), not_request_span))
     return provider

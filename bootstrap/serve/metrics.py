@@ -171,7 +171,7 @@ def _operations(state: ServeState) -> Iterator[Metric]:
 
 
 def _statuses(state: ServeState) -> list[StageStatus]:
-    return [] if state.boot is None else list(state.boot.pipeline.status.values())
+    return [] if state.boot is None else state.boot.stage_status()
 
 
 def _duration(status: StageStatus) -> float:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Literal
 
 import anyio
 
+from bootstrap.api.factory import factory_parts
 from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.pipeline.process import ProcessTimeline
 from bootstrap.serve.status.recent import RecentRequests
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from bootstrap.engine.executor.channel.local import LocalEngine
     from bootstrap.pipeline.events import StageEvent
     from bootstrap.pipeline.process import Phase as ProcessPhase
+    from bootstrap.serve.startup.remote import RemoteBootstrap, RemoteEngine
 
 Phase = Literal[
     "starting",
@@ -65,6 +67,8 @@ class ServeOptions:
     host: str | None = None  # the bound address; a loopback one refuses other sites (``serve.auth``)
     allowed_origins: tuple[str, ...] = ()  # browser origins taken anyway (``parse_origins``)
     allow_open_operations: bool = False  # live operations without a key on an address other than loopback
+    engine_process: bool = False  # the engine in a process of its own (``serve``'s default; ``startup.remote``)
+    log_level: str = "info"  # the engine's process logs at it too
 
     def __post_init__(self) -> None:
         if self.api_key is not None:
@@ -83,15 +87,6 @@ class ServeOptions:
     def traces(self) -> bool:
         """Whether spans go anywhere (a trace file or OTLP): requests are traced only then."""
         return self.trace_file is not None or self.otlp
-
-
-def factory_parts(spec: str) -> tuple[str, str]:
-    """``module:callable`` split in two; ``ConfigError`` for any other shape (checked before the
-    port opens, so a typo is exit 2 at once, not a failed bootstrap)."""
-    module_name, _, attr = spec.partition(":")
-    if not module_name.strip() or not attr.strip():
-        raise ConfigError(f"backend_factory: expected 'module:callable', got {spec!r}")
-    return module_name, attr
 
 
 ORIGIN = re.compile(r"(https?)://([a-z0-9.-]+|\[[0-9a-f:.]+\])(?::([0-9]{1,5}))?", re.IGNORECASE | re.ASCII)
@@ -178,7 +173,9 @@ class ServeState:
     config: BootstrapConfig
     options: ServeOptions
     phase: Phase = "starting"
-    boot: Bootstrap | None = None  # made off the event loop (it imports torch)
+    boot: Bootstrap | RemoteBootstrap | None = (
+        None  # made off the event loop (it imports torch), or the engine's process
+    )
     executor: EngineClient | None = None  # the channel to the started executor once ready (``serve_executor``)
     max_seq_len: int | None = None
     model_id: str = ""  # the id clients send: options.model_id, then a swap's
@@ -198,7 +195,7 @@ class ServeState:
     ranks: OtherRanks | None = None  # rank 0 of --tp N: the lockstep, told of operations and the stop
     _process_phase: ProcessPhase | None = field(default=None, init=False, repr=False)  # the phase track_process began
     stall_logged: bool = False  # the engine's current stall is in the log (``/health``)
-    _engine: LocalEngine | None = field(default=None, init=False, repr=False)  # both ends of ``executor``'s channel
+    _engine: LocalEngine | RemoteEngine | None = field(default=None, init=False, repr=False)  # ``executor``'s channel
 
     def __post_init__(self) -> None:
         self.model_id = self.model_id or self.options.model_id
@@ -222,17 +219,25 @@ class ServeState:
             f"(--engine-timeout {self.options.engine_timeout_s:g})"
         )
 
-    def serve_executor(self, executor: Executor | None) -> None:
-        """Serve ``executor`` (a started ``PyExecutor``: ``serve`` runs the native backend) through a
-        channel of its own, or none; the previous channel is closed first (its requests ended)."""
+    def serve_executor(self, executor: Executor | None, error: str | None = None) -> None:
+        """Serve ``executor`` (a started ``PyExecutor``: ``serve`` runs the native backend; or the
+        engine's process's ``Served`` channel) through a channel of its own, or none; the previous
+        channel is closed first, its requests ended (with ``error``, an error each)."""
+        if executor is not None and self._engine is not None and self._engine.executor is executor:
+            return
         if self._engine is not None:
             engine, self._engine, self.executor = self._engine, None, None
-            engine.close()
-        if executor is not None:
+            engine.close(error)
+        if executor is None:
+            return
+        remote = getattr(self.boot, "channel", None)  # ``RemoteBootstrap``: the engine's process
+        if remote is not None:
+            self._engine = remote(executor)
+        else:
             from bootstrap.engine.executor.channel.local import LocalEngine  # imports torch, as the executor did
 
             self._engine = LocalEngine(executor)  # type: ignore[arg-type]
-            self.executor = self._engine.start()
+        self.executor = self._engine.start()
 
     def track_process(self, name: str | None) -> None:
         """End the process phase in progress and (``name``) begin the next one."""

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 from bootstrap.serve.state import ServeState
 from bootstrap.stages import STAGE_IDS
-from bootstrap.stages.summary import plan_summary
 
 if TYPE_CHECKING:
     from bootstrap.pipeline.events import StageStatus
@@ -44,7 +43,7 @@ def stage_rows(state: ServeState) -> list[StageRow]:
     attempt_errors = {e.stage: e.message for e in history if e.kind == "attempt_failed"}
     retry_notes = {e.stage: e.message for e in history if e.kind == "retrying"}
     rows: list[StageRow] = []
-    for status in state.boot.pipeline.status.values():
+    for status in state.boot.stage_status():
         event = last.get(status.stage)
         retrying = status.state == "running" and event is not None and event.kind in RETRYING
         shown = "retrying" if retrying else status.state
@@ -106,7 +105,7 @@ def bootstrap_view(state: ServeState) -> dict[str, Any]:
         "error": state.error,
         "retryable": state.failure is not None and state.phase == "failed",
         "stages": rows,
-        "plan": plan_summary(state.boot.pipeline.artifacts) if state.boot is not None else {},
+        "plan": state.boot.plan() if state.boot is not None else {},
         "asleep": state.boot.asleep if state.boot is not None else 0,
         "operations": [r.to_dict() for r in state.boot.operations] if state.boot is not None else [],
     }

@@ -17,28 +17,13 @@ from typing import TypeVarTuple
 
 import anyio
 
-from bootstrap.backends.base import Backend, Executor
-from bootstrap.config import BootstrapConfig, ConfigError
+from bootstrap.api.factory import load_backend_factory
+from bootstrap.backends.base import Executor
 from bootstrap.pipeline import StageFailed, failure_paragraph
-from bootstrap.serve.state import ServeState, factory_parts
+from bootstrap.serve.state import ServeState
 
 log = logging.getLogger("bootstrap.serve")
-BackendFactory = Callable[[BootstrapConfig], Backend]
 Ts = TypeVarTuple("Ts")
-
-
-def load_backend_factory(spec: str | None) -> BackendFactory:
-    """None: the backend ``config.backend`` names (native or trtllm); else ``module:callable``,
-    a callable ``(config) -> Backend`` (a custom backend, e.g. one wrapping the native engine)."""
-    if spec is None:
-        from bootstrap.api import default_backend
-
-        return default_backend
-    module_name, attr = factory_parts(spec)
-    factory = getattr(importlib.import_module(module_name), attr, None)
-    if not callable(factory):
-        raise ConfigError(f"backend_factory: {module_name} has no callable {attr!r} (got {spec!r})")
-    return factory
 
 
 def make_bootstrap(state: ServeState) -> None:
@@ -60,6 +45,29 @@ def make_bootstrap(state: ServeState) -> None:
     )
 
 
+async def start_engine_process(state: ServeState, on_fatal: Callable[[], None]) -> None:
+    """``state.boot``, a ``RemoteBootstrap``: the engine's process started and its backend made
+    there (the ``backend`` phase: torch imported beside this process's start)."""
+    with state.process.phase("backend") if state.process is not None else contextlib.nullcontext():
+        await anyio.to_thread.run_sync(importlib.import_module, "bootstrap.serve.startup.remote")  # zmq, msgspec
+        from bootstrap.serve.startup.remote import RemoteBootstrap
+
+        boot = await RemoteBootstrap.start(state.config, state.options, state.process, state.options.log_level)
+    boot.on_death = lambda text: engine_died(state, text, on_fatal)
+    state.boot = boot
+
+
+def engine_died(state: ServeState, text: str, on_fatal: Callable[[], None]) -> None:
+    """The engine's process is gone: its requests end with an error, the server stops (exit 1)."""
+    from bootstrap.serve.startup.remote import EngineDied
+
+    log.error("bootstrap serve: %s", text)
+    state.serve_executor(None, error=f"generation stopped: {text}")
+    state.fatal = EngineDied(text)
+    state.set_phase("failed", text)
+    on_fatal()
+
+
 async def guarded(state: ServeState, build: Callable[[ServeState, *Ts], Awaitable[None]], *args: *Ts) -> None:
     """Run a build under ``state.build_scope``, which a shutdown cancels."""
     with anyio.CancelScope() as scope:
@@ -71,7 +79,10 @@ async def run_bootstrap(state: ServeState, task_group: anyio.abc.TaskGroup, on_f
     """Build the executor; on a start that cannot even begin, ``on_fatal`` stops the server.
     The phase is ``starting`` while the engine is imported, then ``bootstrapping``."""
     try:
-        await anyio.to_thread.run_sync(make_bootstrap, state)
+        if state.options.engine_process:
+            await start_engine_process(state, on_fatal)
+        else:
+            await anyio.to_thread.run_sync(make_bootstrap, state)
     except Exception as exc:
         state.fatal = exc
         reason = f"cannot start the bootstrap: {type(exc).__name__}: {exc}"

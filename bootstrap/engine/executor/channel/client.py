@@ -43,10 +43,11 @@ class _Request:
 
 
 class EngineClient:
-    """Requests to one engine over ``addresses`` (commands, rounds), which it binds; the engine
-    side connects (``EngineCore``). ``tokenizer``: the engine's, for the server's prompts and
-    text; ``vocab_size``: prompt ids outside it are refused here, as the engine words it (no
-    frame carries an id past 64 bits); ``stats``: the engine's load until its first round."""
+    """Requests to one engine over ``addresses`` (commands, rounds; inproc ones by default, ``ipc``
+    ones the engine's process names), which it binds; the engine side connects (``EngineCore``).
+    ``tokenizer``: the engine's, for the server's prompts and text; ``vocab_size``: prompt ids
+    outside it are refused here, as the engine words it (no frame carries an id past 64 bits);
+    ``stats``: the engine's load until its first round."""
 
     def __init__(
         self,
@@ -55,12 +56,13 @@ class EngineClient:
         vocab_size: int,
         stats: EngineStats,
         clock: Callable[[], float] = time.monotonic,
+        addresses: tuple[str, str] | None = None,
     ) -> None:
         self.tokenizer, self.vocab_size, self._clock = tokenizer, vocab_size, clock
         self._unanswered: set[int] = set()  # submitted, their final event not come yet
         self._heard = clock()  # when the engine last sent a round, or work began after none was waiting
         name = uuid.uuid4().hex
-        self.addresses = (f"inproc://bootstrap-commands-{name}", f"inproc://bootstrap-rounds-{name}")
+        self.addresses = addresses or (f"inproc://bootstrap-commands-{name}", f"inproc://bootstrap-rounds-{name}")
         self._commands = context.socket(zmq.PUSH)
         self._commands.setsockopt(zmq.LINGER, 0)
         self._commands.setsockopt(zmq.SNDHWM, 0)
@@ -182,8 +184,9 @@ class EngineClient:
                 request.wake.set()
                 request.wake = None
 
-    def close(self) -> None:
-        """Stop reading, close the sockets, end every open request (idempotent; on the event loop)."""
+    def close(self, error: str | None = None) -> None:
+        """Stop reading, close the sockets, end every open request (idempotent; on the event loop):
+        ``cancelled``, or with ``error`` (the engine's process is gone) an ``error`` final event."""
         if not self._open:
             return
         self._open = False
@@ -194,6 +197,8 @@ class EngineClient:
             if request.forgotten:
                 del self._requests[request_id]
                 continue
-            request.events.append(StreamEvent(None, "", "cancelled", CLOSED))
+            request.events.append(
+                StreamEvent(None, "", "error", error) if error else StreamEvent(None, "", "cancelled", CLOSED)
+            )
             if request.wake is not None:
                 request.wake.set()

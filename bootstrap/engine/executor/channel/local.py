@@ -28,8 +28,8 @@ class LocalEngine:
         self.core.start()
         return self.client
 
-    def close(self) -> None:
+    def close(self, error: str | None = None) -> None:
         """Both ends stopped and the context ended (idempotent); the executor stays as it is."""
         self.core.close()
-        self.client.close()
+        self.client.close(error)
         self._context.term()

@@ -1,0 +1,104 @@
+"""The engine's process as the server sees it (``bootstrap.engine.executor.channel.engine_process``).
+
+``EngineSpawn`` binds the control plane's two sockets in a private directory (mode 0700: no
+other user connects), starts the process, and relays its stderr line by line to the server's,
+keeping the last line for the log should the process die. A thread waits for the exit and hands
+the status to ``on_exit`` on the event loop. ``stop`` waits for the exit (the ``aclose`` call
+ended it), kills a process that does not exit, and closes everything; no thread outlives it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+
+import zmq
+
+from bootstrap.engine.executor.channel import control as c
+from bootstrap.engine.executor.channel.threads import Receiver
+from bootstrap.engine.executor.event_loops import call_soon_threadsafe
+
+MODULE = "bootstrap.engine.executor.channel.engine_process"
+EXIT_WAIT_S = 30.0  # after the aclose call answered: the process's own exit (its threads, its device)
+
+
+class EngineSpawn:
+    """One engine process: ``send`` (on the event loop) and ``on_note`` (called on the notes
+    thread with each decoded message), ``on_exit(status, last_line)`` (on the event loop)."""
+
+    def __init__(
+        self,
+        on_note: Callable[[c.FromEngine], None],
+        on_exit: Callable[[int, str], None],
+        log_level: str = "info",
+    ) -> None:
+        self.dir = tempfile.mkdtemp(prefix="bootstrap-engine-")
+        self.context = zmq.Context()
+        self._calls = self.context.socket(zmq.PUSH)
+        self._calls.setsockopt(zmq.LINGER, 0)
+        self._calls.setsockopt(zmq.SNDHWM, 0)
+        calls, notes = f"ipc://{self.dir}/calls", f"ipc://{self.dir}/notes"
+        self._calls.bind(calls)
+        notes_socket = self.context.socket(zmq.PULL)
+        notes_socket.setsockopt(zmq.RCVHWM, 0)
+        notes_socket.bind(notes)
+        self._on_note, self._on_exit = on_note, on_exit
+        self._notes = Receiver(self.context, notes_socket, self._note, "bootstrap-engine-notes")
+        self.last_line = ""
+        self.status: int | None = None
+        self.call_soon = call_soon_threadsafe()
+        argv = [sys.executable, "-m", MODULE, calls, notes, str(os.getpid()), log_level]
+        self._notes.start()
+        self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self._watch = threading.Thread(target=self._relay, name="bootstrap-engine-watch", daemon=True)
+        self._watch.start()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def send(self, message: c.ToEngine) -> None:
+        """On the event loop; dropped once the process has exited."""
+        if self.status is None and not self._calls.closed:
+            self._calls.send(c.encode(message))
+
+    def _note(self, frame: bytes) -> None:
+        self._on_note(c.decode_from_engine(frame))
+
+    def _relay(self) -> None:
+        """The process's stderr to this one's, line by line; then its exit to the event loop."""
+        assert self.process.stderr is not None
+        for raw in self.process.stderr:
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            if line.strip():
+                self.last_line = line
+            with contextlib.suppress(ValueError, OSError):  # this process's stderr closed at exit
+                sys.stderr.write(line + "\n")
+                sys.stderr.flush()
+        status = self.process.wait()
+        with contextlib.suppress(RuntimeError):  # the event loop has ended: nobody waits for it
+            self.call_soon(self._exited, status)
+
+    def _exited(self, status: int) -> None:
+        self.status = status
+        self._on_exit(status, self.last_line)
+
+    def stop(self, wait_s: float = EXIT_WAIT_S) -> None:
+        """Blocking (run it in a thread): the process's exit (killed after ``wait_s``), then the
+        sockets, the threads and the directory (idempotent)."""
+        try:
+            self.process.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self._watch.join()
+        self._notes.stop()
+        self._calls.close()
+        self.context.term()
+        shutil.rmtree(self.dir, ignore_errors=True)
