@@ -280,7 +280,6 @@ class RemoteBootstrap:
                 self.hub.publish(event)
         elif isinstance(note, c.Hello):
             self._report = note.snapshot.report
-            log.info("engine process %d: backend ready", note.pid)
             self._hello.set()
         elif isinstance(note, c.Reply):
             self._report = note.snapshot.report
@@ -296,7 +295,7 @@ class RemoteBootstrap:
     def _exited(self, status: int, last_line: str) -> None:
         if self._closing and status == 0:
             return
-        said = f"; its last line: {last_line}" if last_line else ""
+        said = f"; its last line: {last_line.strip()}" if last_line else "; it wrote nothing to stderr"
         self.died = f"the engine's process (pid {self.spawn.pid}) exited with status {status}{said}"
         if not self._hello.is_set():
             self._fatal = EngineDied(self.died)

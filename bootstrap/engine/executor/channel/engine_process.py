@@ -174,6 +174,7 @@ class EngineProcess:
             log.debug("the engine could not start", exc_info=True)
             self.send(c.Fatal(failure_of(exc)))
             return False
+        log.info("engine process %d: backend ready (%s on %s)", os.getpid(), type(backend).__name__, config.device)
         self.send(c.Hello(os.getpid(), self.snapshot(report=True)))
         return True
 

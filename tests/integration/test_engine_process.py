@@ -1,0 +1,130 @@
+"""The engine in a process of its own (``serve``'s default): torch is mapped in the engine's process
+and not in the server's; a SIGKILL of the engine ends the stream in flight with an OpenAI-shaped
+error, says the status and the engine's last line in the log, and exits the server with 1; a
+SIGSTOP is named by ``/health`` (``--engine-timeout``) until a SIGCONT; after the server's SIGTERM
+no process is left. A real server on the CPU whose every step sleeps 100 ms, so a stream is still
+running when the test acts on the engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+from helpers.serve_backends import plugin_module
+from helpers.serve_process import ServeProcess, children
+from helpers.tiny_models import CHAT_TEMPLATE, save_checkpoint
+
+LONG = {"prompt": "w5 w37 w33 w9 w64 w42 w7", "max_tokens": 400, "temperature": 0, "stream": True}
+
+
+def start(tmp: Path, *flags: str) -> tuple[ServeProcess, int]:
+    checkpoint = save_checkpoint("llama", tmp / "llama", CHAT_TEMPLATE)
+    backend = plugin_module(tmp, step_delay_s=0.1)
+    argv = ("--model", str(checkpoint), "--no-plan-cache", "--backend-factory", backend, *flags)
+    server = ServeProcess(tmp / "serve.log", *argv, pythonpath=(tmp,))
+    server.wait_state("ready")
+    [engine] = children(server.proc)
+    LONG["model"] = str(checkpoint)
+    return server, engine
+
+
+def mapped(pid: int, library: str) -> bool:
+    return library in Path(f"/proc/{pid}/maps").read_text()
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"  # exited, not reaped yet
+
+
+def wait_for(condition, what: str, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise TimeoutError(what)
+
+
+def test_the_engine_runs_apart_and_nothing_is_left_after_sigterm(tmp_path):
+    server, engine = start(tmp_path)
+    try:
+        assert b"engine_process" in Path(f"/proc/{engine}/cmdline").read_bytes()
+        assert mapped(engine, "libtorch") and not mapped(server.proc.pid, "libtorch")
+        body = {**LONG, "max_tokens": 3, "stream": False}
+        reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+        assert reply["usage"]["completion_tokens"] == 3
+        assert server.signal(signal.SIGTERM) == 0
+    finally:
+        server.stop()
+    assert gone(engine)
+    assert f"engine process {engine}: backend ready" in server.log() and "no thread left" in server.log()
+
+
+def test_a_killed_engine_ends_the_stream_with_an_error_and_the_server_exits_1(tmp_path):
+    server, engine = start(tmp_path)
+    try:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=LONG, timeout=60) as response:
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            os.kill(engine, signal.SIGKILL)
+            rest = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+        status = server.proc.wait(60)
+    finally:
+        server.stop()
+    assert json.loads(first.removeprefix("data: "))["choices"][0]["text"] is not None
+    assert rest[-1] == "[DONE]"
+    error = json.loads(rest[-2])["error"]
+    assert error["code"] == "engine_error" and f"(pid {engine}) exited with status -9" in error["message"]
+    assert status == 1
+    log = server.log()
+    said = (
+        f"the engine's process (pid {engine}) exited with status -9; its last line: INFO:     engine process {engine}: "
+    )
+    assert said in log
+    assert "Traceback" not in log
+
+
+def test_a_stopped_engine_is_named_by_health_until_it_continues(tmp_path):
+    server, engine = start(tmp_path, "--engine-timeout", "0.5")
+    try:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=LONG, timeout=120) as response:
+            lines = response.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            os.kill(engine, signal.SIGSTOP)
+            try:
+                stalled = wait_for(
+                    lambda: (r := httpx.get(f"{server.url}/health", timeout=10)).status_code == 503 and r,
+                    "/health never named the stopped engine",
+                )
+            finally:
+                os.kill(engine, signal.SIGCONT)
+            rest = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+        healthy = httpx.get(f"{server.url}/health", timeout=10)
+        assert server.signal(signal.SIGTERM) == 0
+    finally:
+        server.stop()
+    body = stalled.json()
+    assert (
+        body["status"] == "engine_stalled" and "while 1 request(s) wait on it (--engine-timeout 0.5)" in body["message"]
+    )
+    assert rest[-1] == "[DONE]" and json.loads(rest[-2])["choices"][0]["finish_reason"] == "length"
+    assert healthy.status_code == 200 and gone(engine)
+
+
+def test_the_engine_stays_in_the_server_s_process_when_asked(tmp_path):
+    checkpoint = save_checkpoint("llama", tmp_path / "llama", CHAT_TEMPLATE)
+    server = ServeProcess(tmp_path / "serve.log", "--model", str(checkpoint), "--no-plan-cache", "--engine-in-process")
+    try:
+        server.wait_state("ready")
+        assert children(server.proc) == [] and mapped(server.proc.pid, "libtorch")
+    finally:
+        server.stop()
