@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -76,6 +77,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     add(
         "--workdir", type=Path, default=None, help="where the checkpoint and caches go (default: a temporary directory)"
+    )
+    add(
+        "--serve-args",
+        default="",
+        help="more flags for each bootstrap serve, one string (e.g. --engine-in-process, the start without the split)",
     )
     add("--out", type=Path, default=None, help="also write the JSON here")
     return parser.parse_args(argv)
@@ -243,6 +249,7 @@ def time_serve(args: argparse.Namespace, model: Path, work: Path, mode: str, rep
             str(trace),
             "--port",
             str(port),
+            *shlex.split(args.serve_args),
         ],
         env,
     )

@@ -1,7 +1,8 @@
 """The hot path of a start imports no sympy, dynamo, inductor or transformers: a fresh interpreter
 runs ``bootstrap run`` and ``bootstrap serve`` up to a generated answer (a prompt longer than a
-step, so continued chunks attend over the cache as well) under ``-X importtime``, and the test
-reads the module set. A set, not a timing: the guard holds on any machine."""
+step, so continued chunks attend over the cache as well) under ``-X importtime`` (serve's engine
+process inherits it and its lines reach the server's log), and the test reads the module set.
+A set, not a timing: the guard holds on any machine."""
 
 from __future__ import annotations
 
@@ -62,11 +63,20 @@ def test_the_server_s_own_imports_leave_torch_to_the_engine():
     assert torch_after_importing("bootstrap.serve.app", roots=("zmq", "msgspec")) == "[]"  # the channel's, later
 
 
-@pytest.mark.parametrize("module", ["client", "messages"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "bootstrap.engine.executor.channel.client",
+        "bootstrap.engine.executor.channel.messages",
+        "bootstrap.engine.executor.channel.control",
+        "bootstrap.serve.startup.remote",
+    ],
+)
 def test_the_server_s_end_of_the_engine_channel_imports_no_torch(module):
-    """What the server's side of the channel imports (its client and the messages both ends
-    share) holds no torch: the engine's process, not the server's, will import it."""
-    assert torch_after_importing(f"bootstrap.engine.executor.channel.{module}") == "[]"
+    """What the server's side of the channel imports (its client, the messages both ends share,
+    the control plane's messages and the server's end of it) holds no torch: the engine's
+    process, not the server's, imports it (``test_engine_process`` reads the server's mappings)."""
+    assert torch_after_importing(module) == "[]"
 
 
 def torch_after_importing(module: str, roots: tuple[str, ...] = ("torch",)) -> str:
