@@ -2,8 +2,8 @@
 and not in the server's; a SIGKILL of the engine ends the stream in flight with an OpenAI-shaped
 error, says the status and the engine's last line in the log, and exits the server with 1; a
 SIGSTOP is named by ``/health`` (``--engine-timeout``) until a SIGCONT; after the server's SIGTERM
-no process is left. A real server on the CPU whose every step sleeps 100 ms, so a stream is still
-running when the test acts on the engine."""
+no process is left, and a SIGKILL of the server takes the engine with it. A real server on the
+CPU whose every step sleeps 100 ms, so a stream is still running when the test acts on the engine."""
 
 from __future__ import annotations
 
@@ -118,6 +118,16 @@ def test_a_stopped_engine_is_named_by_health_until_it_continues(tmp_path):
     )
     assert rest[-1] == "[DONE]" and json.loads(rest[-2])["choices"][0]["finish_reason"] == "length"
     assert healthy.status_code == 200 and gone(engine)
+
+
+def test_the_engine_dies_with_a_killed_server(tmp_path):
+    server, engine = start(tmp_path)
+    try:
+        server.proc.kill()
+        server.proc.wait(60)
+        wait_for(lambda: gone(engine), "the engine outlived its server")
+    finally:
+        server.stop()
 
 
 def test_the_engine_stays_in_the_server_s_process_when_asked(tmp_path):

@@ -215,7 +215,8 @@ class RemoteBootstrap:
             with self.process.phase("shutdown") if self.process is not None else contextlib.nullcontext():
                 if self.died is None:
                     self._closing = True
-                    await self._call("aclose")
+                    with contextlib.suppress(EngineDied):  # it died meanwhile: ``on_death`` said so
+                        await self._call("aclose")
                 await self._stop()
         finally:
             self._close_trace()
