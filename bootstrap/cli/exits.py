@@ -3,8 +3,8 @@ command's own rows, for its ``--help``), and which errors count as bad input:
 
 - 0: done: the executor was ready (``plan``, ``run``), the server stopped after a signal
   (``serve``), the command did its work (``trace``, ``cache``);
-- 1: a stage failed at run time: out of memory after its retries, an I/O error, a failed smoke
-  request; or ``run``'s generation failed after ready (a failed step, a rank that stopped);
+- 1: a stage failed at run time (out of memory after its retries, I/O, a failed smoke request);
+  ``run``'s generation failed after ready; ``serve``'s engine process exited unasked;
 - 2: bad input, found before the run or by a stage during it: an invalid flag or value, a
   configuration that cannot fit (the capacity stage's ``CapacityError``), a model that cannot be
   read, a missing extra, an unreadable trace file;
@@ -49,7 +49,8 @@ COMMAND_MEANINGS: dict[str, dict[int, str]] = {  # each command's --help: the st
     | {code: MEANINGS[code] for code in (STAGE_FAILED, BAD_INPUT, INTERRUPTED, TERMINATED, HUNG_UP)},
     "serve": {
         OK: "stopped by SIGTERM, SIGINT or SIGHUP, its normal end (a bootstrap in progress rolled back)",
-        STAGE_FAILED: "the ranks fell out of step (--tp N)",
+        STAGE_FAILED: "the engine's process exited unasked (killed, out of memory), "
+        "or the ranks fell out of step (--tp N)",
         BAD_INPUT: "bad input: the configuration (before the port opens), a port that cannot be bound, "
         "a backend or trace file that cannot be used",
     },
