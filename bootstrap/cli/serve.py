@@ -228,8 +228,13 @@ def _exit_now(status: int) -> None:
 
 def _main_rank_0(config: Any, options: Any, args: argparse.Namespace) -> tuple[int, bool]:
     """The server, on its only rank or rank 0 of N: the exit status, and whether a signal stopped it."""
+    spawn = None
     try:
         with args.process.phase("server"):  # the HTTP stack's imports; the port opens in _serve
+            if options.engine_process:  # first: its imports of torch run beside the server's own
+                from bootstrap.serve.startup.spawn import EngineSpawn
+
+                spawn = EngineSpawn(options.log_level)
             import fastapi  # noqa: F401
             import prometheus_client  # noqa: F401
             import uvicorn  # noqa: F401
@@ -240,13 +245,18 @@ def _main_rank_0(config: Any, options: Any, args: argparse.Namespace) -> tuple[i
             f"bootstrap: serve needs the serve extra ({exc.name} is missing): pip install -e '.[serve]'",
             file=sys.stderr,
         )
+        if spawn is not None:
+            spawn.kill()
         return BAD_INPUT, False
     _configure_logging(args.log_level)
     try:
-        fatal, lost, signalled = asyncio.run(_serve(config, options, args))
+        fatal, lost, signalled = asyncio.run(_serve(config, options, args, spawn))
     except OSError as exc:  # the port is taken, or the address is not this machine's
         print(f"bootstrap: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return BAD_INPUT, False
+    finally:
+        if spawn is not None:  # stopped by the shutdown; here when the server never served
+            spawn.kill()
     _report_threads()
     if lost is not None:
         print(f"bootstrap: the ranks fell out of step: {lost}", file=sys.stderr)
@@ -256,7 +266,9 @@ def _main_rank_0(config: Any, options: Any, args: argparse.Namespace) -> tuple[i
     return OK, signalled
 
 
-async def _serve(config: Any, options: Any, args: argparse.Namespace) -> tuple[BaseException | None, str | None, bool]:
+async def _serve(
+    config: Any, options: Any, args: argparse.Namespace, spawn: Any = None
+) -> tuple[BaseException | None, str | None, bool]:
     """Serve until stopped: what stopped the start (``state.fatal``), why the ranks fell out
     of step (``--tp N``) if they did, and whether a stop signal came."""
     import uvicorn
@@ -264,7 +276,7 @@ async def _serve(config: Any, options: Any, args: argparse.Namespace) -> tuple[B
     from bootstrap.serve.app import create_app
     from bootstrap.serve.state import ServeState
 
-    state = ServeState(config, options, process=args.process)
+    state = ServeState(config, options, process=args.process, engine_spawn=spawn)
     servers: list[uvicorn.Server] = []
     app = create_app(state, on_fatal=lambda: _stop(servers))
     servers.append(

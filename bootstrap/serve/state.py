@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from bootstrap.pipeline.events import StageEvent
     from bootstrap.pipeline.process import Phase as ProcessPhase
     from bootstrap.serve.startup.remote import RemoteBootstrap, RemoteEngine
+    from bootstrap.serve.startup.spawn import EngineSpawn
 
 Phase = Literal[
     "starting",
@@ -195,6 +196,7 @@ class ServeState:
     ranks: OtherRanks | None = None  # rank 0 of --tp N: the lockstep, told of operations and the stop
     _process_phase: ProcessPhase | None = field(default=None, init=False, repr=False)  # the phase track_process began
     stall_logged: bool = False  # the engine's current stall is in the log (``/health``)
+    engine_spawn: EngineSpawn | None = None  # the engine's process, started by the command before its imports
     _engine: LocalEngine | RemoteEngine | None = field(default=None, init=False, repr=False)  # ``executor``'s channel
 
     def __post_init__(self) -> None:

@@ -121,16 +121,22 @@ class RemoteBootstrap:
 
     @classmethod
     async def start(
-        cls, config: BootstrapConfig, options: Any, process: ProcessTimeline | None, log_level: str = "info"
+        cls, config: BootstrapConfig, options: Any, process: ProcessTimeline | None, spawn: EngineSpawn | None = None
     ) -> RemoteBootstrap:
-        """Spawn the engine's process and wait for its backend (``Hello``); what it raised instead."""
-        file = JsonLinesSpanExporter(options.trace_file) if options.trace_file is not None else None
-        boot = cls(process, file, options.otlp)
+        """Start the engine's process (or take ``spawn``, started earlier) and wait for its
+        backend (``Hello``); what it raised instead."""
+        boot: RemoteBootstrap | None = None
         try:
-            boot.spawn = EngineSpawn(boot._noted, boot._exited, log_level)
-        except BaseException:
-            boot._close_trace()
+            file = JsonLinesSpanExporter(options.trace_file) if options.trace_file is not None else None
+            boot = cls(process, file, options.otlp)
+            boot.spawn = spawn or EngineSpawn(options.log_level)
+        except BaseException:  # an unwritable trace file: the process started for nothing goes
+            if spawn is not None:
+                await anyio.to_thread.run_sync(spawn.kill)
+            if boot is not None:
+                boot._close_trace()
             raise
+        boot.spawn.listen(boot._noted, boot._exited)
         ids = process.span_ids() if process is not None else None
         start = c.Start(
             config.model_dump(mode="json"),

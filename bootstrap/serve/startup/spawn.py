@@ -1,9 +1,10 @@
 """The engine's process as the server sees it (``bootstrap.engine.executor.channel.engine_process``).
 
 ``EngineSpawn`` binds the control plane's two sockets in a private directory (mode 0700: no
-other user connects), starts the process, and relays its stderr line by line to the server's,
-keeping the last line for the log should the process die. A thread waits for the exit and hands
-the status to ``on_exit`` on the event loop. ``stop`` waits for the exit (the ``aclose`` call
+other user connects), starts the process (as early as the command can: its imports of torch
+run beside the server's own), and relays its stderr line by line to the server's, keeping the
+last line for the log should the process die. The same thread waits for the exit and hands the
+status to ``on_exit`` on the event loop. ``stop`` waits for the exit (the ``aclose`` call
 ended it), kills a process that does not exit, and closes everything; no thread outlives it.
 """
 
@@ -29,15 +30,11 @@ EXIT_WAIT_S = 30.0  # after the aclose call answered: the process's own exit (it
 
 
 class EngineSpawn:
-    """One engine process: ``send`` (on the event loop) and ``on_note`` (called on the notes
-    thread with each decoded message), ``on_exit(status, last_line)`` (on the event loop)."""
+    """One engine process, started at once (its imports run while the server imports its own);
+    ``listen`` (on the event loop) then gives it ``on_note``, called on the notes thread with each
+    decoded message, and ``on_exit(status, last_line)``, called on the event loop."""
 
-    def __init__(
-        self,
-        on_note: Callable[[c.FromEngine], None],
-        on_exit: Callable[[int, str], None],
-        log_level: str = "info",
-    ) -> None:
+    def __init__(self, log_level: str = "info") -> None:
         self.dir = tempfile.mkdtemp(prefix="bootstrap-engine-")
         self.context = zmq.Context()
         self._calls = self.context.socket(zmq.PUSH)
@@ -45,16 +42,17 @@ class EngineSpawn:
         self._calls.setsockopt(zmq.SNDHWM, 0)
         calls, notes = f"ipc://{self.dir}/calls", f"ipc://{self.dir}/notes"
         self._calls.bind(calls)
-        notes_socket = self.context.socket(zmq.PULL)
-        notes_socket.setsockopt(zmq.RCVHWM, 0)
-        notes_socket.bind(notes)
-        self._on_note, self._on_exit = on_note, on_exit
-        self._notes = Receiver(self.context, notes_socket, self._note, "bootstrap-engine-notes")
+        self._notes_socket = self.context.socket(zmq.PULL)
+        self._notes_socket.setsockopt(zmq.RCVHWM, 0)
+        self._notes_socket.bind(notes)
+        self._notes: Receiver | None = None
+        self._lock = threading.Lock()  # the exit against ``listen``: told once, after both
+        self._on_exit: Callable[[int, str], None] | None = None
+        self.call_soon: Callable[..., object] | None = None
         self.last_line = ""
         self.status: int | None = None
-        self.call_soon = call_soon_threadsafe()
+        self._stopped = False
         argv = [sys.executable, "-m", MODULE, calls, notes, str(os.getpid()), log_level]
-        self._notes.start()
         self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self._watch = threading.Thread(target=self._relay, name="bootstrap-engine-watch", daemon=True)
         self._watch.start()
@@ -63,13 +61,25 @@ class EngineSpawn:
     def pid(self) -> int:
         return self.process.pid
 
+    def listen(self, on_note: Callable[[c.FromEngine], None], on_exit: Callable[[int, str], None]) -> None:
+        """On the event loop that will read the engine (once)."""
+        self.call_soon = call_soon_threadsafe()
+        self._notes = Receiver(
+            self.context,
+            self._notes_socket,
+            lambda frame: on_note(c.decode_from_engine(frame)),
+            "bootstrap-engine-notes",
+        )
+        self._notes.start()
+        with self._lock:
+            self._on_exit, exited = on_exit, self.status
+        if exited is not None:  # it ended before anyone listened
+            self.call_soon(on_exit, exited, self.last_line)
+
     def send(self, message: c.ToEngine) -> None:
         """On the event loop; dropped once the process has exited."""
         if self.status is None and not self._calls.closed:
             self._calls.send(c.encode(message))
-
-    def _note(self, frame: bytes) -> None:
-        self._on_note(c.decode_from_engine(frame))
 
     def _relay(self) -> None:
         """The process's stderr to this one's, line by line; then its exit to the event loop."""
@@ -82,23 +92,33 @@ class EngineSpawn:
                 sys.stderr.write(line + "\n")
                 sys.stderr.flush()
         status = self.process.wait()
-        with contextlib.suppress(RuntimeError):  # the event loop has ended: nobody waits for it
-            self.call_soon(self._exited, status)
+        with self._lock:
+            self.status, on_exit = status, self._on_exit
+        if on_exit is not None and self.call_soon is not None:
+            with contextlib.suppress(RuntimeError):  # the event loop has ended: nobody waits for it
+                self.call_soon(on_exit, status, self.last_line)
 
-    def _exited(self, status: int) -> None:
-        self.status = status
-        self._on_exit(status, self.last_line)
+    def kill(self) -> None:
+        """The process killed at once and everything closed (a server that never served)."""
+        self.process.kill()
+        self.stop()
 
     def stop(self, wait_s: float = EXIT_WAIT_S) -> None:
         """Blocking (run it in a thread): the process's exit (killed after ``wait_s``), then the
         sockets, the threads and the directory (idempotent)."""
+        if self._stopped:
+            return
+        self._stopped = True
         try:
             self.process.wait(wait_s)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
         self._watch.join()
-        self._notes.stop()
+        if self._notes is not None:
+            self._notes.stop()
+        else:
+            self._notes_socket.close()
         self._calls.close()
         self.context.term()
         shutil.rmtree(self.dir, ignore_errors=True)

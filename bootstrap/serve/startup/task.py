@@ -52,7 +52,7 @@ async def start_engine_process(state: ServeState, on_fatal: Callable[[], None]) 
         await anyio.to_thread.run_sync(importlib.import_module, "bootstrap.serve.startup.remote")  # zmq, msgspec
         from bootstrap.serve.startup.remote import RemoteBootstrap
 
-        boot = await RemoteBootstrap.start(state.config, state.options, state.process, state.options.log_level)
+        boot = await RemoteBootstrap.start(state.config, state.options, state.process, state.engine_spawn)
     boot.on_death = lambda text: engine_died(state, text, on_fatal)
     state.boot = boot
 

@@ -288,7 +288,11 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server's terminal sends it to both: the server decides
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=level.upper(), format="%(levelname)s:     %(message)s", stream=sys.stderr)
-    return anyio.run(EngineProcess(calls, notes).run)
+    engine = EngineProcess(calls, notes)  # connected: what the server sends meanwhile waits in the socket
+    with contextlib.suppress(ImportError):  # now, while the server imports its own (one missing: said at Start)
+        import bootstrap.api
+        import bootstrap.backends.native.backend  # noqa: F401  (torch)
+    return anyio.run(engine.run)
 
 
 if __name__ == "__main__":
