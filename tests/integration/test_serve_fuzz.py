@@ -151,7 +151,8 @@ def check_whole(route: str, payload: dict) -> None:
     else:
         reply = s.ChatCompletion.model_validate(payload)
         assert payload["object"] == "chat.completion" and reply.choices[0].message.role == "assistant"
-    assert len(reply.choices) == 1 and reply.choices[0].finish_reason in ("stop", "length"), payload
+    assert [c.index for c in reply.choices] == list(range(len(reply.choices))) and reply.choices, payload  # n, prompts
+    assert all(c.finish_reason in ("stop", "length") for c in reply.choices), payload
     usage = reply.usage
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens and usage.prompt_tokens >= 1
 

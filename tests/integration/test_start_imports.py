@@ -68,7 +68,7 @@ def test_the_server_s_own_imports_leave_torch_to_the_engine():
     [
         "bootstrap.engine.executor.channel.client",
         "bootstrap.engine.executor.channel.messages",
-        "bootstrap.engine.executor.channel.control",
+        "bootstrap.api.control",
         "bootstrap.serve.startup.remote",
     ],
 )

@@ -33,7 +33,7 @@ ALLOWED: dict[str, set[str]] = {
         "devices",
     },
     "serve": {"api", "stages", "backends", "engine", "pipeline", "config"},
-    "api": {"stages", "backends", "pipeline", "config"},
+    "api": {"stages", "backends", "engine", "pipeline", "config"},
     "stages": {"backends", "capacity", "pipeline", "config", "paths", "devices"},
     "backends": {"engine", "parallel", "capacity", "pipeline", "config", "devices"},
     "engine": {"capacity", "config", "paths", "devices"},  # never the stage runner: the engine runs without it

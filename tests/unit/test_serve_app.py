@@ -144,7 +144,9 @@ def test_stage_rows_show_retrying_skipped_and_failed_stages():
         hub.publish(StageEvent(stage, kind, 1, message))
     state = ServeState(BootstrapConfig(model="m"), ServeOptions(model_id="m"), phase="bootstrapping")
     pipeline = SimpleNamespace(status=hub.status, hub=hub, artifacts={})
-    state.boot = SimpleNamespace(pipeline=pipeline, hub=hub, asleep=0, operations=[])
+    state.boot = SimpleNamespace(
+        pipeline=pipeline, hub=hub, asleep=0, operations=[], stage_status=lambda: list(hub.status.values()), plan=dict
+    )
     rows = {row["id"]: row for row in bootstrap_view(state)["stages"]}
     assert [rows[s]["state"] for s in rows] == ["done", "skipped", "retrying", "pending"]
     assert rows["estimation_build"]["skip_reason"] == "plan-cache"

@@ -13,6 +13,7 @@ from typing import NoReturn
 from bootstrap.config import is_int
 
 MAX_SEED = 2**63 - 1
+MAX_INT = 2**63 - 1  # an integer field's bound: what a 64-bit frame of the engine channel carries
 MAX_LOGPROBS = 20
 
 
@@ -71,13 +72,13 @@ class SamplingParams:
         self._check_surface()
 
     def _check_numbers(self) -> None:
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            _fail("max_tokens", "an integer >= 1", self.max_tokens)
+        if not is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_INT:
+            _fail("max_tokens", f"an integer in [1, {MAX_INT}]", self.max_tokens)
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             _fail("temperature", "a finite number >= 0 (0 = greedy)", t)
-        if not is_int(self.top_k) or self.top_k < 0:
-            _fail("top_k", "an integer >= 0 (0 = off)", self.top_k)
+        if not is_int(self.top_k) or not 0 <= self.top_k <= MAX_INT:
+            _fail("top_k", f"an integer in [0, {MAX_INT}] (0 = off)", self.top_k)
         p = self.top_p
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
             _fail("top_p", "a number in (0, 1] (1 = off)", p)
@@ -85,8 +86,8 @@ class SamplingParams:
             _fail("seed", f"None or an integer in [0, {MAX_SEED}]", self.seed)
 
     def _check_stops(self) -> None:
-        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
-            _fail("stop_token_ids", "a tuple of integers >= 0", self.stop_token_ids)
+        if not all(is_int(t) and 0 <= t <= MAX_INT for t in self.stop_token_ids):
+            _fail("stop_token_ids", f"a tuple of integers in [0, {MAX_INT}]", self.stop_token_ids)
         if not all(isinstance(s, str) and s for s in self.stop):
             _fail("stop", "a tuple of non-empty strings", self.stop)
         if not isinstance(self.ignore_eos, bool):

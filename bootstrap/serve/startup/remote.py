@@ -21,10 +21,10 @@ from typing import Any
 
 import anyio
 
+from bootstrap.api import control as c
 from bootstrap.api.boot import BootstrapReport
 from bootstrap.api.operation_terms import Busy, OperationRecord, Refused, Reverted
 from bootstrap.config import BootstrapConfig, ConfigError
-from bootstrap.engine.executor.channel import control as c
 from bootstrap.engine.executor.channel.client import EngineClient
 from bootstrap.pipeline import StageFailed
 from bootstrap.pipeline.events import EventHub, StageEvent, StageStatus

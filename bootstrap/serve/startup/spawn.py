@@ -1,4 +1,4 @@
-"""The engine's process as the server sees it (``bootstrap.engine.executor.channel.engine_process``).
+"""The engine's process as the server sees it (``bootstrap.api.engine_process``).
 
 ``EngineSpawn`` binds the control plane's two sockets in a private directory (mode 0700: no
 other user connects), starts the process (as early as the command can: its imports of torch
@@ -21,11 +21,11 @@ from collections.abc import Callable
 
 import zmq
 
-from bootstrap.engine.executor.channel import control as c
+from bootstrap.api import control as c
 from bootstrap.engine.executor.channel.threads import Receiver
 from bootstrap.engine.executor.event_loops import call_soon_threadsafe
 
-MODULE = "bootstrap.engine.executor.channel.engine_process"
+MODULE = "bootstrap.api.engine_process"
 EXIT_WAIT_S = 30.0  # after the aclose call answered: the process's own exit (its threads, its device)
 
 

@@ -1,7 +1,7 @@
 """The engine's own process (``bootstrap serve``'s default): its ``Bootstrap``, the stages, the
 executor, torch and the device live here; the server's process holds HTTP, tokens and SSE.
 
-The server runs ``python -m bootstrap.engine.executor.channel.engine_process CALLS NOTES``, binds
+The server runs ``python -m bootstrap.api.engine_process CALLS NOTES ...``, binds
 both sockets and sends ``Start`` (``control``). This process makes the backend, says ``Hello``
 (or ``Fatal``), then runs each ``Call`` as a task, replying with the state after it and, while an
 executor is started, the ``Served`` channel its ``EngineCore`` connects to. A live operation's
@@ -29,9 +29,9 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from bootstrap.api import control as c
 from bootstrap.api.operation_terms import Busy, Refused, Reverted
 from bootstrap.config import BootstrapConfig, ConfigError
-from bootstrap.engine.executor.channel import control as c
 from bootstrap.engine.executor.channel.threads import Receiver
 from bootstrap.engine.executor.event_loops import call_soon_threadsafe
 from bootstrap.pipeline import StageFailed
