@@ -138,3 +138,47 @@ def test_the_engine_stays_in_the_server_s_process_when_asked(tmp_path):
         assert children(server.proc) == [] and mapped(server.proc.pid, "libtorch")
     finally:
         server.stop()
+
+
+def test_a_failed_start_its_retry_and_the_live_operations_cross_to_the_engine(qwen, tmp_path):
+    """A stage's failure in the engine reaches ``/ready`` in its words and is retried there; a
+    swap drains a stream in flight (the drain runs in the server) and the new model answers; a
+    sleep and a wake; the server never maps torch through any of it."""
+    checkpoint = save_checkpoint("llama", tmp_path / "llama", CHAT_TEMPLATE)
+    backend = plugin_module(tmp_path, step_delay_s=0.05, fail_once=("build_final",))
+    argv = ("--model", str(checkpoint), "--no-plan-cache", "--backend-factory", backend, "--drain-timeout", "60")
+    server = ServeProcess(tmp_path / "serve.log", *argv, pythonpath=(tmp_path,))
+    url = server.url
+    try:
+        failed = server.wait_state("failed")
+        assert httpx.post(f"{url}/v1/bootstrap/retry", timeout=10).status_code == 202
+        server.wait_state("ready")
+        body = {**LONG, "model": str(checkpoint), "max_tokens": 40}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+            lines = response.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            swapped = httpx.post(f"{url}/v1/bootstrap/swap", json={"model": str(qwen)}, timeout=120)
+            drained = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+        after = {**body, "model": str(qwen), "stream": False, "prompt": [5, 37, 33, 9]}  # ids: any tokenizer
+        reply = httpx.post(f"{url}/v1/completions", json=after, timeout=60)
+        slept = httpx.post(f"{url}/v1/bootstrap/sleep", json={"level": 2}, timeout=60)
+        woken = httpx.post(f"{url}/v1/bootstrap/wake", timeout=120)
+        again = httpx.post(f"{url}/v1/completions", json=after, timeout=60)
+        refused = httpx.post(f"{url}/v1/bootstrap/sleep", json={"level": 3}, timeout=10)
+        assert not mapped(server.proc.pid, "libtorch")
+        assert server.signal(signal.SIGTERM) == 0
+    finally:
+        server.stop()
+    assert failed["error"].startswith("bootstrap failed at stage 'final_build' after ")
+    assert "injected failure in build_final (test)" in failed["error"]
+    assert swapped.status_code == 200 and swapped.json()["model"] == str(qwen) and swapped.json()["cut_short"] == 0
+    assert json.loads(drained[-2])["choices"][0]["finish_reason"] == "length" and drained[-1] == "[DONE]"
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1, reply.text
+    assert (slept.status_code, slept.json()["state"], woken.status_code, woken.json()["state"]) == (
+        200,
+        "asleep",
+        200,
+        "ready",
+    )
+    assert again.json()["choices"][0]["text"] == reply.json()["choices"][0]["text"]  # the same weights, read again
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "level"

@@ -30,7 +30,7 @@ from bootstrap.engine.models import check_checkpoint, own_model_problem
 from bootstrap.engine.models.files import ModelSourceError, check_checkpoint_files, read_json
 from bootstrap.engine.models.kv_scales import KVScales
 from bootstrap.engine.models.weights import safetensors_files
-from bootstrap.engine.sources import checkpoint, conversions, random_init, smollm2
+from bootstrap.engine.sources import checkpoint, conversions, random_init, random_spec, smollm2
 from bootstrap.engine.sources.model_cache import default_cache_dir, has_weights
 from bootstrap.engine.sources.progress_lines import Progress, quiet
 
@@ -92,16 +92,16 @@ def resolve_source(source: str) -> ModelSource:
     text = source.strip()
     if text == DEFAULT_MODEL:
         return ModelSource(DEFAULT, text)
-    if text.startswith(random_init.PREFIX):
+    if text.startswith(random_spec.PREFIX):
         return _resolve_random(text)
     return _resolve_path(text)
 
 
 def _resolve_random(text: str) -> ModelSource:
-    spec = text[len(random_init.PREFIX) :].strip()
+    spec = text[len(random_spec.PREFIX) :].strip()
     if not spec:
         raise ModelSourceError(
-            f"model source {text!r} names no preset or config.json; presets: {', '.join(random_init.preset_names())}"
+            f"model source {text!r} names no preset or config.json; presets: {', '.join(random_spec.preset_names())}"
         )
     try:
         values = random_init.config_dict(spec)
@@ -131,7 +131,7 @@ def _resolve_path(text: str) -> ModelSource:
     hint = "" if path.exists() else " (no such file or directory, and not a known name)"
     if path.is_file() and path.name.endswith(".json"):
         hint = f" (for random weights with this config, use 'random:{text}')"
-    elif text in random_init.preset_names():
+    elif text in random_spec.preset_names():
         hint = f" (for random weights with this preset, use 'random:{text}')"
     raise ModelSourceError(f"model source {text!r} is not loadable{hint}; accepted: {accepted_sources()}")
 

@@ -13,18 +13,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bootstrap.engine.layers.attention import ATTN_IMPLEMENTATION, register
+from bootstrap.engine.sources.random_spec import preset_names
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
-
-PREFIX = "random:"
-
-
-def preset_names() -> list[str]:
-    """Names accepted after ``random:`` besides a config.json path."""
-    from bootstrap.capacity.presets import MODEL_PRESETS
-
-    return sorted(MODEL_PRESETS)
 
 
 def config_dict(spec: str) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import stat
 from pathlib import Path
 
 from bootstrap.engine.sources.model_cache import WEIGHT_PATTERNS
+from bootstrap.engine.sources.random_spec import PREFIX, preset_names
 from bootstrap.engine.sources.smollm2 import NAME as DEFAULT_MODEL
 from bootstrap.serve.errors import APIError
 
@@ -29,8 +30,6 @@ def check_model(text: str, backend: str) -> None:
     (another backend names its models its own way: its own checks answer)."""
     if backend != "native":
         return
-    from bootstrap.engine.sources.random_init import PREFIX, preset_names  # imports torch: at a request, not at start
-
     spec, presets = text.strip(), preset_names()
     if spec == DEFAULT_MODEL or spec in presets:
         return
