@@ -185,15 +185,18 @@ def test_batch_size_mismatch_is_rejected():
 @pytest.mark.parametrize(
     ("field", "value", "allowed"),
     [
-        ("max_tokens", 0, ">= 1"),
-        ("max_tokens", 2.5, ">= 1"),
+        ("max_tokens", 0, r"in \[1, 9223372036854775807\]"),
+        ("max_tokens", 2.5, r"in \[1, "),
+        ("max_tokens", 2**63, r"in \[1, 9223372036854775807\]"),  # past what the engine channel's frames carry
         ("temperature", -0.1, ">= 0"),
         ("temperature", float("nan"), ">= 0"),
-        ("top_k", -1, ">= 0"),
+        ("top_k", -1, r"in \[0, 9223372036854775807\]"),
+        ("top_k", 10**30, r"in \[0, 9223372036854775807\]"),
         ("top_p", 0.0, r"\(0, 1\]"),
         ("top_p", 1.5, r"\(0, 1\]"),
         ("seed", -1, "None or an integer"),
-        ("stop_token_ids", (1, -2), "integers >= 0"),
+        ("stop_token_ids", (1, -2), r"integers in \[0, "),
+        ("stop_token_ids", (2**64,), r"integers in \[0, 9223372036854775807\]"),
         ("stop", ("",), "non-empty strings"),
         ("ignore_eos", "yes", "a bool"),
     ],
