@@ -13,7 +13,8 @@ none for a token whose text is empty or held back):
 
 Per side and level: output tok/s, TTFT p50/p99 (request sent to its first token's chunk, whatever
 its text) and inter-token latency p50/p99 (the gaps between a request's chunks: a chunk is one
-token); ``served_over_in_process`` is the ratio of output tok/s, side by side in one run. A
+token); ``served_over_in_process`` is the ratio of output tok/s, side by side in one run
+(``--baseline-serve-args``: a third side, ``served_baseline``, served with other flags). A
 request that fails is counted (status, first error line) and the script exits 1. ``--smoke``: a
 tiny random model on the CPU, levels 1 and 4, for the suite. Prints JSON, writes ``--out``:
 
@@ -63,6 +64,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=49152, help="prompt ids are drawn below this")
     parser.add_argument("--serve-args", default="", help="more flags for bootstrap serve, one string")
+    parser.add_argument(
+        "--baseline-serve-args",
+        default=None,
+        help="also serve with these flags instead (a side of its own, 'served_baseline', in the same run; "
+        "e.g. --engine-in-process: the server without the engine's process)",
+    )
     parser.add_argument("--smoke", action="store_true", help="a tiny random model on the CPU, levels 1 and 4")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
@@ -120,7 +127,7 @@ def _ms(value: float | None) -> float | None:
 
 
 async def served(args: argparse.Namespace) -> list[dict]:
-    server = Server(args)
+    server = Server(args)  # reads args.serve_args
     try:
         limits = httpx.Limits(max_connections=max(args.levels) + 8, max_keepalive_connections=max(args.levels) + 8)
         async with httpx.AsyncClient(base_url=server.url, timeout=600, limits=limits) as http:
@@ -188,16 +195,18 @@ async def in_process(args: argparse.Namespace) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    sides = {"served": asyncio.run(served(args)), "in_process": asyncio.run(in_process(args))}
-    levels = [
-        {
-            "streams": level,
-            "served": s,
-            "in_process": e,
-            "served_over_in_process": round(s["output_tok_s"] / e["output_tok_s"], 3) if e["output_tok_s"] else None,
-        }
-        for level, s, e in zip(args.levels, sides["served"], sides["in_process"])
-    ]
+    sides = {"served": asyncio.run(served(args))}
+    if args.baseline_serve_args is not None:
+        baseline = argparse.Namespace(**{**vars(args), "serve_args": args.baseline_serve_args})
+        sides["served_baseline"] = asyncio.run(served(baseline))
+    sides["in_process"] = asyncio.run(in_process(args))
+    levels = []
+    for i, level in enumerate(args.levels):
+        row: dict = {"streams": level, **{name: side[i] for name, side in sides.items()}}
+        tok_s = row["in_process"]["output_tok_s"]
+        for name in sides.keys() - {"in_process"}:
+            row[f"{name}_over_in_process"] = round(row[name]["output_tok_s"] / tok_s, 3) if tok_s else None
+        levels.append(row)
     result = {
         "benchmark": "served_vs_engine",
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
@@ -206,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_len": args.prompt_len,
         "gen_len": args.gen_len,
         "levels": levels,
-        "failures": merge_failures(side[key]["failures"] for side in levels for key in ("served", "in_process")),
+        "serve_args": args.serve_args,
+        "baseline_serve_args": args.baseline_serve_args,
+        "failures": merge_failures(row[key]["failures"] for row in levels for key in sides),
     }
     emit(result, args.out)
     return failure_exit("served_vs_engine", result["failures"])

@@ -1,6 +1,7 @@
-"""``benchmarks/served_vs_engine.py --smoke`` as a user runs it: a real server and a real
-in-process executor on a tiny random model, every token of every request counted on both sides
-and the ratio side by side; requests the server refuses are counted and the script exits 1."""
+"""``benchmarks/served_vs_engine.py --smoke`` as a user runs it: a real server (and, as the
+baseline, one whose engine runs in the server's process: ``--engine-in-process``) and a real in-process
+executor on a tiny random model, every token of every request counted on each side and the ratios
+side by side; requests the server refuses are counted and the script exits 1."""
 
 from __future__ import annotations
 
@@ -14,7 +15,14 @@ from helpers.bench_runs import BENCHMARKS, failed_run
 def test_both_sides_stream_every_token_at_every_level(tmp_path):
     out = tmp_path / "sve.json"
     proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "served_vs_engine.py"), "--smoke", "--out", str(out)],
+        [
+            sys.executable,
+            str(BENCHMARKS / "served_vs_engine.py"),
+            "--smoke",
+            "--baseline-serve-args=--engine-in-process",
+            "--out",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         cwd=BENCHMARKS.parent,
@@ -24,15 +32,16 @@ def test_both_sides_stream_every_token_at_every_level(tmp_path):
     result = json.loads(out.read_text())
     assert [level["streams"] for level in result["levels"]] == [1, 4]
     for level in result["levels"]:
-        for side in ("served", "in_process"):
+        for side in ("served", "served_baseline", "in_process"):
             figures = level[side]
             assert figures["requests"] == 2 * level["streams"]  # two requests a stream
             assert figures["output_tokens"] == figures["requests"] * 8  # every token had its chunk or event
             assert figures["failures"]["failed"] == 0
             assert 0 < figures["ttft_ms_p50"] <= figures["ttft_ms_p99"]
             assert 0 < figures["itl_ms_p50"] <= figures["itl_ms_p99"]
-        ratio = level["served"]["output_tok_s"] / level["in_process"]["output_tok_s"]
-        assert level["served_over_in_process"] == round(ratio, 3)
+        for side in ("served", "served_baseline"):
+            ratio = level[side]["output_tok_s"] / level["in_process"]["output_tok_s"]
+            assert level[f"{side}_over_in_process"] == round(ratio, 3)
     assert result["failures"]["failed"] == 0
 
 
