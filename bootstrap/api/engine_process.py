@@ -171,8 +171,9 @@ class EngineProcess:
             parent = ServerParent(start.parent) if start.parent is not None else None
             self.boot = Bootstrap(config, backend=backend, otlp=start.otlp, process=parent, forward_spans=forward)
         except Exception as exc:
-            log.debug("the engine could not start", exc_info=True)
-            self.send(c.Fatal(failure_of(exc)))
+            failure = failure_of(exc)
+            log.log(logging.ERROR if failure.kind == "other" else logging.DEBUG, "no backend", exc_info=True)
+            self.send(c.Fatal(failure))
             return False
         log.info("engine process %d: backend ready (%s on %s)", os.getpid(), type(backend).__name__, config.device)
         self.send(c.Hello(os.getpid(), self.snapshot(report=True)))
@@ -217,8 +218,9 @@ class EngineProcess:
             try:
                 failure = await self._run(call)
             except Exception as exc:
-                log.debug("%s failed", call.method, exc_info=True)
                 failure = failure_of(exc)
+                unforeseen = failure.kind == "other"  # a bug's traceback is here only: the server rebuilds the rest
+                log.log(logging.ERROR if unforeseen else logging.DEBUG, "%s failed", call.method, exc_info=True)
         self._scopes.pop(call.call_id, None)
         if scope.cancelled_caught:
             failure = c.Failure("Cancelled", "Cancelled", f"the {call.method} was cancelled")
@@ -245,8 +247,11 @@ class EngineProcess:
     async def _drain(self, call_id: int) -> None:
         """The server drains the requests (it holds them) and closes its end of the channel."""
         drained = self._drains[call_id] = anyio.Event()
-        self.send(c.DrainAsk(call_id))
-        await drained.wait()
+        try:
+            self.send(c.DrainAsk(call_id))
+            await drained.wait()
+        finally:
+            self._drains.pop(call_id, None)
 
     def _serving(self) -> c.Served | None:
         """The channel of the executor started now, a core made for it once (the server connects)."""

@@ -241,7 +241,7 @@ class RemoteBootstrap:
             except anyio.get_cancelled_exc_class():
                 self.spawn.send(c.Abandon(call_id))
                 with anyio.CancelScope(shield=True):  # its stages roll back there first
-                    await self._answer(call_id, call)
+                    await self._answer(call_id, call, drains=False)
                 raise
         finally:
             self._calls.pop(call_id, None)
@@ -251,7 +251,9 @@ class RemoteBootstrap:
             raise rebuilt(reply.failure)
         return reply.served if self._snapshot.live else None
 
-    async def _answer(self, call_id: int, call: _Call) -> c.Reply:
+    async def _answer(self, call_id: int, call: _Call, drains: bool = True) -> c.Reply:
+        """The call's reply, running each drain it asks for meanwhile (``drains``; an abandoned
+        call's drain is answered at once: its operation is being cancelled there)."""
         while True:
             await call.heard.wait()
             call.heard = anyio.Event()
@@ -259,7 +261,7 @@ class RemoteBootstrap:
                 note = call.notes.pop(0)
                 if isinstance(note, c.Reply):
                     return note
-                if call.drain is not None:
+                if drains and call.drain is not None:
                     await call.drain()
                 self.spawn.send(c.Drained(call_id))
 
