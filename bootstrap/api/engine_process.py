@@ -287,9 +287,13 @@ def _die_with_parent(parent: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """``CALLS NOTES PARENT_PID LOG_LEVEL``."""
-    calls, notes, parent, level = argv
+    """``CALLS NOTES PARENT_PID LOG_LEVEL TRITON`` (``triton``: begin Triton's start first, or ``-``)."""
+    calls, notes, parent, level, triton = argv
     _die_with_parent(int(parent))
+    if triton == "triton":  # its thread compiles while this process imports torch, as in a server's process
+        from bootstrap.engine.kernels import triton_start
+
+        triton_start.begin()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server's terminal sends it to both: the server decides
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=level.upper(), format="%(levelname)s:     %(message)s", stream=sys.stderr)
@@ -301,4 +305,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    status = main(sys.argv[1:])
+    logging.shutdown()  # everything was released by aclose: the interpreter's own teardown (torch's) is skipped
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -234,7 +234,8 @@ def _main_rank_0(config: Any, options: Any, args: argparse.Namespace) -> tuple[i
             if options.engine_process:  # first: its imports of torch run beside the server's own
                 from bootstrap.serve.startup.spawn import EngineSpawn
 
-                spawn = EngineSpawn(options.log_level)
+                triton = options.backend_factory is None and config.device.startswith("cuda")
+                spawn = EngineSpawn(options.log_level, triton)
             import fastapi  # noqa: F401
             import prometheus_client  # noqa: F401
             import uvicorn  # noqa: F401

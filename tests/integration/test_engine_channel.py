@@ -274,3 +274,29 @@ def test_silence_counts_only_while_requests_wait_on_the_engine(model):
     seen = asyncio.run(run_it())
     ex.shutdown()
     assert seen == [(0.0, 0), (0.0, 0), (0.0, 1), (7.0, 1), (0.0, 0)]
+
+
+def test_a_reader_that_fell_behind_takes_what_came_in_one_wake(model):
+    """``next_events``: every event that has come, in order, the final one last, once the reader
+    looks again; mixed with ``next_event`` reads, the request's events are the executor's own."""
+    engine, ex = started(model)
+    prompt, params = [3, 4, 5], SamplingParams(max_tokens=12)
+    expected = reference(model, prompt, 12)
+
+    async def behind() -> tuple[list[int], list[int]]:
+        client = engine.start()
+        request_id = client.enqueue(prompt, params)
+        first = await client.next_event(request_id)
+        while not any(e.finished for e in client._requests[request_id].events):  # noqa: ASYNC110 (left unread)
+            await anyio.sleep(0.01)
+        rest = await client.next_events(request_id)
+        assert request_id not in client._requests  # gone with its final event
+        with pytest.raises(KeyError):
+            await client.next_events(request_id)
+        engine.close()
+        return [e.token_id for e in [first, *rest] if e.token_id is not None], [len(rest), rest[-1].finished]
+
+    tokens, (taken, ended) = asyncio.run(behind())
+    accounted(engine, ex)
+    ex.shutdown()
+    assert tokens == expected and taken == 11 and ended  # the other 11 tokens, the last one final, in one call

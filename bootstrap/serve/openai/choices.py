@@ -121,7 +121,9 @@ class ChoicesStream(StreamingResponse):
         self.choices = choices
         # unbounded, as the engine's own event queues are: at most max_tokens events per job (the
         # item type quoted: StreamEvent's module imports torch, so it is imported for type checks only)
-        send, self._events = anyio.create_memory_object_stream[tuple[int, "StreamEvent"]](max_buffer_size=math.inf)
+        send, self._events = anyio.create_memory_object_stream[tuple[int, list["StreamEvent"]]](
+            max_buffer_size=math.inf
+        )
         self._send = send
         usage = (lambda: choices.usage()) if include_usage else (lambda: None)
         super().__init__(
@@ -145,7 +147,7 @@ class ChoicesStream(StreamingResponse):
             await self.choices.close()
 
 
-async def _pump(index: int, job: Job, out: MemoryObjectSendStream[tuple[int, StreamEvent]]) -> None:
+async def _pump(index: int, job: Job, out: MemoryObjectSendStream[tuple[int, list[StreamEvent]]]) -> None:
     async with out:
-        async for event in job.events():
-            await out.send((index, event))
+        async for batch in job.batches():
+            await out.send((index, batch))

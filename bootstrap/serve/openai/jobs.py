@@ -90,8 +90,19 @@ class Job:
         while self.finish_reason is None:
             yield await self._next()
 
+    async def batches(self) -> AsyncIterator[list[StreamEvent]]:
+        """``events`` as they come, several at once when the reader fell behind (one wake, one
+        write of a stream for all of them), until the final one."""
+        if self._first is None:
+            await self.first_event()
+        yield [self._first]
+        while self.finish_reason is None:
+            yield [self._took(event) for event in await self.executor.next_events(self.request_id)]
+
     async def _next(self) -> StreamEvent:
-        event = await self.executor.next_event(self.request_id)
+        return self._took(await self.executor.next_event(self.request_id))
+
+    def _took(self, event: StreamEvent) -> StreamEvent:
         if event.token_id is not None:
             if self.tokens == 0:
                 self.metrics.ttft.labels(self.endpoint).observe(time.monotonic() - self.started)

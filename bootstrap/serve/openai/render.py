@@ -105,31 +105,38 @@ class Render:
 
 
 async def stream_body(
-    events: AsyncIterator[tuple[int, StreamEvent]], choices: int, render: Render, usage: Callable[[], s.Usage | None]
+    batches: AsyncIterator[tuple[int, list[StreamEvent]]],
+    choices: int,
+    render: Render,
+    usage: Callable[[], s.Usage | None],
 ) -> AsyncIterator[str]:
-    """The SSE body of a streaming request from its choices' ``(index, event)`` pairs, merged in
-    the order they came (``bootstrap.serve.openai.choices``); ``usage()`` is the usage chunk's, if asked."""
+    """The SSE body of a streaming request from its choices' ``(index, events)`` batches, merged
+    in the order they came (``bootstrap.serve.openai.choices``): a batch's chunks (one per token)
+    leave in one write. ``usage()`` is the usage chunk's, if asked."""
     if render.kind == "chat":
         for index in range(choices):
             yield sse(render.chunk(index, text="", role=True))
-    async for index, event in events:
-        if event.finished and event.finish_reason == "error":
-            yield sse(
-                {
-                    "error": {
-                        "message": f"generation failed: {event.error}",
-                        "type": "server_error",
-                        "param": None,
-                        "code": "engine_error",
-                    }
-                }
-            )
+    async for index, events in batches:
+        chunks = [chunk for event in events for chunk in _chunks(render, index, event)]
+        if chunks:
+            yield "".join(chunks)
+        if events and events[-1].finish_reason == "error":  # its chunk was the last: the stream ends
             break
-        if event.text or (render.with_logprobs and event.token_id is not None):
-            yield sse(render.chunk(index, text=event.text, events=[event]))
-        if event.finished:
-            yield sse(render.chunk(index, finish=event.finish_reason))
     totals = usage()
     if totals is not None:
         yield sse(render.usage_chunk(totals))
     yield DONE
+
+
+def _chunks(render: Render, index: int, event: StreamEvent) -> list[str]:
+    """The SSE chunks of one event: its text (or, with logprobs, its token), its finish, or an
+    engine error's chunk (the stream's last but ``[DONE]``)."""
+    if event.finished and event.finish_reason == "error":
+        error = {"message": f"generation failed: {event.error}", "type": "server_error", "param": None}
+        return [sse({"error": {**error, "code": "engine_error"}})]
+    out = []
+    if event.text or (render.with_logprobs and event.token_id is not None):
+        out.append(sse(render.chunk(index, text=event.text, events=[event])))
+    if event.finished:
+        out.append(sse(render.chunk(index, finish=event.finish_reason)))
+    return out

@@ -34,7 +34,9 @@ class EngineSpawn:
     ``listen`` (on the event loop) then gives it ``on_note``, called on the notes thread with each
     decoded message, and ``on_exit(status, last_line)``, called on the event loop."""
 
-    def __init__(self, log_level: str = "info") -> None:
+    def __init__(self, log_level: str = "info", triton: bool = False) -> None:
+        """``triton``: the engine begins Triton's start (``engine.kernels.triton_start``) at once,
+        before its imports (a native engine on CUDA), as a server with the engine inside does."""
         self.dir = tempfile.mkdtemp(prefix="bootstrap-engine-")
         self.context = zmq.Context()
         self._calls = self.context.socket(zmq.PUSH)
@@ -52,7 +54,7 @@ class EngineSpawn:
         self.last_line = ""
         self.status: int | None = None
         self._stopped = False
-        argv = [sys.executable, "-m", MODULE, calls, notes, str(os.getpid()), log_level]
+        argv = [sys.executable, "-m", MODULE, calls, notes, str(os.getpid()), log_level, "triton" if triton else "-"]
         self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self._watch = threading.Thread(target=self._relay, name="bootstrap-engine-watch", daemon=True)
         self._watch.start()

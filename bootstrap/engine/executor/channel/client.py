@@ -130,6 +130,19 @@ class EngineClient:
             self._requests.pop(request_id, None)
         return event
 
+    async def next_events(self, request_id: int) -> list[StreamEvent]:
+        """Every event of the request that has come, once at least one has (its final one last,
+        if among them): a reader that fell behind takes the rounds it missed in one wake."""
+        request = self._requests[request_id]
+        while not request.events:
+            request.wake = anyio.Event()
+            await request.wake.wait()
+        events = list(request.events)
+        request.events.clear()
+        if events[-1].finished:
+            self._requests.pop(request_id, None)
+        return events
+
     def forget(self, request_id: int) -> None:
         """Nobody reads the request any more: cancelled if unfinished, gone at its final event."""
         request = self._requests.get(request_id)
