@@ -98,7 +98,8 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         type=float,
         default=60.0,
         help="seconds requests may wait on an engine from which no step has answered before /health answers 503 "
-        "naming the engine (a step that never ends)",
+        "naming the engine (a step that never ends); an engine's process that leaves a cancelled operation or its "
+        "shutdown unanswered this long is killed (exit 1)",
     )
     add(
         "--idle",

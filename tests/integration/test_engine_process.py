@@ -120,6 +120,18 @@ def test_a_stopped_engine_is_named_by_health_until_it_continues(tmp_path):
     assert healthy.status_code == 200 and gone(engine)
 
 
+def test_a_server_whose_engine_never_answers_its_close_kills_it_and_exits_1(tmp_path):
+    server, engine = start(tmp_path, "--engine-timeout", "0.5")
+    try:
+        os.kill(engine, signal.SIGSTOP)
+        status = server.signal(signal.SIGTERM)
+    finally:
+        server.stop()
+    assert status == 1 and gone(engine)
+    said = f"the engine's process (pid {engine}) did not answer its close within 0.5 s (--engine-timeout): killed"
+    assert said in server.log() and "no thread left" in server.log()
+
+
 def test_the_engine_dies_with_a_killed_server(tmp_path):
     server, engine = start(tmp_path)
     try:

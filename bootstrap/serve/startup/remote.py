@@ -113,6 +113,8 @@ class RemoteBootstrap:
         self._next_call = 0
         self._calling: str | None = None
         self._closing = False
+        self._killed = False
+        self.patience_s = 60.0  # how long an abandoned call or the close may go unanswered (``--engine-timeout``)
         self._hello = anyio.Event()
         self._fatal: BaseException | None = None
         self.died: str | None = None
@@ -129,6 +131,7 @@ class RemoteBootstrap:
         try:
             file = JsonLinesSpanExporter(options.trace_file) if options.trace_file is not None else None
             boot = cls(process, file, options.otlp)
+            boot.patience_s = options.engine_timeout_s
             boot.spawn = spawn or EngineSpawn(options.log_level)
         except BaseException:  # an unwritable trace file: the process started for nothing goes
             if spawn is not None:
@@ -149,11 +152,14 @@ class RemoteBootstrap:
         )
         try:
             boot.spawn.send(start)
-            with anyio.CancelScope(shield=True):  # a signal meanwhile: the process is still ended, below
-                await boot._hello.wait()
-        except BaseException:
+            await boot._hello.wait()
+        except BaseException:  # a signal before its backend was made: no stage began, the process goes
+            boot._closing = True
             boot.spawn.process.kill()
-            boot._fatal = boot._fatal or RuntimeError("the engine's process was not started")
+            with anyio.CancelScope(shield=True):
+                await boot._stop()
+            boot._close_trace()
+            raise
         if boot._fatal is not None:
             await boot._stop()
             boot._close_trace()
@@ -221,8 +227,11 @@ class RemoteBootstrap:
             with self.process.phase("shutdown") if self.process is not None else contextlib.nullcontext():
                 if self.died is None:
                     self._closing = True
-                    with contextlib.suppress(EngineDied):  # it died meanwhile: ``on_death`` said so
-                        await self._call("aclose")
+                    with anyio.move_on_after(self.patience_s) as waited:
+                        with contextlib.suppress(EngineDied):  # it died meanwhile: ``on_death`` said so
+                            await self._call("aclose")
+                    if waited.cancelled_caught:
+                        self._kill_hung("its close")
                 await self._stop()
         finally:
             self._close_trace()
@@ -241,7 +250,10 @@ class RemoteBootstrap:
             except anyio.get_cancelled_exc_class():
                 self.spawn.send(c.Abandon(call_id))
                 with anyio.CancelScope(shield=True):  # its stages roll back there first
-                    await self._answer(call_id, call, drains=False)
+                    with anyio.move_on_after(self.patience_s) as waited:
+                        await self._answer(call_id, call, drains=False)
+                if waited.cancelled_caught:
+                    self._kill_hung("its close" if method == "aclose" else f"the cancelled {method}")
                 raise
         finally:
             self._calls.pop(call_id, None)
@@ -313,6 +325,19 @@ class RemoteBootstrap:
             failure = c.Failure("EngineDied", "EngineDied", self.died)
             self._tell(call_id, c.Reply(call_id, self._snapshot, failure))
         self.on_death(self.died)
+
+    def _kill_hung(self, what: str) -> None:
+        """An engine that does not answer: killed, its exit then a death (the server exits 1)."""
+        if self.spawn.status is not None or self._killed:
+            return
+        self._killed, self._closing = True, False
+        log.error(
+            "bootstrap serve: the engine's process (pid %d) did not answer %s within %g s (--engine-timeout): killed",
+            self.spawn.pid,
+            what,
+            self.patience_s,
+        )
+        self.spawn.process.kill()
 
     async def _stop(self) -> None:
         await anyio.to_thread.run_sync(self.spawn.stop)
