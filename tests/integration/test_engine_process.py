@@ -96,7 +96,8 @@ def test_a_killed_engine_ends_the_stream_with_an_error_and_the_server_exits_1(tm
 def test_a_stopped_engine_is_named_by_health_until_it_continues(tmp_path):
     server, engine = start(tmp_path, "--engine-timeout", "0.5")
     try:
-        with httpx.stream("POST", f"{server.url}/v1/completions", json=LONG, timeout=120) as response:
+        body = {**LONG, "max_tokens": 30}  # 3 s of steps: still running when the engine stops
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:
             lines = response.iter_lines()
             next(line for line in lines if line.startswith("data: "))
             os.kill(engine, signal.SIGSTOP)
