@@ -1,9 +1,11 @@
 """The bootstrap behind the server: built in the background while the port already answers.
 
-``run_bootstrap`` makes the backend and the ``Bootstrap`` off the event loop (that imports
+``run_bootstrap`` has the engine's process make the backend and its ``Bootstrap``
+(``remote``; with ``--engine-in-process`` both are made here, off the event loop: that imports
 torch), runs the stages, and moves the state to ``ready`` or ``failed``; ``retry`` resumes a
 failed run from its failed stage, keeping every earlier artifact (the weights stay loaded).
-Cancelling either (a signal during the bootstrap) makes the pipeline roll every stage back.
+Cancelling either (a signal during the bootstrap) makes the pipeline roll every stage back. An
+engine's process that exits unasked ends the server (``engine_died``).
 """
 
 from __future__ import annotations
