@@ -118,6 +118,7 @@ class Reply(msgspec.Struct, frozen=True, tag=True):
     snapshot: Snapshot
     failure: Failure | None = None
     served: Served | None = None
+    ended_ns: int = 0  # when the call's own work ended there (Unix ns), before its channel was made
 
 
 class DrainAsk(msgspec.Struct, frozen=True, tag=True):

@@ -20,6 +20,7 @@ import pickle
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -222,6 +223,7 @@ class EngineProcess:
                 unforeseen = failure.kind == "other"  # a bug's traceback is here only: the server rebuilds the rest
                 log.log(logging.ERROR if unforeseen else logging.DEBUG, "%s failed", call.method, exc_info=True)
         self._scopes.pop(call.call_id, None)
+        ended_ns = time.time_ns()
         if scope.cancelled_caught:
             failure = c.Failure("Cancelled", "Cancelled", f"the {call.method} was cancelled")
         if call.method == "aclose":
@@ -229,7 +231,7 @@ class EngineProcess:
                 core.close()
             self._cores.clear()
         served = self._serving() if call.method != "aclose" else None
-        self.send(c.Reply(call.call_id, self.snapshot(report=True), failure, served))
+        self.send(c.Reply(call.call_id, self.snapshot(report=True), failure, served, ended_ns))
         if call.method == "aclose":  # the last reply: the loop over the server's messages ends
             self._send_frame.close()
 

@@ -83,9 +83,10 @@ class ProcessTimeline:
         finally:
             self.finish(phase)
 
-    def begin(self, name: str, **attributes: Any) -> Phase:
-        """A phase that starts now and ends at ``finish`` (one that spans several calls)."""
-        return Phase(f"{PHASE_PREFIX}{name}", time.time_ns(), 0, attributes)
+    def begin(self, name: str, start_ns: int | None = None, **attributes: Any) -> Phase:
+        """A phase that starts now (or at ``start_ns``, a moment already past) and ends at
+        ``finish`` (one that spans several calls)."""
+        return Phase(f"{PHASE_PREFIX}{name}", start_ns or time.time_ns(), 0, attributes)
 
     def finish(self, phase: Phase) -> None:
         phase.end_ns = time.time_ns()

@@ -202,12 +202,14 @@ class ServeState:
     def __post_init__(self) -> None:
         self.model_id = self.model_id or self.options.model_id
 
-    def set_phase(self, phase: Phase, error: str | None = None) -> None:
+    def set_phase(self, phase: Phase, error: str | None = None, since_ns: int | None = None) -> None:
+        """``since_ns``: when the phase began where it began (the engine's process finished a
+        build): the process's ``serving`` phase starts there, the channel's connection in it."""
         if self.phase == "shutting_down":  # final: a late bootstrap result does not undo it
             return
         self.phase, self.error = phase, error
         if phase in ("ready", "failed", "shutting_down", "idle", "asleep"):  # the server answers from here on
-            self.track_process("draining" if phase == "shutting_down" else "serving")
+            self.track_process("draining" if phase == "shutting_down" else "serving", since_ns)
         self.changes.notify()
 
     def engine_stall(self) -> str | None:
@@ -241,13 +243,15 @@ class ServeState:
             self._engine = LocalEngine(executor)  # type: ignore[arg-type]
         self.executor = self._engine.start()
 
-    def track_process(self, name: str | None) -> None:
-        """End the process phase in progress and (``name``) begin the next one."""
+    def track_process(self, name: str | None, since_ns: int | None = None) -> None:
+        """End the process phase in progress and (``name``) begin the next one (at ``since_ns``
+        when none was in progress: no two phases overlap)."""
         if self.process is None:
             return
         if self._process_phase is not None:
             self.process.finish(self._process_phase)
-        self._process_phase = self.process.begin(name) if name is not None else None
+            since_ns = None
+        self._process_phase = self.process.begin(name, since_ns) if name is not None else None
 
     def tracer(self) -> Tracer | None:
         """The trace pipeline's tracer for request spans; None when spans go nowhere or the

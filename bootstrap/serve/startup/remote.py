@@ -114,6 +114,7 @@ class RemoteBootstrap:
         self._calling: str | None = None
         self._closing = False
         self._killed = False
+        self.ready_ns: int | None = None  # when the latest call's work ended in the engine's process
         self.patience_s = 60.0  # how long an abandoned call or the close may go unanswered (``--engine-timeout``)
         self._hello = anyio.Event()
         self._fatal: BaseException | None = None
@@ -304,7 +305,7 @@ class RemoteBootstrap:
             self._hello.set()
         elif isinstance(note, c.Reply):
             self._report = note.snapshot.report
-            self._served = note.served
+            self._served, self.ready_ns = note.served, note.ended_ns or None
             self._tell(note.call_id, note)
 
     def _tell(self, call_id: int, note: c.Reply | c.DrainAsk) -> None:

@@ -141,7 +141,7 @@ async def _settle(state: ServeState, build: Callable[[], Awaitable[Executor | No
     state.serve_executor(executor)
     state.max_seq_len = report.plan["max_seq_len"]
     state.time_to_ready_s = round(state.elapsed_s(), 6)
-    state.set_phase("ready")
+    state.set_phase("ready", since_ns=getattr(state.boot, "ready_ns", None))  # the engine's process: its end there
     since = (
         f" ({(time.time_ns() - state.process.spawn_ns) / 1e9:.2f} s after the process started)" if state.process else ""
     )
