@@ -37,8 +37,9 @@ class Failure(msgspec.Struct, frozen=True):
 
 
 class Served(msgspec.Struct, frozen=True):
-    """A started executor's channel, bound by the engine (``core``: which one, for ``Unserve``): the
-    server connects its ``EngineClient`` there. ``tokenizer``: the executor's, pickled (None: ids only)."""
+    """A started executor's channel (``core``: which one, for ``Unserve``): the server's
+    ``EngineClient`` binds ``addresses``, which the engine's ``EngineCore`` has connected to.
+    ``tokenizer``: the executor's, pickled (None: ids only)."""
 
     core: int
     addresses: tuple[str, str]

@@ -256,7 +256,8 @@ class EngineProcess:
             self._drains.pop(call_id, None)
 
     def _serving(self) -> c.Served | None:
-        """The channel of the executor started now, a core made for it once (the server connects)."""
+        """The channel of the executor started now, a core made for it once (connected to the
+        addresses the server will bind: ZeroMQ queues what is sent until it does)."""
         executor = self.boot.executor
         for core_id, core in list(self._cores.items()):  # a core whose executor is gone answers nobody
             if core.executor is not executor:
