@@ -21,8 +21,6 @@ import logging
 import os
 import signal
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,6 +39,7 @@ from bootstrap.cli.args import (
 from bootstrap.cli.exits import BAD_INPUT, BAD_INPUT_ERRORS, OK, STAGE_FAILED
 from bootstrap.cli.serve_ranks import Leading, main_follower
 from bootstrap.cli.stops import STOP_SIGNALS, held_stops
+from bootstrap.cli.threads_left import report_threads
 from bootstrap.cli.tp import (
     await_rank_0,
     check_rank_count,
@@ -56,7 +55,6 @@ from bootstrap.parallel.rank_env import RankEnv
 ENV_API_KEY = "BOOTSTRAP_API_KEY"
 FORCE_AFTER_S = 10.0  # past the grace period: how long cancelled streams get to send their final chunk
 FORCE_CLOSE_S = 3.0  # after a second SIGINT: how long cut streams get to send their final chunk
-THREAD_JOIN_S = 5.0
 
 log = logging.getLogger("bootstrap.serve")
 
@@ -259,7 +257,7 @@ def _main_rank_0(config: Any, options: Any, args: argparse.Namespace) -> tuple[i
     finally:
         if spawn is not None:  # stopped by the shutdown; here when the server never served
             spawn.kill()
-    _report_threads()
+    report_threads(log)
     if lost is not None:
         print(f"bootstrap: the ranks fell out of step: {lost}", file=sys.stderr)
         return STAGE_FAILED, signalled
@@ -379,27 +377,5 @@ def _close_connections(server: Any) -> None:
         connection.transport.close()
 
 
-def _stop_tqdm_monitor() -> None:
-    """Loading weights shows a tqdm bar, which starts tqdm's monitor thread; tqdm never stops it."""
-    monitor_class = getattr(sys.modules.get("tqdm.std"), "TMonitor", None)
-    for thread in threading.enumerate():
-        if monitor_class is not None and isinstance(thread, monitor_class):
-            thread.exit()
-
-
 def _configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(levelname)s:     %(message)s", stream=sys.stderr)
-
-
-def _report_threads() -> None:
-    """Join what is left for a moment, then name any thread still alive (none should be)."""
-    _stop_tqdm_monitor()
-    deadline = time.monotonic() + THREAD_JOIN_S
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread():
-            thread.join(max(deadline - time.monotonic(), 0))
-    alive = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
-    if alive:
-        log.warning("bootstrap serve: stopped; threads still alive: %s", ", ".join(alive))
-    else:
-        log.info("bootstrap serve: stopped; no thread left")
