@@ -36,6 +36,7 @@ from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.engine.executor.channel.threads import Receiver
 from bootstrap.engine.executor.event_loops import call_soon_threadsafe
 from bootstrap.pipeline import StageFailed
+from bootstrap.pipeline.runner import cause_chain
 from bootstrap.pipeline.telemetry import span_record
 
 log = logging.getLogger("bootstrap.engine")
@@ -48,11 +49,7 @@ PR_SET_PDEATHSIG = 1
 def failure_of(exc: BaseException) -> c.Failure:
     """``exc`` as the server rebuilds it (``control.Failure``)."""
     kind = next((k.__name__ for k in KINDS if isinstance(exc, k)), "other")
-    causes: list[tuple[str, str, str]] = []
-    inner = getattr(exc, "cause", None) or exc.__cause__ or exc.__context__
-    while inner is not None and len(causes) < 16 and all(text != str(inner) for *_, text in causes):
-        causes.append((type(inner).__module__, type(inner).__name__, str(inner)))
-        inner = getattr(inner, "cause", None) or inner.__cause__ or inner.__context__
+    causes = [(type(inner).__module__, type(inner).__name__, str(inner)) for inner in cause_chain(exc)]
     if isinstance(exc, StageFailed):
         return c.Failure(kind, type(exc).__name__, str(exc), exc.stage, exc.attempts, exc.advice, causes)
     return c.Failure(kind, type(exc).__name__, str(exc), causes=causes)

@@ -60,6 +60,16 @@ def cause_text(cause: BaseException) -> str:
     return text if text and text != "None" else f"{type(cause).__name__} (no message)"
 
 
+def cause_chain(exc: BaseException) -> list[BaseException]:
+    """``exc``'s causes, nearest first (``raise ... from``, a stage's failure's ``cause``)."""
+    found: list[BaseException] = []
+    inner = getattr(exc, "cause", None) or exc.__cause__ or exc.__context__
+    while inner is not None and inner not in found and len(found) < 16:
+        found.append(inner)
+        inner = getattr(inner, "cause", None) or inner.__cause__ or inner.__context__
+    return found
+
+
 class PipelineClosed(RuntimeError):
     """``aclose()`` was called while ``run()`` or ``retry()`` was in progress: the run was
     cancelled and every completed stage rolled back; nothing it built is usable."""

@@ -22,6 +22,7 @@ from bootstrap.api.operation_terms import VERBS, running
 from bootstrap.backends.base import Executor
 from bootstrap.config import ConfigError
 from bootstrap.pipeline import StageFailed, failure_paragraph
+from bootstrap.pipeline.runner import cause_chain
 from bootstrap.serve.errors import APIError
 from bootstrap.serve.openai.jobs import CANCEL_WAIT_S
 from bootstrap.serve.state import OPERATING, ServeState
@@ -135,22 +136,12 @@ def client_text(exc: BaseException, text: str | None = None) -> str:
     this package says while reading a file the client named (a library quoting the file's
     content) left out, on one line of at most ``MAX_MESSAGE`` characters. The log has it all."""
     text = str(exc) if text is None else text
-    for inner in _causes(exc):
+    for inner in cause_chain(exc):
         said = str(inner).strip()
         if said and not type(inner).__module__.startswith("bootstrap."):
             text = text.replace(said, "(what it said: in the server's log)")
     text = " ".join(text.split())
     return text if len(text) <= MAX_MESSAGE else text[: MAX_MESSAGE - 36] + "... (the rest in the server's log)"
-
-
-def _causes(exc: BaseException) -> list[BaseException]:
-    """``exc``'s causes, nearest first (``raise ... from``, a stage's failure's ``cause``)."""
-    found: list[BaseException] = []
-    inner = getattr(exc, "cause", None) or exc.__cause__ or exc.__context__
-    while inner is not None and inner not in found and len(found) < 16:
-        found.append(inner)
-        inner = getattr(inner, "cause", None) or inner.__cause__ or inner.__context__
-    return found
 
 
 async def drain(state: ServeState, phase: str, cut: list[int]) -> None:
