@@ -1,17 +1,18 @@
 """Where a loaded server's time goes: py-spy samples of ``bootstrap serve`` under streaming load.
 
 Starts one server (``serve_load.Server``), waits for ``/ready``, and runs ``--streams`` clients
-of streaming completions (``serve_load.one_request``, back to back) from this process. After ``--warmup-s`` of
-load it records the server with py-spy twice, ``--duration-s`` each, while the load goes on:
+of streaming completions (``serve_load.one_request``, back to back), split over
+``--client-processes``. After ``--warmup-s`` of load it records the server's process and the
+engine's (when the engine runs in one of its own) with py-spy, at once, twice, ``--duration-s`` each:
 
 - every thread, idle ones included (``--idle``): what each thread spends its time on;
 - the thread that holds the GIL only (``--gil``): how busy the GIL is, and who holds it.
 
 Each sample is put in one category by the frames it holds (``CATEGORIES``: the engine loop's
 forward, sampling, scheduling, responses, its idle wait; the event loop's HTTP, framework,
-tokenizer, rendering, idle), per thread; the top leaf frames per thread come with it. The
-server's and this process's CPU seconds over the window are measured from ``/proc``: a
-client that uses a whole core caps what it can measure. Prints JSON and writes it to ``--out``:
+tokenizer, rendering, idle; the channel's two ends), per thread; the top leaf frames per thread
+come with it. Each process's CPU cores over a record, and the clients', are measured: a client
+process that uses a whole core caps what it can measure. Prints JSON and writes it to ``--out``:
 
     python benchmarks/serve_profile.py --model CK --device cuda --streams 64 --prompt-len 128 \
         --gen-len 128 --max-batch-size 64 --max-seq-len 1024 --vocab 120000 --out serve_profile.json
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import os
 import random
 import re
@@ -28,6 +30,7 @@ import shutil
 import sys
 import time
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -38,7 +41,11 @@ from serve_load import Sample, Server, one_request, summarize, wait_ready
 CATEGORIES: list[tuple[str, re.Pattern]] = [
     (name, re.compile(pattern))
     for name, pattern in [
+        ("idle: a socket's poll (the channel's threads)", r"poll \(zmq/sugar/poll\.py[^;]*$"),
+        ("idle: the engine's stderr relay", r"_relay \(bootstrap/serve/startup/spawn\.py[^;]*$"),
         ("loop: idle (inbox wait)", r"executor/inbox\.py"),
+        ("channel: rounds (encode, send)", r"_deliver \(bootstrap/engine/executor/channel/engine_side\.py"),
+        ("channel: receive (decode, route)", r"executor/channel/(client|threads|messages)\.py"),
         ("loop: detokenize", r"\b(add|_decode|flush) \(bootstrap/engine/request/sequence\.py"),
         ("loop: sampling (incl. the host sync)", r"engine/sampling/|_sample \(bootstrap/engine/executor/loop\.py"),
         ("loop: speculation", r"engine/spec/"),
@@ -71,6 +78,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--duration-s", type=float, default=10.0, help="each record's length")
     parser.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     parser.add_argument("--serve-args", default="", help="more flags for bootstrap serve, one string")
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=max(1, min(4, (os.cpu_count() or 1) // 4)),
+        help="processes the streams are split over (default: a quarter of the cores, at most 4)",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if shutil.which("py-spy") is None:
@@ -125,58 +138,93 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def record(pid: int, args: argparse.Namespace, mode: str, out: Path) -> dict:
-    """One py-spy record of ``pid`` (``mode``: ``--idle`` or ``--gil``) and its CPU figures."""
-    server_cpu, client_cpu, wall = cpu_seconds(pid), time.process_time(), time.perf_counter()
-    spy = await asyncio.create_subprocess_exec(
-        "py-spy", "record", "--pid", str(pid), "--threads", mode, "--format", "raw", "--rate", str(args.rate),
-        "--duration", str(int(args.duration_s)), "--nonblocking", "-o", str(out),
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    _, err = await spy.communicate()
-    if spy.returncode != 0:
-        raise RuntimeError(f"py-spy {mode} exited {spy.returncode}: {err.decode(errors='replace').strip()[-300:]}")
+async def record(pids: dict[str, int], args: argparse.Namespace, mode: str, folder: Path) -> dict:
+    """One py-spy record (``mode``: ``--idle`` or ``--gil``) of each of ``pids`` at once, and their CPU figures."""
+    before, wall = {name: cpu_seconds(pid) for name, pid in pids.items()}, time.perf_counter()
+    outs = {name: folder / f"py-spy-{name}{mode[1:]}.txt" for name in pids}
+    spies = {}
+    for name, pid in pids.items():
+        spies[name] = await asyncio.create_subprocess_exec(
+            "py-spy", "record", "--pid", str(pid), "--threads", mode, "--format", "raw", "--rate", str(args.rate),
+            "--duration", str(int(args.duration_s)), "--nonblocking", "-o", str(outs[name]),
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+    for name, spy in spies.items():
+        _, err = await spy.communicate()
+        if spy.returncode != 0:
+            message = err.decode(errors="replace").strip()[-300:]
+            raise RuntimeError(f"py-spy {mode} of the {name} exited {spy.returncode}: {message}")
     wall = time.perf_counter() - wall
     expected = max(1, round(args.rate * args.duration_s))
-    rows = read_raw(out)
-    return {
-        "mode": mode,
-        "wall_s": round(wall, 2),
-        "server_cpu_cores": round((cpu_seconds(pid) - server_cpu) / wall, 2),
-        "client_cpu_cores": round((time.process_time() - client_cpu) / wall, 2),
-        "samples": sum(row[-1] for row in rows),
-        "expected_samples_per_thread": expected,
-        "threads": breakdown(rows, expected),
-    }
+    processes = {}
+    for name, pid in pids.items():
+        rows = read_raw(outs[name])
+        processes[name] = {
+            "cpu_cores": round((cpu_seconds(pid) - before[name]) / wall, 2),
+            "samples": sum(row[-1] for row in rows),
+            "threads": breakdown(rows, expected),
+        }
+    return {"mode": mode, "wall_s": round(wall, 2), "expected_samples_per_thread": expected, "processes": processes}
+
+
+def engine_pid(server_pid: int) -> int | None:
+    """The engine's process under the server (``bootstrap.api.engine_process``), None when it runs in the server's."""
+    for entry in Path("/proc").iterdir():
+        try:
+            parent = entry.name.isdigit() and Path(entry, "stat").read_text().rpartition(")")[2].split()[1]
+            if parent == str(server_pid) and b"bootstrap.api.engine_process" in Path(entry, "cmdline").read_bytes():
+                return int(entry.name)
+        except OSError:  # gone meanwhile
+            continue
+    return None
+
+
+def load_part(url: str, model: str, streams: int, args: argparse.Namespace, seed: int, until: float) -> dict:
+    """In a client process: ``streams`` clients sending back to back until ``until`` (``perf_counter``)."""
+
+    async def run() -> dict:
+        limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=streams + 8)
+        rng, samples = random.Random(seed), []
+
+        async def client(http: httpx.AsyncClient) -> None:
+            while time.perf_counter() < until:
+                prompt = [rng.randrange(3, args.vocab) for _ in range(args.prompt_len)]
+                samples.append(await one_request(http, model, prompt, args.gen_len))
+
+        async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+            cpu, started = time.process_time(), time.perf_counter()
+            await asyncio.gather(*(client(http) for _ in range(streams)))
+            return {"samples": samples, "cpu_s": time.process_time() - cpu, "wall_s": time.perf_counter() - started}
+
+    return asyncio.run(run())
 
 
 async def profile(server: Server, args: argparse.Namespace, folder: Path) -> tuple[dict, list[dict]]:
-    """The records while ``--streams`` clients send back to back; the clients stop after them."""
-    limits = httpx.Limits(max_connections=args.streams + 8, max_keepalive_connections=args.streams + 8)
-    rng = random.Random(args.streams)
-    samples: list[Sample] = []
-    stop = asyncio.Event()
-
-    async def client(http: httpx.AsyncClient, model: str) -> None:
-        while not stop.is_set():
-            prompt = [rng.randrange(3, args.vocab) for _ in range(args.prompt_len)]
-            samples.append(await one_request(http, model, prompt, args.gen_len))
-
-    async with httpx.AsyncClient(base_url=server.url, timeout=600, limits=limits) as http:
+    """The records while ``--streams`` clients (over ``--client-processes``) send back to back."""
+    async with httpx.AsyncClient(base_url=server.url, timeout=600) as http:
         await wait_ready(http)
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
+    pids = {"server": server.proc.pid}
+    engine = engine_pid(server.proc.pid)
+    if engine is not None:
+        pids["engine"] = engine
+    parts = min(args.client_processes, args.streams)
+    until = time.perf_counter() + args.warmup_s + 2 * args.duration_s + 10  # the records' py-spy start included
+    loop = asyncio.get_running_loop()
+    with ProcessPoolExecutor(parts, mp_context=multiprocessing.get_context("spawn")) as pool:
         started = time.perf_counter()
-        load = asyncio.gather(*(client(http, model) for _ in range(args.streams)))
-        try:
-            await asyncio.sleep(args.warmup_s)
-            records = [await record(server.proc.pid, args, mode, folder / f"py-spy{mode[1:]}.txt") for mode in MODES]
-        except BaseException:
-            load.cancel()
-            await asyncio.gather(load, return_exceptions=True)
-            raise
-        stop.set()
-        await load
-        return summarize(args.streams, samples, time.perf_counter() - started), records
+        load = [
+            loop.run_in_executor(pool, load_part, server.url, model, len(range(i, args.streams, parts)), args, i, until)
+            for i in range(parts)
+        ]
+        await asyncio.sleep(args.warmup_s)
+        records = [await record(pids, args, mode, folder) for mode in MODES]
+        done = await asyncio.gather(*load)
+    wall = time.perf_counter() - started
+    samples: list[Sample] = [sample for part in done for sample in part["samples"]]
+    level = summarize(args.streams, samples, wall)
+    level["client_cpu_cores"] = round(sum(part["cpu_s"] for part in done) / wall, 2)
+    return level, records
 
 
 def main(argv: list[str] | None = None) -> int:

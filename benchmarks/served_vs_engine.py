@@ -7,7 +7,8 @@ on both sides), ``logprobs`` 0 on both (so every token has a chunk of its own: t
 none for a token whose text is empty or held back):
 
 - ``served``: ``bootstrap serve`` in a subprocess (the default flags, ``--no-plan-cache``),
-  streaming ``/v1/completions`` over HTTP from this process;
+  streaming ``/v1/completions`` over HTTP, the streams split over ``--client-processes``
+  processes (their CPU per second of the level: ``client_cpu_cores``);
 - ``in_process``: the executor ``build_executor`` makes from the same config in this process,
   after the server has exited, streamed with ``stream_async`` (no HTTP, no tokenizer).
 
@@ -26,10 +27,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
+import os
 import random
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,6 +74,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also serve with these flags instead (a side of its own, 'served_baseline', in the same run; "
         "e.g. --engine-in-process: the server without the engine's process)",
     )
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=max(1, min(4, (os.cpu_count() or 1) // 4)),
+        help="processes the served side's streams are split over (default: a quarter of the cores, at most 4): "
+        "a single Python client's parsing can cap what it measures (client_cpu_cores shows it)",
+    )
     parser.add_argument("--smoke", action="store_true", help="a tiny random model on the CPU, levels 1 and 4")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
@@ -78,8 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         tiny.write_text(json.dumps(TINY))
         args.model, args.device, args.levels = f"random:{tiny}", "cpu", [1, 4]
         args.prompt_len, args.gen_len, args.max_seq_len, args.vocab = 8, 8, 64, TINY["vocab_size"]
-    if min(args.levels) < 1 or args.requests_per_stream < 1 or args.gen_len < 2:
-        parser.error("--levels and --requests-per-stream take integers >= 1, --gen-len >= 2")
+    if min(args.levels) < 1 or args.requests_per_stream < 1 or args.gen_len < 2 or args.client_processes < 1:
+        parser.error("--levels, --requests-per-stream and --client-processes take integers >= 1, --gen-len >= 2")
     args.max_batch_size = max(args.levels)
     return args
 
@@ -91,17 +102,21 @@ def prompts(args: argparse.Namespace, level: int) -> list[list[int]]:
     ]
 
 
-async def clients(level: int, queue: list[list[int]], one) -> tuple[list[Stream], float]:
-    """``level`` clients taking prompts from ``queue`` until it is empty; their streams and the wall time."""
+async def clients(level: int, queue: list[list[int]], one) -> list[Stream]:
+    """``level`` clients taking prompts from ``queue`` until it is empty; their streams."""
     streams: list[Stream] = []
 
     async def client() -> None:
         while queue:
             streams.append(await one(queue.pop()))
 
-    started = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(level)))
-    return streams, time.perf_counter() - started
+    return streams
+
+
+def span_s(streams: list[Stream]) -> float:
+    """From the first request sent to the last chunk received."""
+    return max(max([s.sent, *s.chunks]) for s in streams) - min(s.sent for s in streams)
 
 
 def summary(level: int, streams: list[Stream], wall_s: float) -> dict:
@@ -126,42 +141,84 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else round(value, 2)
 
 
-async def served(args: argparse.Namespace) -> list[dict]:
-    server = Server(args)  # reads args.serve_args
+async def served_one(http: httpx.AsyncClient, model: str, prompt: list[int], gen_len: int) -> Stream:
+    """One streaming completion over HTTP, each token's chunk timed as it arrives."""
+    body = {
+        "model": model, "prompt": prompt, "max_tokens": gen_len, "temperature": 0,
+        "ignore_eos": True, "stream": True, "logprobs": 0,
+    }  # fmt: skip
+    stream = Stream(time.perf_counter())
     try:
-        limits = httpx.Limits(max_connections=max(args.levels) + 8, max_keepalive_connections=max(args.levels) + 8)
-        async with httpx.AsyncClient(base_url=server.url, timeout=600, limits=limits) as http:
-            await wait_ready(http)
-            model = (await http.get("/v1/models")).json()["data"][0]["id"]
-
-            async def one(prompt: list[int]) -> Stream:
-                body = {
-                    "model": model, "prompt": prompt, "max_tokens": args.gen_len, "temperature": 0,
-                    "ignore_eos": True, "stream": True, "logprobs": 0,
-                }  # fmt: skip
-                stream = Stream(time.perf_counter())
-                try:
-                    async with http.stream("POST", "/v1/completions", json=body) as response:
-                        if response.status_code != 200:
-                            stream.status, stream.error = response.status_code, (await response.aread()).decode()
-                            return stream
-                        async for line in response.aiter_lines():
-                            if line.startswith("data: {"):
-                                chunk = json.loads(line[6:])
-                                if "error" in chunk:
-                                    stream.error = json.dumps(chunk)
-                                    return stream
-                                token = chunk["choices"] and chunk["choices"][0].get("logprobs")  # not the finish
-                                if token:
-                                    stream.chunks.append(time.perf_counter())
-                except httpx.HTTPError as exc:
-                    stream.status, stream.error = None, f"{type(exc).__name__}: {exc}"
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                stream.status, stream.error = response.status_code, (await response.aread()).decode()
                 return stream
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        stream.error = json.dumps(chunk)
+                        return stream
+                    token = chunk["choices"] and chunk["choices"][0].get("logprobs")  # not the finish
+                    if token:
+                        stream.chunks.append(time.perf_counter())
+    except httpx.HTTPError as exc:
+        stream.status, stream.error = None, f"{type(exc).__name__}: {exc}"
+    return stream
 
-            await one(prompts(args, 1)[0])  # the first request's compiles and allocations, on neither side's clock
-            return [summary(level, *await clients(level, prompts(args, level), one)) for level in args.levels]
+
+def client_part(url: str, model: str, level: int, queue: list[list[int]], gen_len: int) -> tuple[list[Stream], float]:
+    """In a client process: ``level`` streams over ``queue``; their streams and this process's CPU seconds."""
+
+    async def run() -> tuple[list[Stream], float]:
+        limits = httpx.Limits(max_connections=level + 8, max_keepalive_connections=level + 8)
+        async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+            cpu = time.process_time()  # the client's set-up (its TLS context) is not the load's
+            streams = await clients(level, queue, lambda prompt: served_one(http, model, prompt, gen_len))
+            return streams, time.process_time() - cpu
+
+    return asyncio.run(run())
+
+
+def _spawned(_: int) -> int:
+    time.sleep(0.5)  # held, so that each of the pool's processes takes one and all of them start
+    return os.getpid()
+
+
+def served_level(pool: ProcessPoolExecutor, url: str, model: str, level: int, args: argparse.Namespace) -> dict:
+    """One level's streams split over the client processes; wall time from the first request sent to
+    the last chunk (``perf_counter`` is one clock for every process on Linux)."""
+    queue, parts = prompts(args, level), min(args.client_processes, level)
+    futures = [
+        pool.submit(client_part, url, model, len(range(i, level, parts)), queue[i::parts], args.gen_len)
+        for i in range(parts)
+    ]
+    results = [future.result() for future in futures]
+    streams = [stream for part, _ in results for stream in part]
+    wall_s = span_s(streams)
+    figures = summary(level, streams, wall_s)
+    figures["client_cpu_cores"] = round(sum(cpu for _, cpu in results) / wall_s, 2)
+    return figures
+
+
+def served(args: argparse.Namespace) -> list[dict]:
+    server = Server(args)  # reads args.serve_args
+    processes = min(args.client_processes, max(args.levels))
+    try:
+        with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+            list(pool.map(_spawned, range(processes)))
+            model = asyncio.run(ready_model(server.url))
+            # the first request's compiles and allocations, on neither side's clock
+            pool.submit(client_part, server.url, model, 1, prompts(args, 1)[:1], args.gen_len).result()
+            return [served_level(pool, server.url, model, level, args) for level in args.levels]
     finally:
         server.stop()
+
+
+async def ready_model(url: str) -> str:
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        await wait_ready(http)
+        return (await http.get("/v1/models")).json()["data"][0]["id"]
 
 
 async def in_process(args: argparse.Namespace) -> list[dict]:
@@ -188,17 +245,18 @@ async def in_process(args: argparse.Namespace) -> list[dict]:
 
     try:
         await one(prompts(args, 1)[0])
-        return [summary(level, *await clients(level, prompts(args, level), one)) for level in args.levels]
+        levels = [(level, await clients(level, prompts(args, level), one)) for level in args.levels]
+        return [summary(level, streams, span_s(streams)) for level, streams in levels]
     finally:
         executor.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    sides = {"served": asyncio.run(served(args))}
+    sides = {"served": served(args)}
     if args.baseline_serve_args is not None:
         baseline = argparse.Namespace(**{**vars(args), "serve_args": args.baseline_serve_args})
-        sides["served_baseline"] = asyncio.run(served(baseline))
+        sides["served_baseline"] = served(baseline)
     sides["in_process"] = asyncio.run(in_process(args))
     levels = []
     for i, level in enumerate(args.levels):
