@@ -174,6 +174,12 @@ def positive_int(text: str) -> int:
     return value
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and its threads so far, from ``/proc``."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def int_list(text: str) -> list[int]:
     """``"1,16,64"`` as ``[1, 16, 64]`` (an argparse ``type``)."""
     return [int(v) for v in text.split(",")]

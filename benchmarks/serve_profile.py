@@ -34,7 +34,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import httpx
-from bench_common import emit, failure_exit
+from bench_common import cpu_seconds, emit, failure_exit
 from serve_load import Sample, Server, one_request, summarize, wait_ready
 
 # (category, a pattern one of the stack's frames must match); the first match wins, tried in order
@@ -130,12 +130,6 @@ def breakdown(rows: list[tuple[str, str, str, int]], expected: int) -> dict:
         }
         for name, counts in sorted(threads.items(), key=lambda item: -sum(item[1].values()))
     }
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` and its threads, from ``/proc``."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def record(pids: dict[str, int], args: argparse.Namespace, mode: str, folder: Path) -> dict:

@@ -8,7 +8,8 @@ none for a token whose text is empty or held back):
 
 - ``served``: ``bootstrap serve`` in a subprocess (the default flags, ``--no-plan-cache``),
   streaming ``/v1/completions`` over HTTP, the streams split over ``--client-processes``
-  processes (their CPU per second of the level: ``client_cpu_cores``);
+  processes (their CPU per second of the level: ``client_cpu_cores``; the server's process's CPU
+  per token: ``server_cpu_us_per_token``);
 - ``in_process``: the executor ``build_executor`` makes from the same config in this process,
   after the server has exited, streamed with ``stream_async`` (no HTTP, no tokenizer).
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
@@ -38,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from bench_common import count_failures, emit, failure_exit, int_list, merge_failures
+from bench_common import count_failures, cpu_seconds, emit, failure_exit, int_list, merge_failures
 from serve_load import Server, percentile, wait_ready
 
 TINY = {
@@ -185,19 +187,23 @@ def _spawned(_: int) -> int:
     return os.getpid()
 
 
-def served_level(pool: ProcessPoolExecutor, url: str, model: str, level: int, args: argparse.Namespace) -> dict:
-    """One level's streams split over the client processes; wall time from the first request sent to
-    the last chunk (``perf_counter`` is one clock for every process on Linux)."""
-    queue, parts = prompts(args, level), min(args.client_processes, level)
-    futures = [
-        pool.submit(client_part, url, model, len(range(i, level, parts)), queue[i::parts], args.gen_len)
-        for i in range(parts)
-    ]
-    results = [future.result() for future in futures]
+def served_level(pool: ProcessPoolExecutor | None, server: Server, model: str, level: int, args) -> dict:
+    """One level's streams split over the client processes (in this one without a ``pool``); wall
+    time from the first request sent to the last chunk (``perf_counter``: one clock for all on Linux);
+    the server's process's CPU time per token (the engine's process, when it has one, not counted)."""
+    queue, parts, url = prompts(args, level), min(args.client_processes, level), server.url
+    server_cpu = cpu_seconds(server.proc.pid)
+    part_args = [(url, model, len(range(i, level, parts)), queue[i::parts], args.gen_len) for i in range(parts)]
+    if pool is None:
+        results = [client_part(*part) for part in part_args]
+    else:
+        results = [future.result() for future in [pool.submit(client_part, *part) for part in part_args]]
     streams = [stream for part, _ in results for stream in part]
     wall_s = span_s(streams)
     figures = summary(level, streams, wall_s)
     figures["client_cpu_cores"] = round(sum(cpu for _, cpu in results) / wall_s, 2)
+    server_cpu, tokens = cpu_seconds(server.proc.pid) - server_cpu, figures["output_tokens"]
+    figures["server_cpu_us_per_token"] = round(server_cpu / tokens * 1e6, 1) if tokens else None
     return figures
 
 
@@ -205,12 +211,15 @@ def served(args: argparse.Namespace) -> list[dict]:
     server = Server(args)  # reads args.serve_args
     processes = min(args.client_processes, max(args.levels))
     try:
-        with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
-            list(pool.map(_spawned, range(processes)))
+        with contextlib.ExitStack() as stack:
+            pool = None
+            if processes > 1:
+                spawn = multiprocessing.get_context("spawn")
+                pool = stack.enter_context(ProcessPoolExecutor(processes, mp_context=spawn))
+                list(pool.map(_spawned, range(processes)))
             model = asyncio.run(ready_model(server.url))
-            # the first request's compiles and allocations, on neither side's clock
-            pool.submit(client_part, server.url, model, 1, prompts(args, 1)[:1], args.gen_len).result()
-            return [served_level(pool, server.url, model, level, args) for level in args.levels]
+            client_part(server.url, model, 1, prompts(args, 1)[:1], args.gen_len)  # compiles, allocations: unclocked
+            return [served_level(pool, server, model, level, args) for level in args.levels]
     finally:
         server.stop()
 

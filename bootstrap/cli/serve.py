@@ -236,8 +236,10 @@ def _main_rank_0(config: Any, options: Any, args: argparse.Namespace) -> tuple[i
                 triton = options.backend_factory is None and config.device.startswith("cuda")
                 spawn = EngineSpawn(options.log_level, triton)
             import fastapi  # noqa: F401
+            import httptools  # noqa: F401
             import prometheus_client  # noqa: F401
             import uvicorn  # noqa: F401
+            import uvloop
 
             import bootstrap.serve.app  # noqa: F401
     except ImportError as exc:
@@ -250,7 +252,9 @@ def _main_rank_0(config: Any, options: Any, args: argparse.Namespace) -> tuple[i
         return BAD_INPUT, False
     _configure_logging(args.log_level)
     try:
-        fatal, lost, signalled = asyncio.run(_serve(config, options, args, spawn))
+        # uvloop's event loop: every stream's chunk costs the loop's callbacks and a socket write
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            fatal, lost, signalled = runner.run(_serve(config, options, args, spawn))
     except OSError as exc:  # the port is taken, or the address is not this machine's
         print(f"bootstrap: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return BAD_INPUT, False
@@ -288,6 +292,7 @@ async def _serve(
                 log_level=args.log_level,
                 access_log=getattr(args, "access_log", False),  # a Namespace made by hand may leave it out
                 lifespan="on",
+                http="httptools",  # C parsing; uvicorn's default falls back to h11 (pure Python) without it
                 timeout_graceful_shutdown=options.shutdown_timeout_s + FORCE_AFTER_S,
             )
         )

@@ -7,18 +7,19 @@ its first choice (the one that prefilled it).
 Every job is enqueued before any is awaited, so the engine batches them. A refusal of any is the
 request's 400, and every job is closed whatever way the request ends. Streamed, the choices'
 events are merged in the order they come: each job has a pump task, in a task group that
-``ChoicesStream`` opens around the sending of the body. No task group is held across a ``yield``
-of the body: that would break when a disconnected client's body is closed from another task.
+``ChoicesStream`` opens around the sending of the body (one choice needs none: its events are the
+body's). No task group is held across a ``yield`` of the body: that would break when a
+disconnected client's body is closed from another task.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
 import anyio
-from anyio.streams.memory import MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from opentelemetry.trace import Span
 from starlette.responses import StreamingResponse
 from starlette.types import Send
@@ -113,27 +114,36 @@ class Choices:
 
 
 class ChoicesStream(StreamingResponse):
-    """The SSE response of ``choices``: their events pumped by tasks of a task group that lives
-    exactly as long as the body is sent; the jobs are closed after it, however it ended (a
-    client gone mid-body skips starlette's background tasks, so the close is not one)."""
+    """The SSE response of ``choices``: one choice's batches are the body's own; several are
+    pumped by tasks of a task group that lives exactly as long as the body is sent. The jobs are
+    closed after it, however it ended (a client gone mid-body skips starlette's background tasks,
+    so the close is not one)."""
 
     def __init__(self, choices: Choices, render: Render, include_usage: bool) -> None:
         self.choices = choices
-        # unbounded, as the engine's own event queues are: at most max_tokens events per job (the
-        # item type quoted: StreamEvent's module imports torch, so it is imported for type checks only)
-        send, self._events = anyio.create_memory_object_stream[tuple[int, list["StreamEvent"]]](
-            max_buffer_size=math.inf
-        )
-        self._send = send
+        self._send: MemoryObjectSendStream[tuple[int, list[StreamEvent]]] | None = None
+        self._events: MemoryObjectReceiveStream[tuple[int, list[StreamEvent]]] | None = None
+        if len(choices.jobs) == 1:  # no task and no stream between the engine's events and the body
+            batches: AsyncIterator[tuple[int, list[StreamEvent]]] = _indexed(choices.jobs[0])
+        else:
+            # unbounded, as the engine's own event queues are: at most max_tokens events per job (the
+            # item type quoted: StreamEvent's module imports torch, so it is imported for type checks only)
+            self._send, self._events = anyio.create_memory_object_stream[tuple[int, list["StreamEvent"]]](
+                max_buffer_size=math.inf
+            )
+            batches = self._events
         usage = (lambda: choices.usage()) if include_usage else (lambda: None)
         super().__init__(
-            stream_body(self._events, len(choices.jobs), render, usage),
+            stream_body(batches, len(choices.jobs), render, usage),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )
 
     async def stream_response(self, send: Send) -> None:
         try:
+            if self._send is None:
+                await super().stream_response(send)
+                return
             async with anyio.create_task_group() as tg:
                 async with self._send:
                     for index, job in enumerate(self.choices.jobs):
@@ -143,8 +153,14 @@ class ChoicesStream(StreamingResponse):
                 finally:
                     tg.cancel_scope.cancel()  # pumps still waiting: their jobs are cancelled by close()
         finally:
-            self._events.close()
+            if self._events is not None:
+                self._events.close()
             await self.choices.close()
+
+
+async def _indexed(job: Job) -> AsyncIterator[tuple[int, list[StreamEvent]]]:
+    async for batch in job.batches():
+        yield 0, batch
 
 
 async def _pump(index: int, job: Job, out: MemoryObjectSendStream[tuple[int, list[StreamEvent]]]) -> None:

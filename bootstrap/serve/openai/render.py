@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
+from pydantic_core import to_json
 
 from bootstrap.serve.openai import schemas as s
 from bootstrap.serve.openai.logprobs import LogprobsOut, TokenDecoder
@@ -45,6 +46,21 @@ class Render:
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self._logprobs: dict[int, LogprobsOut] = {}
+        constants = to_json({"id": self.id, "created": self.created, "model": model}).decode()[:-1]
+        kind_name = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        self._head = f'data: {constants},"object":"{kind_name}","choices":[{{"index":'
+
+    def token_chunk(self, index: int, event: StreamEvent) -> str:
+        """The SSE chunk of one token's text (with its logprobs, if asked): a stream's hot path,
+        the request's constant fields written once (``_head``); the same bytes as ``sse(chunk(...))``."""
+        logprobs = self.logprobs(index, [event])
+        shown = "null" if logprobs is None else logprobs.model_dump_json()
+        text = to_json(event.text).decode()
+        if self.kind == "chat":
+            body = f'"delta":{{"role":null,"content":{text}}},"logprobs":{shown}'
+        else:
+            body = f'"text":{text},"logprobs":{shown}'
+        return f'{self._head}{index},{body},"finish_reason":null}}],"usage":null}}\n\n'
 
     def whole(self, outcomes: Sequence[tuple[str, str, Sequence[StreamEvent]]], usage: s.Usage) -> BaseModel:
         """The response: per choice, in index order, its text, finish reason and every event."""
@@ -136,7 +152,7 @@ def _chunks(render: Render, index: int, event: StreamEvent) -> list[str]:
         return [sse({"error": {**error, "code": "engine_error"}})]
     out = []
     if event.text or (render.with_logprobs and event.token_id is not None):
-        out.append(sse(render.chunk(index, text=event.text, events=[event])))
+        out.append(render.token_chunk(index, event))
     if event.finished:
         out.append(sse(render.chunk(index, finish=event.finish_reason)))
     return out
