@@ -18,9 +18,10 @@
 #     suite's budget are not applied: every step gets SMOKE_CAP_S (1800 s) instead, a guard against a hang only,
 #     since a loaded CPU takes as long as it takes and the smoke checks what the steps write, not their time.
 #   --served: instead, an 8B checkpoint written, then benchmarks/served_vs_engine.py (served and in process side by
-#     side at 1, 16, 64 and 256 streams, 128/128) and benchmarks/serve_profile.py (py-spy of the server at 64
-#     streams; py-spy comes as a wheel in .whl/), a second invocation:
-#       served_vs_engine.json, serve_profile.json, py-spy-idle.txt, py-spy-gil.txt
+#     side at 1, 16, 64 and 256 streams, 128/128, the clients over 4 processes) and benchmarks/serve_profile.py
+#     (py-spy of the server's and the engine's processes at 256 streams; py-spy comes as a wheel in .whl/),
+#     a second invocation:   served_vs_engine.json, serve_profile.json,
+#       py-spy-server-idle.txt, py-spy-server-gil.txt, py-spy-engine-idle.txt, py-spy-engine-gil.txt
 #   --live-ops: instead of the steps above, benchmarks/live_ops.py alone (three 8B checkpoints written,
 #     a server swapped, slept, woken and updated, then 20 swap cycles under traffic: about 4 to 6 minutes,
 #     which the budget above has no room for): a second invocation, with its own 10 minutes:
@@ -159,6 +160,7 @@ EOF
   TP_LOAD=(--device cpu --levels 1,4 --requests 8 --prompt-len 8 --gen-len 8 --max-batch-size 4 --max-seq-len 64
            --vocab 128)  # tiny.json's: ids past it are refused
   TP_PROFILE=(--device cpu --batch-sizes 1,4 --context 32 --steps 5)
+  TP_SIZES="2"
 else
   DEVICE=(--device cuda --dtype bfloat16)
   STARTUP=(--models random:llama-3.2-1b,random:llama-3.1-8b,random:qwen2.5-14b --max-seq-len 8192
@@ -174,6 +176,7 @@ else
   TP_LOAD=(--device cuda --levels 1,16,64 --requests 64 --prompt-len 128 --gen-len 128 --max-batch-size 64
            --max-seq-len 4096 --vocab 512 --serve-args "--free-gpu-memory-fraction 0.4")  # two servers share GPU 0
   TP_PROFILE=(--device cuda --dtype bfloat16 --batch-sizes 1,16,64 --context 512 --steps 50)
+  TP_SIZES="1 2"
 fi
 
 say "results under $OUT"
@@ -198,8 +201,8 @@ if [ "$SERVED" = 1 ]; then
     run_step served_vs_engine 330 python3 benchmarks/served_vs_engine.py --model "$WORK/8b" --device cuda \
       --levels 1,16,64,256 --prompt-len 128 --gen-len 128 --max-seq-len 1024 --vocab 120000 \
       --out "$OUT/served_vs_engine.json"
-    run_step serve_profile 120 python3 benchmarks/serve_profile.py --model "$WORK/8b" --device cuda --streams 64 \
-      --prompt-len 128 --gen-len 128 --max-batch-size 64 --max-seq-len 1024 --vocab 120000 --warmup-s 8 \
+    run_step serve_profile 120 python3 benchmarks/serve_profile.py --model "$WORK/8b" --device cuda --streams 256 \
+      --prompt-len 128 --gen-len 128 --max-batch-size 256 --max-seq-len 1024 --vocab 120000 --warmup-s 8 \
       --duration-s 8 --out "$OUT/serve_profile.json"
   fi
   say "done; steps:"
@@ -226,7 +229,8 @@ fi
 if [ "$TP2" = 1 ]; then
   run_step tp2_tests 150 python3 -m pytest tests/gpu/test_tensor_parallel_cuda.py -q -rA -s -p no:cacheprovider \
     -p no:asyncio --junitxml="$OUT/tp2_tests.xml"
-  for tp in 1 2; do  # the first writes the checkpoint, the second reuses it
+  # the first writes the checkpoint, the second reuses it; --smoke: --tp 2 alone (the smoke's cold_start is --tp 1's)
+  for tp in $TP_SIZES; do
     run_step "cold_start_tp$tp" 120 python3 benchmarks/cold_start.py "${TP_COLD[@]}" --tp "$tp" --workdir "$WORK/cold" \
       --out "$OUT/cold_start_tp$tp.json"
   done
