@@ -1,7 +1,8 @@
 """``benchmarks/served_vs_engine.py --smoke`` as a user runs it: a real server (and, as the
-baseline, one whose engine runs in the server's process: ``--engine-in-process``) and a real in-process
-executor on a tiny random model, every token of every request counted on each side and the ratios
-side by side; requests the server refuses are counted and the script exits 1."""
+baseline, one whose engine runs in the server's process: ``--engine-in-process``), its clients in
+two processes, and a real in-process executor on a tiny random model, every token of every request
+counted on each side and the ratios side by side; requests the server refuses are counted and the
+script exits 1 (its clients in this process)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ def test_both_sides_stream_every_token_at_every_level(tmp_path):
             str(BENCHMARKS / "served_vs_engine.py"),
             "--smoke",
             "--baseline-serve-args=--engine-in-process",
+            "--client-processes=2",  # the served sides' streams over two spawned processes (the GPU host's way)
             "--out",
             str(out),
         ],
