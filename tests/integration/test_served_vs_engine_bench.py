@@ -42,7 +42,8 @@ def test_both_sides_stream_every_token_at_every_level(tmp_path):
             assert 0 < figures["ttft_ms_p50"] <= figures["ttft_ms_p99"]
             assert 0 < figures["itl_ms_p50"] <= figures["itl_ms_p99"]
         for side in ("served", "served_baseline"):
-            assert level[side]["client_cpu_cores"] > 0 and level[side]["server_cpu_us_per_token"] > 0
+            # the server's CPU is read in clock ticks (10 ms): a smoke level can take less than one
+            assert level[side]["client_cpu_cores"] > 0 and level[side]["server_cpu_us_per_token"] >= 0
             ratio = level[side]["output_tok_s"] / level["in_process"]["output_tok_s"]
             assert level[f"{side}_over_in_process"] == round(ratio, 3)
     assert result["failures"]["failed"] == 0
