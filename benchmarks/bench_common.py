@@ -174,6 +174,12 @@ def positive_int(text: str) -> int:
     return value
 
 
+def client_processes() -> int:
+    """The default count of processes a load's streaming clients are split over: a quarter of the
+    cores, at most 4 (one Python client process caps near a core of parsing)."""
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` and its threads so far, from ``/proc``."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()

@@ -34,7 +34,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import httpx
-from bench_common import cpu_seconds, emit, failure_exit
+from bench_common import client_processes, cpu_seconds, emit, failure_exit
 from serve_load import Sample, Server, one_request, summarize, wait_ready
 
 # (category, a pattern one of the stack's frames must match); the first match wins, tried in order
@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--client-processes",
         type=int,
-        default=max(1, min(4, (os.cpu_count() or 1) // 4)),
+        default=client_processes(),
         help="processes the streams are split over (default: a quarter of the cores, at most 4)",
     )
     parser.add_argument("--out", type=Path)

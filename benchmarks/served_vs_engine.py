@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from bench_common import count_failures, cpu_seconds, emit, failure_exit, int_list, merge_failures
+from bench_common import client_processes, count_failures, cpu_seconds, emit, failure_exit, int_list, merge_failures
 from serve_load import Server, percentile, wait_ready
 
 TINY = {
@@ -79,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--client-processes",
         type=int,
-        default=max(1, min(4, (os.cpu_count() or 1) // 4)),
+        default=client_processes(),
         help="processes the served side's streams are split over (default: a quarter of the cores, at most 4): "
         "a single Python client's parsing can cap what it measures (client_cpu_cores shows it)",
     )
