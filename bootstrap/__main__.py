@@ -1,5 +1,5 @@
 """``python -m bootstrap``: the ``bootstrap`` command, as ``torchrun ... -m bootstrap run`` starts it."""
 
-from bootstrap.cli.main import entry
+from bootstrap.cli.entry import entry
 
 entry()

@@ -1,5 +1,5 @@
 """``python -m bootstrap.cli``: the ``bootstrap`` command (``torchrun ... -m bootstrap.cli run``)."""
 
-from bootstrap.cli.main import entry
+from bootstrap.cli.entry import entry
 
 entry()

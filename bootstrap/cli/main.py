@@ -1,25 +1,21 @@
 """``bootstrap``: the parser of every command, and the one place their exit status is decided
-(``bootstrap.cli.exits``)."""
+(``bootstrap.cli.exits``). The console script is ``bootstrap.cli.entry``."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import logging
-import os
 import sys
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from bootstrap.cli.args import HelpFormatter
 from bootstrap.cli.cache import add_cache_args, main_cache
 from bootstrap.cli.exits import BAD_INPUT, BAD_INPUT_ERRORS, INTERRUPTED, epilog
-from bootstrap.cli.first_moment import FIRST_MOMENT
 from bootstrap.cli.plan import add_plan_args, main_plan
 from bootstrap.cli.run import add_run_args, main_run
 from bootstrap.cli.serve import add_serve_args, main_serve
 from bootstrap.cli.trace.command import add_trace_args, main_trace
-from bootstrap.pipeline.process import ProcessTimeline, spawn_time_ns
+from bootstrap.pipeline.process import ProcessTimeline
 
 Command = Callable[[argparse.Namespace], int]
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Command]] = {
@@ -52,15 +48,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None, process: ProcessTimeline | None = None) -> int:
+def main(argv: list[str] | None = None, process: ProcessTimeline | None = None, early_engine: Any = None) -> int:
     """Run the command ``argv`` names; its exit status. ``process``: the timeline its trace
-    starts from (the console script's starts at the spawn; default: now)."""
+    starts from (the console script's starts at the spawn; default: now). ``early_engine``: the
+    engine's process ``bootstrap.cli.entry`` started for ``serve`` (the command stops one it
+    does not take)."""
     parser = build_parser()
     if not (sys.argv[1:] if argv is None else argv):  # no command: what there is to run
         parser.print_help(sys.stderr)
         return BAD_INPUT
     args = parser.parse_args(argv)  # a bad flag: one line, exit status 2
     args.process = process or ProcessTimeline.from_now()
+    args.early_engine = early_engine
     try:
         return COMMANDS[args.command][2](args)
     except BAD_INPUT_ERRORS as exc:  # what a command did not answer itself
@@ -69,17 +68,3 @@ def main(argv: list[str] | None = None, process: ProcessTimeline | None = None) 
     except KeyboardInterrupt:
         print("bootstrap: interrupted", file=sys.stderr)  # plan and run, with stages, say so themselves
         return INTERRUPTED
-
-
-def entry() -> NoReturn:
-    """The ``bootstrap`` console script and ``python -m bootstrap.cli``: ``main`` with a trace
-    that starts at the process's spawn. Once its output is flushed the process ends at once
-    (``os._exit``): Python's own finalization, with torch imported, takes about a second and does
-    nothing a finished command needs (the trace is flushed, the executor shut down, no thread
-    outlives it)."""
-    code = main(sys.argv[1:], process=ProcessTimeline(spawn_time_ns(FIRST_MOMENT)))
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):  # a closed or broken pipe must not change the status
-            stream.flush()
-    logging.shutdown()
-    os._exit(code)

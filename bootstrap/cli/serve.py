@@ -202,6 +202,9 @@ def main_serve(args: argparse.Namespace) -> int:
             with held_stops() as held:
                 await_rank_0(held)
         return BAD_INPUT
+    early = getattr(args, "early_engine", None)  # bootstrap.cli.entry's; a Namespace made by hand may lack it
+    if early is not None and not options.engine_process:  # a server that keeps its engine inside
+        early.kill()
     if needs_launch(config):
         return launch_ranks(args, config.tensor_parallel_size, main_serve, signalled=OK)
     try:
@@ -234,7 +237,11 @@ def _main_rank_0(config: Any, options: Any, args: argparse.Namespace) -> tuple[i
                 from bootstrap.serve.startup.spawn import EngineSpawn
 
                 triton = options.backend_factory is None and config.device.startswith("cuda")
-                spawn = EngineSpawn(options.log_level, triton)
+                spawn = getattr(args, "early_engine", None)  # started by bootstrap.cli.entry, from a glance
+                if spawn is not None and spawn.flags != (options.log_level, triton):  # the parser read otherwise
+                    spawn.kill()
+                    spawn = None
+                spawn = spawn or EngineSpawn(options.log_level, triton)
             import fastapi  # noqa: F401
             import httptools  # noqa: F401
             import prometheus_client  # noqa: F401

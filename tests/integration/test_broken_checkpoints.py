@@ -26,7 +26,7 @@ from helpers.broken_checkpoints import (
 )
 from safetensors.torch import load_file, save_file
 
-from bootstrap.cli import main
+from bootstrap.cli.main import main
 from bootstrap.engine.models import build_own_model
 from bootstrap.engine.models.weights import load_weights, safetensors_files
 from bootstrap.engine.sources.loader import ModelSourceError

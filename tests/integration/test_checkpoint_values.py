@@ -20,7 +20,7 @@ from helpers.fp8_checkpoints import quantized, with_kv_scales
 from safetensors.torch import load_file
 
 from bootstrap.api import Bootstrap, Refused
-from bootstrap.cli import main
+from bootstrap.cli.main import main
 from bootstrap.config import BootstrapConfig
 from bootstrap.engine.models import check_checkpoint
 from bootstrap.engine.sampling.sampler import SamplingParams

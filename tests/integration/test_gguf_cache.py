@@ -131,7 +131,7 @@ def test_bootstrap_run_converts_a_gguf_file_once_and_its_second_run_imports_no_t
     stderr), the second reuses the conversion and the plan, without a transformers module."""
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama(0))
     script = (
-        "import sys\nfrom bootstrap.cli import main\n"
+        "import sys\nfrom bootstrap.cli.main import main\n"
         f"code = main(['run', '--device', 'cpu', '--model', {str(gguf)!r}, '--prompt', 'abc', '--max-tokens', '2',"
         " '--max-num-tokens', '64', '--max-batch-size', '4', '--max-seq-len', '128', '--json'])\n"
         "print('TRANSFORMERS', sorted(m for m in sys.modules if m.partition('.')[0] == 'transformers'))\n"

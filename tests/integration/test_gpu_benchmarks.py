@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bootstrap.cli import main as cli_main
+from bootstrap.cli.main import main as cli_main
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 TINY = {

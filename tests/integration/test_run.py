@@ -17,7 +17,7 @@ from helpers.tiny_models import save_checkpoint
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bootstrap.capacity.presets import MODEL_PRESETS
-from bootstrap.cli import main
+from bootstrap.cli.main import main
 from bootstrap.engine.step.model_runner import ModelRunner
 from bootstrap.stages import STAGE_IDS
 

@@ -11,7 +11,7 @@ import shutil
 import httpx
 from helpers.serve_process import ServeProcess, metric
 
-from bootstrap.cli import main
+from bootstrap.cli.main import main
 
 PROMPT = "w5 w37 w33 w9 w64"
 

@@ -22,7 +22,7 @@ import pytest
 from helpers.serve_backends import open_gate, plugin_module
 from helpers.serve_process import ServeProcess, metric, metric_or_0, wait_metric
 
-from bootstrap.cli import main
+from bootstrap.cli.main import main
 from bootstrap.stages import STAGE_IDS
 
 PROMPT = "w5 w37 w33 w9 w64 w42 w7"  # 7 tokens (w0, w1, w2 are special: no word here starts with them)

@@ -17,7 +17,7 @@ import pytest
 from helpers.serve_process import ServeProcess, metric, wait_metric
 from helpers.tiny_models import CHAT_TEMPLATE, save_checkpoint
 
-from bootstrap.cli import main
+from bootstrap.cli.main import main
 from bootstrap.cli.trace.command import read_spans
 from bootstrap.cli.trace.requests import request_rows
 

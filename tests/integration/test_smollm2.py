@@ -122,7 +122,7 @@ def test_bootstrap_run_answers_the_readme_question(cache_dir, capsys, tmp_path):
     """The README's first command: the default model through the stages names Paris (no CUDA graphs on the CPU)."""
     import json
 
-    from bootstrap.cli import main
+    from bootstrap.cli.main import main
 
     argv = [
         "run",

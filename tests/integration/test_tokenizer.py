@@ -493,7 +493,7 @@ def test_bootstrap_run_on_a_checkpoint_directory_never_imports_transformers(fami
     loads, chats and answers without a single transformers module in the process."""
     path = with_weights(FAMILY_DIRS[family](tmp_path / family), family)
     out = without_transformers(
-        "from bootstrap.cli import main\n"
+        "from bootstrap.cli.main import main\n"
         f"assert main(['run', '--device', 'cpu', '--model', {str(path)!r}, '--chat', 'Hello there',"
         " '--max-tokens', '4', '--no-plan-cache', '--json']) == 0\n"
     )

@@ -104,7 +104,7 @@ def test_torchrun_without_tp_is_refused_once_before_any_stage(llama, late, tmp_p
     script = tmp_path / "late_rank_0.py"
     script.write_text(
         f"import os, time\nif os.environ['RANK'] == '0':\n    time.sleep({late})\n"
-        "from bootstrap.cli.main import entry\nentry()\n"
+        "from bootstrap.cli.entry import entry\nentry()\n"
     )
     done = launched(
         [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()), str(script), *RUN, "--model", str(llama)]

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from helpers.serve_process import ServeProcess
 
-from bootstrap.cli import main
+from bootstrap.cli.main import main
 from bootstrap.cli.trace.command import read_spans
 from bootstrap.cli.trace.requests import request_rows
 from bootstrap.cli.trace.timeline import timeline

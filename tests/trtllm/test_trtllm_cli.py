@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from bootstrap.api import default_backend
-from bootstrap.cli import main
+from bootstrap.cli.main import main
 from bootstrap.config import BootstrapConfig
 from bootstrap.pipeline.telemetry import MissingExtra
 

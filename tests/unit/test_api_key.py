@@ -12,7 +12,7 @@ import logging
 import httpx
 import pytest
 
-from bootstrap.cli import main
+from bootstrap.cli.main import main
 from bootstrap.cli.serve import ENV_API_KEY, serve_options
 from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.serve.app import create_app

@@ -10,7 +10,7 @@ import json
 import pytest
 from openai.types import CompletionUsage
 
-from bootstrap.cli import main
+from bootstrap.cli.main import main
 from bootstrap.engine.executor.py_executor import MAX_CACHE_SALT_CHARS, check_cache_salt
 from bootstrap.serve.errors import APIError
 from bootstrap.serve.openai import schemas as s

@@ -8,10 +8,9 @@ import pytest
 
 from bootstrap.backends.sim.backend import SimBackend
 from bootstrap.backends.sim.gpus import sim_device
-from bootstrap.cli import main
 from bootstrap.cli import run as run_command
 from bootstrap.cli.exits import BAD_INPUT, HUNG_UP, INTERRUPTED, OK, STAGE_FAILED, TERMINATED
-from bootstrap.cli.main import COMMANDS
+from bootstrap.cli.main import COMMANDS, main
 
 STATUSES = {
     "plan": [OK, STAGE_FAILED, BAD_INPUT, INTERRUPTED],

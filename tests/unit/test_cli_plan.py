@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bootstrap.cli import main
+from bootstrap.cli.main import main
 from bootstrap.cli.plan import parse_fault
 from bootstrap.stages import STAGE_IDS
 

@@ -11,9 +11,9 @@ import pytest
 
 from bootstrap.backends.sim.backend import SimBackend
 from bootstrap.backends.sim.gpus import sim_device
-from bootstrap.cli import main
 from bootstrap.cli import run as run_command
 from bootstrap.cli.exits import OK
+from bootstrap.cli.main import main
 
 PLAN = ["plan", "--model", "llama-3.1-8b", "--gpu", "h200", "--fault", "profiling:oom:1"]
 ERROR = (

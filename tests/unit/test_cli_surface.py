@@ -14,11 +14,10 @@ from rich.console import Console
 from bootstrap.backends.sim.backend import SimBackend
 from bootstrap.backends.sim.gpus import sim_device
 from bootstrap.capacity.presets import preset_config, preset_names
-from bootstrap.cli import main
 from bootstrap.cli import run as run_command
 from bootstrap.cli.args import HelpFormatter
 from bootstrap.cli.exits import BAD_INPUT, INTERRUPTED, MEANINGS, OK, STAGE_FAILED
-from bootstrap.cli.main import COMMANDS, build_parser
+from bootstrap.cli.main import COMMANDS, build_parser, main
 from bootstrap.pipeline.report import stage_table
 
 PLAN = ["plan", "--model", "llama-3.1-8b", "--gpu", "h100-80gb"]

@@ -13,8 +13,8 @@ from helpers.fp8_checkpoints import CHANNEL
 from bootstrap.backends.sim.backend import SimBackend
 from bootstrap.backends.sim.gpus import sim_device
 from bootstrap.capacity.presets import preset_config
-from bootstrap.cli import main
 from bootstrap.cli import run as run_command
+from bootstrap.cli.main import main
 
 PLAN = ["plan", "--gpu", "h200", "--max-seq-len", "8192"]
 AT_LOAD = "weights: bfloat16, projections FP8 (quantized at load by --quantization fp8; a scale per output row)"

@@ -13,9 +13,9 @@ import threading
 
 from bootstrap.backends.sim.backend import SimBackend
 from bootstrap.backends.sim.gpus import sim_device
-from bootstrap.cli import main
 from bootstrap.cli import run as run_command
 from bootstrap.cli.exits import INTERRUPTED
+from bootstrap.cli.main import main
 
 WAIT = "rolling back profiling once the forward pass in flight is done (it cannot be cut short) ..."
 FIRST, AGAIN = f"bootstrap: interrupted: {WAIT}", f"bootstrap: interrupted again: still {WAIT}"

@@ -21,9 +21,9 @@ from helpers.tiny_models import save_checkpoint
 
 from bootstrap.backends.sim.backend import SimBackend
 from bootstrap.backends.sim.gpus import sim_device
-from bootstrap.cli import main
 from bootstrap.cli import run as run_command
 from bootstrap.cli.exits import STAGE_FAILED
+from bootstrap.cli.main import main
 from bootstrap.engine.request.sequence import StreamEvent
 from bootstrap.stages import STAGE_IDS
 
@@ -122,7 +122,7 @@ def rank_main(argv):  # rank 1 dies at its third step after ready, as a killed r
             return executor
 
         NativeBackend.start_executor = start_then_die
-    from bootstrap.cli import main
+    from bootstrap.cli.main import main
     return main(argv)
 
 if __name__ == "__main__":

@@ -16,9 +16,9 @@ import pytest
 
 from bootstrap.backends.sim.backend import SimBackend
 from bootstrap.backends.sim.gpus import sim_device
-from bootstrap.cli import main
 from bootstrap.cli import run as run_command
 from bootstrap.cli.exits import BAD_INPUT, STAGE_FAILED
+from bootstrap.cli.main import main
 
 ROOT = Path(__file__).parents[2]
 MESSAGES = [

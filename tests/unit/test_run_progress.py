@@ -12,8 +12,8 @@ import threading
 
 from bootstrap.backends.sim.backend import SimBackend
 from bootstrap.backends.sim.gpus import sim_device
-from bootstrap.cli import main
 from bootstrap.cli import run as run_command
+from bootstrap.cli.main import main
 
 LINE = re.compile(r"^  profiling          still running after \d+ s \(the forward pass in flight\)$", re.M)
 STATUS = re.compile(r"profiling \d+ s \(the forward pass in flight\)")

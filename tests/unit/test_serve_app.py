@@ -114,7 +114,7 @@ def test_lengths_beyond_max_seq_len_name_both_numbers():
 
 
 def test_bad_config_flags_exit_2_before_the_port_opens(capsys):
-    from bootstrap.cli import main
+    from bootstrap.cli.main import main
 
     assert main(["serve", "--model", "m", "--max-batch-size", "0", "--port", "0"]) == 2
     assert "max_batch_size" in capsys.readouterr().err

@@ -108,7 +108,7 @@ def test_a_bad_allowed_origin_names_the_field(bad):
 
 
 def test_a_bad_allowed_origins_flag_exits_2_with_one_line(capsys):
-    from bootstrap.cli import main
+    from bootstrap.cli.main import main
 
     bad = ["--allowed-origins", "http://ok.example,http://x/", "--shutdown-timeout", "-1"]  # the later check: no hang
     assert main(["serve", "--model", "m", "--port", "0", *bad]) == 2

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bootstrap.cli import main
+from bootstrap.cli.main import main
 from bootstrap.pipeline import Pipeline
 from bootstrap.pipeline.stage import Stage
 from bootstrap.pipeline.telemetry import make_tracer_provider

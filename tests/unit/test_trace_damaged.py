@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bootstrap.cli import main
+from bootstrap.cli.main import main
 from bootstrap.cli.trace.command import read_spans
 from bootstrap.cli.trace.spans import STAGE_PREFIX
 

@@ -13,7 +13,7 @@ import pytest
 from helpers.tiny_models import save_checkpoint
 
 from bootstrap.api import Bootstrap, Refused
-from bootstrap.cli import main
+from bootstrap.cli.main import main
 from bootstrap.cli.trace.command import read_spans
 from bootstrap.cli.trace.timeline import timeline
 from bootstrap.config import BootstrapConfig

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bootstrap.cli import main
+from bootstrap.cli.main import main
 from bootstrap.cli.trace.command import read_spans
 from bootstrap.cli.trace.timeline import timeline
 from bootstrap.stages import STAGE_IDS

@@ -18,12 +18,13 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import zmq
 
-from bootstrap.api import control as c
-from bootstrap.engine.executor.channel.threads import Receiver
-from bootstrap.engine.executor.event_loops import call_soon_threadsafe
+if TYPE_CHECKING:  # the rest comes with ``listen``: the command starts this before its own imports
+    from bootstrap.api import control as c
+    from bootstrap.engine.executor.channel.threads import Receiver
 
 MODULE = "bootstrap.api.engine_process"
 EXIT_WAIT_S = 30.0  # after the aclose call answered: the process's own exit (its threads, its device)
@@ -37,6 +38,7 @@ class EngineSpawn:
     def __init__(self, log_level: str = "info", triton: bool = False) -> None:
         """``triton``: the engine begins Triton's start (``engine.kernels.triton_start``) at once,
         before its imports (a native engine on CUDA), as a server with the engine inside does."""
+        self.flags = (log_level, triton)  # what it was started with: a later start that wants others makes its own
         self.dir = tempfile.mkdtemp(prefix="bootstrap-engine-")
         self.context = zmq.Context()
         self._calls = self.context.socket(zmq.PUSH)
@@ -65,6 +67,10 @@ class EngineSpawn:
 
     def listen(self, on_note: Callable[[c.FromEngine], None], on_exit: Callable[[int, str], None]) -> None:
         """On the event loop that will read the engine (once)."""
+        from bootstrap.api import control as c
+        from bootstrap.engine.executor.channel.threads import Receiver
+        from bootstrap.engine.executor.event_loops import call_soon_threadsafe
+
         self.call_soon = call_soon_threadsafe()
         self._notes = Receiver(
             self.context,
@@ -80,6 +86,8 @@ class EngineSpawn:
 
     def send(self, message: c.ToEngine) -> None:
         """On the event loop; dropped once the process has exited."""
+        from bootstrap.api import control as c
+
         if self.status is None and not self._calls.closed:
             self._calls.send(c.encode(message))
 
