@@ -6,7 +6,9 @@ SIGTERM and SIGHUP, and (``--tp 2``) by a rank killed with SIGKILL. After the ex
 
 - no process of the case is left: each case marks its environment (``EXIT_CASE``), every process
   it starts inherits the mark, so a rank reparented to PID 1 is found too;
-- no new entry in /dev/shm, and no launcher folder left in the temp directory;
+- no new entry in /dev/shm (machine-wide: the module is marked ``serial``, run apart from the
+  suite's parallel workers), and no launcher's or engine's folder left in the case's own temp
+  directory (``TMPDIR``);
 - the exit status is the documented one (README's exit table; for the script, Python's own:
   a signal it does not handle ends it by that signal, after the executor's exit hook or none).
 
@@ -20,7 +22,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 import uuid
@@ -30,12 +31,14 @@ import httpx
 import pytest
 from helpers.tiny_models import save_checkpoint
 
+pytestmark = pytest.mark.serial
+
 ROOT = Path(__file__).parents[2]
 TESTS = ROOT / "tests"
 SIZES = ["--max-seq-len", "512", "--max-batch-size", "4", "--max-num-tokens", "512", "--no-plan-cache"]
 RUN = ["run", "--device", "cpu", "--prompt", "w5 w17", "--max-tokens", "400", "--temperature", "0", *SIZES]
 SERVE = ["serve", "--device", "cpu", "--port", "0", *SIZES]
-LAUNCHER_DIRS = ("bootstrap-ranks-", "torchelastic_")
+LEFT_BEHIND = ("bootstrap-ranks-", "bootstrap-engine-", "torchelastic_")  # the launchers', the engine's sockets
 
 SCRIPT = """
 import asyncio, sys, threading
@@ -83,21 +86,21 @@ def marked(mark: str) -> list[int]:
     return found
 
 
-def leftovers() -> set[str]:
+def leftovers(temp: Path) -> set[str]:
     shm = {f"/dev/shm/{name}" for name in os.listdir("/dev/shm")} if os.path.isdir("/dev/shm") else set()
-    temp = {
-        os.path.join(tempfile.gettempdir(), n) for n in os.listdir(tempfile.gettempdir()) if n.startswith(LAUNCHER_DIRS)
-    }
-    return shm | temp
+    return shm | {str(temp / name) for name in os.listdir(temp) if name.startswith(LEFT_BEHIND)}
 
 
 class Case:
     """One command in a subprocess, its output in files, with the mark in its environment."""
 
     def __init__(self, tmp: Path, argv: list[str]) -> None:
-        self.mark, self.before = uuid.uuid4().hex, leftovers()
+        self.temp = tmp / "temp"
+        self.temp.mkdir()
+        self.mark, self.before = uuid.uuid4().hex, leftovers(self.temp)
         self.out, self.err = tmp / "out.txt", tmp / "err.txt"
-        env = {**os.environ, "EXIT_CASE": self.mark, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
+        paths = os.pathsep.join([str(ROOT), str(TESTS)])
+        env = {**os.environ, "EXIT_CASE": self.mark, "PYTHONPATH": paths, "TMPDIR": str(self.temp)}
         with self.out.open("w") as out, self.err.open("w") as err:
             self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=err, preexec_fn=default_stops)
 
@@ -122,7 +125,7 @@ class Case:
         while marked(self.mark) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert marked(self.mark) == [], f"left running: {marked(self.mark)}\n{self.text()[-3000:]}"
-        assert leftovers() - self.before == set()
+        assert leftovers(self.temp) - self.before == set()
         assert "Traceback" not in self.err.read_text() or argv_is_script(self.proc.args)
         return code
 
