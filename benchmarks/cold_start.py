@@ -8,7 +8,8 @@ filled by the cold start before it), from the parent's clock at ``Popen``:
   from the spawn), the exit, and the exit's lag behind the answer;
 - ``serve``: the first line, the port open, ``GET /ready`` answering 200, the first streamed token
   of a streamed completion, and the exit after SIGTERM (the port and ``/ready`` tried every
-  ``--poll-interval`` seconds, 0.1 by default: every try costs the starting server some GIL);
+  ``--poll-interval`` seconds, 0.1 by default: every try costs the starting server some GIL), and
+  ``engine_started_s``, how long after the server's process its engine's process started;
 - each with the trace's phase and stage durations (``bootstrap.process.*``) and the share of the
   process the spans cover.
 
@@ -254,6 +255,7 @@ def time_serve(args: argparse.Namespace, model: Path, work: Path, mode: str, rep
         env,
     )
     opened = _poll(child, lambda: socket.create_connection(("127.0.0.1", port), timeout=1).close(), args.poll_interval)
+    engine = engine_started_s(child.proc.pid)
     ready = _poll(
         child, lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2), args.poll_interval
     )
@@ -269,11 +271,28 @@ def time_serve(args: argparse.Namespace, model: Path, work: Path, mode: str, rep
         "code": code,
         "first_line_s": _first(child.lines["stderr"]),
         "port_open_s": opened,
+        "engine_started_s": engine,
         "ready_s": ready,
         **answer,
         "exit_after_sigterm_s": round(exited - sigterm, 3),
         **spans(trace),
     }
+
+
+def engine_started_s(server: int) -> float | None:
+    """How long after the server's process its engine's process started (``/proc``, in clock
+    ticks: 10 ms); None without one (``--engine-in-process``, ``--tp N``) or once it has ended."""
+
+    def started(pid: int | str) -> int:
+        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19])
+
+    try:
+        for pid in Path(f"/proc/{server}/task/{server}/children").read_text().split():
+            if b"bootstrap.api.engine_process" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return round((started(pid) - started(server)) / os.sysconf("SC_CLK_TCK"), 3)
+    except OSError:  # it exited meanwhile
+        return None
+    return None
 
 
 def _first(lines: list[tuple[float, str]]) -> float | None:

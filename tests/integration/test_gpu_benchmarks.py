@@ -153,6 +153,8 @@ def test_the_gpu_suite_script_runs_every_step_and_writes_every_result(tmp_path):
     cold_start = json.loads((out / "cold_start.json").read_text())
     no_failures(cold_start)
     assert cold_start["checkpoint"]["checkpoint"].endswith("/checkpoint-tiny")
+    for mode in ("cold", "warm"):  # the engine's own process, found under the server's
+        assert cold_start["repeats"][0][mode]["serve"]["engine_started_s"] >= 0
     floor = cold_start["floor"]
     assert floor["floor_s"] > floor["import_torch_s"] > 0 and floor["fastest_weights"] in floor["weights"], floor
 
@@ -188,6 +190,7 @@ def test_the_gpu_suite_s_two_gpu_steps_run_on_the_cpu_and_write_every_result(tmp
     assert cold_start["checkpoint"]["checkpoint"].endswith("/checkpoint-tiny")  # TP_MODEL's
     tp2 = json.loads((out / "cold_start_tp2.json").read_text())["repeats"][0]["cold"]["serve"]
     assert tp2["code"] == 0 and tp2["first_token_s"] > tp2["ready_s"] > 0
+    assert tp2["engine_started_s"] is None  # --tp N: each rank runs its engine
     agreement = json.loads((out / "tp_agreement.json").read_text())
     no_failures(agreement)
     assert agreement["runs"][1]["against_first"]["first_difference_at"] is None  # float32 on the CPU: the same tokens
