@@ -46,7 +46,9 @@ def early_engine_flags(argv: list[str]) -> tuple[str, bool] | None:
         return None
     if known.help or known.engine_in_process or known.tp != 1:
         return None
-    return known.log_level, known.backend_factory is None and known.device.startswith("cuda")
+    from bootstrap.serve.startup.spawn import begins_triton
+
+    return known.log_level, begins_triton(known.device, known.backend_factory)
 
 
 def entry() -> NoReturn:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from bootstrap.cli.args import HelpFormatter
 from bootstrap.cli.cache import add_cache_args, main_cache
@@ -16,6 +16,9 @@ from bootstrap.cli.run import add_run_args, main_run
 from bootstrap.cli.serve import add_serve_args, main_serve
 from bootstrap.cli.trace.command import add_trace_args, main_trace
 from bootstrap.pipeline.process import ProcessTimeline
+
+if TYPE_CHECKING:
+    from bootstrap.serve.startup.spawn import EngineSpawn
 
 Command = Callable[[argparse.Namespace], int]
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Command]] = {
@@ -48,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None, process: ProcessTimeline | None = None, early_engine: Any = None) -> int:
+def main(
+    argv: list[str] | None = None, process: ProcessTimeline | None = None, early_engine: EngineSpawn | None = None
+) -> int:
     """Run the command ``argv`` names; its exit status. ``process``: the timeline its trace
     starts from (the console script's starts at the spawn; default: now). ``early_engine``: the
     engine's process ``bootstrap.cli.entry`` started for ``serve`` (the command stops one it

@@ -234,9 +234,9 @@ def _main_rank_0(config: Any, options: Any, args: argparse.Namespace) -> tuple[i
     try:
         with args.process.phase("server"):  # the HTTP stack's imports; the port opens in _serve
             if options.engine_process:  # first: its imports of torch run beside the server's own
-                from bootstrap.serve.startup.spawn import EngineSpawn
+                from bootstrap.serve.startup.spawn import EngineSpawn, begins_triton
 
-                triton = options.backend_factory is None and config.device.startswith("cuda")
+                triton = begins_triton(config.device, options.backend_factory)
                 spawn = getattr(args, "early_engine", None)  # started by bootstrap.cli.entry, from a glance
                 if spawn is not None and spawn.flags != (options.log_level, triton):  # the parser read otherwise
                     spawn.kill()

@@ -30,6 +30,11 @@ MODULE = "bootstrap.api.engine_process"
 EXIT_WAIT_S = 30.0  # after the aclose call answered: the process's own exit (its threads, its device)
 
 
+def begins_triton(device: str, backend_factory: str | None) -> bool:
+    """Whether the engine's process begins Triton's start first thing: a native engine on CUDA."""
+    return backend_factory is None and device.startswith("cuda")
+
+
 class EngineSpawn:
     """One engine process, started at once (its imports run while the server imports its own);
     ``listen`` (on the event loop) then gives it ``on_note``, called on the notes thread with each
