@@ -180,10 +180,27 @@ def client_processes() -> int:
     return max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
+def stat_fields(pid: int | str) -> list[str]:
+    """``/proc/PID/stat`` after the command's name: the state is ``[0]``, the parent ``[1]``."""
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` and its threads so far, from ``/proc``."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    fields = stat_fields(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def engine_pid(server_pid: int) -> int | None:
+    """The engine's process under the server (``bootstrap.api.engine_process``), None when it runs in the server's."""
+    for entry in Path("/proc").iterdir():
+        try:
+            parent = entry.name.isdigit() and stat_fields(entry.name)[1]
+            if parent == str(server_pid) and b"bootstrap.api.engine_process" in Path(entry, "cmdline").read_bytes():
+                return int(entry.name)
+        except OSError:  # gone meanwhile
+            continue
+    return None
 
 
 def int_list(text: str) -> list[int]:

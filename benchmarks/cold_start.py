@@ -50,7 +50,7 @@ from bootstrap.cli.trace.timeline import coverage
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # bench_common, also when loaded by path
-from bench_common import count_failures, failure_exit  # noqa: E402
+from bench_common import count_failures, engine_pid, failure_exit, stat_fields  # noqa: E402
 
 WORDS = 512  # the word-level tokenizer written beside the weights: w0 .. w511
 
@@ -282,17 +282,12 @@ def time_serve(args: argparse.Namespace, model: Path, work: Path, mode: str, rep
 def engine_started_s(server: int) -> float | None:
     """How long after the server's process its engine's process started (``/proc``, in clock
     ticks: 10 ms); None without one (``--engine-in-process``, ``--tp N``) or once it has ended."""
-
-    def started(pid: int | str) -> int:
-        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19])
-
+    engine = engine_pid(server)
     try:
-        for pid in Path(f"/proc/{server}/task/{server}/children").read_text().split():
-            if b"bootstrap.api.engine_process" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                return round((started(pid) - started(server)) / os.sysconf("SC_CLK_TCK"), 3)
+        ticks = int(stat_fields(engine)[19]) - int(stat_fields(server)[19]) if engine is not None else None
     except OSError:  # it exited meanwhile
         return None
-    return None
+    return None if ticks is None else round(ticks / os.sysconf("SC_CLK_TCK"), 3)
 
 
 def _first(lines: list[tuple[float, str]]) -> float | None:

@@ -34,7 +34,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import httpx
-from bench_common import client_processes, cpu_seconds, emit, failure_exit
+from bench_common import client_processes, cpu_seconds, emit, engine_pid, failure_exit
 from serve_load import Sample, Server, one_request, summarize, wait_ready
 
 # (category, a pattern one of the stack's frames must match); the first match wins, tried in order
@@ -159,18 +159,6 @@ async def record(pids: dict[str, int], args: argparse.Namespace, mode: str, fold
             "threads": breakdown(rows, expected),
         }
     return {"mode": mode, "wall_s": round(wall, 2), "expected_samples_per_thread": expected, "processes": processes}
-
-
-def engine_pid(server_pid: int) -> int | None:
-    """The engine's process under the server (``bootstrap.api.engine_process``), None when it runs in the server's."""
-    for entry in Path("/proc").iterdir():
-        try:
-            parent = entry.name.isdigit() and Path(entry, "stat").read_text().rpartition(")")[2].split()[1]
-            if parent == str(server_pid) and b"bootstrap.api.engine_process" in Path(entry, "cmdline").read_bytes():
-                return int(entry.name)
-        except OSError:  # gone meanwhile
-            continue
-    return None
 
 
 def load_part(url: str, model: str, streams: int, args: argparse.Namespace, seed: int, until: float) -> dict:
