@@ -88,14 +88,16 @@ def _calls(model: torch.nn.Module) -> Iterator[tuple]:
             )
             yield ("act", module.mlp.gate_up_proj.weight.shape[0], module.mlp.activation)
             yield ("write_kv", attention.kv_heads, attention.head_dim)
-            yield (
-                "decode",
-                attention.heads,
-                attention.kv_heads,
-                attention.head_dim,
-                attention.sliding_window is not None,
-                attention.softcap is not None,
-            )
+            for splits in (1, 2):  # whole rows, and rows split in runs with the merge kernel after them
+                yield (
+                    "decode",
+                    attention.heads,
+                    attention.kv_heads,
+                    attention.head_dim,
+                    attention.sliding_window is not None,
+                    attention.softcap is not None,
+                    splits,
+                )
 
 
 def _launch(call: tuple, dtype: torch.dtype, device: torch.device) -> None:
@@ -141,17 +143,16 @@ def _launch(call: tuple, dtype: torch.dtype, device: torch.device) -> None:
         cache, key = zeros(1, TOKENS_PER_BLOCK, kv_heads, head_dim), zeros(1, kv_heads, head_dim)
         paged_kv.write_kv(key, key, indices(), indices(), cache, cache)
     else:
-        heads, kv_heads, head_dim, windowed, capped = shape
+        heads, kv_heads, head_dim, windowed, capped, splits = shape
         cache, lengths = zeros(1, TOKENS_PER_BLOCK, kv_heads, head_dim), torch.ones(1, dtype=torch.long, device=device)
-        for splits in (1, 2):  # whole rows, and rows split in runs with the merge kernel after them
-            paged_kv.paged_decode(
-                zeros(1, heads, head_dim),
-                cache,
-                cache,
-                indices().view(1, 1),
-                lengths,
-                None,
-                8 if windowed else None,
-                30.0 if capped else None,
-                splits,
-            )
+        paged_kv.paged_decode(
+            zeros(1, heads, head_dim),
+            cache,
+            cache,
+            indices().view(1, 1),
+            lengths,
+            None,
+            8 if windowed else None,
+            30.0 if capped else None,
+            splits,
+        )
