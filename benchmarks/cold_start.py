@@ -356,9 +356,16 @@ def spans(trace: Path) -> dict[str, Any]:
         ends = [s["end_time_unix_nano"] for s in records if s["name"] == name]
         if process is not None and ends:
             since_spawn[key] = round((max(ends) - process["start_time_unix_nano"]) / 1e9, 3)
+    weights = {  # the read's seconds and bytes, the kernels' compile waited after it (estimation_build's attempt)
+        key.removeprefix("bootstrap.weights."): value
+        for s in records
+        for key, value in s["attributes"].items()
+        if key.startswith("bootstrap.weights.")
+    }
     return {
         **since_spawn,
         "spans": durations,
+        "weights": weights,
         "coverage": {k: round(v, 4) for k, v in share.items()} if share else None,
     }
 

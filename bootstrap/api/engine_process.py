@@ -36,6 +36,7 @@ from bootstrap.config import BootstrapConfig, ConfigError
 from bootstrap.engine.executor.channel.threads import Receiver
 from bootstrap.engine.executor.event_loops import call_soon_threadsafe
 from bootstrap.pipeline import StageFailed
+from bootstrap.pipeline.process import spawn_time_ns
 from bootstrap.pipeline.runner import cause_chain
 from bootstrap.pipeline.telemetry import span_record
 
@@ -114,6 +115,7 @@ class EngineProcess:
         self._served: tuple[object, c.Served] | None = None  # the executor the newest core serves
         self._core_ids = itertools.count(1)
         self._call_soon: Any = None
+        self.moments: dict[str, tuple[int, int]] = {}  # this process's own phases (``_trace_moments``)
 
     def send(self, message: object) -> None:
         frame = c.encode(message)
@@ -155,6 +157,7 @@ class EngineProcess:
         ``make_bootstrap`` does in its own process."""
         sys.path.extend(p for p in start.sys_path if p not in sys.path)
         self._bind_dir = start.bind_dir
+        received = time.time_ns()
         try:
             config = BootstrapConfig.model_validate(start.config)
             from bootstrap.api import Bootstrap
@@ -165,9 +168,11 @@ class EngineProcess:
 
                 triton_start.begin_for(config.device, config.backend, config.tensor_parallel_size)
             backend = load_backend_factory(start.backend_factory)(config)
+            self.moments["engine.backend"] = (received, time.time_ns())
             forward = SpanForwarder(self) if start.forward_spans else None
             parent = ServerParent(start.parent) if start.parent is not None else None
             self.boot = Bootstrap(config, backend=backend, otlp=start.otlp, process=parent, forward_spans=forward)
+            self._trace_moments(parent)
         except Exception as exc:
             failure = failure_of(exc)
             log.log(logging.ERROR if failure.kind == "other" else logging.DEBUG, "no backend", exc_info=True)
@@ -176,6 +181,15 @@ class EngineProcess:
         log.info("engine process %d: backend ready (%s on %s)", os.getpid(), type(backend).__name__, config.device)
         self.send(c.Hello(os.getpid(), self.snapshot(report=True)))
         return True
+
+    def _trace_moments(self, parent: ServerParent | None) -> None:
+        """This process's start as spans of the trace, under the server's process span:
+        ``engine.imports`` (its interpreter's start to its imports' end: torch's) and
+        ``engine.backend`` (``Start`` received to the backend made: the device's set-up)."""
+        tracer = self.boot.tracer
+        with parent.current() if parent is not None else contextlib.nullcontext():
+            for name, (began, ended) in self.moments.items():
+                tracer.start_span(f"bootstrap.{name}", start_time=began).end(end_time=ended)
 
     def snapshot(self, report: bool = False) -> c.Snapshot:
         boot = self.boot
@@ -301,6 +315,7 @@ def main(argv: list[str]) -> int:
     with contextlib.suppress(ImportError):  # now, while the server imports its own (one missing: said at Start)
         import bootstrap.api
         import bootstrap.backends.native.backend  # noqa: F401  (torch)
+    engine.moments["engine.imports"] = (spawn_time_ns(), time.time_ns())
     return anyio.run(engine.run)
 
 

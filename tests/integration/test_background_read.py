@@ -104,4 +104,5 @@ def test_the_read_s_own_seconds_and_bytes_are_on_the_waiting_attempt_s_span(llam
     spans = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
     waits = [s["attributes"] for s in spans if "bootstrap.weights.target.read_s" in s["attributes"]]
     assert waits and waits[0]["bootstrap.weights.target.read_bytes"] > 0
+    assert 0 <= waits[0]["bootstrap.weights.target.compile_wait_s"] <= waits[0]["bootstrap.weights.target.read_s"]
     assert waits[0]["bootstrap.stage"] == "estimation_build"  # the first stage that needs the values

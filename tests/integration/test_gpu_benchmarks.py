@@ -154,7 +154,10 @@ def test_the_gpu_suite_script_runs_every_step_and_writes_every_result(tmp_path):
     no_failures(cold_start)
     assert cold_start["checkpoint"]["checkpoint"].endswith("/checkpoint-tiny")
     for mode in ("cold", "warm"):  # the engine's own process, found under the server's
-        assert cold_start["repeats"][0][mode]["serve"]["engine_started_s"] >= 0
+        serve = cold_start["repeats"][0][mode]["serve"]
+        assert serve["engine_started_s"] >= 0
+        assert serve["spans"]["engine.imports"] > 0 and serve["spans"]["engine.backend"] >= 0  # its own phases
+        assert serve["weights"]["target.read_bytes"] > 0 and serve["weights"]["target.compile_wait_s"] >= 0
     floor = cold_start["floor"]
     assert floor["floor_s"] > floor["import_torch_s"] > 0 and floor["fastest_weights"] in floor["weights"], floor
 

@@ -24,6 +24,8 @@ from bootstrap.cli.trace.timeline import coverage
 from bootstrap.pipeline.process import PROCESS_SPAN, ProcessTimeline, spawn_time_ns
 from bootstrap.pipeline.telemetry import ROOT_SPAN
 
+ENGINE = "bootstrap.engine."  # the spans of the engine's own process
+
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory) -> Path:
@@ -33,7 +35,8 @@ def llama(tmp_path_factory) -> Path:
 def phases(spans: list[dict]) -> list[str]:
     process = next(s for s in spans if s["name"] == PROCESS_SPAN)
     children = sorted(
-        (s for s in spans if s["parent_span_id"] == process["span_id"]), key=lambda s: s["start_time_unix_nano"]
+        (s for s in spans if s["parent_span_id"] == process["span_id"] and not s["name"].startswith(ENGINE)),
+        key=lambda s: s["start_time_unix_nano"],
     )
     return [s["name"].removeprefix("bootstrap.process.").removeprefix("bootstrap.") for s in children]
 
@@ -91,7 +94,17 @@ def test_a_server_is_traced_through_serving_draining_and_shutdown(llama, tmp_pat
         server.stop()
     spans = read_spans(trace)
     assert phases(spans) == ["start", "checks", "server", "backend", "pipeline", "serving", "draining", "shutdown"]
-    share = coverage(spans, next(s for s in spans if s["name"] == PROCESS_SPAN))
+    process = next(s for s in spans if s["name"] == PROCESS_SPAN)
+    backend = next(s for s in spans if s["name"] == "bootstrap.process.backend")
+    engine = {s["name"].removeprefix(ENGINE): s for s in spans if s["name"].startswith(ENGINE)}
+    assert sorted(engine) == ["backend", "imports"]  # the engine's process's own start, in the same trace
+    assert all(s["parent_span_id"] == process["span_id"] for s in engine.values())
+    imports, made = engine["imports"], engine["backend"]
+    assert process["start_time_unix_nano"] <= imports["start_time_unix_nano"] < imports["end_time_unix_nano"]
+    assert imports["end_time_unix_nano"] <= made["start_time_unix_nano"] < made["end_time_unix_nano"]
+    assert backend["start_time_unix_nano"] <= made["start_time_unix_nano"]
+    assert made["end_time_unix_nano"] <= backend["end_time_unix_nano"]
+    share = coverage(spans, process)
     assert share["to_ready"] >= 0.95 and share["after_ready"] >= 0.95, share
     assert server.log().splitlines()[0].startswith(f"bootstrap serve: {llama} on cpu, http://127.0.0.1:0")
 

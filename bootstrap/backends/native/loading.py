@@ -69,6 +69,10 @@ class Loading:
             if weights.reading is not None and weights.reading.seconds is not None:
                 span.set_attribute(f"bootstrap.weights.{name}.read_s", round(weights.reading.seconds, 6))
                 span.set_attribute(f"bootstrap.weights.{name}.read_bytes", weights.reading.nbytes)
+                if weights.reading.compile_wait_s is not None:  # of read_s, the kernels' compile after the bytes
+                    span.set_attribute(
+                        f"bootstrap.weights.{name}.compile_wait_s", round(weights.reading.compile_wait_s, 6)
+                    )
         span.set_attribute("bootstrap.weights.waited_s", round(waited, 6))
         return waited
 

@@ -27,7 +27,8 @@ class BackgroundRead:
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self.began = time.perf_counter()
-        self.seconds: float | None = None  # the read's own duration, once it ended
+        self.seconds: float | None = None  # the read's duration (``compile_wait_s`` in it), once it ended
+        self.compile_wait_s: float | None = None  # after the bytes, waiting for the kernels' compile
         self._thread = threading.Thread(target=self._run, name="bootstrap-weights-read", daemon=True)
         self._thread.start()
 
@@ -35,6 +36,8 @@ class BackgroundRead:
         try:
             with compiling_ahead(self._model):  # Triton's first compile of the kernels, meanwhile
                 self._reads.read(stop=self._stop)
+                read = time.perf_counter()
+            self.compile_wait_s = time.perf_counter() - read
             self._forget()
         except BaseException as exc:  # handed to the waiter
             self._error = exc
