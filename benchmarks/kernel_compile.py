@@ -1,4 +1,4 @@
-"""Triton's first compile of the engine's kernels for a model's shapes, spread three ways.
+"""Triton's first compile of the engine's kernels for a model's shapes, spread four ways.
 
 What ``engine.models.compile_ahead`` launches while a start reads the weights, each way in a
 fresh process with a Triton cache of its own, after torch, CUDA and Triton's start: the seconds
@@ -6,6 +6,7 @@ from the first launch to the last kernel done, and the process's CPU seconds (it
 children's: ``ptxas``), for
 - ``serial``: one launch after another in one thread, each launch's seconds recorded;
 - ``by_kernel``: a thread per kernel function, its launches in turn;
+- ``by_specialization``: a thread per kernel, split count and row tile (``compile_ahead``'s way);
 - ``by_launch``: a thread per launch.
 Then the same launches in a fresh process on the cache one way filled (``warm``: loads only).
 The model is built on the meta device: no weights, only the shapes. Needs CUDA and Triton.
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from bench_common import emit, report_header, save
 
-WAYS = ("serial", "by_kernel", "by_launch")
+WAYS = ("serial", "by_kernel", "by_specialization", "by_launch")
 
 
 def child(way: str, shape: str, quantize: str | None) -> dict:
@@ -39,7 +40,7 @@ def child(way: str, shape: str, quantize: str | None) -> dict:
     from bootstrap.capacity.presets import preset_config
     from bootstrap.engine.kernels import triton_start
     from bootstrap.engine.models import build_own_model
-    from bootstrap.engine.models.compile_ahead import _calls, _launch, _launch_each
+    from bootstrap.engine.models.compile_ahead import _calls, _launch, _launch_each, _specialization
 
     triton_start.begin()
     device, dtype = torch.device("cuda"), torch.bfloat16
@@ -47,7 +48,7 @@ def child(way: str, shape: str, quantize: str | None) -> dict:
     triton_start.wait()
     cfg = json.loads(Path(shape).read_text()) if shape.endswith(".json") else preset_config(shape)
     model = build_own_model(cfg, torch.device("meta"), dtype, quantize=quantize)
-    calls = sorted(set(_calls(model)), key=str)
+    calls = sorted(set(_calls(model)), key=lambda call: (str(_specialization(call)), str(call)))
     before = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     start, each = time.perf_counter(), []
     if way in ("serial", "warm"):
@@ -57,10 +58,10 @@ def child(way: str, shape: str, quantize: str | None) -> dict:
             torch.cuda.synchronize()
             each.append({"launch": list(call), "s": round(time.perf_counter() - began, 3)})
     else:
-        by_kernel = [list(group) for _, group in itertools.groupby(calls, key=lambda call: call[0])]
-        groups = by_kernel if way == "by_kernel" else [[call] for call in calls]
+        key = {"by_kernel": lambda call: call[0], "by_specialization": _specialization, "by_launch": tuple}[way]
+        groups = [list(group) for _, group in itertools.groupby(calls, key=key)]
         with ThreadPoolExecutor(len(groups)) as pool:
-            for future in [pool.submit(_launch_each, group, dtype, device) for group in groups]:
+            for future in [pool.submit(_launch_each, group, dtype, device, None) for group in groups]:
                 future.result()
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from bootstrap.backends.artifacts import EstimationBuild, FinalBuild, LoadedModel, ResolvedClasses, Warmup
-from bootstrap.backends.native import capture
+from bootstrap.backends.native import capture, early_compile
 from bootstrap.backends.native.builds import NativeBuild, NativeModels
 from bootstrap.backends.native.headroom import headroom_terms
 from bootstrap.backends.native.live_weights import LiveWeights
@@ -89,7 +89,9 @@ class NativeBackend(Resolving, Loading, LiveWeights):
         """At ``tensor_parallel_size`` > 1 this process is one rank (``bootstrap.pipeline.collective``):
         ``collective`` given, or joined here from the launcher's ``RANK`` / ``WORLD_SIZE``."""
         if config.tensor_parallel_size == 1:
-            return cls(*device_for(config.device), cache_dir=cache_dir)
+            device, torch_device = device_for(config.device)
+            early_compile.begin_for(config, torch_device)  # the kernels' first compile, before any stage
+            return cls(device, torch_device, cache_dir=cache_dir)
         env = rank_env(config)
         device, torch_device = device_for(rank_device(config.device, env.local_rank))
         if collective is None:

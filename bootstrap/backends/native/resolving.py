@@ -18,6 +18,7 @@ from bootstrap.backends.native.checks import (
     check_weights_fit,
     unreadable_as_source_error,
 )
+from bootstrap.backends.native.early_compile import cuda_default_dtype
 from bootstrap.backends.native.loading import DTYPES
 from bootstrap.capacity.config_json import parse_config
 from bootstrap.capacity.quantization import AT_LOAD
@@ -60,7 +61,7 @@ class Resolving:
         else bfloat16, on CUDA."""
         if self.torch_device.type == "cpu":
             return "float32"
-        return shape.torch_dtype if shape.torch_dtype in ("bfloat16", "float16") else "bfloat16"
+        return cuda_default_dtype(shape.torch_dtype)
 
     def check_config(self, config: BootstrapConfig, shape: ModelShape) -> None:
         """What the native engine cannot run, refused before any weight is loaded."""

@@ -9,9 +9,11 @@ weights ``kernels.fp8_gemm``'s, its few-rows kernel for each row tile and its ac
 for the widths it quantizes), the
 paged decode kernel (whole and split rows, with the merge) and the KV-write kernel
 (``kernels.paged_kv``, for ``BootstrapConfig``'s default block size). Each kernel function gets
-its own thread, so compiles run side by side and none twice; Triton's own start
-(``triton_start``) comes first, once. Every thread is joined when the block ends; an error there
-only means the real call compiles the kernel itself.
+its own thread (each split count and FP8 row tile too), so compiles run side by side and none
+twice; Triton's own start (``triton_start``) comes first, once. Every thread is joined when the
+block ends; an error there only means the real call compiles the kernel itself. ``begin_early``
+starts the same compiles sooner, from a config.json's shapes on the meta device, while the
+backend is made; the block's threads then wait for those and find every kernel compiled.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -33,6 +37,10 @@ FEW_ROWS_TILES = (2, 32, 64)  # a row count for each of ``fp8_gemm.few_rows``' r
 log = logging.getLogger(__name__)
 
 
+_early_lock = threading.Lock()
+_early: threading.Thread | None = None  # begin_early's, once per process
+
+
 @contextlib.contextmanager
 def compiling_ahead(model: torch.nn.Module) -> Iterator[None]:
     """Compile ``model``'s kernels in threads while the block runs (nothing off CUDA)."""
@@ -40,22 +48,73 @@ def compiling_ahead(model: torch.nn.Module) -> Iterator[None]:
     if not fused.usable(param):
         yield
         return
-    triton_start.begin()  # once per process, before any compile
-    by_kernel = itertools.groupby(sorted(set(_calls(model)), key=str), key=lambda call: call[0])
-    groups = [list(calls) for _, calls in by_kernel]
-    pool = ThreadPoolExecutor(len(groups), thread_name_prefix="bootstrap-kernel-compile")
-    futures = [pool.submit(_launch_each, calls, param.dtype, param.device) for calls in groups]
+    with _early_lock:
+        early = _early
+    launched = _launched(model, param.dtype, param.device, after=early)
     try:
         yield
     finally:
+        launched()
+
+
+def begin_early(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype, quantize: str | None) -> bool:
+    """Compile, in a thread started now, the kernels of the model ``cfg`` (a config.json) describes
+    as ``build_own_model`` builds it (on the meta device: shapes only), once per process; True when
+    begun. A model of other shapes only compiles its own later (``compiling_ahead``)."""
+    global _early
+    if device.type != "cuda" or fused.triton is None:
+        return False
+    with _early_lock:
+        if _early is None:
+            _early = threading.Thread(
+                target=_compile_early, args=(cfg, device, dtype, quantize), name="bootstrap-kernel-compile-early"
+            )
+            _early.start()
+    return True
+
+
+def _compile_early(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype, quantize: str | None) -> None:
+    from bootstrap.engine.models import build_own_model
+
+    try:
+        model = build_own_model(cfg, torch.device("meta"), dtype, quantize=quantize)
+    except Exception as exc:  # the load refuses it, naming the cause; nothing to compile for it
+        log.info("no kernels compiled early: %s", exc)
+        return
+    _launched(model, dtype, device, after=None)()
+
+
+def _launched(
+    model: torch.nn.Module, dtype: torch.dtype, device: torch.device, after: threading.Thread | None
+) -> Callable[[], None]:
+    """Each group of ``model``'s launches started in a thread of its own (after ``after``, joined
+    first); the function that joins them."""
+    triton_start.begin()  # once per process, before any compile
+    calls = sorted(set(_calls(model)), key=lambda call: (str(_specialization(call)), str(call)))
+    by_kernel = itertools.groupby(calls, key=_specialization)
+    groups = [list(calls) for _, calls in by_kernel]
+    pool = ThreadPoolExecutor(len(groups), thread_name_prefix="bootstrap-kernel-compile")
+    futures = [pool.submit(_launch_each, calls, dtype, device, after) for calls in groups]
+
+    def joined() -> None:
         pool.shutdown(wait=True)
         failed = [f.exception() for f in futures if f.exception() is not None]
         if failed:
             log.info("compiling the kernels ahead failed (%s); the first forward compiles them", failed[0])
 
+    return joined
 
-def _launch_each(calls: list[tuple], dtype: torch.dtype, device: torch.device) -> None:
+
+def _specialization(call: tuple) -> tuple:
+    """What Triton compiles once: a kernel, and for the paged kernel its split count, for the FP8
+    few-rows kernel its row tile (a shape of ``gemv`` or a norm's width reuses one compile)."""
+    return (call[0], call[-1]) if call[0] in ("decode", "fp8_few") else (call[0],)
+
+
+def _launch_each(calls: list[tuple], dtype: torch.dtype, device: torch.device, after: threading.Thread | None) -> None:
     triton_start.wait()
+    if after is not None:
+        after.join()  # the early compile's kernels: found compiled, not compiled twice
     with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
         for call in calls:
             _launch(call, dtype, device)
