@@ -9,13 +9,15 @@ quantization asked. A source of another kind, or shapes the own code does not ru
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from bootstrap.backends.native.loading import DTYPES
 from bootstrap.capacity.config_json import parse_config
 from bootstrap.capacity.shape import ModelConfigError
 from bootstrap.config import BootstrapConfig
-from bootstrap.engine.models import own_model_problem
+from bootstrap.engine.models import build_own_model, own_model_problem
 from bootstrap.engine.models.compile_ahead import begin_early
 from bootstrap.engine.models.files import ModelSourceError, read_json
 from bootstrap.engine.sources import random_init
@@ -39,7 +41,8 @@ def begin_for(config: BootstrapConfig, torch_device: torch.device) -> bool:
         return False  # resolve_classes says what is wrong with it
     if own_model_problem(cfg) is not None:
         return False
-    return begin_early(cfg, torch_device, DTYPES[dtype], config.quantization)
+    meta = functools.partial(build_own_model, cfg, torch.device("meta"), DTYPES[dtype], quantize=config.quantization)
+    return begin_early(meta, torch_device, DTYPES[dtype])
 
 
 def cuda_default_dtype(checkpoint_dtype: str | None) -> str:

@@ -1,19 +1,16 @@
 """Triton's first compile of the own code's kernels, overlapped with the load.
 
 Where Triton's cache does not hold them yet, compiling a model's kernels takes seconds, paid by
-its first forward (profiling's). ``compiling_ahead(model)`` launches each kernel once on zero
-tensors of the model's own widths and dtype (so Triton specializes it as the real calls will)
-while the block runs (the weights being read): the norm, rotary and activation kernels
-(``kernels.fused``), the one-row linear kernel (``kernels.gemv``, per projection shape; for FP8
-weights ``kernels.fp8_gemm``'s, its few-rows kernel for each row tile and its activation quantizer
-for the widths it quantizes), the
-paged decode kernel (whole and split rows, with the merge) and the KV-write kernel
-(``kernels.paged_kv``, for ``BootstrapConfig``'s default block size). Each kernel function gets
-its own thread (each split count and FP8 row tile too), so compiles run side by side and none
-twice; Triton's own start (``triton_start``) comes first, once. Every thread is joined when the
-block ends; an error there only means the real call compiles the kernel itself. ``begin_early``
-starts the same compiles sooner, from a config.json's shapes on the meta device, while the
-backend is made; the block's threads then wait for those and find every kernel compiled.
+its first forward. ``compiling_ahead(model)`` launches each kernel once on zero tensors of the
+model's own widths and dtype (so Triton specializes it as the real calls will) while the block
+runs (the weights being read): the norm, rotary and activation kernels (``kernels.fused``), the
+one-row linear kernel (``kernels.gemv``; for FP8 weights ``kernels.fp8_gemm``'s one-row and
+few-rows kernels and its activation quantizer), the paged decode kernel whole and split (with
+the merge) and the KV-write kernel (``kernels.paged_kv``, at the default block size). Each
+kernel, split count and FP8 row tile gets a thread, so compiles run side by side and none twice;
+Triton's own start (``triton_start``) comes first. The threads are joined when the block ends; an
+error there only means the real call compiles the kernel. ``begin_early`` starts the same sooner,
+on a model built on the meta device (shapes only); the block's threads wait for those first.
 """
 
 from __future__ import annotations
@@ -24,7 +21,6 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import torch
 
@@ -57,27 +53,25 @@ def compiling_ahead(model: torch.nn.Module) -> Iterator[None]:
         launched()
 
 
-def begin_early(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype, quantize: str | None) -> bool:
-    """Compile, in a thread started now, the kernels of the model ``cfg`` (a config.json) describes
-    as ``build_own_model`` builds it (on the meta device: shapes only), once per process; True when
-    begun. A model of other shapes only compiles its own later (``compiling_ahead``)."""
+def begin_early(build: Callable[[], torch.nn.Module], device: torch.device, dtype: torch.dtype) -> bool:
+    """Compile, in a thread started now, the kernels of the model ``build`` makes (on the meta
+    device: shapes only) in ``dtype`` on ``device``, once per process; True when begun. A model of
+    other shapes only compiles its own later (``compiling_ahead``)."""
     global _early
     if device.type != "cuda" or fused.triton is None:
         return False
     with _early_lock:
         if _early is None:
             _early = threading.Thread(
-                target=_compile_early, args=(cfg, device, dtype, quantize), name="bootstrap-kernel-compile-early"
+                target=_compile_early, args=(build, device, dtype), name="bootstrap-kernel-compile-early"
             )
             _early.start()
     return True
 
 
-def _compile_early(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype, quantize: str | None) -> None:
-    from bootstrap.engine.models import build_own_model
-
+def _compile_early(build: Callable[[], torch.nn.Module], device: torch.device, dtype: torch.dtype) -> None:
     try:
-        model = build_own_model(cfg, torch.device("meta"), dtype, quantize=quantize)
+        model = build()
     except Exception as exc:  # the load refuses it, naming the cause; nothing to compile for it
         log.info("no kernels compiled early: %s", exc)
         return
