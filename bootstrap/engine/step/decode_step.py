@@ -151,7 +151,6 @@ class DecodeRunner(Protocol):
     max_blocks_per_seq: int
     vocab_size: int
     decode_buffers: DecodeBuffers
-    decode_kernel: str  # "triton" (the paged kernel) or "torch"
 
     def forward_decode(self, rows: int, width: int) -> torch.Tensor: ...
 

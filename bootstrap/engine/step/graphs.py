@@ -25,8 +25,6 @@ from dataclasses import dataclass
 import torch
 
 from bootstrap.devices import is_oom
-from bootstrap.engine.kernels import fp8_gemm, paged_kv
-from bootstrap.engine.layers.fp8 import is_fp8
 from bootstrap.engine.step.decode_step import DecodeRunner, DecodeStep
 
 MiB = 1024**2
@@ -71,11 +69,10 @@ class DecodeGraphs:
         """Capture every (batch size, width) bucket, largest first, all into one memory pool:
         the graphs never run at once, so a later capture reuses what an earlier one freed and the
         pool grows to about the largest graph's working memory. Each graph copies its logits into
-        one shared static buffer. The first bucket, and each bucket whose ``launch_variant`` no
-        earlier one had, run once eagerly before their capture (lazy initialisation: the cuBLAS
-        handle and workspace; Triton loads a kernel's variant, and the compiled norms their
-        size-one specialization, at the first launch, which must not fall inside a capture); the
-        others need no eager run, which shortens the capture. One side stream for every capture: torch keeps a
+        one shared static buffer. The first bucket, and the one-row bucket (the compiled norms
+        specialize a size of one), run once eagerly before their capture (lazy initialisation:
+        the cuBLAS handle and workspace, Triton's and the compiled norms' kernels); the others need
+        no eager run, which shortens the capture. One side stream for every capture: torch keeps a
         cuBLAS workspace (32 MiB on Hopper) per stream that ran a GEMM. The dummy inputs write
         block 0, so the KV pool must be empty. An out-of-memory error inside a capture is re-raised
         as itself, not as the capture-invalidated error CUDA reports next, so a caller can retry
@@ -92,14 +89,11 @@ class DecodeGraphs:
             _live.add(self)
         self._logits = torch.empty(sizes[-1], runner.vocab_size, dtype=_logits_dtype(runner), device=runner.device)
         runner.decode_buffers.fill(DecodeStep.dummy(sizes[-1]), sizes[-1], widths[-1])
-        fp8 = any(is_fp8(param) for param in runner.model.parameters())
-        seen = set()
         with torch.inference_mode():
             for rows in reversed(sizes):
                 for width in reversed(widths):
-                    variant = launch_variant(runner, rows, width, fp8)
-                    self._graphs[(rows, width)] = self._capture_one(rows, width, variant not in seen)
-                    seen.add(variant)
+                    warm_up = not self._graphs or rows == 1  # the first capture; one row: its own specialization
+                    self._graphs[(rows, width)] = self._capture_one(rows, width, warm_up)
         torch.cuda.synchronize(runner.device)
         self.batch_sizes, self.widths = tuple(sizes), tuple(widths)
         return GraphCapture(self.batch_sizes, self.widths, len(self._graphs), time.perf_counter() - start)
@@ -150,19 +144,6 @@ class DecodeGraphs:
         self.batch_sizes, self.widths = (), ()
         with _live_lock:
             _live.discard(self)
-
-
-def launch_variant(runner: DecodeRunner, rows: int, width: int, fp8: bool) -> tuple:
-    """What a decode step of ``rows`` x ``width`` picks by its shape among its kernels' variants:
-    one row's products (``gemv``, the compiled norms' size one), the paged kernel split in runs
-    with its merge kernel or not (``paged_kv.num_splits``: the device's size decides where), an
-    FP8 weight's few-rows tile (``fp8_gemm.few_rows``)."""
-    split = runner.decode_kernel == "triton" and (
-        paged_kv.num_splits(rows * runner.kv_cache.spec.num_kv_heads, width, paged_kv.programs_wanted(runner.device))
-        > 1
-    )
-    tile = fp8 and rows <= fp8_gemm.FEW_ROWS_MAX and max(16, 1 << (rows - 1).bit_length())
-    return rows == 1, split, tile
 
 
 def release_workspaces() -> bool:
