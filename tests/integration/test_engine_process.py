@@ -21,11 +21,11 @@ from helpers.tiny_models import CHAT_TEMPLATE, save_checkpoint
 LONG = {"prompt": "w5 w37 w33 w9 w64 w42 w7", "max_tokens": 400, "temperature": 0, "stream": True}
 
 
-def start(tmp: Path, *flags: str) -> tuple[ServeProcess, int]:
+def start(tmp: Path, *flags: str, env: dict[str, str] | None = None) -> tuple[ServeProcess, int]:
     checkpoint = save_checkpoint("llama", tmp / "llama", CHAT_TEMPLATE)
     backend = plugin_module(tmp, step_delay_s=0.1)
     argv = ("--model", str(checkpoint), "--no-plan-cache", "--backend-factory", backend, *flags)
-    server = ServeProcess(tmp / "serve.log", *argv, pythonpath=(tmp,))
+    server = ServeProcess(tmp / "serve.log", *argv, pythonpath=(tmp,), env=env)
     server.wait_state("ready")
     [engine] = children(server.proc)
     LONG["model"] = str(checkpoint)
@@ -133,14 +133,28 @@ def test_a_server_whose_engine_never_answers_its_close_kills_it_and_exits_1(tmp_
     assert said in server.log() and "no thread left" in server.log()
 
 
-def test_the_engine_dies_with_a_killed_server(tmp_path):
-    server, engine = start(tmp_path)
+def test_the_engine_dies_with_a_killed_server_and_the_next_server_removes_its_folder(tmp_path):
+    """A SIGKILLed server cannot remove its socket folder; the next one to start removes it
+    (nobody listens on its sockets), and leaves alone a folder that holds more than sockets."""
+    temp = tmp_path / "t"
+    (temp / "bootstrap-engine-mine").mkdir(parents=True)
+    (temp / "bootstrap-engine-mine" / "notes.txt").write_text("not a socket")
+    server, engine = start(tmp_path, env={"TMPDIR": str(temp)})
     try:
+        [left] = [p for p in temp.iterdir() if p.name != "bootstrap-engine-mine"]
         server.proc.kill()
         server.proc.wait(60)
         wait_for(lambda: gone(engine), "the engine outlived its server")
+        assert {"calls", "notes"} <= {p.name for p in left.iterdir()}  # nothing ran after the SIGKILL
     finally:
         server.stop()
+    again, _ = start(tmp_path, env={"TMPDIR": str(temp)})
+    try:
+        assert not left.exists()
+        [own] = [p for p in temp.iterdir() if p.name != "bootstrap-engine-mine"]  # its own, live: kept
+        assert own.name.startswith("bootstrap-engine-") and (temp / "bootstrap-engine-mine" / "notes.txt").is_file()
+    finally:
+        again.stop()
 
 
 def test_the_engine_stays_in_the_server_s_process_when_asked(tmp_path):

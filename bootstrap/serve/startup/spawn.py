@@ -6,6 +6,8 @@ run beside the server's own), and relays its stderr line by line to the server's
 last line for the log should the process die. The same thread waits for the exit and hands the
 status to ``on_exit`` on the event loop. ``stop`` waits for the exit (the ``aclose`` call
 ended it), kills a process that does not exit, and closes everything; no thread outlives it.
+A server killed outright leaves its folder behind; the next spawn removes such folders
+(``remove_stale_folders``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -27,7 +31,44 @@ if TYPE_CHECKING:  # the rest comes with ``listen``: the command starts this bef
     from bootstrap.engine.executor.channel.threads import Receiver
 
 MODULE = "bootstrap.api.engine_process"
+PREFIX = "bootstrap-engine-"  # each server's socket folder
+MAX_PARENT = 107 - len(f"/{PREFIX}12345678/") - len("999-commands")  # its sockets' paths fit in 107 bytes
 EXIT_WAIT_S = 30.0  # after the aclose call answered: the process's own exit (its threads, its device)
+
+
+def remove_stale_folders(parent: str) -> list[str]:
+    """Remove the socket folders of servers that are gone (one SIGKILLed has no chance to): a
+    ``PREFIX`` folder of this user that holds sockets only, its ``calls`` socket refusing a
+    connection (nobody listens). The folders removed."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(parent):
+            if entry.name.startswith(PREFIX) and _stale(entry):
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(entry.path)
+    return removed
+
+
+def _stale(entry: os.DirEntry) -> bool:
+    try:
+        if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != os.getuid():
+            return False
+        if not all(stat.S_ISSOCK(inner.stat(follow_symlinks=False).st_mode) for inner in os.scandir(entry.path)):
+            return False
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.connect(os.path.join(entry.path, "calls"))
+        return False  # a live server's
+    except ConnectionRefusedError:
+        return True
+    except OSError:  # no calls socket yet (a server binding it now), a path too long: left alone
+        return False
+
+
+def _parent() -> str:
+    """Where the folder goes: the temporary directory, or ``/tmp`` where that one's path is too
+    long for the sockets inside (a Unix socket's path has at most 107 bytes)."""
+    parent = tempfile.gettempdir()
+    return parent if len(parent) <= MAX_PARENT else "/tmp"
 
 
 def begins_triton(device: str, backend_factory: str | None) -> bool:
@@ -44,7 +85,7 @@ class EngineSpawn:
         """``triton``: the engine begins Triton's start (``engine.kernels.triton_start``) at once,
         before its imports (a native engine on CUDA), as a server with the engine inside does."""
         self.flags = (log_level, triton)  # what it was started with: a later start that wants others makes its own
-        self.dir = tempfile.mkdtemp(prefix="bootstrap-engine-")
+        self.dir = tempfile.mkdtemp(prefix=PREFIX, dir=_parent())
         self.context = zmq.Context()
         self._calls = self.context.socket(zmq.PUSH)
         self._calls.setsockopt(zmq.LINGER, 0)
@@ -65,6 +106,7 @@ class EngineSpawn:
         self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self._watch = threading.Thread(target=self._relay, name="bootstrap-engine-watch", daemon=True)
         self._watch.start()
+        remove_stale_folders(os.path.dirname(self.dir))
 
     @property
     def pid(self) -> int:
