@@ -71,11 +71,9 @@ def begin_early(build: Callable[[], torch.nn.Module], device: torch.device, dtyp
 
 def _compile_early(build: Callable[[], torch.nn.Module], device: torch.device, dtype: torch.dtype) -> None:
     try:
-        model = build()
-    except Exception as exc:  # the load refuses it, naming the cause; nothing to compile for it
+        _launched(build(), dtype, device, after=None)()
+    except Exception as exc:  # a model the load refuses (naming the cause): the load compiles what it runs
         log.info("no kernels compiled early: %s", exc)
-        return
-    _launched(model, dtype, device, after=None)()
 
 
 def _launched(
