@@ -241,7 +241,13 @@ class EngineProcess:
             for core in self._cores.values():
                 core.close()
             self._cores.clear()
-        served = self._serving() if call.method != "aclose" else None
+        served = None
+        if call.method != "aclose":
+            try:
+                served = self._serving()
+            except Exception as exc:  # no channel to the executor: the call fails, named (the server would wait)
+                log.error("%s: the executor's channel failed", call.method, exc_info=True)
+                failure = failure or failure_of(exc)
         self.send(c.Reply(call.call_id, self.snapshot(report=True), failure, served, ended_ns))
         if call.method == "aclose":  # the last reply: the loop over the server's messages ends
             self._send_frame.close()

@@ -21,7 +21,8 @@ class GatedBackend(NativeBackend):
     """``gate``: a FIFO; the backend method ``gated`` blocks until a writer opens it (``open_gate``).
     ``fail_once``: backend methods whose first call raises (``failure``: its message, ``{method}``
     the method's name). ``step_delay_s``: sleep before each
-    forward of the started executor, so requests stay in flight long enough to be cut."""
+    forward of the started executor, so requests stay in flight long enough to be cut.
+    ``stats_fail``: the started executor's ``engine_stats`` raises."""
 
     def __init__(
         self,
@@ -31,9 +32,10 @@ class GatedBackend(NativeBackend):
         fail_once: tuple[str, ...] = (),
         step_delay_s: float = 0.0,
         failure: str = "injected failure in {method} (test)",
+        stats_fail: bool = False,
     ) -> None:
         super().__init__(*device_for(config.device))
-        self.gate, self.gated, self.step_delay_s = gate, gated, step_delay_s
+        self.gate, self.gated, self.step_delay_s, self.stats_fail = gate, gated, step_delay_s, stats_fail
         self.failures_left, self.failure = set(fail_once), failure
 
     def _enter(self, method: str) -> None:
@@ -58,6 +60,12 @@ class GatedBackend(NativeBackend):
 
     def start_executor(self, *args: Any) -> Any:
         executor = super().start_executor(*args)
+        if self.stats_fail:  # what the engine's process reads of a started executor for its channel
+
+            def stats() -> Any:
+                raise RuntimeError("injected failure in engine_stats (test)")
+
+            executor.engine_stats = stats
         if self.step_delay_s:
             run = executor.runner.run
 

@@ -157,6 +157,22 @@ def test_the_engine_dies_with_a_killed_server_and_the_next_server_removes_its_fo
         again.stop()
 
 
+def test_an_executor_the_engine_cannot_serve_fails_the_start_naming_why(tmp_path):
+    """Every stage done, but the engine's process cannot make the channel to the executor (its
+    ``engine_stats`` raises): the start fails with the cause, instead of ``bootstrapping`` for
+    ever, and the server still exits 0 on SIGTERM."""
+    checkpoint = save_checkpoint("llama", tmp_path / "llama", CHAT_TEMPLATE)
+    backend = plugin_module(tmp_path, stats_fail=True)
+    argv = ("--model", str(checkpoint), "--no-plan-cache", "--backend-factory", backend)
+    server = ServeProcess(tmp_path / "serve.log", *argv, pythonpath=(tmp_path,))
+    try:
+        body = server.wait_state("failed", "ready", timeout=120)
+        assert body["state"] == "failed" and "injected failure in engine_stats" in body["error"], body
+        assert server.signal(signal.SIGTERM) == 0
+    finally:
+        server.stop()
+
+
 def test_the_engine_stays_in_the_server_s_process_when_asked(tmp_path):
     checkpoint = save_checkpoint("llama", tmp_path / "llama", CHAT_TEMPLATE)
     server = ServeProcess(tmp_path / "serve.log", "--model", str(checkpoint), "--no-plan-cache", "--engine-in-process")
