@@ -287,7 +287,7 @@ class EngineProcess:
         from bootstrap.engine.executor.channel.engine_side import EngineCore
 
         core_id = next(self._core_ids)
-        addresses = (f"ipc://{self._bind_dir}/{core_id}-commands", f"ipc://{self._bind_dir}/{core_id}-rounds")
+        addresses = (f"ipc://{self._bind_dir}/cmd{core_id}", f"ipc://{self._bind_dir}/out{core_id}")  # short: 107 bytes
         tokenizer = pickle.dumps(executor.tokenizer) if executor.tokenizer is not None else None
         served = c.Served(core_id, addresses, executor.runner.vocab_size, executor.engine_stats(), tokenizer)
         core = EngineCore(executor, self._context, *addresses)

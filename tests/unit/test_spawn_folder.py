@@ -12,7 +12,7 @@ def test_a_temporary_directory_too_long_for_the_sockets_gives_tmp(monkeypatch, t
     fits = tmp_path.parent / ("d" * (spawn.MAX_PARENT - len(str(tmp_path.parent)) - 1))
     monkeypatch.setattr(tempfile, "tempdir", str(fits))
     assert spawn._parent() == str(fits)
-    socket_path = f"{fits}/{spawn.PREFIX}12345678/999-commands"
+    socket_path = f"{fits}/{spawn.PREFIX}12345678/cmd9999"  # the longest name inside (engine_process)
     assert len(socket_path) <= 107
     monkeypatch.setattr(tempfile, "tempdir", str(fits) + "dd")
     assert spawn._parent() == "/tmp"

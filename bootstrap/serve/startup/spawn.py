@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # the rest comes with ``listen``: the command starts this bef
 
 MODULE = "bootstrap.api.engine_process"
 PREFIX = "bootstrap-engine-"  # each server's socket folder
-MAX_PARENT = 107 - len(f"/{PREFIX}12345678/") - len("999-commands")  # its sockets' paths fit in 107 bytes
+MAX_PARENT = 107 - len(f"/{PREFIX}12345678/") - len("cmd9999")  # its sockets' paths fit in 107 bytes
 EXIT_WAIT_S = 30.0  # after the aclose call answered: the process's own exit (its threads, its device)
 
 
