@@ -36,17 +36,14 @@ MAX_PARENT = 107 - len(f"/{PREFIX}12345678/") - len("cmd9999")  # its sockets' p
 EXIT_WAIT_S = 30.0  # after the aclose call answered: the process's own exit (its threads, its device)
 
 
-def remove_stale_folders(parent: str) -> list[str]:
+def remove_stale_folders(parent: str) -> None:
     """Remove the socket folders of servers that are gone (one SIGKILLed has no chance to): a
     ``PREFIX`` folder of this user that holds sockets only, its ``calls`` socket refusing a
-    connection (nobody listens). The folders removed."""
-    removed = []
+    connection (nobody listens)."""
     with contextlib.suppress(OSError):
         for entry in os.scandir(parent):
             if entry.name.startswith(PREFIX) and _stale(entry):
                 shutil.rmtree(entry.path, ignore_errors=True)
-                removed.append(entry.path)
-    return removed
 
 
 def _stale(entry: os.DirEntry) -> bool:
