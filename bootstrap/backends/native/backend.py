@@ -87,7 +87,8 @@ class NativeBackend(Resolving, Loading, LiveWeights):
         cls, config: BootstrapConfig, cache_dir: Path | None = None, collective: Collective | None = None
     ) -> NativeBackend:
         """At ``tensor_parallel_size`` > 1 this process is one rank (``bootstrap.pipeline.collective``):
-        ``collective`` given, or joined here from the launcher's ``RANK`` / ``WORLD_SIZE``."""
+        ``collective`` given, or joined here from the launcher's ``RANK`` / ``WORLD_SIZE``. On one
+        CUDA device, the target's kernels begin compiling now (``early_compile``)."""
         if config.tensor_parallel_size == 1:
             device, torch_device = device_for(config.device)
             early_compile.begin_for(config, torch_device)  # the kernels' first compile, before any stage
