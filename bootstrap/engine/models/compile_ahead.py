@@ -84,9 +84,9 @@ def _launched(
     triton_start.begin()  # once per process, before any compile
     calls = sorted(set(_calls(model)), key=lambda call: (str(_specialization(call)), str(call)))
     by_kernel = itertools.groupby(calls, key=_specialization)
-    groups = [list(calls) for _, calls in by_kernel]
+    groups = [list(group) for _, group in by_kernel]
     pool = ThreadPoolExecutor(len(groups), thread_name_prefix="bootstrap-kernel-compile")
-    futures = [pool.submit(_launch_each, calls, dtype, device, after) for calls in groups]
+    futures = [pool.submit(_launch_each, group, dtype, device, after) for group in groups]
 
     def joined() -> None:
         pool.shutdown(wait=True)
